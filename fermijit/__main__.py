@@ -1,0 +1,3 @@
+from fermijit.cli import main
+
+main()

@@ -1,0 +1,67 @@
+"""`python -m fermijit ...`: one click group, one subcommand per verb. Commands validate, call one
+engine function and print; heavy imports (numba, pycuda, the model) happen inside commands so that
+`--help` is instant. Library code raises FermijitError; `main` turns it into a one-line error."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from fermijit import FermijitError
+
+ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
+              help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
+                   "ssse3 also compiles for a Westmere target.")
+def cli(isa: str | None) -> None:
+    """fermijit: Qwen3.6-35B-A3B in 4 bits on a Westmere CPU and a Fermi GPU."""
+    from fermijit.jit import cpu
+
+    cpu.select_isa(isa)
+
+
+@cli.command()
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def info(threads: int | None) -> None:
+    """CPU, SIMD features, kernel variants, threading, GPU and ptxas availability."""
+    from fermijit import machine
+
+    for key, value in machine.describe(threads):
+        click.echo(f"{key + ':':<22} {value}")
+
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks: print a table, and JSON with --json."""
+
+
+@bench.command("kernels")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads for the all-threads columns (default: all cores).")
+@click.option("--gib", type=click.FloatRange(min=0.0625), default=1.0, show_default=True,
+              help="Size of each cold weight set and of the bandwidth probe, in GiB.")
+def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
+    """Read bandwidth, each GEMV variant's weight GB/s on cold weights, CPU-prefill GEMM GFLOP/s."""
+    from fermijit import bench_cpu
+
+    bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(1)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except FermijitError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(2)

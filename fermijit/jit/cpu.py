@@ -1,0 +1,172 @@
+"""CPU feature detection, the choice of SIMD variant, and Numba kernels cached by source.
+
+The variant is chosen once, in Python, before anything compiles: compiling an AVX2 intrinsic for a
+Westmere target aborts the whole process (notes/cpu-kernels.md, pitfall 5), and Numba's code
+generation target is fixed by its first compile (pitfall 2). `select_isa` is that one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+from pathlib import Path
+
+import llvmlite.binding as llvm
+import numba
+from numba.core import config as numba_config
+from numba.core import registry
+from numba.core.caching import FunctionCache
+
+from fermijit import FermijitError
+
+
+class Isa(enum.Enum):
+    """A kernel variant, named by what it requires; `features` are LLVM's names."""
+
+    SSSE3 = ("ssse3", ("ssse3",))
+    AVX2 = ("avx2", ("avx2", "fma", "f16c"))
+    AVX512VNNI = ("avx512vnni", ("avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c"))
+
+    def __init__(self, label: str, features: tuple[str, ...]):
+        self.label = label
+        self.features = features
+
+
+# Best first: the default is the first variant whose features the CPU has all of.
+PREFERENCE = (Isa.AVX512VNNI, Isa.AVX2, Isa.SSSE3)
+WESTMERE = "westmere"
+
+# Listed by `info`; the rest of the host's feature flags are noise for this project.
+SHOWN_FEATURES = ("sse2", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "f16c", "fma", "avx2",
+                  "avx512f", "avx512bw", "avx512vl", "avx512vnni")
+
+_selected: Isa | None = None
+
+
+def host_features() -> frozenset[str]:
+    """The LLVM feature names this CPU has (numba's own view of the host)."""
+    return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
+
+
+def target_features() -> frozenset[str]:
+    """The features Numba will generate code for: the host's, unless forced (NUMBA_CPU_*)."""
+    if numba_config.CPU_FEATURES is None:
+        return host_features()
+    return frozenset(f[1:] for f in numba_config.CPU_FEATURES.split(",") if f.startswith("+"))
+
+
+def target_cpu_name() -> str:
+    return numba_config.CPU_NAME or llvm.get_host_cpu_name()
+
+
+def supported(isa: Isa) -> bool:
+    """True when code for `isa` can both be compiled for Numba's target and run on this CPU."""
+    have = host_features() & target_features()
+    return all(f in have for f in isa.features)
+
+
+def _has_compiled() -> bool:
+    return "_toplevel_target_context" in registry.cpu_target.__dict__
+
+
+def select_isa(label: str | None = None) -> Isa:
+    """Fix the process's kernel variant. `label` None picks the best the CPU has.
+
+    `ssse3` also switches Numba to a Westmere target with no extra features, so the decode path
+    is the one a Westmere Xeon runs (both variables are needed: pitfall 2).
+    """
+    global _selected
+    if label is None:
+        isa = next(i for i in PREFERENCE if supported(i))
+    else:
+        by_label = {i.label: i for i in Isa}
+        if label not in by_label:
+            raise FermijitError(f"unknown ISA {label!r}; choose one of {', '.join(by_label)}")
+        isa = by_label[label]
+        if isa is Isa.SSSE3 and target_cpu_name() != WESTMERE:
+            if _has_compiled():
+                raise FermijitError("--isa ssse3 must be chosen before any kernel is compiled")
+            numba_config.CPU_NAME = WESTMERE
+            numba_config.CPU_FEATURES = ""
+        if not supported(isa):
+            raise FermijitError(
+                f"this CPU (or the Numba target {target_cpu_name()}) lacks {isa.label}: needs "
+                f"{', '.join(isa.features)}")
+    _selected = isa
+    return isa
+
+
+def selected_isa() -> Isa:
+    """The process's variant; the best available unless `select_isa` said otherwise."""
+    return _selected or select_isa()
+
+
+def variants_up_to(isa: Isa) -> list[Isa]:
+    """`isa` and every narrower variant, best first (what a kernel may fall back to)."""
+    return list(PREFERENCE[PREFERENCE.index(isa):])
+
+
+def configure_threads(n_threads: int | None) -> int:
+    """Prefer the omp layer (4x lower call overhead than workqueue: notes, section 5)."""
+    numba_config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    if n_threads is not None:
+        if not 1 <= n_threads <= numba_config.NUMBA_NUM_THREADS:
+            raise FermijitError(
+                f"--threads must be between 1 and {numba_config.NUMBA_NUM_THREADS}")
+        numba.set_num_threads(n_threads)
+    return numba.get_num_threads()
+
+
+# --- kernels cached by source -------------------------------------------------------------------
+
+_JIT_DIR = Path(__file__).resolve().parent
+# Reassociation lets LLVM vectorise reductions; no `nnan`/`ninf`/`afn`, so NaN poisoning still
+# shows and exp/log keep full accuracy.
+FASTMATH = {"reassoc", "contract", "nsz"}
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class _SourceKeyedCache(FunctionCache):
+    """Numba's cache notices edits to the kernel's own file only, not to the intrinsics or
+    helpers it calls in other modules (notes, pitfall 6). Adding a digest of the kernel's folder
+    and of fermijit/jit to the index key makes any such edit a cache miss."""
+
+    def __init__(self, py_func, extra_key: tuple):
+        super().__init__(py_func)
+        self._extra_key = extra_key
+
+    def _index_key(self, sig, codegen):
+        return super()._index_key(sig, codegen) + self._extra_key
+
+
+def kernel(fn=None, *, parallel: bool = False, variant: str = "", **bindings):
+    """`numba.njit` with a source-keyed disk cache.
+
+    `bindings` replace globals of `fn`: this is how one kernel body becomes a variant per ISA
+    (e.g. `row_dot=make_row_dot(Isa.AVX2)`) without closures, which Numba cannot cache. `variant`
+    names the binding in the cache key.
+    """
+    def wrap(fn):
+        if bindings:
+            fn_globals = dict(fn.__globals__, **bindings)
+            body = type(fn)(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+            body.__qualname__, body.__module__ = fn.__qualname__, fn.__module__
+        else:
+            body = fn
+        dispatcher = numba.njit(parallel=parallel, fastmath=FASTMATH, error_model="numpy",
+                                nogil=True)(body)
+        folder = Path(fn.__code__.co_filename).resolve().parent
+        extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant)
+        dispatcher._cache = _SourceKeyedCache(body, extra)
+        return dispatcher
+
+    return wrap(fn) if fn is not None else wrap
