@@ -148,7 +148,8 @@ class _SourceKeyedCache(FunctionCache):
         return super()._index_key(sig, codegen) + self._extra_key
 
 
-def kernel(fn=None, *, parallel: bool = False, variant: str = "", **bindings):
+def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str = "",
+           **bindings):
     """`numba.njit` with a source-keyed disk cache.
 
     `bindings` replace globals of `fn`: this is how one kernel body becomes a variant per ISA
@@ -162,7 +163,7 @@ def kernel(fn=None, *, parallel: bool = False, variant: str = "", **bindings):
             body.__qualname__, body.__module__ = fn.__qualname__, fn.__module__
         else:
             body = fn
-        dispatcher = numba.njit(parallel=parallel, fastmath=FASTMATH, error_model="numpy",
+        dispatcher = numba.njit(parallel=parallel, fastmath=fastmath, error_model="numpy",
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant)
