@@ -1,0 +1,251 @@
+"""safetensors, read by memory map and written in place, without the `safetensors` package.
+
+A file is: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape,
+data_offsets: [begin, end]}, "__metadata__": {str: str}}, then the data, offsets relative to its
+start. Reading maps the data region once and hands out views: a 67 GB checkpoint never becomes
+Python objects. BF16 has no numpy dtype: it is held as its uint16 bit pattern and widened to fp32
+by a 16-bit shift (bf16 is the top half of an fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MAX_HEADER_NBYTES = 100 * 1024 * 1024  # the safetensors package's own limit
+DATA_ALIGN = 64  # we pad our headers so data, and each 16-byte-multiple tensor, is aligned
+
+# safetensors dtype -> numpy storage dtype (BF16 as its bit pattern).
+STORAGE = {"BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"),
+           "F64": np.dtype("<f8"), "I8": np.dtype("i1"), "U8": np.dtype("u1"),
+           "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
+           "BOOL": np.dtype("?")}
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+_NUMPY_TO_ST = {np.dtype("<f2"): "F16", np.dtype("<f4"): "F32", np.dtype("<f8"): "F64",
+                np.dtype("i1"): "I8", np.dtype("u1"): "U8", np.dtype("<i2"): "I16",
+                np.dtype("<i4"): "I32", np.dtype("<i8"): "I64", np.dtype("?"): "BOOL"}
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bit patterns -> fp32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> uint16 bf16 bit patterns, rounded to nearest even (as torch); NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+class TensorInfo:
+    __slots__ = ("name", "dtype", "shape", "begin", "end")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int):
+        self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
+
+
+class SafetensorsFile:
+    """One .safetensors file, header parsed and checked; tensors are read-only memmap views."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            file_nbytes = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    self._bad("shorter than the 8-byte header length")
+                (header_nbytes,) = struct.unpack("<Q", head)
+                if header_nbytes > MAX_HEADER_NBYTES or 8 + header_nbytes > file_nbytes:
+                    self._bad(f"header length {header_nbytes} does not fit the file "
+                              f"({file_nbytes} bytes)")
+                header_bytes = f.read(header_nbytes)
+        except OSError as e:
+            raise FermijitError(f"cannot read {self.path}: {e.strerror}") from None
+        try:
+            header = json.loads(header_bytes.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            self._bad("header is not valid JSON")
+        if not isinstance(header, dict):
+            self._bad("header is not a JSON object")
+        self.data_start = 8 + header_nbytes
+        self.data_nbytes = file_nbytes - self.data_start
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.tensors = {name: self._info(name, entry) for name, entry in header.items()}
+        self._data = None
+
+    def _bad(self, why: str):
+        raise FermijitError(f"{self.path}: corrupt safetensors file: {why}")
+
+    def _info(self, name: str, entry) -> TensorInfo:
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            ok = (dtype in STORAGE and all(isinstance(n, int) and n >= 0 for n in shape)
+                  and isinstance(begin, int) and isinstance(end, int))
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            self._bad(f"bad header entry for {name!r}: {json.dumps(entry)}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * STORAGE[dtype].itemsize
+        if end - begin != nbytes or begin < 0:
+            self._bad(f"{name}: data_offsets {[begin, end]} do not hold {dtype} {list(shape)}")
+        if end > self.data_nbytes:
+            self._bad(f"{name} ends at byte {end} of {self.data_nbytes} (truncated?)")
+        return TensorInfo(name, dtype, shape, begin, end)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
+        info = self.tensors[name]
+        if self._data is None:
+            self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start,
+                                   shape=(self.data_nbytes,)) if self.data_nbytes else \
+                np.zeros(0, np.uint8)
+        return self._data[info.begin:info.end].view(STORAGE[info.dtype]).reshape(info.shape)
+
+
+class Checkpoint:
+    """The tensors of a directory: `model.safetensors`, or the shards an index file names."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise FermijitError(f"no such model directory: {self.directory}")
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                shard_names = sorted(set(weight_map.values()))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                    AttributeError):
+                raise FermijitError(f"{index}: not a safetensors index (no weight_map)") from None
+        elif (self.directory / SINGLE_NAME).is_file():
+            weight_map, shard_names = None, [SINGLE_NAME]
+        else:
+            raise FermijitError(f"{self.directory}: no {SINGLE_NAME} or {INDEX_NAME}")
+        self.files = []
+        self._where: dict[str, SafetensorsFile] = {}
+        for shard in shard_names:
+            if not (self.directory / shard).is_file():
+                raise FermijitError(f"{self.directory / shard}: shard named in the index is missing")
+            f = SafetensorsFile(self.directory / shard)
+            self.files.append(f)
+            for name in f.tensors:
+                if name in self._where:
+                    raise FermijitError(f"{f.path}: tensor {name} is also in "
+                                        f"{self._where[name].path}")
+                self._where[name] = f
+        for name, shard in (weight_map or {}).items():
+            if self._where.get(name) is None or self._where[name].path.name != shard:
+                raise FermijitError(f"{index}: {name} is not in {shard}")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def info(self, name: str) -> TensorInfo:
+        return self._where[name].tensors[name]
+
+    def path_of(self, name: str) -> Path:
+        return self._where[name].path
+
+    def raw(self, name: str) -> np.ndarray:
+        return self._where[name].raw(name)
+
+    def float32(self, name: str, index=()) -> np.ndarray:
+        """`tensor[index]` as a new fp32 array (BF16/F16/F32 sources only)."""
+        info = self.info(name)
+        if info.dtype not in FLOAT_DTYPES:
+            raise FermijitError(f"{name}: dtype {info.dtype} is not one of {FLOAT_DTYPES}")
+        part = self.raw(name)[index]
+        if info.dtype == "BF16":
+            return bf16_to_f32(part)
+        return part.astype(np.float32)
+
+
+class SafetensorsWriter:
+    """Writes a file whose tensors are all declared up front; each is filled by one or more
+    `write` calls, at any position and in any order, so a converter streams tensor pieces
+    through bounded memory. `close` checks that every byte was written exactly once.
+    """
+
+    def __init__(self, path: str | Path, specs: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self._infos: dict[str, TensorInfo] = {}
+        offset = 0
+        for name, dtype, shape in specs:
+            if dtype not in STORAGE or name in self._infos or name == "__metadata__":
+                raise FermijitError(f"{self.path}: bad tensor spec {name!r} {dtype}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * STORAGE[dtype].itemsize
+            self._infos[name] = TensorInfo(name, dtype, tuple(shape), offset, offset + nbytes)
+            header[name] = {"dtype": dtype, "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-(8 + len(text)) % DATA_ALIGN)  # the spec allows trailing spaces
+        self._data_start = 8 + len(text)
+        self._written: dict[str, list[tuple[int, int]]] = {name: [] for name in self._infos}
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, struct.pack("<Q", len(text)) + text, 0)
+        os.ftruncate(self._fd, self._data_start + offset)
+
+    def write(self, name: str, array: np.ndarray, start: int = 0) -> None:
+        """Store `array` as elements [start, start + array.size) of tensor `name` (row-major).
+        BF16 tensors take uint16 bit patterns; others take their own numpy dtype.
+        """
+        info = self._infos[name]
+        if np.dtype(array.dtype) != STORAGE[info.dtype]:
+            raise FermijitError(f"{self.path}: {name} is {info.dtype}, got a {array.dtype} array")
+        item = STORAGE[info.dtype].itemsize
+        begin = info.begin + start * item
+        end = begin + array.size * item
+        if start < 0 or end > info.end:
+            raise FermijitError(f"{self.path}: write past the end of {name}")
+        os.pwrite(self._fd, np.ascontiguousarray(array).tobytes(), self._data_start + begin)
+        self._written[name].append((begin, end))
+
+    def close(self) -> None:
+        os.close(self._fd)
+        for name, spans in self._written.items():
+            info, at = self._infos[name], self._infos[name].begin
+            for begin, end in sorted(spans):
+                if begin != at:
+                    break
+                at = end
+            if at != info.end or sum(e - b for b, e in spans) != info.end - info.begin:
+                raise FermijitError(f"{self.path}: tensor {name} was not written exactly once")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            os.close(self._fd)
+
+
+def save_file(path: str | Path, tensors: dict[str, np.ndarray],
+              metadata: dict[str, str] | None = None, bf16: frozenset[str] = frozenset()) -> None:
+    """Write whole arrays; names in `bf16` are fp32 arrays stored as BF16 (rounded)."""
+    specs = []
+    for name, a in tensors.items():
+        dtype = "BF16" if name in bf16 else _NUMPY_TO_ST.get(np.dtype(a.dtype).newbyteorder("<"))
+        if dtype is None:
+            raise FermijitError(f"{path}: {name} has unsupported dtype {a.dtype}")
+        specs.append((name, dtype, a.shape))
+    with SafetensorsWriter(path, specs, metadata) as w:
+        for name, a in tensors.items():
+            w.write(name, f32_to_bf16(a) if name in bf16 else a)
