@@ -1,0 +1,190 @@
+"""The SIMD vocabulary kernels are written in: small LLVM IR emitters, one per idiom, each taking a
+`Vec` that says how wide the registers are and which x86 instructions exist (ggml builds every dot
+product from `mul_sum_i8_pairs`, `hsum_float_8`, `bytes_from_nibbles_32` the same way).
+
+A kernel body calls these from a Numba `@intrinsic` codegen; the body is written once and
+instantiated per ISA by passing another `Vec` (STYLE.md, CPU ISA variants). Facts behind the
+choices are in notes/cpu-kernels.md: unaligned loads only (Q4_0 data is never 16-byte aligned for
+a whole block stream), fp16 scales converted with integer ops on Westmere (pitfall 4), intrinsic
+names as LLVM 22 spells them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from fermijit.jit.cpu import Isa
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+LANE_BYTES = 16  # one SSE register; wider registers are 2 or 4 such lanes
+
+
+def vec(elem: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(elem, n)
+
+
+@dataclass(frozen=True)
+class Vec:
+    """One ISA's registers: `nbytes` wide, and the instructions the vocabulary may emit."""
+
+    isa: Isa
+    nbytes: int
+    pmaddubsw: str       # u8 x s8 -> adjacent pairs summed to i16
+    pmaddwd: str         # i16 x i16 -> adjacent pairs summed to i32
+    phaddd: str | None   # per-128-bit-lane horizontal add of i32 pairs (None: emulate)
+    dpbusd: str | None   # VNNI: u8 x s8 -> groups of 4 summed into i32, accumulating
+    has_f16c: bool       # vcvtph2ps for fp16 scales
+
+    @property
+    def lanes(self) -> int:
+        return self.nbytes // LANE_BYTES
+
+
+SSE = Vec(Isa.SSSE3, 16, "llvm.x86.ssse3.pmadd.ub.sw.128", "llvm.x86.sse2.pmadd.wd",
+          "llvm.x86.ssse3.phadd.d.128", None, False)
+AVX2 = Vec(Isa.AVX2, 32, "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd",
+           "llvm.x86.avx2.phadd.d", None, True)
+AVX512VNNI = Vec(Isa.AVX512VNNI, 64, "llvm.x86.avx512.pmaddubs.w.512",
+                 "llvm.x86.avx512.pmaddw.d.512", None, "llvm.x86.avx512.vpdpbusd.512", True)
+VEC_OF = {v.isa: v for v in (SSE, AVX2, AVX512VNNI)}
+
+
+def _call(builder, name: str, ret: ir.Type, args: list):
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+def byte_ptr(builder, ptr, offset):
+    """`ptr` (any pointer) advanced by `offset` bytes (an i64 value or int), as i8*."""
+    base = builder.bitcast(ptr, I8.as_pointer())
+    off = offset if isinstance(offset, ir.Value) else ir.Constant(I64, offset)
+    return builder.gep(base, [off])
+
+
+def load(builder, ptr, offset, vty: ir.VectorType):
+    """Unaligned vector load (movdqu): a non-VEX movdqa on a Q4_0 stream faults (pitfall 3)."""
+    return builder.load(builder.bitcast(byte_ptr(builder, ptr, offset), vty.as_pointer()), align=1)
+
+
+def load_scalar(builder, ptr, offset, ty: ir.Type):
+    return builder.load(builder.bitcast(byte_ptr(builder, ptr, offset), ty.as_pointer()), align=1)
+
+
+def prefetch(builder, ptr, offset):
+    """Software prefetch for reading into all cache levels; essential for cold weights (notes §5)."""
+    p = byte_ptr(builder, ptr, offset)
+    _call(builder, "llvm.prefetch.p0", ir.VoidType(),
+          [p, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+# --- integer idioms -----------------------------------------------------------------------------
+
+def splat(builder, value, n: int):
+    v = builder.insert_element(ir.Constant(vec(value.type, n), ir.Undefined), value,
+                               ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(vec(I32, n), [0] * n))
+
+
+def nibbles(builder, q):
+    """Bytes of Q4_0 data -> (low nibbles, high nibbles) as unsigned bytes."""
+    n = q.type.count
+    lo = builder.and_(q, ir.Constant(vec(I8, n), [0x0F] * n))
+    hi = builder.lshr(q, ir.Constant(vec(I8, n), [4] * n))
+    return lo, hi
+
+
+def dot_u8s8(v: Vec, builder, pairs):
+    """Sum over `pairs` of u8·s8 products, in groups of 4 adjacent bytes -> i32 [nbytes/4].
+
+    Without VNNI the pmaddubsw results are added as i16 before one pmaddwd; that is exact only
+    while each sum of pairs stays within i16, which holds for 4-bit weights (2·2·15·128 = 7680),
+    not for 8-bit ones (use one call per pair there).
+    """
+    n = v.nbytes
+    if v.dpbusd:
+        acc = ir.Constant(vec(I32, n // 4), None)
+        for u, s in pairs:
+            acc = _call(builder, v.dpbusd, acc.type,
+                        [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
+        return acc
+    s16 = None
+    for u, s in pairs:
+        p = _call(builder, v.pmaddubsw, vec(I16, n // 2), [u, s])
+        s16 = p if s16 is None else builder.add(s16, p)
+    ones = ir.Constant(vec(I16, n // 2), [1] * (n // 2))
+    return _call(builder, v.pmaddwd, vec(I32, n // 4), [s16, ones])
+
+
+def hadd_lanes(v: Vec, builder, a, b):
+    """phaddd per 128-bit lane: lane L of the result is [a0+a1, a2+a3, b0+b1, b2+b3] of lane L."""
+    if v.phaddd:
+        return _call(builder, v.phaddd, a.type, [a, b])
+    n = a.type.count
+    even, odd = [], []
+    for lane in range(n // 4):
+        base = lane * 4
+        even += [base, base + 2, n + base, n + base + 2]
+        odd += [base + 1, base + 3, n + base + 1, n + base + 3]
+    e = builder.shuffle_vector(a, b, ir.Constant(vec(I32, n), even))
+    o = builder.shuffle_vector(a, b, ir.Constant(vec(I32, n), odd))
+    return builder.add(e, o)
+
+
+def block_sums(v: Vec, builder, parts):
+    """Four i32 vectors of 4 partial sums per block (one block per 128-bit lane) -> one vector of
+    the 4·lanes block sums in block order (vector j holds blocks j·lanes .. j·lanes+lanes-1)."""
+    a, b, c, d = parts
+    r = hadd_lanes(v, builder, hadd_lanes(v, builder, a, b), hadd_lanes(v, builder, c, d))
+    if v.lanes == 1:
+        return r
+    # Lane L now holds blocks L, lanes+L, 2·lanes+L, 3·lanes+L: block b sits at 4·(b%lanes)+b//lanes.
+    n = 4 * v.lanes
+    order = [4 * (blk % v.lanes) + blk // v.lanes for blk in range(n)]
+    return builder.shuffle_vector(r, r, ir.Constant(vec(I32, n), order))
+
+
+# --- float idioms -------------------------------------------------------------------------------
+
+def fp16_to_f32(v: Vec, builder, h):
+    """Vector of fp16 bit patterns (i16) -> f32. With F16C this is vcvtph2ps; Westmere has no
+    F16C and LLVM's libcall for `fpext half` is unresolvable in-process (a segfault, pitfall 4),
+    so: bits (h & 0x7fff) << 13 reinterpreted as f32, times 2^112, sign or-ed back. Exact for
+    normal and subnormal scales (scales are never inf or NaN)."""
+    n = h.type.count
+    if v.has_f16c:
+        return builder.fpext(builder.bitcast(h, vec(ir.HalfType(), n)), vec(F32, n))
+    w = builder.zext(h, vec(I32, n))
+    mag = builder.shl(builder.and_(w, ir.Constant(vec(I32, n), [0x7FFF] * n)),
+                      ir.Constant(vec(I32, n), [13] * n))
+    f = builder.fmul(builder.bitcast(mag, vec(F32, n)),
+                     ir.Constant(vec(F32, n), [2.0 ** 112] * n))
+    sign = builder.shl(builder.and_(w, ir.Constant(vec(I32, n), [0x8000] * n)),
+                       ir.Constant(vec(I32, n), [16] * n))
+    return builder.bitcast(builder.or_(builder.bitcast(f, vec(I32, n)), sign), vec(F32, n))
+
+
+def hsum_f32(builder, x):
+    """Horizontal sum of a float vector by halving shuffles."""
+    n = x.type.count
+    while n > 1:
+        half = n // 2
+        hi = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half, n))))
+        lo = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half))))
+        x, n = builder.fadd(lo, hi), half
+    return builder.extract_element(x, ir.Constant(I32, 0))
+
+
+def hsum_i32(builder, x):
+    n = x.type.count
+    while n > 1:
+        half = n // 2
+        hi = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half, n))))
+        lo = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half))))
+        x, n = builder.add(lo, hi), half
+    return builder.extract_element(x, ir.Constant(I32, 0))

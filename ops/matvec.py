@@ -1,0 +1,320 @@
+"""W4A8 products: Q4_0 weights times activations quantised to int8 per 32-block.
+
+    y[t, r] = sum_b  dW[r, b] · dx[t, b] · sum_j (q[r, b, j] - 8) · xq[t, b, j]
+
+Letters: T tokens, R output rows, K inputs, nb = K/32 blocks. Weights are ops.quant's Q4_0
+structure-of-arrays (`qs` uint8 [R, K/2], `d` float16 [R, nb]). Activations are quantised per
+token and block with an fp32 scale dx (DESIGN.md, Numerics); `quantize_act` lays them out for the
+kernel (`Q8Act`).
+
+One tile body, emitted in LLVM IR from fermijit.jit.simd, serves every ISA and both shapes: the
+decode GEMV (a tile of 4 rows x 1 token: the 4 weight streams are prefetched, the activation
+vectors loaded once per step and shared) and the CPU-prefill GEMM (a tile of rows x tokens: each
+weight vector is loaded and split into nibbles once and multiplied by several tokens, so weights
+come from memory once per tile of tokens rather than once per token).
+
+The inner step takes 4 registers of weight bytes (4·lanes blocks): unsigned nibbles times signed
+activations with pmaddubsw+pmaddwd (or vpdpbusd), a phaddd tree to one i32 per block, minus 8·Σxq
+in integers (the offset form of notes §1, exact), then one fp32 multiply-add by dW·dx per block.
+Blocks past the last whole step go through a one-block SSE step (any K that is whole blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fermijit import FermijitError
+from fermijit.jit import simd
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import Isa, kernel, selected_isa
+from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
+from fermijit.ops.quant import BLOCK
+
+VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
+PREFETCH_BYTES = 2048      # ahead of the weight stream; 1-2 KB was best cold (notes §5)
+GEMV_TILE = (4, 1)         # rows x tokens
+GEMM_TILE = (2, 4)
+
+
+def blocks_per_step(v: Vec) -> int:
+    return VECTORS_PER_STEP * v.lanes
+
+
+@dataclass(frozen=True)
+class Q8Act:
+    """Activations quantised for the W4A8 kernels of one ISA.
+
+    Within each step of `blocks_per_step` blocks, register j holds blocks j·lanes..j·lanes+lanes-1:
+    first the low halves (elements 0..15) of those blocks, then the high halves, matching the
+    nibble split of the weights. Blocks after the last whole step keep the natural order.
+    """
+
+    xq: np.ndarray     # [T, K] int8, in the layout above
+    dx: np.ndarray     # [T, nb] float32 scale per block
+    xsum8: np.ndarray  # [T, nb] int32, 8·Σ xq per block: the offset correction
+    vec: Vec
+
+
+# --- reference ----------------------------------------------------------------------------------
+
+def _quantize_act_reference(x):
+    """x [T, K] -> (xq int8 [T, nb, 32], dx float32 [T, nb]), the rounding the kernel uses."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, BLOCK)
+    dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(dx != 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
+    v = xb * inv[..., None]
+    half = np.where(v >= 0, np.float32(0.5), np.float32(-0.5))
+    return (v + half).astype(np.int8), dx
+
+
+def reference(qs, d, x):
+    """y = W4A8 product, exact integer block sums, float64 scaling. x [K] or [T, K]."""
+    x2 = np.atleast_2d(x)
+    xq, dx = _quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
+    rows, nb = d.shape
+    q = qs.reshape(rows, nb, BLOCK // 2)
+    w = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64) - 8  # [R, nb, 32]
+    isum = np.einsum("rbj,tbj->trb", w, xq.astype(np.int64))             # [T, R, nb]
+    y = np.einsum("trb,rb,tb->tr", isum.astype(np.float64), d.astype(np.float64),
+                  dx.astype(np.float64))
+    return y[0] if np.ndim(x) == 1 else y
+
+
+# --- activation quantisation --------------------------------------------------------------------
+
+# No fast-math: the rounding must be the reference's, bit for bit.
+@kernel(fastmath=False)
+def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks):
+    n_tok, k = x.shape
+    nb = k // 32
+    whole = nb // step_blocks * step_blocks
+    reg = 16 * lanes
+    for t in range(n_tok):
+        for b in range(nb):
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(x[t, b * 32 + j]))
+            db = amax / np.float32(127.0)
+            inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+            if b < whole:
+                w = b % step_blocks
+                lo = (b - w) * 32 + (w // lanes) * 2 * reg + (w % lanes) * 16
+                hi = lo + reg
+            else:
+                lo = b * 32
+                hi = lo + 16
+            total = 0
+            for j in range(32):
+                v = x[t, b * 32 + j] * inv
+                q = np.int32(v + np.float32(0.5)) if v >= 0 else np.int32(v - np.float32(0.5))
+                total += q
+                xq[t, (lo + j) if j < 16 else (hi + j - 16)] = q
+            dx[t, b] = db
+            xsum8[t, b] = 8 * total
+
+
+def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None) -> Q8Act:
+    """x float32 [K] or [T, K] -> Q8Act for the kernels of `isa` (default: the process's)."""
+    v = simd.VEC_OF[isa or selected_isa()]
+    x2 = check_array("quantize_act", "x", np.atleast_2d(x), np.float32)
+    if x2.ndim != 2 or x2.shape[1] % BLOCK:
+        raise FermijitError(f"quantize_act: x has shape {list(np.shape(x))}; the last axis must "
+                            f"be whole {BLOCK}-blocks")
+    n_tok, k = x2.shape
+    if out is None:
+        out = Q8Act(np.empty((n_tok, k), np.int8), np.empty((n_tok, k // BLOCK), np.float32),
+                    np.empty((n_tok, k // BLOCK), np.int32), v)
+    else:
+        if out.vec != v:
+            raise FermijitError(f"quantize_act: out is laid out for {out.vec.isa.label}, "
+                                f"not {v.isa.label}")
+        check_array("quantize_act", "out.xq", out.xq, np.int8, (n_tok, k))
+        check_array("quantize_act", "out.dx", out.dx, np.float32, (n_tok, k // BLOCK))
+        check_array("quantize_act", "out.xsum8", out.xsum8, np.int32, (n_tok, k // BLOCK))
+    _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v))
+    return out
+
+
+# --- the tile, in IR ----------------------------------------------------------------------------
+
+def _make_tile(v: Vec, n_rows: int, n_tok: int):
+    """An intrinsic computing out[t0+t, r0+r] for r < n_rows, t < n_tok."""
+    bps = blocks_per_step(v)
+    w = v.nbytes
+
+    @intrinsic
+    def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0):
+        sig = types.none(qs, d, xq, dx, xsum8, out, r0, t0)
+
+        def codegen(context, builder, sig, args):
+            arr = [context.make_array(ty)(context, builder, val)
+                   for ty, val in zip(sig.args[:6], args[:6])]
+            qs_a, d_a, xq_a, dx_a, xs_a, out_a = arr
+            r0v, t0v = args[6], args[7]
+            _, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)
+            _, nb = cgutils.unpack_tuple(builder, d_a.shape, 2)
+            _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
+            c = lambda n: ir.Constant(I64, n)  # noqa: E731
+
+            def at(base, index, stride_bytes):
+                return simd.byte_ptr(builder, base, builder.mul(index, stride_bytes))
+
+            rows = [builder.add(r0v, c(i)) for i in range(n_rows)]
+            toks = [builder.add(t0v, c(t)) for t in range(n_tok)]
+            qs_row = [at(qs_a.data, r, qs_stride) for r in rows]
+            d_row = [at(d_a.data, r, builder.mul(nb, c(2))) for r in rows]
+            xq_row = [at(xq_a.data, t, builder.mul(nb, c(32))) for t in toks]
+            dx_row = [at(dx_a.data, t, builder.mul(nb, c(4))) for t in toks]
+            xs_row = [at(xs_a.data, t, builder.mul(nb, c(4))) for t in toks]
+
+            facc = vec(F32, bps)
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
+                    for _ in range(n_tok)] for _ in range(n_rows)]
+            tail = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+                     for _ in range(n_tok)] for _ in range(n_rows)]
+
+            n_steps = builder.udiv(nb, c(bps))
+            with cgutils.for_range(builder, n_steps) as loop:
+                s = loop.index
+                qs_off = builder.mul(s, c(bps * 16))
+                d_off = builder.mul(s, c(bps * 2))
+                x_off = builder.mul(s, c(bps * 32))
+                f_off = builder.mul(s, c(bps * 4))
+                weights, scales = [], []
+                for i in range(n_rows):
+                    for line in range(0, bps * 16, 64):
+                        simd.prefetch(builder, qs_row[i],
+                                      builder.add(qs_off, c(PREFETCH_BYTES + line)))
+                    simd.prefetch(builder, d_row[i], builder.add(d_off, c(PREFETCH_BYTES // 8)))
+                    regs = [simd.load(builder, qs_row[i], builder.add(qs_off, c(j * w)),
+                                      vec(I8, w)) for j in range(VECTORS_PER_STEP)]
+                    weights.append([simd.nibbles(builder, q) for q in regs])
+                    scales.append(simd.fp16_to_f32(
+                        v, builder, simd.load(builder, d_row[i], d_off, vec(I16, bps))))
+                for t in range(n_tok):
+                    xs = [(simd.load(builder, xq_row[t], builder.add(x_off, c(2 * j * w)),
+                                     vec(I8, w)),
+                           simd.load(builder, xq_row[t], builder.add(x_off, c(2 * j * w + w)),
+                                     vec(I8, w)))
+                          for j in range(VECTORS_PER_STEP)]
+                    dxv = simd.load(builder, dx_row[t], f_off, facc)
+                    corr = simd.load(builder, xs_row[t], f_off, vec(I32, bps))
+                    for i in range(n_rows):
+                        parts = [simd.dot_u8s8(v, builder, [(lo, xlo), (hi, xhi)])
+                                 for (lo, hi), (xlo, xhi) in zip(weights[i], xs)]
+                        isum = builder.sub(simd.block_sums(v, builder, parts), corr)
+                        scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
+                                              scales[i])
+                        builder.store(builder.fadd(builder.load(acc[i][t]), scaled), acc[i][t])
+
+            # Blocks past the last whole step: one SSE register (one block) at a time.
+            with cgutils.for_range(builder, builder.sub(nb, builder.mul(n_steps, c(bps)))) as lp:
+                b = builder.add(builder.mul(n_steps, c(bps)), lp.index)
+                for i in range(n_rows):
+                    lo, hi = simd.nibbles(builder, simd.load(builder, qs_row[i],
+                                                             builder.mul(b, c(16)), vec(I8, 16)))
+                    dw = simd.fp16_to_f32(SSE, builder, simd.load(
+                        builder, d_row[i], builder.mul(b, c(2)), vec(I16, 1)))
+                    dw = builder.extract_element(dw, ir.Constant(I32, 0))
+                    for t in range(n_tok):
+                        xlo = simd.load(builder, xq_row[t], builder.mul(b, c(32)), vec(I8, 16))
+                        xhi = simd.load(builder, xq_row[t], builder.add(builder.mul(b, c(32)),
+                                                                        c(16)), vec(I8, 16))
+                        isum = simd.hsum_i32(builder, simd.dot_u8s8(SSE, builder,
+                                                                    [(lo, xlo), (hi, xhi)]))
+                        isum = builder.sub(isum, simd.load_scalar(builder, xs_row[t],
+                                                                  builder.mul(b, c(4)), I32))
+                        dxs = simd.load_scalar(builder, dx_row[t], builder.mul(b, c(4)), F32)
+                        term = builder.fmul(builder.fmul(builder.sitofp(isum, F32), dxs), dw)
+                        builder.store(builder.fadd(builder.load(tail[i][t]), term), tail[i][t])
+
+            for i in range(n_rows):
+                for t in range(n_tok):
+                    y = builder.fadd(simd.hsum_f32(builder, builder.load(acc[i][t])),
+                                     builder.load(tail[i][t]))
+                    index = builder.add(builder.mul(toks[t], out_cols), rows[i])
+                    builder.store(y, builder.bitcast(at(out_a.data, index, c(4)),
+                                                     F32.as_pointer()))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+def _product_body(qs, d, xq, dx, xsum8, out):
+    n_rows = qs.shape[0]
+    n_tok = xq.shape[0]
+    row_groups = n_rows // ROWS
+    tok_whole = n_tok // TOKS * TOKS
+    for g in prange(row_groups):
+        for t in range(0, tok_whole, TOKS):
+            tile(qs, d, xq, dx, xsum8, out, g * ROWS, t)
+        for t in range(tok_whole, n_tok):
+            rows_by_1(qs, d, xq, dx, xsum8, out, g * ROWS, t)
+    for r in range(row_groups * ROWS, n_rows):
+        for t in range(n_tok):
+            one_by_1(qs, d, xq, dx, xsum8, out, r, t)
+
+
+_products: dict = {}
+
+
+def _product(isa: Isa, shape: tuple[int, int]):
+    """The kernel for an ISA and tile shape, made on first use (so no AVX2 code is ever compiled
+    for a Westmere target: pitfall 5)."""
+    key = (isa, shape)
+    if key not in _products:
+        v = simd.VEC_OF[isa]
+        n_rows, n_tok = shape
+        _products[key] = kernel(
+            _product_body, parallel=True, variant=f"{isa.label}-{n_rows}x{n_tok}",
+            ROWS=n_rows, TOKS=n_tok, tile=_make_tile(v, n_rows, n_tok),
+            rows_by_1=_make_tile(v, n_rows, 1), one_by_1=_make_tile(v, 1, 1))
+    return _products[key]
+
+
+def _check_weights(op, qs, d):
+    check_array(op, "d", d, np.float16, ndim=2)
+    rows, nb = d.shape
+    check_array(op, "qs", qs, np.uint8, (rows, nb * BLOCK // 2))
+    return rows, nb
+
+
+def _as_act(op, x, nb, isa):
+    if isinstance(x, Q8Act):
+        if x.vec.isa != isa:
+            raise FermijitError(f"{op}: activations are laid out for {x.vec.isa.label}, "
+                                f"the kernel is {isa.label}")
+        act = x
+    else:
+        act = quantize_act(x, isa)
+    if act.xq.shape[1] != nb * BLOCK:
+        raise FermijitError(f"{op}: x has {act.xq.shape[1]} inputs, weights have {nb * BLOCK}")
+    return act
+
+
+def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
+    """W4A8 GEMV (x [K]) or GEMM (x [T, K]) -> fp32 [R] or [T, R].
+
+    x may be float32 (quantised here) or a Q8Act from `quantize_act` (reused across the matrices
+    that read the same input, as decode does). `isa` defaults to the process's choice.
+    """
+    isa = isa or selected_isa()
+    rows, nb = _check_weights("matvec", qs, d)
+    act = _as_act("matvec", x, nb, isa)
+    n_tok = act.xq.shape[0]
+    # A vector in gives a vector out; a prepared Q8Act of one token may write a [R] `out`.
+    is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
+                                else out is not None and out.ndim == 1)
+    y = output("matvec", out, (rows,) if is_vector else (n_tok, rows))
+    shape = GEMV_TILE if n_tok == 1 else GEMM_TILE
+    _product(isa, shape)(qs, d.view(np.uint16), act.xq, act.dx, act.xsum8, y.reshape(n_tok, rows))
+    return y
