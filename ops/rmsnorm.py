@@ -1,0 +1,109 @@
+"""RMSNorm, zero-centred, and the gated RMSNorm of the GDN output (MODEL.md §4).
+
+    rmsnorm:  y = x / sqrt(mean(x²) + eps) · (1 + w)          w stored as an offset from 1
+    gated:    y = w · [o / sqrt(mean(o²) + eps)] · silu(z)    w a plain weight; norm before gate
+
+Both normalise each row of the last axis; leading axes are flattened, so one call covers a token
+[D], a batch [T, D] or per-head norms [T, H, D] (q_norm/k_norm, the GDN heads [T, Hv, dv]).
+Dimensions: T tokens, D row width (2048 model, 256 attention head), Hv value heads (32),
+dv value head dim (128). fp32 in and out; the sum of squares is accumulated in fp64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+
+# From this many elements the row loop runs on all threads; below it one thread wins, since
+# starting the omp team costs ~30 us (notes/cpu-kernels.md §5) and a 2048-wide row takes ~1 us.
+PARALLEL_MIN_ELEMENTS = 1 << 15
+
+
+def reference(x, w, eps):
+    """x [..., D] fp32, w [D] -> y [..., D] fp32."""
+    x64 = x.astype(np.float64)
+    rms = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 / rms * (1.0 + w.astype(np.float64))).astype(np.float32)
+
+
+def gated_reference(o, z, w, eps):
+    """o, z [..., Hv, dv] fp32, w [dv] -> y [..., Hv, dv] fp32."""
+    o64, z64 = o.astype(np.float64), z.astype(np.float64)
+    rms = np.sqrt(np.mean(o64 * o64, axis=-1, keepdims=True) + eps)
+    silu = z64 / (1.0 + np.exp(-z64))
+    return (w.astype(np.float64) * (o64 / rms) * silu).astype(np.float32)
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+def _rmsnorm_rows(x, w, eps, out):  # x, out [N, D]; w [D]
+    n_rows, d = x.shape
+    for r in prange(n_rows):
+        ss = 0.0
+        for i in range(d):
+            v = np.float64(x[r, i])
+            ss += v * v
+        inv = np.float32(1.0 / math.sqrt(ss / d + eps))
+        for i in range(d):
+            out[r, i] = x[r, i] * inv * (np.float32(1.0) + w[i])
+
+
+def _gated_rows(o, z, w, eps, out):  # o, z, out [N, dv]; w [dv]
+    n_rows, d = o.shape
+    for r in prange(n_rows):
+        ss = 0.0
+        for i in range(d):
+            v = np.float64(o[r, i])
+            ss += v * v
+        inv = np.float32(1.0 / math.sqrt(ss / d + eps))
+        for i in range(d):
+            zi = z[r, i]
+            # exp(-zi) overflows to inf for zi < -88: silu is then -0, not NaN.
+            out[r, i] = w[i] * (o[r, i] * inv) * (zi / (np.float32(1.0) + np.exp(-zi)))
+
+
+# One body each, compiled twice: the serial copy for decode-sized calls, the other on all threads.
+_rmsnorm_serial = kernel(_rmsnorm_rows)
+_rmsnorm_parallel = kernel(parallel=True, variant="parallel")(_rmsnorm_rows)
+_gated_serial = kernel(_gated_rows)
+_gated_parallel = kernel(parallel=True, variant="parallel")(_gated_rows)
+
+
+# --- public -------------------------------------------------------------------------------------
+
+def _row_width(op: str, name: str, a) -> int:
+    check_array(op, name, a, np.float32)
+    if a.ndim == 0 or a.shape[-1] == 0:
+        raise FermijitError(f"{op}: {name} needs a non-empty last axis, got shape {list(a.shape)}")
+    return a.shape[-1]
+
+
+def cpu(x, w, eps, out=None):
+    """x [..., D] fp32, w [D] fp32 -> y [..., D] fp32. `out` may be `x` (in place)."""
+    op = "rmsnorm"
+    d = _row_width(op, "x", x)
+    check_array(op, "w", w, np.float32, (d,))
+    out = output(op, out, x.shape)
+    rows = _rmsnorm_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _rmsnorm_serial
+    rows(x.reshape(-1, d), w, float(eps), out.reshape(-1, d))
+    return out
+
+
+def gated_cpu(o, z, w, eps, out=None):
+    """o, z [..., Hv, dv] fp32, w [dv] fp32 -> y [..., Hv, dv] fp32. `out` may be `o` or `z`."""
+    op = "gated rmsnorm"
+    d = _row_width(op, "o", o)
+    if o.ndim < 2:
+        raise FermijitError(f"{op}: o must be [..., Hv, dv], got shape {list(o.shape)}")
+    check_array(op, "z", z, np.float32, o.shape)
+    check_array(op, "w", w, np.float32, (d,))
+    out = output(op, out, o.shape)
+    rows = _gated_parallel if o.size >= PARALLEL_MIN_ELEMENTS else _gated_serial
+    rows(o.reshape(-1, d), z.reshape(-1, d), w, float(eps), out.reshape(-1, d))
+    return out
