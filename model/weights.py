@@ -1,0 +1,256 @@
+"""The text model's weights: per-layer frozen dataclasses, and the map from checkpoint names.
+
+Dimension legend (MODEL.md §2-6): V vocab, H hidden, L layers, E experts, I expert intermediate,
+Is shared-expert intermediate, Hq/Hkv attention heads, D attention head dim, Hk/Hv linear key/value
+heads, dk/dv their dims, C = 2·Hk·dk + Hv·dv conv channels, Kc conv taps.
+
+A checkpoint tensor reaches a field through a `TensorPlan`: the field's name and shape, and the
+checkpoint slices that fill it. The plan is built and checked (every source present, float, of
+the right shape) before anything is read, so a bad checkpoint fails at once, naming the tensor.
+It absorbs the layout differences: the `model.language_model.` (VLM) or `model.` (text-only)
+prefix, fused 3-D experts or per-expert matrices, the [C, 1, Kc] conv weight. `mtp.*` is ignored;
+`model.visual.*` names are listed by `visual_tensor_names` for the vision tower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model.config import FULL_ATTENTION, TextConfig
+from fermijit.model.safetensors_io import FLOAT_DTYPES, Checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantTensor:
+    """A matrix in GGML block format, structure of arrays (DESIGN.md, On-disk format)."""
+
+    kind: str        # "q4_0" or "q8_0"
+    qs: np.ndarray   # q4_0: uint8 [..., K/2] (byte j: element j low nibble, j+16 high); q8_0: int8 [..., K]
+    d: np.ndarray    # float16 [..., K/32], one scale per 32-block
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.d.shape[:-1] + (self.d.shape[-1] * 32,)
+
+
+Tensor = np.ndarray | QuantTensor  # the big matrices may be quantised; vectors never are
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetWeights:
+    in_proj_qkv: Tensor   # [C, H]  rows: q Hk·dk | k Hk·dk | v Hv·dv
+    in_proj_z: Tensor     # [Hv·dv, H]
+    in_proj_b: Tensor     # [Hv, H]
+    in_proj_a: Tensor     # [Hv, H]
+    conv1d: np.ndarray    # [C, Kc]  depthwise causal taps; tap Kc-1 multiplies the current token
+    A_log: np.ndarray     # [Hv]
+    dt_bias: np.ndarray   # [Hv]
+    norm: np.ndarray      # [dv]  gated RMSNorm, a plain weight (not 1+w)
+    out_proj: Tensor      # [H, Hv·dv]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionWeights:
+    q_proj: Tensor        # [Hq·2D, H]  per head h: rows 2D·h.. D query, then D gate rows
+    k_proj: Tensor        # [Hkv·D, H]
+    v_proj: Tensor        # [Hkv·D, H]
+    o_proj: Tensor        # [H, Hq·D]
+    q_norm: np.ndarray    # [D]  zero-centred: scale 1+w
+    k_norm: np.ndarray    # [D]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeWeights:
+    gate: Tensor                 # [E, H]  router
+    experts_gate_up: Tensor      # [E, 2I, H]  rows: gate I | up I
+    experts_down: Tensor         # [E, H, I]
+    shared_gate_up: Tensor       # [2Is, H]  rows: gate Is | up Is
+    shared_down: Tensor          # [H, Is]
+    shared_expert_gate: Tensor   # [1, H]  scalar sigmoid gate of the shared expert
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    input_layernorm: np.ndarray           # [H]  zero-centred
+    mixer: GatedDeltaNetWeights | AttentionWeights
+    post_attention_layernorm: np.ndarray  # [H]  zero-centred
+    mlp: MoeWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class TextWeights:
+    embed_tokens: Tensor             # [V, H]
+    layers: tuple[LayerWeights, ...]  # L
+    norm: np.ndarray                 # [H]  zero-centred
+    lm_head: Tensor                  # [V, H]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows [row0, row0 + n) of the output (of expert `lead`, for 3-D outputs) are
+    checkpoint tensor `source` indexed by `index`, reshaped to [n, cols]."""
+
+    source: str
+    lead: int | None
+    row0: int
+    n_rows: int
+    index: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    name: str                   # the field path, e.g. "layers.3.self_attn.q_proj"
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    def read(self, ckpt: Checkpoint, lead: int | None = None, rows: slice = slice(None)) -> np.ndarray:
+        """fp32 copy of out[lead][rows] (out[rows] for a 1-D or 2-D tensor)."""
+        n_rows = self.shape[-2] if len(self.shape) >= 2 else self.shape[0]
+        r0, r1, _ = rows.indices(n_rows)
+        parts = []
+        for p in self.pieces:
+            a, b = max(r0, p.row0), min(r1, p.row0 + p.n_rows)
+            if p.lead == lead and a < b:
+                sub = ckpt.float32(p.source, p.index + (slice(a - p.row0, b - p.row0),))
+                parts.append(sub.reshape((b - a,) + self.shape[-1:] if len(self.shape) >= 2
+                                         else (b - a,)))
+        out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        assert out.shape[0] == r1 - r0, (self.name, lead, rows)
+        return out
+
+    def read_all(self, ckpt: Checkpoint) -> np.ndarray:
+        if len(self.shape) == 3:
+            return np.stack([self.read(ckpt, e) for e in range(self.shape[0])])
+        return self.read(ckpt)
+
+
+def plan_text_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan]:
+    """Every text-model tensor, in file order (embedding, layers, norm, lm_head), checked."""
+    prefix = _text_prefix(ckpt)
+    plans: list[TensorPlan] = []
+
+    def one(name: str, source: str, shape: tuple[int, ...], stored: tuple[int, ...] | None = None):
+        _check(ckpt, source, stored or shape)
+        plans.append(TensorPlan(name, shape, (Piece(source, None, 0, shape[0]),)))
+
+    H, V = cfg.hidden_size, cfg.vocab_size
+    one("embed_tokens", prefix + "embed_tokens.weight", (V, H))
+    for i, kind in enumerate(cfg.layer_types):
+        p, n = f"{prefix}layers.{i}.", f"layers.{i}."
+        one(n + "input_layernorm", p + "input_layernorm.weight", (H,))
+        one(n + "post_attention_layernorm", p + "post_attention_layernorm.weight", (H,))
+        if kind == FULL_ATTENTION:
+            D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+            a, s = n + "self_attn.", p + "self_attn."
+            one(a + "q_proj", s + "q_proj.weight", (Hq * 2 * D, H))
+            one(a + "k_proj", s + "k_proj.weight", (Hkv * D, H))
+            one(a + "v_proj", s + "v_proj.weight", (Hkv * D, H))
+            one(a + "o_proj", s + "o_proj.weight", (H, Hq * D))
+            one(a + "q_norm", s + "q_norm.weight", (D,))
+            one(a + "k_norm", s + "k_norm.weight", (D,))
+        else:
+            C, Hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+            Kc = cfg.linear_conv_kernel_dim
+            a, s = n + "linear_attn.", p + "linear_attn."
+            one(a + "in_proj_qkv", s + "in_proj_qkv.weight", (C, H))
+            one(a + "in_proj_z", s + "in_proj_z.weight", (Hv * dv, H))
+            one(a + "in_proj_b", s + "in_proj_b.weight", (Hv, H))
+            one(a + "in_proj_a", s + "in_proj_a.weight", (Hv, H))
+            one(a + "conv1d", s + "conv1d.weight", (C, Kc), stored=(C, 1, Kc))
+            one(a + "A_log", s + "A_log", (Hv,))
+            one(a + "dt_bias", s + "dt_bias", (Hv,))
+            one(a + "norm", s + "norm.weight", (dv,))
+            one(a + "out_proj", s + "out_proj.weight", (H, Hv * dv))
+        E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        m, s = n + "mlp.", p + "mlp."
+        one(m + "gate", s + "gate.weight", (E, H))
+        plans.extend(_expert_plans(ckpt, m, s, E, I, H))
+        _check(ckpt, s + "shared_expert.gate_proj.weight", (Is, H))
+        _check(ckpt, s + "shared_expert.up_proj.weight", (Is, H))
+        plans.append(TensorPlan(m + "shared_gate_up", (2 * Is, H), (
+            Piece(s + "shared_expert.gate_proj.weight", None, 0, Is),
+            Piece(s + "shared_expert.up_proj.weight", None, Is, Is))))
+        one(m + "shared_down", s + "shared_expert.down_proj.weight", (H, Is))
+        one(m + "shared_expert_gate", s + "shared_expert_gate.weight", (1, H))
+    one("norm", prefix + "norm.weight", (H,))
+    if "lm_head.weight" in ckpt or not cfg.tie_word_embeddings:
+        one("lm_head", "lm_head.weight", (V, H))
+    else:
+        one("lm_head", prefix + "embed_tokens.weight", (V, H))
+    return {plan.name: plan for plan in plans}
+
+
+def _expert_plans(ckpt: Checkpoint, m: str, s: str, E: int, I: int, H: int) -> list[TensorPlan]:
+    """The routed experts as [E, 2I, H] and [E, H, I], from either on-disk layout (MODEL.md §3)."""
+    fused_gate_up, fused_down = s + "experts.gate_up_proj", s + "experts.down_proj"
+    if fused_gate_up in ckpt or f"{s}experts.0.gate_proj.weight" not in ckpt:
+        _check(ckpt, fused_gate_up, (E, 2 * I, H))
+        _check(ckpt, fused_down, (E, H, I))
+        gate_up = [Piece(fused_gate_up, e, 0, 2 * I, (e,)) for e in range(E)]
+        down = [Piece(fused_down, e, 0, H, (e,)) for e in range(E)]
+    else:
+        gate_up, down = [], []
+        for e in range(E):
+            x = f"{s}experts.{e}."
+            _check(ckpt, x + "gate_proj.weight", (I, H))
+            _check(ckpt, x + "up_proj.weight", (I, H))
+            _check(ckpt, x + "down_proj.weight", (H, I))
+            gate_up += [Piece(x + "gate_proj.weight", e, 0, I), Piece(x + "up_proj.weight", e, I, I)]
+            down.append(Piece(x + "down_proj.weight", e, 0, H))
+    return [TensorPlan(m + "experts_gate_up", (E, 2 * I, H), tuple(gate_up)),
+            TensorPlan(m + "experts_down", (E, H, I), tuple(down))]
+
+
+def _text_prefix(ckpt: Checkpoint) -> str:
+    for prefix in ("model.language_model.", "model."):
+        if prefix + "embed_tokens.weight" in ckpt:
+            return prefix
+    raise FermijitError(f"{ckpt.directory}: missing tensor model.language_model.embed_tokens.weight "
+                        f"(nor model.embed_tokens.weight)")
+
+
+def _check(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
+    if name not in ckpt:
+        raise FermijitError(f"{ckpt.directory}: missing tensor {name}")
+    info = ckpt.info(name)
+    if info.dtype not in FLOAT_DTYPES:
+        raise FermijitError(f"{ckpt.path_of(name)}: tensor {name} has dtype {info.dtype}, "
+                            f"expected one of {', '.join(FLOAT_DTYPES)}")
+    if info.shape != shape:
+        raise FermijitError(f"{ckpt.path_of(name)}: tensor {name} has shape {list(info.shape)}, "
+                            f"expected {list(shape)}")
+
+
+def visual_tensor_names(ckpt: Checkpoint) -> list[str]:
+    """The vision tower's tensors (MODEL.md §7), left for the vision issue."""
+    return sorted(name for name in ckpt.names() if name.startswith("model.visual."))
+
+
+def assemble(cfg: TextConfig, tensors: Mapping[str, Tensor]) -> TextWeights:
+    """The dataclasses from field-path names (those of `plan_text_weights`)."""
+    def fields(cls, base: str, **fixed):
+        return cls(**fixed, **{f.name: tensors[base + f.name] for f in dataclasses.fields(cls)
+                               if f.name not in fixed})
+
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        n = f"layers.{i}."
+        mixer = (fields(AttentionWeights, n + "self_attn.") if kind == FULL_ATTENTION
+                 else fields(GatedDeltaNetWeights, n + "linear_attn."))
+        layers.append(LayerWeights(input_layernorm=tensors[n + "input_layernorm"], mixer=mixer,
+                                   post_attention_layernorm=tensors[n + "post_attention_layernorm"],
+                                   mlp=fields(MoeWeights, n + "mlp.")))
+    return TextWeights(embed_tokens=tensors["embed_tokens"], layers=tuple(layers),
+                       norm=tensors["norm"], lm_head=tensors["lm_head"])
+
+
+def load_text_weights(cfg: TextConfig, ckpt: Checkpoint, dtype=np.float32) -> TextWeights:
+    """All text weights as `dtype` arrays in memory: for tiny models and reference runs only
+    (the real model is 140 GB in fp32; it goes through the converter)."""
+    plans = plan_text_weights(cfg, ckpt)
+    return assemble(cfg, {name: plan.read_all(ckpt).astype(dtype, copy=False)
+                          for name, plan in plans.items()})

@@ -1,0 +1,241 @@
+"""Tiny random Qwen3.6 checkpoints, built with numpy alone (no torch), seeded.
+
+The structure is the real model's (MODEL.md §2-3, §7) at toy sizes: 4 layers (linear, linear,
+linear, full), 8 experts with top-2, a shared expert, partial RoPE with theta 1e7, a one-block
+vision tower and an MTP tensor, saved under the published names (`model.language_model.*`,
+`model.visual.*`, `mtp.*`, `lm_head.weight`) with the published config.json layout. Every
+parameter is random, norm offsets included: zero offsets would hide a 1+w vs w mix-up
+(MODEL.md §8). Matrix inner dims are multiples of 32 so every matrix quantises to Q4_0 blocks.
+
+Variants: expert layout "fused" (hub: experts.gate_up_proj [E, 2I, H]) or "split" (what
+transformers' save_pretrained writes: experts.{e}.{gate,up,down}_proj.weight); dtype F32, F16
+or BF16 (BF16 keeps A_log in F32, as the published files do); one file or `n_shards` shards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fermijit.model.safetensors_io import SafetensorsWriter, f32_to_bf16
+
+ROPE_PARAMETERS = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                   "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+
+TEXT_CONFIG = {
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "attn_output_gate": True,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "rope_parameters": ROPE_PARAMETERS,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
+    "mamba_ssm_dtype": "float32",
+    "mtp_num_hidden_layers": 1,
+    "mtp_use_dedicated_embeddings": False,
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": None,
+    "dtype": "float32",
+}
+
+VISION_CONFIG = {
+    "model_type": "qwen3_5_moe",  # sic: the published file says this (MODEL.md §2)
+    "depth": 1,
+    "hidden_size": 32,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 16,
+    "initializer_range": 0.02,
+    "deepstack_visual_indexes": [],
+}
+
+
+def config_dict() -> dict:
+    """config.json, laid out as the published Qwen3.6-35B-A3B file."""
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": TEXT_CONFIG,
+        "vision_config": VISION_CONFIG,
+        "image_token_id": 310,
+        "video_token_id": 311,
+        "vision_start_token_id": 312,
+        "vision_end_token_id": 313,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.24.0",
+    }
+
+
+def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """fp32 tensors under the hub names (fused experts), scaled so activations stay O(1)."""
+    t, v = TEXT_CONFIG, VISION_CONFIG
+    rng = np.random.default_rng(seed)
+    H, V, E = t["hidden_size"], t["vocab_size"], t["num_experts"]
+    I, Is = t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+    D, Hq, Hkv = t["head_dim"], t["num_attention_heads"], t["num_key_value_heads"]
+    Hk, Hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    dk, dv, Kc = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
+    C = 2 * Hk * dk + Hv * dv
+
+    def linear(*shape):  # [..., out, in], unit-variance outputs for unit-variance inputs
+        return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
+
+    def offset(n):  # zero-centred norm weights: effective scale 1 + w
+        return np.float32(0.2) * rng.standard_normal(n, dtype=np.float32)
+
+    w: dict[str, np.ndarray] = {}
+    p = "model.language_model."
+    w[p + "embed_tokens.weight"] = rng.standard_normal((V, H), dtype=np.float32)
+    for i, kind in enumerate(t["layer_types"]):
+        q = f"{p}layers.{i}."
+        w[q + "input_layernorm.weight"] = offset(H)
+        w[q + "post_attention_layernorm.weight"] = offset(H)
+        if kind == "full_attention":
+            a = q + "self_attn."
+            w[a + "q_proj.weight"] = linear(Hq * 2 * D, H)
+            w[a + "k_proj.weight"] = linear(Hkv * D, H)
+            w[a + "v_proj.weight"] = linear(Hkv * D, H)
+            w[a + "o_proj.weight"] = linear(H, Hq * D)
+            w[a + "q_norm.weight"] = offset(D)
+            w[a + "k_norm.weight"] = offset(D)
+        else:
+            a = q + "linear_attn."
+            w[a + "in_proj_qkv.weight"] = linear(C, H)
+            w[a + "in_proj_z.weight"] = linear(Hv * dv, H)
+            w[a + "in_proj_b.weight"] = linear(Hv, H)
+            w[a + "in_proj_a.weight"] = linear(Hv, H)
+            w[a + "conv1d.weight"] = linear(C, 1, Kc)
+            w[a + "A_log"] = np.log(rng.uniform(1, 16, Hv)).astype(np.float32)  # HF's A range
+            w[a + "dt_bias"] = rng.uniform(-1, 1, Hv).astype(np.float32)
+            w[a + "norm.weight"] = 1 + offset(dv)  # a plain weight around 1
+            w[a + "out_proj.weight"] = linear(H, Hv * dv)
+        m = q + "mlp."
+        w[m + "gate.weight"] = 2 * linear(E, H)  # spread router logits: no near-ties in top-k
+        w[m + "experts.gate_up_proj"] = linear(E, 2 * I, H)
+        w[m + "experts.down_proj"] = linear(E, H, I)
+        w[m + "shared_expert.gate_proj.weight"] = linear(Is, H)
+        w[m + "shared_expert.up_proj.weight"] = linear(Is, H)
+        w[m + "shared_expert.down_proj.weight"] = linear(H, Is)
+        w[m + "shared_expert_gate.weight"] = linear(1, H)
+    w[p + "norm.weight"] = offset(H)
+    w["lm_head.weight"] = linear(V, H)
+
+    Hvis, Ivis, P = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    merged, out = Hvis * v["spatial_merge_size"] ** 2, v["out_hidden_size"]
+    s = "model.visual."
+    w[s + "patch_embed.proj.weight"] = linear(Hvis, v["in_channels"], v["temporal_patch_size"],
+                                              P, P)
+    w[s + "patch_embed.proj.bias"] = offset(Hvis)
+    w[s + "pos_embed.weight"] = rng.standard_normal((v["num_position_embeddings"], Hvis),
+                                                    dtype=np.float32)
+    for b in range(v["depth"]):
+        k = f"{s}blocks.{b}."
+        for name, shape in (("norm1", (Hvis,)), ("norm2", (Hvis,))):
+            w[k + name + ".weight"], w[k + name + ".bias"] = 1 + offset(shape), offset(shape)
+        for name, (o, i_) in (("attn.qkv", (3 * Hvis, Hvis)), ("attn.proj", (Hvis, Hvis)),
+                              ("mlp.linear_fc1", (Ivis, Hvis)), ("mlp.linear_fc2", (Hvis, Ivis))):
+            w[k + name + ".weight"], w[k + name + ".bias"] = linear(o, i_), offset(o)
+    w[s + "merger.norm.weight"], w[s + "merger.norm.bias"] = 1 + offset(Hvis), offset(Hvis)
+    w[s + "merger.linear_fc1.weight"], w[s + "merger.linear_fc1.bias"] = (linear(merged, merged),
+                                                                          offset(merged))
+    w[s + "merger.linear_fc2.weight"], w[s + "merger.linear_fc2.bias"] = (linear(out, merged),
+                                                                          offset(out))
+    # One MTP tensor: present in published files, ignored by transformers and by us.
+    w["mtp.fc.weight"] = linear(H, 2 * H)
+    return w
+
+
+def split_experts(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The per-expert layout that transformers' save_pretrained writes (MODEL.md §3)."""
+    out = {}
+    for name, a in w.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, half = name[:-len("gate_up_proj")], a.shape[1] // 2
+            for e in range(a.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = a[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = a[e, half:]
+        elif name.endswith("experts.down_proj"):
+            base = name[:-len("down_proj")]
+            for e in range(a.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = a[e]
+        else:
+            out[name] = a
+    return out
+
+
+def stored_dtype(name: str, dtype: str) -> str:
+    """BF16 files keep A_log in F32, as the published checkpoint does (MODEL.md §3)."""
+    return "F32" if dtype == "BF16" and name.endswith("A_log") else dtype
+
+
+def as_stored(a: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 values rounded as `dtype` storage would round them, back in fp32."""
+    if dtype == "BF16":
+        return (f32_to_bf16(a).astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float16).astype(np.float32) if dtype == "F16" else a
+
+
+def write_checkpoint(directory: str | Path, expert_layout: str = "fused", dtype: str = "F32",
+                     n_shards: int = 1, seed: int = 0) -> Path:
+    """A checkpoint directory (config.json, generation_config.json, safetensors); returns it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    w = random_weights(seed)
+    if expert_layout == "split":
+        w = split_experts(w)
+    elif expert_layout != "fused":
+        raise ValueError(expert_layout)
+    (directory / "config.json").write_text(json.dumps(config_dict(), indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 2}, indent=2))
+    names = sorted(w)
+    shards = [names[k::n_shards] for k in range(n_shards)]  # round-robin: layers straddle files
+    files = (["model.safetensors"] if n_shards == 1 else
+             [f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors" for k in range(n_shards)])
+    for shard, file in zip(shards, files):
+        specs = [(n, stored_dtype(n, dtype), w[n].shape) for n in shard]
+        with SafetensorsWriter(directory / file, specs, {"format": "pt"}) as out:
+            for n, st_dtype, _ in specs:
+                a = w[n]
+                out.write(n, f32_to_bf16(a) if st_dtype == "BF16" else a.astype(
+                    np.float16 if st_dtype == "F16" else np.float32))
+    if n_shards > 1:
+        total = sum(a.nbytes for a in w.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for shard, f in zip(shards, files) for n in shard}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return directory
+
