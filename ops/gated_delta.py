@@ -1,0 +1,142 @@
+"""Gated DeltaNet: the gates and the delta-rule recurrence, MODEL.md §6 steps 5-7.
+
+Gates:  beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias),  alpha = exp(g) in (0, 1).
+Per value head h (key head h // (Hv/Hk)), with state S [dk, dv] and q, k already L2-normalised
+(q also scaled by 1/sqrt(dk)) by the caller:
+    S <- alpha_t S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+`reference` is that recurrence; `chunked_reference` the chunked UT/WY form the GPU implements
+(stages in `gated_delta_chunk`); `cpu` the recurrence in Numba (T = 1 is the decode step).
+
+Letters: T tokens, Hk key heads, Hv value heads, dk key dim, dv value dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+from fermijit.ops import gated_delta_chunk as stages
+
+
+def gates_reference(a, b, A_log, dt_bias):
+    """a, b [T, Hv]; A_log, dt_bias [Hv] -> (g, beta) [T, Hv], fp32 or wider."""
+    dt = np.result_type(a, b, A_log, dt_bias, np.float32)
+    a, b, A_log, dt_bias = (np.asarray(x, dtype=dt) for x in (a, b, A_log, dt_bias))
+    beta = np.exp(-np.logaddexp(0, -b))                       # sigmoid, no overflow
+    g = -np.exp(A_log) * np.logaddexp(0, a + dt_bias)         # softplus = log(1 + e^x)
+    return g, beta
+
+
+def reference(q, k, v, g, beta, state):
+    """q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [Hv, dk, dv]
+    -> (o [T, Hv, dv], new state [Hv, dk, dv]), in fp32 or wider (the inputs' precision).
+    `state` is not modified."""
+    dt = np.result_type(q, k, v, g, beta, state, np.float32)
+    group = v.shape[1] // q.shape[1]
+    S = np.array(state, dtype=dt)                                           # [Hv, dk, dv]
+    o = np.empty(v.shape, dtype=dt)
+    for t in range(v.shape[0]):
+        q_t, k_t = (np.repeat(np.asarray(x[t], dtype=dt), group, axis=0) for x in (q, k))
+        S = np.exp(np.asarray(g[t], dtype=dt))[:, None, None] * S           # S <- alpha S
+        r = np.einsum("hk,hkv->hv", k_t, S)                                 # S^T k
+        delta = np.asarray(beta[t], dtype=dt)[:, None] * (v[t] - r)         # [Hv, dv]
+        S = S + k_t[:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hk,hkv->hv", q_t, S)                              # S^T q
+    return o, S
+
+
+def chunked_reference(q, k, v, g, beta, state, chunk=64):
+    """The same result as `reference` by the chunked UT/WY form (MODEL.md §6, chunked prefill)."""
+    dt = np.result_type(q, k, v, g, beta, state, np.float32)
+    T, Hv = v.shape[:2]
+    group = Hv // q.shape[1]
+    q, k = (np.repeat(np.asarray(x, dtype=dt), group, axis=1) for x in (q, k))  # [T, Hv, dk]
+    q, k, v, g, beta = (stages.to_chunks(np.asarray(x, dtype=dt), chunk)
+                        for x in (q, k, v, g, beta))
+    gamma = stages.chunk_cumsum(g)                                          # [Hv, N, C]
+    w, u = stages.wy_representation(k, v, beta, gamma)
+    h, v_new, new_state = stages.chunk_states(k, w, u, gamma, np.asarray(state, dtype=dt))
+    o = stages.chunk_output(q, k, v_new, h, gamma)                          # [Hv, N, C, dv]
+    return stages.from_chunks(o, T), new_state
+
+
+# --- CPU ----------------------------------------------------------------------------------------
+
+@kernel
+def _gates(a, b, A_log, dt_bias, g, beta):
+    T, Hv = a.shape
+    for t in range(T):
+        for h in range(Hv):
+            x = a[t, h] + dt_bias[h]
+            softplus = max(x, np.float32(0)) + np.log1p(np.exp(-abs(x)))  # exact for large |x|
+            g[t, h] = -np.exp(A_log[h]) * softplus
+            beta[t, h] = 1 / (1 + np.exp(-b[t, h]))
+
+
+def gates_cpu(a, b, A_log, dt_bias, out=None):
+    """fp32 `gates_reference`; `out` is a (g, beta) pair of [T, Hv] buffers."""
+    op = "gated_delta.gates"
+    T, Hv = check_array(op, "a", a, np.float32, ndim=2).shape
+    check_array(op, "b", b, np.float32, (T, Hv))
+    check_array(op, "A_log", A_log, np.float32, (Hv,))
+    check_array(op, "dt_bias", dt_bias, np.float32, (Hv,))
+    g_out, beta_out = (None, None) if out is None else out
+    g, beta = output(op, g_out, (T, Hv)), output(op, beta_out, (T, Hv))
+    _gates(a, b, A_log, dt_bias, g, beta)
+    return g, beta
+
+
+@kernel(parallel=True)
+def _recurrent(q, k, v, g, beta, state, o):
+    """One thread per value head, the tokens in order. Per token, two sweeps of the head's
+    64 KiB state: one reads S^T k and S^T q together, one writes S <- alpha S + k delta^T. The
+    output needs no third sweep: o = S_new^T q = alpha S^T q + (k.q) delta."""
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    group = Hv // Hk
+    deltas = np.empty((Hv, dv), dtype=np.float32)
+    for h in prange(Hv):
+        hk = h // group
+        S = state[h]                                                        # [dk, dv]
+        delta = deltas[h]
+        for t in range(T):
+            alpha = np.exp(g[t, h])
+            o_t = o[t, h]
+            delta[:] = 0
+            o_t[:] = 0
+            kq = np.float32(0)
+            for i in range(dk):
+                k_i = k[t, hk, i]
+                q_i = q[t, hk, i]
+                kq += k_i * q_i
+                for j in range(dv):
+                    delta[j] += S[i, j] * k_i                               # S^T k
+                    o_t[j] += S[i, j] * q_i                                 # S^T q
+            for j in range(dv):
+                delta[j] = beta[t, h] * (v[t, h, j] - alpha * delta[j])
+                o_t[j] = alpha * o_t[j] + kq * delta[j]
+            for i in range(dk):
+                k_i = k[t, hk, i]
+                for j in range(dv):
+                    S[i, j] = alpha * S[i, j] + k_i * delta[j]
+
+
+def cpu(q, k, v, g, beta, state, out=None):
+    """fp32 `reference`, updating `state` in place; returns (o, state)."""
+    op = "gated_delta"
+    T, Hv, dv = check_array(op, "v", v, np.float32, ndim=3).shape
+    Hk, dk = check_array(op, "q", q, np.float32, (T, None, None)).shape[1:]
+    check_array(op, "k", k, np.float32, (T, Hk, dk))
+    check_array(op, "g", g, np.float32, (T, Hv))
+    check_array(op, "beta", beta, np.float32, (T, Hv))
+    check_array(op, "state", state, np.float32, (Hv, dk, dv))
+    if Hk == 0 or Hv % Hk:
+        raise FermijitError(f"{op}: {Hv} value heads is not a multiple of {Hk} key heads")
+    if not state.flags.writeable:
+        raise FermijitError(f"{op}: state is read-only")
+    o = output(op, out, (T, Hv, dv))
+    _recurrent(q, k, v, g, beta, state, o)
+    return o, state
