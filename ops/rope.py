@@ -1,0 +1,91 @@
+"""Partial rotate-half RoPE on the first R dims of each head (MODEL.md §5.4).
+
+For j < R/2, with inv_j = theta^(-2j/R) and angle a = position · inv_j, the pair (j, j + R/2)
+turns by a:  [x_j; x_{j+R/2}] -> [x_j cos a - x_{j+R/2} sin a; x_{j+R/2} cos a + x_j sin a].
+Dims R..D-1 pass through. The real model: theta 1e7, D 256, R 64. For text, interleaved MRoPE
+uses the token index on all three axes, so it is exactly this 1-D form.
+
+Angles are computed in fp64 and the rotation in fp32. (transformers computes the angles in fp32,
+which at positions near 2.6e5 is off by up to ~1e-2 rad; near the start the two agree to ~1e-5.)
+Dimensions: T tokens, H heads, D head dim, R rotary dims.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import prange
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+
+# Threads start at this many elements of x: a decode call ([1, 18, 256], 32 sin/cos pairs) takes
+# a few microseconds, less than the omp start-up (~30 us, notes/cpu-kernels.md §5).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
+def reference(x, positions, rotary_dim, theta):
+    """x [T, H, D] fp32, positions int64 [T] -> y [T, H, D] fp32."""
+    half = rotary_dim // 2
+    inv = theta ** (-2.0 * np.arange(half) / rotary_dim)                 # [R/2]
+    angle = positions.astype(np.float64)[:, None, None] * inv            # [T, 1, R/2]
+    y = x.astype(np.float64)
+    a, b = y[..., :half].copy(), y[..., half:rotary_dim].copy()          # [T, H, R/2]
+    y[..., :half] = a * np.cos(angle) - b * np.sin(angle)
+    y[..., half:rotary_dim] = b * np.cos(angle) + a * np.sin(angle)
+    return y.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
+    """inv_j [R/2] fp64, made once per (R, theta) so decode allocates nothing per token."""
+    inv = theta ** (-2.0 * np.arange(rotary_dim // 2) / rotary_dim)
+    inv.flags.writeable = False
+    return inv
+
+
+def _rope_tokens(x, positions, inv_freq, out, is_in_place):  # x, out [T, H, D]; inv_freq [R/2]
+    n_tokens, n_heads, d = x.shape
+    half = inv_freq.shape[0]
+    for t in prange(n_tokens):
+        pos = np.float64(positions[t])
+        for j in range(half):
+            angle = pos * inv_freq[j]
+            c = np.float32(math.cos(angle))
+            s = np.float32(math.sin(angle))
+            for h in range(n_heads):
+                a = x[t, h, j]
+                b = x[t, h, j + half]
+                out[t, h, j] = a * c - b * s
+                out[t, h, j + half] = b * c + a * s
+        if not is_in_place:
+            for h in range(n_heads):
+                for i in range(2 * half, d):
+                    out[t, h, i] = x[t, h, i]
+
+
+_rope_serial = kernel(_rope_tokens)
+_rope_parallel = kernel(parallel=True, variant="parallel")(_rope_tokens)
+
+
+def cpu(x, positions, rotary_dim, theta, out=None):
+    """x [T, H, D] fp32, positions int64 [T] -> y [T, H, D] fp32. `out=x` rotates in place."""
+    op = "rope"
+    check_array(op, "x", x, np.float32, ndim=3)
+    n_tokens, _, d = x.shape
+    check_array(op, "positions", positions, np.int64, (n_tokens,))
+    if not (isinstance(rotary_dim, (int, np.integer)) and 0 < rotary_dim <= d
+            and rotary_dim % 2 == 0):
+        raise FermijitError(f"{op}: rotary_dim must be even and in (0, {d}], got {rotary_dim!r}")
+    if not (math.isfinite(theta) and theta > 0.0):
+        raise FermijitError(f"{op}: theta must be positive and finite, got {theta!r}")
+    out = output(op, out, x.shape)
+    is_in_place = out.ctypes.data == x.ctypes.data
+    if not is_in_place and np.may_share_memory(out, x):
+        raise FermijitError(f"{op}: out overlaps x without being x")
+    tokens = _rope_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _rope_serial
+    tokens(x, positions, _inv_freq(int(rotary_dim), float(theta)), out, is_in_place)
+    return out

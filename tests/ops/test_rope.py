@@ -1,0 +1,107 @@
+"""rope.cpu against the numpy reference, and the reference against transformers (MODEL.md §5.4)."""
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.ops import rope
+from tests.numerics import assert_close, poisoned
+
+# Both sides take angles in fp64; cpu rounds cos/sin to fp32 and rotates in fp32 (two products
+# and a sum, maybe fused): a few ulps of |x|. Measured max abs error 9.5e-7 on |x| up to ~15.
+ATOL, RTOL = 2e-6, 1e-6
+# transformers takes angles in fp32: below position 512 an angle is off by up to ~6e-5 rad (a few
+# ulps of pos·inv_j), times |x| up to ~15 (measured 1.8e-4 over 200 tokens).
+ORACLE_ATOL, ORACLE_RTOL = 1e-3, 1e-5
+
+MODEL_THETA = 1e7
+CASES = {  # (T, H, D, R, theta); the last is past PARALLEL_MIN_ELEMENTS (threaded kernel)
+    "T1-H16-D256-R64": (1, 16, 256, 64, MODEL_THETA),
+    "T5-H2-D256-R64": (5, 2, 256, 64, MODEL_THETA),
+    "T63-H4-D60-R20": (63, 4, 60, 20, 1e4),
+    "T7-H3-D64-R64": (7, 3, 64, 64, 1e4),
+    "T3-H1-D10-R2": (3, 1, 10, 2, 500.0),
+    "T20-H18-D256-R64": (20, 18, 256, 64, MODEL_THETA),
+}
+
+
+def _inputs(rng, n_tokens, n_heads, d, max_position=262144):
+    x = (3 * rng.standard_normal((n_tokens, n_heads, d))).astype(np.float32)
+    positions = rng.integers(0, max_position, n_tokens).astype(np.int64)
+    positions[0] = 0  # the identity rotation
+    return x, positions
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_rope(rng, case):
+    n_tokens, n_heads, d, rotary_dim, theta = case
+    x, positions = _inputs(rng, n_tokens, n_heads, d)
+    out = poisoned(x.shape)
+    y = rope.cpu(x, positions, rotary_dim, theta, out=out)
+    assert y is out
+    expected = rope.reference(x, positions, rotary_dim, theta)
+    assert_close("rope", expected, y, ATOL, RTOL)
+    np.testing.assert_array_equal(y[0], x[0])  # position 0
+    np.testing.assert_array_equal(y[..., rotary_dim:], x[..., rotary_dim:])  # pass-through
+
+
+def test_in_place(rng):
+    x, positions = _inputs(rng, 9, 4, 256)
+    expected = rope.reference(x, positions, 64, MODEL_THETA)
+    assert rope.cpu(x, positions, 64, MODEL_THETA, out=x) is x
+    assert_close("rope in place", expected, x, ATOL, RTOL)
+
+
+def test_rotation_is_relative(rng):
+    # q at position m and k at position n: their rotary dot product depends only on m - n.
+    q, _ = _inputs(rng, 1, 1, 64)
+    k, _ = _inputs(rng, 1, 1, 64)
+
+    def dot(m, n):
+        qm = rope.cpu(q, np.array([m], np.int64), 64, MODEL_THETA)
+        kn = rope.cpu(k, np.array([n], np.int64), 64, MODEL_THETA)
+        return float(np.dot(qm.ravel().astype(np.float64), kn.ravel()))
+
+    assert_close("q.k at shifted positions", dot(10, 3), dot(100010, 100003), 1e-3, 1e-5)
+
+
+def test_reference_matches_transformers(rng):
+    torch = pytest.importorskip("torch")
+    qwen = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from transformers import Qwen3_5MoeTextConfig
+
+    n_tokens, n_heads, d = 11, 3, 256
+    config = Qwen3_5MoeTextConfig(
+        head_dim=d, rope_parameters={"rope_type": "default", "rope_theta": MODEL_THETA,
+                                     "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                     "mrope_interleaved": True})
+    x, positions = _inputs(rng, n_tokens, n_heads, d, max_position=512)
+    xt = torch.from_numpy(x).transpose(0, 1)[None]                       # [1, H, T, D]
+    cos, sin = qwen.Qwen3_5MoeTextRotaryEmbedding(config)(xt, torch.from_numpy(positions)[None])
+    expected, _ = qwen.apply_rotary_pos_emb(xt, xt, cos, sin)
+    expected = expected[0].transpose(0, 1).numpy()                       # [T, H, D]
+    assert_close("reference vs transformers", expected, rope.reference(x, positions, 64, MODEL_THETA),
+                 ORACLE_ATOL, ORACLE_RTOL)
+
+
+def test_bad_inputs():
+    x = np.zeros((4, 2, 16), np.float32)
+    positions = np.arange(4, dtype=np.int64)
+    with pytest.raises(FermijitError, match="dtype"):
+        rope.cpu(x.astype(np.float64), positions, 8, 1e4)
+    with pytest.raises(FermijitError, match="dtype"):
+        rope.cpu(x, positions.astype(np.int32), 8, 1e4)
+    with pytest.raises(FermijitError, match="shape"):
+        rope.cpu(x, positions[:3], 8, 1e4)
+    with pytest.raises(FermijitError, match="3-D"):
+        rope.cpu(x[0], positions, 8, 1e4)
+    with pytest.raises(FermijitError, match="contiguous"):
+        rope.cpu(np.zeros((4, 16, 2), np.float32).transpose(0, 2, 1), positions, 8, 1e4)
+    for rotary_dim in (0, 7, 18):
+        with pytest.raises(FermijitError, match="rotary_dim"):
+            rope.cpu(x, positions, rotary_dim, 1e4)
+    with pytest.raises(FermijitError, match="theta"):
+        rope.cpu(x, positions, 8, 0.0)
+    with pytest.raises(FermijitError, match="overlaps"):
+        big = np.zeros((5, 2, 16), np.float32)
+        rope.cpu(big[:4], positions, 8, 1e4, out=big[1:])
