@@ -1,0 +1,213 @@
+"""The Qwen3.6 text model in float64 numpy, written from MODEL.md §4-6: the spec of the engine.
+
+Short and obvious, not fast: the GDN recurrence runs token by token, attention recomputes full
+score matrices. Any number of tokens goes through `forward` with an explicit `State`, so a prompt
+is one call and a decode step is another with one token; both return logits for every token.
+Quantised weights (`QuantTensor`) are dequantised, so the same code is the reference of the
+4-bit model.
+
+Dimension legend: as model/weights.py; T tokens in this call, S cached positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fermijit.model.config import FULL_ATTENTION, TextConfig
+from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, MoeWeights,
+                                    QuantTensor, TextWeights)
+from fermijit.ops import quant
+
+L2NORM_EPS = 1e-6  # inside the root, added to the sum of squares (MODEL.md §6.4)
+
+
+@dataclasses.dataclass
+class KvCache:
+    k: np.ndarray  # [S, Hkv, D]  post-norm, post-RoPE
+    v: np.ndarray  # [S, Hkv, D]
+
+
+@dataclasses.dataclass
+class GdnState:
+    conv: np.ndarray       # [Kc-1, C]  the last pre-conv inputs, oldest first
+    recurrent: np.ndarray  # [Hv, dk, dv]
+
+
+@dataclasses.dataclass
+class State:
+    position: int                         # tokens seen so far
+    layers: list[KvCache | GdnState]      # one per layer
+
+
+def dense(w) -> np.ndarray:
+    """A weight as float64 (dequantised if it is quantised)."""
+    if isinstance(w, QuantTensor):
+        deq = quant.dequantize_q4_0 if w.kind == "q4_0" else quant.dequantize_q8_0
+        return deq(np.asarray(w.qs), np.asarray(w.d)).astype(np.float64)
+    return np.asarray(w, dtype=np.float64)
+
+
+def linear(x, w):
+    """x [..., in] · wᵀ, w [out, in]."""
+    return x @ dense(w).T
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def softplus(x):
+    return np.logaddexp(0, x)
+
+
+def rmsnorm(x, w, eps):
+    """Zero-centred RMSNorm over the last axis: the scale is 1 + w (MODEL.md §4)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + dense(w))
+
+
+def gated_rmsnorm(o, z, w, eps):
+    """GDN output norm: plain weight w, normalise first, then gate by silu(z) (MODEL.md §4)."""
+    return dense(w) * (o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps)) * silu(z)
+
+
+def rope(x, positions, rotary_dim, theta):
+    """Rotate-half RoPE on the first `rotary_dim` dims of each head; x [T, heads, D].
+    Text tokens have T=H=W positions, so interleaved MRoPE is plain 1-D RoPE (MODEL.md §5.4)."""
+    half = rotary_dim // 2
+    inv = theta ** (-np.arange(half, dtype=np.float64) * 2 / rotary_dim)   # [half]
+    angle = positions[:, None, None] * inv                               # [T, 1, half]
+    a, b, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    cos, sin = np.cos(angle), np.sin(angle)
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin, rest], axis=-1)
+
+
+def attention(x, w: AttentionWeights, cache: KvCache, positions, n_heads, n_kv_heads, head_dim,
+              rotary_dim, theta, eps):
+    """Gated GQA attention over the cache plus these tokens (MODEL.md §5); x [T, H]."""
+    T, D = x.shape[0], head_dim
+    qg = linear(x, w.q_proj).reshape(T, n_heads, 2 * D)          # per head: query | gate
+    q, gate = qg[..., :D], qg[..., D:].reshape(T, n_heads * D)
+    k = linear(x, w.k_proj).reshape(T, n_kv_heads, D)
+    v = linear(x, w.v_proj).reshape(T, n_kv_heads, D)
+    q = rope(rmsnorm(q, w.q_norm, eps), positions, rotary_dim, theta)
+    k = rope(rmsnorm(k, w.k_norm, eps), positions, rotary_dim, theta)
+    cache.k, cache.v = np.concatenate([cache.k, k]), np.concatenate([cache.v, v])
+    S = cache.k.shape[0]
+    kv = np.repeat(np.arange(n_kv_heads), n_heads // n_kv_heads)   # q head h reads kv head h//g
+    scores = np.einsum("thd,shd->hts", q, cache.k[:, kv]) / np.sqrt(D)   # [Hq, T, S]
+    is_future = np.arange(S)[None, :] > positions[:, None]               # [T, S]
+    scores = np.where(is_future, -np.inf, scores)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o = np.einsum("hts,shd->thd", p, cache.v[:, kv]).reshape(T, n_heads * D)
+    return linear(o * sigmoid(gate), w.o_proj)
+
+
+def gated_deltanet(x, w: GatedDeltaNetWeights, state: GdnState, n_key_heads, key_head_dim,
+                   value_head_dim, eps):
+    """Gated DeltaNet, recurrent form (MODEL.md §6); x [T, H]."""
+    T, dk, dv = x.shape[0], key_head_dim, value_head_dim
+    Hk, Hv = n_key_heads, dense(w.A_log).shape[0]
+    mixed = linear(x, w.in_proj_qkv)                                 # [T, C]
+    z = linear(x, w.in_proj_z).reshape(T, Hv, dv)
+    b, a = linear(x, w.in_proj_b), linear(x, w.in_proj_a)            # [T, Hv]
+    # Causal depthwise conv: the last tap multiplies the current token.
+    conv_w = dense(w.conv1d)                                         # [C, Kc]
+    Kc = conv_w.shape[1]
+    window = np.concatenate([state.conv, mixed])                      # [Kc-1+T, C]
+    c = silu(sum(conv_w[:, j] * window[j:j + T] for j in range(Kc)))
+    state.conv = window[T:]
+    q = c[:, :Hk * dk].reshape(T, Hk, dk)
+    k = c[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk)
+    v = c[:, 2 * Hk * dk:].reshape(T, Hv, dv)
+    q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + L2NORM_EPS) / np.sqrt(dk)
+    k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + L2NORM_EPS)
+    q, k = np.repeat(q, Hv // Hk, axis=1), np.repeat(k, Hv // Hk, axis=1)  # v head h: key h//g
+    beta = sigmoid(b)
+    alpha = np.exp(-np.exp(dense(w.A_log)) * softplus(a + dense(w.dt_bias)))  # decay in (0, 1)
+    S = state.recurrent                                              # [Hv, dk, dv]
+    o = np.empty((T, Hv, dv))
+    for t in range(T):
+        S = alpha[t, :, None, None] * S
+        r = np.einsum("hkv,hk->hv", S, k[t])                          # what S predicts for k
+        S = S + np.einsum("hk,hv->hkv", k[t], beta[t, :, None] * (v[t] - r))
+        o[t] = np.einsum("hkv,hk->hv", S, q[t])
+    state.recurrent = S
+    return linear(gated_rmsnorm(o, z, w.norm, eps).reshape(T, Hv * dv), w.out_proj)
+
+
+def moe(x, w: MoeWeights, top_k):
+    """Top-k routed SwiGLU experts, renormalised, plus the sigmoid-gated shared expert (§4)."""
+    logits = linear(x, w.gate)                                       # [T, E]
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    gate_up, down = dense(w.experts_gate_up), dense(w.experts_down)  # [E, 2I, H], [E, H, I]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-p[t], kind="stable")[:top_k]
+        weights = p[t, chosen] / p[t, chosen].sum()
+        for e, we in zip(chosen, weights):
+            out[t] += we * swiglu(x[t], gate_up[e], down[e])
+    shared = swiglu(x, dense(w.shared_gate_up), dense(w.shared_down))
+    return out + sigmoid(linear(x, w.shared_expert_gate)) * shared
+
+
+def swiglu(x, gate_up, down):
+    """down · (silu(g) ⊙ u) with [g; u] = gate_up · x."""
+    g, u = np.split(linear(x, gate_up), 2, axis=-1)
+    return linear(silu(g) * u, down)
+
+
+class Reference:
+    """The text model: holds the config's numbers and the weights; state is passed in and out."""
+
+    def __init__(self, cfg: TextConfig, weights: TextWeights):
+        self.w = weights
+        self.layer_types = cfg.layer_types
+        self.eps = cfg.rms_norm_eps
+        self.top_k = cfg.num_experts_per_tok
+        self.attn = dict(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
+                         head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
+                         theta=cfg.rope_parameters.rope_theta, eps=cfg.rms_norm_eps)
+        self.gdn = dict(n_key_heads=cfg.linear_num_key_heads,
+                        key_head_dim=cfg.linear_key_head_dim,
+                        value_head_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
+        self.kv_shape = (cfg.num_key_value_heads, cfg.head_dim)
+        self.gdn_shapes = ((cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+                           (cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                            cfg.linear_value_head_dim))
+
+    def new_state(self) -> State:
+        layers = [KvCache(np.zeros((0,) + self.kv_shape), np.zeros((0,) + self.kv_shape))
+                  if kind == FULL_ATTENTION else
+                  GdnState(np.zeros(self.gdn_shapes[0]), np.zeros(self.gdn_shapes[1]))
+                  for kind in self.layer_types]
+        return State(position=0, layers=layers)
+
+    def forward(self, tokens, state: State) -> np.ndarray:
+        """Logits [T, V] for `tokens` [T] following the `state.position` tokens seen; updates state."""
+        positions = np.arange(state.position, state.position + len(tokens))
+        x = embed(self.w.embed_tokens, np.asarray(tokens))                  # [T, H]
+        for w, s in zip(self.w.layers, state.layers):
+            h = x + self.mixer(rmsnorm(x, w.input_layernorm, self.eps), w.mixer, s, positions)
+            x = h + moe(rmsnorm(h, w.post_attention_layernorm, self.eps), w.mlp, self.top_k)
+        state.position += len(tokens)
+        return linear(rmsnorm(x, self.w.norm, self.eps), self.w.lm_head)
+
+    def mixer(self, x, w, s, positions):
+        if isinstance(w, AttentionWeights):
+            return attention(x, w, s, positions, **self.attn)
+        return gated_deltanet(x, w, s, **self.gdn)
+
+
+def embed(table, tokens):
+    """Rows of the embedding (only those rows are dequantised)."""
+    if isinstance(table, QuantTensor):
+        return dense(QuantTensor(table.kind, table.qs[tokens], table.d[tokens]))
+    return dense(table[tokens])
