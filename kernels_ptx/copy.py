@@ -1,0 +1,3 @@
+"""copy.ptx: a grid-stride float4 copy, the device bandwidth `bench gpu` reports."""
+
+PARAMS = {}
