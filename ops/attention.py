@@ -1,0 +1,161 @@
+"""Causal GQA attention with the sigmoid output gate, MODEL.md §5 steps 5-6.
+
+    o[t, h] = softmax_s(q[t, h] . k[h // G, s] / sqrt(D)) v[h // G, s]  over s <= start + t,
+    then o *= sigmoid(gate).
+One function serves prefill (T queries) and decode (T = 1): the queries are positions
+start..start+T-1 and the KV cache holds positions 0..S-1 with S >= start + T.
+
+Letters: T queries, Hq query heads, Hkv kv heads, G = Hq/Hkv queries per kv head, D head dim,
+S cache length (the cache may be longer than the keys used), L = start + T keys used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numba
+from numba import prange
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+
+
+def reference(q, k, v, gate, start):
+    """q, gate [T, Hq, D]; k, v [Hkv, S, D]; start >= 0 -> o [T, Hq, D], fp32 or wider."""
+    dt = np.result_type(q, k, v, gate, np.float32)
+    T, Hq, D = q.shape
+    L = start + T
+    kv_head = np.arange(Hq) // (Hq // k.shape[0])                     # query head h -> h // G
+    keys = np.asarray(k, dtype=dt)[kv_head, :L]                       # [Hq, L, D]
+    values = np.asarray(v, dtype=dt)[kv_head, :L]
+    scores = np.einsum("thd,hsd->ths", np.asarray(q, dtype=dt), keys) / np.sqrt(D)  # [T, Hq, L]
+    causal = np.arange(L)[None, :] <= start + np.arange(T)[:, None]   # [T, L]
+    scores = np.where(causal[:, None, :], scores, -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o = np.einsum("ths,hsd->thd", p, values)
+    return o * np.exp(-np.logaddexp(0, -np.asarray(gate, dtype=dt)))  # sigmoid(gate)
+
+
+# --- CPU ----------------------------------------------------------------------------------------
+
+# Keys per online-softmax step: the [G, BLOCK] scores of one step stay in L1.
+BLOCK = 64
+# Decode splits the keys of a head into ranges that threads process apart and `_combine` merges
+# (flash-decoding): with Hkv = 2 there are too few heads to occupy the cores otherwise. A range
+# shorter than this costs more in set-up and merging than it saves.
+SPLIT_MIN_KEYS = 256
+
+
+def _n_splits(n_items: int, n_keys: int, n_threads: int) -> int:
+    """Key ranges per (query, kv head) item: enough for two items per thread, if long enough."""
+    wanted = -(-2 * n_threads // max(n_items, 1))
+    return max(1, min(wanted, n_keys // SPLIT_MIN_KEYS))
+
+
+@kernel(parallel=True)
+def _attend(q, k, v, start, acc, m, l):
+    """Unnormalised partial attention of each (query, kv head, key range) item, for the G query
+    heads sharing the kv head, so each key and value row is read once per item:
+    acc [n_split, T, Hq, D] = sum_s e^(score - m) v_s, m [n_split, T, Hq] the running max of the
+    scores and l the sum of e^(score - m). An empty key range leaves m = -inf, l = 0, acc = 0."""
+    n_split, T, Hq, D = acc.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    span = (start + T + n_split - 1) // n_split
+    scale = np.float32(1 / np.sqrt(D))
+    for item in prange(T * Hkv * n_split):
+        split = item % n_split
+        hkv = (item // n_split) % Hkv
+        # Pairs (t, T-1-t) are adjacent, so every contiguous run of items has the same causal
+        # work: numba's prange hands each thread a contiguous run.
+        rank = item // (n_split * Hkv)
+        t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
+        j0 = split * span
+        j1 = min(start + t + 1, j0 + span)
+        h0 = hkv * G
+        a = acc[split, t, h0:h0 + G]                                  # [G, D]
+        m_t = m[split, t, h0:h0 + G]                                  # [G]
+        l_t = l[split, t, h0:h0 + G]
+        a[:] = 0
+        m_t[:] = -np.inf
+        l_t[:] = 0
+        p = np.empty((G, BLOCK), dtype=np.float32)                    # scores, then weights
+        for jb in range(j0, j1, BLOCK):
+            n = min(BLOCK, j1 - jb)
+            for j in range(n):
+                for g in range(G):
+                    s = np.float32(0)
+                    for d in range(D):
+                        s += q[t, h0 + g, d] * k[hkv, jb + j, d]
+                    p[g, j] = s * scale
+            for g in range(G):
+                m_new = m_t[g]
+                for j in range(n):
+                    m_new = max(m_new, p[g, j])
+                rescale = np.exp(m_t[g] - m_new)
+                total = np.float32(0)
+                for j in range(n):
+                    p[g, j] = np.exp(p[g, j] - m_new)
+                    total += p[g, j]
+                l_t[g] = l_t[g] * rescale + total
+                m_t[g] = m_new
+                if rescale != 1:
+                    for d in range(D):
+                        a[g, d] *= rescale
+            for j in range(n):
+                for g in range(G):
+                    w = p[g, j]
+                    for d in range(D):
+                        a[g, d] += w * v[hkv, jb + j, d]
+
+
+@kernel(parallel=True)
+def _combine(acc, m, l, gate, o):
+    """o = (sum over key ranges of acc, each rescaled to the common max) / l * sigmoid(gate).
+    `acc` may be `o` itself (one key range): each element is read before it is written."""
+    n_split, T, Hq, D = acc.shape
+    for th in prange(T * Hq):
+        t = th // Hq
+        h = th % Hq
+        m_max = m[0, t, h]
+        for s in range(1, n_split):
+            m_max = max(m_max, m[s, t, h])
+        total = np.float32(0)
+        for s in range(n_split):
+            total += np.exp(m[s, t, h] - m_max) * l[s, t, h]
+        w = np.exp(m[0, t, h] - m_max) / total
+        for d in range(D):
+            o[t, h, d] = w * acc[0, t, h, d]
+        for s in range(1, n_split):
+            w = np.exp(m[s, t, h] - m_max) / total
+            for d in range(D):
+                o[t, h, d] += w * acc[s, t, h, d]
+        for d in range(D):
+            o[t, h, d] *= 1 / (1 + np.exp(-gate[t, h, d]))
+
+
+def cpu(q, k, v, gate, start, out=None):
+    """fp32 `reference`. Allocates only scratch: per-head maxima and sums, the [G, BLOCK] scores
+    of each item, and for split decode the partial outputs [n_split, T, Hq, D]."""
+    op = "attention"
+    T, Hq, D = check_array(op, "q", q, np.float32, ndim=3).shape
+    Hkv, S = check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
+    check_array(op, "v", v, np.float32, (Hkv, S, D))
+    check_array(op, "gate", gate, np.float32, (T, Hq, D))
+    if Hkv == 0 or Hq % Hkv:
+        raise FermijitError(f"{op}: {Hq} query heads is not a multiple of {Hkv} kv heads")
+    if not isinstance(start, (int, np.integer)) or start < 0 or start + T > S:
+        raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
+                            f"start + T positions, have {S}")
+    o = output(op, out, (T, Hq, D))
+    n_split = _n_splits(T * Hkv, start + T, numba.get_num_threads())
+    if n_split == 1:
+        acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
+    else:
+        acc = np.empty((n_split, T, Hq, D), dtype=np.float32)
+    m = np.empty((n_split, T, Hq), dtype=np.float32)
+    l = np.empty((n_split, T, Hq), dtype=np.float32)
+    _attend(q, k, v, int(start), acc, m, l)
+    _combine(acc, m, l, gate, o)
+    return o
