@@ -1,0 +1,91 @@
+"""Causal depthwise conv1d + SiLU over the GDN's mixed qkv channels (MODEL.md §6.2).
+
+    y[t, c] = silu(Σ_{j<K} w[c, j] · x̃[t + j, c])      x̃ = [state (K-1 inputs, oldest first); x]
+
+The last tap (j = K-1) multiplies the current token. `state` holds the previous K-1 inputs of each
+channel (zeros at the start of a sequence); afterwards it holds the last K-1 rows of x̃. HF keeps
+K columns of conv state; only the last K-1 matter, since the new token supplies the K-th tap.
+Dimensions: T tokens, C channels (8192 = q 2048 | k 2048 | v 4096), K taps (4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+
+# Threads over channel blocks from this many elements of x. Every element costs an expf (~5 ns,
+# not vectorised: a decode token of 8192 channels takes ~40 us), so two tokens already outweigh
+# the omp start-up (~30 us, notes/cpu-kernels.md §5).
+PARALLEL_MIN_ELEMENTS = 1 << 14
+# Channels per block: the block's taps (4 KiB) and state rows (3 KiB) stay in L1 while t advances.
+CHANNEL_BLOCK = 256
+
+
+def reference(x, w, state):
+    """x [T, C], w [C, K], state [C, K-1] fp32 -> (y [T, C], new_state [C, K-1]) fp32."""
+    k = w.shape[1]
+    xx = np.concatenate([state.T, x]).astype(np.float64)                # [K-1+T, C]
+    n_tokens = x.shape[0]
+    pre = sum(w[:, j].astype(np.float64) * xx[j:j + n_tokens] for j in range(k))  # [T, C]
+    y = pre / (1.0 + np.exp(-pre))
+    return y.astype(np.float32), np.ascontiguousarray(xx[n_tokens:].T, dtype=np.float32)
+
+
+@kernel
+def _silu(v):
+    # exp(-v) overflows to inf for v < -88: silu is then -0, not NaN.
+    return v / (np.float32(1.0) + np.exp(-v))
+
+
+def _conv_tokens(x, w, state, out):  # x, out [T, C]; w [C, K]; state [C, K-1]
+    # The decode step applied token after token, the state row as the sliding window. Blocks of
+    # channels keep their taps and state rows in L1 while t advances; rows of x stream in order.
+    n_tokens, n_channels = x.shape
+    k = w.shape[1]
+    n_blocks = (n_channels + CHANNEL_BLOCK - 1) // CHANNEL_BLOCK
+    for b in prange(n_blocks):
+        for t in range(n_tokens):
+            for c in range(b * CHANNEL_BLOCK, min((b + 1) * CHANNEL_BLOCK, n_channels)):
+                xc = x[t, c]
+                acc = w[c, k - 1] * xc
+                for j in range(k - 1):
+                    acc += w[c, j] * state[c, j]
+                for j in range(k - 2):
+                    state[c, j] = state[c, j + 1]
+                state[c, k - 2] = xc
+                out[t, c] = _silu(acc)
+
+
+_conv_serial = kernel(_conv_tokens)
+_conv_parallel = kernel(parallel=True, variant="parallel")(_conv_tokens)
+
+
+def cpu(x, w, state, out=None):
+    """x [T, C], w [C, K], state [C, K-1] fp32 -> (y [T, C], state). Updates `state` in place.
+
+    `out` may be `x` (each input is read, into the state, before its output is written).
+    """
+    op = "conv1d"
+    check_array(op, "x", x, np.float32, ndim=2)
+    n_tokens, n_channels = x.shape
+    check_array(op, "w", w, np.float32, (n_channels, None))
+    k = w.shape[1]
+    if k < 2:
+        raise FermijitError(f"{op}: needs at least 2 taps, got w of shape {list(w.shape)}")
+    check_array(op, "state", state, np.float32, (n_channels, k - 1))
+    if not state.flags.writeable:
+        raise FermijitError(f"{op}: state is read-only (it is updated in place)")
+    out = output(op, out, x.shape)
+    is_in_place = out.ctypes.data == x.ctypes.data
+    if (not is_in_place and np.may_share_memory(out, x)) or np.may_share_memory(state, x) \
+            or np.may_share_memory(state, out):
+        raise FermijitError(f"{op}: state, x and out must not overlap (out may be x itself)")
+    tokens = _conv_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _conv_serial
+    tokens(x, w, state, out)
+    return out, state
