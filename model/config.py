@@ -31,7 +31,9 @@ class RopeParameters:
     rope_theta: float = 10000.0  # transformers' fallback; the real model says 1e7 (MODEL.md §2)
     partial_rotary_factor: float = 0.25
     rope_type: str = "default"
-    mrope_section: tuple[int, ...] = (11, 11, 10)  # modeling's default when absent
+    # Text tokens have T=H=W positions, so MRoPE is 1-D RoPE for text (MODEL.md §5.4); the
+    # section only matters for images. (11, 11, 10) is the modeling code's default when absent.
+    mrope_section: tuple[int, ...] = (11, 11, 10)
     mrope_interleaved: bool = True
 
 
@@ -238,10 +240,6 @@ def _validate_text(c: TextConfig, where: str) -> None:
     need(0 < rope.partial_rotary_factor <= 1 and c.rotary_dim % 2 == 0,
          f"partial_rotary_factor {rope.partial_rotary_factor} gives an odd rotary dim")
     need(rope.rope_theta > 0, "rope_theta must be positive")
-    # Text positions use T=H=W, so the section only matters for images; it must still tile.
-    need(sum(rope.mrope_section) == c.rotary_dim // 2,
-         f"mrope_section {list(rope.mrope_section)} does not sum to rotary_dim/2 = "
-         f"{c.rotary_dim // 2}")
 
 
 def _build(cls, fields: dict, where: str, **fixed):
