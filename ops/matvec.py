@@ -37,7 +37,10 @@ from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops.quant import BLOCK
 
 VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
-PREFETCH_BYTES = 2048      # ahead of the weight stream; 1-2 KB was best cold (notes §5)
+# Software prefetch runs this many row tiles ahead. A tile's rows are adjacent in memory, so the
+# same offset in a later tile is one contiguous stream (a fixed 2 KB, best in notes §5 for one
+# long row, falls inside the current tile when a row is only 1 KB: K=2048).
+PREFETCH_TILES = 2
 GEMV_TILE = (4, 1)         # rows x tokens
 GEMM_TILE = (2, 4)
 
@@ -180,6 +183,8 @@ def _make_tile(v: Vec, n_rows: int, n_tok: int):
             tail = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
                      for _ in range(n_tok)] for _ in range(n_rows)]
 
+            qs_ahead = builder.mul(qs_stride, c(PREFETCH_TILES * n_rows))
+            d_ahead = builder.mul(nb, c(2 * PREFETCH_TILES * n_rows))
             n_steps = builder.udiv(nb, c(bps))
             with cgutils.for_range(builder, n_steps) as loop:
                 s = loop.index
@@ -191,8 +196,8 @@ def _make_tile(v: Vec, n_rows: int, n_tok: int):
                 for i in range(n_rows):
                     for line in range(0, bps * 16, 64):
                         simd.prefetch(builder, qs_row[i],
-                                      builder.add(qs_off, c(PREFETCH_BYTES + line)))
-                    simd.prefetch(builder, d_row[i], builder.add(d_off, c(PREFETCH_BYTES // 8)))
+                                      builder.add(builder.add(qs_off, qs_ahead), c(line)))
+                    simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
                     regs = [simd.load(builder, qs_row[i], builder.add(qs_off, c(j * w)),
                                       vec(I8, w)) for j in range(VECTORS_PER_STEP)]
                     weights.append([simd.nibbles(builder, q) for q in regs])

@@ -36,6 +36,9 @@ class Isa(enum.Enum):
 # Best first: the default is the first variant whose features the CPU has all of.
 PREFERENCE = (Isa.AVX512VNNI, Isa.AVX2, Isa.SSSE3)
 WESTMERE = "westmere"
+# What LLVM's `westmere` CPU implies when NUMBA_CPU_FEATURES is empty (no AVX, no F16C).
+WESTMERE_FEATURES = frozenset({"sse", "sse2", "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt",
+                               "cx16", "sahf", "fxsr", "mmx", "pclmul"})
 
 # Listed by `info`; the rest of the host's feature flags are noise for this project.
 SHOWN_FEATURES = ("sse2", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "f16c", "fma", "avx2",
@@ -53,7 +56,8 @@ def target_features() -> frozenset[str]:
     """The features Numba will generate code for: the host's, unless forced (NUMBA_CPU_*)."""
     if numba_config.CPU_FEATURES is None:
         return host_features()
-    return frozenset(f[1:] for f in numba_config.CPU_FEATURES.split(",") if f.startswith("+"))
+    forced = frozenset(f[1:] for f in numba_config.CPU_FEATURES.split(",") if f.startswith("+"))
+    return forced | (WESTMERE_FEATURES if target_cpu_name() == WESTMERE else frozenset())
 
 
 def target_cpu_name() -> str:

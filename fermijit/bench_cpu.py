@@ -1,0 +1,169 @@
+"""`python -m fermijit bench kernels`: the CPU kernels against this machine's read bandwidth.
+
+Everything is measured in one run and reported as ratios, because this class of machine is noisy
+(±20-30 % between runs: notes §4). "Cold" weight sets are larger than the last-level cache
+(>= 1 GiB by default) and are walked matrix by matrix, as decode walks a model's layers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fermijit.jit import cpu, simd
+from fermijit.jit.simd import I8, I64, vec
+from fermijit.ops import matvec, quant
+
+GEMV_SHAPES = ((2048, 2048), (512, 2048), (4096, 2048))  # rows x K
+GEMM_TOKENS = 512
+GEMM_SHAPE = (2048, 2048)
+REPEATS = 3  # best of: the least disturbed pass
+PREFETCH_BYTES = 2048  # the read probe streams one long run: 1-2 KB ahead was best (notes §5)
+
+
+def _make_read_probe(v: simd.Vec):
+    """Stream bytes [start, stop) through 4 vector registers (xor, so nothing is computed that
+    could bound the loop) with the same software prefetch as the GEMV."""
+    step = 4 * v.nbytes
+
+    @intrinsic
+    def read_probe(typingctx, buf, start, stop):
+        sig = types.int64(buf, start, stop)
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            start_v, stop_v = args[1], args[2]
+            vty = vec(I64, v.nbytes // 8)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vty, None)) for _ in range(4)]
+            n = builder.udiv(builder.sub(stop_v, start_v), ir.Constant(I64, step))
+            with cgutils.for_range(builder, n) as loop:
+                off = builder.add(start_v, builder.mul(loop.index, ir.Constant(I64, step)))
+                for line in range(0, step, 64):
+                    simd.prefetch(builder, data, builder.add(off, ir.Constant(
+                        I64, PREFETCH_BYTES + line)))
+                for j, acc in enumerate(accs):
+                    x = simd.load(builder, data, builder.add(off, ir.Constant(I64, j * v.nbytes)),
+                                  vec(I8, v.nbytes))
+                    builder.store(builder.xor(builder.load(acc), builder.bitcast(x, vty)), acc)
+            total = builder.xor(builder.xor(builder.load(accs[0]), builder.load(accs[1])),
+                                builder.xor(builder.load(accs[2]), builder.load(accs[3])))
+            return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
+
+        return sig, codegen
+
+    return read_probe
+
+
+def _read_body(buf, n_chunks):
+    chunk = buf.size // n_chunks
+    out = 0
+    for c in prange(n_chunks):
+        out += probe(buf, c * chunk, (c + 1) * chunk) & 1  # keeps the loads alive
+    return out
+
+
+def _best_seconds(fn, repeats=REPEATS) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@dataclass
+class Row:
+    what: str
+    variant: str
+    threads: int
+    value: float
+    unit: str
+    ratio: float | None = None  # of the read bandwidth with the same threads
+
+
+def _read_bandwidth(isa, buf, threads_list) -> dict[int, float]:
+    reader = cpu.kernel(_read_body, parallel=True, variant=isa.label,
+                        probe=_make_read_probe(simd.VEC_OF[isa]))
+    bw = {}
+    for n in threads_list:
+        numba.set_num_threads(n)
+        reader(buf, n * 8)
+        bw[n] = buf.nbytes / _best_seconds(lambda: reader(buf, n * 8)) / 1e9
+    return bw
+
+
+def _cold_set(rows, k, nbytes, rng):
+    """Distinct Q4_0 matrices totalling >= nbytes (random bytes: the speed does not depend on
+    the values, and quantising a GiB would take longer than the benchmark)."""
+    per = rows * k // 2 + rows * k // 32 * 2
+    count = max(2, -(-nbytes // per))
+    mats = []
+    for _ in range(count):
+        qs = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+        d = rng.uniform(0.001, 0.01, (rows, k // quant.BLOCK)).astype(np.float16)
+        mats.append((qs, d))
+    return mats, count * per
+
+
+def run(as_json: bool, n_threads: int | None, gib: float) -> None:
+    n_all = cpu.configure_threads(n_threads)
+    threads_list = sorted({1, n_all})
+    nbytes = int(gib * 2 ** 30)
+    rng = np.random.default_rng(0)
+    best_isa = cpu.selected_isa()
+    isas = [i for i in cpu.variants_up_to(best_isa)]
+    rows: list[Row] = []
+
+    buf = np.ones(nbytes, np.uint8)
+    bw = _read_bandwidth(best_isa, buf, threads_list)
+    del buf
+    for n, gbs in bw.items():
+        rows.append(Row("read bandwidth", best_isa.label, n, gbs, "GB/s", 1.0))
+
+    numba.set_num_threads(n_all)
+    for r, k in GEMV_SHAPES:
+        mats, total = _cold_set(r, k, nbytes, rng)
+        x = rng.standard_normal(k).astype(np.float32)
+        y = np.empty(r, np.float32)
+        for isa in isas:
+            act = matvec.quantize_act(x, isa)
+            matvec.cpu(*mats[0], act, out=y, isa=isa)
+
+            def walk():
+                for qs, d in mats:
+                    matvec.cpu(qs, d, act, out=y, isa=isa)
+            gbs = total / _best_seconds(walk) / 1e9
+            rows.append(Row(f"gemv {r}x{k} cold", isa.label, n_all, gbs, "GB/s", gbs / bw[n_all]))
+        del mats
+
+    r, k = GEMM_SHAPE
+    qs = rng.integers(0, 256, (r, k // 2), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.01, (r, k // quant.BLOCK)).astype(np.float16)
+    x = rng.standard_normal((GEMM_TOKENS, k)).astype(np.float32)
+    y = np.empty((GEMM_TOKENS, r), np.float32)
+    for isa in isas:
+        act = matvec.quantize_act(x, isa)
+        matvec.cpu(qs, d, act, out=y, isa=isa)
+        secs = _best_seconds(lambda: matvec.cpu(qs, d, act, out=y, isa=isa))
+        rows.append(Row(f"gemm {GEMM_TOKENS}x{r}x{k}", isa.label, n_all,
+                        2 * GEMM_TOKENS * r * k / secs / 1e9, "GFLOP/s"))
+
+    report = {"cpu": cpu.target_cpu_name(), "threads": n_all, "cold_set_bytes": nbytes,
+              "rows": [asdict(row) for row in rows]}
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"cpu {report['cpu']}, {n_all} threads, cold sets of {nbytes / 2 ** 30:.2f} GiB")
+    print(f"{'benchmark':<24} {'variant':<11} {'thr':>3} {'value':>9}  {'unit':<8} {'of read bw':>10}")
+    for row in rows:
+        ratio = "" if row.ratio is None else f"{100 * row.ratio:9.1f}%"
+        print(f"{row.what:<24} {row.variant:<11} {row.threads:>3} {row.value:9.2f}  "
+              f"{row.unit:<8} {ratio:>10}")

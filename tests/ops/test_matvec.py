@@ -1,0 +1,88 @@
+"""W4A8 GEMV/GEMM: every ISA variant this CPU runs against the exact-integer reference."""
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.jit import cpu
+from fermijit.ops import matvec, quant
+from tests.numerics import assert_close, poisoned
+
+ISAS = [i for i in cpu.variants_up_to(cpu.selected_isa())]
+# The kernel sums each block exactly in integers; what remains is fp32 rounding of one
+# multiply-add per block and of the final horizontal sum: a few ulps of the row's scale.
+RTOL = 1e-5
+# (rows, K, tokens): ragged rows (tails of the 4-row tile), K whose block count is not a whole
+# step for any ISA (tail blocks), and the GEMM's token tail.
+SHAPES = {"R1-K32-T1": (1, 32, 1), "R5-K96-T1": (5, 96, 1), "R8-K512-T1": (8, 512, 1),
+          "R33-K1056-T1": (33, 1056, 1), "R7-K544-T5": (7, 544, 5), "R12-K2048-T9": (12, 2048, 9)}
+
+
+def _weights(rng, rows, k):
+    w = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.01, 2)
+    return quant.quantize_q4_0(w)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_matches_reference(rng, isa, shape):
+    rows, k, n_tok = shape
+    qs, d = _weights(rng, rows, k)
+    x = rng.standard_normal((n_tok, k) if n_tok > 1 else k).astype(np.float32)
+    out = poisoned((n_tok, rows) if n_tok > 1 else rows)
+    y = matvec.cpu(qs, d, x, out=out, isa=isa)
+    assert y is out
+    expected = matvec.reference(qs, d, x)
+    assert_close(f"matvec[{isa.label}]", expected, y, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+def test_integer_block_sums_are_exact(rng):
+    """With every scale 1, each output is an integer the kernel must hit exactly."""
+    rows, k = 9, 640
+    qs = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
+    d = np.ones((rows, k // 32), np.float16)
+    x = rng.integers(-127, 128, k).astype(np.float32)
+    x[::32] = 127  # every block's max is 127, so dx = 1 and xq = x exactly
+    q = np.concatenate([qs.reshape(rows, -1, 16) & 15, qs.reshape(rows, -1, 16) >> 4], axis=-1)
+    exact = ((q.astype(np.int64) - 8).reshape(rows, k) * x.astype(np.int64)).sum(axis=1)
+    for isa in ISAS:
+        np.testing.assert_array_equal(matvec.cpu(qs, d, x, isa=isa), exact.astype(np.float32))
+
+
+def test_prepared_activations_are_reused(rng):
+    qs, d = _weights(rng, 16, 256)
+    x = rng.standard_normal(256).astype(np.float32)
+    act = matvec.quantize_act(x)
+    out = poisoned(16)
+    matvec.cpu(qs, d, act, out=out)
+    assert_close("matvec(Q8Act)", matvec.reference(qs, d, x), out, atol=1e-4, rtol=RTOL)
+
+
+def test_q4_tensor_close_to_float_product(rng):
+    """Sanity of the whole W4A8 scheme: near the fp32 product of the dequantised weights."""
+    qs, d = _weights(rng, 64, 1024)
+    x = rng.standard_normal(1024).astype(np.float32)
+    exact = quant.dequantize_q4_0(qs, d) @ x
+    # Q8 activations: relative error ~ 1/127/sqrt(3) per element, averaging over K.
+    assert_close("w4a8 vs fp32", exact, matvec.cpu(qs, d, x), atol=0.02 * np.abs(exact).max(), rtol=0)
+
+
+def test_bad_inputs(rng):
+    qs, d = _weights(rng, 4, 64)
+    x = rng.standard_normal(64).astype(np.float32)
+    with pytest.raises(FermijitError, match="x has 32 inputs, weights have 64"):
+        matvec.cpu(qs, d, x[:32])
+    with pytest.raises(FermijitError, match="dtype float64"):
+        matvec.cpu(qs, d, x.astype(np.float64))
+    with pytest.raises(FermijitError, match="qs has shape"):
+        matvec.cpu(qs[:, :16].copy(), d, x)
+    with pytest.raises(FermijitError, match="C-contiguous"):
+        matvec.cpu(qs, d, np.stack([x, x], axis=1)[:, 0])
+    with pytest.raises(FermijitError, match="out has shape"):
+        matvec.cpu(qs, d, x, out=np.empty(5, np.float32))
+    with pytest.raises(FermijitError, match="whole 32-blocks"):
+        matvec.quantize_act(np.zeros(40, np.float32))
+    if len(ISAS) > 1:
+        act = matvec.quantize_act(x, ISAS[-1])
+        with pytest.raises(FermijitError, match="laid out for"):
+            matvec.cpu(qs, d, act, isa=ISAS[0])
