@@ -1,0 +1,162 @@
+"""Our safetensors reader and writer, against the `safetensors` package and against bad files."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from fermijit import FermijitError
+from fermijit.model.safetensors_io import (Checkpoint, SafetensorsFile, SafetensorsWriter,
+                                           bf16_to_f32, f32_to_bf16, save_file)
+
+
+def sample(rng) -> dict[str, np.ndarray]:
+    return {"w": rng.standard_normal((5, 7), dtype=np.float32),
+            "h": rng.standard_normal(9).astype(np.float16),
+            "q": rng.integers(0, 256, (3, 16), dtype=np.uint8),
+            "i": rng.integers(-128, 128, 33, dtype=np.int8),
+            "empty": np.zeros((0, 4), np.float32)}
+
+
+def test_reads_files_the_package_writes(tmp_path, rng):
+    tensors = sample(rng)
+    safetensors.numpy.save_file(tensors, tmp_path / "a.safetensors", metadata={"format": "np"})
+    f = SafetensorsFile(tmp_path / "a.safetensors")
+    assert f.metadata == {"format": "np"}
+    for name, a in tensors.items():
+        got = f.raw(name)
+        assert got.dtype == a.dtype and not got.flags.writeable
+        np.testing.assert_array_equal(got, a)
+
+
+def test_package_reads_files_we_write(tmp_path, rng):
+    tensors = sample(rng)
+    save_file(tmp_path / "b.safetensors", tensors, metadata={"k": "v"})
+    back = safetensors.numpy.load_file(tmp_path / "b.safetensors")
+    for name, a in tensors.items():
+        np.testing.assert_array_equal(back[name], a)
+    # Data starts 64-byte aligned, so 16-byte-multiple tensors placed first stay aligned.
+    assert SafetensorsFile(tmp_path / "b.safetensors").data_start % 64 == 0
+
+
+def test_bf16_round_trip_is_exact_shift(tmp_path, rng):
+    x = rng.standard_normal(1000, dtype=np.float32) * 1e3
+    bits = f32_to_bf16(x)
+    back = bf16_to_f32(bits)
+    assert np.array_equal(back.view(np.uint32) & 0xFFFF, np.zeros(1000, np.uint32))
+    assert np.max(np.abs(back - x) / np.abs(x)) <= 2.0 ** -8  # round to nearest: half an ulp
+    torch = pytest.importorskip("torch")
+    expect = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bits, expect)  # same rounding as torch
+    save_file(tmp_path / "c.safetensors", {"x": x}, bf16=frozenset({"x"}))
+    (tmp_path / "model.safetensors").write_bytes((tmp_path / "c.safetensors").read_bytes())
+    np.testing.assert_array_equal(Checkpoint(tmp_path).float32("x"), back)
+
+
+def test_writer_in_pieces_and_out_of_order(tmp_path):
+    specs = [("a", "F32", (4, 3)), ("b", "U8", (5,))]
+    with SafetensorsWriter(tmp_path / "p.safetensors", specs) as w:
+        w.write("b", np.arange(5, dtype=np.uint8))
+        w.write("a", np.ones((2, 3), np.float32), start=6)
+        w.write("a", np.zeros((2, 3), np.float32), start=0)
+    a = SafetensorsFile(tmp_path / "p.safetensors").raw("a")
+    np.testing.assert_array_equal(a, np.repeat([[0.0], [1.0]], 2, axis=0) * np.ones((4, 3)))
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("missing", "tensor a was not written exactly once"),
+    ("twice", "tensor a was not written exactly once"),
+    ("dtype", "a is F32, got a float64 array"),
+    ("past-end", "write past the end of a"),
+])
+def test_writer_rejects_mistakes(tmp_path, mistake, message):
+    w = SafetensorsWriter(tmp_path / "p.safetensors", [("a", "F32", (2, 3))])
+    with pytest.raises(FermijitError, match=message):
+        if mistake == "missing":
+            w.write("a", np.ones(3, np.float32))
+        elif mistake == "twice":
+            w.write("a", np.ones(3, np.float32))
+            w.write("a", np.ones(3, np.float32))
+        elif mistake == "dtype":
+            w.write("a", np.ones(6, np.float64))
+        else:
+            w.write("a", np.ones(6, np.float32), start=1)
+        w.close()
+
+
+def sharded(tmp_path, rng, n=3):
+    tensors = {f"t{i}": rng.standard_normal((i + 1, 2), dtype=np.float32) for i in range(7)}
+    names = sorted(tensors)
+    weight_map = {}
+    for k in range(n):
+        file = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        save_file(tmp_path / file, {name: tensors[name] for name in names[k::n]})
+        weight_map.update({name: file for name in names[k::n]})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tensors
+
+
+def test_sharded_checkpoint(tmp_path, rng):
+    tensors = sharded(tmp_path, rng)
+    ck = Checkpoint(tmp_path)
+    assert sorted(ck.names()) == sorted(tensors)
+    for name, a in tensors.items():
+        np.testing.assert_array_equal(ck.float32(name), a)
+        np.testing.assert_array_equal(ck.float32(name, (slice(1, None),)), a[1:])
+
+
+def header_file(path, header: bytes, data: bytes = b"") -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short", "shorter than the 8-byte header length"),
+    ("huge-header", "header length"),
+    ("not-json", "header is not valid JSON"),
+    ("not-object", "header is not a JSON object"),
+    ("bad-entry", "bad header entry for 'a'"),
+    ("bad-dtype", "bad header entry for 'a'"),
+    ("wrong-size", "do not hold F32"),
+    ("truncated", "truncated"),
+])
+def test_corrupt_file_is_named(tmp_path, case, message):
+    path = tmp_path / "model.safetensors"
+    entry = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    if case == "short":
+        path.write_bytes(b"\x01\x02")
+    elif case == "huge-header":
+        path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    elif case == "not-json":
+        header_file(path, b"{nope")
+    elif case == "not-object":
+        header_file(path, b"[1, 2]")
+    elif case == "bad-entry":
+        header_file(path, json.dumps({"a": {"dtype": "F32", "shape": [2]}}).encode(), bytes(8))
+    elif case == "bad-dtype":
+        header_file(path, json.dumps({"a": {**entry, "dtype": "F8"}}).encode(), bytes(16))
+    elif case == "wrong-size":
+        header_file(path, json.dumps({"a": {**entry, "data_offsets": [0, 12]}}).encode(),
+                    bytes(16))
+    else:
+        header_file(path, json.dumps({"a": entry}).encode(), bytes(10))
+    with pytest.raises(FermijitError, match=message) as e:
+        Checkpoint(tmp_path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_directories(tmp_path, rng):
+    with pytest.raises(FermijitError, match="no such model directory"):
+        Checkpoint(tmp_path / "nope")
+    with pytest.raises(FermijitError, match="no model.safetensors or"):
+        Checkpoint(tmp_path)
+    sharded(tmp_path, rng)
+    (tmp_path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FermijitError, match="model-00002-of-00003.safetensors: shard named"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(FermijitError, match="not a safetensors index"):
+        Checkpoint(tmp_path)
