@@ -323,3 +323,16 @@ def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     shape = GEMV_TILE if n_tok == 1 else GEMM_TILE
     _product(isa, shape)(qs, d.view(np.uint16), act.xq, act.dx, act.xsum8, y.reshape(n_tok, rows))
     return y
+
+
+def simd_variant(isa: Isa) -> str:
+    v = simd.VEC_OF[isa]
+    ops = "vpdpbusd" if v.dpbusd else "pmaddubsw+pmaddwd"
+    return (f"{isa.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} blocks/step, "
+            f"tiles {GEMV_TILE[0]}x{GEMV_TILE[1]} (GEMV) and {GEMM_TILE[0]}x{GEMM_TILE[1]} (GEMM)")
+
+
+def warm_up() -> None:
+    """One tiny product, so the kernel is compiled (or loaded) and the threads are started."""
+    qs, d = np.zeros((GEMV_TILE[0], BLOCK // 2), np.uint8), np.zeros((GEMV_TILE[0], 1), np.float16)
+    cpu(qs, d, np.zeros(BLOCK, np.float32))

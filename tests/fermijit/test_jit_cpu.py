@@ -1,0 +1,91 @@
+"""CPU JIT machinery: variant choice, and kernels cached by source."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fermijit import FermijitError
+from fermijit.jit import cpu
+
+INTRINSIC_MODULE = textwrap.dedent("""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    VALUE = {value}
+
+    @intrinsic
+    def constant(typingctx):
+        def codegen(context, builder, sig, args):
+            return ir.Constant(ir.IntType(64), VALUE)
+        return types.int64(), codegen
+""")
+
+KERNEL_MODULE = textwrap.dedent("""
+    from fermijit.jit.cpu import kernel
+    from cachedpkg.intrinsics import constant
+
+    @kernel
+    def read_constant():
+        return constant()
+""")
+
+RUN = ("from cachedpkg.kernels import read_constant as f; r = f(); "
+       "print(r, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))")
+
+
+def test_editing_an_intrinsic_recompiles_the_kernel_that_uses_it(tmp_path):
+    """Numba's own cache keys a kernel on its file only; an edit to the intrinsic's module would
+    be served the stale machine code. Ours must rebuild, and still hit the cache otherwise."""
+    pkg = tmp_path / "cachedpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "intrinsics.py").write_text(INTRINSIC_MODULE.format(value=3))
+    (pkg / "kernels.py").write_text(KERNEL_MODULE)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        value, hits, misses = map(int, r.stdout.split())
+        return value, hits, misses
+
+    assert run() == (3, 0, 1)          # compiled and saved
+    assert run() == (3, 1, 0)          # served from the disk cache
+    (pkg / "intrinsics.py").write_text(INTRINSIC_MODULE.format(value=5))
+    assert run() == (5, 0, 1)          # the edit took effect without clearing any cache
+    assert run() == (5, 1, 0)
+
+
+def test_default_is_the_best_supported_variant():
+    best = cpu.selected_isa()
+    assert cpu.supported(best)
+    assert all(not cpu.supported(i) for i in cpu.PREFERENCE[:cpu.PREFERENCE.index(best)])
+    assert cpu.variants_up_to(best)[-1] is cpu.Isa.SSSE3
+
+
+def test_unknown_isa_is_a_clear_error():
+    with pytest.raises(FermijitError, match="unknown ISA 'sse9'"):
+        cpu.select_isa("sse9")
+
+
+def test_forcing_ssse3_after_a_compile_is_refused():
+    """Numba's target is fixed by the first compile (notes, pitfall 2): say so, don't pretend."""
+    from fermijit.ops import quant  # noqa: F401  (compiles kernels in this process)
+    import numpy as np
+    quant.quantize_q4_0_cpu(np.zeros((1, 32), np.float32))
+    if cpu.target_cpu_name() == cpu.WESTMERE:
+        pytest.skip("already on a Westmere target")
+    with pytest.raises(FermijitError, match="before any kernel is compiled"):
+        cpu.select_isa("ssse3")
+
+
+def test_env_override_reaches_the_cli():
+    r = subprocess.run([sys.executable, "-m", "fermijit", "info"], capture_output=True, text=True,
+                       env=dict(os.environ, FERMIJIT_ISA="ssse3"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "ssse3" in r.stdout and "westmere" in r.stdout
