@@ -13,8 +13,10 @@ Beside it, `kernels_ptx/<name>.py` (plain data: kernels_ptx imports nothing) dec
 `PARAMS = {"NAME": (type, (allowed values...)), ...}`. Every combination of allowed values is a
 variant the engine may launch, so `kernels check` assembles all of them. The renderer checks the
 values, substitutes strictly (an unknown name or a leftover `${` is an error), writes the
-`.version`/`.target` header, and requires every `.entry` to declare `.maxntid` (STYLE.md: ptxas
-budgets Fermi's 63 registers for the real block size).
+`.version`/`.target` header, and requires every `.entry` to declare `.maxntid` (its block size,
+so ptxas budgets registers for it: STYLE.md) and `.maxnreg` of at most 63, Fermi's limit. The cap
+binds on every GPU, so a newer card runs the register allocation a Fermi could (ptxas spills
+rather than exceed it; `kernels check` reports the spills).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ _DIRECTIVE = re.compile(r"^\s*@(repeat|if|else|end)\b(.*)$")
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 _PARAM = re.compile(r"\.param\s+\.(\w+)\s+(\w+)")
 _MAXNTID = re.compile(r"\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
+_MAXNREG = re.compile(r"\.maxnreg\s+(\d+)")
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,10 @@ def _entries(text: str, label: str) -> dict[str, Entry]:
         limit = _MAXNTID.search(tail)
         if limit is None:
             raise FermijitError(f"{label}: .entry {m.group(1)} declares no .maxntid")
+        registers = _MAXNREG.search(tail)
+        if registers is None or int(registers.group(1)) > FERMI_MAX_REGISTERS:
+            raise FermijitError(f"{label}: .entry {m.group(1)} must declare .maxnreg <= "
+                                f"{FERMI_MAX_REGISTERS} (Fermi's register limit)")
         threads = 1
         for g in limit.groups():
             threads *= int(g or 1)

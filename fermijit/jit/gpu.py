@@ -1,0 +1,256 @@
+"""The GPU side of the JIT: pycuda availability, loading rendered PTX, checked launches.
+
+Importing this module never imports pycuda. `unavailable_reason()` says why GPU paths cannot run
+(no pycuda, no driver, no device); `kernel()` raises that reason as a FermijitError. PTX is loaded
+with `pycuda.driver.module_from_buffer`, so the driver JIT-compiles the `.target sm_20` text for
+whatever GPU is present and nvcc is never needed (DESIGN.md, GPU prefill).
+
+Arrays: an op's `gpu(...)` takes numpy arrays or `pycuda.gpuarray.GPUArray`s. With numpy inputs
+it copies them in and returns numpy, so it is a drop-in for `cpu(...)`; when its first input is
+already on the device the result stays there (prefill chains kernels without host round trips).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.jit import checks, ptx
+
+# Fermi's launch limits (sm_20); newer GPUs allow more, the engine must not rely on it.
+FERMI_MAX_GRID = (65535, 65535, 65535)
+
+_context = None
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> str | None:
+    """None when a CUDA device can be used through pycuda, else a one-line reason."""
+    try:
+        import pycuda.driver as cuda
+    except ImportError as e:
+        return f"pycuda is not installed (pip install 'fermijit[gpu]'): {e}"
+    try:
+        cuda.init()
+        if cuda.Device.count() == 0:
+            return "the CUDA driver sees no device"
+    except cuda.Error as e:
+        return f"the CUDA driver failed to start: {e}"
+    return None
+
+
+def driver():
+    """`pycuda.driver`, with a context current (the device 0 primary context unless the caller
+    already made one current)."""
+    global _context
+    reason = unavailable_reason()
+    if reason is not None:
+        raise FermijitError(f"no GPU: {reason}")
+    import pycuda.driver as cuda
+
+    if _context is None:
+        current = cuda.Context.get_current()
+        if current is None:
+            current = cuda.Device(0).retain_primary_context()
+            current.push()
+            atexit.register(_release)
+        _context = current
+    return cuda
+
+
+def _release() -> None:
+    global _context
+    import pycuda.driver as cuda
+
+    if _context is not None:
+        cuda.Context.synchronize()
+        cuda.Context.pop()
+        _context = None
+
+
+def gpuarray():
+    driver()
+    import pycuda.gpuarray as gpuarray
+
+    return gpuarray
+
+
+@contextmanager
+def check(what: str, rendered: ptx.Rendered | None = None, log: list[str] | None = None):
+    """Turn a driver error inside the block into a FermijitError naming the kernel and its
+    parameters; print the PTX with line numbers (and the JIT log) to stderr so it can be read."""
+    import pycuda.driver as cuda
+
+    try:
+        yield
+    except cuda.Error as e:
+        detail = " ".join(log or [])
+        if rendered is not None:
+            print(f"--- {rendered.label} ---\n{ptx.numbered(rendered.text)}", file=sys.stderr)
+            if detail:
+                print(detail, file=sys.stderr)
+        where = rendered.label if rendered is not None else "GPU"
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FermijitError(f"{where}: {what} failed: {msg} {detail}".strip()) from e
+
+
+# Modules per context, then per (template, parameters): PTX is JIT-compiled once per context.
+_modules: dict[tuple, object] = {}
+
+_PTX_TO_STRUCT = {"u64": "P", "s64": "q", "b64": "Q", "u32": "I", "s32": "i", "b32": "I",
+                  "f32": "f"}
+
+
+class Kernel:
+    """One `.entry` of a rendered template, loaded into the current context; launch arguments
+    are prepared once from the entry's PTX parameter list (tinygrad's `CUDAProgram`)."""
+
+    def __init__(self, rendered: ptx.Rendered, entry: str):
+        cuda = driver()
+        if entry not in rendered.entries:
+            raise FermijitError(f"{rendered.label} has no entry {entry!r}; it has "
+                                f"{sorted(rendered.entries)}")
+        self.rendered = rendered
+        self.entry = rendered.entries[entry]
+        key = (_context_key(cuda), rendered.template, rendered.params)
+        if key not in _modules:
+            log: list[str] = []
+
+            def jit_log(ok: bool, info: str, error: str) -> None:
+                log.extend(s.strip() for s in (info, error) if s and s.strip())
+
+            with check("loading the module (driver JIT)", rendered, log):
+                _modules[key] = cuda.module_from_buffer(rendered.text.encode(),
+                                                        message_handler=jit_log)
+        with check(f"getting {entry}", rendered):
+            self.function = _modules[key].get_function(entry)
+        self.arg_format = "".join(_PTX_TO_STRUCT[t] for t in self.entry.param_types)
+        self.function.prepare(self.arg_format)
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], *args,
+                 stream=None) -> None:
+        e, label = self.entry, self.rendered.label
+        if len(args) != len(e.param_types):
+            raise FermijitError(f"{label}: {e.name} takes {len(e.param_types)} arguments "
+                                f"({', '.join(e.param_names)}), got {len(args)}")
+        values = [_argument(label, n, t, a) for n, t, a in zip(e.param_names, e.param_types, args)]
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        threads = block[0] * block[1] * block[2]
+        if not 0 < threads <= e.max_threads:
+            raise FermijitError(f"{label}: block {block} is {threads} threads; .maxntid allows "
+                                f"{e.max_threads}")
+        if any(not 0 < g <= m for g, m in zip(grid, FERMI_MAX_GRID)):
+            raise FermijitError(f"{label}: grid {grid} exceeds Fermi's {FERMI_MAX_GRID}")
+        with check(f"launching {e.name} grid={grid} block={block}", self.rendered):
+            self.function.prepared_async_call(grid[:2] if grid[2] == 1 else grid, block, stream,
+                                              *values)
+
+
+def _context_key(cuda) -> int:
+    current = cuda.Context.get_current()
+    return getattr(current, "handle", id(current))
+
+
+def _argument(label: str, name: str, ptx_type: str, value):
+    """A launch argument as the prepared format wants it: device arrays become pointers."""
+    if ptx_type == "u64":
+        if is_device(value):
+            if not value.flags.c_contiguous:
+                raise FermijitError(f"{label}: {name} must be a contiguous device array")
+            return int(value.gpudata)
+        if value is None:
+            return 0  # a pointer this variant does not read
+        if isinstance(value, (int, np.integer)) or type(value).__name__ == "DeviceAllocation":
+            return int(value)
+        raise FermijitError(f"{label}: {name} must be a device array, got {type(value).__name__}")
+    if ptx_type == "f32":
+        return float(value)
+    if isinstance(value, (bool, float, np.floating)) or not isinstance(value, (int, np.integer)):
+        raise FermijitError(f"{label}: {name} must be an integer, got {value!r}")
+    bits = 64 if ptx_type.endswith("64") else 32
+    low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if ptx_type[0] == "s" else (0, (1 << bits) - 1)
+    if not low <= int(value) <= high:
+        raise FermijitError(f"{label}: {name}={value} does not fit .{ptx_type}")
+    return int(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(template: str, entry: str, params: tuple, context_key: int) -> Kernel:
+    return Kernel(ptx.render(template, **dict(params)), entry)
+
+
+def kernel(template: str, entry: str | None = None, **params) -> Kernel:
+    """The loaded kernel `entry` (default: the template's only entry) of `template(**params)`."""
+    cuda = driver()
+    rendered = ptx.render(template, **params)
+    if entry is None:
+        if len(rendered.entries) != 1:
+            raise FermijitError(f"{rendered.label} has entries {sorted(rendered.entries)}; "
+                                "name one")
+        entry = next(iter(rendered.entries))
+    return _kernel(template, entry, tuple(sorted(params.items())), _context_key(cuda))
+
+
+# --- arrays -------------------------------------------------------------------------------------
+
+def is_device(a) -> bool:
+    return hasattr(a, "gpudata")
+
+
+def check_array(op: str, name: str, a, dtype, shape: tuple | None = None,
+                ndim: int | None = None):
+    """`checks.check_array` for a numpy or a device array (no copy); returns `a`."""
+    if not is_device(a):
+        return checks.check_array(op, name, a, dtype, shape, ndim)
+    if a.dtype != np.dtype(dtype):
+        raise FermijitError(f"{op}: {name} has dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if shape is not None:
+        if len(a.shape) != len(shape) or any(s is not None and s != n
+                                             for s, n in zip(shape, a.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise FermijitError(f"{op}: {name} has shape {list(a.shape)}, expected {want}")
+    if ndim is not None and len(a.shape) != ndim:
+        raise FermijitError(f"{op}: {name} must be {ndim}-D, got shape {list(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise FermijitError(f"{op}: {name} must be a C-contiguous device array")
+    return a
+
+
+def to_device(op: str, name: str, a, dtype, shape: tuple | None = None, ndim: int | None = None):
+    """`a` checked (`check_array`) and on the device: a device array as it is, numpy copied in."""
+    check_array(op, name, a, dtype, shape, ndim)
+    if is_device(a):
+        return a
+    ga = gpuarray()
+    with check(f"{op}: copying {name} to the device"):
+        return ga.to_gpu(a)
+
+
+def output(op: str, out, shape: tuple, dtype=np.float32):
+    """The device array a kernel writes: `out` itself when it is on the device, else a new one
+    (checked against a numpy `out` first, so a bad `out` fails before any launch)."""
+    if out is None or not is_device(out):
+        if out is not None:
+            checks.output(op, out, shape, dtype)
+        ga = gpuarray()
+        with check(f"{op}: allocating the output"):
+            return ga.empty(shape, dtype)
+    return to_device(op, "out", out, dtype, shape)
+
+
+def result(op: str, device_out, out, on_device: bool):
+    """What `gpu(...)` returns: the device array when the caller works on the device, else the
+    values copied into `out` (or a new numpy array). The copy waits for the kernels, so a fault
+    in one of them surfaces here, named."""
+    if on_device:
+        return device_out
+    host = out if out is not None else np.empty(device_out.shape, device_out.dtype)
+    with check(f"{op}: running kernels and copying the result back"):
+        device_out.get(host)
+    return host
