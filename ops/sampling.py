@@ -1,0 +1,211 @@
+"""Next-token sampling: temperature, top-k, top-p, then the inverse CDF at a caller's u.
+
+temperature 0 is greedy: the first maximum (lowest id on ties). Otherwise, with z = logits / T:
+  1. keep the top_k most likely tokens (0 = all);
+  2. of those, keep the smallest most-likely prefix whose probability (the softmax of z over the
+     tokens kept so far) reaches top_p (1.0 = all);
+  3. renormalise, and take the first token, in descending probability with ties to the lower id,
+     whose cumulative probability exceeds u.
+This is the order of HF's warpers (temperature, top-k, top-p). u is uniform in [0, 1), drawn by
+the caller (`Sampler`) from a seeded generator, so reference and cpu are compared draw by draw;
+they differ only if u falls within rounding (~1e-15) of a cumulative boundary.
+Dimensions: V vocabulary (248320), k = top_k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array
+from fermijit.jit.cpu import kernel
+
+
+def check_settings(temperature, top_k, top_p) -> None:
+    """FermijitError unless temperature >= 0, top_k >= 0 (an int) and 0 < top_p <= 1."""
+    if not (isinstance(temperature, (int, float, np.integer, np.floating))
+            and math.isfinite(temperature) and temperature >= 0):
+        raise FermijitError(f"sampling: temperature must be a finite number >= 0, got "
+                            f"{temperature!r}")
+    if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
+        raise FermijitError(f"sampling: top_k must be an int >= 0 (0 = all), got {top_k!r}")
+    if not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0.0 < top_p <= 1.0):
+        raise FermijitError(f"sampling: top_p must be in (0, 1] (1 = all), got {top_p!r}")
+
+
+def _check_u(u) -> None:
+    if not (isinstance(u, (float, np.floating)) and 0.0 <= u < 1.0):
+        raise FermijitError(f"sampling: u must be a float in [0, 1), got {u!r}")
+
+
+def reference(logits, temperature, top_k, top_p, u):
+    """logits [V] fp32 -> token id (int)."""
+    check_settings(temperature, top_k, top_p)
+    _check_u(u)
+    if temperature == 0:
+        return int(np.argmax(logits))                             # first maximum
+    order = np.argsort(-logits, kind="stable")                    # [V] descending, ties by id
+    if top_k > 0:
+        order = order[:top_k]
+    z = logits[order].astype(np.float64) / temperature
+    p = np.exp(z - z[0])
+    p /= p.sum()
+    if top_p < 1.0:
+        p = p[:np.searchsorted(np.cumsum(p), top_p) + 1]          # first prefix with mass >= top_p
+    cdf = np.cumsum(p) / p.sum()
+    i = np.searchsorted(cdf, u, side="right")                     # first cdf > u
+    return int(order[min(i, p.size - 1)])                         # (rounding: cdf[-1] < u)
+
+
+# --- kernels ------------------------------------------------------------------------------------
+# Candidates live in a binary heap of token ids, so a small top_k costs one pass over the
+# vocabulary (a heap of the k best seen, worst on top) and never a sort of all V; the nucleus and
+# the draw then pop tokens best-first only as far as they need. Measured per token at V = 248320
+# (CI box): greedy 0.13 ms, top_k 20 0.14 ms, top_k 0 with top_p 0.9 3.6 ms (V exps + a heapify).
+
+@kernel
+def _ranks_before(logits, i, j):
+    # Token i comes before token j: more likely, or as likely with a lower id.
+    return logits[i] > logits[j] or (logits[i] == logits[j] and i < j)
+
+
+@kernel
+def _sift_down(heap, n, root, logits, is_best_on_top):  # heap [n]
+    while True:
+        child = 2 * root + 1
+        if child >= n:
+            return
+        if child + 1 < n and _ranks_before(logits, heap[child + 1], heap[child]) == is_best_on_top:
+            child += 1
+        if _ranks_before(logits, heap[child], heap[root]) != is_best_on_top:
+            return
+        heap[root], heap[child] = heap[child], heap[root]
+        root = child
+
+
+@kernel
+def _heapify(heap, n, logits, is_best_on_top):
+    for root in range(n // 2 - 1, -1, -1):
+        _sift_down(heap, n, root, logits, is_best_on_top)
+
+
+@kernel
+def _pop_best(heap, n, logits):
+    # Moves the best of heap[0:n] to heap[n - 1] and re-heaps heap[0:n - 1].
+    heap[0], heap[n - 1] = heap[n - 1], heap[0]
+    _sift_down(heap, n - 1, 0, logits, True)
+
+
+@kernel
+def _sample_token(logits, temperature, top_k, top_p, u, heap):  # logits [V]; heap [>= min(k, V)]
+    vocab = logits.shape[0]
+    if temperature == 0.0:
+        best = 0
+        best_logit = logits[0]
+        for i in range(1, vocab):
+            if logits[i] > best_logit:
+                best = i
+                best_logit = logits[i]
+        return best
+
+    if 0 < top_k < vocab:
+        n = top_k
+        for i in range(n):
+            heap[i] = i
+        _heapify(heap, n, logits, False)
+        worst = logits[heap[0]]
+        for i in range(n, vocab):
+            if logits[i] > worst:         # i is past every kept id, so it loses ties
+                heap[0] = i
+                _sift_down(heap, n, 0, logits, False)
+                worst = logits[heap[0]]
+    else:
+        n = vocab
+        for i in range(n):
+            heap[i] = i
+    _heapify(heap, n, logits, True)
+
+    z_top = np.float64(logits[heap[0]]) / temperature
+    total = 0.0
+    for i in range(n):
+        total += math.exp(np.float64(logits[heap[i]]) / temperature - z_top)
+
+    # Popped tokens collect at the end of the heap: heap[n - 1] is the most likely.
+    n_kept = n
+    n_popped = 0
+    mass = 1.0
+    if top_p < 1.0:
+        mass = 0.0
+        n_kept = 0
+        while n_kept < n:
+            _pop_best(heap, n - n_kept, logits)
+            n_kept += 1
+            mass += math.exp(np.float64(logits[heap[n - n_kept]]) / temperature - z_top) / total
+            if mass >= top_p:
+                break
+        n_popped = n_kept
+
+    target = u * mass
+    cum = 0.0
+    token = -1
+    for r in range(n_kept):
+        if r == n_popped:
+            _pop_best(heap, n - r, logits)
+            n_popped += 1
+        token = heap[n - 1 - r]
+        cum += math.exp(np.float64(logits[token]) / temperature - z_top) / total
+        if cum > target:
+            return token
+    return token                          # rounding left the target past the last sum
+
+
+def heap_size(vocab_size: int, top_k: int) -> int:
+    """Entries the `scratch` of `cpu` needs: the k best, or the whole vocabulary."""
+    return top_k if 0 < top_k < vocab_size else vocab_size
+
+
+def cpu(logits, temperature, top_k, top_p, u, scratch=None):
+    """logits [V] fp32 -> token id (int). `scratch` int32 [>= heap_size(V, top_k)] holds the
+    candidate heap (allocated per call when None); the result is a scalar, so there is no `out`."""
+    op = "sampling"
+    check_settings(temperature, top_k, top_p)
+    _check_u(u)
+    check_array(op, "logits", logits, np.float32, ndim=1)
+    vocab = logits.shape[0]
+    if vocab == 0:
+        raise FermijitError(f"{op}: logits is empty")
+    need = heap_size(vocab, top_k)
+    if scratch is None:
+        scratch = np.empty(need, np.int32)
+    check_array(op, "scratch", scratch, np.int32, ndim=1)
+    if scratch.shape[0] < need:
+        raise FermijitError(f"{op}: scratch holds {scratch.shape[0]} ids, needs {need}")
+    return int(_sample_token(logits, float(temperature), int(top_k), float(top_p), float(u),
+                             scratch))
+
+
+class Sampler:
+    """One sequence's sampling: the settings, a seeded generator for u, and the candidate heap,
+    so a token costs one draw and no allocation."""
+
+    def __init__(self, vocab_size: int, *, temperature: float, top_k: int, top_p: float,
+                 seed: int):
+        check_settings(temperature, top_k, top_p)
+        if vocab_size < 1:
+            raise FermijitError(f"sampling: vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.temperature = float(temperature)
+        self.top_k = int(top_k)
+        self.top_p = float(top_p)
+        self.rng = np.random.default_rng(seed)
+        self._heap = np.empty(heap_size(vocab_size, self.top_k), np.int32)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """logits [V] fp32 -> the next token id."""
+        if np.shape(logits) != (self.vocab_size,):
+            raise FermijitError(f"sampling: logits has shape {list(np.shape(logits))}, expected "
+                                f"[{self.vocab_size}]")
+        return cpu(logits, self.temperature, self.top_k, self.top_p, self.rng.random(),
+                   scratch=self._heap)
