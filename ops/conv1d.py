@@ -10,8 +10,6 @@ Dimensions: T tokens, C channels (8192 = q 2048 | k 2048 | v 4096), K taps (4).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import prange
 

@@ -1,6 +1,6 @@
 """Per-head L2 normalisation of the GDN queries and keys (MODEL.md §6.4).
 
-    y = x / sqrt(Σ x² + eps) · scale        over the last axis; eps inside the root, added to the sum
+    y = x / sqrt(Σ x² + eps) · scale        over the last axis; eps is added to the sum of squares
 
 The model calls it with eps 1e-6 on q and k, and scale 1/sqrt(dk) on q. Leading axes are
 flattened: a token [H, d] or a batch [T, H, d]. Dimensions: T tokens, H heads (16), d head

@@ -1,4 +1,4 @@
-"""rope.cpu against the numpy reference, and the reference against transformers (MODEL.md §5.4)."""
+"""rope.cpu against the numpy reference, the reference against transformers (MODEL.md §5.4)."""
 
 import numpy as np
 import pytest
@@ -80,8 +80,8 @@ def test_reference_matches_transformers(rng):
     cos, sin = qwen.Qwen3_5MoeTextRotaryEmbedding(config)(xt, torch.from_numpy(positions)[None])
     expected, _ = qwen.apply_rotary_pos_emb(xt, xt, cos, sin)
     expected = expected[0].transpose(0, 1).numpy()                       # [T, H, D]
-    assert_close("reference vs transformers", expected, rope.reference(x, positions, 64, MODEL_THETA),
-                 ORACLE_ATOL, ORACLE_RTOL)
+    assert_close("reference vs transformers", expected,
+                 rope.reference(x, positions, 64, MODEL_THETA), ORACLE_ATOL, ORACLE_RTOL)
 
 
 def test_bad_inputs():

@@ -95,14 +95,17 @@ def test_reference_distribution():
     logits = np.log(p).astype(np.float32)
     cases = [((1.0, 0, 1.0), p), ((1.0, 0, 0.7), [0, 2 / 3, 0, 1 / 3]),
              ((1.0, 3, 1.0), [0.15 / 0.9, 0.5 / 0.9, 0, 0.25 / 0.9]),
-             ((1.0, 3, 0.8), [0, 2 / 3, 0, 1 / 3]),    # top_p over the top-k renormalised: 5/9+5/18
+             ((1.0, 3, 0.8), [0, 2 / 3, 0, 1 / 3]),    # renormalised top-3: 5/9 + 5/18 >= 0.8
              ((0.5, 0, 1.0), p ** 2 / np.sum(p ** 2))]
     for settings, expected in cases:
         got = _grid_probabilities(logits, *settings)
         np.testing.assert_allclose(got, expected, atol=2.0 / U_GRID, err_msg=str(settings))
 
 
-@pytest.mark.parametrize("settings", [(0.8, 5, 0.9), (1.0, 0, 1.0)], ids=["t0.8-k5-p0.9", "t1-all"])
+FREQ_SETTINGS = {"t0.8-k5-p0.9": (0.8, 5, 0.9), "t1-all": (1.0, 0, 1.0)}
+
+
+@pytest.mark.parametrize("settings", FREQ_SETTINGS.values(), ids=FREQ_SETTINGS.keys())
 def test_sampler_frequencies(rng, settings):
     logits = _logits(rng, 7, 1.0)
     expected = _grid_probabilities(logits, *settings)
