@@ -147,20 +147,63 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
 
 # --- the tile, in IR ----------------------------------------------------------------------------
 
-def _make_tile(v: Vec, n_rows: int, n_tok: int):
-    """An intrinsic computing out[t0+t, r0+r] for r < n_rows, t < n_tok."""
+@dataclass(frozen=True)
+class _Format:
+    """A weight format as the tile sees it: bytes per 32-block, and whether the weights are
+    unsigned nibbles q+8 (Q4_0: subtract 8·Σxq per block) or signed bytes (Q8_0)."""
+
+    name: str
+    block_bytes: int
+    is_offset: bool
+
+
+Q4_0 = _Format("q4_0", 16, True)
+Q8_0 = _Format("q8_0", 32, False)
+
+
+def _load_units(fmt: _Format, v: Vec, builder, ptr, off, count: int):
+    """`count` weight units at byte `off`; unit j meets activation registers 2j and 2j+1.
+
+    Q4_0: one register of `lanes` blocks, split into its low and high nibbles. Q8_0 (only at SSE
+    width): a block's two halves, each with its magnitude, for pmaddubsw's unsigned operand.
+    """
+    c = lambda n: ir.Constant(I64, n)  # noqa: E731
+    w = v.nbytes
+    if fmt.is_offset:
+        return [simd.nibbles(builder, simd.load(builder, ptr, builder.add(off, c(j * w)),
+                                                vec(I8, w))) for j in range(count)]
+    halves = [simd.load(builder, ptr, builder.add(off, c(h * w)), vec(I8, w))
+              for h in range(2 * count)]
+    return [tuple((simd.abs_i8(builder, q), q) for q in halves[2 * j:2 * j + 2])
+            for j in range(count)]
+
+
+def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
+    """i32 [4·lanes]: four partial sums per block of one unit times its activations."""
+    if fmt.is_offset:
+        lo, hi = unit
+        return simd.dot_u8s8(v, builder, [(lo, x_lo), (hi, x_hi)])
+    # |w|·sign(x, w) = w·x; each half its own pmaddwd, since two halves of 8-bit products can
+    # overflow i16 (2·2·128·127 > 32767).
+    (a0, w0), (a1, w1) = unit
+    return builder.add(simd.dot_u8s8(v, builder, [(a0, simd.sign_i8(builder, x_lo, w0))]),
+                       simd.dot_u8s8(v, builder, [(a1, simd.sign_i8(builder, x_hi, w1))]))
+
+
+def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
+    """An intrinsic computing out[o0+t, r0+r] from activations t0+t, for r < n_rows, t < n_tok."""
     bps = blocks_per_step(v)
     w = v.nbytes
 
     @intrinsic
-    def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0):
-        sig = types.none(qs, d, xq, dx, xsum8, out, r0, t0)
+    def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0, o0):
+        sig = types.none(qs, d, xq, dx, xsum8, out, r0, t0, o0)
 
         def codegen(context, builder, sig, args):
             arr = [context.make_array(ty)(context, builder, val)
                    for ty, val in zip(sig.args[:6], args[:6])]
             qs_a, d_a, xq_a, dx_a, xs_a, out_a = arr
-            r0v, t0v = args[6], args[7]
+            r0v, t0v, o0v = args[6], args[7], args[8]
             _, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)
             _, nb = cgutils.unpack_tuple(builder, d_a.shape, 2)
             _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
@@ -183,59 +226,60 @@ def _make_tile(v: Vec, n_rows: int, n_tok: int):
             tail = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
                      for _ in range(n_tok)] for _ in range(n_rows)]
 
+            step_bytes = bps * fmt.block_bytes
             qs_ahead = builder.mul(qs_stride, c(PREFETCH_TILES * n_rows))
             d_ahead = builder.mul(nb, c(2 * PREFETCH_TILES * n_rows))
             n_steps = builder.udiv(nb, c(bps))
             with cgutils.for_range(builder, n_steps) as loop:
                 s = loop.index
-                qs_off = builder.mul(s, c(bps * 16))
+                qs_off = builder.mul(s, c(step_bytes))
                 d_off = builder.mul(s, c(bps * 2))
                 x_off = builder.mul(s, c(bps * 32))
                 f_off = builder.mul(s, c(bps * 4))
-                weights, scales = [], []
+                units, scales = [], []
                 for i in range(n_rows):
-                    for line in range(0, bps * 16, 64):
+                    for line in range(0, step_bytes, 64):
                         simd.prefetch(builder, qs_row[i],
                                       builder.add(builder.add(qs_off, qs_ahead), c(line)))
                     simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
-                    regs = [simd.load(builder, qs_row[i], builder.add(qs_off, c(j * w)),
-                                      vec(I8, w)) for j in range(VECTORS_PER_STEP)]
-                    weights.append([simd.nibbles(builder, q) for q in regs])
+                    units.append(_load_units(fmt, v, builder, qs_row[i], qs_off,
+                                             VECTORS_PER_STEP))
                     scales.append(simd.fp16_to_f32(
                         v, builder, simd.load(builder, d_row[i], d_off, vec(I16, bps))))
                 for t in range(n_tok):
-                    xs = [(simd.load(builder, xq_row[t], builder.add(x_off, c(2 * j * w)),
-                                     vec(I8, w)),
-                           simd.load(builder, xq_row[t], builder.add(x_off, c(2 * j * w + w)),
-                                     vec(I8, w)))
-                          for j in range(VECTORS_PER_STEP)]
+                    xs = [simd.load(builder, xq_row[t], builder.add(x_off, c(j * w)), vec(I8, w))
+                          for j in range(2 * VECTORS_PER_STEP)]
                     dxv = simd.load(builder, dx_row[t], f_off, facc)
-                    corr = simd.load(builder, xs_row[t], f_off, vec(I32, bps))
+                    if fmt.is_offset:
+                        corr = simd.load(builder, xs_row[t], f_off, vec(I32, bps))
                     for i in range(n_rows):
-                        parts = [simd.dot_u8s8(v, builder, [(lo, xlo), (hi, xhi)])
-                                 for (lo, hi), (xlo, xhi) in zip(weights[i], xs)]
-                        isum = builder.sub(simd.block_sums(v, builder, parts), corr)
+                        parts = [_unit_sums(fmt, v, builder, u, xs[2 * j], xs[2 * j + 1])
+                                 for j, u in enumerate(units[i])]
+                        isum = simd.block_sums(v, builder, parts)
+                        if fmt.is_offset:
+                            isum = builder.sub(isum, corr)
                         scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
                                               scales[i])
                         builder.store(builder.fadd(builder.load(acc[i][t]), scaled), acc[i][t])
 
-            # Blocks past the last whole step: one SSE register (one block) at a time.
+            # Blocks past the last whole step: one block, at SSE width, at a time.
             with cgutils.for_range(builder, builder.sub(nb, builder.mul(n_steps, c(bps)))) as lp:
                 b = builder.add(builder.mul(n_steps, c(bps)), lp.index)
                 for i in range(n_rows):
-                    lo, hi = simd.nibbles(builder, simd.load(builder, qs_row[i],
-                                                             builder.mul(b, c(16)), vec(I8, 16)))
+                    (unit,) = _load_units(fmt, SSE, builder, qs_row[i],
+                                          builder.mul(b, c(fmt.block_bytes)), 1)
                     dw = simd.fp16_to_f32(SSE, builder, simd.load(
                         builder, d_row[i], builder.mul(b, c(2)), vec(I16, 1)))
                     dw = builder.extract_element(dw, ir.Constant(I32, 0))
                     for t in range(n_tok):
-                        xlo = simd.load(builder, xq_row[t], builder.mul(b, c(32)), vec(I8, 16))
-                        xhi = simd.load(builder, xq_row[t], builder.add(builder.mul(b, c(32)),
-                                                                        c(16)), vec(I8, 16))
-                        isum = simd.hsum_i32(builder, simd.dot_u8s8(SSE, builder,
-                                                                    [(lo, xlo), (hi, xhi)]))
-                        isum = builder.sub(isum, simd.load_scalar(builder, xs_row[t],
-                                                                  builder.mul(b, c(4)), I32))
+                        x_lo = simd.load(builder, xq_row[t], builder.mul(b, c(32)), vec(I8, 16))
+                        x_hi = simd.load(builder, xq_row[t], builder.add(builder.mul(b, c(32)),
+                                                                         c(16)), vec(I8, 16))
+                        isum = simd.hsum_i32(builder, _unit_sums(fmt, SSE, builder, unit,
+                                                                 x_lo, x_hi))
+                        if fmt.is_offset:
+                            isum = builder.sub(isum, simd.load_scalar(
+                                builder, xs_row[t], builder.mul(b, c(4)), I32))
                         dxs = simd.load_scalar(builder, dx_row[t], builder.mul(b, c(4)), F32)
                         term = builder.fmul(builder.fmul(builder.sitofp(isum, F32), dxs), dw)
                         builder.store(builder.fadd(builder.load(tail[i][t]), term), tail[i][t])
@@ -244,7 +288,8 @@ def _make_tile(v: Vec, n_rows: int, n_tok: int):
                 for t in range(n_tok):
                     y = builder.fadd(simd.hsum_f32(builder, builder.load(acc[i][t])),
                                      builder.load(tail[i][t]))
-                    index = builder.add(builder.mul(toks[t], out_cols), rows[i])
+                    out_row = builder.add(o0v, c(t))
+                    index = builder.add(builder.mul(out_row, out_cols), rows[i])
                     builder.store(y, builder.bitcast(at(out_a.data, index, c(4)),
                                                      F32.as_pointer()))
             return context.get_dummy_value()
@@ -261,36 +306,53 @@ def _product_body(qs, d, xq, dx, xsum8, out):
     tok_whole = n_tok // TOKS * TOKS
     for g in prange(row_groups):
         for t in range(0, tok_whole, TOKS):
-            tile(qs, d, xq, dx, xsum8, out, g * ROWS, t)
+            tile(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
         for t in range(tok_whole, n_tok):
-            rows_by_1(qs, d, xq, dx, xsum8, out, g * ROWS, t)
+            rows_by_1(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
     for r in range(row_groups * ROWS, n_rows):
         for t in range(n_tok):
-            one_by_1(qs, d, xq, dx, xsum8, out, r, t)
+            one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
+
+
+def _gathered_body(qs, d, idx, xq, dx, xsum8, out):
+    """out[i] = W[idx[i]] · x[i] (or x[0] for every i when x holds one token): all selected
+    experts in one parallel launch, so decode pays one thread wake-up per projection, not eight."""
+    n_items = idx.size
+    n_rows = qs.shape[1]
+    row_groups = n_rows // ROWS
+    shared_x = xq.shape[0] == 1
+    for job in prange(n_items * row_groups):
+        i = job // row_groups
+        e = idx[i]
+        tile(qs[e], d[e], xq, dx, xsum8, out, (job % row_groups) * ROWS, 0 if shared_x else i, i)
+    for i in range(n_items):
+        for r in range(row_groups * ROWS, n_rows):
+            one_by_1(qs[idx[i]], d[idx[i]], xq, dx, xsum8, out, r, 0 if shared_x else i, i)
 
 
 _products: dict = {}
 
 
-def _product(isa: Isa, shape: tuple[int, int]):
-    """The kernel for an ISA and tile shape, made on first use (so no AVX2 code is ever compiled
-    for a Westmere target: pitfall 5)."""
-    key = (isa, shape)
+def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
+    """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
+    code is ever compiled for a Westmere target: pitfall 5). Q8_0 weights run at SSE width on
+    every ISA (the LM-head option, read once per token)."""
+    key = (body, isa, shape, fmt)
     if key not in _products:
-        v = simd.VEC_OF[isa]
+        v = simd.VEC_OF[isa] if fmt is Q4_0 else SSE
         n_rows, n_tok = shape
         _products[key] = kernel(
-            _product_body, parallel=True, variant=f"{isa.label}-{n_rows}x{n_tok}",
-            ROWS=n_rows, TOKS=n_tok, tile=_make_tile(v, n_rows, n_tok),
-            rows_by_1=_make_tile(v, n_rows, 1), one_by_1=_make_tile(v, 1, 1))
+            body, parallel=True, variant=f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}",
+            ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
+            rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
     return _products[key]
 
 
-def _check_weights(op, qs, d):
-    check_array(op, "d", d, np.float16, ndim=2)
-    rows, nb = d.shape
-    check_array(op, "qs", qs, np.uint8, (rows, nb * BLOCK // 2))
-    return rows, nb
+def _check_weights(op, qs, d, ndim=2):
+    check_array(op, "d", d, np.float16, ndim=ndim)
+    *lead, nb = d.shape
+    check_array(op, "qs", qs, np.uint8, (*lead, nb * BLOCK // 2))
+    return lead[-1], nb
 
 
 def _as_act(op, x, nb, isa):
@@ -322,6 +384,60 @@ def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     y = output("matvec", out, (rows,) if is_vector else (n_tok, rows))
     shape = GEMV_TILE if n_tok == 1 else GEMM_TILE
     _product(isa, shape)(qs, d.view(np.uint16), act.xq, act.dx, act.xsum8, y.reshape(n_tok, rows))
+    return y
+
+
+def q8_reference(qs, d, x):
+    """The same product with Q8_0 weights (qs int8 [R, K], d float16 [R, nb]): the LM-head
+    option. Exact integer block sums, float64 scaling."""
+    x2 = np.atleast_2d(x)
+    xq, dx = _quantize_act_reference(x2)
+    rows, nb = d.shape
+    isum = np.einsum("rbj,tbj->trb", qs.reshape(rows, nb, BLOCK).astype(np.int64),
+                     xq.astype(np.int64))
+    y = np.einsum("trb,rb,tb->tr", isum.astype(np.float64), d.astype(np.float64),
+                  dx.astype(np.float64))
+    return y[0] if np.ndim(x) == 1 else y
+
+
+def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
+    """`q8_reference` in Numba; x float32 [K]/[T, K] or a Q8Act laid out for SSSE3 (natural)."""
+    check_array("matvec.q8", "d", d, np.float16, ndim=2)
+    rows, nb = d.shape
+    check_array("matvec.q8", "qs", qs, np.int8, (rows, nb * BLOCK))
+    act = _as_act("matvec.q8", x, nb, Isa.SSSE3)
+    n_tok = act.xq.shape[0]
+    is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
+                                else out is not None and out.ndim == 1)
+    y = output("matvec.q8", out, (rows,) if is_vector else (n_tok, rows))
+    kernel_ = _product(isa or selected_isa(), GEMV_TILE, fmt=Q8_0)
+    kernel_(qs.view(np.uint8), d.view(np.uint16), act.xq, act.dx, act.xsum8,
+            y.reshape(n_tok, rows))
+    return y
+
+
+def gathered_reference(qs, d, idx, x):
+    """out[i] = W[idx[i]] · x (x [K]) or W[idx[i]] · x[i] (x [n, K]); qs [E, R, K/2]."""
+    xs = np.broadcast_to(np.atleast_2d(x), (len(idx), np.shape(x)[-1]))
+    return np.stack([reference(qs[e], d[e], xi) for e, xi in zip(idx, xs)])
+
+
+def gathered_cpu(qs, d, idx, x, out=None, *, isa: Isa | None = None):
+    """`gathered_reference` in one parallel launch (the MoE's selected experts); out [n, R]."""
+    isa = isa or selected_isa()
+    rows, nb = _check_weights("matvec.gathered", qs, d, ndim=3)
+    check_array("matvec.gathered", "idx", idx, np.int32, ndim=1)
+    n_experts = d.shape[0]
+    if idx.size and (idx.min() < 0 or idx.max() >= n_experts):
+        raise FermijitError(f"matvec.gathered: expert index out of range [0, {n_experts}): "
+                            f"{idx.tolist()}")
+    act = _as_act("matvec.gathered", x, nb, isa)
+    if act.xq.shape[0] not in (1, idx.size):
+        raise FermijitError(f"matvec.gathered: {act.xq.shape[0]} activation rows for "
+                            f"{idx.size} experts (give 1 shared or one per expert)")
+    y = output("matvec.gathered", out, (idx.size, rows))
+    _product(isa, GEMV_TILE, _gathered_body)(qs, d.view(np.uint16), idx, act.xq, act.dx,
+                                             act.xsum8, y)
     return y
 
 

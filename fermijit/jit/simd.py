@@ -99,6 +99,19 @@ def nibbles(builder, q):
     return lo, hi
 
 
+def abs_i8(builder, q):
+    """|q| per byte (pabsb); -128 gives 128 read as unsigned, which pmaddubsw wants."""
+    return _call(builder, f"llvm.abs.v{q.type.count}i8", q.type,
+                 [q, ir.Constant(ir.IntType(1), 0)])
+
+
+def sign_i8(builder, x, q):
+    """x with the sign of q per byte (psignb), so |q|·sign(x, q) = q·x; zero where q is zero."""
+    zero = ir.Constant(q.type, None)
+    neg = builder.select(builder.icmp_signed("<", q, zero), builder.sub(zero, x), x)
+    return builder.select(builder.icmp_signed("==", q, zero), zero, neg)
+
+
 def dot_u8s8(v: Vec, builder, pairs):
     """Sum over `pairs` of u8·s8 products, in groups of 4 adjacent bytes -> i32 [nbytes/4].
 

@@ -24,9 +24,13 @@ CHECK = textwrap.dedent("""
     x = rng.standard_normal((3, 1056)).astype(np.float32)
     y = matvec.cpu(qs, d, x[0], isa=isa), matvec.cpu(qs, d, x, isa=isa)
     ref = matvec.reference(qs, d, x[0]), matvec.reference(qs, d, x)
+    q8s, q8d = quant.quantize_q8_0(rng.standard_normal((9, 1056)).astype(np.float32))
+    y += (matvec.q8_cpu(q8s, q8d, x[0], isa=isa),)
+    ref += (matvec.q8_reference(q8s, q8d, x[0]),)
+    kernels = [matvec._product(isa, shape) for shape in (matvec.GEMV_TILE, matvec.GEMM_TILE)]
+    kernels.append(matvec._product(isa, matvec.GEMV_TILE, fmt=matvec.Q8_0))
+    asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
     err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, ref))
-    asm = "\\n".join(a for shape in (matvec.GEMV_TILE, matvec.GEMM_TILE)
-                     for a in matvec._product(isa, shape).inspect_asm().values())
     print(json.dumps({"err": err, "cpu": cpu.target_cpu_name(),
                       "pmaddubsw": len(re.findall(r"\\bpmaddubsw\\b", asm)),
                       "vex": len(re.findall(r"^\\s+v[a-z0-9]+\\s", asm, re.M)),

@@ -86,3 +86,43 @@ def test_bad_inputs(rng):
         act = matvec.quantize_act(x, ISAS[-1])
         with pytest.raises(FermijitError, match="laid out for"):
             matvec.cpu(qs, d, act, isa=ISAS[0])
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("per_item", [False, True], ids=["shared-x", "x-per-expert"])
+def test_gathered_matches_reference(rng, isa, per_item):
+    n_experts, rows, k = 6, 37, 160
+    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    idx = np.array([4, 0, 4, 5], np.int32)
+    x = rng.standard_normal((len(idx), k) if per_item else k).astype(np.float32)
+    out = poisoned((len(idx), rows))
+    matvec.gathered_cpu(qs, d, idx, x, out=out, isa=isa)
+    expected = matvec.gathered_reference(qs, d, idx, x)
+    assert_close("gathered", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+def test_gathered_bad_inputs(rng):
+    qs, d = _weights(rng, 8, 64)
+    qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
+    x = rng.standard_normal(64).astype(np.float32)
+    with pytest.raises(FermijitError, match="out of range"):
+        matvec.gathered_cpu(qs, d, np.array([0, 2], np.int32), x)
+    with pytest.raises(FermijitError, match="idx has dtype int64"):
+        matvec.gathered_cpu(qs, d, np.array([0, 1]), x)
+    with pytest.raises(FermijitError, match="3 activation rows for 2 experts"):
+        matvec.gathered_cpu(qs, d, np.array([0, 1], np.int32), np.stack([x, x, x]))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("shape", [(5, 96, 1), (9, 1056, 1), (6, 160, 3)],
+                         ids=["R5-K96", "R9-K1056", "R6-K160-T3"])
+def test_q8_weights_match_reference(rng, isa, shape):
+    rows, k, n_tok = shape
+    qs, d = quant.quantize_q8_0(rng.standard_normal((rows, k)).astype(np.float32))
+    qs[0, :4] = [-128, 127, -127, 0]   # extremes of the sign trick
+    x = rng.standard_normal((n_tok, k) if n_tok > 1 else k).astype(np.float32)
+    out = poisoned((n_tok, rows) if n_tok > 1 else rows)
+    matvec.q8_cpu(qs, d, x, out=out, isa=isa)
+    expected = matvec.q8_reference(qs, d, x)
+    assert_close(f"q8[{isa.label}]", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
