@@ -5,6 +5,7 @@ engine function and print; heavy imports (numba, pycuda, the model) happen insid
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -51,6 +52,22 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     from fermijit import bench_cpu
 
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default="q8_0", show_default=True,
+              help="Quantisation of the output head, the matrix most sensitive to error.")
+def convert(src: Path, dst: Path, lm_head: str) -> None:
+    """Convert the HF checkpoint directory SRC into a 4-bit fermijit model directory DST."""
+    # SRC is checked by the converter, not click.Path(exists=True): a usage error is 3 lines.
+    from fermijit.model import convert as converter
+
+    manifest = converter.convert(src, dst, lm_head=lm_head)
+    n_quantised = sum(t["quant"] != "f32" for t in manifest["tensors"].values())
+    click.echo(f"wrote {dst}: {len(manifest['tensors'])} tensors, {n_quantised} quantised "
+               f"(lm_head {lm_head})", err=True)
 
 
 def main() -> None:

@@ -214,7 +214,11 @@ class SafetensorsWriter:
         if start < 0 or end > info.end:
             raise FermijitError(f"{self.path}: write past the end of {name}")
         os.pwrite(self._fd, np.ascontiguousarray(array).tobytes(), self._data_start + begin)
-        self._written[name].append((begin, end))
+        spans = self._written[name]
+        if spans and spans[-1][1] == begin:  # sequential pieces merge: O(1) bookkeeping
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((begin, end))
 
     def close(self) -> None:
         os.close(self._fd)

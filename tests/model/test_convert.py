@@ -1,0 +1,178 @@
+"""The converter and the fermijit format: exact round trip (issue 3 (d)), bounded memory, and bad
+input through the CLI (one line on stderr, exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from fermijit import cli
+from fermijit.model import convert
+from fermijit.model.config import load_config
+from fermijit.model.reference import Reference
+from fermijit.model.safetensors_io import Checkpoint, SafetensorsFile, save_file
+from fermijit.model.weights import QuantTensor, plan_text_weights
+from fermijit.ops import quant
+from tests.model import tiny
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Split experts, BF16 with an F32 A_log, three shards: the most rewriting the converter does."""
+    root = tmp_path_factory.mktemp("convert")
+    src = tiny.write_checkpoint(root / "src", "split", "BF16", n_shards=3)
+    convert.convert(src, root / "dst", show_progress=False)
+    return src, root / "dst"
+
+
+def test_stored_values_are_the_quantisation_of_the_source(converted):
+    """Every stored byte equals the numpy reference quantiser (GGML-exact) applied to the source."""
+    src, dst = converted
+    ckpt = Checkpoint(src)
+    stored = safetensors.numpy.load_file(dst / convert.WEIGHTS)  # read by the package, not by us
+    manifest = json.loads((dst / convert.MANIFEST).read_text())
+    plans = plan_text_weights(load_config(src).text_config, ckpt)
+    assert set(manifest["tensors"]) == set(plans)
+    seen = set()
+    for name, plan in plans.items():
+        x = plan.read_all(ckpt)
+        kind = manifest["tensors"][name]["quant"]
+        assert kind == convert.quantisation(name, "q8_0")
+        if kind == "f32":
+            np.testing.assert_array_equal(stored[name], x, name)
+            seen.add(name)
+            continue
+        qs, d = (quant.quantize_q4_0 if kind == "q4_0" else quant.quantize_q8_0)(x)
+        np.testing.assert_array_equal(stored[name + ".qs"], qs, name)
+        np.testing.assert_array_equal(stored[name + ".d"].view(np.uint16), d.view(np.uint16), name)
+        seen |= {name + ".qs", name + ".d"}
+    assert seen == set(stored)
+    kinds = {name: e["quant"] for name, e in manifest["tensors"].items()}
+    assert kinds["layers.0.mlp.experts_gate_up"] == "q4_0" and kinds["lm_head"] == "q8_0"
+    assert kinds["layers.0.mlp.gate"] == "f32" and kinds["layers.0.linear_attn.A_log"] == "f32"
+
+
+def test_layout_of_the_file(converted):
+    src, dst = converted
+    f = SafetensorsFile(dst / convert.WEIGHTS)
+    qs = [info for info in f.tensors.values() if info.name.endswith(".qs")]
+    assert all((f.data_start + info.begin) % 16 == 0 for info in qs), "qs not 16-byte aligned"
+    gate_up = f.tensors["layers.0.mlp.experts_gate_up.qs"]
+    assert gate_up.shape == (8, 64, 32) and gate_up.dtype == "U8"  # [E, 2I, H/2], one block
+    assert f.tensors["layers.0.mlp.experts_gate_up.d"].shape == (8, 64, 2)
+    for name in ("config.json", "generation_config.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+    manifest = json.loads((dst / convert.MANIFEST).read_text())
+    assert manifest["format_version"] == convert.FORMAT_VERSION and manifest["reap"] is None
+    assert manifest["source"]["fingerprint"] == convert.source_fingerprint(src, Checkpoint(src))
+
+
+def test_fingerprint_follows_the_source(tmp_path):
+    a = tiny.write_checkpoint(tmp_path / "a", "fused", "F32")
+    b = tiny.write_checkpoint(tmp_path / "b", "fused", "BF16")
+    fa = convert.source_fingerprint(a, Checkpoint(a))
+    assert fa != convert.source_fingerprint(b, Checkpoint(b))
+    assert fa == convert.source_fingerprint(a, Checkpoint(a))
+
+
+def test_loader_and_both_layouts_agree(converted, tmp_path):
+    """The loaded model is the stored bytes (memmap views), and fused/split sources convert alike;
+    the reference forward runs on it (its logits are the 4-bit model's spec)."""
+    _, dst = converted
+    fused = tiny.write_checkpoint(tmp_path / "fused", "fused", "BF16")
+    convert.convert(fused, tmp_path / "fused-out", lm_head="q4_0", show_progress=False)
+    cfg, w, _ = convert.load_converted(dst)
+    _, w4, manifest = convert.load_converted(tmp_path / "fused-out")
+    assert manifest["tensors"]["lm_head"]["quant"] == "q4_0" and w4.lm_head.kind == "q4_0"
+    gate_up, gate_up4 = w.layers[1].mlp.experts_gate_up, w4.layers[1].mlp.experts_gate_up
+    assert isinstance(gate_up, QuantTensor) and isinstance(gate_up.qs, np.memmap)
+    np.testing.assert_array_equal(gate_up.qs, gate_up4.qs)
+    np.testing.assert_array_equal(w.layers[2].mixer.conv1d, w4.layers[2].mixer.conv1d)
+    model = Reference(cfg.text_config, w)
+    logits = model.forward([5, 17, 200], model.new_state())
+    assert logits.shape == (3, 320) and np.isfinite(logits).all()
+
+
+def test_peak_memory_is_bounded_by_the_chunk(tmp_path):
+    """Streaming in 16 KiB chunks, the peak of all Python allocation stays below half of the
+    largest tensor (experts with I=512: [8, 1024, 64] fp32 = 2 MiB): none is ever whole."""
+    w = tiny.random_weights()
+    config = tiny.config_dict()
+    config["text_config"] = {**config["text_config"], "moe_intermediate_size": 512}
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        m = f"model.language_model.layers.{i}.mlp.experts."
+        w[m + "gate_up_proj"] = rng.standard_normal((8, 1024, 64), dtype=np.float32)
+        w[m + "down_proj"] = rng.standard_normal((8, 64, 512), dtype=np.float32)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(config))
+    save_file(src / "model.safetensors", w, bf16=frozenset(w))
+    largest = 8 * 1024 * 64 * 4
+    convert.convert(src, tmp_path / "warm", show_progress=False)  # imports, Numba compile
+    tracemalloc.start()
+    try:
+        convert.convert(src, tmp_path / "dst", show_progress=False, chunk_bytes=16 << 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < largest / 2, f"peak {peak} B"
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
+    monkeypatch.setattr(sys, "argv", ["fermijit", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def bad_source(tmp_path, case):
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    if case == "missing-dir":
+        return tmp_path / "nowhere"
+    if case == "missing-config":
+        (src / "config.json").unlink()
+    elif case == "unsupported-type":
+        (src / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    elif case == "missing-tensor":
+        w = tiny.random_weights()
+        del w["model.language_model.layers.1.linear_attn.dt_bias"]
+        save_file(src / "model.safetensors", w)
+    elif case == "truncated":
+        data = (src / "model.safetensors").read_bytes()
+        (src / "model.safetensors").write_bytes(data[:len(data) // 2])
+    return src
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing-dir", "no such model directory"),
+    ("missing-config", "no config file"),
+    ("unsupported-type", "unsupported model_type 'qwen3_next'"),
+    ("missing-tensor", "missing tensor model.language_model.layers.1.linear_attn.dt_bias"),
+    ("truncated", "corrupt safetensors file"),
+])
+def test_bad_input_through_the_cli(tmp_path, monkeypatch, capsys, case, message):
+    src = bad_source(tmp_path, case)
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("Error: ") and message in err, err
+    assert not (tmp_path / "dst" / convert.MANIFEST).exists()
+
+
+def test_cli_converts_and_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F16")
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst", "--lm-head", "q4_0")
+    assert code == 0, err
+    assert "wrote" in err and convert.is_fermijit_model(tmp_path / "dst")
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    assert code == 2 and "exists and is not empty" in err and err.count("\n") == 1
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "x", "--lm-head", "f16")
+    assert code == 2 and "f16" in err
