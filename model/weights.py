@@ -232,9 +232,8 @@ def visual_tensor_names(ckpt: Checkpoint) -> list[str]:
 
 def assemble(cfg: TextConfig, tensors: Mapping[str, Tensor]) -> TextWeights:
     """The dataclasses from field-path names (those of `plan_text_weights`)."""
-    def fields(cls, base: str, **fixed):
-        return cls(**fixed, **{f.name: tensors[base + f.name] for f in dataclasses.fields(cls)
-                               if f.name not in fixed})
+    def fields(cls, base: str):
+        return cls(**{f.name: tensors[base + f.name] for f in dataclasses.fields(cls)})
 
     layers = []
     for i, kind in enumerate(cfg.layer_types):
