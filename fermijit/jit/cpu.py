@@ -170,7 +170,8 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
         dispatcher = numba.njit(parallel=parallel, fastmath=fastmath, error_model="numpy",
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent
-        extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant)
+        flags = f"parallel={parallel} fastmath={sorted(fastmath) if fastmath else fastmath}"
+        extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
         dispatcher._cache = _SourceKeyedCache(body, extra)
         return dispatcher
 

@@ -1,0 +1,172 @@
+"""The MoE feed-forward of every layer (MODEL.md §4): routed SwiGLU experts plus the shared
+expert scaled by its sigmoid gate.
+
+    E_e(x) = Wd[e] · (silu(g) ⊙ u),  [g; u] = Wgu[e] · x
+    MoE(x) = Σ_k w_k · E_{ids_k}(x) + σ(w_sg · x) · S(x)
+
+Letters: T tokens, k experts per token, E experts, H hidden, I expert intermediate, Is shared
+intermediate. Weights are Q4_0 (ops.quant); the shared expert is stored as one more expert
+tensor of its own ([1, ...]), so it is "the routed op with E = 1" (ops.expert_matmul).
+
+`reference` is the fp32-activation spec (ops.expert_matmul.reference, twice). `cpu` is W4A8:
+decode (T = 1) runs each projection of all selected experts as one gathered launch
+(matvec.gathered_cpu); CPU prefill (T > 1) runs one batched GEMM per expert over its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+from fermijit.ops import expert_matmul, matvec
+from fermijit.ops.matvec import Q8Act
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    gate_up_qs: np.ndarray         # [E, 2I, H/2] uint8, rows 0..I-1 gate, I..2I-1 up
+    gate_up_d: np.ndarray          # [E, 2I, H/32] float16
+    down_qs: np.ndarray            # [E, H, I/2] uint8
+    down_d: np.ndarray             # [E, H, I/32] float16
+    shared_gate_up_qs: np.ndarray  # [1, 2Is, H/2]
+    shared_gate_up_d: np.ndarray   # [1, 2Is, H/32]
+    shared_down_qs: np.ndarray     # [1, H, Is/2]
+    shared_down_d: np.ndarray      # [1, H, Is/32]
+    shared_gate: np.ndarray        # [H] float32: σ(shared_gate · x) scales S(x)
+
+    @property
+    def routed(self):
+        return self.gate_up_qs, self.gate_up_d, self.down_qs, self.down_d
+
+    @property
+    def shared(self):
+        return self.shared_gate_up_qs, self.shared_gate_up_d, self.shared_down_qs, self.shared_down_d
+
+
+def _shared_gate(x, w_sg):
+    return 1.0 / (1.0 + np.exp(-(x.astype(np.float64) @ w_sg.astype(np.float64))))  # [T]
+
+
+def reference(x, ids, weights, w: MoeWeights):
+    """x [T, H] fp32, ids [T, k] int32, weights [T, k] fp32 -> [T, H] fp32."""
+    routed = expert_matmul.reference(x, ids, weights, *w.routed).astype(np.float64)
+    n_tok = x.shape[0]
+    gate = _shared_gate(x, w.shared_gate)[:, None].astype(np.float32)
+    shared = expert_matmul.reference(x, np.zeros((n_tok, 1), np.int32), gate, *w.shared)
+    return (routed + shared).astype(np.float32)
+
+
+# --- cpu ----------------------------------------------------------------------------------------
+
+@kernel
+def _swiglu(gu, h):  # gu [n, 2I] -> h [n, I]
+    n_inter = h.shape[1]
+    for i in range(h.shape[0]):
+        for j in range(n_inter):
+            g = gu[i, j]
+            h[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gu[i, n_inter + j]
+
+
+@kernel
+def _combine(routed, weights, shared, gate, y):  # routed [k, H], weights [k], shared [H] -> y
+    for j in range(y.size):
+        acc = gate * shared[j]
+        for i in range(weights.size):
+            acc += weights[i] * routed[i, j]
+        y[j] = acc
+
+
+@dataclass
+class Scratch:
+    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing."""
+
+    gu: np.ndarray         # [k, 2I]
+    h: np.ndarray          # [k, I]
+    routed: np.ndarray     # [k, H]
+    shared_gu: np.ndarray  # [1, 2Is]
+    shared_h: np.ndarray   # [1, Is]
+    shared: np.ndarray     # [1, H]
+    zero: np.ndarray       # [1] int32: the shared expert's index
+    act_h: Q8Act | None = None
+    act_sh: Q8Act | None = None
+
+    @classmethod
+    def make(cls, w: MoeWeights, top_k: int) -> "Scratch":
+        h2, i2 = w.gate_up_d.shape[1], w.down_d.shape[1]
+        s2 = w.shared_gate_up_d.shape[1]
+        f = np.float32
+        return cls(np.empty((top_k, h2), f), np.empty((top_k, h2 // 2), f),
+                   np.empty((top_k, i2), f), np.empty((1, s2), f), np.empty((1, s2 // 2), f),
+                   np.empty((1, i2), f), np.zeros(1, np.int32))
+
+
+def _check(x, ids, weights, w: MoeWeights):
+    check_array("moe", "x", x, np.float32, ndim=2)
+    n_tok, hidden = x.shape
+    check_array("moe", "ids", ids, np.int32, (n_tok, None))
+    check_array("moe", "weights", weights, np.float32, ids.shape)
+    check_array("moe", "shared_gate", w.shared_gate, np.float32, (hidden,))
+    for name, qs, d in (("gate_up", w.gate_up_qs, w.gate_up_d), ("down", w.down_qs, w.down_d),
+                        ("shared_gate_up", w.shared_gate_up_qs, w.shared_gate_up_d),
+                        ("shared_down", w.shared_down_qs, w.shared_down_d)):
+        check_array("moe", f"{name}_d", d, np.float16, ndim=3)
+        check_array("moe", f"{name}_qs", qs, np.uint8, d.shape[:2] + (d.shape[2] * 16,))
+    n_experts, two_i, _ = w.gate_up_d.shape
+    if (w.gate_up_d.shape[2] * 32 != hidden or w.down_d.shape[:2] != (n_experts, hidden)
+            or w.down_d.shape[2] * 64 != two_i or w.shared_down_d.shape[1] != hidden
+            or w.shared_down_d.shape[2] * 64 != w.shared_gate_up_d.shape[1]
+            or w.shared_gate_up_d.shape[2] * 32 != hidden):
+        raise FermijitError(f"moe: inconsistent weight shapes for hidden {hidden}: gate_up_d "
+                            f"{list(w.gate_up_d.shape)}, down_d {list(w.down_d.shape)}, shared "
+                            f"{list(w.shared_gate_up_d.shape)} / {list(w.shared_down_d.shape)}")
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+        raise FermijitError(f"moe: expert index out of range [0, {n_experts})")
+
+
+def _decode(x, ids, weights, w, out, s: Scratch):
+    act = matvec.quantize_act(x[0])
+    matvec.gathered_cpu(w.gate_up_qs, w.gate_up_d, ids[0], act, out=s.gu)
+    matvec.gathered_cpu(w.shared_gate_up_qs, w.shared_gate_up_d, s.zero, act, out=s.shared_gu)
+    _swiglu(s.gu, s.h)
+    _swiglu(s.shared_gu, s.shared_h)
+    s.act_h = matvec.quantize_act(s.h, out=s.act_h)
+    s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
+    matvec.gathered_cpu(w.down_qs, w.down_d, ids[0], s.act_h, out=s.routed)
+    matvec.gathered_cpu(w.shared_down_qs, w.shared_down_d, s.zero, s.act_sh, out=s.shared)
+    gate = np.float32(_shared_gate(x[0], w.shared_gate))
+    _combine(s.routed, weights[0], s.shared[0], gate, out[0])
+
+
+def _expert_ffn(gate_up_qs, gate_up_d, down_qs, down_d, act: Q8Act):
+    """One expert's SwiGLU over the tokens of `act` (batched GEMMs) -> [n, H]."""
+    gu = matvec.cpu(gate_up_qs, gate_up_d, act)
+    h = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+    _swiglu(gu, h)
+    return matvec.cpu(down_qs, down_d, matvec.quantize_act(h))
+
+
+def _prefill(x, ids, weights, w, out):
+    act = matvec.quantize_act(x)
+    y = out
+    shared = _expert_ffn(*(a[0] for a in w.shared), act)
+    y[...] = _shared_gate(x, w.shared_gate)[:, None].astype(np.float32) * shared
+    for e in np.unique(ids):
+        t, k = np.nonzero(ids == e)
+        sub = Q8Act(act.xq[t], act.dx[t], act.xsum8[t], act.vec)
+        y[t] += weights[t, k, None] * _expert_ffn(w.gate_up_qs[e], w.gate_up_d[e],
+                                                   w.down_qs[e], w.down_d[e], sub)
+
+
+def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None):
+    """W4A8 MoE; `scratch` (from Scratch.make) makes decode allocation-free."""
+    _check(x, ids, weights, w)
+    y = output("moe", out, x.shape)
+    if x.shape[0] == 1:
+        _decode(x, ids, weights, w, y, scratch or Scratch.make(w, ids.shape[1]))
+    else:
+        _prefill(x, ids, weights, w, y)
+    return y

@@ -1,0 +1,96 @@
+"""MoE block: W4A8 cpu against the fp32-activation reference, and exactly against the same
+computation done with the W4A8 references of its parts."""
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.ops import matvec, moe, quant
+from tests.numerics import assert_close, poisoned
+
+# Q8 activations (twice: x and the SwiGLU output) cost ~1% per element; MoE outputs are sums of
+# many such products, so relative to the output's scale a 3% bound is loose but meaningful.
+W4A8_VS_FP32 = 3e-2
+# cpu vs the composition of the parts' exact W4A8 references: fp32 rounding only.
+RTOL = 1e-4
+
+
+def _q4(rng, shape):
+    qs, d = quant.quantize_q4_0(rng.standard_normal(shape).astype(np.float32) * 0.3)
+    return qs, d
+
+
+def _weights(rng, n_experts, hidden, inter, shared_inter):
+    gu_qs, gu_d = _q4(rng, (n_experts, 2 * inter, hidden))
+    dn_qs, dn_d = _q4(rng, (n_experts, hidden, inter))
+    sgu_qs, sgu_d = _q4(rng, (1, 2 * shared_inter, hidden))
+    sdn_qs, sdn_d = _q4(rng, (1, hidden, shared_inter))
+    w_sg = rng.standard_normal(hidden).astype(np.float32) * 0.1
+    return moe.MoeWeights(gu_qs, gu_d, dn_qs, dn_d, sgu_qs, sgu_d, sdn_qs, sdn_d, w_sg)
+
+
+def _routing(rng, n_tok, n_experts, top_k):
+    ids = np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(n_tok)])
+    weights = rng.uniform(0.05, 1, (n_tok, top_k)).astype(np.float32)
+    return ids.astype(np.int32), weights / weights.sum(axis=1, keepdims=True)
+
+
+def _w4a8_reference(x, ids, weights, w):
+    """The same math from the parts' W4A8 references (matvec.reference quantises activations)."""
+    def ffn(gu_qs, gu_d, dn_qs, dn_d, xt):
+        gu = matvec.reference(gu_qs, gu_d, xt).astype(np.float32)
+        g, u = np.split(gu, 2)
+        h = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+        return matvec.reference(dn_qs, dn_d, h)
+
+    y = np.zeros(x.shape)
+    for t, xt in enumerate(x):
+        gate = 1 / (1 + np.exp(-(xt.astype(np.float64) @ w.shared_gate)))
+        y[t] = gate * ffn(*(a[0] for a in w.shared), xt)
+        for e, wt in zip(ids[t], weights[t]):
+            y[t] += wt * ffn(w.gate_up_qs[e], w.gate_up_d[e], w.down_qs[e], w.down_d[e], xt)
+    return y
+
+
+SHAPES = {"T1-E8-H64-I32": (1, 8, 64, 32, 64, 2), "T1-E16-H256-I128": (1, 16, 256, 128, 96, 4),
+          "T7-E8-H64-I32": (7, 8, 64, 32, 32, 3), "T20-E12-H128-I64": (20, 12, 128, 64, 64, 2)}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_matches_references(rng, shape):
+    n_tok, n_experts, hidden, inter, shared_inter, top_k = shape
+    w = _weights(rng, n_experts, hidden, inter, shared_inter)
+    ids, weights = _routing(rng, n_tok, n_experts, top_k)
+    x = rng.standard_normal((n_tok, hidden)).astype(np.float32)
+    out = poisoned((n_tok, hidden))
+    moe.cpu(x, ids, weights, w, out=out)
+    exact = _w4a8_reference(x, ids, weights, w)
+    assert_close("moe vs w4a8 parts", exact, out, atol=RTOL * np.abs(exact).max(), rtol=RTOL)
+    spec = moe.reference(x, ids, weights, w)
+    assert_close("moe vs fp32 spec", spec, out, atol=W4A8_VS_FP32 * np.abs(spec).max(), rtol=0)
+
+
+def test_decode_scratch_is_reused(rng):
+    w = _weights(rng, 8, 64, 32, 32)
+    ids, weights = _routing(rng, 1, 8, 2)
+    scratch = moe.Scratch.make(w, 2)
+    outs = []
+    for _ in range(2):
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        outs.append(moe.cpu(x, ids, weights, w, out=poisoned((1, 64)), scratch=scratch))
+        assert_close("moe decode", _w4a8_reference(x, ids, weights, w), outs[-1],
+                     atol=RTOL * np.abs(outs[-1]).max(), rtol=RTOL)
+    assert scratch.act_h is not None
+
+
+def test_bad_inputs(rng):
+    w = _weights(rng, 4, 64, 32, 32)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    ids, weights = np.array([[0, 4]], np.int32), np.full((1, 2), 0.5, np.float32)
+    with pytest.raises(FermijitError, match="out of range"):
+        moe.cpu(x, ids, weights, w)
+    with pytest.raises(FermijitError, match="weights has shape"):
+        moe.cpu(x, ids[:, :1] * 0, weights, w)
+    with pytest.raises(FermijitError, match="inconsistent weight shapes"):
+        moe.cpu(rng.standard_normal((1, 96)).astype(np.float32), ids * 0, weights,
+                moe.MoeWeights(*w.routed, *w.shared, np.zeros(96, np.float32)))
