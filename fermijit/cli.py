@@ -54,6 +54,34 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
 
 
+@bench.command("gpu")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Prefill length T the kernels are measured at.")
+def bench_gpu(as_json: bool, tokens: int) -> None:
+    """FMA ceiling and copy bandwidth of Fermi-ISA PTX, then each GPU kernel at prefill shapes."""
+    from fermijit import bench_gpu as bench_gpu_module
+
+    bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
+
+
+@cli.group()
+def kernels() -> None:
+    """The GPU kernels (PTX templates in kernels_ptx/)."""
+
+
+@kernels.command("check")
+@click.option("--ptxas", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="ptxas to use (default: PATH, /usr/local/cuda, the nvidia wheel).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def kernels_check(ptxas: Path | None, as_json: bool) -> None:
+    """Assemble every PTX variant for .target sm_20 with ptxas (no GPU needed); exit 1 on a
+    kernel that breaks Fermi's limits."""
+    from fermijit import kernels_check as checker
+
+    sys.exit(checker.run(ptxas, as_json))
+
+
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))

@@ -18,6 +18,8 @@ The shared expert is this op with E = 1, every token routed to it with weight σ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from fermijit import FermijitError
@@ -86,40 +88,69 @@ def _check(op, x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, check):
     return n_tokens, hidden, top_k, n_experts, n_inter
 
 
+@dataclass(frozen=True)
+class Routing:
+    """The sorted slots on the device, shared by both GEMMs (and reusable across calls)."""
+
+    rows: object          # int32 [S]: the token of each sorted slot
+    slot_weights: object  # fp32 [S]: its routing weight
+    tiles: object         # int32 [n_tiles, 4], see sort_slots
+    n_tiles: int
+
+
+def route(ids: np.ndarray, weights: np.ndarray, n_experts: int) -> Routing:
+    """Host sort of ids [T, K] (S = T·K ints: 32 KB at T = 1024), then the results copied in."""
+    from fermijit.jit import gpu as g
+
+    op = "expert_matmul"
+    order, _, tiles = sort_slots(ids, n_experts)
+    slot_weights = np.ascontiguousarray(weights.reshape(-1)[order])
+    return Routing(g.to_device(op, "rows", (order // ids.shape[1]).astype(np.int32), np.int32),
+                   g.to_device(op, "slot weights", slot_weights, np.float32),
+                   g.to_device(op, "tiles", tiles, np.int32), len(tiles))
+
+
+def gate_up_gpu(x, routing: Routing, gate_up_qs, gate_up_d, h) -> None:
+    """h [S, I] = silu(x[rows] Wg^T) * (x[rows] Wu^T) per expert; device arrays, checked."""
+    from fermijit.jit import gpu as g
+
+    n_inter, hidden = h.shape[1], x.shape[1]
+    g.kernel("q4_gemm", MODE="expert_gate_up")(
+        (-(-n_inter // GATE_UP_TILE_COLS), routing.n_tiles), (256,),
+        x, gate_up_qs, gate_up_d, h, routing.tiles, routing.rows, None, 0, n_inter, hidden)
+
+
+def down_gpu(h, routing: Routing, down_qs, down_d, y) -> None:
+    """y[rows] += slot_weights * (h Wd^T) per expert; y must hold zeros (or a sum to add to)."""
+    from fermijit.jit import gpu as g
+
+    n_inter, hidden = h.shape[1], y.shape[1]
+    g.kernel("q4_gemm", MODE="expert_down")(
+        (-(-hidden // DOWN_TILE_COLS), routing.n_tiles), (256,),
+        h, down_qs, down_d, y, routing.tiles, routing.rows, routing.slot_weights, 0, hidden,
+        n_inter)
+
+
 def gpu(x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, out=None):
-    """As `reference`; arrays numpy or on the device (see fermijit.jit.gpu). `ids` is sorted on
-    the host (S = T·K ints: 32 KB at T = 1024), so a device `ids` is copied back first."""
+    """As `reference`; arrays numpy or on the device (see fermijit.jit.gpu). The slots are sorted
+    on the host (`route`), so device `ids` and `weights` are copied back first."""
     from fermijit.jit import gpu as g
 
     op = "expert_matmul"
     on_device = g.is_device(x) or g.is_device(out)
-    if g.is_device(ids):
-        ids = ids.get()
+    ids = ids.get() if g.is_device(ids) else ids
     n_tokens, hidden, top_k, n_experts, n_inter = _check(
         op, x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, g.check_array)
-    order, _, tiles = sort_slots(ids, n_experts)
     y = g.output(op, out, (n_tokens, hidden))
-    cuda = g.driver()
     with g.check(f"{op}: zeroing y"):
-        cuda.memset_d32(y.gpudata, 0, y.size)
-    if len(tiles) == 0:
+        g.driver().memset_d32(y.gpudata, 0, y.size)
+    if n_tokens == 0:
         return g.result(op, y, out, on_device)
-    rows = g.to_device(op, "rows", (order // top_k).astype(np.int32), np.int32)
-    slot_weights = weights.reshape(-1)[order] if not g.is_device(weights) \
-        else weights.get().reshape(-1)[order]
-    slot_weights = g.to_device(op, "slot weights", np.ascontiguousarray(slot_weights), np.float32)
-    tiles_dev = g.to_device(op, "tiles", tiles, np.int32)
-    x_dev = g.to_device(op, "x", x, np.float32)
-    gate_up = [g.to_device(op, n, a, dt) for n, a, dt in (("gate_up_qs", gate_up_qs, np.uint8),
-                                                        ("gate_up_d", gate_up_d, np.float16))]
-    down = [g.to_device(op, n, a, dt) for n, a, dt in (("down_qs", down_qs, np.uint8),
-                                                     ("down_d", down_d, np.float16))]
-    h = g.gpuarray().empty((order.size, n_inter), np.float32)  # [S, I], sorted slot order
-    g.kernel("q4_gemm", MODE="expert_gate_up")(
-        (-(-n_inter // GATE_UP_TILE_COLS), len(tiles)), (256,),
-        x_dev, *gate_up, h, tiles_dev, rows, None, 0, n_inter, hidden)
-    g.kernel("q4_gemm", MODE="expert_down")(
-        (-(-hidden // DOWN_TILE_COLS), len(tiles)), (256,),
-        h, *down, y, tiles_dev, rows, slot_weights, 0, hidden, n_inter)
+    routing = route(ids, weights.get() if g.is_device(weights) else weights, n_experts)
+    h = g.gpuarray().empty((n_tokens * top_k, n_inter), np.float32)  # sorted slot order
+    gate_up_gpu(g.to_device(op, "x", x, np.float32), routing,
+                g.to_device(op, "gate_up_qs", gate_up_qs, np.uint8),
+                g.to_device(op, "gate_up_d", gate_up_d, np.float16), h)
+    down_gpu(h, routing, g.to_device(op, "down_qs", down_qs, np.uint8),
+             g.to_device(op, "down_d", down_d, np.float16), y)
     return g.result(op, y, out, on_device)
-

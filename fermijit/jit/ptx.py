@@ -107,9 +107,16 @@ def render(name: str, **params) -> Rendered:
 
 @functools.lru_cache(maxsize=None)
 def _render(name: str, params: tuple[tuple[str, object], ...]) -> Rendered:
-    declared = declared_params(name)
-    given = dict(params)
-    label = f"{name}({', '.join(f'{k}={v!r}' for k, v in params)})"
+    declared = declared_params(name)  # first: it names a missing template
+    source = (_TEMPLATE_DIR / f"{name}.ptx").read_text()
+    return render_source(name, source, declared, dict(params))
+
+
+def render_source(name: str, source: str, declared: dict[str, tuple[type, tuple]],
+                  given: dict[str, object]) -> Rendered:
+    """Render template text `source` (what `render` does once it has read the file)."""
+    params = tuple(sorted(given.items()))
+    label = f"{name}({', '.join(f'{k}={v}' for k, v in params)})"
     if set(given) != set(declared):
         missing, extra = set(declared) - set(given), set(given) - set(declared)
         raise FermijitError(f"{label}: missing parameters {sorted(missing)}, "
@@ -118,7 +125,6 @@ def _render(name: str, params: tuple[tuple[str, object], ...]) -> Rendered:
         kind, allowed = declared[key]
         if type(value) is not kind or value not in allowed:
             raise FermijitError(f"{label}: {key}={value!r} not in {allowed}")
-    source = (_TEMPLATE_DIR / f"{name}.ptx").read_text()
     if re.search(r"^\s*\.(version|target|address_size)\b", source, re.M):
         raise FermijitError(f"kernels_ptx/{name}.ptx: the renderer writes .version/.target")
     try:
@@ -126,8 +132,7 @@ def _render(name: str, params: tuple[tuple[str, object], ...]) -> Rendered:
     except _TemplateError as e:
         raise FermijitError(f"kernels_ptx/{name}.ptx: {e} (rendering {label})") from None
     text = HEADER + "\n".join(body) + "\n"
-    entries = _entries(text, label)
-    return Rendered(name, params, text, entries)
+    return Rendered(name, params, text, _entries(text, label))
 
 
 class _TemplateError(Exception):

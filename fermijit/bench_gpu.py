@@ -1,0 +1,187 @@
+"""`python -m fermijit bench gpu [--json]`: the GPU kernels against what the card can do.
+
+First two ceilings, both measured with Fermi-ISA PTX so they bound what this code can reach:
+the fp32 FMA throughput (kernels_ptx/fma_probe.ptx) and the device copy bandwidth
+(kernels_ptx/copy.ptx, and the driver's memcpy for comparison). Then each kernel at the real
+model's prefill shapes (issue 5): T tokens (1024); dense Q4_0 GEMMs 2048 -> 8192 (in_proj_qkv)
+and 4096 -> 2048 (out_proj); routed experts with 128 experts (REAP) and T*8/128 tokens each
+(balanced routing, 64 at T = 1024). GEMMs are quoted as a fraction of the FMA ceiling,
+memory-bound kernels as a fraction of the copy bandwidth. Times are medians of CUDA-event timings
+after a warm-up launch. Benchmarks are commands, never timed tests (DESIGN.md, Testing).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from fermijit.jit import gpu
+
+REPEATS = 10
+FMA_CHAINS, FMA_UNROLL = (8, 16), 16
+FMA_ITERATIONS = 2048
+FMA_BLOCKS_PER_SM = 32
+COPY_BYTES = 256 << 20
+HIDDEN, EXPERT_INTER, N_EXPERTS, TOP_K = 2048, 512, 128, 8
+DENSE_SHAPES = ((2048, 8192, "in_proj_qkv"), (4096, 2048, "out_proj"))
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    time_us: float
+    rate: float        # GFLOP/s or GB/s
+    unit: str
+    ceiling_fraction: float  # of the FMA ceiling (GEMMs) or of the copy bandwidth
+
+
+def median_seconds(launch, repeats: int = REPEATS) -> float:
+    """Median over `repeats` of one `launch()`, timed by CUDA events, after one warm-up."""
+    cuda = gpu.driver()
+    start, end = cuda.Event(), cuda.Event()
+    launch()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.time_till(end) / 1e3)
+    return statistics.median(times)
+
+
+def fma_ceiling() -> tuple[float, str]:
+    """Best GFLOP/s of the FMA probe over its variants."""
+    cuda = gpu.driver()
+    device = cuda.Context.get_device()
+    n_blocks = device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT) * FMA_BLOCKS_PER_SM
+    out = gpu.gpuarray().empty(n_blocks * 256, np.float32)
+    best = (0.0, "")
+    for chains in FMA_CHAINS:
+        probe = gpu.kernel("fma_probe", CHAINS=chains, UNROLL=FMA_UNROLL)
+        seconds = median_seconds(lambda: probe((n_blocks,), (256,), out, FMA_ITERATIONS,
+                                               0.999999, 1e-7))
+        flops = 2 * chains * FMA_UNROLL * FMA_ITERATIONS * n_blocks * 256
+        best = max(best, (flops / seconds / 1e9, f"CHAINS={chains}"))
+    if not np.isfinite(out.get()).all():
+        raise AssertionError("fma_probe produced non-finite values")
+    return best
+
+
+def copy_bandwidth() -> tuple[float, float]:
+    """GB/s (bytes read + written) of copy.ptx and of the driver's device-to-device memcpy."""
+    cuda = gpu.driver()
+    ga = gpu.gpuarray()
+    src = ga.to_gpu(np.arange(COPY_BYTES // 4, dtype=np.float32))
+    dst = ga.empty_like(src)
+    copy = gpu.kernel("copy")
+    n_vec = COPY_BYTES // 16
+    n_blocks = min(65535, -(-n_vec // 256))
+    kernel_s = median_seconds(lambda: copy((n_blocks,), (256,), dst, src, n_vec))
+    if not np.array_equal(dst.get()[::4096], src.get()[::4096]):
+        raise AssertionError("copy.ptx copied wrong values")
+    memcpy_s = median_seconds(lambda: cuda.memcpy_dtod(dst.gpudata, src.gpudata, COPY_BYTES))
+    return 2 * COPY_BYTES / kernel_s / 1e9, 2 * COPY_BYTES / memcpy_s / 1e9
+
+
+def random_q4(rng, shape: tuple[int, ...]):
+    """Random Q4_0 weights (qs, d) [..., rows, K] on the device, without an fp32 copy."""
+    *lead, k = shape
+    qs = rng.integers(0, 256, (*lead, k // 2), dtype=np.uint8)
+    d = (rng.random((*lead, k // 32), dtype=np.float32) * 0.02 + 0.001).astype(np.float16)
+    ga = gpu.gpuarray()
+    return ga.to_gpu(qs), ga.to_gpu(d)
+
+
+def gemm_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
+    ga = gpu.gpuarray()
+    rows = []
+    for k, n, name in DENSE_SHAPES:
+        x = ga.to_gpu(rng.standard_normal((n_tokens, k), dtype=np.float32))
+        qs, d = random_q4(rng, (n, k))
+        y = ga.empty((n_tokens, n), np.float32)
+        dense = gpu.kernel("q4_gemm", MODE="dense")
+        seconds = median_seconds(lambda: dense((-(-n // 128), -(-n_tokens // 64)), (256,),
+                                               x, qs, d, y, None, None, None, n_tokens, n, k))
+        gflops = 2 * n_tokens * n * k / seconds / 1e9
+        rows.append(Row(f"q4_gemm dense ({name})", f"T{n_tokens} {k}->{n}", seconds * 1e6,
+                        gflops, "GFLOP/s", gflops / fma_gflops))
+    return rows
+
+
+def expert_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
+    from fermijit.ops import expert_matmul
+
+    ga = gpu.gpuarray()
+    # Balanced routing: token t takes experts 8t .. 8t+7 (mod 128), T*8/128 slots per expert.
+    ids = ((np.arange(n_tokens)[:, None] * TOP_K + np.arange(TOP_K)) % N_EXPERTS).astype(np.int32)
+    weights = np.full((n_tokens, TOP_K), 1 / TOP_K, np.float32)
+    x = ga.to_gpu(rng.standard_normal((n_tokens, HIDDEN), dtype=np.float32))
+    gate_up = random_q4(rng, (N_EXPERTS, 2 * EXPERT_INTER, HIDDEN))
+    down = random_q4(rng, (N_EXPERTS, HIDDEN, EXPERT_INTER))
+    routing = expert_matmul.route(ids, weights, N_EXPERTS)
+    n_slots = n_tokens * TOP_K
+    h = ga.empty((n_slots, EXPERT_INTER), np.float32)
+    y = ga.zeros((n_tokens, HIDDEN), np.float32)
+    per_expert = f"E{N_EXPERTS}x{n_slots // N_EXPERTS}"
+    gate_up_s = median_seconds(lambda: expert_matmul.gate_up_gpu(x, routing, *gate_up, h))
+    down_s = median_seconds(lambda: expert_matmul.down_gpu(h, routing, *down, y))
+    whole_s = median_seconds(lambda: expert_matmul.gpu(x, ids, weights, *gate_up, *down, out=y))
+    gate_up_flops = 2 * n_slots * 2 * EXPERT_INTER * HIDDEN
+    down_flops = 2 * n_slots * HIDDEN * EXPERT_INTER
+    rows = []
+    for name, shape, seconds, flops in (
+            ("q4_gemm expert_gate_up+SwiGLU", f"{per_expert} {HIDDEN}->2x{EXPERT_INTER}",
+             gate_up_s, gate_up_flops),
+            ("q4_gemm expert_down+scatter", f"{per_expert} {EXPERT_INTER}->{HIDDEN}",
+             down_s, down_flops),
+            ("expert_matmul.gpu (route+both)", f"T{n_tokens} top{TOP_K}", whole_s,
+             gate_up_flops + down_flops)):
+        gflops = flops / seconds / 1e9
+        rows.append(Row(name, shape, seconds * 1e6, gflops, "GFLOP/s", gflops / fma_gflops))
+    return rows
+
+
+def embedding_rows(rng, n_tokens: int, copy_gbps: float) -> list[Row]:
+    from fermijit.ops import embedding
+
+    vocab = 248320 // 8  # an eighth of the real table keeps the bench's memory small
+    ga = gpu.gpuarray()
+    table = ga.to_gpu(rng.standard_normal((vocab, HIDDEN), dtype=np.float32).astype(np.float16))
+    ids = rng.integers(0, vocab, n_tokens).astype(np.int32)
+    y = ga.empty((n_tokens, HIDDEN), np.float32)
+    seconds = median_seconds(lambda: embedding.gpu(ids, table, out=y))
+    nbytes = n_tokens * HIDDEN * (2 + 4)
+    return [Row("embedding f16 (incl. ids copy)", f"T{n_tokens} H{HIDDEN}", seconds * 1e6,
+                nbytes / seconds / 1e9, "GB/s", nbytes / seconds / 1e9 / copy_gbps)]
+
+
+def run(as_json: bool = False, n_tokens: int = 1024) -> None:
+    cuda = gpu.driver()
+    device = cuda.Context.get_device()
+    rng = np.random.default_rng(0)
+    print(f"device: {device.name()}", file=sys.stderr)
+    fma_gflops, fma_variant = fma_ceiling()
+    copy_gbps, memcpy_gbps = copy_bandwidth()
+    rows = gemm_rows(rng, n_tokens, fma_gflops) + expert_rows(rng, n_tokens, fma_gflops)
+    rows += embedding_rows(rng, n_tokens, copy_gbps)
+    if as_json:
+        print(json.dumps({"device": device.name(), "fma_gflops": fma_gflops,
+                          "fma_variant": fma_variant, "copy_gbps": copy_gbps,
+                          "memcpy_dtod_gbps": memcpy_gbps, "tokens": n_tokens,
+                          "kernels": [asdict(r) for r in rows]}, indent=1))
+        return
+    print(f"FMA ceiling (fma_probe.ptx, {fma_variant}): {fma_gflops:,.0f} GFLOP/s")
+    print(f"copy bandwidth: copy.ptx {copy_gbps:,.0f} GB/s, memcpy_dtod {memcpy_gbps:,.0f} GB/s")
+    width = max(len(r.kernel) for r in rows)
+    shape_width = max(len(r.shape) for r in rows)
+    print(f"{'kernel':<{width}}  {'shape':<{shape_width}}  {'time us':>9}  {'rate':>12}  "
+          f"{'of ceiling':>10}")
+    for r in rows:
+        print(f"{r.kernel:<{width}}  {r.shape:<{shape_width}}  {r.time_us:>9.1f}  "
+              f"{r.rate:>8,.0f} {r.unit:<7}  {r.ceiling_fraction:>9.1%}")
