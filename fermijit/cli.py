@@ -93,9 +93,7 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
     from fermijit.model import convert as converter
 
     manifest = converter.convert(src, dst, lm_head=lm_head)
-    n_quantised = sum(t["quant"] != "f32" for t in manifest["tensors"].values())
-    click.echo(f"wrote {dst}: {len(manifest['tensors'])} tensors, {n_quantised} quantised "
-               f"(lm_head {lm_head})", err=True)
+    click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
 
 
 def main() -> None:

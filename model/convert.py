@@ -6,11 +6,12 @@ fingerprint, REAP record). Tensors are named by weight-field path (model/weights
 `layers.3.mlp.experts_gate_up`. A quantised tensor is two: `<name>.qs` and `<name>.d`, GGML block
 layout, structure of arrays, with a layer's experts contiguous ([E, rows, ...]).
 
-Quantised: the big matrices (Q4_0), the lm_head (Q8_0 by default: it is the matrix most
-sensitive to error) and the embedding (Q8_0: its error enters the residual stream undiluted; in
-Q4_0, 8.6% RMS per row, it alone moved the tiny model's logits by 54% of their max; one row is
-read per token, so its format costs no speed, and Q8_0 adds 0.25 GB over Q4_0 on the real model). Kept fp32: norms, conv taps, A_log, dt_bias, and the small matrices whose
-outputs are decisions (router [E, H]) or decays (in_proj_a/b [Hv, H], shared_expert_gate [1, H]).
+Quantised: the big matrices (Q4_0) and the lm_head (Q8_0 by default: it is the matrix most
+sensitive to error). The embedding is fp16: exact for bf16 sources in the normal range, one row
+is read per token so its size costs no speed, and its error would enter the residual stream
+undiluted (in Q4_0, 8.6% RMS per row, it alone moved the tiny model's logits by 54% of their
+max). Kept fp32: norms, conv taps, A_log, dt_bias, and the small matrices whose outputs are
+decisions (router [E, H]) or decays (in_proj_a/b [Hv, H], shared_expert_gate [1, H]).
 
 Memory: tensors stream through in row chunks of at most `chunk_bytes` of fp32, read from the
 memory-mapped source and written in place into the preallocated output; no tensor is ever
@@ -51,18 +52,18 @@ CHUNK_BYTES = 64 << 20  # fp32 bytes per streamed piece: ~3x this is the convert
 
 
 def quantisation(name: str, lm_head: str) -> str:
-    """"q4_0", "q8_0" or "f32" for a weight field path."""
+    """"q4_0", "q8_0", "f16" or "f32" for a weight field path."""
     if name == "lm_head":
         return lm_head
     if name == "embed_tokens":
-        return "q8_0"
+        return "f16"
     return "q4_0" if name.rsplit(".", 1)[-1] in Q4_0_FIELDS else "f32"
 
 
 def stored_specs(name: str, shape: tuple[int, ...], quant: str) -> list[tuple[str, str, tuple]]:
     """The safetensors entries of one weight: `<name>.qs`, `<name>.d` or plain F32 `<name>`."""
-    if quant == "f32":
-        return [(name, "F32", shape)]
+    if quant in ("f32", "f16"):
+        return [(name, quant.upper(), shape)]
     lead, k = shape[:-1], shape[-1]
     if k % BLOCK:
         raise FermijitError(f"cannot quantise {name} {list(shape)}: its inner dimension is not a "
@@ -103,10 +104,10 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
         raise FermijitError(f"output directory {dst} exists and is not empty")
     dst.mkdir(parents=True, exist_ok=True)
 
-    # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned.
+    # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
+    # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
     flat = [s for name in plans for s in specs[name]]
-    order = sorted(flat, key=lambda s: 0 if s[0].endswith(".qs") else
-                   1 if s[0].endswith(".d") else 2)
+    order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
     partial = dst / (WEIGHTS + ".partial")
     total = sum(int(np.prod(p.shape)) for p in plans.values())
     with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
@@ -133,6 +134,14 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     return manifest
 
 
+def describe(manifest: dict) -> str:
+    """One line for the CLI: what was written."""
+    kinds = [t["quant"] for t in manifest["tensors"].values()]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("q4_0", "q8_0", "f16", "f32")
+                       if k in kinds)
+    return f"{len(kinds)} tensors ({counts}), lm_head {manifest['tensors']['lm_head']['quant']}"
+
+
 def _stream(plan: TensorPlan, quant: str, ckpt: Checkpoint, out: SafetensorsWriter,
             chunk_bytes: int):
     """Read, quantise and write `plan` in row chunks; yields the elements done per chunk."""
@@ -147,6 +156,10 @@ def _stream(plan: TensorPlan, quant: str, ckpt: Checkpoint, out: SafetensorsWrit
             first_row = e * rows + r0
             if quant == "f32":
                 out.write(plan.name, x, start=first_row * cols)
+            elif quant == "f16":
+                if np.abs(x).max(initial=0) > np.finfo(np.float16).max:
+                    raise FermijitError(f"{plan.name}: values beyond the fp16 range")
+                out.write(plan.name, x.astype(np.float16), start=first_row * cols)
             else:
                 qs, d = q.quantize_q4_0_cpu(x) if quant == "q4_0" else q.quantize_q8_0(x)
                 out.write(plan.name + ".qs", qs, start=first_row * qs.shape[-1])
@@ -181,7 +194,7 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, dic
             if info is None or info.dtype != dtype or info.shape != shape:
                 raise FermijitError(f"{weights_file.path}: tensor {stored} missing or not "
                                     f"{dtype} {list(shape)}")
-        if entry["quant"] == "f32":
+        if entry["quant"] in ("f32", "f16"):
             arrays[name] = weights_file.raw(name)
         else:
             arrays[name] = QuantTensor(entry["quant"], weights_file.raw(name + ".qs"),

@@ -43,8 +43,9 @@ def test_stored_values_are_the_quantisation_of_the_source(converted):
         x = plan.read_all(ckpt)
         kind = manifest["tensors"][name]["quant"]
         assert kind == convert.quantisation(name, "q8_0")
-        if kind == "f32":
-            np.testing.assert_array_equal(stored[name], x, name)
+        if kind in ("f32", "f16"):
+            np.testing.assert_array_equal(stored[name], x.astype(kind.replace("f", "float")), name)
+            assert stored[name].dtype == kind.replace("f", "float"), name
             seen.add(name)
             continue
         qs, d = (quant.quantize_q4_0 if kind == "q4_0" else quant.quantize_q8_0)(x)
@@ -55,6 +56,7 @@ def test_stored_values_are_the_quantisation_of_the_source(converted):
     kinds = {name: e["quant"] for name, e in manifest["tensors"].items()}
     assert kinds["layers.0.mlp.experts_gate_up"] == "q4_0" and kinds["lm_head"] == "q8_0"
     assert kinds["layers.0.mlp.gate"] == "f32" and kinds["layers.0.linear_attn.A_log"] == "f32"
+    assert kinds["embed_tokens"] == "f16"
 
 
 def test_layout_of_the_file(converted):
