@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole GPU pass in one command, for the lent GPU machine (shared/device/README.md): install
+# the carried wheels (pycuda, pytest) and the project, then kernels check, every GPU test, and
+# bench gpu (table and JSON). Full logs go to OUT; a short summary is printed last.
+# Usage, from the project root, after shared/device/prepare.sh here: bash tests/gpu_pass.sh OUT
+set -u
+out=${1:?usage: tests/gpu_pass.sh OUTDIR}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/*.whl \
+  && export PYTHONPATH=/tmp/site \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
+  || { echo "install failed"; cat "$out/install.log"; exit 1; }
+nvidia-smi -L >"$out/device.txt" 2>&1
+python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
+echo "kernels check rc=$?"
+python3 -m pytest -q -rs -p no:cacheprovider tests/ops/test_*_gpu.py tests/fermijit/test_ptx*.py \
+  >"$out/gpu-tests.log" 2>&1
+echo "gpu tests rc=$?"
+python3 -m fermijit bench gpu --json >"$out/bench.json" 2>"$out/bench-json.err"
+python3 -m fermijit bench gpu >"$out/bench.txt" 2>&1
+echo "bench rc=$?"
+grep -E "passed|failed|error" "$out/gpu-tests.log" | tail -3
+grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" | head -20
+tail -3 "$out/kernels-check.txt"
+cat "$out/bench.txt"
