@@ -57,3 +57,25 @@ def cpu(x, eps, scale=1.0, out=None):
     rows = _l2norm_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _l2norm_serial
     rows(x.reshape(-1, d), float(eps), float(scale), out.reshape(-1, d))
     return out
+
+
+# --- GPU (kernels_ptx/norm.ptx, MODE l2: one 256-thread block per row, rows grid-strided) -------
+
+def gpu(x, eps, scale=1.0, out=None):
+    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu)."""
+    from fermijit.jit import gpu as g
+
+    op = "l2norm"
+    on_device = g.is_device(x) or g.is_device(out)
+    g.check_array(op, "x", x, np.float32)
+    if len(x.shape) == 0 or x.shape[-1] == 0:
+        raise FermijitError(f"{op}: x needs a non-empty last axis, got shape {list(x.shape)}")
+    d = x.shape[-1]
+    y = g.output(op, out, x.shape)
+    n_rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if n_rows:
+        g.kernel("norm", MODE="l2")(
+            (min(n_rows, g.FERMI_MAX_GRID[0]),), (256,),
+            g.to_device(op, "x", x, np.float32), None, None, y, n_rows, d, float(eps),
+            float(scale))
+    return g.result(op, y, out, on_device)

@@ -107,3 +107,38 @@ def gated_cpu(o, z, w, eps, out=None):
     rows = _gated_parallel if o.size >= PARALLEL_MIN_ELEMENTS else _gated_serial
     rows(o.reshape(-1, d), z.reshape(-1, d), w, float(eps), out.reshape(-1, d))
     return out
+
+
+# --- GPU (kernels_ptx/norm.ptx: one 256-thread block per row, rows grid-strided) ----------------
+
+def _norm_gpu(op, mode, x, z, w, eps, out):
+    from fermijit.jit import gpu as g
+
+    on_device = g.is_device(x) or g.is_device(out)
+    g.check_array(op, "x", x, np.float32)
+    if len(x.shape) == 0 or x.shape[-1] == 0 or (mode == "gated" and len(x.shape) < 2):
+        raise FermijitError(f"{op}: needs rows [..., D] (gated: [..., Hv, dv]), got shape "
+                            f"{list(x.shape)}")
+    d = x.shape[-1]
+    if z is not None:
+        g.check_array(op, "z", z, np.float32, x.shape)
+    g.check_array(op, "w", w, np.float32, (d,))
+    y = g.output(op, out, x.shape)
+    n_rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if n_rows:
+        g.kernel("norm", MODE=mode)(
+            (min(n_rows, g.FERMI_MAX_GRID[0]),), (256,),
+            g.to_device(op, "x", x, np.float32),
+            None if z is None else g.to_device(op, "z", z, np.float32),
+            g.to_device(op, "w", w, np.float32), y, n_rows, d, float(eps), 1.0)
+    return g.result(op, y, out, on_device)
+
+
+def gpu(x, w, eps, out=None):
+    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu)."""
+    return _norm_gpu("rmsnorm", "rms", x, None, w, eps, out)
+
+
+def gated_gpu(o, z, w, eps, out=None):
+    """As `gated_cpu`; arrays numpy or on the device (fermijit.jit.gpu)."""
+    return _norm_gpu("gated rmsnorm", "gated", o, z, w, eps, out)

@@ -125,6 +125,9 @@ def render_source(name: str, source: str, declared: dict[str, tuple[type, tuple]
         kind, allowed = declared[key]
         if type(value) is not kind or value not in allowed:
             raise FermijitError(f"{label}: {key}={value!r} not in {allowed}")
+    bad = next((i for i, line in enumerate(source.splitlines(), 1) if not line.isascii()), None)
+    if bad is not None:
+        raise FermijitError(f"kernels_ptx/{name}.ptx line {bad}: ptxas accepts ASCII only")
     if re.search(r"^\s*\.(version|target|address_size)\b", source, re.M):
         raise FermijitError(f"kernels_ptx/{name}.ptx: the renderer writes .version/.target")
     try:
