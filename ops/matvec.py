@@ -179,10 +179,13 @@ def _load_units(fmt: _Format, v: Vec, builder, ptr, off, count: int):
 
 
 def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
-    """i32 [4·lanes]: four partial sums per block of one unit times its activations."""
+    """Partial sums per block of one unit times its activations (see simd.block_sums)."""
     if fmt.is_offset:
         lo, hi = unit
-        return simd.dot_u8s8(v, builder, [(lo, x_lo), (hi, x_hi)])
+        pairs = [(lo, x_lo), (hi, x_hi)]
+        # Without VNNI stay in i16: block_sums' phaddw tree then needs one pmaddwd, not four.
+        return (simd.dot_u8s8(v, builder, pairs) if v.dpbusd
+                else simd.dot_u8s8_i16(v, builder, pairs))
     # |w|·sign(x, w) = w·x; each half its own pmaddwd, since two halves of 8-bit products can
     # overflow i16 (2·2·128·127 > 32767).
     (a0, w0), (a1, w1) = unit
@@ -228,7 +231,6 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
 
             step_bytes = bps * fmt.block_bytes
             qs_ahead = builder.mul(qs_stride, c(PREFETCH_TILES * n_rows))
-            d_ahead = builder.mul(nb, c(2 * PREFETCH_TILES * n_rows))
             n_steps = builder.udiv(nb, c(bps))
             with cgutils.for_range(builder, n_steps) as loop:
                 s = loop.index
@@ -241,7 +243,6 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
                     for line in range(0, step_bytes, 64):
                         simd.prefetch(builder, qs_row[i],
                                       builder.add(builder.add(qs_off, qs_ahead), c(line)))
-                    simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
                     units.append(_load_units(fmt, v, builder, qs_row[i], qs_off,
                                              VECTORS_PER_STEP))
                     scales.append(simd.fp16_to_f32(
@@ -275,8 +276,10 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
                         x_lo = simd.load(builder, xq_row[t], builder.mul(b, c(32)), vec(I8, 16))
                         x_hi = simd.load(builder, xq_row[t], builder.add(builder.mul(b, c(32)),
                                                                          c(16)), vec(I8, 16))
-                        isum = simd.hsum_i32(builder, _unit_sums(fmt, SSE, builder, unit,
-                                                                 x_lo, x_hi))
+                        part = _unit_sums(fmt, SSE, builder, unit, x_lo, x_hi)
+                        if part.type.element.width == 16:
+                            part = simd.widen_i16(SSE, builder, part)
+                        isum = simd.hsum_i32(builder, part)
                         if fmt.is_offset:
                             isum = builder.sub(isum, simd.load_scalar(
                                 builder, xs_row[t], builder.mul(b, c(4)), I32))
@@ -337,7 +340,7 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
     """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
     code is ever compiled for a Westmere target: pitfall 5). Q8_0 weights run at SSE width on
     every ISA (the LM-head option, read once per token)."""
-    key = (body, isa, shape, fmt)
+    key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
     if key not in _products:
         v = simd.VEC_OF[isa] if fmt is Q4_0 else SSE
         n_rows, n_tok = shape

@@ -112,6 +112,18 @@ def sign_i8(builder, x, q):
     return builder.select(builder.icmp_signed("==", q, zero), zero, neg)
 
 
+def dot_u8s8_i16(v: Vec, builder, pairs):
+    """Sum over `pairs` of u8·s8 products in adjacent pairs, as i16 [nbytes/2] (no VNNI).
+    Exact while the sums stay within i16: true for 4-bit weights (2·2·15·127 = 7620), and the
+    block_sums tree keeps it so (4 units: 30480)."""
+    n = v.nbytes
+    s16 = None
+    for u, s in pairs:
+        p = _call(builder, v.pmaddubsw, vec(I16, n // 2), [u, s])
+        s16 = p if s16 is None else builder.add(s16, p)
+    return s16
+
+
 def dot_u8s8(v: Vec, builder, pairs):
     """Sum over `pairs` of u8·s8 products, in groups of 4 adjacent bytes -> i32 [nbytes/4].
 
@@ -126,34 +138,47 @@ def dot_u8s8(v: Vec, builder, pairs):
             acc = _call(builder, v.dpbusd, acc.type,
                         [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
         return acc
-    s16 = None
-    for u, s in pairs:
-        p = _call(builder, v.pmaddubsw, vec(I16, n // 2), [u, s])
-        s16 = p if s16 is None else builder.add(s16, p)
-    ones = ir.Constant(vec(I16, n // 2), [1] * (n // 2))
-    return _call(builder, v.pmaddwd, vec(I32, n // 4), [s16, ones])
+    return widen_i16(v, builder, dot_u8s8_i16(v, builder, pairs))
+
+
+def widen_i16(v: Vec, builder, s16):
+    """Adjacent i16 pairs summed into i32 (pmaddwd by ones)."""
+    n = s16.type.count
+    return _call(builder, v.pmaddwd, vec(I32, n // 2), [s16, ir.Constant(s16.type, [1] * n)])
+
+
+PHADDW = {16: "llvm.x86.ssse3.phadd.w.128", 32: "llvm.x86.avx2.phadd.w"}
 
 
 def hadd_lanes(v: Vec, builder, a, b):
-    """phaddd per 128-bit lane: lane L of the result is [a0+a1, a2+a3, b0+b1, b2+b3] of lane L."""
+    """phaddd/phaddw per 128-bit lane: lane L of the result is a's adjacent pairs summed, then
+    b's, of lane L (for i32: [a0+a1, a2+a3, b0+b1, b2+b3])."""
+    is_i16 = a.type.element.width == 16
+    if is_i16:
+        return _call(builder, PHADDW[v.nbytes], a.type, [a, b])
     if v.phaddd:
         return _call(builder, v.phaddd, a.type, [a, b])
     n = a.type.count
+    per_lane = n // v.lanes
     even, odd = [], []
-    for lane in range(n // 4):
-        base = lane * 4
-        even += [base, base + 2, n + base, n + base + 2]
-        odd += [base + 1, base + 3, n + base + 1, n + base + 3]
+    for lane in range(v.lanes):
+        base = lane * per_lane
+        pairs = range(0, per_lane, 2)
+        even += [base + i for i in pairs] + [n + base + i for i in pairs]
+        odd += [base + i + 1 for i in pairs] + [n + base + i + 1 for i in pairs]
     e = builder.shuffle_vector(a, b, ir.Constant(vec(I32, n), even))
     o = builder.shuffle_vector(a, b, ir.Constant(vec(I32, n), odd))
     return builder.add(e, o)
 
 
 def block_sums(v: Vec, builder, parts):
-    """Four i32 vectors of 4 partial sums per block (one block per 128-bit lane) -> one vector of
-    the 4·lanes block sums in block order (vector j holds blocks j·lanes .. j·lanes+lanes-1)."""
+    """Four vectors of partial sums, one block per 128-bit lane (i32: 4 partials per block; i16:
+    8 partials, from dot_u8s8_i16) -> i32 [4·lanes]: the block sums in block order (vector j
+    holds blocks j·lanes .. j·lanes+lanes-1)."""
     a, b, c, d = parts
     r = hadd_lanes(v, builder, hadd_lanes(v, builder, a, b), hadd_lanes(v, builder, c, d))
+    if r.type.element.width == 16:
+        r = widen_i16(v, builder, r)  # the i16 tree ends with 2 partials per block
     if v.lanes == 1:
         return r
     # Lane L now holds blocks L, lanes+L, 2·lanes+L, 3·lanes+L: block b sits at 4·(b%lanes)+b//lanes.
@@ -167,19 +192,17 @@ def block_sums(v: Vec, builder, parts):
 def fp16_to_f32(v: Vec, builder, h):
     """Vector of fp16 bit patterns (i16) -> f32. With F16C this is vcvtph2ps; Westmere has no
     F16C and LLVM's libcall for `fpext half` is unresolvable in-process (a segfault, pitfall 4),
-    so: bits (h & 0x7fff) << 13 reinterpreted as f32, times 2^112, sign or-ed back. Exact for
-    normal and subnormal scales (scales are never inf or NaN)."""
+    so, in 4 integer/float ops: h << 16 (sign at bit 31), arithmetic shift right 3 (exponent and
+    mantissa land where f32 keeps them), clear the 3 copies of the sign below bit 31, times
+    2^112 to rebias the exponent. Exact for normal and subnormal scales (never inf or NaN)."""
     n = h.type.count
     if v.has_f16c:
         return builder.fpext(builder.bitcast(h, vec(ir.HalfType(), n)), vec(F32, n))
-    w = builder.zext(h, vec(I32, n))
-    mag = builder.shl(builder.and_(w, ir.Constant(vec(I32, n), [0x7FFF] * n)),
-                      ir.Constant(vec(I32, n), [13] * n))
-    f = builder.fmul(builder.bitcast(mag, vec(F32, n)),
-                     ir.Constant(vec(F32, n), [2.0 ** 112] * n))
-    sign = builder.shl(builder.and_(w, ir.Constant(vec(I32, n), [0x8000] * n)),
-                       ir.Constant(vec(I32, n), [16] * n))
-    return builder.bitcast(builder.or_(builder.bitcast(f, vec(I32, n)), sign), vec(F32, n))
+    i32x = vec(I32, n)
+    w = builder.shl(builder.zext(h, i32x), ir.Constant(i32x, [16] * n))
+    w = builder.ashr(w, ir.Constant(i32x, [3] * n))
+    w = builder.and_(w, ir.Constant(i32x, [0x8FFFE000 - (1 << 32)] * n))
+    return builder.fmul(builder.bitcast(w, vec(F32, n)), ir.Constant(vec(F32, n), [2.0 ** 112] * n))
 
 
 def hsum_f32(builder, x):
