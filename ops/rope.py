@@ -89,3 +89,33 @@ def cpu(x, positions, rotary_dim, theta, out=None):
     tokens = _rope_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _rope_serial
     tokens(x, positions, _inv_freq(int(rotary_dim), float(theta)), out, is_in_place)
     return out
+
+
+# --- GPU (kernels_ptx/rope.ptx: one token per block; cos/sin made here in fp64, as `cpu`) ------
+
+def gpu(x, positions, rotary_dim, theta, out=None):
+    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu). The [T, R/2] cos/sin tables
+    are made on the host from `_inv_freq` (so a device `positions` is copied back) and copied in.
+    `out=x` rotates in place."""
+    from fermijit.jit import gpu as g
+
+    op = "rope"
+    on_device = g.is_device(x) or g.is_device(out)
+    g.check_array(op, "x", x, np.float32, ndim=3)
+    n_tokens, n_heads, d = x.shape
+    positions = positions.get() if g.is_device(positions) else positions
+    check_array(op, "positions", positions, np.int64, (n_tokens,))
+    if not (isinstance(rotary_dim, (int, np.integer)) and 0 < rotary_dim <= d
+            and rotary_dim % 2 == 0):
+        raise FermijitError(f"{op}: rotary_dim must be even and in (0, {d}], got {rotary_dim!r}")
+    if not (math.isfinite(theta) and theta > 0.0):
+        raise FermijitError(f"{op}: theta must be positive and finite, got {theta!r}")
+    y = g.output(op, out, x.shape)
+    if n_tokens:
+        angle = positions.astype(np.float64)[:, None] * _inv_freq(int(rotary_dim), float(theta))
+        cos = g.to_device(op, "cos", np.cos(angle).astype(np.float32), np.float32)
+        sin = g.to_device(op, "sin", np.sin(angle).astype(np.float32), np.float32)
+        g.kernel("rope")((min(n_tokens, g.FERMI_MAX_GRID[0]),), (256,),
+                         g.to_device(op, "x", x, np.float32), cos, sin, y, n_tokens, n_heads, d,
+                         int(rotary_dim) // 2)
+    return g.result(op, y, out, on_device)
