@@ -87,3 +87,48 @@ def cpu(x, w, state, out=None):
     tokens = _conv_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _conv_serial
     tokens(x, w, state, out)
     return out, state
+
+
+# --- GPU (kernels_ptx/conv1d.ptx: every (t, c) at once, then the state in place) ----------------
+
+GPU_TAPS = (2, 3, 4)  # the widths conv1d.ptx is rendered for
+
+
+def gpu(x, w, state, out=None):
+    """As `cpu`, updating `state` in place; arrays numpy or on the device (fermijit.jit.gpu).
+    `out` may be `x`: on the device the outputs then go through a scratch buffer, since every
+    output reads TAPS-1 earlier inputs."""
+    from fermijit.jit import gpu as g
+
+    op = "conv1d"
+    on_device = g.is_device(x) or g.is_device(out)
+    g.check_array(op, "x", x, np.float32, ndim=2)
+    n_tokens, n_channels = x.shape
+    g.check_array(op, "w", w, np.float32, (n_channels, None))
+    k = w.shape[1]
+    if k not in GPU_TAPS:
+        raise FermijitError(f"{op}: the GPU kernel takes {GPU_TAPS} taps, got w of shape "
+                            f"{list(w.shape)}")
+    g.check_array(op, "state", state, np.float32, (n_channels, k - 1))
+    if not g.is_device(state) and not state.flags.writeable:
+        raise FermijitError(f"{op}: state is read-only (it is updated in place)")
+    y = g.output(op, out, x.shape)
+    x_dev = g.to_device(op, "x", x, np.float32)
+    state_dev = g.to_device(op, "state", state, np.float32)
+    if int(state_dev.gpudata) in (int(x_dev.gpudata), int(y.gpudata)):
+        raise FermijitError(f"{op}: state, x and out must not overlap (out may be x itself)")
+    is_in_place = int(y.gpudata) == int(x_dev.gpudata)
+    target = g.gpuarray().empty(x.shape, np.float32) if is_in_place else y
+    if n_tokens and n_channels:
+        blocks = -(-n_channels // 256)
+        g.kernel("conv1d", f"conv1d_{k}", TAPS=k)(
+            (blocks, min(n_tokens, g.FERMI_MAX_GRID[1])), (256,),
+            x_dev, g.to_device(op, "w", w, np.float32), state_dev, target, n_tokens, n_channels)
+        g.kernel("conv1d", f"conv1d_state_{k}", TAPS=k)(
+            (blocks,), (256,), x_dev, state_dev, n_tokens, n_channels)
+        if is_in_place:
+            with g.check(f"{op}: copying the outputs over x"):
+                g.driver().memcpy_dtod(y.gpudata, target.gpudata, target.nbytes)
+    if not g.is_device(state):
+        g.result(op, state_dev, state, False)
+    return g.result(op, y, out, on_device), state
