@@ -80,3 +80,35 @@ def cpu(logits, top_k, out=None):
     _route_tokens(logits.reshape(-1, n_experts), idx_out.reshape(-1, top_k),
                   weight_out.reshape(-1, top_k))
     return idx_out, weight_out
+
+
+# --- GPU (kernels_ptx/router.ptx: one thread per token, the top-k kept sorted in registers) -----
+
+GPU_MAX_TOP_K = 8  # router.ptx is rendered for k = 1..8
+
+
+def gpu(logits, top_k, out=None):
+    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu). `out` is an (idx, weight)
+    pair, both numpy or both on the device."""
+    from fermijit.jit import gpu as g
+
+    op = "router"
+    g.check_array(op, "logits", logits, np.float32)
+    if len(logits.shape) not in (1, 2):
+        raise FermijitError(f"{op}: logits must be [E] or [T, E], got shape {list(logits.shape)}")
+    n_experts = logits.shape[-1]
+    if not (isinstance(top_k, (int, np.integer)) and 1 <= top_k <= min(n_experts,
+                                                                       GPU_MAX_TOP_K)):
+        raise FermijitError(f"{op}: top_k must be an int in [1, {min(n_experts, GPU_MAX_TOP_K)}]"
+                            f" on the GPU, got {top_k!r}")
+    shape = tuple(logits.shape[:-1]) + (int(top_k),)
+    idx_out, weight_out = (None, None) if out is None else out
+    on_device = g.is_device(logits) or g.is_device(idx_out)
+    idx = g.output(op, idx_out, shape, np.int32)
+    weight = g.output(op, weight_out, shape, np.float32)
+    n_tokens = int(np.prod(logits.shape[:-1], dtype=np.int64))
+    if n_tokens:
+        g.kernel("router", TOP_K=int(top_k))(
+            (-(-n_tokens // 64),), (64,), g.to_device(op, "logits", logits, np.float32), idx,
+            weight, n_tokens, n_experts)
+    return g.result(op, idx, idx_out, on_device), g.result(op, weight, weight_out, on_device)
