@@ -159,3 +159,34 @@ def cpu(q, k, v, gate, start, out=None):
     _attend(q, k, v, int(start), acc, m, l)
     _combine(acc, m, l, gate, o)
     return o
+
+
+# --- GPU (kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles) ----------
+
+GPU_HEAD_DIMS = (32, 64, 128, 256)  # the D attention.ptx is rendered for
+
+
+def gpu(q, k, v, gate, start, out=None):
+    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu)."""
+    from fermijit.jit import gpu as g
+
+    op = "attention"
+    on_device = g.is_device(q) or g.is_device(out)
+    T, Hq, D = g.check_array(op, "q", q, np.float32, ndim=3).shape
+    Hkv, S = g.check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
+    g.check_array(op, "v", v, np.float32, (Hkv, S, D))
+    g.check_array(op, "gate", gate, np.float32, (T, Hq, D))
+    if Hkv == 0 or Hq % Hkv:
+        raise FermijitError(f"{op}: {Hq} query heads is not a multiple of {Hkv} kv heads")
+    if D not in GPU_HEAD_DIMS:
+        raise FermijitError(f"{op}: the GPU kernel takes head dims {GPU_HEAD_DIMS}, got {D}")
+    if not isinstance(start, (int, np.integer)) or start < 0 or start + T > S:
+        raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
+                            f"start + T positions, have {S}")
+    o = g.output(op, out, (T, Hq, D))
+    if T and Hq:
+        g.kernel("attention", HEAD_DIM=D)(
+            (-(-T // 16), Hq), (256,), *(g.to_device(op, name, a, np.float32) for name, a in
+                                         (("q", q), ("k", k), ("v", v), ("gate", gate))),
+            o, T, Hq, Hkv, S, int(start), float(1 / np.sqrt(D)))
+    return g.result(op, o, out, on_device)
