@@ -140,3 +140,53 @@ def cpu(q, k, v, g, beta, state, out=None):
     o = output(op, out, (T, Hv, dv))
     _recurrent(q, k, v, g, beta, state, o)
     return o, state
+
+
+# --- GPU (kernels_ptx/gdn_chunk.ptx: the chunked form, C = 64) ----------------------------------
+
+GPU_CHUNK = 64
+GPU_KEY_DIMS = (64, 128)  # the scan stages K in 64-column halves and holds S[:dk, 32] in 18 KB
+GPU_VALUE_BLOCK = 32      # value columns per scan block
+
+
+def gpu(q, k, v, g, beta, state, out=None):
+    """As `cpu` (the recurrence's result, computed in the chunked UT/WY form of
+    `chunked_reference`), updating `state` in place; arrays numpy or on the device
+    (fermijit.jit.gpu). Returns (o, state)."""
+    from fermijit.jit import gpu as gpu_jit
+
+    op = "gated_delta"
+    on_device = gpu_jit.is_device(v) or gpu_jit.is_device(out)
+    T, Hv, dv = gpu_jit.check_array(op, "v", v, np.float32, ndim=3).shape
+    Hk, dk = gpu_jit.check_array(op, "q", q, np.float32, (T, None, None)).shape[1:]
+    gpu_jit.check_array(op, "k", k, np.float32, (T, Hk, dk))
+    gpu_jit.check_array(op, "g", g, np.float32, (T, Hv))
+    gpu_jit.check_array(op, "beta", beta, np.float32, (T, Hv))
+    gpu_jit.check_array(op, "state", state, np.float32, (Hv, dk, dv))
+    if Hk == 0 or Hv % Hk:
+        raise FermijitError(f"{op}: {Hv} value heads is not a multiple of {Hk} key heads")
+    if dk not in GPU_KEY_DIMS or dv == 0 or dv % GPU_VALUE_BLOCK:
+        raise FermijitError(f"{op}: the GPU kernels take dk in {GPU_KEY_DIMS} and dv a multiple "
+                            f"of {GPU_VALUE_BLOCK}, got dk={dk}, dv={dv}")
+    if not gpu_jit.is_device(state) and not state.flags.writeable:
+        raise FermijitError(f"{op}: state is read-only")
+    o = gpu_jit.output(op, out, (T, Hv, dv))
+    if T == 0:
+        return gpu_jit.result(op, o, out, on_device), state
+    n_chunks = -(-T // GPU_CHUNK)
+    ga = gpu_jit.gpuarray()
+    gamma = ga.empty((Hv, n_chunks, GPU_CHUNK), np.float32)
+    ab = ga.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
+    mqk = ga.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
+    q_dev, k_dev = (gpu_jit.to_device(op, n, a, np.float32) for n, a in (("q", q), ("k", k)))
+    state_dev = gpu_jit.to_device(op, "state", state, np.float32)
+    gpu_jit.kernel("gdn_chunk", "gdn_chunk_prep")(
+        (n_chunks, Hv), (256,), q_dev, k_dev, gpu_jit.to_device(op, "g", g, np.float32),
+        gpu_jit.to_device(op, "beta", beta, np.float32), gamma, ab, mqk, T, Hk, Hv, dk)
+    gpu_jit.kernel("gdn_chunk", "gdn_chunk_scan")(
+        (dv // GPU_VALUE_BLOCK, Hv), (256,), q_dev, k_dev,
+        gpu_jit.to_device(op, "v", v, np.float32), gamma, ab, mqk, state_dev, o, T, Hk, Hv, dk,
+        dv)
+    if not gpu_jit.is_device(state):
+        gpu_jit.result(op, state_dev, state, False)
+    return gpu_jit.result(op, o, out, on_device), state
