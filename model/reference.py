@@ -4,7 +4,9 @@ Short and obvious, not fast: the GDN recurrence runs token by token, attention r
 score matrices. Any number of tokens goes through `forward` with an explicit `State`, so a prompt
 is one call and a decode step is another with one token; both return logits for every token.
 Quantised weights (`QuantTensor`) are dequantised, so the same code is the reference of the
-4-bit model.
+4-bit model; with `quantize_activations` their products also quantise the activations per
+32-block as the CPU kernels do (`W4A8`: ops.matvec's exact-integer reference), which makes it the
+spec of the W4A8 path to fp32 rounding.
 
 Dimension legend: as model/weights.py; T tokens in this call, S cached positions.
 """
@@ -18,7 +20,7 @@ import numpy as np
 from fermijit.model.config import FULL_ATTENTION, TextConfig
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, MoeWeights,
                                     QuantTensor, TextWeights)
-from fermijit.ops import quant
+from fermijit.ops import matvec, quant
 
 L2NORM_EPS = 1e-6  # inside the root, added to the sum of squares (MODEL.md §6.4)
 
@@ -41,6 +43,30 @@ class State:
     layers: list[KvCache | GdnState]      # one per layer
 
 
+@dataclasses.dataclass(frozen=True)
+class W4A8(QuantTensor):
+    """A quantised weight whose products quantise their input to Q8_0, as ops.matvec does."""
+
+
+def as_w4a8(tree):
+    """Weights (a dataclass tree) with every QuantTensor a W4A8; nothing is copied."""
+    if isinstance(tree, QuantTensor):
+        return W4A8(tree.kind, tree.qs, tree.d)
+    if isinstance(tree, tuple):
+        return tuple(as_w4a8(t) for t in tree)
+    if dataclasses.is_dataclass(tree):
+        return dataclasses.replace(tree, **{f.name: as_w4a8(getattr(tree, f.name))
+                                            for f in dataclasses.fields(tree)})
+    return tree
+
+
+def expert(w, e):
+    """Expert `e` of a stacked [E, ...] weight, quantised or not."""
+    if isinstance(w, QuantTensor):
+        return dataclasses.replace(w, qs=w.qs[e], d=w.d[e])
+    return w[e]
+
+
 def dense(w) -> np.ndarray:
     """A weight as float64 (dequantised if it is quantised)."""
     if isinstance(w, QuantTensor):
@@ -51,6 +77,9 @@ def dense(w) -> np.ndarray:
 
 def linear(x, w):
     """x [..., in] · wᵀ, w [out, in]."""
+    if isinstance(w, W4A8):
+        product = matvec.reference if w.kind == "q4_0" else matvec.q8_reference
+        return product(np.asarray(w.qs), np.asarray(w.d), x)
     return x @ dense(w).T
 
 
@@ -147,19 +176,18 @@ def moe(x, w: MoeWeights, top_k):
     logits = linear(x, w.gate)                                       # [T, E]
     p = np.exp(logits - logits.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
-    gate_up, down = dense(w.experts_gate_up), dense(w.experts_down)  # [E, 2I, H], [E, H, I]
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         chosen = np.argsort(-p[t], kind="stable")[:top_k]
         weights = p[t, chosen] / p[t, chosen].sum()
         for e, we in zip(chosen, weights):
-            out[t] += we * swiglu(x[t], gate_up[e], down[e])
-    shared = swiglu(x, dense(w.shared_gate_up), dense(w.shared_down))
+            out[t] += we * swiglu(x[t], expert(w.experts_gate_up, e), expert(w.experts_down, e))
+    shared = swiglu(x, w.shared_gate_up, w.shared_down)
     return out + sigmoid(linear(x, w.shared_expert_gate)) * shared
 
 
 def swiglu(x, gate_up, down):
-    """down · (silu(g) ⊙ u) with [g; u] = gate_up · x."""
+    """down · (silu(g) ⊙ u) with [g; u] = gate_up · x; gate_up [2I, H], down [H, I]."""
     g, u = np.split(linear(x, gate_up), 2, axis=-1)
     return linear(silu(g) * u, down)
 
@@ -167,8 +195,8 @@ def swiglu(x, gate_up, down):
 class Reference:
     """The text model: holds the config's numbers and the weights; state is passed in and out."""
 
-    def __init__(self, cfg: TextConfig, weights: TextWeights):
-        self.w = weights
+    def __init__(self, cfg: TextConfig, weights: TextWeights, quantize_activations: bool = False):
+        self.w = as_w4a8(weights) if quantize_activations else weights
         self.layer_types = cfg.layer_types
         self.eps = cfg.rms_norm_eps
         self.top_k = cfg.num_experts_per_tok

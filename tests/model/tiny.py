@@ -10,10 +10,17 @@ parameter is random, norm offsets included: zero offsets would hide a 1+w vs w m
 Variants: expert layout "fused" (hub: experts.gate_up_proj [E, 2I, H]) or "split" (what
 transformers' save_pretrained writes: experts.{e}.{gate,up,down}_proj.weight); dtype F32, F16
 or BF16 (BF16 keeps A_log in F32, as the published files do); one file or `n_shards` shards.
+
+Two models (`Model`): UNIT, every matrix scaled for unit-variance outputs, which makes the
+network chaotic: it amplifies 4-bit weight noise about 6x (the W4A8 logits are 61% off the fp32
+ones); and HF_INIT, weights at the HF initialiser's scale (std 0.02, hidden 128, 8 layers, 16
+experts, top-4) under unit-scale embeddings, so the residual stream dominates each layer's update
+as in a trained model: the conditioning the 4-bit tolerances of issue 3 (b) are meant for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -65,6 +72,18 @@ TEXT_CONFIG = {
     "dtype": "float32",
 }
 
+HF_INIT_TEXT_CONFIG = {
+    **TEXT_CONFIG,
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}
+
 VISION_CONFIG = {
     "model_type": "qwen3_5_moe",  # sic: the published file says this (MODEL.md §2)
     "depth": 1,
@@ -83,12 +102,28 @@ VISION_CONFIG = {
 }
 
 
-def config_dict() -> dict:
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A tiny model: its text config and the scales of its random weights."""
+
+    name: str
+    text_config: dict
+    weight_std: float | None  # std of matrix entries; None: 1/sqrt(fan_in), unit-variance outputs
+    embed_std: float
+    router_gain: float        # router scale over weight_std: spread logits, no near-ties in top-k
+    norm_offset_std: float    # zero-centred norm offsets (scale 1 + w)
+
+
+UNIT = Model("unit", TEXT_CONFIG, None, 1.0, 2.0, 0.2)
+HF_INIT = Model("hf-init", HF_INIT_TEXT_CONFIG, 0.02, 1.0, 1.0, 0.1)
+
+
+def config_dict(model: Model = UNIT) -> dict:
     """config.json, laid out as the published Qwen3.6-35B-A3B file."""
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
-        "text_config": TEXT_CONFIG,
+        "text_config": model.text_config,
         "vision_config": VISION_CONFIG,
         "image_token_id": 310,
         "video_token_id": 311,
@@ -99,9 +134,9 @@ def config_dict() -> dict:
     }
 
 
-def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """fp32 tensors under the hub names (fused experts), scaled so activations stay O(1)."""
-    t, v = TEXT_CONFIG, VISION_CONFIG
+def random_weights(seed: int = 0, model: Model = UNIT) -> dict[str, np.ndarray]:
+    """fp32 tensors under the hub names (fused experts), at `model`'s scales."""
+    t, v = model.text_config, VISION_CONFIG
     rng = np.random.default_rng(seed)
     H, V, E = t["hidden_size"], t["vocab_size"], t["num_experts"]
     I, Is = t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
@@ -110,15 +145,18 @@ def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
     dk, dv, Kc = t["linear_key_head_dim"], t["linear_value_head_dim"], t["linear_conv_kernel_dim"]
     C = 2 * Hk * dk + Hv * dv
 
-    def linear(*shape):  # [..., out, in], unit-variance outputs for unit-variance inputs
-        return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
+    def linear(*shape):  # [..., out, in]
+        if model.weight_std is None:  # unit-variance outputs for unit-variance inputs
+            return rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(model.weight_std)
 
     def offset(n):  # zero-centred norm weights: effective scale 1 + w
-        return np.float32(0.2) * rng.standard_normal(n, dtype=np.float32)
+        return np.float32(model.norm_offset_std) * rng.standard_normal(n, dtype=np.float32)
 
     w: dict[str, np.ndarray] = {}
     p = "model.language_model."
-    w[p + "embed_tokens.weight"] = rng.standard_normal((V, H), dtype=np.float32)
+    w[p + "embed_tokens.weight"] = (np.float32(model.embed_std)
+                                    * rng.standard_normal((V, H), dtype=np.float32))
     for i, kind in enumerate(t["layer_types"]):
         q = f"{p}layers.{i}."
         w[q + "input_layernorm.weight"] = offset(H)
@@ -143,7 +181,7 @@ def random_weights(seed: int = 0) -> dict[str, np.ndarray]:
             w[a + "norm.weight"] = 1 + offset(dv)  # a plain weight around 1
             w[a + "out_proj.weight"] = linear(H, Hv * dv)
         m = q + "mlp."
-        w[m + "gate.weight"] = 2 * linear(E, H)  # spread router logits: no near-ties in top-k
+        w[m + "gate.weight"] = np.float32(model.router_gain) * linear(E, H)
         w[m + "experts.gate_up_proj"] = linear(E, 2 * I, H)
         w[m + "experts.down_proj"] = linear(E, H, I)
         w[m + "shared_expert.gate_proj.weight"] = linear(Is, H)
@@ -209,16 +247,16 @@ def as_stored(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def write_checkpoint(directory: str | Path, expert_layout: str = "fused", dtype: str = "F32",
-                     n_shards: int = 1, seed: int = 0) -> Path:
+                     n_shards: int = 1, seed: int = 0, model: Model = UNIT) -> Path:
     """A checkpoint directory (config.json, generation_config.json, safetensors); returns it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    w = random_weights(seed)
+    w = random_weights(seed, model)
     if expert_layout == "split":
         w = split_experts(w)
     elif expert_layout != "fused":
         raise ValueError(expert_layout)
-    (directory / "config.json").write_text(json.dumps(config_dict(), indent=2))
+    (directory / "config.json").write_text(json.dumps(config_dict(model), indent=2))
     (directory / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 2}, indent=2))
     names = sorted(w)

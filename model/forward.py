@@ -1,0 +1,330 @@
+"""The Qwen3.6 text model on the CPU (MODEL.md §4-6), composed from ops/: prefill and decode.
+
+One forward serves both: T tokens after `state.position` through every layer,
+    h = x + mixer(rmsnorm(x, input_norm), state)        (GDN or gated attention)
+    x = h + moe(rmsnorm(h, post_norm))
+then the final norm and the LM head. Prefill runs it over blocks of the prompt (T up to
+PREFILL_BLOCK: batched W4A8 GEMMs, ops' multi-token forms, per-expert GEMMs in the MoE); decode
+runs it with T = 1 (GEMVs, one GDN step, attention over the KV cache, the MoE reading only the
+selected experts and the shared one). Every intermediate lives in a `Workspace` made once per T,
+so a decode token allocates nothing but a few small op scratch arrays.
+
+Weights are either the fermijit format (Q4_0 big matrices, a Q8_0/Q4_0 LM head, memory-mapped:
+model/convert.py) or an HF checkpoint in fp32, for reference runs: the same forward, with numpy
+matmuls for fp32 matrices and a numpy MoE for fp32 experts.
+
+Dimension legend: as model/weights.py; T tokens in this pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model.config import FULL_ATTENTION, TextConfig
+from fermijit.model.state import KvCache, State, new_state
+from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
+                                    TextWeights)
+from fermijit.ops import (attention, conv1d, embedding, gated_delta, l2norm, matvec, moe,
+                          rmsnorm, rope, router)
+
+# Tokens per prefill pass: the GEMMs are batched over this many tokens, and the workspace
+# (dominated by the MoE's per-expert activations and the conv channels, ~T·(C + 4·H) fp32) stays
+# small: 512 · (8192 + 8192) · 4 B = 32 MiB for the real model.
+PREFILL_BLOCK = 512
+L2NORM_EPS = 1e-6  # MODEL.md §6.4: inside the root, added to the sum of squares
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseExperts:
+    """The MoE experts of an unquantised checkpoint, in ops.moe.MoeWeights' layout, fp32."""
+
+    gate_up: np.ndarray         # [E, 2I, H]  rows: gate I | up I
+    down: np.ndarray            # [E, H, I]
+    shared_gate_up: np.ndarray  # [1, 2Is, H]
+    shared_down: np.ndarray     # [1, H, Is]
+    shared_gate: np.ndarray     # [H]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    input_norm: np.ndarray                          # [H]  zero-centred
+    mixer: GatedDeltaNetWeights | AttentionWeights  # Q4_0 or fp32 projections
+    post_norm: np.ndarray                           # [H]  zero-centred
+    router: np.ndarray                              # [E, H] fp32
+    experts: moe.MoeWeights | DenseExperts
+
+
+def _host(a):
+    """A memmap view as a plain ndarray view (no copy), as the Numba kernels want."""
+    if isinstance(a, QuantTensor):
+        return QuantTensor(a.kind, np.asarray(a.qs), np.asarray(a.d))
+    return np.asarray(a)
+
+
+def _experts(mlp) -> moe.MoeWeights | DenseExperts:
+    """The MoE weights as ops.moe wants them; the shared expert as an expert tensor of one ([1, ...]
+    views, no copy)."""
+    shared_gate = _host(mlp.shared_expert_gate)[0]                       # [H]
+    if isinstance(mlp.experts_gate_up, QuantTensor):
+        parts = [_host(mlp.experts_gate_up), _host(mlp.experts_down)]
+        shared = [_host(mlp.shared_gate_up), _host(mlp.shared_down)]
+        if any(q.kind != "q4_0" for q in parts + shared):
+            raise FermijitError("the MoE experts must be Q4_0 (convert the model again)")
+        return moe.MoeWeights(parts[0].qs, parts[0].d, parts[1].qs, parts[1].d,
+                              shared[0].qs[None], shared[0].d[None], shared[1].qs[None],
+                              shared[1].d[None], shared_gate)
+    return DenseExperts(_host(mlp.experts_gate_up), _host(mlp.experts_down),
+                        _host(mlp.shared_gate_up)[None], _host(mlp.shared_down)[None], shared_gate)
+
+
+def _layer(w) -> Layer:
+    mixer = type(w.mixer)(**{f.name: _host(getattr(w.mixer, f.name))
+                             for f in dataclasses.fields(w.mixer)})
+    return Layer(_host(w.input_layernorm), mixer, _host(w.post_attention_layernorm),
+                 _host(w.mlp.gate), _experts(w.mlp))
+
+
+def linear(x, w, out, act=None):
+    """out [T, R] = x [T, K] · wᵀ. Q4_0: W4A8 GEMM/GEMV on `act` (x quantised once for all the
+    matrices reading it) or x; Q8_0 (the LM head option): x quantised here; fp32: numpy."""
+    if not isinstance(w, QuantTensor):
+        return np.matmul(x, w.T, out=out)
+    if w.kind == "q8_0":
+        return matvec.q8_cpu(w.qs, w.d, x, out=out)
+    return matvec.cpu(w.qs, w.d, x if act is None else act, out=out)
+
+
+def silu(x):
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def dense_moe(x, ids, weights, w: DenseExperts, out):
+    """ops.moe's block with fp32 experts, as numpy matmuls (the unquantised reference path)."""
+    def swiglu(xs, gate_up, down):                                      # down · (silu(g) ⊙ u)
+        g, u = np.split(xs @ gate_up.T, 2, axis=-1)
+        return (silu(g) * u) @ down.T
+
+    gate = np.float32(1) / (np.float32(1) + np.exp(-(x @ w.shared_gate)))    # [T]
+    out[...] = gate[:, None] * swiglu(x, w.shared_gate_up[0], w.shared_down[0])
+    for e in np.unique(ids):
+        t, k = np.nonzero(ids == e)                                      # a token picks e once
+        out[t] += weights[t, k, None] * swiglu(x[t], w.gate_up[e], w.down[e])
+    return out
+
+
+class Workspace:
+    """Every intermediate of a pass over T tokens, made once (decode keeps one with T = 1)."""
+
+    def __init__(self, model: "Model", n_tokens: int):
+        f, T = np.float32, n_tokens
+        H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
+        Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
+        self.offsets = np.arange(T, dtype=np.int64)
+        self.positions = np.empty(T, np.int64)
+        self.tokens = np.empty(T, np.int32)
+        self.x = np.empty((T, H), f)             # the residual stream
+        self.xn = np.empty((T, H), f)            # its norm: a sublayer's input
+        self.y = np.empty((T, H), f)             # a sublayer's output
+        self.act = None                          # xn quantised for the Q4_0 kernels (Q8Act)
+        self.act_attn = None                     # the attention output, quantised
+        self.act_gdn = None                      # the GDN output, quantised
+        # attention
+        self.qg = np.empty((T, Hq * 2 * D), f)   # per head: query D | gate D
+        self.q = np.empty((T, Hq, D), f)
+        self.gate = np.empty((T, Hq, D), f)
+        self.k = np.empty((T, Hkv, D), f)
+        self.v = np.empty((T, Hkv, D), f)
+        self.o = np.empty((T, Hq, D), f)
+        # gated deltanet
+        self.mixed = np.empty((T, model.conv_dim), f)   # q | k | v before and after the conv
+        self.z = np.empty((T, Hv, dv), f)
+        self.b = np.empty((T, Hv), f)
+        self.a = np.empty((T, Hv), f)
+        self.gq = np.empty((T, Hk, dk), f)
+        self.gk = np.empty((T, Hk, dk), f)
+        self.gv = np.empty((T, Hv, dv), f)
+        self.g = np.empty((T, Hv), f)
+        self.beta = np.empty((T, Hv), f)
+        self.go = np.empty((T, Hv, dv), f)
+        # moe
+        self.router_logits = np.empty((T, model.n_experts), f)
+        self.ids = np.empty((T, model.top_k), np.int32)
+        self.weights = np.empty((T, model.top_k), f)
+        experts = model.layers[0].experts
+        self.moe_scratch = (moe.Scratch.make(experts, model.top_k)
+                            if T == 1 and isinstance(experts, moe.MoeWeights) else None)
+        self.logits = np.empty((1, model.vocab_size), f) if T == 1 else None
+
+
+class Model:
+    """The text model: the config's numbers, per-layer weights; the state is passed in and out."""
+
+    def __init__(self, cfg: TextConfig, weights: TextWeights):
+        self.hidden, self.vocab_size = cfg.hidden_size, cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
+        self.theta = cfg.rope_parameters.rope_theta
+        self.n_key_heads, self.n_value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.conv_dim, self.conv_taps = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+        self.n_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.max_context = cfg.max_position_embeddings
+        self.is_attention = tuple(kind == FULL_ATTENTION for kind in cfg.layer_types)
+        self.embed = _host(weights.embed_tokens)                       # [V, H] f16 or f32
+        self.layers = tuple(_layer(w) for w in weights.layers)
+        self.norm = _host(weights.norm)
+        self.lm_head = _host(weights.lm_head)
+        self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
+        self._decode_ws: Workspace | None = None
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def new_state(self, context: int) -> State:
+        """Zeros, the KV caches allocated to `context` positions (at most the model's)."""
+        if not 1 <= context <= self.max_context:
+            raise FermijitError(f"context must be between 1 and {self.max_context} "
+                                f"(max_position_embeddings), got {context}")
+        return new_state(self.is_attention, context, (self.n_kv_heads, self.head_dim),
+                         (self.conv_dim, self.conv_taps - 1),
+                         (self.n_value_heads, self.key_dim, self.value_dim))
+
+    def check_state(self, state: State) -> None:
+        """FermijitError unless `state` has this model's layers and shapes (a restored one)."""
+        ref = new_state(self.is_attention, 1, (self.n_kv_heads, self.head_dim),
+                        (self.conv_dim, self.conv_taps - 1),
+                        (self.n_value_heads, self.key_dim, self.value_dim))
+        if len(state.layers) != len(ref.layers):
+            raise FermijitError(f"state has {len(state.layers)} layers, the model "
+                                f"{len(ref.layers)}")
+        for i, (s, r) in enumerate(zip(state.layers, ref.layers)):
+            for name, a, b in zip(("k", "v") if isinstance(r, KvCache) else ("conv", "recurrent"),
+                                  dataclasses.astuple(s), dataclasses.astuple(r)):
+                shape_ok = a.shape[:1] + a.shape[2:] == b.shape[:1] + b.shape[2:] \
+                    if isinstance(r, KvCache) else a.shape == b.shape
+                if type(s) is not type(r) or not shape_ok or a.dtype != np.float32:
+                    raise FermijitError(f"state layer {i} ({name}) does not fit the model: "
+                                        f"{a.dtype} {list(a.shape)}")
+
+    # --- the two entry points -------------------------------------------------------------------
+
+    def prefill(self, tokens, state: State, all_logits: bool = False) -> np.ndarray:
+        """Logits [V] of the last of `tokens` [T] (all of them, [T, V], with `all_logits`), which
+        follow the `state.position` tokens seen; updates `state`."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
+                                f"{list(tokens.shape)}")
+        self._check_room(state, tokens.size)
+        logits = []
+        ws = None
+        for t0 in range(0, tokens.size, PREFILL_BLOCK):
+            block = tokens[t0:t0 + PREFILL_BLOCK]
+            if ws is None or ws.tokens.size != block.size:
+                ws = Workspace(self, block.size)
+            self.forward(block, state, ws)
+            if all_logits:
+                logits.append(self.logits(ws.x, np.empty((block.size, self.vocab_size),
+                                                         np.float32)))
+        if all_logits:
+            return np.concatenate(logits)
+        return self.logits(ws.x[-1:], np.empty((1, self.vocab_size), np.float32))[0]
+
+    def decode(self, token: int, state: State) -> np.ndarray:
+        """Logits [V] after `token`; a view of a buffer the next call overwrites."""
+        self._check_room(state, 1)
+        if self._decode_ws is None:
+            self._decode_ws = Workspace(self, 1)
+        ws = self._decode_ws
+        ws.tokens[0] = token
+        self.forward(ws.tokens, state, ws)
+        return self.logits(ws.x, ws.logits)[0]
+
+    def _check_room(self, state: State, n_tokens: int) -> None:
+        if state.position + n_tokens > state.context:
+            raise FermijitError(f"context full: {state.position} positions seen plus "
+                                f"{n_tokens} new exceed the context of {state.context}")
+
+    # --- the forward (MODEL.md §4) --------------------------------------------------------------
+
+    def forward(self, tokens, state: State, ws: Workspace) -> None:
+        """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T."""
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise FermijitError(f"token ids must be in [0, {self.vocab_size}), got "
+                                f"[{tokens.min()}, {tokens.max()}]")
+        start = state.position
+        embedding.cpu(tokens, self.embed, out=ws.x)                    # not scaled
+        np.add(ws.offsets, start, out=ws.positions)
+        for w, s in zip(self.layers, state.layers):
+            rmsnorm.cpu(ws.x, w.input_norm, self.eps, out=ws.xn)
+            if isinstance(s, KvCache):
+                self.attention(w.mixer, s, start, ws)
+            else:
+                self.gated_deltanet(w.mixer, s, ws)
+            ws.x += ws.y                                               # h = x + mixer(norm(x))
+            rmsnorm.cpu(ws.x, w.post_norm, self.eps, out=ws.xn)
+            self.moe(w, ws)
+            ws.x += ws.y                                               # x = h + moe(norm(h))
+        state.position += tokens.size
+
+    def logits(self, x, out) -> np.ndarray:
+        """out [T, V] = lm_head · rmsnorm(x) for x [T, H]."""
+        xn = rmsnorm.cpu(x, self.norm, self.eps)
+        return linear(xn, self.lm_head, out)
+
+    def _quantized_input(self, x, act):
+        return matvec.quantize_act(x, out=act) if self.is_quantized else None
+
+    def attention(self, w: AttentionWeights, cache: KvCache, start: int, ws: Workspace) -> None:
+        """Gated GQA attention (MODEL.md §5): ws.xn -> ws.y, keys and values into the cache."""
+        T, D = ws.tokens.size, self.head_dim
+        ws.act = act = self._quantized_input(ws.xn, ws.act)
+        linear(ws.xn, w.q_proj, ws.qg, act)                          # per head: query | gate
+        qg = ws.qg.reshape(T, self.n_heads, 2 * D)
+        np.copyto(ws.q, qg[..., :D])
+        np.copyto(ws.gate, qg[..., D:])
+        linear(ws.xn, w.k_proj, ws.k.reshape(T, -1), act)
+        linear(ws.xn, w.v_proj, ws.v.reshape(T, -1), act)
+        rmsnorm.cpu(ws.q, w.q_norm, self.eps, out=ws.q)              # per head, before RoPE
+        rmsnorm.cpu(ws.k, w.k_norm, self.eps, out=ws.k)
+        rope.cpu(ws.q, ws.positions, self.rotary_dim, self.theta, out=ws.q)
+        rope.cpu(ws.k, ws.positions, self.rotary_dim, self.theta, out=ws.k)
+        cache.k[:, start:start + T] = ws.k.transpose(1, 0, 2)        # [Hkv, S, D]
+        cache.v[:, start:start + T] = ws.v.transpose(1, 0, 2)
+        attention.cpu(ws.q, cache.k, cache.v, ws.gate, start, out=ws.o)  # o ⊙ σ(gate)
+        o = ws.o.reshape(T, -1)
+        ws.act_attn = self._quantized_input(o, ws.act_attn)
+        linear(o, w.o_proj, ws.y, ws.act_attn)
+
+    def gated_deltanet(self, w: GatedDeltaNetWeights, s, ws: Workspace) -> None:
+        """Gated DeltaNet (MODEL.md §6): ws.xn -> ws.y; conv and recurrent state updated."""
+        T, Hk, dk = ws.tokens.size, self.n_key_heads, self.key_dim
+        ws.act = act = self._quantized_input(ws.xn, ws.act)
+        linear(ws.xn, w.in_proj_qkv, ws.mixed, act)                  # [T, C]
+        linear(ws.xn, w.in_proj_z, ws.z.reshape(T, -1), act)
+        linear(ws.xn, w.in_proj_b, ws.b)                             # fp32 [Hv, H]: gates
+        linear(ws.xn, w.in_proj_a, ws.a)
+        conv1d.cpu(ws.mixed, w.conv1d, s.conv, out=ws.mixed)         # causal conv + SiLU
+        np.copyto(ws.gq, ws.mixed[:, :Hk * dk].reshape(T, Hk, dk))
+        np.copyto(ws.gk, ws.mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk))
+        np.copyto(ws.gv, ws.mixed[:, 2 * Hk * dk:].reshape(ws.gv.shape))
+        l2norm.cpu(ws.gq, L2NORM_EPS, 1 / np.sqrt(dk), out=ws.gq)    # q / |q| / sqrt(dk)
+        l2norm.cpu(ws.gk, L2NORM_EPS, out=ws.gk)
+        gated_delta.gates_cpu(ws.a, ws.b, w.A_log, w.dt_bias, out=(ws.g, ws.beta))
+        gated_delta.cpu(ws.gq, ws.gk, ws.gv, ws.g, ws.beta, s.recurrent, out=ws.go)
+        rmsnorm.gated_cpu(ws.go, ws.z, w.norm, self.eps, out=ws.go)  # norm, then silu(z) gate
+        o = ws.go.reshape(T, -1)
+        ws.act_gdn = self._quantized_input(o, ws.act_gdn)
+        linear(o, w.out_proj, ws.y, ws.act_gdn)
+
+    def moe(self, w: Layer, ws: Workspace) -> None:
+        """Routed top-k SwiGLU experts plus the gated shared expert (MODEL.md §4): ws.xn -> ws.y."""
+        np.matmul(ws.xn, w.router.T, out=ws.router_logits)            # [T, E]
+        router.cpu(ws.router_logits, self.top_k, out=(ws.ids, ws.weights))
+        if isinstance(w.experts, moe.MoeWeights):
+            moe.cpu(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y, scratch=ws.moe_scratch)
+        else:
+            dense_moe(ws.xn, ws.ids, ws.weights, w.experts, ws.y)

@@ -1,0 +1,125 @@
+"""The decode state of one sequence: what prefill leaves and decode extends (DESIGN.md, Data flow),
+and what the snapshot prefix cache copies, stores and restores.
+
+Per attention layer a KV cache preallocated to the context length S, in the [Hkv, S, D] layout
+ops.attention reads (MODEL.md §5.7: post-norm, post-RoPE); per GDN layer the conv window
+[C, Kc-1] (the last pre-conv inputs, oldest first, as ops.conv1d keeps it) and the recurrent state
+[Hv, dk, dv] (MODEL.md §6), all fp32; and the position, the number of tokens seen. Cache rows at
+or past `position` are never read, so copies and files hold only rows [0, position).
+
+Dimension legend: as model/weights.py; S the context length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+
+STATE_FORMAT = 1
+
+
+@dataclasses.dataclass
+class KvCache:
+    k: np.ndarray  # [Hkv, S, D] fp32
+    v: np.ndarray  # [Hkv, S, D] fp32
+
+
+@dataclasses.dataclass
+class GdnState:
+    conv: np.ndarray       # [C, Kc-1] fp32
+    recurrent: np.ndarray  # [Hv, dk, dv] fp32
+
+
+@dataclasses.dataclass
+class State:
+    position: int                     # tokens seen; the next token's position
+    layers: list[KvCache | GdnState]  # one per layer
+
+    @property
+    def context(self) -> int:
+        """Positions the KV caches hold (S); unbounded (a large number) without attention."""
+        return min((s.k.shape[1] for s in self.layers if isinstance(s, KvCache)),
+                   default=np.iinfo(np.int64).max)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for s in self.layers for a in dataclasses.astuple(s))
+
+    def copy(self, context: int | None = None) -> "State":
+        """An independent copy, its caches allocated to `context` (default: this one's)."""
+        context = self.context if context is None else context
+        if context < self.position:
+            raise FermijitError(f"state: a context of {context} cannot hold the {self.position} "
+                                f"positions seen")
+        layers = []
+        for s in self.layers:
+            if isinstance(s, KvCache):
+                layers.append(KvCache(*(_resized(a, context, self.position) for a in (s.k, s.v))))
+            else:
+                layers.append(GdnState(s.conv.copy(), s.recurrent.copy()))
+        return State(self.position, layers)
+
+    def save(self, path: str | Path) -> None:
+        """An .npz file (uncompressed: the recurrent state is noise-like fp32)."""
+        arrays = {"format_version": np.int64(STATE_FORMAT), "position": np.int64(self.position)}
+        for i, s in enumerate(self.layers):
+            if isinstance(s, KvCache):
+                arrays[f"{i}.k"] = s.k[:, :self.position]
+                arrays[f"{i}.v"] = s.v[:, :self.position]
+                arrays[f"{i}.context"] = np.int64(s.k.shape[1])
+            else:
+                arrays[f"{i}.conv"], arrays[f"{i}.recurrent"] = s.conv, s.recurrent
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path, context: int | None = None) -> "State":
+        """A state saved by `save`, its caches allocated to `context` (default: as saved)."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {name: z[name] for name in z.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise FermijitError(f"{path}: not a readable state file ({e})") from None
+        if int(arrays.get("format_version", -1)) != STATE_FORMAT:
+            raise FermijitError(f"{path}: not a state file of format {STATE_FORMAT}")
+        position = int(arrays["position"])
+        layers: list[KvCache | GdnState] = []
+        i = 0
+        while f"{i}.k" in arrays or f"{i}.conv" in arrays:
+            if f"{i}.k" in arrays:
+                n = int(arrays[f"{i}.context"]) if context is None else context
+                if n < position:
+                    raise FermijitError(f"{path}: a context of {n} cannot hold the {position} "
+                                        f"positions seen")
+                layers.append(KvCache(*(_resized(arrays[f"{i}.{x}"], n, position)
+                                        for x in "kv")))
+            else:
+                layers.append(GdnState(np.ascontiguousarray(arrays[f"{i}.conv"], np.float32),
+                                       np.ascontiguousarray(arrays[f"{i}.recurrent"], np.float32)))
+            i += 1
+        return cls(position, layers)
+
+
+def _resized(cache: np.ndarray, context: int, position: int) -> np.ndarray:
+    """cache [Hkv, >= position, D] -> a new [Hkv, context, D] fp32 with rows [0, position)."""
+    out = np.zeros((cache.shape[0], context, cache.shape[2]), np.float32)
+    out[:, :position] = cache[:, :position]
+    return out
+
+
+def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
+              conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int]) -> State:
+    """Zeros: `layer_kinds[i]` is True for an attention layer; kv_shape (Hkv, D), conv_shape
+    (C, Kc-1), recurrent_shape (Hv, dk, dv)."""
+    hkv, d = kv_shape
+    layers: list[KvCache | GdnState] = [
+        KvCache(np.zeros((hkv, context, d), np.float32), np.zeros((hkv, context, d), np.float32))
+        if is_attention else
+        GdnState(np.zeros(conv_shape, np.float32), np.zeros(recurrent_shape, np.float32))
+        for is_attention in layer_kinds]
+    return State(0, layers)
