@@ -279,7 +279,7 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
                         part = _unit_sums(fmt, SSE, builder, unit, x_lo, x_hi)
                         if part.type.element.width == 16:
                             part = simd.widen_i16(SSE, builder, part)
-                        isum = simd.hsum_i32(builder, part)
+                        isum = simd.hsum(builder, part)
                         if fmt.is_offset:
                             isum = builder.sub(isum, simd.load_scalar(
                                 builder, xs_row[t], builder.mul(b, c(4)), I32))
@@ -289,7 +289,7 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
 
             for i in range(n_rows):
                 for t in range(n_tok):
-                    y = builder.fadd(simd.hsum_f32(builder, builder.load(acc[i][t])),
+                    y = builder.fadd(simd.hsum(builder, builder.load(acc[i][t])),
                                      builder.load(tail[i][t]))
                     out_row = builder.add(o0v, c(t))
                     index = builder.add(builder.mul(out_row, out_cols), rows[i])

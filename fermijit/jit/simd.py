@@ -205,22 +205,13 @@ def fp16_to_f32(v: Vec, builder, h):
     return builder.fmul(builder.bitcast(w, vec(F32, n)), ir.Constant(vec(F32, n), [2.0 ** 112] * n))
 
 
-def hsum_f32(builder, x):
-    """Horizontal sum of a float vector by halving shuffles."""
+def hsum(builder, x):
+    """Horizontal sum of an i32 or f32 vector by halving shuffles -> scalar."""
+    add = builder.fadd if isinstance(x.type.element, ir.FloatType) else builder.add
     n = x.type.count
     while n > 1:
         half = n // 2
         hi = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half, n))))
         lo = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half))))
-        x, n = builder.fadd(lo, hi), half
-    return builder.extract_element(x, ir.Constant(I32, 0))
-
-
-def hsum_i32(builder, x):
-    n = x.type.count
-    while n > 1:
-        half = n // 2
-        hi = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half, n))))
-        lo = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half))))
-        x, n = builder.add(lo, hi), half
+        x, n = add(lo, hi), half
     return builder.extract_element(x, ir.Constant(I32, 0))
