@@ -1,0 +1,415 @@
+"""Train the default model (issue 4): a small Qwen3.6 of the real architecture on the Python docs.
+
+The architecture is MODEL.md's at small sizes, built with transformers' `Qwen3_5MoeForCausalLM`
+(the oracle; eager attention): Gated DeltaNet layers with full (gated) attention at i%4==3, every
+layer MoE with a sigmoid-gated shared expert, rope_parameters explicit (theta 1e7, rotary 1/4 of
+the head; MODEL.md §8). Data: `train.txt` / `heldout.txt` and the tokenizer from
+model/default_corpus.py (`--data`); documents are joined with `<|endoftext|>` and the model sees
+random windows of `context + 1` tokens (seeded). Training: AdamW, linear warm-up then cosine decay
+to 10%, gradient clipping, bf16 autocast on CUDA (fp32 master weights), fp32 on CPU; the
+transformers load-balancing loss keeps the experts in use.
+
+Budget: `--steps N` trains N steps; `--minutes M` alone times the first steps and then fixes N
+so the run ends in about M minutes (printed, so `--steps N` reproduces the schedule; on CUDA the
+kernels are not bitwise deterministic). Held-out loss and perplexity are logged `--evals` times.
+
+Output (`--out`): a text-only HF checkpoint that transformers and fermijit's converter read:
+config.json (`qwen3_5_moe_text`, fields that model/config.py knows), safetensors under the
+in-memory names (`model.layers.{i}...`, fused experts `mlp.experts.gate_up_proj` [E, 2I, H]),
+bf16 except A_log (F32, as published), in shards under 15 MiB; the tokenizer and generation files
+and NOTICE.txt from `--data`; `train_log.json` (arguments, config, parameter counts, loss curve).
+
+    python -m fermijit.model.train_default --data build/default_corpus --out OUT --minutes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fermijit.model.default_corpus import EOT, read_documents
+
+COPIED_FROM_DATA = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                    "NOTICE.txt")
+SHARD_BYTES = 15 << 20  # each file < 16 MiB: what one file from the GPU machine may be
+ROPE_THETA = 1e7        # the real model's (MODEL.md §2); transformers' fallback is 1e4
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Model sizes (HF names, MODEL.md §2) and the batch it trains with."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    context: int     # tokens per training window
+    batch: int       # windows per step
+    lr: float        # peak learning rate
+
+
+PRESETS = {
+    # The committed model: sized for ~8 minutes of one H200 (notes in the issue 4 report).
+    "default": Shape(hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
+                     num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                     linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                     num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
+                     shared_expert_intermediate_size=256, context=512, batch=64, lr=2e-3),
+    # The same layer pattern at a size a CPU trains in minutes (end-to-end checks).
+    "small": Shape(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   shared_expert_intermediate_size=64, context=128, batch=16, lr=3e-3),
+    # The smoke test's: seconds on a CPU.
+    "tiny": Shape(hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, linear_num_key_heads=1,
+                  linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, context=64, batch=8, lr=3e-3),
+}
+
+
+def text_config(shape: Shape, vocab_size: int, eot_id: int, pad_id: int) -> dict:
+    """config.json: only fields model/config.py's TextConfig knows (it rejects the rest)."""
+    n = shape.num_hidden_layers
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": n,
+        "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)],
+        "full_attention_interval": 4,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "attn_output_gate": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "linear_num_key_heads": shape.linear_num_key_heads,
+        "linear_num_value_heads": shape.linear_num_value_heads,
+        "linear_key_head_dim": shape.linear_key_head_dim,
+        "linear_value_head_dim": shape.linear_value_head_dim,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "shared_expert_intermediate_size": shape.shared_expert_intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        # Trained on `context`-token windows; longer prompts run but were never seen in training.
+        "max_position_embeddings": 4 * shape.context,
+        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": True},
+        "tie_word_embeddings": False,
+        "mamba_ssm_dtype": "float32",
+        "mtp_num_hidden_layers": 0,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.01,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "pad_token_id": pad_id,
+        "dtype": "bfloat16",
+    }
+
+
+def build_model(config: dict, seed: int):
+    """The transformers model, initialised on the CPU from `seed` (same weights on any device)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    hf_config = Qwen3_5MoeTextConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return Qwen3_5MoeForCausalLM(hf_config).float()
+
+
+def parameter_counts(model, config: dict) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    share = config["num_experts_per_tok"] / config["num_experts"]
+    return {"total": total, "routed_experts": experts,
+            "active_per_token": int(total - experts + experts * share),
+            "embedding": model.model.embed_tokens.weight.numel(),
+            "lm_head": model.lm_head.weight.numel()}
+
+
+def converted_nbytes(model) -> int:
+    """fermijit's model.safetensors size for these weights (model/convert.py quantisation():
+    Q4_0 18 B / 32, Q8_0 lm_head 34 B / 32, fp16 embedding, fp32 the rest), headers aside."""
+    from fermijit.model.convert import Q4_0_FIELDS
+
+    nbytes = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if name == "lm_head.weight":
+            nbytes += n // 32 * 34
+        elif name == "model.embed_tokens.weight":
+            nbytes += 2 * n
+        elif leaf in Q4_0_FIELDS or leaf in ("gate_up_proj", "down_proj", "gate_proj", "up_proj"):
+            nbytes += n // 32 * 18  # (shared_expert.* map to shared_gate_up / shared_down)
+        else:
+            nbytes += 4 * n
+    return nbytes
+
+
+def load_tokens(data: Path, split: str) -> torch.Tensor:
+    """int64 ids of a split: <|endoftext|> before every document, and one at the end."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
+    eot = tokenizer.token_to_id(EOT)
+    ids = [eot]
+    for encoding in tokenizer.encode_batch(read_documents(data / f"{split}.txt")):
+        ids += encoding.ids + [eot]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def lr_at(step: int, n_steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, n_steps - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(model, tokens: torch.Tensor, context: int, batch: int, device, max_tokens: int) -> dict:
+    """Mean NLL over non-overlapping `context`-token windows of `tokens` (each window predicts
+    its tokens 1..context from the ones before, within the window), and the experts' load."""
+    model.eval()
+    n_windows = max(1, min((len(tokens) - 1) // context, max_tokens // context))
+    windows = tokens[:n_windows * context + 1]
+    nll_sum, n_tokens, load = 0.0, 0, None
+    for w0 in range(0, n_windows, batch):
+        idx = torch.arange(w0, min(n_windows, w0 + batch))
+        x = torch.stack([windows[i * context:(i + 1) * context + 1] for i in idx.tolist()]).to(device)
+        with _autocast(device):
+            out = model(input_ids=x[:, :-1], output_router_logits=True)
+        logits = out.logits.float()
+        nll_sum += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+        n_tokens += x[:, 1:].numel()
+        top = torch.stack([r.topk(model.config.num_experts_per_tok, dim=-1).indices
+                           for r in out.router_logits])              # [L, tokens, k]
+        counts = torch.stack([torch.bincount(t.reshape(-1), minlength=model.config.num_experts)
+                              for t in top]).float()                  # [L, E]
+        load = counts if load is None else load + counts
+    model.train()
+    share = load / load.sum(dim=1, keepdim=True) * model.config.num_experts  # 1.0 = balanced
+    nll = nll_sum / n_tokens
+    return {"tokens": n_tokens, "loss": nll, "ppl": math.exp(nll),
+            "expert_load_min": share.min().item(), "expert_load_max": share.max().item()}
+
+
+def _autocast(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def save_checkpoint(model, config: dict, data: Path, out: Path, log: dict) -> list[str]:
+    """config.json, bf16 safetensors shards (+ index), tokenizer files, NOTICE, train_log.json."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        dtype = torch.float32 if name.endswith("A_log") else torch.bfloat16
+        tensors[name] = p.detach().to("cpu", dtype).contiguous()
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for names, file in zip(shards, files):
+        save_file({n: tensors[n] for n in names}, str(out / file), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                                for t in tensors.values())},
+                 "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for file in COPIED_FROM_DATA:
+        if (data / file).is_file():
+            shutil.copyfile(data / file, out / file)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    return files
+
+
+def train(data: Path, out: Path, shape: Shape, steps: int | None, minutes: float | None,
+          seed: int = 0, evals: int = 10, eval_tokens: int = 1 << 17, device: str | None = None,
+          warmup: int | None = None, weight_decay: float = 0.1, quiet: bool = False) -> dict:
+    """Train, evaluate, save; returns the log (also written to out/train_log.json)."""
+    if steps is None and minutes is None:
+        raise ValueError("give steps, minutes or both")
+    t_start = time.monotonic()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def say(record: dict) -> None:
+        if not quiet:
+            print(json.dumps(record), flush=True)
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
+    config = text_config(shape, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOT),
+                         tokenizer.token_to_id("<|pad|>"))
+    train_tokens, heldout_tokens = load_tokens(data, "train"), load_tokens(data, "heldout")
+    model = build_model(config, seed).to(dev)
+    counts = parameter_counts(model, config)
+    log = {"args": {"data": str(data), "steps": steps, "minutes": minutes, "seed": seed,
+                    "device": str(dev), "shape": dataclasses.asdict(shape),
+                    "weight_decay": weight_decay},
+           "torch": torch.__version__, "transformers": _transformers_version(),
+           "train_tokens": len(train_tokens), "heldout_tokens": len(heldout_tokens),
+           "parameters": counts, "converted_nbytes_estimate": converted_nbytes(model),
+           "curve": [], "evals": []}
+    say({k: log[k] for k in ("args", "train_tokens", "heldout_tokens", "parameters",
+                             "converted_nbytes_estimate")})
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=shape.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  fused=dev.type == "cuda")
+    generator = torch.Generator().manual_seed(seed)
+    n_windows = len(train_tokens) - shape.context - 1
+    budget_s = None if minutes is None else 60 * minutes
+    n_steps = steps if steps is not None else 10**9
+    warmup_steps = warmup if warmup is not None else (min(100, max(1, n_steps // 20))
+                                                      if steps is not None else 100)
+    eval_every = max(1, n_steps // evals) if steps is not None else None
+    timing_steps, t_train = 10, None
+    model.train()
+    step = 0
+    while step < n_steps:
+        if step == 2:  # after the first steps' one-off costs (allocator, kernel selection)
+            _sync(dev)
+            t_train = time.monotonic()
+        if steps is None and step == 2 + timing_steps:
+            _sync(dev)
+            per_step = (time.monotonic() - t_train) / timing_steps
+            eval_s = _time_eval(model, heldout_tokens, shape, dev, eval_tokens)
+            left = budget_s - (time.monotonic() - t_start) - 30  # saving, final eval
+            n_steps = max(step + 1, step + int((left - evals * eval_s) / per_step))
+            eval_every = max(1, n_steps // evals)
+            log["schedule"] = {"step_s": per_step, "eval_s": eval_s, "steps": n_steps}
+            say({"schedule": log["schedule"], "note": f"reproduce with --steps {n_steps}"})
+        starts = torch.randint(0, n_windows, (shape.batch,), generator=generator)
+        x = torch.stack([train_tokens[s:s + shape.context + 1] for s in starts.tolist()]).to(dev)
+        lr = lr_at(step, n_steps, shape.lr, warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with _autocast(dev):
+            result = model(input_ids=x[:, :-1], output_router_logits=True)
+        logits = result.logits.float()
+        lm_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                    x[:, 1:].reshape(-1))
+        loss = lm_loss + config["router_aux_loss_coef"] * result.aux_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step % 10 == 0 or step == 1 or step == n_steps:
+            record = {"step": step, "loss": round(lm_loss.item(), 4),
+                      "aux": round(result.aux_loss.item(), 4),
+                      "grad_norm": round(grad_norm.item(), 3), "lr": round(lr, 6),
+                      "elapsed_s": round(time.monotonic() - t_start, 1)}
+            log["curve"].append(record)
+            say(record)
+        if eval_every and (step % eval_every == 0 or step == n_steps):
+            heldout = {"step": step, **evaluate(model, heldout_tokens, shape.context, shape.batch,
+                                                dev, eval_tokens)}
+            if not log["evals"] or log["evals"][-1]["step"] != step:
+                log["evals"].append(heldout)
+                say({"heldout": heldout})
+        if budget_s is not None and time.monotonic() - t_start > budget_s - 20:
+            say({"stopped": "wall-clock budget", "step": step})
+            break
+    log["steps_done"] = step
+    log["train_s"] = round(time.monotonic() - t_start, 1)
+    if not log["evals"] or log["evals"][-1]["step"] != step:
+        log["evals"].append({"step": step, **evaluate(model, heldout_tokens, shape.context,
+                                                      shape.batch, dev, eval_tokens)})
+        say({"heldout": log["evals"][-1]})
+    log["files"] = save_checkpoint(model, config, data, out, log)
+    say({"saved": str(out), "files": log["files"], "total_s": round(time.monotonic() - t_start, 1)})
+    return log
+
+
+def _time_eval(model, tokens, shape: Shape, dev, eval_tokens: int) -> float:
+    _sync(dev)
+    t0 = time.monotonic()
+    evaluate(model, tokens, shape.context, shape.batch, dev, eval_tokens)
+    _sync(dev)
+    return time.monotonic() - t0
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fermijit.model.train_default",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, required=True,
+                        help="corpus and tokenizer from python -m fermijit.model.default_corpus")
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock budget; without --steps it also sets the step count")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evals", type=int, default=10, help="held-out evaluations in the run")
+    parser.add_argument("--eval-tokens", type=int, default=1 << 17,
+                        help="held-out tokens per evaluation (at most the whole split)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    if args.steps is None and args.minutes is None:
+        parser.error("give --steps, --minutes or both")
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(f"{args.out} exists and is not empty")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train(args.data, args.out, PRESETS[args.preset], args.steps, args.minutes, seed=args.seed,
+          evals=args.evals, eval_tokens=args.eval_tokens, device=args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
