@@ -96,6 +96,52 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
 
 
+class _OneLineUsage(click.Command):
+    """A bad flag value is one line and exit 2 (issue 3, Bad input), not click's usage block."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            raise FermijitError(e.format_message()) from None
+
+
+@cli.command(cls=_OneLineUsage)
+@click.argument("prompt", required=False)
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
+                   "(run unquantised in fp32, for reference runs).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Most tokens to generate.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+              help="0 is greedy (default: generation_config.json, else 1.0).")
+@click.option("--top-k", type=click.IntRange(min=0), default=None,
+              help="Keep the k most likely tokens, 0 all (default: generation_config.json, else 50).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Nucleus mass, 1 all (default: generation_config.json, else 1.0).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the sampler.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Context length (default: prompt + max tokens, at most "
+                   "max_position_embeddings).")
+@click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
+                                           "chat template.")
+def generate(prompt: str | None, model_dir: Path, max_tokens: int, temperature: float | None,
+             top_k: int | None, top_p: float | None, seed: int, threads: int | None,
+             context: int | None, chat: bool) -> None:
+    """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
+    of timings to stderr."""
+    from fermijit import engine
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, context=context, is_chat=chat)
+    engine.run(model_dir, sys.stdin.read() if prompt is None else prompt, settings)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

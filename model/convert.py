@@ -33,7 +33,8 @@ from fermijit import FermijitError, __version__
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
-from fermijit.model.weights import QuantTensor, TensorPlan, TextWeights, assemble, plan_text_weights
+from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemble,
+                                    plan_text_weights, text_weight_shapes)
 
 FORMAT_VERSION = 1
 MANIFEST = "fermijit.json"
@@ -186,14 +187,23 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, dic
         raise FermijitError(f"{path}: format version {version}, this fermijit reads "
                             f"{FORMAT_VERSION}; convert the model again")
     cfg = load_config(directory)
+    expected = text_weight_shapes(cfg.text_config)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise FermijitError(f"{path}: missing tensor {name}")
+        if tuple(tensors[name]["shape"]) != shape:
+            raise FermijitError(f"{path}: tensor {name} has shape {tensors[name]['shape']}, "
+                                f"config.json implies {list(shape)}")
     weights_file = SafetensorsFile(directory / manifest.get("weights", WEIGHTS))
     arrays = {}
     for name, entry in tensors.items():
         for stored, dtype, shape in stored_specs(name, tuple(entry["shape"]), entry["quant"]):
             info = weights_file.tensors.get(stored)
-            if info is None or info.dtype != dtype or info.shape != shape:
-                raise FermijitError(f"{weights_file.path}: tensor {stored} missing or not "
-                                    f"{dtype} {list(shape)}")
+            if info is None:
+                raise FermijitError(f"{weights_file.path}: missing tensor {stored}")
+            if info.dtype != dtype or info.shape != shape:
+                raise FermijitError(f"{weights_file.path}: tensor {stored} is {info.dtype} "
+                                    f"{list(info.shape)}, expected {dtype} {list(shape)}")
         if entry["quant"] in ("f32", "f16"):
             arrays[name] = weights_file.raw(name)
         else:

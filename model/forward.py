@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.model.config import FULL_ATTENTION, TextConfig
+from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
@@ -328,3 +328,25 @@ class Model:
             moe.cpu(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y, scratch=ws.moe_scratch)
         else:
             dense_moe(ws.xn, ws.ids, ws.weights, w.experts, ws.y)
+
+
+def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Model]:
+    """A fermijit model directory (memory-mapped, 4-bit), or an HF checkpoint directory as it is
+    (read into fp32 in memory: for reference runs of small models)."""
+    from pathlib import Path
+
+    from fermijit.model import convert
+    from fermijit.model.config import load_config
+    from fermijit.model.safetensors_io import Checkpoint
+    from fermijit.model.weights import load_text_weights
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FermijitError(f"no such model directory: {directory}")
+    if convert.is_fermijit_model(directory):
+        cfg, weights, _ = convert.load_converted(directory)
+    else:
+        cfg = load_config(directory)
+        weights = load_text_weights(cfg.text_config, Checkpoint(directory), np.float32,
+                                    show_progress=show_progress)
+    return cfg, Model(cfg.text_config, weights)

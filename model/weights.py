@@ -128,59 +128,84 @@ class TensorPlan:
         return self.read(ckpt)
 
 
+def text_weight_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every text weight field's shape, from the config alone, in file order."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    C, Hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (V, H)}
+    for i, kind in enumerate(cfg.layer_types):
+        n = f"layers.{i}."
+        shapes[n + "input_layernorm"] = shapes[n + "post_attention_layernorm"] = (H,)
+        if kind == FULL_ATTENTION:
+            a = n + "self_attn."
+            shapes.update({a + "q_proj": (Hq * 2 * D, H), a + "k_proj": (Hkv * D, H),
+                           a + "v_proj": (Hkv * D, H), a + "o_proj": (H, Hq * D),
+                           a + "q_norm": (D,), a + "k_norm": (D,)})
+        else:
+            a = n + "linear_attn."
+            shapes.update({a + "in_proj_qkv": (C, H), a + "in_proj_z": (Hv * dv, H),
+                           a + "in_proj_b": (Hv, H), a + "in_proj_a": (Hv, H),
+                           a + "conv1d": (C, cfg.linear_conv_kernel_dim), a + "A_log": (Hv,),
+                           a + "dt_bias": (Hv,), a + "norm": (dv,),
+                           a + "out_proj": (H, Hv * dv)})
+        m = n + "mlp."
+        shapes.update({m + "gate": (E, H), m + "experts_gate_up": (E, 2 * I, H),
+                       m + "experts_down": (E, H, I), m + "shared_gate_up": (2 * Is, H),
+                       m + "shared_down": (H, Is), m + "shared_expert_gate": (1, H)})
+    shapes["norm"] = (H,)
+    shapes["lm_head"] = (V, H)
+    return shapes
+
+
 def plan_text_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan]:
     """Every text-model tensor, in file order (embedding, layers, norm, lm_head), checked."""
     prefix = _text_prefix(ckpt)
+    shapes = text_weight_shapes(cfg)
     plans: list[TensorPlan] = []
 
-    def one(name: str, source: str, shape: tuple[int, ...], stored: tuple[int, ...] | None = None):
+    def one(name: str, source: str, stored: tuple[int, ...] | None = None):
+        shape = shapes[name]
         _check(ckpt, source, stored or shape)
         plans.append(TensorPlan(name, shape, (Piece(source, None, 0, shape[0]),)))
 
-    H, V = cfg.hidden_size, cfg.vocab_size
-    one("embed_tokens", prefix + "embed_tokens.weight", (V, H))
+    H = cfg.hidden_size
+    one("embed_tokens", prefix + "embed_tokens.weight")
     for i, kind in enumerate(cfg.layer_types):
         p, n = f"{prefix}layers.{i}.", f"layers.{i}."
-        one(n + "input_layernorm", p + "input_layernorm.weight", (H,))
-        one(n + "post_attention_layernorm", p + "post_attention_layernorm.weight", (H,))
+        one(n + "input_layernorm", p + "input_layernorm.weight")
+        one(n + "post_attention_layernorm", p + "post_attention_layernorm.weight")
         if kind == FULL_ATTENTION:
-            D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
             a, s = n + "self_attn.", p + "self_attn."
-            one(a + "q_proj", s + "q_proj.weight", (Hq * 2 * D, H))
-            one(a + "k_proj", s + "k_proj.weight", (Hkv * D, H))
-            one(a + "v_proj", s + "v_proj.weight", (Hkv * D, H))
-            one(a + "o_proj", s + "o_proj.weight", (H, Hq * D))
-            one(a + "q_norm", s + "q_norm.weight", (D,))
-            one(a + "k_norm", s + "k_norm.weight", (D,))
+            for field in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+                one(a + field, s + field + ".weight")
         else:
-            C, Hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-            Kc = cfg.linear_conv_kernel_dim
             a, s = n + "linear_attn.", p + "linear_attn."
-            one(a + "in_proj_qkv", s + "in_proj_qkv.weight", (C, H))
-            one(a + "in_proj_z", s + "in_proj_z.weight", (Hv * dv, H))
-            one(a + "in_proj_b", s + "in_proj_b.weight", (Hv, H))
-            one(a + "in_proj_a", s + "in_proj_a.weight", (Hv, H))
-            one(a + "conv1d", s + "conv1d.weight", (C, Kc), stored=(C, 1, Kc))
-            one(a + "A_log", s + "A_log", (Hv,))
-            one(a + "dt_bias", s + "dt_bias", (Hv,))
-            one(a + "norm", s + "norm.weight", (dv,))
-            one(a + "out_proj", s + "out_proj.weight", (H, Hv * dv))
+            for field in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+                one(a + field, s + field + ".weight")
+            C, Kc = shapes[a + "conv1d"]
+            one(a + "conv1d", s + "conv1d.weight", stored=(C, 1, Kc))
+            one(a + "A_log", s + "A_log")
+            one(a + "dt_bias", s + "dt_bias")
+            one(a + "norm", s + "norm.weight")
+            one(a + "out_proj", s + "out_proj.weight")
         E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         m, s = n + "mlp.", p + "mlp."
-        one(m + "gate", s + "gate.weight", (E, H))
+        one(m + "gate", s + "gate.weight")
         plans.extend(_expert_plans(ckpt, m, s, E, I, H))
         _check(ckpt, s + "shared_expert.gate_proj.weight", (Is, H))
         _check(ckpt, s + "shared_expert.up_proj.weight", (Is, H))
         plans.append(TensorPlan(m + "shared_gate_up", (2 * Is, H), (
             Piece(s + "shared_expert.gate_proj.weight", None, 0, Is),
             Piece(s + "shared_expert.up_proj.weight", None, Is, Is))))
-        one(m + "shared_down", s + "shared_expert.down_proj.weight", (H, Is))
-        one(m + "shared_expert_gate", s + "shared_expert_gate.weight", (1, H))
-    one("norm", prefix + "norm.weight", (H,))
+        one(m + "shared_down", s + "shared_expert.down_proj.weight")
+        one(m + "shared_expert_gate", s + "shared_expert_gate.weight")
+    one("norm", prefix + "norm.weight")
     if "lm_head.weight" in ckpt or not cfg.tie_word_embeddings:
-        one("lm_head", "lm_head.weight", (V, H))
+        one("lm_head", "lm_head.weight")
     else:
-        one("lm_head", prefix + "embed_tokens.weight", (V, H))
+        one("lm_head", prefix + "embed_tokens.weight")
     return {plan.name: plan for plan in plans}
 
 
@@ -247,9 +272,16 @@ def assemble(cfg: TextConfig, tensors: Mapping[str, Tensor]) -> TextWeights:
                        norm=tensors["norm"], lm_head=tensors["lm_head"])
 
 
-def load_text_weights(cfg: TextConfig, ckpt: Checkpoint, dtype=np.float32) -> TextWeights:
+def load_text_weights(cfg: TextConfig, ckpt: Checkpoint, dtype=np.float32,
+                      show_progress: bool = False) -> TextWeights:
     """All text weights as `dtype` arrays in memory: for tiny models and reference runs only
-    (the real model is 140 GB in fp32; it goes through the converter)."""
+    (the real model is 140 GB in fp32; it goes through the converter). Progress on stderr."""
+    import sys
+
+    from tqdm import tqdm
+
     plans = plan_text_weights(cfg, ckpt)
+    items = tqdm(plans.items(), desc="load", unit="tensor", file=sys.stderr,
+                 disable=not show_progress)
     return assemble(cfg, {name: plan.read_all(ckpt).astype(dtype, copy=False)
-                          for name, plan in plans.items()})
+                          for name, plan in items})

@@ -11,7 +11,7 @@ from fermijit import FermijitError
 from fermijit.model.config import load_config
 from fermijit.model.safetensors_io import Checkpoint, save_file
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, load_text_weights,
-                                    plan_text_weights, visual_tensor_names)
+                                    plan_text_weights, text_weight_shapes, visual_tensor_names)
 from tests.model import tiny
 
 P = "model.language_model."
@@ -75,6 +75,16 @@ def write(directory, tensors: dict[str, np.ndarray], config: dict | None = None)
     (directory / "config.json").write_text(json.dumps(config or tiny.config_dict()))
     save_file(directory / "model.safetensors", tensors)
     return directory
+
+
+@pytest.mark.parametrize("layout", ["fused", "split"])
+def test_shapes_from_the_config_are_the_plans(tmp_path, layout):
+    """The fermijit loader checks its file against text_weight_shapes: the same shapes, the same
+    order, as the plans read from a checkpoint."""
+    src = tiny.write_checkpoint(tmp_path, layout, model=tiny.HF_INIT)
+    cfg = load_config(src).text_config
+    plans = plan_text_weights(cfg, Checkpoint(src))
+    assert list(text_weight_shapes(cfg).items()) == [(n, p.shape) for n, p in plans.items()]
 
 
 def test_text_only_prefix(tmp_path):

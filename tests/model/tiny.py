@@ -12,10 +12,12 @@ transformers' save_pretrained writes: experts.{e}.{gate,up,down}_proj.weight); d
 or BF16 (BF16 keeps A_log in F32, as the published files do); one file or `n_shards` shards.
 
 Two models (`Model`): UNIT, every matrix scaled for unit-variance outputs, which makes the
-network chaotic: it amplifies 4-bit weight noise about 6x (the W4A8 logits are 61% off the fp32
-ones); and HF_INIT, weights at the HF initialiser's scale (std 0.02, hidden 128, 8 layers, 16
-experts, top-4) under unit-scale embeddings, so the residual stream dominates each layer's update
-as in a trained model: the conditioning the 4-bit tolerances of issue 3 (b) are meant for.
+network chaotic: it amplifies 4-bit noise (its W4A8 logits are 64% off transformers' over the
+prompt, 88% in decode); and HF_INIT, weights at the HF initialiser's scale (std 0.02, hidden 128,
+8 layers, 16 experts, top-4) under unit-scale embeddings, so the residual stream dominates each
+layer's update as in a trained model: its W4A8 logits are 1.05% off (tests/model/test_forward.py).
+With the embeddings at std 0.02 too (pure HF init), the final norm magnifies the layers' noise
+again: measured 16% off.
 """
 
 from __future__ import annotations
@@ -246,9 +248,46 @@ def as_stored(a: np.ndarray, dtype: str) -> np.ndarray:
     return a.astype(np.float16).astype(np.float32) if dtype == "F16" else a
 
 
+# The tokenizer: byte-level BPE (as Qwen's), trained here since nothing can be downloaded. The
+# special tokens' ids match the config: bos 1, eos 2 (config) and [2, 3] (generation_config).
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+TOKENIZER_VOCAB = 300  # <= vocab_size: the model's vocabulary is padded, as the real one's is
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! This is a tiny tokenizer for a tiny model.",
+    "In the beginning was the word, and the word was a token.",
+    "fermijit runs Qwen on old hardware: a Westmere CPU and a Fermi GPU.",
+    "the cat sat on the mat; the dog sat on the log.",
+] * 4
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def write_tokenizer(directory: str | Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with a small ChatML template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    directory = Path(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+         "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}, indent=2))
+
+
 def write_checkpoint(directory: str | Path, expert_layout: str = "fused", dtype: str = "F32",
                      n_shards: int = 1, seed: int = 0, model: Model = UNIT) -> Path:
-    """A checkpoint directory (config.json, generation_config.json, safetensors); returns it."""
+    """A checkpoint directory (config.json, generation_config.json, tokenizer files,
+    safetensors); returns it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     w = random_weights(seed, model)
@@ -257,6 +296,7 @@ def write_checkpoint(directory: str | Path, expert_layout: str = "fused", dtype:
     elif expert_layout != "fused":
         raise ValueError(expert_layout)
     (directory / "config.json").write_text(json.dumps(config_dict(model), indent=2))
+    write_tokenizer(directory)
     (directory / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 2}, indent=2))
     names = sorted(w)

@@ -1,0 +1,260 @@
+"""The CPU forward (model/forward.py) against transformers and the float64 reference: issue 3
+item 7 (a) the fp32 path, (b) the W4A8 path, (c) prefill then decode equals one prefill, with the
+state copied, saved and restored on the way. Both tiny models (tests/model/tiny.py), both expert
+layouts; transformers' outputs come from golden/ and, where importable, live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.model import convert, forward
+from fermijit.model.forward import load_model
+from fermijit.model.reference import Reference
+from fermijit.model.state import State
+from tests.model import oracle, tiny
+from tests.model.conftest import LAYOUTS
+from tests.model.oracle import PROMPT, assert_rel, rel_error
+
+MODELS = {m.name: m for m in oracle.MODELS}
+
+# (a) Issue 3: max|diff| / max|ref| <= 1e-4. Measured: ~1e-6 on both models (fp32 everywhere;
+# transformers uses the chunked GDN prefill, we the recurrence).
+FP32_VS_ORACLE = 1e-4
+# (b) Issue 3: W4A8 vs the float64 reference over the same 4-bit weights with activations
+# quantised per 32-block as the kernels do (Reference(quantize_activations=True)): only fp32
+# rounding differs, unless it moves an activation across a Q8 rounding boundary. Measured on
+# HF_INIT: 2.7e-7 (prompt), 2.2e-6 (decode).
+W4A8_VS_REFERENCE = 1e-3
+# (b) Issue 3: W4A8 vs transformers (4-bit weights, 8-bit activations). Measured on HF_INIT:
+# 1.05e-2 (prompt), 0.96e-2 (decode); of which the 8-bit activations alone 0.65e-2 (the float64
+# reference over the same 4-bit weights without them). Not asserted on UNIT, whose unit-scale
+# random matrices amplify the noise: measured 0.64 (prompt) and 0.88 (decode) off transformers,
+# and 3.5e-3 / 6.6e-3 off its own W4A8 reference (Q8 rounding flips, amplified).
+W4A8_VS_ORACLE = 5e-2
+# (c) Prefill batches tokens (GEMM tiles, numpy matmuls over T rows) where decode runs GEMVs:
+# the same sums in another order. fp32 path measured <= 1e-6.
+FP32_STATE_REL = 1e-5
+# (c) W4A8: the same, except that a reordered fp32 sum can move an activation across a Q8
+# rounding boundary, changing one int8 by one; HF_INIT measured 7e-8. UNIT amplifies such flips
+# (measured 1.3e-2), so it is checked with the fp32 path only (measured 1.3e-6).
+W4A8_STATE_REL = 1e-4
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_dir, tmp_path_factory):
+    """converted(model, layout) -> a fermijit model directory, made once."""
+    root = tmp_path_factory.mktemp("converted")
+    made = {}
+
+    def get(model: tiny.Model, layout: str = "fused"):
+        key = (model.name, layout)
+        if key not in made:
+            made[key] = root / f"{model.name}-{layout}"
+            convert.convert(tiny_dir(model, layout), made[key], show_progress=False)
+        return made[key]
+
+    return get
+
+
+def run_greedy(model: forward.Model, n_decode: int = oracle.N_DECODE):
+    """Prompt logits and our own greedy continuation: (prompt logits, tokens, their logits)."""
+    state = model.new_state(CONTEXT)
+    prompt_logits = model.prefill(PROMPT, state, all_logits=True)
+    token, tokens, decode_logits = int(prompt_logits[-1].argmax()), [], []
+    for _ in range(n_decode):
+        tokens.append(token)
+        decode_logits.append(model.decode(token, state).copy())
+        token = int(decode_logits[-1].argmax())
+    return oracle.Outputs(prompt_logits, np.array(tokens), np.stack(decode_logits))
+
+
+def run_forced(model, tokens):
+    """Prompt logits, then the logits after each of `tokens` fed in turn (teacher forcing)."""
+    if isinstance(model, Reference):
+        state = model.new_state()
+        return (model.forward(PROMPT, state),
+                np.stack([model.forward([t], state)[0] for t in tokens]))
+    state = model.new_state(CONTEXT)
+    return (model.prefill(PROMPT, state, all_logits=True),
+            np.stack([model.decode(int(t), state).copy() for t in tokens]))
+
+
+# --- (a) the unquantised fp32 path --------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model", MODELS)
+def test_fp32_path_matches_the_oracle(tiny_dir, model, layout):
+    golden = oracle.golden(MODELS[model])
+    _, m = load_model(tiny_dir(MODELS[model], layout))
+    assert not m.is_quantized
+    ours = run_greedy(m)
+    np.testing.assert_array_equal(ours.tokens, golden.tokens, "greedy tokens differ")
+    assert_rel("prompt logits", golden.prompt_logits, ours.prompt_logits, FP32_VS_ORACLE)
+    assert_rel("decode logits", golden.decode_logits, ours.decode_logits, FP32_VS_ORACLE)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fp32_path_matches_the_live_oracle(live_oracle, tiny_dir, model):
+    live = live_oracle(MODELS[model], "split-3shards")
+    _, m = load_model(tiny_dir(MODELS[model], "split-3shards"))
+    ours = run_greedy(m)
+    np.testing.assert_array_equal(ours.tokens, live.tokens, "greedy tokens differ")
+    assert_rel("prompt logits", live.prompt_logits, ours.prompt_logits, FP32_VS_ORACLE)
+    assert_rel("decode logits", live.decode_logits, ours.decode_logits, FP32_VS_ORACLE)
+
+
+# --- (b) the W4A8 path --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_init_w4a8(converted):
+    """The W4A8 run of HF_INIT on the oracle's tokens, from both expert layouts."""
+    golden = oracle.golden(tiny.HF_INIT)
+    runs = {}
+    for layout in LAYOUTS:
+        cfg, m = load_model(converted(tiny.HF_INIT, layout))
+        assert m.is_quantized
+        runs[layout] = run_forced(m, golden.tokens)
+    return cfg, runs
+
+
+def test_w4a8_layouts_agree_exactly(hf_init_w4a8):
+    """Fused and split sources convert to the same bytes, so they run to the same bits."""
+    _, runs = hf_init_w4a8
+    for a, b in zip(runs["fused"], runs["split-3shards"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_w4a8_matches_the_reference_over_the_same_weights(hf_init_w4a8, converted):
+    _, runs = hf_init_w4a8
+    cfg, weights, _ = convert.load_converted(converted(tiny.HF_INIT))
+    reference = Reference(cfg.text_config, weights, quantize_activations=True)
+    ref_prompt, ref_decode = run_forced(reference, oracle.golden(tiny.HF_INIT).tokens)
+    prompt, decode = runs["fused"]
+    assert_rel("prompt logits", ref_prompt, prompt, W4A8_VS_REFERENCE)
+    assert_rel("decode logits", ref_decode, decode, W4A8_VS_REFERENCE)
+
+
+def test_w4a8_is_near_the_oracle(hf_init_w4a8):
+    golden = oracle.golden(tiny.HF_INIT)
+    prompt, decode = hf_init_w4a8[1]["fused"]
+    assert_rel("prompt logits", golden.prompt_logits, prompt, W4A8_VS_ORACLE)
+    assert_rel("decode logits", golden.decode_logits, decode, W4A8_VS_ORACLE)
+    # The 4-bit error must be there at all: without it the weights were not quantised.
+    assert rel_error(golden.prompt_logits, prompt) > 1e-3, "4-bit weights yet fp32 accuracy?"
+
+
+def test_w4a8_is_near_the_live_oracle(live_oracle, hf_init_w4a8):
+    live = live_oracle(tiny.HF_INIT, "fused")
+    prompt, decode = run_forced_from(hf_init_w4a8, live.tokens)
+    assert_rel("prompt logits", live.prompt_logits, prompt, W4A8_VS_ORACLE)
+    assert_rel("decode logits", live.decode_logits, decode, W4A8_VS_ORACLE)
+
+
+def run_forced_from(hf_init_w4a8, tokens):
+    """The stored W4A8 run, valid when the live oracle's greedy tokens are the golden ones."""
+    np.testing.assert_array_equal(tokens, oracle.golden(tiny.HF_INIT).tokens,
+                                  "transformers' greedy tokens moved: regenerate the golden files")
+    return hf_init_w4a8[1]["fused"]
+
+
+# --- (c) state: prefill(n) + decode(m) == prefill(n + m), across a snapshot ----------------------
+
+PATHS = {"fp32": FP32_STATE_REL, "w4a8": W4A8_STATE_REL}
+
+
+@pytest.mark.parametrize("path, model", [("fp32", "unit"), ("fp32", "hf-init"),
+                                         ("w4a8", "hf-init")])
+def test_prefill_then_decode_equals_one_prefill(tiny_dir, converted, tmp_path, path, model):
+    source = converted if path == "w4a8" else tiny_dir
+    _, m = load_model(source(MODELS[model]))
+    tokens = np.concatenate([PROMPT, oracle.golden(MODELS[model]).tokens[:12]])   # 28
+    whole = m.prefill(tokens, m.new_state(CONTEXT), all_logits=True)
+    n, split = 9, 17
+
+    state = m.new_state(CONTEXT)
+    head = [m.prefill(tokens[:n], state, all_logits=True)]
+    head += [m.decode(int(t), state)[None].copy() for t in tokens[n:split]]
+    assert state.position == split
+    # Three ways on from here: a copy (into a longer context), a saved and restored file, and
+    # the original, each decoding the rest; the original also prefills it on a fresh copy.
+    copied = state.copy(CONTEXT + 8)
+    state.save(tmp_path / "state.npz")
+    restored = State.load(tmp_path / "state.npz")
+    m.check_state(restored)
+    assert restored.position == split and restored.context == CONTEXT
+    prefilled = m.prefill(tokens[split:], state.copy(), all_logits=True)
+    for name, s in (("copied", copied), ("restored", restored), ("original", state)):
+        tail = np.stack([m.decode(int(t), s).copy() for t in tokens[split:]])
+        assert_rel(f"{name}: logits", whole, np.concatenate(head + [tail]), PATHS[path])
+    assert_rel("prefill after decode: logits", whole[split:], prefilled, PATHS[path])
+
+
+def test_prefill_in_blocks_equals_one_block(converted, monkeypatch):
+    _, m = load_model(converted(tiny.HF_INIT))
+    whole = m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True)
+    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)  # blocks of 5, 5, 5, 1
+    blocks = m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True)
+    assert_rel("logits", whole, blocks, W4A8_STATE_REL)
+    last = m.prefill(PROMPT, m.new_state(CONTEXT))
+    np.testing.assert_array_equal(last, blocks[-1])
+
+
+def test_state_copies_are_independent_and_checked(converted, tmp_path):
+    _, m = load_model(converted(tiny.HF_INIT))
+    state = m.new_state(CONTEXT)
+    m.prefill(PROMPT, state)
+    copied = state.copy()
+    before = [a.copy() for s in copied.layers for a in dataclasses.astuple(s)]
+    m.decode(3, state)
+    after = [a for s in copied.layers for a in dataclasses.astuple(s)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after)) and copied.position == 16
+    assert state.position == 17
+    with pytest.raises(FermijitError, match="cannot hold"):
+        state.copy(8)
+    state.save(tmp_path / "s.npz")
+    assert State.load(tmp_path / "s.npz", context=20).context == 20
+    other = load_model(converted(tiny.UNIT))[1].new_state(CONTEXT)
+    with pytest.raises(FermijitError, match="state has 4 layers, the model 8"):
+        m.check_state(other)
+    (tmp_path / "bad.npz").write_bytes(b"not a state")
+    with pytest.raises(FermijitError, match="not a readable state file"):
+        State.load(tmp_path / "bad.npz")
+
+
+def test_context_and_tokens_are_checked(converted):
+    _, m = load_model(converted(tiny.HF_INIT))
+    state = m.new_state(len(PROMPT))
+    m.prefill(PROMPT, state)
+    with pytest.raises(FermijitError, match="context full"):
+        m.decode(3, state)
+    with pytest.raises(FermijitError, match=r"token ids must be in \[0, 320\)"):
+        m.prefill([5, 320], m.new_state(4))
+    with pytest.raises(FermijitError, match="context must be between 1 and 256"):
+        m.new_state(257)
+
+
+def test_decode_allocates_nothing_big(converted):
+    """After the first token, a decode step's numpy allocations are a few small op scratch
+    arrays (Q8 activations of H values, the LM head's normed input, attention's per-head
+    maxima), not workspace or state: measured 4.2 KiB at peak on HF_INIT, whose state is
+    248 KiB."""
+    _, m = load_model(converted(tiny.HF_INIT))
+    state = m.new_state(CONTEXT)
+    m.prefill(PROMPT, state)
+    m.decode(3, state)
+    tracemalloc.start()
+    try:
+        for t in (4, 5, 6):
+            m.decode(t, state)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024, f"decode allocated {peak} B at peak"
