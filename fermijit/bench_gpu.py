@@ -147,18 +147,84 @@ def expert_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
     return rows
 
 
-def embedding_rows(rng, n_tokens: int, copy_gbps: float) -> list[Row]:
-    from fermijit.ops import embedding
+def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> list[Row]:
+    """The other prefill ops at the model's shapes, each through its public `gpu(...)` on device
+    arrays (so no host copies, except the small tables some launchers make: RoPE's cos/sin,
+    the embedding's and router's checks). Memory-bound ops against the copy bandwidth (bytes
+    read once plus written), compute-bound ones against the FMA ceiling."""
+    from fermijit.ops import attention, conv1d, embedding, gated_delta, l2norm, rmsnorm, rope
+    from fermijit.ops import router
+
+    ga = gpu.gpuarray()
+    T = n_tokens
+
+    def normal(*shape):
+        return ga.to_gpu(rng.standard_normal(shape, dtype=np.float32))
+
+    def bandwidth_row(name, shape, launch, nbytes):
+        seconds = median_seconds(launch)
+        return Row(name, shape, seconds * 1e6, nbytes / seconds / 1e9, "GB/s",
+                   nbytes / seconds / 1e9 / copy_gbps)
+
+    def compute_row(name, shape, launch, flops):
+        seconds = median_seconds(launch)
+        return Row(name, shape, seconds * 1e6, flops / seconds / 1e9, "GFLOP/s",
+                   flops / seconds / 1e9 / fma_gflops)
 
     vocab = 248320 // 8  # an eighth of the real table keeps the bench's memory small
-    ga = gpu.gpuarray()
     table = ga.to_gpu(rng.standard_normal((vocab, HIDDEN), dtype=np.float32).astype(np.float16))
-    ids = rng.integers(0, vocab, n_tokens).astype(np.int32)
-    y = ga.empty((n_tokens, HIDDEN), np.float32)
-    seconds = median_seconds(lambda: embedding.gpu(ids, table, out=y))
-    nbytes = n_tokens * HIDDEN * (2 + 4)
-    return [Row("embedding f16 (incl. ids copy)", f"T{n_tokens} H{HIDDEN}", seconds * 1e6,
-                nbytes / seconds / 1e9, "GB/s", nbytes / seconds / 1e9 / copy_gbps)]
+    ids = rng.integers(0, vocab, T).astype(np.int32)
+    x, w = normal(T, HIDDEN), normal(HIDDEN)
+    o, z, w_head = normal(T, 32, 128), normal(T, 32, 128), normal(128)
+    qk = normal(T, 16, 128)
+    q_attn = normal(T, 16, 256)
+    positions = np.arange(T, dtype=np.int64)
+    mixed, conv_w, conv_state = normal(T, 8192), normal(8192, 4), normal(8192, 3)
+    logits = normal(T, N_EXPERTS)
+    k_cache, v_cache, gate = normal(2, T, 256), normal(2, T, 256), normal(T, 16, 256)
+    unit = 1 / np.sqrt(128)
+    gdn_q, gdn_k = (ga.to_gpu((rng.standard_normal((T, 16, 128)) * unit).astype(np.float32))
+                    for _ in range(2))
+    gdn_v = normal(T, 32, 128)
+    gdn_g = ga.to_gpu(-rng.random((T, 32), dtype=np.float32) * 0.1)
+    gdn_beta = ga.to_gpu(rng.random((T, 32), dtype=np.float32))
+    gdn_state = ga.zeros((32, 128, 128), np.float32)
+    out_h, out_heads, out_attn = (ga.empty_like(a) for a in (x, o, q_attn))
+    out_qk, out_mixed = ga.empty_like(qk), ga.empty_like(mixed)
+    out_gdn = ga.empty_like(gdn_v)
+    routed = (ga.empty((T, TOP_K), np.int32), ga.empty((T, TOP_K), np.float32))
+    # Causal attention: T(T+1)/2 query-key pairs, 2 flops each for q.k and for p.v per dim.
+    attention_flops = 2 * 2 * 16 * 256 * T * (T + 1) // 2
+    # The chunked GDN per (head, chunk of 64): K K^T and Q K^T (2 C^2 dk each), the scan's K S,
+    # Q S and state update (2 C dk dv each), Ab B and Mqk V' (2 C^2 dv each, done in full).
+    n_chunks = -(-T // 64)
+    gdn_flops = 32 * n_chunks * (2 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128
+                                 + 2 * 2 * 64 * 64 * 128)
+    return [
+        bandwidth_row("embedding f16", f"T{T} H{HIDDEN}", lambda: embedding.gpu(ids, table),
+                      T * HIDDEN * (2 + 4)),
+        bandwidth_row("rmsnorm", f"T{T} D{HIDDEN}",
+                      lambda: rmsnorm.gpu(x, w, 1e-6, out=out_h), T * HIDDEN * 8),
+        bandwidth_row("gated rmsnorm", f"T{T} Hv32 dv128",
+                      lambda: rmsnorm.gated_gpu(o, z, w_head, 1e-6, out=out_heads),
+                      T * 32 * 128 * 12),
+        bandwidth_row("l2norm", f"T{T} H16 d128",
+                      lambda: l2norm.gpu(qk, 1e-6, unit, out=out_qk), T * 16 * 128 * 8),
+        bandwidth_row("rope (q, R64)", f"T{T} H16 D256",
+                      lambda: rope.gpu(q_attn, positions, 64, 1e7, out=out_attn),
+                      T * 16 * 256 * 8),
+        bandwidth_row("conv1d+silu", f"T{T} C8192 K4",
+                      lambda: conv1d.gpu(mixed, conv_w, conv_state, out=out_mixed),
+                      T * 8192 * 8),
+        bandwidth_row("router top8", f"T{T} E{N_EXPERTS}",
+                      lambda: router.gpu(logits, TOP_K, out=routed), T * N_EXPERTS * 4),
+        compute_row("attention (causal, gated)", f"T{T} Hq16 Hkv2 D256",
+                    lambda: attention.gpu(q_attn, k_cache, v_cache, gate, 0, out=out_attn),
+                    attention_flops),
+        compute_row("gated delta chunked", f"T{T} Hv32 dk128 dv128",
+                    lambda: gated_delta.gpu(gdn_q, gdn_k, gdn_v, gdn_g, gdn_beta, gdn_state,
+                                            out=out_gdn), gdn_flops),
+    ]
 
 
 def run(as_json: bool = False, n_tokens: int = 1024) -> None:
@@ -169,7 +235,7 @@ def run(as_json: bool = False, n_tokens: int = 1024) -> None:
     fma_gflops, fma_variant = fma_ceiling()
     copy_gbps, memcpy_gbps = copy_bandwidth()
     rows = gemm_rows(rng, n_tokens, fma_gflops) + expert_rows(rng, n_tokens, fma_gflops)
-    rows += embedding_rows(rng, n_tokens, copy_gbps)
+    rows += layer_op_rows(rng, n_tokens, fma_gflops, copy_gbps)
     if as_json:
         print(json.dumps({"device": device.name(), "fma_gflops": fma_gflops,
                           "fma_variant": fma_variant, "copy_gbps": copy_gbps,

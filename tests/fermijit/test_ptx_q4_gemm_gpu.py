@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fermijit.ops.quant import dequantize_q4_0, quantize_q4_0
-from tests.gpu import MARKS
+from tests.gpu import MARKS, report_error
 from tests.numerics import assert_close, poisoned
 
 pytestmark = MARKS
@@ -39,3 +39,4 @@ def test_dense_matches_numpy(rng, shape):
     expected = x.astype(np.float64) @ dequantize_q4_0(qs, d).astype(np.float64).T
     actual = dense(x, qs, d, poisoned((n_tokens, n)))
     assert_close("y", expected, actual, atol=GEMM_REL * np.abs(expected).max(), rtol=GEMM_REL)
+    report_error("q4_gemm dense y", expected, actual)

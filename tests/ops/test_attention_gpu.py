@@ -5,7 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import attention
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 # Issue 5: attention within 1e-4 relative. fp32 dot products over D, an online softmax with
@@ -38,7 +38,9 @@ def test_attention_gpu(rng, shape):
     q, k, v, gate = make_inputs(rng, n_queries, n_heads, n_kv_heads, d, cache_len)
     out = poisoned(q.shape)
     assert attention.gpu(q, k, v, gate, start, out=out) is out
-    assert_close("o", attention.reference(q, k, v, gate, start), out, ATOL, RTOL)
+    expected = attention.reference(q, k, v, gate, start)
+    assert_close("o", expected, out, ATOL, RTOL)
+    report_error("attention o", expected, out)
 
 
 @needs_gpu
@@ -47,7 +49,9 @@ def test_peaked_scores(rng):
     q, k, v, gate = make_inputs(rng, 40, 2, 1, 64, 40)
     q *= 8
     expected = attention.reference(q, k, v, gate, 0)
-    assert_close("o", expected, attention.gpu(q, k, v, gate, 0), ATOL, RTOL)
+    actual = attention.gpu(q, k, v, gate, 0)
+    assert_close("o", expected, actual, ATOL, RTOL)
+    report_error("attention o (peaked)", expected, actual)
 
 
 @pytest.mark.parametrize("corrupt", [

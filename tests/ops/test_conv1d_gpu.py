@@ -5,7 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import conv1d
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 # Issue 5: elementwise ops within 1e-5 relative. A 4-term fp32 sum, then silu (ex2.approx and
@@ -35,6 +35,7 @@ def test_conv1d_gpu(rng, shape):
     assert y is out and new_state is state
     assert_close("conv1d y", expected_y, y, ATOL, RTOL)
     assert_close("conv1d state", expected_state, state, 0.0, 0.0)  # copied inputs: exact
+    report_error("conv1d y", expected_y, y)
 
 
 @needs_gpu

@@ -7,7 +7,7 @@ import pytest
 from fermijit import FermijitError
 from fermijit.ops import expert_matmul
 from fermijit.ops.quant import quantize_q4_0
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 # Issue 5: GEMMs within 1e-4 relative; fp32 sums of a few hundred products stay near 1e-6.
@@ -39,6 +39,7 @@ def make_inputs(rng, n_tokens, hidden, n_inter, n_experts, top_k):
 def check_result(expected, actual):
     scale = float(np.abs(expected).max())
     assert_close("y", expected, actual, atol=GEMM_REL * scale, rtol=GEMM_REL)
+    report_error("expert_matmul y", expected, actual)
 
 
 @needs_gpu

@@ -6,7 +6,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import gated_delta
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 # Issue 5: the GDN chunk within 1e-4 of the recurrent reference. fp32 throughout: 64x64
@@ -50,6 +50,8 @@ def test_gated_delta_gpu(rng, shape):
     assert o is out and new_state is state
     assert_close("o", expected_o, o, ATOL, RTOL)
     assert_close("state", expected_state, state, ATOL, RTOL)
+    report_error("gated delta o", expected_o, o)
+    report_error("gated delta state", expected_state, state)
 
 
 @needs_gpu

@@ -5,7 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import l2norm
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 EPS = 1e-6
@@ -25,6 +25,7 @@ def test_l2norm_gpu(rng, shape, scale):
     out = poisoned(shape)
     assert l2norm.gpu(x, EPS, scale, out=out) is out
     assert_close("l2norm", l2norm.reference(x, EPS, scale), out, ATOL, RTOL)
+    report_error("l2norm", l2norm.reference(x, EPS, scale), out)
 
 
 @pytest.mark.parametrize("x", [np.zeros((3, 4)), np.zeros((3, 0), np.float32),

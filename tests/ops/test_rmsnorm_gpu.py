@@ -5,7 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import rmsnorm
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 EPS = 1e-6
@@ -34,6 +34,7 @@ def test_rmsnorm_gpu(rng, shape):
     out = poisoned(shape)
     assert rmsnorm.gpu(x, w, EPS, out=out) is out
     assert_close("rmsnorm", rmsnorm.reference(x, w, EPS), out, ATOL, RTOL)
+    report_error("rmsnorm", rmsnorm.reference(x, w, EPS), out)
 
 
 @needs_gpu
@@ -43,6 +44,7 @@ def test_gated_rmsnorm_gpu(rng, shape):
     out = poisoned(shape)
     assert rmsnorm.gated_gpu(o, z, w, EPS, out=out) is out
     assert_close("gated rmsnorm", rmsnorm.gated_reference(o, z, w, EPS), out, ATOL, RTOL)
+    report_error("gated rmsnorm", rmsnorm.gated_reference(o, z, w, EPS), out)
 
 
 @needs_gpu

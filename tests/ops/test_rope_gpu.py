@@ -5,7 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import rope
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 MODEL_THETA = 1e7
@@ -32,7 +32,9 @@ def test_rope_gpu(rng, shape, start):
     x, positions = make_inputs(rng, n_tokens, n_heads, d, start)
     out = poisoned(x.shape)
     assert rope.gpu(x, positions, rotary_dim, MODEL_THETA, out=out) is out
-    assert_close("rope", rope.reference(x, positions, rotary_dim, MODEL_THETA), out, ATOL, RTOL)
+    expected = rope.reference(x, positions, rotary_dim, MODEL_THETA)
+    assert_close("rope", expected, out, ATOL, RTOL)
+    report_error("rope", expected, out)
 
 
 @needs_gpu

@@ -5,7 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import router
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 
 # Issue 5: elementwise ops within 1e-5 relative. k exponentials (ex2.approx, ~2^-22, of an
@@ -21,6 +21,7 @@ def check(logits, top_k, idx, weight):
     expected_idx, expected_weight = router.reference(logits, top_k)
     np.testing.assert_array_equal(idx, expected_idx)
     assert_close("router weight", expected_weight, weight, ATOL, RTOL)
+    report_error("router weight", expected_weight, weight)
 
 
 @needs_gpu
