@@ -116,7 +116,8 @@ class _OneLineUsage(click.Command):
 @click.option("--temperature", type=click.FloatRange(min=0), default=None,
               help="0 is greedy (default: generation_config.json, else 1.0).")
 @click.option("--top-k", type=click.IntRange(min=0), default=None,
-              help="Keep the k most likely tokens, 0 all (default: generation_config.json, else 50).")
+              help="Keep the k most likely tokens, 0 all (default: generation_config.json, "
+                   "else 50).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="Nucleus mass, 1 all (default: generation_config.json, else 1.0).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,

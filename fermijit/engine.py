@@ -155,8 +155,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     start = time.perf_counter()
     cfg, model = load_model(model_dir, show_progress=True)
     tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
-    kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
-    print(f"loaded {model_dir} ({kind}) in {time.perf_counter() - start:.2f} s", file=err)
+    load_s = time.perf_counter() - start
 
     if settings.is_chat:
         prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt_text}]),
@@ -169,6 +168,8 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     temperature, top_k, top_p = sampling_settings(settings, tokenizer.generation_config)
     sampler = Sampler(model.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
                       seed=settings.seed)
+    kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
+    print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
     print(f"kernels ready in {warm_up(model, prompt):.2f} s", file=err, flush=True)
 
     stream = tokenizer.stream()

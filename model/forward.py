@@ -321,7 +321,8 @@ class Model:
         linear(o, w.out_proj, ws.y, ws.act_gdn)
 
     def moe(self, w: Layer, ws: Workspace) -> None:
-        """Routed top-k SwiGLU experts plus the gated shared expert (MODEL.md §4): ws.xn -> ws.y."""
+        """Routed top-k SwiGLU experts plus the gated shared expert (MODEL.md §4):
+        ws.xn -> ws.y."""
         np.matmul(ws.xn, w.router.T, out=ws.router_logits)            # [T, E]
         router.cpu(ws.router_logits, self.top_k, out=(ws.ids, ws.weights))
         if isinstance(w.experts, moe.MoeWeights):

@@ -281,7 +281,8 @@ def load_text_weights(cfg: TextConfig, ckpt: Checkpoint, dtype=np.float32,
     from tqdm import tqdm
 
     plans = plan_text_weights(cfg, ckpt)
-    items = tqdm(plans.items(), desc="load", unit="tensor", file=sys.stderr,
+    # delay: the bar appears only if the load takes longer than a second.
+    items = tqdm(plans.items(), desc="load", unit="tensor", file=sys.stderr, delay=1.0,
                  disable=not show_progress)
     return assemble(cfg, {name: plan.read_all(ckpt).astype(dtype, copy=False)
                           for name, plan in items})

@@ -1,0 +1,99 @@
+"""Tokenizer, chat template, stop ids and streaming detokenisation (model/tokenizer.py), on the
+byte-level BPE that tests/model/tiny.py trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fermijit import FermijitError
+from fermijit.model.tokenizer import INCOMPLETE, Tokenizer
+from tests.model import tiny
+
+TEXT = "héllo 日本 🙂 the cat sat"  # 2-, 3- and 4-byte characters: byte tokens, unmerged
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    tiny.write_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    return tmp_path
+
+
+def test_round_trip_and_specials(model_dir):
+    tok = Tokenizer(model_dir)
+    ids = tok.encode(TEXT)
+    assert ids.dtype.name == "int32" and tok.decode(ids) == TEXT
+    assert tok.vocab_size == tiny.TOKENIZER_VOCAB
+    assert list(tok.encode("<|im_start|>user")[:1]) == [tiny.SPECIAL_TOKENS.index("<|im_start|>")]
+    assert tok.decode([4, 305]) == ""  # a special token, and an id of the model's padding
+
+
+def test_stop_ids(model_dir):
+    assert Tokenizer(model_dir, config_eos=2).eos_ids == {2, 3}  # generation_config.json first
+    (model_dir / "generation_config.json").unlink()
+    assert Tokenizer(model_dir, config_eos=2).eos_ids == {2}     # else config.json's
+    assert Tokenizer(model_dir, config_eos=(2, 7)).eos_ids == {2, 7}
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(FermijitError, match="eos_token_id must be an int or a list of ints"):
+        Tokenizer(model_dir)
+
+
+def test_chat_template(model_dir):
+    tok = Tokenizer(model_dir)
+    text = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == 4 and 3 in ids  # <|im_start|>, <|im_end|> matched as special tokens
+
+
+def test_chat_template_sources_and_errors(model_dir):
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    # Named templates (a list), as some tokenizer_config.json files have.
+    config["chat_template"] = [{"name": "tool_use", "template": "T"},
+                               {"name": "default", "template": "{{ messages[0]['content'] }}!"}]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer(model_dir).render_chat([{"role": "user", "content": "a"}]) == "a!"
+    # chat_template.jinja, where newer exports keep it.
+    del config["chat_template"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(FermijitError, match="no chat template"):
+        Tokenizer(model_dir).render_chat([{"role": "user", "content": "a"}])
+    (model_dir / "chat_template.jinja").write_text(
+        "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ messages | tojson }}")
+    tok = Tokenizer(model_dir)
+    assert tok.render_chat([{"role": "user", "content": "é"}]) == \
+        '[{"role": "user", "content": "é"}]'
+    with pytest.raises(FermijitError, match="chat template: one message only"):
+        tok.render_chat([{"role": "user", "content": "a"}] * 2)
+
+
+def test_missing_or_bad_files(tmp_path):
+    with pytest.raises(FermijitError, match="no tokenizer.json"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{")
+    with pytest.raises(FermijitError, match="not a readable tokenizer"):
+        Tokenizer(tmp_path)
+
+
+def test_stream_waits_for_whole_characters(model_dir):
+    tok = Tokenizer(model_dir)
+    stream = tok.stream()
+    pieces = [stream.push(t) for t in tok.encode(TEXT)]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == TEXT
+    assert not any(INCOMPLETE in p for p in pieces)
+    assert pieces.count("") >= 6, pieces  # the cut characters held back: 1 + 2 + 2 + 3 tokens
+
+
+def test_stream_emits_invalid_bytes_once_they_are_final(model_dir):
+    tok = Tokenizer(model_dir)
+    first_byte_of_ri = int(tok.encode("日")[0])          # a lead byte without its continuation
+    stream = tok.stream()
+    assert stream.push(first_byte_of_ri) == ""
+    assert stream.push(int(tok.encode("a")[0])) == INCOMPLETE + "a"
+    assert stream.push(first_byte_of_ri) == ""
+    assert stream.flush() == INCOMPLETE                  # the end: what is left, as it decodes
+    assert stream.push(4) == "" and stream.flush() == ""  # special tokens are not text
