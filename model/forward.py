@@ -334,12 +334,13 @@ class Model:
 def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Model]:
     """A fermijit model directory (memory-mapped, 4-bit), or an HF checkpoint directory as it is
     (read into fp32 in memory: for reference runs of small models)."""
+    import os
     from pathlib import Path
 
     from fermijit.model import convert
     from fermijit.model.config import load_config
     from fermijit.model.safetensors_io import Checkpoint
-    from fermijit.model.weights import load_text_weights
+    from fermijit.model.weights import load_text_weights, text_weight_shapes
 
     directory = Path(directory)
     if not directory.is_dir():
@@ -348,6 +349,13 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
         cfg, weights, _ = convert.load_converted(directory)
     else:
         cfg = load_config(directory)
+        fp32_nbytes = 4 * sum(int(np.prod(s)) for s in text_weight_shapes(cfg.text_config).values())
+        ram_nbytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if fp32_nbytes > ram_nbytes:
+            raise FermijitError(f"{directory} is an HF checkpoint, run unquantised: its fp32 "
+                                f"weights take {fp32_nbytes / 2**30:.1f} GiB, more than this "
+                                f"machine's {ram_nbytes / 2**30:.1f} GiB of RAM; convert it "
+                                f"first (python -m fermijit convert)")
         weights = load_text_weights(cfg.text_config, Checkpoint(directory), np.float32,
                                     show_progress=show_progress)
     return cfg, Model(cfg.text_config, weights)

@@ -229,6 +229,29 @@ def test_state_copies_are_independent_and_checked(converted, tmp_path):
         State.load(tmp_path / "bad.npz")
 
 
+def test_weights_are_views_of_the_file(converted):
+    """No copies of the big tensors: the model's arrays are views of the loader's memory map,
+    the shared expert included (as [1, ...] views)."""
+    cfg, weights, _ = convert.load_converted(converted(tiny.HF_INIT))
+    m = forward.Model(cfg.text_config, weights)
+    layer, mapped = m.layers[1], weights.layers[1]
+    for ours, theirs in ((layer.experts.gate_up_qs, mapped.mlp.experts_gate_up.qs),
+                         (layer.experts.down_d, mapped.mlp.experts_down.d),
+                         (layer.experts.shared_gate_up_qs, mapped.mlp.shared_gate_up.qs),
+                         (layer.mixer.in_proj_qkv.qs, mapped.mixer.in_proj_qkv.qs),
+                         (m.embed, weights.embed_tokens), (m.lm_head.qs, weights.lm_head.qs)):
+        assert isinstance(theirs, np.memmap) and np.shares_memory(ours, theirs)
+    assert layer.experts.shared_gate_up_qs.shape == (1,) + mapped.mlp.shared_gate_up.qs.shape
+
+
+def test_hf_checkpoint_too_big_for_ram_is_refused(tiny_dir, monkeypatch):
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 64}  # a machine of 256 KiB
+    monkeypatch.setattr("os.sysconf", pages.__getitem__)
+    with pytest.raises(FermijitError, match=r"fp32 weights take .* GiB, more than this "
+                                            r"machine's 0.0 GiB of RAM; convert it first"):
+        load_model(tiny_dir(tiny.HF_INIT))
+
+
 def test_context_and_tokens_are_checked(converted):
     _, m = load_model(converted(tiny.HF_INIT))
     state = m.new_state(len(PROMPT))
