@@ -224,6 +224,14 @@ def test_state_copies_are_independent_and_checked(converted, tmp_path):
     other = load_model(converted(tiny.UNIT))[1].new_state(CONTEXT)
     with pytest.raises(FermijitError, match="state has 4 layers, the model 8"):
         m.check_state(other)
+    bad = state.copy()
+    bad.layers[0].recurrent = np.zeros((4, 32, 31), np.float32)
+    with pytest.raises(FermijitError, match=r"state layer 0 recurrent is float32 \[4, 32, 31\], "
+                                            r"the model needs float32 \[4, 32, 32\]"):
+        m.check_state(bad)
+    bad.layers[0] = bad.layers[3]
+    with pytest.raises(FermijitError, match="state layer 0 is a KvCache, the model's a GdnState"):
+        m.check_state(bad)
     (tmp_path / "bad.npz").write_bytes(b"not a state")
     with pytest.raises(FermijitError, match="not a readable state file"):
         State.load(tmp_path / "bad.npz")
