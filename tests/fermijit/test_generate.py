@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from fermijit.engine import Stop, generate
+from fermijit.engine import Settings, Stop, generate, sampling_settings
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.safetensors_io import save_file
@@ -104,6 +104,15 @@ def test_loop_stops_at_eos_and_at_the_end_of_the_context(models):
     context = prompt.size + 3
     stopped, stats = generate(model, prompt, greedy, 12, context, frozenset(), lambda t: None)
     assert stopped == tokens[:4] and stats.stop is Stop.CONTEXT  # 3 decoded + the last sampled
+
+
+def test_sampling_settings_come_from_flags_then_generation_config():
+    gen = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert sampling_settings(Settings(), gen) == (0.6, 20, 0.95)
+    assert sampling_settings(Settings(temperature=0.3, top_k=0, top_p=1.0), gen) == (0.3, 0, 1.0)
+    assert sampling_settings(Settings(), {"do_sample": False, "temperature": 0.6})[0] == 0.0
+    assert sampling_settings(Settings(temperature=0.5), {"do_sample": False})[0] == 0.5
+    assert sampling_settings(Settings(), {}) == (1.0, 50, 1.0)  # HF's defaults
 
 
 # --- bad input ----------------------------------------------------------------------------------
