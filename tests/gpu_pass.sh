@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU pass in one command, for the lent GPU machine (shared/device/README.md): install
 # the carried wheels (pycuda, pytest) and the project, then kernels check, every GPU test, and
-# bench gpu (table and JSON). Full logs go to OUT; a short summary is printed last.
+# bench gpu. Full logs go to OUT; a short summary is printed last.
 # Usage, from the project root, after shared/device/prepare.sh here: bash tests/gpu_pass.sh OUT
 set -u
 out=${1:?usage: tests/gpu_pass.sh OUTDIR}
@@ -20,7 +20,6 @@ echo "gpu tests rc=$?"
 grep -h "^rel err " "$out/gpu-tests.log" | sed 's/^rel err //' \
   | awk -F': ' '{ if (!($1 in m) || $2 + 0 > m[$1] + 0) m[$1] = $2 } END { for (k in m) printf "%-28s %s\n", k, m[k] }' \
   | sort >"$out/errors.txt"
-python3 -m fermijit bench gpu --json >"$out/bench.json" 2>"$out/bench-json.err"
 python3 -m fermijit bench gpu >"$out/bench.txt" 2>&1
 echo "bench rc=$?"
 grep -E "passed|failed|error" "$out/gpu-tests.log" | tail -3
