@@ -37,11 +37,15 @@ from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops.quant import BLOCK
 
 VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
-# Software prefetch runs this many row tiles ahead. A tile's rows are adjacent in memory, so the
-# same offset in a later tile is one contiguous stream (a fixed 2 KB, best in notes §5 for one
-# long row, falls inside the current tile when a row is only 1 KB: K=2048).
-PREFETCH_TILES = 2
-GEMV_TILE = (4, 1)         # rows x tokens
+# Software prefetch distance in the weight stream. Rows are adjacent in memory, so with one row
+# per tile each thread reads one sequential stream and this runs straight ahead of it. Measured
+# cold, 2 threads, this machine: 2 KB (one row at K=2048, the notes' best for a single long row)
+# 39 GB/s; 4, 8 and 16 KB 41-43 alike (512x2048: 33 -> 36).
+PREFETCH_BYTES = 4096
+# Rows x tokens. One row per tile for the GEMV: each thread then streams one sequential run of
+# memory; 4 interleaved row streams (sharing activation registers) measured 15% slower cold on 2
+# threads with AVX-512 (35 vs 41 GB/s at 2048x2048) and no faster hot on SSE.
+GEMV_TILE = (1, 1)
 GEMM_TILE = (2, 4)
 
 
@@ -230,7 +234,7 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
                      for _ in range(n_tok)] for _ in range(n_rows)]
 
             step_bytes = bps * fmt.block_bytes
-            qs_ahead = builder.mul(qs_stride, c(PREFETCH_TILES * n_rows))
+            qs_ahead = c(PREFETCH_BYTES)
             n_steps = builder.udiv(nb, c(bps))
             with cgutils.for_range(builder, n_steps) as loop:
                 s = loop.index
