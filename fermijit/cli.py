@@ -96,17 +96,7 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
 
 
-class _OneLineUsage(click.Command):
-    """A bad flag value is one line and exit 2 (issue 3, Bad input), not click's usage block."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            raise FermijitError(e.format_message()) from None
-
-
-@cli.command(cls=_OneLineUsage)
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
@@ -150,7 +140,8 @@ def main() -> None:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as e:
-        e.show()
+        # One line for every command, usage errors included (bad input: one line, exit 2).
+        click.echo(f"Error: {e.format_message()}", err=True)
         sys.exit(2)
     except FermijitError as e:
         click.echo(f"Error: {e}", err=True)
