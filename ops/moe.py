@@ -91,6 +91,7 @@ class Scratch:
     shared_h: np.ndarray   # [1, Is]
     shared: np.ndarray     # [1, H]
     zero: np.ndarray       # [1] int32: the shared expert's index
+    act_x: Q8Act | None = None  # made by the first call, reused after
     act_h: Q8Act | None = None
     act_sh: Q8Act | None = None
 
@@ -128,7 +129,7 @@ def _check(x, ids, weights, w: MoeWeights):
 
 
 def _decode(x, ids, weights, w, out, s: Scratch):
-    act = matvec.quantize_act(x[0])
+    s.act_x = act = matvec.quantize_act(x[0], out=s.act_x)
     matvec.gathered_cpu(w.gate_up_qs, w.gate_up_d, ids[0], act, out=s.gu)
     matvec.gathered_cpu(w.shared_gate_up_qs, w.shared_gate_up_d, s.zero, act, out=s.shared_gu)
     _swiglu(s.gu, s.h)
