@@ -175,6 +175,7 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> li
     table = ga.to_gpu(rng.standard_normal((vocab, HIDDEN), dtype=np.float32).astype(np.float16))
     ids = rng.integers(0, vocab, T).astype(np.int32)
     x, w = normal(T, HIDDEN), normal(HIDDEN)
+    embedded = ga.empty((T, HIDDEN), np.float32)
     o, z, w_head = normal(T, 32, 128), normal(T, 32, 128), normal(128)
     qk = normal(T, 16, 128)
     q_attn = normal(T, 16, 256)
@@ -201,7 +202,7 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> li
     gdn_flops = 32 * n_chunks * (2 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128
                                  + 2 * 2 * 64 * 64 * 128)
     return [
-        bandwidth_row("embedding f16", f"T{T} H{HIDDEN}", lambda: embedding.gpu(ids, table),
+        bandwidth_row("embedding f16", f"T{T} H{HIDDEN}", lambda: embedding.gpu(ids, table, out=embedded),
                       T * HIDDEN * (2 + 4)),
         bandwidth_row("rmsnorm", f"T{T} D{HIDDEN}",
                       lambda: rmsnorm.gpu(x, w, 1e-6, out=out_h), T * HIDDEN * 8),

@@ -118,7 +118,7 @@ def gpu(x, w, state, out=None):
     if int(state_dev.gpudata) in (int(x_dev.gpudata), int(y.gpudata)):
         raise FermijitError(f"{op}: state, x and out must not overlap (out may be x itself)")
     is_in_place = int(y.gpudata) == int(x_dev.gpudata)
-    target = g.gpuarray().empty(x.shape, np.float32) if is_in_place else y
+    target = g.empty(x.shape, np.float32) if is_in_place else y
     if n_tokens and n_channels:
         blocks = -(-n_channels // 256)
         g.kernel("conv1d", f"conv1d_{k}", TAPS=k)(

@@ -147,7 +147,7 @@ def gpu(x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, out=None):
     if n_tokens == 0:
         return g.result(op, y, out, on_device)
     routing = route(ids, weights.get() if g.is_device(weights) else weights, n_experts)
-    h = g.gpuarray().empty((n_tokens * top_k, n_inter), np.float32)  # sorted slot order
+    h = g.empty((n_tokens * top_k, n_inter), np.float32)  # sorted slot order
     gate_up_gpu(g.to_device(op, "x", x, np.float32), routing,
                 g.to_device(op, "gate_up_qs", gate_up_qs, np.uint8),
                 g.to_device(op, "gate_up_d", gate_up_d, np.float16), h)

@@ -174,10 +174,9 @@ def gpu(q, k, v, g, beta, state, out=None):
     if T == 0:
         return gpu_jit.result(op, o, out, on_device), state
     n_chunks = -(-T // GPU_CHUNK)
-    ga = gpu_jit.gpuarray()
-    gamma = ga.empty((Hv, n_chunks, GPU_CHUNK), np.float32)
-    ab = ga.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
-    mqk = ga.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
+    gamma = gpu_jit.empty((Hv, n_chunks, GPU_CHUNK), np.float32)
+    ab = gpu_jit.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
+    mqk = gpu_jit.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
     q_dev, k_dev = (gpu_jit.to_device(op, n, a, np.float32) for n, a in (("q", q), ("k", k)))
     state_dev = gpu_jit.to_device(op, "state", state, np.float32)
     gpu_jit.kernel("gdn_chunk", "gdn_chunk_prep")(

@@ -93,10 +93,23 @@ def cpu(x, positions, rotary_dim, theta, out=None):
 
 # --- GPU (kernels_ptx/rope.ptx: one token per block; cos/sin made here in fp64, as `cpu`) ------
 
+@functools.lru_cache(maxsize=8)
+def _gpu_tables(positions: bytes, rotary_dim: int, theta: float):
+    """cos and sin [T, R/2] on the device for int64 `positions`. Cached: a prefill rotates q and
+    k of every attention layer at the same positions, and making the tables (cos and sin of
+    T*R/2 fp64 angles, two copies in) costs more than the kernel."""
+    from fermijit.jit import gpu as g
+
+    angle = np.frombuffer(positions, np.int64).astype(np.float64)[:, None] * _inv_freq(
+        rotary_dim, theta)
+    return (g.to_device("rope", "cos", np.cos(angle).astype(np.float32), np.float32),
+            g.to_device("rope", "sin", np.sin(angle).astype(np.float32), np.float32))
+
+
 def gpu(x, positions, rotary_dim, theta, out=None):
     """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu). The [T, R/2] cos/sin tables
-    are made on the host from `_inv_freq` (so a device `positions` is copied back) and copied in.
-    `out=x` rotates in place."""
+    are made on the host from `_inv_freq` (so a device `positions` is copied back), copied in
+    and cached (`_gpu_tables`). `out=x` rotates in place."""
     from fermijit.jit import gpu as g
 
     op = "rope"
@@ -112,9 +125,7 @@ def gpu(x, positions, rotary_dim, theta, out=None):
         raise FermijitError(f"{op}: theta must be positive and finite, got {theta!r}")
     y = g.output(op, out, x.shape)
     if n_tokens:
-        angle = positions.astype(np.float64)[:, None] * _inv_freq(int(rotary_dim), float(theta))
-        cos = g.to_device(op, "cos", np.cos(angle).astype(np.float32), np.float32)
-        sin = g.to_device(op, "sin", np.sin(angle).astype(np.float32), np.float32)
+        cos, sin = _gpu_tables(positions.tobytes(), int(rotary_dim), float(theta))
         g.kernel("rope")((min(n_tokens, g.FERMI_MAX_GRID[0]),), (256,),
                          g.to_device(op, "x", x, np.float32), cos, sin, y, n_tokens, n_heads, d,
                          int(rotary_dim) // 2)

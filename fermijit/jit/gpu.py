@@ -69,6 +69,8 @@ def _release() -> None:
 
     if _context is not None:
         cuda.Context.synchronize()
+        if _pool.cache_info().currsize:
+            _pool().stop_holding()
         cuda.Context.pop()
         _context = None
 
@@ -78,6 +80,21 @@ def gpuarray():
     import pycuda.gpuarray as gpuarray
 
     return gpuarray
+
+
+@functools.lru_cache(maxsize=None)
+def _pool():
+    """Device memory reused across calls: a cudaMalloc per op call costs tens of microseconds,
+    as much as a norm kernel at prefill size."""
+    driver()
+    import pycuda.tools
+
+    return pycuda.tools.DeviceMemoryPool()
+
+
+def empty(shape: tuple, dtype=np.float32):
+    """An uninitialised device array from the pool (scratch and outputs)."""
+    return gpuarray().empty(shape, dtype, allocator=_pool().allocate)
 
 
 @contextmanager
@@ -229,7 +246,7 @@ def to_device(op: str, name: str, a, dtype, shape: tuple | None = None, ndim: in
         return a
     ga = gpuarray()
     with check(f"{op}: copying {name} to the device"):
-        return ga.to_gpu(a)
+        return ga.to_gpu(a, allocator=_pool().allocate)
 
 
 def output(op: str, out, shape: tuple, dtype=np.float32):
@@ -238,9 +255,8 @@ def output(op: str, out, shape: tuple, dtype=np.float32):
     if out is None or not is_device(out):
         if out is not None:
             checks.output(op, out, shape, dtype)
-        ga = gpuarray()
         with check(f"{op}: allocating the output"):
-            return ga.empty(shape, dtype)
+            return empty(shape, dtype)
     return to_device(op, "out", out, dtype, shape)
 
 
