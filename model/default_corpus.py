@@ -45,8 +45,10 @@ Preparation, in this order (deterministic: no randomness, files in sorted path o
 Tokenizer (`train_tokenizer`): byte-level BPE trained with `tokenizers` on train.txt, vocabulary
 8192 including the special tokens `<|endoftext|>` (id 0: bos, eos and document separator) and
 `<|pad|>` (id 1); the pre-tokenizer splits as Qwen2's regex (single digits, runs of spaces kept
-for indentation), then maps bytes to the byte-level alphabet. Written as `tokenizer.json`,
-`tokenizer_config.json` (no chat template: plain text) and `generation_config.json`.
+for indentation), then maps bytes to the byte-level alphabet; encoding with special tokens
+prepends `<|endoftext|>` (the model saw it before every document). Written as `tokenizer.json`,
+`tokenizer_config.json` (no chat template: plain text) and `generation_config.json` (eos 0;
+sampling at temperature 0.7, top-k 40, top-p 0.95).
 
 `python -m fermijit.model.default_corpus OUTDIR [--deb FILE]` does all of it (it runs
 `apt-get download` itself without --deb) and prints the sizes.
@@ -75,8 +77,8 @@ VOCAB_SIZE = 8192
 EOT, PAD = "<|endoftext|>", "<|pad|>"
 SPECIAL_TOKENS = (EOT, PAD)  # ids 0 and 1
 # Qwen2's pre-tokenizer regex (tokenizer.json of Qwen/Qwen2 and later).
-SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 DROPPED_DIRECTIVES = frozenset({
     "index", "highlight", "highlightlang", "toctree", "module", "currentmodule", "moduleauthor",
@@ -138,8 +140,9 @@ def section_titles(docs: dict[str, str]) -> tuple[dict[str, str], dict[str, str]
             if target:
                 pending.append(target.group(1).strip().lower())
                 continue
-            is_title = (line.strip() and not _ADORNMENT.match(line) and i + 1 < len(lines)
-                        and _ADORNMENT.match(lines[i + 1]) and len(lines[i + 1]) >= len(line.strip()))
+            underline = lines[i + 1] if i + 1 < len(lines) else ""
+            is_title = (line.strip() and not _ADORNMENT.match(line) and _ADORNMENT.match(underline)
+                        and len(underline) >= len(line.strip()))
             if is_title:
                 title = render_inline(line.strip(), {}, {})
                 firsts.setdefault(doc_id, title)
@@ -289,7 +292,8 @@ def build_corpus(deb: Path, outdir: Path) -> dict:
               "heldout": [d for d in docs if is_heldout(d)]}
     manifest = {"package": PACKAGE, "version": _deb_version(deb),
                 "deb_sha256": hashlib.sha256(deb.read_bytes()).hexdigest(),
-                "source_files": len(raw), "source_bytes": sum(len(t.encode()) for t in raw.values()),
+                "source_files": len(raw),
+                "source_bytes": sum(len(t.encode()) for t in raw.values()),
                 "splits": {}}
     for split, ids in splits.items():
         data = (DOC_SEPARATOR.join(docs[d] for d in ids) + "\n").encode("utf-8")
@@ -326,7 +330,7 @@ def read_documents(path: Path) -> list[str]:
 
 def train_tokenizer(documents: list[str], vocab_size: int = VOCAB_SIZE):
     """Byte-level BPE on `documents` (deterministic: `tokenizers` breaks count ties by pair)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -337,19 +341,26 @@ def train_tokenizer(documents: list[str], vocab_size: int = VOCAB_SIZE):
                                   special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    # Training puts <|endoftext|> before every document, so a prompt starts with it too.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B:1",
+        special_tokens=[(EOT, tokenizer.token_to_id(EOT))])
     return tokenizer
 
 
 def write_tokenizer(tokenizer, outdir: Path, max_length: int) -> None:
-    """tokenizer.json, tokenizer_config.json (plain text, no chat template), generation_config.json."""
+    """tokenizer.json, tokenizer_config.json (plain text, no chat template) and
+    generation_config.json."""
     eot, pad = tokenizer.token_to_id(EOT), tokenizer.token_to_id(PAD)
     tokenizer.save(str(outdir / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT,
-              "pad_token": PAD, "unk_token": None, "add_bos_token": False,
+              "pad_token": PAD, "unk_token": None, "add_bos_token": True,
               "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "model_max_length": max_length}
     (outdir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": pad}
+    # Sampling by default: greedy decoding of a model this small falls into loops.
+    generation = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": pad,
+                  "do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.95}
     (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
@@ -380,7 +391,8 @@ def main(argv: list[str] | None = None) -> None:
                                  (args.outdir / "tokenizer.json").read_bytes()).hexdigest()}
     for split in manifest["splits"]:
         docs = read_documents(args.outdir / f"{split}.txt")
-        n_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(docs)) + len(docs)  # + EOTs
+        encodings = tokenizer.encode_batch(docs, add_special_tokens=False)
+        n_tokens = sum(len(e.ids) for e in encodings) + len(docs)  # + one EOT each
         manifest["splits"][split]["tokens"] = n_tokens
     (args.outdir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     for split, info in manifest["splits"].items():
