@@ -202,7 +202,8 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> li
     gdn_flops = 32 * n_chunks * (2 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128
                                  + 2 * 2 * 64 * 64 * 128)
     return [
-        bandwidth_row("embedding f16", f"T{T} H{HIDDEN}", lambda: embedding.gpu(ids, table, out=embedded),
+        bandwidth_row("embedding f16", f"T{T} H{HIDDEN}",
+                      lambda: embedding.gpu(ids, table, out=embedded),
                       T * HIDDEN * (2 + 4)),
         bandwidth_row("rmsnorm", f"T{T} D{HIDDEN}",
                       lambda: rmsnorm.gpu(x, w, 1e-6, out=out_h), T * HIDDEN * 8),

@@ -191,7 +191,10 @@ def _argument(label: str, name: str, ptx_type: str, value):
     if isinstance(value, (bool, float, np.floating)) or not isinstance(value, (int, np.integer)):
         raise FermijitError(f"{label}: {name} must be an integer, got {value!r}")
     bits = 64 if ptx_type.endswith("64") else 32
-    low, high = (-(1 << bits - 1), (1 << bits - 1) - 1) if ptx_type[0] == "s" else (0, (1 << bits) - 1)
+    if ptx_type[0] == "s":
+        low, high = -(1 << bits - 1), (1 << bits - 1) - 1
+    else:
+        low, high = 0, (1 << bits) - 1
     if not low <= int(value) <= high:
         raise FermijitError(f"{label}: {name}={value} does not fit .{ptx_type}")
     return int(value)

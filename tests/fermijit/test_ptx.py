@@ -35,7 +35,8 @@ def test_header_entry_and_block_limit():
 
 
 def test_repeat_expands_with_index_arithmetic_and_nests():
-    r = render("@repeat I 2\n@repeat J THREADS // 32\nadd.u32 %r${I * 2 + J}, ${J * 4};\n@end\n@end")
+    r = render("@repeat I 2\n@repeat J THREADS // 32\n"
+               "add.u32 %r${I * 2 + J}, ${J * 4};\n@end\n@end")
     assert body_lines(r) == ["add.u32 %r0, 0;", "add.u32 %r1, 4;",
                              "add.u32 %r2, 0;", "add.u32 %r3, 4;"]
 
@@ -54,7 +55,8 @@ def test_predicated_instructions_are_not_directives():
                                           (0.1, "0f3DCCCCCD"), (0.0, "0f00000000")])
 def test_float_immediates_are_exact_hex(value, bits):
     assert ptx.f32(value) == bits
-    assert body_lines(render(f"mul.f32 %x, %y, ${{f32({value!r})}};")) == [f"mul.f32 %x, %y, {bits};"]
+    rendered = render(f"mul.f32 %x, %y, ${{f32({value!r})}};")
+    assert body_lines(rendered) == [f"mul.f32 %x, %y, {bits};"]
 
 
 BAD_BODIES = {

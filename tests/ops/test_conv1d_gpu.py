@@ -57,7 +57,8 @@ def test_device_in_place_and_in_pieces(rng):
 
 
 @pytest.mark.parametrize("corrupt", [
-    lambda x, w, s: (x, np.zeros((x.shape[1], 5), np.float32), np.zeros((x.shape[1], 4), np.float32)),
+    lambda x, w, s: (x, np.zeros((x.shape[1], 5), np.float32),
+                     np.zeros((x.shape[1], 4), np.float32)),
     lambda x, w, s: (x, w, s[:, :-1].copy()),
     lambda x, w, s: (x.astype(np.float64), w, s),
     lambda x, w, s: (x, w[:-1].copy(), s),

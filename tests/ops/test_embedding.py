@@ -11,7 +11,8 @@ from tests.numerics import assert_close, poisoned
 EXACT = 0.0
 
 # (T, V, H): one token (decode), ragged sizes, more tokens than the parallel threshold.
-SHAPES = {"T1-V7-H64": (1, 7, 64), "T37-V50-H100": (37, 50, 100), "T300-V1000-H130": (300, 1000, 130)}
+SHAPES = {"T1-V7-H64": (1, 7, 64), "T37-V50-H100": (37, 50, 100),
+          "T300-V1000-H130": (300, 1000, 130)}
 DTYPES = {"f32": np.float32, "f16": np.float16}
 
 

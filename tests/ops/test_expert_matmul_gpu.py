@@ -29,10 +29,9 @@ def make_inputs(rng, n_tokens, hidden, n_inter, n_experts, top_k):
     ids = np.argsort(rng.random((n_tokens, n_experts)), axis=1)[:, :top_k].astype(np.int32)
     weights = rng.random((n_tokens, top_k)).astype(np.float32)
     weights /= weights.sum(axis=1, keepdims=True)
-    gate_up = quantize_q4_0(
-        (rng.standard_normal((n_experts, 2 * n_inter, hidden)) / np.sqrt(hidden)).astype(np.float32))
-    down = quantize_q4_0(
-        (rng.standard_normal((n_experts, hidden, n_inter)) / np.sqrt(n_inter)).astype(np.float32))
+    gate_up = rng.standard_normal((n_experts, 2 * n_inter, hidden)) / np.sqrt(hidden)
+    down = rng.standard_normal((n_experts, hidden, n_inter)) / np.sqrt(n_inter)
+    gate_up, down = (quantize_q4_0(w.astype(np.float32)) for w in (gate_up, down))
     return (x, ids, weights, *gate_up, *down)
 
 

@@ -33,9 +33,9 @@ def make_inputs(rng, n_tokens, n_key_heads, n_value_heads, dk, dv):
     q = unit(rng.standard_normal((n_tokens, n_key_heads, dk))) / np.sqrt(dk)
     k = unit(rng.standard_normal((n_tokens, n_key_heads, dk)))
     v = rng.standard_normal((n_tokens, n_value_heads, dv))
-    g, beta = gated_delta.gates_reference(
-        rng.standard_normal((n_tokens, n_value_heads)), rng.standard_normal((n_tokens, n_value_heads)),
-        rng.uniform(-1, 1, n_value_heads), rng.uniform(-1, 1, n_value_heads))
+    a, b = rng.standard_normal((2, n_tokens, n_value_heads))
+    g, beta = gated_delta.gates_reference(a, b, rng.uniform(-1, 1, n_value_heads),
+                                          rng.uniform(-1, 1, n_value_heads))
     state = 0.1 * rng.standard_normal((n_value_heads, dk, dv))
     return tuple(np.ascontiguousarray(x, dtype=np.float32) for x in (q, k, v, g, beta, state))
 
