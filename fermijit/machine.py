@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -64,9 +63,13 @@ def gpu_status() -> str:
 
 
 def ptxas_status() -> str:
-    path = shutil.which("ptxas")
-    if path is None:
-        return "not found (kernels check cannot run)"
+    from fermijit import FermijitError
+    from fermijit.kernels_check import find_ptxas
+
+    try:
+        path = find_ptxas()
+    except FermijitError as e:
+        return f"not usable: {e}"
     out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
     version = next((line for line in out.splitlines() if "release" in line), out.strip())
     return f"{path} ({version.strip()})"
