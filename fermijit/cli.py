@@ -98,9 +98,10 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
 @cli.command()
 @click.argument("prompt", required=False)
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
-                   "(run unquantised in fp32, for reference runs).")
+                   "(run unquantised in fp32, for reference runs). Default: the embedded model "
+                   "(fermijit/default_model, trained on the Python docs).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Most tokens to generate.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None,
@@ -119,7 +120,7 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
                    "max_position_embeddings).")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
-def generate(prompt: str | None, model_dir: Path, max_tokens: int, temperature: float | None,
+def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
@@ -130,7 +131,31 @@ def generate(prompt: str | None, model_dir: Path, max_tokens: int, temperature: 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat)
-    engine.run(model_dir, sys.stdin.read() if prompt is None else prompt, settings)
+    engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
+               settings)
+
+
+@cli.command("eval")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (run W4A8) or an HF checkpoint directory (fp32). "
+                   "Default: the embedded model.")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 text file to score.")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per window, each scored from a fresh state (default: 512, at most "
+                   "max_position_embeddings).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
+                 threads: int | None) -> None:
+    """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
+    (teacher forcing, the forward of `generate`); progress on stderr."""
+    from fermijit import engine, evaluate
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
 
 
 def main() -> None:

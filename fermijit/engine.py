@@ -25,6 +25,8 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 50
 DEFAULT_TOP_P = 1.0
 WARM_UP_TOKENS = 2  # a prefill of two tokens and a decode step compile or load every kernel
+# The embedded model (issue 4), package data: what `generate` and `eval` run without --model.
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
 
 class Stop(enum.Enum):
@@ -105,12 +107,16 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     return tokens, stats
 
 
-def warm_up(model, prompt: np.ndarray) -> float:
+def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS) -> float:
     """Compile (or load from Numba's cache) every kernel of prefill and decode on a throwaway
-    state, so the timings measure the model, not the JIT. Returns the seconds it took."""
+    state, so the timings measure the model, not the JIT. Returns the seconds it took.
+    Some ops switch to a parallel kernel past a size (e.g. ops/rope.py PARALLEL_MIN_ELEMENTS):
+    `n_prefill` as long as the prefills to come compiles those too (`eval` does; on the default
+    model a cold prefill of 512 tokens compiled 7 more kernels, 3.7 s, after the 2-token one)."""
     start = time.perf_counter()
-    tokens = np.resize(prompt, WARM_UP_TOKENS)
-    state = model.new_state(WARM_UP_TOKENS + 1)
+    n_prefill = max(1, min(n_prefill, model.max_context - 1))  # and room for the decode step
+    tokens = np.resize(prompt, n_prefill)
+    state = model.new_state(n_prefill + 1)
     model.prefill(tokens, state)
     model.decode(int(tokens[-1]), state)
     return time.perf_counter() - start
