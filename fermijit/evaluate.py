@@ -28,6 +28,7 @@ from fermijit import FermijitError
 # The default model's training window (model/train_default.py PRESETS["default"].context): its
 # held-out figure in train_log.json is measured on windows of this length.
 DEFAULT_CONTEXT = 512
+PROGRESS_DELAY_S = 1.0  # the progress bar appears only if scoring takes longer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +130,8 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
     print(f"loaded {model_dir} ({kind}); {text_path}: {tokens.size} tokens", file=err, flush=True)
     n_warm_up = min(context, tokens.size - 1, PREFILL_BLOCK)  # the shapes scoring will run
     print(f"kernels ready in {warm_up(model, tokens, n_warm_up):.2f} s", file=err, flush=True)
-    # delay: the bar appears only if scoring takes longer than a second.
-    with tqdm(total=tokens.size - 1, desc="eval", unit="tok", file=err, delay=1.0) as bar:
+    with tqdm(total=tokens.size - 1, desc="eval", unit="tok", file=err,
+              delay=PROGRESS_DELAY_S) as bar:
         result = score(model, tokens, context, bar.update)
     if as_json:
         print(json.dumps({"model": str(model_dir), "text": str(text_path),
