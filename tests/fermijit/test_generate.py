@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from fermijit.engine import Settings, Stop, generate, sampling_settings
+from fermijit.engine import DEFAULT_MODEL, Settings, Stop, generate, sampling_settings
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.safetensors_io import save_file
@@ -226,5 +226,15 @@ def test_bad_flag_is_one_line(models, case):
                           message)
 
 
-def test_model_is_required():
-    assert_one_line_error(*fermijit("generate", PROMPT), "Missing option '--model'")
+def test_without_model_runs_the_embedded_one():
+    """Issue 4: the default model (package data), sampled as its generation_config.json says."""
+    prompt = "The Python list type"
+    code, out, err = fermijit("generate", prompt, "--max-tokens", 12, *FLAGS)
+    assert code == 0, err
+    assert f"loaded {DEFAULT_MODEL} (4-bit fermijit)" in err
+    temperature, top_k, top_p = sampling_settings(Settings(),
+                                                  Tokenizer(DEFAULT_MODEL).generation_config)
+    assert temperature > 0  # greedy decoding of a model this small falls into loops
+    text, tokens = expected(DEFAULT_MODEL, prompt, 12, temperature=temperature, top_k=top_k,
+                            top_p=top_p)
+    assert out == text and len(tokens) == 12
