@@ -107,17 +107,21 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     return tokens, stats
 
 
-def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS) -> float:
-    """Compile (or load from Numba's cache) every kernel of prefill and decode on a throwaway
-    state, so the timings measure the model, not the JIT. Returns the seconds it took.
-    Some ops switch to a parallel kernel past a size (e.g. ops/rope.py PARALLEL_MIN_ELEMENTS):
-    `n_prefill` as long as the prefills to come compiles those too (`eval` does; on the default
-    model a cold prefill of 512 tokens compiled 7 more kernels, 3.7 s, after the 2-token one)."""
+def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=None) -> float:
+    """Compile (or load from Numba's cache) every kernel of prefill, decode and `sampler` on a
+    throwaway state, so that the timings measure the model, not the JIT; returns the seconds it
+    took. `sampler` is a twin of the real one, as sampling draws from its generator (its compile
+    was 1.4 s of a cold run's "prefill"). Some ops switch to a parallel kernel past a size (e.g.
+    ops/rope.py PARALLEL_MIN_ELEMENTS): `n_prefill` as long as the prefills to come compiles
+    those too (`eval` does; on the default model a cold prefill of 512 tokens compiled 7 more
+    kernels, 3.7 s, after the 2-token one)."""
     start = time.perf_counter()
     n_prefill = max(1, min(n_prefill, model.max_context - 1))  # and room for the decode step
     tokens = np.resize(prompt, n_prefill)
     state = model.new_state(n_prefill + 1)
-    model.prefill(tokens, state)
+    logits = model.prefill(tokens, state)
+    if sampler is not None:
+        sampler.sample(logits)
     model.decode(int(tokens[-1]), state)
     return time.perf_counter() - start
 
@@ -172,11 +176,16 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
         raise FermijitError("the prompt is empty (no tokens)")
     context = context_length(settings, int(prompt.size), model.max_context)
     temperature, top_k, top_p = sampling_settings(settings, tokenizer.generation_config)
-    sampler = Sampler(model.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
-                      seed=settings.seed)
+
+    def new_sampler() -> Sampler:
+        return Sampler(model.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=settings.seed)
+
+    sampler = new_sampler()  # checks the settings before any output
     kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
-    print(f"kernels ready in {warm_up(model, prompt):.2f} s", file=err, flush=True)
+    warm_up_s = warm_up(model, prompt, sampler=new_sampler())  # a twin: warming draws from it
+    print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
 
     stream = tokenizer.stream()
 
