@@ -348,8 +348,11 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
     if key not in _products:
         v = simd.VEC_OF[isa] if fmt is Q4_0 else SSE
         n_rows, n_tok = shape
+        # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
+        # let fresh and cached code round differently: first and later runs disagreed by ulps).
         _products[key] = kernel(
-            body, parallel=True, variant=f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}",
+            body, parallel=True, fastmath=False,
+            variant=f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}",
             ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
             rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
     return _products[key]

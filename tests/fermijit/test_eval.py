@@ -117,7 +117,10 @@ def test_json_is_the_engine_s_score(models, kind):
     assert result["is_quantized"] == (kind == "q4")
     for key in ("n_tokens", "n_scored", "n_windows", "context"):
         assert result[key] == expected.as_dict()[key], key
-    assert result["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-12)
+    # Not bit-exact: a process that compiles a parallel kernel runs a differently rounded copy of
+    # it than a process loading it from Numba's cache (fermijit/jit/cpu.py, FASTMATH), and on a
+    # cold cache this test and its subprocess take different paths (seen: ~1e-7 relative).
+    assert result["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(result["mean_nll"]), rel=1e-12)
     assert result["tok_per_s"] == pytest.approx(result["n_scored"] / result["elapsed_s"])
     kind_text = "4-bit fermijit, W4A8" if kind == "q4" else "unquantised"
