@@ -67,9 +67,13 @@ def byte_ptr(builder, ptr, offset):
     return builder.gep(base, [off])
 
 
-def load(builder, ptr, offset, vty: ir.VectorType):
-    """Unaligned vector load (movdqu): a non-VEX movdqa on a Q4_0 stream faults (pitfall 3)."""
-    return builder.load(builder.bitcast(byte_ptr(builder, ptr, offset), vty.as_pointer()), align=1)
+def load(builder, ptr, offset, vty: ir.VectorType, align: int = 1):
+    """Vector load; unaligned (movdqu) unless the caller guarantees `align`. Only a 16-byte
+    aligned operand can be folded into a legacy-SSE instruction (pmaddubsw xmm, m128), and a
+    non-VEX movdqa on a misaligned address faults (pitfall 3): claim alignment only where the
+    layout guarantees it."""
+    return builder.load(builder.bitcast(byte_ptr(builder, ptr, offset), vty.as_pointer()),
+                        align=align)
 
 
 def load_scalar(builder, ptr, offset, ty: ir.Type):
