@@ -71,6 +71,12 @@ class Q8Act:
     xsum8: np.ndarray  # [T, nb] int32, 8·Σ xq per block: the offset correction
     vec: Vec
 
+    def rows(self, t: np.ndarray) -> "Q8Act":
+        """The activations of tokens `t` (a copy, aligned as the kernels want)."""
+        xq = _aligned_empty((len(t), self.xq.shape[1]), np.int8)
+        np.take(self.xq, t, axis=0, out=xq)
+        return Q8Act(xq, self.dx[t], self.xsum8[t], self.vec)
+
 
 # --- reference ----------------------------------------------------------------------------------
 

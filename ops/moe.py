@@ -157,9 +157,8 @@ def _prefill(x, ids, weights, w, out):
     y[...] = _shared_gate(x, w.shared_gate)[:, None].astype(np.float32) * shared
     for e in np.unique(ids):
         t, k = np.nonzero(ids == e)
-        sub = Q8Act(act.xq[t], act.dx[t], act.xsum8[t], act.vec)
         y[t] += weights[t, k, None] * _expert_ffn(w.gate_up_qs[e], w.gate_up_d[e],
-                                                   w.down_qs[e], w.down_d[e], sub)
+                                                   w.down_qs[e], w.down_d[e], act.rows(t))
 
 
 def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None):
