@@ -42,14 +42,19 @@ def gated_reference(o, z, w, eps):
 
 # --- kernels ------------------------------------------------------------------------------------
 
+@kernel
+def _inv_rms(row, eps):  # row [D] -> 1/sqrt(mean(row²) + eps), summed in float64
+    ss = 0.0
+    for i in range(row.size):
+        v = np.float64(row[i])
+        ss += v * v
+    return np.float32(1.0 / math.sqrt(ss / row.size + eps))
+
+
 def _rmsnorm_rows(x, w, eps, out):  # x, out [N, D]; w [D]
     n_rows, d = x.shape
     for r in prange(n_rows):
-        ss = 0.0
-        for i in range(d):
-            v = np.float64(x[r, i])
-            ss += v * v
-        inv = np.float32(1.0 / math.sqrt(ss / d + eps))
+        inv = _inv_rms(x[r], eps)
         for i in range(d):
             out[r, i] = x[r, i] * inv * (np.float32(1.0) + w[i])
 
@@ -57,11 +62,7 @@ def _rmsnorm_rows(x, w, eps, out):  # x, out [N, D]; w [D]
 def _gated_rows(o, z, w, eps, out):  # o, z, out [N, dv]; w [dv]
     n_rows, d = o.shape
     for r in prange(n_rows):
-        ss = 0.0
-        for i in range(d):
-            v = np.float64(o[r, i])
-            ss += v * v
-        inv = np.float32(1.0 / math.sqrt(ss / d + eps))
+        inv = _inv_rms(o[r], eps)
         for i in range(d):
             zi = z[r, i]
             # exp(-zi) overflows to inf for zi < -88: silu is then -0, not NaN.

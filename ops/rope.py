@@ -71,17 +71,21 @@ _rope_serial = kernel(_rope_tokens)
 _rope_parallel = kernel(parallel=True, variant="parallel")(_rope_tokens)
 
 
+def _check_rotation(op: str, rotary_dim, theta, d: int) -> None:
+    if not (isinstance(rotary_dim, (int, np.integer)) and 0 < rotary_dim <= d
+            and rotary_dim % 2 == 0):
+        raise FermijitError(f"{op}: rotary_dim must be even and in (0, {d}], got {rotary_dim!r}")
+    if not (math.isfinite(theta) and theta > 0.0):
+        raise FermijitError(f"{op}: theta must be positive and finite, got {theta!r}")
+
+
 def cpu(x, positions, rotary_dim, theta, out=None):
     """x [T, H, D] fp32, positions int64 [T] -> y [T, H, D] fp32. `out=x` rotates in place."""
     op = "rope"
     check_array(op, "x", x, np.float32, ndim=3)
     n_tokens, _, d = x.shape
     check_array(op, "positions", positions, np.int64, (n_tokens,))
-    if not (isinstance(rotary_dim, (int, np.integer)) and 0 < rotary_dim <= d
-            and rotary_dim % 2 == 0):
-        raise FermijitError(f"{op}: rotary_dim must be even and in (0, {d}], got {rotary_dim!r}")
-    if not (math.isfinite(theta) and theta > 0.0):
-        raise FermijitError(f"{op}: theta must be positive and finite, got {theta!r}")
+    _check_rotation(op, rotary_dim, theta, d)
     out = output(op, out, x.shape)
     is_in_place = out.ctypes.data == x.ctypes.data
     if not is_in_place and np.may_share_memory(out, x):
@@ -118,11 +122,7 @@ def gpu(x, positions, rotary_dim, theta, out=None):
     n_tokens, n_heads, d = x.shape
     positions = positions.get() if g.is_device(positions) else positions
     check_array(op, "positions", positions, np.int64, (n_tokens,))
-    if not (isinstance(rotary_dim, (int, np.integer)) and 0 < rotary_dim <= d
-            and rotary_dim % 2 == 0):
-        raise FermijitError(f"{op}: rotary_dim must be even and in (0, {d}], got {rotary_dim!r}")
-    if not (math.isfinite(theta) and theta > 0.0):
-        raise FermijitError(f"{op}: theta must be positive and finite, got {theta!r}")
+    _check_rotation(op, rotary_dim, theta, d)
     y = g.output(op, out, x.shape)
     if n_tokens:
         cos, sin = _gpu_tables(positions.tobytes(), int(rotary_dim), float(theta))
