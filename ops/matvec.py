@@ -71,6 +71,11 @@ class Q8Act:
     xsum8: np.ndarray  # [T, nb] int32, 8·Σ xq per block: the offset correction
     vec: Vec
 
+    def __post_init__(self):
+        # Checked once here, not per product: the kernels fold xq loads into SSE memory operands.
+        if self.xq.ctypes.data % X_ALIGN:
+            raise FermijitError(f"Q8Act: xq must be {X_ALIGN}-byte aligned")
+
     def rows(self, t: np.ndarray) -> "Q8Act":
         """The activations of tokens `t` (a copy, aligned as the kernels want)."""
         xq = _aligned_empty((len(t), self.xq.shape[1]), np.int8)
@@ -162,8 +167,6 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
             raise FermijitError(f"quantize_act: out is laid out for {out.vec.isa.label}, "
                                 f"not {v.isa.label}")
         check_array("quantize_act", "out.xq", out.xq, np.int8, (n_tok, k))
-        if out.xq.ctypes.data % X_ALIGN:
-            raise FermijitError(f"quantize_act: out.xq must be {X_ALIGN}-byte aligned")
         check_array("quantize_act", "out.dx", out.dx, np.float32, (n_tok, k // BLOCK))
         check_array("quantize_act", "out.xsum8", out.xsum8, np.int32, (n_tok, k // BLOCK))
     _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v))
@@ -391,8 +394,6 @@ def _check_weights(op, qs, d, ndim=2):
 
 def _as_act(op, x, nb, isa):
     if isinstance(x, Q8Act):
-        if x.xq.ctypes.data % X_ALIGN:
-            raise FermijitError(f"{op}: activations (Q8Act.xq) must be {X_ALIGN}-byte aligned")
         if x.vec.isa != isa:
             raise FermijitError(f"{op}: activations are laid out for {x.vec.isa.label}, "
                                 f"the kernel is {isa.label}")
