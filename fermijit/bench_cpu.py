@@ -106,14 +106,15 @@ def _reader(isa):
 
 def _cold_set(rows, k, nbytes, rng):
     """Distinct Q4_0 matrices totalling >= nbytes (random bytes: the speed does not depend on
-    the values, and quantising a GiB would take longer than the benchmark)."""
+    the values, and quantising a GiB would take longer than the benchmark), prepared as decode
+    holds its weights (matvec.Q4Matrix: checked once at load)."""
     per = rows * k // 2 + rows * k // 32 * 2
     count = max(2, -(-nbytes // per))
     mats = []
     for _ in range(count):
         qs = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
         d = rng.uniform(0.001, 0.01, (rows, k // quant.BLOCK)).astype(np.float16)
-        mats.append((qs, d))
+        mats.append(matvec.Q4Matrix.of(qs, d))
     return mats, count * per
 
 
@@ -162,13 +163,13 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
         for isa in isas:
             _progress(f"gemv {r}x{k} {isa.label}")
             act = matvec.quantize_act(x, isa)
-            matvec.cpu(*mats[0], act, out=y, isa=isa)
+            matvec.product(mats[0], act, y, isa=isa)
             ratios, best = [], 0.0
             for _ in range(PAIRS):
                 read_gbs = buf.nbytes / _best_seconds(lambda: read(buf), 1) / 1e9
                 t = time.perf_counter()
-                for qs, d in mats:
-                    matvec.cpu(qs, d, act, out=y, isa=isa)
+                for w in mats:
+                    matvec.product(w, act, y, isa=isa)
                 gbs = total / (time.perf_counter() - t) / 1e9
                 bw[n_all] = max(bw[n_all], read_gbs)
                 ratios.append(gbs / read_gbs)

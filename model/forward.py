@@ -63,6 +63,15 @@ def _host(a):
     return np.asarray(a)
 
 
+def _matrix(a):
+    """A projection as `linear` takes it: Q4_0 checked once (matvec.Q4Matrix), so a decode
+    token's hundreds of GEMVs skip the per-call weight checks; others as _host gives them."""
+    a = _host(a)
+    if isinstance(a, QuantTensor) and a.kind == "q4_0":
+        return matvec.Q4Matrix.of(a.qs, a.d)
+    return a
+
+
 def _experts(mlp) -> moe.MoeWeights | DenseExperts:
     """The MoE weights as ops.moe wants them; the shared expert as an expert tensor of one ([1, ...]
     views, no copy)."""
@@ -80,7 +89,7 @@ def _experts(mlp) -> moe.MoeWeights | DenseExperts:
 
 
 def _layer(w) -> Layer:
-    mixer = type(w.mixer)(**{f.name: _host(getattr(w.mixer, f.name))
+    mixer = type(w.mixer)(**{f.name: _matrix(getattr(w.mixer, f.name))
                              for f in dataclasses.fields(w.mixer)})
     return Layer(_host(w.input_layernorm), mixer, _host(w.post_attention_layernorm),
                  _host(w.mlp.gate), _experts(w.mlp))
@@ -89,6 +98,8 @@ def _layer(w) -> Layer:
 def linear(x, w, out, act=None):
     """out [T, R] = x [T, K] · wᵀ. Q4_0: W4A8 GEMM/GEMV on `act` (x quantised once for all the
     matrices reading it) or x; Q8_0 (the LM head option): x quantised here; fp32: numpy."""
+    if isinstance(w, matvec.Q4Matrix):
+        return matvec.product(w, matvec.quantize_act(x) if act is None else act, out)
     if not isinstance(w, QuantTensor):
         return np.matmul(x, w.T, out=out)
     if w.kind == "q8_0":
@@ -176,7 +187,7 @@ class Model:
         self.embed = _host(weights.embed_tokens)                       # [V, H] f16 or f32
         self.layers = tuple(_layer(w) for w in weights.layers)
         self.norm = _host(weights.norm)
-        self.lm_head = _host(weights.lm_head)
+        self.lm_head = _matrix(weights.lm_head)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
         self._decode_ws: Workspace | None = None
 
