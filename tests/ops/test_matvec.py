@@ -138,3 +138,32 @@ def test_activations_must_be_aligned(rng):
     with pytest.raises(FermijitError, match="16-byte aligned"):
         matvec.Q8Act(shifted, act.dx, act.xsum8, act.vec)
     assert matvec.quantize_act(np.zeros((3, 64), np.float32)).rows(np.array([2, 0])).xq.ctypes.data % 16 == 0
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_prepared_product_matches_reference(rng, isa):
+    qs, d = _weights(rng, 37, 544)
+    w = matvec.Q4Matrix.of(qs, d)
+    for n_tok, out in ((1, poisoned(37)), (1, poisoned((1, 37))), (5, poisoned((5, 37)))):
+        x = rng.standard_normal((n_tok, 544)).astype(np.float32)
+        y = matvec.product(w, matvec.quantize_act(x, isa), out, isa=isa)
+        expected = matvec.reference(qs, d, x).reshape(out.shape)
+        assert_close("product", expected, y, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+def test_prepared_product_bad_inputs(rng):
+    qs, d = _weights(rng, 4, 64)
+    with pytest.raises(FermijitError, match="qs has shape"):
+        matvec.Q4Matrix.of(qs[:, :16].copy(), d)
+    w = matvec.Q4Matrix.of(qs, d)
+    act = matvec.quantize_act(rng.standard_normal(64).astype(np.float32))
+    with pytest.raises(FermijitError, match="x has 96 inputs, weights have 64"):
+        matvec.product(w, matvec.quantize_act(np.zeros(96, np.float32)), np.empty(4, np.float32))
+    for out in (np.empty(5, np.float32), np.empty(4, np.float64), np.empty((2, 4), np.float32),
+                np.empty(8, np.float32)[::2]):
+        with pytest.raises(FermijitError, match="out must be"):
+            matvec.product(w, act, out)
+    if len(ISAS) > 1:
+        with pytest.raises(FermijitError, match="laid out for"):
+            matvec.product(w, matvec.quantize_act(np.zeros(64, np.float32), ISAS[-1]),
+                           np.empty(4, np.float32), isa=ISAS[0])
