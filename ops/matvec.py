@@ -430,14 +430,16 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None)
                             f"the kernel is {isa.label}")
     if k != 2 * half_k:
         raise FermijitError(f"matvec: x has {k} inputs, weights have {2 * half_k}")
+    flags = getattr(out, "flags", None)
     if (type(out) is not np.ndarray or out.dtype != np.float32 or out.size != n_tok * rows
-            or out.shape[-1] != rows or not out.flags.c_contiguous or not out.flags.writeable):
+            or out.shape[-1] != rows or not (flags.c_contiguous and flags.writeable)):
         raise FermijitError(f"matvec: out must be a writable C-contiguous float32 [{n_tok}, "
                             f"{rows}] (or [{rows}] for one token), got "
                             f"{getattr(out, 'dtype', type(out).__name__)} "
                             f"{list(getattr(out, 'shape', []))}")
-    shape = GEMV_TILE if n_tok == 1 else GEMM_TILE
-    _product(isa, shape)(w.qs, w.d_bits, act.xq, act.dx, act.xsum8, out.reshape(n_tok, rows))
+    kernel_ = _product(isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
+    kernel_(w.qs, w.d_bits, act.xq, act.dx, act.xsum8,
+            out if out.ndim == 2 else out.reshape(n_tok, rows))
     return out
 
 
