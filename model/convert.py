@@ -42,7 +42,9 @@ WEIGHTS = "model.safetensors"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                 "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-                "video_preprocessor_config.json")
+                "video_preprocessor_config.json",
+                # licence files travel with the weights they cover
+                "LICENSE", "LICENSE.txt", "NOTICE.txt", "copyright")
 # Weight fields stored as Q4_0 (the last component of the field path).
 Q4_0_FIELDS = frozenset({"in_proj_qkv", "in_proj_z", "out_proj", "q_proj",
                          "k_proj", "v_proj", "o_proj", "experts_gate_up", "experts_down",

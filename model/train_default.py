@@ -40,7 +40,7 @@ import torch
 from fermijit.model.default_corpus import EOT, read_documents
 
 COPIED_FROM_DATA = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                    "NOTICE.txt")
+                    "NOTICE.txt", "copyright")
 SHARD_BYTES = 15 << 20  # each file < 16 MiB: what one file from the GPU machine may be
 ROPE_THETA = 1e7        # the real model's (MODEL.md §2); transformers' fallback is 1e4
 
