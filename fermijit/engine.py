@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from fermijit import FermijitError
 
@@ -78,13 +79,26 @@ def peak_rss_bytes() -> int:
 
 
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
-             eos_ids: frozenset[int], on_token: Callable[[int], None]) -> tuple[list[int], Stats]:
+             eos_ids: frozenset[int], on_token: Callable[[int], None],
+             progress_to=None) -> tuple[list[int], Stats]:
     """Prefill `prompt`, then sample and decode until an eos id, `max_tokens` or the end of the
-    context; `on_token` gets each generated token as it is made. Returns (tokens, stats)."""
+    context; `on_token` gets each generated token as it is made. Returns (tokens, stats). With
+    `progress_to` (a text stream), a prompt of several prefill passes shows a progress bar there."""
+    from fermijit.model.forward import PREFILL_BLOCK
+
     stats = Stats(n_prompt=int(prompt.size))
     state = model.new_state(context)
     start = time.perf_counter()
-    token = sampler.sample(model.prefill(prompt, state))
+    bar = None
+    if progress_to is not None and prompt.size > PREFILL_BLOCK:
+        bar = tqdm(total=int(prompt.size), desc="prefill", unit="tok", file=progress_to,
+                   leave=False)
+    try:
+        logits = model.prefill(prompt, state, on_block=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
     tokens: list[int] = []
     start = time.perf_counter()
@@ -196,7 +210,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
             out.flush()
 
     _, stats = generate(model, prompt, sampler, settings.max_tokens, context, tokenizer.eos_ids,
-                        emit)
+                        emit, progress_to=err)
     out.write(stream.flush().encode("utf-8"))
     out.flush()
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)

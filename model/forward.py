@@ -222,9 +222,11 @@ class Model:
 
     # --- the two entry points -------------------------------------------------------------------
 
-    def prefill(self, tokens, state: State, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, tokens, state: State, all_logits: bool = False,
+                on_block=None) -> np.ndarray:
         """Logits [V] of the last of `tokens` [T] (all of them, [T, V], with `all_logits`), which
-        follow the `state.position` tokens seen; updates `state`."""
+        follow the `state.position` tokens seen; updates `state`. `on_block(n)` is called after
+        each pass of n tokens (progress for long prompts)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 1 or tokens.size == 0:
             raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
@@ -238,6 +240,8 @@ class Model:
                 ws = Workspace(self, block.size)
             ws.tokens[:] = block
             self.forward(ws.tokens, state, ws)
+            if on_block is not None:
+                on_block(block.size)
             if all_logits:
                 logits.append(self.logits(ws.x, np.empty((block.size, self.vocab_size),
                                                          np.float32)))

@@ -5,6 +5,7 @@ one line on stderr with exit code 2 (issue 3, Bad input). Run as subprocesses, a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import shutil
 import subprocess
 import sys
@@ -238,3 +239,21 @@ def test_without_model_runs_the_embedded_one():
     text, tokens = expected(DEFAULT_MODEL, prompt, 12, temperature=temperature, top_k=top_k,
                             top_p=top_p)
     assert out == text and len(tokens) == 12
+
+
+def test_long_prefill_shows_progress():
+    """A prompt of several prefill passes reports its progress (on the stream given)."""
+    import io
+
+    from fermijit.model.forward import PREFILL_BLOCK
+
+    cfg, model = load_model(DEFAULT_MODEL)
+    text = (Path(tiny.__file__).parent / "data" / "heldout_sample.txt").read_text(encoding="utf-8")
+    prompt = Tokenizer(DEFAULT_MODEL).encode(text)[:PREFILL_BLOCK + 40]
+    progress = io.StringIO()
+    sampler = Sampler(model.vocab_size, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    tokens, stats = generate(model, prompt, sampler, 2, prompt.size + 2, frozenset(),
+                             lambda t: None, progress_to=progress)
+    assert len(tokens) == 2 and stats.n_prompt == prompt.size
+    assert "prefill" in progress.getvalue()
+    assert f"{PREFILL_BLOCK}/{prompt.size}" in progress.getvalue()  # after the first pass
