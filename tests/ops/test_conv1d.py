@@ -23,7 +23,7 @@ CASES = {  # (T, C, K); T1 is the decode kernel, the last is the threaded sequen
 }
 
 
-def _inputs(rng, n_tokens, n_channels, k):
+def make_inputs(rng, n_tokens, n_channels, k):
     x = rng.standard_normal((n_tokens, n_channels)).astype(np.float32)
     w = (0.5 * rng.standard_normal((n_channels, k))).astype(np.float32)
     state = rng.standard_normal((n_channels, k - 1)).astype(np.float32)
@@ -32,7 +32,7 @@ def _inputs(rng, n_tokens, n_channels, k):
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_conv1d(rng, case):
-    x, w, state = _inputs(rng, *case)
+    x, w, state = make_inputs(rng, *case)
     expected_y, expected_state = conv1d.reference(x, w, state)
     out = poisoned(x.shape)
     y, new_state = conv1d.cpu(x, w, state, out=out)
@@ -42,7 +42,7 @@ def test_conv1d(rng, case):
 
 
 def test_in_place(rng):
-    x, w, state = _inputs(rng, 7, 300, 4)
+    x, w, state = make_inputs(rng, 7, 300, 4)
     expected_y, expected_state = conv1d.reference(x, w, state)
     y, _ = conv1d.cpu(x, w, state, out=x)
     assert y is x
@@ -51,7 +51,7 @@ def test_in_place(rng):
 
 
 def test_zero_state_is_sequence_start(rng):
-    x, w, _ = _inputs(rng, 6, 40, 4)
+    x, w, _ = make_inputs(rng, 6, 40, 4)
     padded = np.concatenate([np.zeros((3, 40), np.float32), x])
     # With zeros before the start, output t equals output t+3 of the zero-padded sequence.
     y_padded, _ = conv1d.reference(padded, w, np.zeros((40, 3), np.float32))
@@ -61,7 +61,7 @@ def test_zero_state_is_sequence_start(rng):
 
 def test_pieces_equal_one_pass(rng):
     # Prefill in chunks, then decode token by token: the same outputs and final state as one pass.
-    x, w, state0 = _inputs(rng, 12, 96, 4)
+    x, w, state0 = make_inputs(rng, 12, 96, 4)
     y_all, state_all = conv1d.reference(x, w, state0)
     state = state0.copy()
     ys = []
@@ -74,7 +74,7 @@ def test_pieces_equal_one_pass(rng):
 
 def test_reference_matches_torch_conv(rng):
     torch = pytest.importorskip("torch")
-    x, w, _ = _inputs(rng, 9, 24, 4)
+    x, w, _ = make_inputs(rng, 9, 24, 4)
     # HF: F.conv1d(x [B, C, T], w [C, 1, K], padding=K-1, groups=C)[..., :T], then SiLU.
     xt = torch.from_numpy(x.T.copy())[None]
     pre = torch.nn.functional.conv1d(xt, torch.from_numpy(w)[:, None], padding=3, groups=24)

@@ -7,6 +7,7 @@ from fermijit import FermijitError
 from fermijit.ops import conv1d
 from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
+from tests.ops.test_conv1d import make_inputs
 
 # Issue 5: elementwise ops within 1e-5 relative. A 4-term fp32 sum, then silu (ex2.approx and
 # a division); where the taps cancel the error is relative to the inputs, hence the atol.
@@ -16,13 +17,6 @@ ATOL, RTOL = 1e-6, 1e-5
 # the 256-channel block, the model's 8192 channels.
 SHAPES = {"T1-C300-K4": (1, 300, 4), "T2-C64-K4": (2, 64, 4), "T37-C260-K3": (37, 260, 3),
           "T70-C8192-K4": (70, 8192, 4), "T5-C10-K2": (5, 10, 2)}
-
-
-def make_inputs(rng, n_tokens, n_channels, k):
-    x = rng.standard_normal((n_tokens, n_channels)).astype(np.float32)
-    w = (rng.standard_normal((n_channels, k)) / np.sqrt(k)).astype(np.float32)
-    state = rng.standard_normal((n_channels, k - 1)).astype(np.float32)
-    return x, w, state
 
 
 @needs_gpu

@@ -36,7 +36,7 @@ def _l2norm(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _inputs(rng, T, Hk, Hv, dk, dv):
+def make_inputs(rng, T, Hk, Hv, dk, dv):
     """fp32 inputs as MODEL.md §6 makes them: unit keys, queries scaled by 1/sqrt(dk), gates
     from random projections, a nonzero initial state."""
     q = _l2norm(rng.standard_normal((T, Hk, dk))) / np.sqrt(dk)
@@ -94,7 +94,7 @@ def test_gates_bad_inputs():
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_cpu_matches_reference(rng, shape):
-    q, k, v, g, beta, state = _inputs(rng, *shape)
+    q, k, v, g, beta, state = make_inputs(rng, *shape)
     o_ref, state_ref = gated_delta.reference(*_f64([q, k, v, g, beta, state]))
     out = poisoned(v.shape)
     o, new_state = gated_delta.cpu(q, k, v, g, beta, state, out=out)
@@ -105,7 +105,7 @@ def test_cpu_matches_reference(rng, shape):
 
 def test_decode_steps_continue_prefill(rng):
     """Prefill 40 tokens, then decode 3 one at a time: the same as one pass over 43."""
-    q, k, v, g, beta, state = _inputs(rng, 43, 2, 4, 32, 40)
+    q, k, v, g, beta, state = make_inputs(rng, 43, 2, 4, 32, 40)
     o_ref, state_ref = gated_delta.reference(*_f64([q, k, v, g, beta, state]))
     o = poisoned(v.shape)
     gated_delta.cpu(q[:40], k[:40], v[:40], g[:40], beta[:40], state, out=o[:40])
@@ -118,7 +118,7 @@ def test_decode_steps_continue_prefill(rng):
 
 def test_reference_closed_form(rng):
     """One step equals MODEL.md §6.7's closed form S' = alpha (I - beta k k^T) S + beta k v^T."""
-    q, k, v, g, beta, state = _f64(_inputs(rng, 1, 2, 2, 8, 5))
+    q, k, v, g, beta, state = _f64(make_inputs(rng, 1, 2, 2, 8, 5))
     _, new_state = gated_delta.reference(q, k, v, g, beta, state)
     for h in range(2):
         kh = k[0, h]
@@ -128,7 +128,7 @@ def test_reference_closed_form(rng):
 
 
 def test_cpu_bad_inputs(rng):
-    q, k, v, g, beta, state = _inputs(rng, 3, 2, 4, 8, 6)
+    q, k, v, g, beta, state = make_inputs(rng, 3, 2, 4, 8, 6)
     with pytest.raises(FermijitError, match="dtype"):
         gated_delta.cpu(q, k, v.astype(np.float64), g, beta, state)
     with pytest.raises(FermijitError, match="k has shape"):
@@ -136,7 +136,7 @@ def test_cpu_bad_inputs(rng):
     with pytest.raises(FermijitError, match="state has shape"):
         gated_delta.cpu(q, k, v, g, beta, state[:3].copy())
     with pytest.raises(FermijitError, match="multiple"):
-        gated_delta.cpu(*_inputs(rng, 3, 3, 4, 8, 6))
+        gated_delta.cpu(*make_inputs(rng, 3, 3, 4, 8, 6))
     with pytest.raises(FermijitError, match="contiguous"):
         gated_delta.cpu(q, k, v, np.asfortranarray(g), beta, state)
     with pytest.raises(FermijitError, match="out"):
@@ -152,7 +152,7 @@ def test_cpu_bad_inputs(rng):
 @pytest.mark.parametrize("dtype,tol", [(np.float64, CHUNK_F64_TOL), (np.float32, CHUNK_F32_TOL)],
                          ids=["f64", "f32"])
 def test_chunked_matches_recurrent(rng, T, dtype, tol):
-    inputs = [x.astype(dtype) for x in _inputs(rng, T, 2, 4, 32, 24)]
+    inputs = [x.astype(dtype) for x in make_inputs(rng, T, 2, 4, 32, 24)]
     o_rec, state_rec = gated_delta.reference(*inputs)
     o_chunk, state_chunk = gated_delta.chunked_reference(*inputs, chunk=64)
     assert o_chunk.dtype == dtype and o_chunk.shape == o_rec.shape
@@ -166,7 +166,7 @@ def test_references_match_transformers(rng):
     torch = pytest.importorskip("torch")
     hf = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
     T, Hk, Hv, dk, dv = 70, 2, 4, 16, 24
-    q, k, v, g, beta, state = _inputs(rng, T, Hk, Hv, dk, dv)
+    q, k, v, g, beta, state = make_inputs(rng, T, Hk, Hv, dk, dv)
     # transformers scales q by 1/sqrt(dk) itself; ours arrives scaled.
     args = [torch.from_numpy(x)[None] for x in (q * np.float32(np.sqrt(dk)), k, v, g, beta)]
     initial = torch.from_numpy(state)[None]

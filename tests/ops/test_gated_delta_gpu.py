@@ -8,6 +8,7 @@ from fermijit import FermijitError
 from fermijit.ops import gated_delta
 from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
+from tests.ops.test_gated_delta import make_inputs
 
 # Issue 5: the GDN chunk within 1e-4 of the recurrent reference. fp32 throughout: 64x64
 # products and a triangular inverse per chunk, then the state carried across chunks.
@@ -22,22 +23,6 @@ SHAPES = {
     "T65-Hk1-Hv2-dk128-dv32": (65, 1, 2, 128, 32),
     "T200-Hk16-Hv32-dk128-dv128": (200, 16, 32, 128, 128),
 }
-
-
-def make_inputs(rng, n_tokens, n_key_heads, n_value_heads, dk, dv):
-    """As the model feeds it: q, k L2-normalised (q also scaled by 1/sqrt(dk)), the gates of
-    random a, b through gates_reference, a non-zero initial state."""
-    def unit(x):
-        return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
-    q = unit(rng.standard_normal((n_tokens, n_key_heads, dk))) / np.sqrt(dk)
-    k = unit(rng.standard_normal((n_tokens, n_key_heads, dk)))
-    v = rng.standard_normal((n_tokens, n_value_heads, dv))
-    a, b = rng.standard_normal((2, n_tokens, n_value_heads))
-    g, beta = gated_delta.gates_reference(a, b, rng.uniform(-1, 1, n_value_heads),
-                                          rng.uniform(-1, 1, n_value_heads))
-    state = 0.1 * rng.standard_normal((n_value_heads, dk, dv))
-    return tuple(np.ascontiguousarray(x, dtype=np.float32) for x in (q, k, v, g, beta, state))
 
 
 @needs_gpu
