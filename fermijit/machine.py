@@ -45,9 +45,14 @@ def threading(n_threads: int | None) -> str:
 
     from fermijit.ops import matvec
 
+    from fermijit.jit import omp
+
     n = cpu.configure_threads(n_threads)
     matvec.warm_up()  # the threading layer is chosen by the first parallel launch
-    return f"{numba.threading_layer()} layer, {n} threads (of {numba.config.NUMBA_NUM_THREADS})"
+    line = f"{numba.threading_layer()} layer, {n} threads (of {numba.config.NUMBA_NUM_THREADS})"
+    if not omp.available():
+        line += "; W4A8 products run on one thread (they need the omp layer and libgomp)"
+    return line
 
 
 def gpu_status() -> str:

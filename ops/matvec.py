@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fermijit import FermijitError
-from fermijit.jit import simd
+from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
-from fermijit.jit.cpu import Isa, kernel, selected_isa
+from fermijit.jit.cpu import Isa, bind, kernel, selected_isa, supported
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops.quant import BLOCK
 
@@ -235,9 +235,8 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
                    for ty, val in zip(sig.args[:6], args[:6])]
             qs_a, d_a, xq_a, dx_a, xs_a, out_a = arr
             r0v, t0v, o0v = args[6], args[7], args[8]
-            _, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)
+            out_cols, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)  # out [T, R] or [R]
             _, nb = cgutils.unpack_tuple(builder, d_a.shape, 2)
-            _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
             c = lambda n: ir.Constant(I64, n)  # noqa: E731
 
             def at(base, index, stride_bytes):
@@ -333,37 +332,62 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
     return tile
 
 
-def _product_body(qs, d, xq, dx, xsum8, out):
-    n_rows = qs.shape[0]
+def _product_share(thread, n_threads, args):
+    """One thread's run of row groups (a static split: each thread streams one run of memory)."""
+    qs, d, xq, dx, xsum8, out = args
+    row_groups = qs.shape[0] // ROWS
     n_tok = xq.shape[0]
-    row_groups = n_rows // ROWS
     tok_whole = n_tok // TOKS * TOKS
-    for g in prange(row_groups):
+    for g in range(thread * row_groups // n_threads, (thread + 1) * row_groups // n_threads):
         for t in range(0, tok_whole, TOKS):
             tile(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
         for t in range(tok_whole, n_tok):
             rows_by_1(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
-    for r in range(row_groups * ROWS, n_rows):
-        for t in range(n_tok):
+
+
+def _product_body(qs, d, xq, dx, xsum8, out):
+    fork((qs, d, xq, dx, xsum8, out))
+    for r in range(qs.shape[0] // ROWS * ROWS, qs.shape[0]):
+        for t in range(xq.shape[0]):
             one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
+
+
+def _gathered_share(thread, n_threads, args):
+    qs, d, idx, xq, dx, xsum8, out = args
+    row_groups = qs.shape[1] // ROWS
+    n_jobs = idx.size * row_groups
+    shared_x = xq.shape[0] == 1
+    for job in range(thread * n_jobs // n_threads, (thread + 1) * n_jobs // n_threads):
+        i = job // row_groups
+        e = idx[i]
+        tile(qs[e], d[e], xq, dx, xsum8, out, (job % row_groups) * ROWS, 0 if shared_x else i, i)
 
 
 def _gathered_body(qs, d, idx, xq, dx, xsum8, out):
     """out[i] = W[idx[i]] · x[i] (or x[0] for every i when x holds one token): all selected
     experts in one parallel launch, so decode pays one thread wake-up per projection, not eight."""
-    n_items = idx.size
-    n_rows = qs.shape[1]
-    row_groups = n_rows // ROWS
+    fork((qs, d, idx, xq, dx, xsum8, out))
     shared_x = xq.shape[0] == 1
-    for job in prange(n_items * row_groups):
-        i = job // row_groups
-        e = idx[i]
-        tile(qs[e], d[e], xq, dx, xsum8, out, (job % row_groups) * ROWS, 0 if shared_x else i, i)
-    for i in range(n_items):
-        for r in range(row_groups * ROWS, n_rows):
+    for i in range(idx.size):
+        for r in range(qs.shape[1] // ROWS * ROWS, qs.shape[1]):
             one_by_1(qs[idx[i]], d[idx[i]], xq, dx, xsum8, out, r, 0 if shared_x else i, i)
 
 
+_SHARES = {_product_body: _product_share, _gathered_body: _gathered_share}
+
+
+def _array(dtype, ndim, readonly=False):
+    return types.Array(dtype, ndim, "C", readonly=readonly)
+
+
+# Weights may be read-only (memory-mapped files): a writable array passes for a read-only one.
+_ACT = (_array(types.int8, 2), _array(types.float32, 2), _array(types.int32, 2))
+_SIGNATURES = {
+    _product_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
+                               _array(types.float32, n_out)) for n_out in (1, 2)],
+    _gathered_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
+                                _array(types.int32, 1), *_ACT, _array(types.float32, 2))],
+}
 _products: dict = {}
 
 
@@ -373,16 +397,34 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
     every ISA (the LM-head option, read once per token)."""
     key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
     if key not in _products:
+        if not supported(isa):  # compiling it here could abort the process (pitfall 5)
+            raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
         v = simd.VEC_OF[isa] if fmt is Q4_0 else SSE
         n_rows, n_tok = shape
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
+        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
+                     rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
+        threads = "omp" if omp.available() else "serial"
         _products[key] = kernel(
-            body, parallel=True, fastmath=False,
-            variant=f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}",
-            ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
-            rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
+            body, fastmath=False, variant=f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}",
+            signatures=_SIGNATURES[body], fork=omp.fork(bind(_SHARES[body], **tiles)), **tiles)
     return _products[key]
+
+
+def _call(op: str, kernel_, *args):
+    """`kernel_` on arrays whose shapes are checked: its signatures check dtypes and layouts
+    (Numba's dispatch refuses the rest before any code runs)."""
+    try:
+        kernel_(*args)
+    except TypeError:
+        raise FermijitError(f"{op}: an array has the wrong dtype or layout (need C-contiguous; "
+                            f"out writable float32): {_describe(args)}") from None
+
+
+def _describe(arrays) -> str:
+    return ", ".join(f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', []))}"
+                     for a in arrays)
 
 
 def _check_weights(op, qs, d, ndim=2):
@@ -421,26 +463,28 @@ class Q4Matrix:
 
 def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None) -> np.ndarray:
     """`cpu` for prepared weights and activations into `out` ([R] for one token, or [T, R]):
-    decode's path, with only the checks that depend on this call."""
-    isa = isa or selected_isa()
-    rows, half_k = w.qs.shape
-    n_tok, k = act.xq.shape
-    if act.vec.isa is not isa:
-        raise FermijitError(f"matvec: activations are laid out for {act.vec.isa.label}, "
+    decode's path, with only the checks that depend on this call (~0.3 us of Python). The kernel
+    is the ISA the activations are laid out for; `isa`, if given, must be that one."""
+    act_isa = act.vec.isa
+    if isa is not None and act_isa is not isa:
+        raise FermijitError(f"matvec: activations are laid out for {act_isa.label}, "
                             f"the kernel is {isa.label}")
+    xq, qs = act.xq, w.qs
+    n_tok, k = xq.shape
+    rows, half_k = qs.shape
     if k != 2 * half_k:
         raise FermijitError(f"matvec: x has {k} inputs, weights have {2 * half_k}")
-    flags = getattr(out, "flags", None)
-    if (type(out) is not np.ndarray or out.dtype != np.float32 or out.size != n_tok * rows
-            or out.shape[-1] != rows or not (flags.c_contiguous and flags.writeable)):
-        raise FermijitError(f"matvec: out must be a writable C-contiguous float32 [{n_tok}, "
-                            f"{rows}] (or [{rows}] for one token), got "
-                            f"{getattr(out, 'dtype', type(out).__name__)} "
-                            f"{list(getattr(out, 'shape', []))}")
-    kernel_ = _product(isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
-    kernel_(w.qs, w.d_bits, act.xq, act.dx, act.xsum8,
-            out if out.ndim == 2 else out.reshape(n_tok, rows))
+    shape = getattr(out, "shape", None)
+    if shape != (n_tok, rows) and (n_tok != 1 or shape != (rows,)):
+        raise FermijitError(f"matvec: out has shape {list(shape or [])}, expected [{n_tok}, "
+                            f"{rows}] (or [{rows}] for one token)")
+    kernels = _gemm_gemv.get(act_isa) or _gemm_gemv.setdefault(
+        act_isa, (_product(act_isa, GEMM_TILE), _product(act_isa, GEMV_TILE)))
+    _call("matvec", kernels[n_tok == 1], qs, w.d_bits, xq, act.dx, act.xsum8, out)
     return out
+
+
+_gemm_gemv: dict = {}  # Isa -> its (GEMM, GEMV) kernels: product's lookup per call
 
 
 def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
@@ -483,9 +527,8 @@ def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
                                 else out is not None and out.ndim == 1)
     y = output("matvec.q8", out, (rows,) if is_vector else (n_tok, rows))
-    kernel_ = _product(isa or selected_isa(), GEMV_TILE, fmt=Q8_0)
-    kernel_(qs.view(np.uint8), d.view(np.uint16), act.xq, act.dx, act.xsum8,
-            y.reshape(n_tok, rows))
+    _call("matvec.q8", _product(isa or selected_isa(), GEMV_TILE, fmt=Q8_0), qs.view(np.uint8),
+          d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
     return y
 
 
@@ -509,8 +552,8 @@ def gathered_cpu(qs, d, idx, x, out=None, *, isa: Isa | None = None):
         raise FermijitError(f"matvec.gathered: {act.xq.shape[0]} activation rows for "
                             f"{idx.size} experts (give 1 shared or one per expert)")
     y = output("matvec.gathered", out, (idx.size, rows))
-    _product(isa, GEMV_TILE, _gathered_body)(qs, d.view(np.uint16), idx, act.xq, act.dx,
-                                             act.xsum8, y)
+    _call("matvec.gathered", _product(isa, GEMV_TILE, _gathered_body), qs, d.view(np.uint16),
+          idx, act.xq, act.dx, act.xsum8, y)
     return y
 
 

@@ -157,27 +157,40 @@ class _SourceKeyedCache(FunctionCache):
         return super()._index_key(sig, codegen) + self._extra_key
 
 
+def bind(fn, **bindings):
+    """A copy of `fn` whose globals named in `bindings` are replaced (no closure: Numba can
+    cache what calls it)."""
+    if not bindings:
+        return fn
+    body = type(fn)(fn.__code__, dict(fn.__globals__, **bindings), fn.__name__, fn.__defaults__,
+                    fn.__closure__)
+    body.__qualname__, body.__module__ = fn.__qualname__, fn.__module__
+    return body
+
+
 def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str = "",
-           **bindings):
+           signatures=(), **bindings):
     """`numba.njit` with a source-keyed disk cache.
+
+    With `signatures`, those are compiled (or loaded) now and no others ever: a call with other
+    argument types is a TypeError from Numba's dispatch, before any code runs.
 
     `bindings` replace globals of `fn`: this is how one kernel body becomes a variant per ISA
     (e.g. `row_dot=make_row_dot(Isa.AVX2)`) without closures, which Numba cannot cache. `variant`
     names the binding in the cache key.
     """
     def wrap(fn):
-        if bindings:
-            fn_globals = dict(fn.__globals__, **bindings)
-            body = type(fn)(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, fn.__closure__)
-            body.__qualname__, body.__module__ = fn.__qualname__, fn.__module__
-        else:
-            body = fn
+        body = bind(fn, **bindings)
         dispatcher = numba.njit(parallel=parallel, fastmath=fastmath, error_model="numpy",
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent
         flags = f"parallel={parallel} fastmath={sorted(fastmath) if fastmath else fastmath}"
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
         dispatcher._cache = _SourceKeyedCache(body, extra)
+        for sig in signatures:
+            dispatcher.compile(sig)
+        if signatures:
+            dispatcher.disable_compile()
         return dispatcher
 
     return wrap(fn) if fn is not None else wrap

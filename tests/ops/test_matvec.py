@@ -159,9 +159,13 @@ def test_prepared_product_bad_inputs(rng):
     act = matvec.quantize_act(rng.standard_normal(64).astype(np.float32))
     with pytest.raises(FermijitError, match="x has 96 inputs, weights have 64"):
         matvec.product(w, matvec.quantize_act(np.zeros(96, np.float32)), np.empty(4, np.float32))
-    for out in (np.empty(5, np.float32), np.empty(4, np.float64), np.empty((2, 4), np.float32),
-                np.empty(8, np.float32)[::2]):
-        with pytest.raises(FermijitError, match="out must be"):
+    for out in (np.empty(5, np.float32), np.empty((2, 4), np.float32), [0.0] * 4):
+        with pytest.raises(FermijitError, match="out has shape"):
+            matvec.product(w, act, out)
+    read_only = np.empty(4, np.float32)
+    read_only.flags.writeable = False
+    for out in (np.empty(4, np.float64), np.empty(8, np.float32)[::2], read_only):
+        with pytest.raises(FermijitError, match="wrong dtype or layout"):
             matvec.product(w, act, out)
     if len(ISAS) > 1:
         with pytest.raises(FermijitError, match="laid out for"):

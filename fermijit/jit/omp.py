@@ -1,0 +1,100 @@
+"""One OpenMP fork per launch, for the kernels decode calls hundreds of times a token.
+
+A Numba `prange` launch costs ~0.9 us here besides dispatch, twice libgomp's own fork and join
+(0.45 us: a C loop of empty `omp parallel` regions on this machine), because Numba's parfor
+computes a schedule and runs an `omp for` with a barrier of its own inside the region. On a cold
+512x2048 GEMV (~16 us) the difference is 4 %. `fork` calls `GOMP_parallel` directly, on the
+runtime Numba's omp layer has loaded, so both use one pool of threads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import llvmlite.binding as llvm
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.ufunc import parallel as numba_parallel
+
+from fermijit.jit.cpu import configure_threads
+
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_VOID_P = ir.IntType(8).as_pointer()
+LIBGOMP = "libgomp.so.1"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True when Numba's threading layer is omp and libgomp's entry points can be linked into
+    kernels (compiled or loaded from the cache). Otherwise `fork` runs a team of one thread."""
+    configure_threads(None)          # the layer preference, before Numba launches its threads
+    numba_parallel._launch_threads()
+    if numba.threading_layer() != "omp":
+        return False
+    try:
+        llvm.load_library_permanently(LIBGOMP)  # already loaded by Numba: the same runtime
+    except RuntimeError:
+        return False
+    return all(llvm.address_of_symbol(name) for name in
+               ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"))
+
+
+def fork(share):
+    """An intrinsic `fork(args)`: `share(thread, n_threads, args)` on each thread of one OpenMP
+    team of Numba's thread count (`numba.set_num_threads`; args: a tuple; `share`: a plain
+    function, compiled in nopython mode). Returns when every thread has finished. Without omp
+    (`available()`), a team of one.
+
+    Include `available()` in the cache key of kernels that use it: their code differs."""
+    use_omp = available()
+
+    @intrinsic
+    def fork_(typingctx, args):
+        share_sig = types.none(types.int64, types.int64, args)
+
+        def codegen(context, builder, sig, llargs):
+            # Not cached by code object: the same `share` code is bound to other tiles per ISA.
+            share_fn = context.compile_subroutine(builder, share, share_sig, caching=False)
+
+            def run_share(b, thread, team, packed):
+                context.call_internal_no_propagate(b, share_fn.fndesc, share_sig,
+                                                   [thread, team, packed])
+
+            if not use_omp:
+                run_share(builder, ir.Constant(_I64, 0), ir.Constant(_I64, 1), llargs[0])
+                return context.get_dummy_value()
+            module = builder.module
+            outlined_ty = ir.FunctionType(ir.VoidType(), [_VOID_P])
+            outlined = ir.Function(module, outlined_ty, module.get_unique_name("omp_share"))
+            outlined.linkage = "internal"
+            b = ir.IRBuilder(outlined.append_basic_block("entry"))
+            args_ty = llargs[0].type
+            packed = b.load(b.bitcast(outlined.args[0], args_ty.as_pointer()))
+            omp_int = ir.FunctionType(_I32, [])
+            thread = b.call(cgutils.get_or_insert_function(module, omp_int,
+                                                           "omp_get_thread_num"), [])
+            team = b.call(cgutils.get_or_insert_function(module, omp_int,
+                                                         "omp_get_num_threads"), [])
+            run_share(b, b.sext(thread, _I64), b.sext(team, _I64), packed)
+            b.ret_void()
+
+            slot = cgutils.alloca_once(builder, args_ty)
+            builder.store(llargs[0], slot)
+            # Numba's own symbol for its thread count (numba.get_num_threads() in a kernel goes
+            # through a ctypes pointer, which makes the kernel uncacheable).
+            n_threads = builder.call(cgutils.get_or_insert_function(
+                module, ir.FunctionType(_I64, []), "get_num_threads"), [])
+            gomp_parallel = cgutils.get_or_insert_function(
+                module, ir.FunctionType(ir.VoidType(), [outlined_ty.as_pointer(), _VOID_P,
+                                                        _I32, _I32]), "GOMP_parallel")
+            builder.call(gomp_parallel, [outlined, builder.bitcast(slot, _VOID_P),
+                                         builder.trunc(n_threads, _I32), ir.Constant(_I32, 0)])
+            return context.get_dummy_value()
+
+        return types.none(args), codegen
+
+    return fork_
