@@ -8,10 +8,12 @@ Everything is measured in one run and reported as ratios, because this class of 
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -29,8 +31,9 @@ GEMV_SHAPES = ((2048, 2048), (512, 2048), (4096, 2048))  # rows x K
 GEMM_TOKENS = 512
 GEMM_SHAPE = (2048, 2048)
 REPEATS = 3  # best of: the least disturbed pass
-PAIRS = 5    # bandwidth pass + GEMV walk pairs per shape and variant
+PAIRS = 7    # bandwidth pass + GEMV walk pairs per shape and variant
 PREFETCH_BYTES = 2048  # the read probe streams one long run: 1-2 KB ahead was best (notes §5)
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _make_read_probe(v: simd.Vec):
@@ -104,17 +107,41 @@ def _reader(isa):
     return lambda buf: kernel(buf, numba.get_num_threads() * 8)
 
 
+def _page_backed(nbytes: int, huge: bool = False) -> np.ndarray:
+    """Anonymous memory in ordinary 4 KB pages, as a memory-mapped model file is, or in huge
+    pages where asked and the kernel grants them (numpy asks for them on any large array, which
+    alone made cold GEMVs ~5 % faster here). The read probe and the weights it is compared with
+    live in the same kind of memory."""
+    m = mmap.mmap(-1, max(nbytes, 1))
+    if huge:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, np.uint8)[:nbytes]
+
+
+def _huge_pages_possible() -> bool:
+    try:
+        return "[never]" not in Path(THP_SETTING).read_text()
+    except OSError:
+        return False
+
+
 def _cold_set(rows, k, nbytes, rng):
-    """Distinct Q4_0 matrices totalling >= nbytes (random bytes: the speed does not depend on
-    the values, and quantising a GiB would take longer than the benchmark), prepared as decode
-    holds its weights (matvec.Q4Matrix: checked once at load)."""
-    per = rows * k // 2 + rows * k // 32 * 2
+    """Distinct Q4_0 matrices totalling >= nbytes, laid out as a converted model file lays them
+    out (every matrix's qs back to back, then every d: model/convert.py), prepared as decode
+    holds them (matvec.Q4Matrix: checked once at load). Random bytes: the speed does not depend
+    on the values, and quantising a GiB would take longer than the benchmark."""
+    qs_bytes, d_count = rows * k // 2, rows * k // quant.BLOCK
+    per = qs_bytes + 2 * d_count
     count = max(2, -(-nbytes // per))
-    mats = []
-    for _ in range(count):
-        qs = rng.integers(0, 256, (rows, k // 2), dtype=np.uint8)
-        d = rng.uniform(0.001, 0.01, (rows, k // quant.BLOCK)).astype(np.float16)
-        mats.append(matvec.Q4Matrix.of(qs, d))
+    qs_all = _page_backed(count * qs_bytes)
+    for start in range(0, qs_all.size, 1 << 26):
+        chunk = qs_all[start:start + (1 << 26)]
+        chunk[:] = rng.integers(0, 256, chunk.size, dtype=np.uint8)
+    d_all = _page_backed(count * d_count * 2).view(np.float16)
+    d_all[:] = rng.uniform(0.001, 0.01, d_all.size)
+    mats = [matvec.Q4Matrix.of(qs_all[i * qs_bytes:(i + 1) * qs_bytes].reshape(rows, k // 2),
+                               d_all[i * d_count:(i + 1) * d_count].reshape(rows, -1))
+            for i in range(count)]
     return mats, count * per
 
 
@@ -146,7 +173,8 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
     # This machine's bandwidth drifts between ~40 and ~80 GB/s within seconds (a shared host), so
     # each GEMV walk is paired with a bandwidth pass right before it and the ratio reported is
     # the median over the pairs: slow drift cancels within a pair, one lucky pass cannot count.
-    buf = np.ones(nbytes, np.uint8)
+    buf = _page_backed(nbytes)
+    buf[:] = 1
     read = _reader(best_isa)
     bw = {}
     for n in threads_list:
@@ -155,6 +183,13 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
         read(buf)
         bw[n] = buf.nbytes / _best_seconds(lambda: read(buf)) / 1e9
     numba.set_num_threads(n_all)
+    huge_gbs = None
+    if _huge_pages_possible():  # for comparison only: the weights are in ordinary pages
+        _progress("read bandwidth, huge pages")
+        huge = _page_backed(nbytes, huge=True)
+        huge[:] = 1
+        huge_gbs = huge.nbytes / _best_seconds(lambda: read(huge)) / 1e9
+        del huge
     gemv_rows, pair_ratios = [], {isa: [] for isa in isas}
     for r, k in GEMV_SHAPES:
         mats, total = _cold_set(r, k, nbytes, rng)
@@ -180,6 +215,9 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
     del buf
     for n, gbs in bw.items():
         rows.append(Row("read bandwidth (best)", best_isa.label, n, gbs, "GB/s", 1.0))
+    if huge_gbs is not None:
+        rows.append(Row("read bw, huge pages", best_isa.label, n_all, huge_gbs, "GB/s",
+                        huge_gbs / bw[n_all]))
     for r, k, isa, gbs, ratio in gemv_rows:
         rows.append(Row(f"gemv {r}x{k} cold", isa.label, n_all, gbs, "GB/s", ratio))
     for isa, ratios in pair_ratios.items():

@@ -46,3 +46,25 @@ def test_threads_above_the_cores_is_refused():
     r = fermijit("info", "--threads", "4096")
     assert r.returncode == 2 and "--threads must be between 1 and" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_kernels_reports_every_shape_and_variant():
+    """The smallest cold set: the report's structure, not its speeds (timed tests are noise)."""
+    import json
+
+    from fermijit.bench_cpu import GEMV_SHAPES
+    from fermijit.jit import cpu
+
+    r = fermijit("bench", "kernels", "--gib", "0.0625", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)["rows"]
+    got = {(row["what"], row["variant"]) for row in rows}
+    variants = [isa.label for isa in cpu.variants_up_to(cpu.selected_isa())]
+    if cpu.target_cpu_name() != cpu.WESTMERE:
+        variants.append("ssse3/wsm")
+    for rows_, k in GEMV_SHAPES:
+        for variant in variants:
+            assert (f"gemv {rows_}x{k} cold", variant) in got
+    assert any(what == "read bandwidth (best)" for what, _ in got)
+    for row in rows:
+        assert row["value"] > 0 and (row["ratio"] is None or 0 < row["ratio"] < 10), row
