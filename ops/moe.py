@@ -10,7 +10,7 @@ tensor of its own ([1, ...]), so it is "the routed op with E = 1" (ops.expert_ma
 
 `reference` is the fp32-activation spec (ops.expert_matmul.reference, twice). `cpu` is W4A8:
 decode (T = 1) runs each projection of all selected experts as one gathered launch
-(matvec.gathered_cpu); CPU prefill (T > 1) runs one batched GEMM per expert over its tokens.
+(matvec.gathered); CPU prefill (T > 1) runs one batched GEMM per expert over its tokens.
 """
 
 from __future__ import annotations
@@ -130,14 +130,17 @@ def _check(x, ids, weights, w: MoeWeights):
 
 def _decode(x, ids, weights, w, out, s: Scratch):
     s.act_x = act = matvec.quantize_act(x[0], out=s.act_x)
-    matvec.gathered_cpu(w.gate_up_qs, w.gate_up_d, ids[0], act, out=s.gu)
-    matvec.gathered_cpu(w.shared_gate_up_qs, w.shared_gate_up_d, s.zero, act, out=s.shared_gu)
+    # moe's checks cover the weights: the prepared launches check only what each call adds.
+    matvec.gathered(w.gate_up_qs, w.gate_up_d.view(np.uint16), ids[0], act, s.gu)
+    matvec.gathered(w.shared_gate_up_qs, w.shared_gate_up_d.view(np.uint16), s.zero, act,
+                    s.shared_gu)
     _swiglu(s.gu, s.h)
     _swiglu(s.shared_gu, s.shared_h)
     s.act_h = matvec.quantize_act(s.h, out=s.act_h)
     s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
-    matvec.gathered_cpu(w.down_qs, w.down_d, ids[0], s.act_h, out=s.routed)
-    matvec.gathered_cpu(w.shared_down_qs, w.shared_down_d, s.zero, s.act_sh, out=s.shared)
+    matvec.gathered(w.down_qs, w.down_d.view(np.uint16), ids[0], s.act_h, s.routed)
+    matvec.gathered(w.shared_down_qs, w.shared_down_d.view(np.uint16), s.zero, s.act_sh,
+                    s.shared)
     gate = np.float32(_shared_gate(x[0], w.shared_gate))
     _combine(s.routed, weights[0], s.shared[0], gate, out[0])
 
