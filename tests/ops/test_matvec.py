@@ -106,8 +106,16 @@ def test_gathered_bad_inputs(rng):
     qs, d = _weights(rng, 8, 64)
     qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
     x = rng.standard_normal(64).astype(np.float32)
-    with pytest.raises(FermijitError, match="out of range"):
-        matvec.gathered_cpu(qs, d, np.array([0, 2], np.int32), x)
+    for bad in ([0, 2], [-1, 0]):  # checked in the kernel, before any thread reads
+        with pytest.raises(FermijitError, match="out of range"):
+            matvec.gathered_cpu(qs, d, np.array(bad, np.int32), x)
+    act = matvec.quantize_act(x)
+    with pytest.raises(FermijitError, match="inconsistent"):
+        matvec.gathered(qs, d.view(np.uint16), np.array([0, 1], np.int32), act,
+                        np.empty((2, 5), np.float32))
+    with pytest.raises(FermijitError, match="wrong dtype or layout"):
+        matvec.gathered(qs, d.view(np.uint16), np.array([0, 1], np.int32), act,
+                        np.empty((2, 4), np.float64))
     with pytest.raises(FermijitError, match="idx has dtype int64"):
         matvec.gathered_cpu(qs, d, np.array([0, 1]), x)
     with pytest.raises(FermijitError, match="3 activation rows for 2 experts"):
