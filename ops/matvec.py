@@ -73,9 +73,14 @@ class Q8Act:
     vec: Vec
 
     def __post_init__(self):
-        # Checked once here, not per product: the kernels fold xq loads into SSE memory operands.
-        if self.xq.ctypes.data % X_ALIGN:
-            raise FermijitError(f"Q8Act: xq must be {X_ALIGN}-byte aligned")
+        # Checked once here, not per use: a decode token quantises into the same Q8Acts dozens
+        # of times. Aligned, since the kernels fold xq loads into SSE memory operands.
+        check_array("Q8Act", "xq", self.xq, np.int8, ndim=2)
+        n_tok, k = self.xq.shape
+        check_array("Q8Act", "dx", self.dx, np.float32, (n_tok, k // BLOCK))
+        check_array("Q8Act", "xsum8", self.xsum8, np.int32, (n_tok, k // BLOCK))
+        if k % BLOCK or self.xq.ctypes.data % X_ALIGN:
+            raise FermijitError(f"Q8Act: xq must be whole {BLOCK}-blocks, {X_ALIGN}-byte aligned")
 
     def rows(self, t: np.ndarray) -> "Q8Act":
         """The activations of tokens `t` (a copy, aligned as the kernels want)."""
@@ -163,13 +168,12 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
     if out is None:
         out = Q8Act(_aligned_empty((n_tok, k), np.int8), np.empty((n_tok, k // BLOCK), np.float32),
                     np.empty((n_tok, k // BLOCK), np.int32), v)
-    else:
-        if out.vec != v:
-            raise FermijitError(f"quantize_act: out is laid out for {out.vec.isa.label}, "
-                                f"not {v.isa.label}")
-        check_array("quantize_act", "out.xq", out.xq, np.int8, (n_tok, k))
-        check_array("quantize_act", "out.dx", out.dx, np.float32, (n_tok, k // BLOCK))
-        check_array("quantize_act", "out.xsum8", out.xsum8, np.int32, (n_tok, k // BLOCK))
+    elif out.vec is not v:
+        raise FermijitError(f"quantize_act: out is laid out for {out.vec.isa.label}, "
+                            f"not {v.isa.label}")
+    elif out.xq.shape != x2.shape:  # the rest was checked when `out` was made
+        raise FermijitError(f"quantize_act: out holds {list(out.xq.shape)}, x is "
+                            f"{list(x2.shape)}")
     _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v))
     return out
 

@@ -38,6 +38,9 @@ class MoeWeights:
     shared_down_d: np.ndarray      # [1, H, Is/32]
     shared_gate: np.ndarray        # [H] float32: σ(shared_gate · x) scales S(x)
 
+    def __post_init__(self):
+        _check_weights(self)
+
     @property
     def routed(self):
         return self.gate_up_qs, self.gate_up_d, self.down_qs, self.down_d
@@ -105,11 +108,10 @@ class Scratch:
                    np.empty((1, i2), f), np.zeros(1, np.int32))
 
 
-def _check(x, ids, weights, w: MoeWeights):
-    check_array("moe", "x", x, np.float32, ndim=2)
-    n_tok, hidden = x.shape
-    check_array("moe", "ids", ids, np.int32, (n_tok, None))
-    check_array("moe", "weights", weights, np.float32, ids.shape)
+def _check_weights(w: MoeWeights) -> None:
+    """Every tensor's dtype, layout and shape, once (MoeWeights.__post_init__): decode reads the
+    same weights every token."""
+    hidden = w.shared_gate.shape[0] if np.ndim(w.shared_gate) == 1 else -1
     check_array("moe", "shared_gate", w.shared_gate, np.float32, (hidden,))
     for name, qs, d in (("gate_up", w.gate_up_qs, w.gate_up_d), ("down", w.down_qs, w.down_d),
                         ("shared_gate_up", w.shared_gate_up_qs, w.shared_gate_up_d),
@@ -124,7 +126,19 @@ def _check(x, ids, weights, w: MoeWeights):
         raise FermijitError(f"moe: inconsistent weight shapes for hidden {hidden}: gate_up_d "
                             f"{list(w.gate_up_d.shape)}, down_d {list(w.down_d.shape)}, shared "
                             f"{list(w.shared_gate_up_d.shape)} / {list(w.shared_down_d.shape)}")
-    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+
+
+def _check(x, ids, weights, w: MoeWeights):
+    """Per call: the activations and the routing (the weights were checked when made). Expert
+    indices are checked where they are used: by the gathered kernel in decode, here for prefill."""
+    check_array("moe", "x", x, np.float32, ndim=2)
+    n_tok, hidden = x.shape
+    check_array("moe", "ids", ids, np.int32, (n_tok, None))
+    check_array("moe", "weights", weights, np.float32, ids.shape)
+    if hidden != w.shared_gate.shape[0]:
+        raise FermijitError(f"moe: x has {hidden} features, the weights {w.shared_gate.shape[0]}")
+    n_experts = w.gate_up_d.shape[0]
+    if n_tok > 1 and ids.size and (ids.min() < 0 or ids.max() >= n_experts):
         raise FermijitError(f"moe: expert index out of range [0, {n_experts})")
 
 
