@@ -74,3 +74,26 @@ def test_a_forking_kernel_loads_from_the_cache(tmp_path):
 
     assert run() == ("True", "0")   # every thread ran its share; compiled
     assert run() == ("True", "1")   # the same, loaded from the cache
+
+
+WITHOUT_OMP = textwrap.dedent("""
+    import numpy as np
+    from fermijit.jit import omp
+    from fermijit.ops import matvec, quant
+    rng = np.random.default_rng(3)
+    qs, d = quant.quantize_q4_0(rng.standard_normal((37, 96)).astype(np.float32))
+    x = rng.standard_normal(96).astype(np.float32)
+    y, ref = matvec.cpu(qs, d, x), matvec.reference(qs, d, x)
+    print(omp.available(), float(np.abs(y - ref).max() / np.abs(ref).max()))
+""")
+
+
+def test_without_the_omp_layer_products_run_as_a_team_of_one(tmp_path):
+    """Where Numba's threading layer is not omp, `fork` must not call libgomp (a second pool of
+    threads): the products still run, correctly, on the calling thread."""
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", WITHOUT_OMP], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    available, err = r.stdout.split()
+    assert available == "False" and float(err) < 1e-5
