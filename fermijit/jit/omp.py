@@ -49,6 +49,7 @@ def fork(share):
     function, compiled in nopython mode). Returns when every thread has finished. Without omp
     (`available()`), a team of one.
 
+    `share` must not raise: nothing propagates out of a thread (check inputs before the fork).
     Include `available()` in the cache key of kernels that use it: their code differs."""
     use_omp = available()
 
