@@ -436,9 +436,10 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
         tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
                      rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
         threads = "omp" if omp.available() else "serial"
+        variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
         _products[key] = kernel(
-            body, fastmath=False, variant=f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}",
-            signatures=_SIGNATURES[body], fork=omp.fork(bind(_SHARES[body], **tiles)), **tiles)
+            body, fastmath=False, variant=variant, signatures=_SIGNATURES[body],
+            fork=omp.fork(bind(_SHARES[body], variant, **tiles)), **tiles)
     return _products[key]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import re
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -157,14 +158,21 @@ class _SourceKeyedCache(FunctionCache):
         return super()._index_key(sig, codegen) + self._extra_key
 
 
-def bind(fn, **bindings):
+def bind(fn, name: str = "", **bindings):
     """A copy of `fn` whose globals named in `bindings` are replaced (no closure: Numba can
-    cache what calls it)."""
-    if not bindings:
+    cache what calls it), called `<qualname>__<name>`.
+
+    The name matters: Numba names compiled code by module, function name, a per-process counter
+    and argument types, so two variants of one function compiled in two processes can carry the
+    same symbol; loaded side by side from the cache, the first then served both (AVX2 GEMMs ran
+    AVX-512 code). Give every variant its own `name`.
+    """
+    if not bindings and not name:
         return fn
-    body = type(fn)(fn.__code__, dict(fn.__globals__, **bindings), fn.__name__, fn.__defaults__,
-                    fn.__closure__)
-    body.__qualname__, body.__module__ = fn.__qualname__, fn.__module__
+    fn_globals = dict(fn.__globals__, **bindings) if bindings else fn.__globals__
+    body = type(fn)(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, fn.__closure__)
+    body.__module__ = fn.__module__
+    body.__qualname__ = fn.__qualname__ + ("__" + re.sub(r"\W", "_", name) if name else "")
     return body
 
 
@@ -177,10 +185,13 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
 
     `bindings` replace globals of `fn`: this is how one kernel body becomes a variant per ISA
     (e.g. `row_dot=make_row_dot(Isa.AVX2)`) without closures, which Numba cannot cache. `variant`
-    names the binding in the cache key.
+    names the binding in the cache key and in the compiled code's symbols (see `bind`).
     """
+    if bindings and not variant:
+        raise ValueError("a kernel with bindings needs a variant name")
+
     def wrap(fn):
-        body = bind(fn, **bindings)
+        body = bind(fn, variant, **bindings)
         dispatcher = numba.njit(parallel=parallel, fastmath=fastmath, error_model="numpy",
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent

@@ -89,3 +89,42 @@ def test_env_override_reaches_the_cli():
                        env=dict(os.environ, FERMIJIT_ISA="ssse3"), timeout=300)
     assert r.returncode == 0, r.stderr
     assert "ssse3" in r.stdout and "westmere" in r.stdout
+
+
+VARIANT_RUN = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from fermijit.jit.cpu import Isa
+    from fermijit.ops import matvec, quant
+    rng = np.random.default_rng(1)
+    qs, d = quant.quantize_q4_0(rng.standard_normal((12, 512)).astype(np.float32))
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    ref = matvec.reference(qs, d, x)
+    matvec.quantize_act(x)
+    for label in sys.argv[1:]:
+        y = matvec.cpu(qs, d, x, isa=Isa[label])
+        print(label, float(np.abs(y - ref).max() / np.abs(ref).max()))
+""")
+
+
+def test_variants_compiled_in_different_processes_load_side_by_side(tmp_path):
+    """Variants of one kernel body share its code. Numba names compiled code by module,
+    function name and a per-process counter, so two variants compiled in two processes could load
+    under one symbol, the first then serving both (it did: AVX2 products ran AVX-512 code)."""
+    isas = [i.name for i in cpu.PREFERENCE if cpu.supported(i)][:2]
+    if len(isas) < 2:
+        pytest.skip("one kernel variant on this CPU")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("FERMIJIT_ISA", None)
+
+    def run(*labels):
+        r = subprocess.run([sys.executable, "-c", VARIANT_RUN, *labels], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {label: float(err) for label, err in (line.split() for line in r.stdout.splitlines())}
+
+    run()                               # what both need, so that each next process compiles
+    run(isas[0])                        # just its variant, and in the same order: each alone,
+    run(isas[1])                        # in a process of its own
+    errors = run(*isas)                 # then both loaded from the cache into one process
+    assert all(err < 1e-5 for err in errors.values()), errors
