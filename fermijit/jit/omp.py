@@ -32,7 +32,7 @@ def available() -> bool:
     """True when Numba's threading layer is omp and libgomp's entry points can be linked into
     kernels (compiled or loaded from the cache). Otherwise `fork` runs a team of one thread."""
     configure_threads(None)          # the layer preference, before Numba launches its threads
-    numba_parallel._launch_threads()
+    numba_parallel._launch_threads()  # private, but the public way is a first parallel launch
     if numba.threading_layer() != "omp":
         return False
     try:
