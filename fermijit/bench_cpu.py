@@ -35,7 +35,6 @@ GEMM_SHAPE = (2048, 2048)
 REPEATS = 3  # best of: the least disturbed pass
 PAIRS = 7    # bandwidth pass + GEMV walk pairs per shape and variant
 PREFETCH_BYTES = 2048  # the read probe streams one long run: 1-2 KB ahead was best (notes §5)
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _make_read_probe(v: simd.Vec):
@@ -110,21 +109,32 @@ def _reader(isa):
 
 
 def _page_backed(nbytes: int, huge: bool = False) -> np.ndarray:
-    """Anonymous memory in ordinary 4 KB pages, as a memory-mapped model file is, or in huge
-    pages where asked and the kernel grants them (numpy asks for them on any large array, which
-    alone made cold GEMVs ~5 % faster here). The read probe and the weights it is compared with
-    live in the same kind of memory."""
-    m = mmap.mmap(-1, max(nbytes, 1))
-    if huge:
-        m.madvise(mmap.MADV_HUGEPAGE)
+    """Private anonymous memory in ordinary 4 KB pages, as a memory-mapped model file is, or in
+    transparent huge pages where asked (numpy asks for them on any large array, which alone made
+    cold GEMVs ~5 % faster here). The read probe and the weights it is compared with live in the
+    same kind of memory."""
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(m, np.uint8)[:nbytes]
 
 
-def _huge_pages_possible() -> bool:
+def _huge_page_bytes(a: np.ndarray) -> int:
+    """How much of `a`'s mapping the kernel backs with huge pages (/proc/self/smaps), 0 if
+    unknown."""
+    start = a.ctypes.data
     try:
-        return "[never]" not in Path(THP_SETTING).read_text()
+        smaps = Path("/proc/self/smaps").read_text()
     except OSError:
-        return False
+        return 0
+    inside = False
+    for line in smaps.splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _cold_set(rows, k, nbytes, rng):
@@ -140,7 +150,9 @@ def _cold_set(rows, k, nbytes, rng):
         chunk = qs_all[start:start + (1 << 26)]
         chunk[:] = rng.integers(0, 256, chunk.size, dtype=np.uint8)
     d_all = _page_backed(count * d_count * 2).view(np.float16)
-    d_all[:] = rng.uniform(0.001, 0.01, d_all.size)
+    for start in range(0, d_all.size, 1 << 24):
+        chunk = d_all[start:start + (1 << 24)]
+        chunk[:] = rng.uniform(0.001, 0.01, chunk.size)
     mats = [matvec.Q4Matrix.of(qs_all[i * qs_bytes:(i + 1) * qs_bytes].reshape(rows, k // 2),
                                d_all[i * d_count:(i + 1) * d_count].reshape(rows, -1))
             for i in range(count)]
@@ -186,12 +198,14 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
         bw[n] = buf.nbytes / _best_seconds(lambda: read(buf)) / 1e9
     numba.set_num_threads(n_all)
     huge_gbs = None
-    if _huge_pages_possible():  # for comparison only: the weights are in ordinary pages
-        _progress("read bandwidth, huge pages")
-        huge = _page_backed(nbytes, huge=True)
-        huge[:] = 1
+    # For comparison only (the weights are in ordinary pages), and only where the kernel grants
+    # huge pages, not just where they were asked for.
+    _progress("read bandwidth, huge pages")
+    huge = _page_backed(nbytes, huge=True)
+    huge[:] = 1
+    if _huge_page_bytes(huge) >= huge.nbytes // 2:
         huge_gbs = huge.nbytes / _best_seconds(lambda: read(huge)) / 1e9
-        del huge
+    del huge
     gemv_rows, pair_ratios = [], {isa: [] for isa in isas}
     for r, k in GEMV_SHAPES:
         mats, total = _cold_set(r, k, nbytes, rng)

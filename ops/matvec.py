@@ -410,13 +410,14 @@ def _array(dtype, ndim, readonly=False):
     return types.Array(dtype, ndim, "C", readonly=readonly)
 
 
-# Weights may be read-only (memory-mapped files): a writable array passes for a read-only one.
-_ACT = (_array(types.int8, 2), _array(types.float32, 2), _array(types.int32, 2))
+# Inputs are declared read-only (a writable array passes for a read-only one, not the reverse):
+# weights come from memory-mapped files.
+_ACT = (_array(types.int8, 2, True), _array(types.float32, 2, True), _array(types.int32, 2, True))
 _SIGNATURES = {
     _product_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
                                _array(types.float32, n_out)) for n_out in (1, 2)],
     _gathered_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
-                                _array(types.int32, 1), *_ACT, _array(types.float32, 2))],
+                                _array(types.int32, 1, True), *_ACT, _array(types.float32, 2))],
 }
 _products: dict = {}
 
@@ -446,6 +447,8 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
 def _call(op: str, kernel_, *args):
     """`kernel_` on arrays whose shapes are checked: its signatures check dtypes and layouts
     (Numba's dispatch refuses the rest before any code runs)."""
+    if omp.in_forked_child:
+        omp.check_process()
     try:
         kernel_(*args)
     except TypeError:
@@ -488,9 +491,14 @@ class Q4Matrix:
     qs: np.ndarray      # [R, K/2] uint8
     d_bits: np.ndarray  # [R, nb] the fp16 scales' bits as uint16 (Numba has no float16)
 
+    def __post_init__(self):
+        check_array("matvec", "d_bits", self.d_bits, np.uint16, ndim=2)
+        check_array("matvec", "qs", self.qs, np.uint8, self.d_bits.shape[:1] +
+                    (self.d_bits.shape[1] * BLOCK // 2,))
+
     @classmethod
     def of(cls, qs, d) -> "Q4Matrix":
-        _check_weights("matvec", qs, d)
+        check_array("matvec", "d", d, np.float16, ndim=2)
         return cls(qs, d.view(np.uint16))
 
 
@@ -588,9 +596,11 @@ def gathered(qs, d_bits, idx, act: Q8Act, out):
     if n_act not in (1, idx.size):
         raise FermijitError(f"matvec.gathered: {n_act} activation rows for {idx.size} experts "
                             f"(give 1 shared or one per expert)")
-    if k != 2 * qs.shape[-1] or getattr(out, "shape", None) != (idx.size, qs.shape[1]):
-        raise FermijitError(f"matvec.gathered: weights {list(qs.shape)} (bytes), x of {k} "
-                            f"inputs, out {list(getattr(out, 'shape', []))}: inconsistent")
+    if (k != 2 * qs.shape[-1] or getattr(out, "shape", None) != (idx.size, qs.shape[1])
+            or d_bits.shape != (*qs.shape[:2], k // BLOCK)):
+        raise FermijitError(f"matvec.gathered: weights {list(qs.shape)} (bytes) with scales "
+                            f"{list(d_bits.shape)}, x of {k} inputs, out "
+                            f"{list(getattr(out, 'shape', []))}: inconsistent")
     _call("matvec.gathered", _product(act.vec.isa, GEMV_TILE, _gathered_body), qs, d_bits, idx,
           act.xq, act.dx, act.xsum8, out)
     return out

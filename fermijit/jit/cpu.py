@@ -172,8 +172,12 @@ def bind(fn, name: str = "", **bindings):
     fn_globals = dict(fn.__globals__, **bindings) if bindings else fn.__globals__
     body = type(fn)(fn.__code__, fn_globals, fn.__name__, fn.__defaults__, fn.__closure__)
     body.__module__ = fn.__module__
-    body.__qualname__ = fn.__qualname__ + ("__" + re.sub(r"\W", "_", name) if name else "")
+    escaped = re.sub(r"\W", lambda m: f"_{ord(m.group()):x}_", name)  # a-b and a_b differ
+    body.__qualname__ = fn.__qualname__ + ("__" + escaped if name else "")
     return body
+
+
+_kernel_flags: dict[str, str] = {}  # module.qualname of each kernel made -> its flags
 
 
 def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str = "",
@@ -192,10 +196,14 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
 
     def wrap(fn):
         body = bind(fn, variant, **bindings)
+        flags = f"parallel={parallel} fastmath={sorted(fastmath) if fastmath else fastmath}"
+        name = f"{body.__module__}.{body.__qualname__}"
+        if _kernel_flags.setdefault(name, flags) != flags:  # the same symbols, other code
+            raise ValueError(f"{name} is a kernel already ({_kernel_flags[name]}): give this one "
+                             f"a variant name of its own")
         dispatcher = numba.njit(parallel=parallel, fastmath=fastmath, error_model="numpy",
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent
-        flags = f"parallel={parallel} fastmath={sorted(fastmath) if fastmath else fastmath}"
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
         dispatcher._cache = _SourceKeyedCache(body, extra)
         for sig in signatures:

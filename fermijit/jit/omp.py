@@ -10,6 +10,7 @@ runtime Numba's omp layer has loaded, so both use one pool of threads.
 from __future__ import annotations
 
 import functools
+import os
 
 import llvmlite.binding as llvm
 import numba
@@ -19,6 +20,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc import parallel as numba_parallel
 
+from fermijit import FermijitError
 from fermijit.jit.cpu import configure_threads
 
 _I32 = ir.IntType(32)
@@ -29,11 +31,14 @@ LIBGOMP = "libgomp.so.1"
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when Numba's threading layer is omp and libgomp's entry points can be linked into
-    kernels (compiled or loaded from the cache). Otherwise `fork` runs a team of one thread."""
+    """True when Numba's threading layer is GNU OpenMP and libgomp's entry points can be linked
+    into kernels (compiled or loaded from the cache). Otherwise `fork` runs a team of one."""
     configure_threads(None)          # the layer preference, before Numba launches its threads
     numba_parallel._launch_threads()  # private, but the public way is a first parallel launch
     if numba.threading_layer() != "omp":
+        return False
+    from numba.np.ufunc import omppool
+    if getattr(omppool, "openmp_vendor", None) != "GNU":  # else libgomp would be a second pool
         return False
     try:
         llvm.load_library_permanently(LIBGOMP)  # already loaded by Numba: the same runtime
@@ -41,6 +46,27 @@ def available() -> bool:
         return False
     return all(llvm.address_of_symbol(name) for name in
                ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads"))
+
+
+# libgomp's threads do not survive fork(): a forking kernel called in a fork()ed child would hang
+# (Numba's own launches stop the process with a message instead). `check_process` says so first.
+in_forked_child = False
+
+
+def _after_fork_in_child() -> None:
+    global in_forked_child
+    in_forked_child = available.cache_info().currsize > 0 and available()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def check_process() -> None:
+    """Raise in a fork()ed child of a process that set up libgomp for `fork` kernels."""
+    if in_forked_child:
+        raise FermijitError("fermijit's CPU kernels cannot run in a fork()ed child of a process "
+                            "that used them (libgomp's threads do not survive fork); use "
+                            "multiprocessing's 'spawn' start method")
 
 
 def fork(share):
@@ -58,7 +84,8 @@ def fork(share):
         share_sig = types.none(types.int64, types.int64, args)
 
         def codegen(context, builder, sig, llargs):
-            # Not cached by code object: the same `share` code is bound to other tiles per ISA.
+            # Not looked up by code object: the same `share` code is bound to other tiles per
+            # ISA. (Numba still files the result under that key; nothing here reads it back.)
             share_fn = context.compile_subroutine(builder, share, share_sig, caching=False)
 
             def run_share(b, thread, team, packed):

@@ -61,6 +61,7 @@ CACHED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
 def test_a_forking_kernel_loads_from_the_cache(tmp_path):
     """The cached object calls libgomp: a fresh process must link it (not crash, not miss)."""
     (tmp_path / "forker.py").write_text(CACHED)
@@ -97,3 +98,65 @@ def test_without_the_omp_layer_products_run_as_a_team_of_one(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     available, err = r.stdout.split()
     assert available == "False" and float(err) < 1e-5
+
+
+ODD_TEAM = textwrap.dedent("""
+    import numpy as np
+    from fermijit.jit import omp
+    from fermijit.ops import matvec, quant
+    assert omp.available()
+    rng = np.random.default_rng(5)
+    errs = []
+    for rows, n_tok in ((1, 1), (2, 1), (7, 1), (37, 1), (37, 6), (5, 9)):
+        qs, d = quant.quantize_q4_0(rng.standard_normal((rows, 96)).astype(np.float32))
+        x = rng.standard_normal((n_tok, 96)).astype(np.float32)
+        ref = matvec.reference(qs, d, x)
+        errs.append(float(np.abs(matvec.cpu(qs, d, x) - ref).max() / np.abs(ref).max()))
+    qs, d = quant.quantize_q4_0(rng.standard_normal((5 * 11, 64)).astype(np.float32))
+    qs, d = qs.reshape(5, 11, -1), d.reshape(5, 11, -1)
+    idx = np.array([4, 0, 2], np.int32)
+    x = rng.standard_normal(64).astype(np.float32)
+    ref = matvec.gathered_reference(qs, d, idx, x)
+    errs.append(float(np.abs(matvec.gathered_cpu(qs, d, idx, x) - ref).max() / np.abs(ref).max()))
+    print(max(errs))
+""")
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_a_team_larger_than_the_machine_splits_rows_exactly():
+    """Three threads (more than this machine's cores, an odd count): every row of every product
+    computed once, for row counts below, at and above the team size."""
+    env = dict(os.environ, NUMBA_NUM_THREADS="3")
+    r = subprocess.run([sys.executable, "-c", ODD_TEAM], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout) < 1e-5
+
+
+FORKED = textwrap.dedent("""
+    import os
+    import numpy as np
+    from fermijit import FermijitError
+    from fermijit.ops import matvec
+    qs, d = np.zeros((4, 16), np.uint8), np.zeros((4, 1), np.float16)
+    matvec.cpu(qs, d, np.ones(32, np.float32))          # the parent uses the kernels
+    pid = os.fork()
+    if pid == 0:
+        try:
+            matvec.cpu(qs, d, np.ones(32, np.float32))
+        except FermijitError as e:
+            print("refused:", e, flush=True)
+            os._exit(0)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status))
+""")
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_a_forked_child_is_refused_not_hung():
+    """libgomp's threads do not survive fork(): a child of a process that used the kernels gets
+    a one-line error (and would hang in libgomp without it)."""
+    r = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused:" in r.stdout and "spawn" in r.stdout and "child exit 0" in r.stdout

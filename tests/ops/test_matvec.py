@@ -102,6 +102,27 @@ def test_gathered_matches_reference(rng, isa, per_item):
     assert_close("gathered", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
 
 
+def test_read_only_inputs_are_accepted(rng):
+    """Weights, activations and expert indices are only read: read-only arrays (memory-mapped
+    files, shared buffers) go straight in."""
+    def frozen(a):
+        a = a.copy()
+        a.flags.writeable = False
+        return a
+
+    qs, d = _weights(rng, 6, 64)
+    x = rng.standard_normal(64).astype(np.float32)
+    act = matvec.quantize_act(x)
+    act = matvec.Q8Act(frozen(act.xq), frozen(act.dx), frozen(act.xsum8), act.vec)
+    expected = matvec.reference(qs, d, x)
+    y = matvec.product(matvec.Q4Matrix.of(frozen(qs), frozen(d)), act, np.empty(6, np.float32))
+    assert_close("product", expected, y, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+    qs3, d3 = frozen(qs.reshape(2, 3, -1)), frozen(d.reshape(2, 3, -1))
+    g = matvec.gathered(qs3, d3.view(np.uint16), frozen(np.array([1, 0], np.int32)), act,
+                        np.empty((2, 3), np.float32))
+    np.testing.assert_array_equal(g.reshape(-1), y[[3, 4, 5, 0, 1, 2]])
+
+
 def test_gathered_bad_inputs(rng):
     qs, d = _weights(rng, 8, 64)
     qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
@@ -110,9 +131,9 @@ def test_gathered_bad_inputs(rng):
         with pytest.raises(FermijitError, match="out of range"):
             matvec.gathered_cpu(qs, d, np.array(bad, np.int32), x)
     act = matvec.quantize_act(x)
-    with pytest.raises(FermijitError, match="inconsistent"):
-        matvec.gathered(qs, d.view(np.uint16), np.array([0, 1], np.int32), act,
-                        np.empty((2, 5), np.float32))
+    for scales, out in ((d, np.empty((2, 5), np.float32)), (d[:1], np.empty((2, 4), np.float32))):
+        with pytest.raises(FermijitError, match="inconsistent"):
+            matvec.gathered(qs, scales.view(np.uint16), np.array([0, 1], np.int32), act, out)
     with pytest.raises(FermijitError, match="wrong dtype or layout"):
         matvec.gathered(qs, d.view(np.uint16), np.array([0, 1], np.int32), act,
                         np.empty((2, 4), np.float64))
