@@ -75,12 +75,8 @@ def live(directory: Path) -> Outputs:
 
 
 def has_transformers() -> bool:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from tests import hf
+    return hf.available()
 
 
 def assert_rel(name, expected, actual, rel):

@@ -6,6 +6,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import gated_delta
+from tests import hf as tests_hf
 from tests.numerics import assert_close, poisoned
 
 # fp32 kernel vs float64 reference. The state is a sum of bounded terms (|k| = 1, beta < 1,
@@ -164,7 +165,7 @@ def test_chunked_matches_recurrent(rng, T, dtype, tol):
 
 def test_references_match_transformers(rng):
     torch = pytest.importorskip("torch")
-    hf = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    hf = tests_hf.qwen_modeling()
     T, Hk, Hv, dk, dv = 70, 2, 4, 16, 24
     q, k, v, g, beta, state = make_inputs(rng, T, Hk, Hv, dk, dv)
     # transformers scales q by 1/sqrt(dk) itself; ours arrives scaled.

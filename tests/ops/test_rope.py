@@ -5,6 +5,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.ops import rope
+from tests import hf
 from tests.numerics import assert_close, poisoned
 
 # Both sides take angles in fp64; cpu rounds cos/sin to fp32 and rotates in fp32 (two products
@@ -67,7 +68,7 @@ def test_rotation_is_relative(rng):
 
 def test_reference_matches_transformers(rng):
     torch = pytest.importorskip("torch")
-    qwen = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    qwen = hf.qwen_modeling()
     from transformers import Qwen3_5MoeTextConfig
 
     n_tokens, n_heads, d = 11, 3, 256
