@@ -103,7 +103,8 @@ VARIANT_RUN = textwrap.dedent("""
     matvec.quantize_act(x)
     for label in sys.argv[1:]:  # the GEMM, then the GEMV
         y = matvec.cpu(qs, d, x, isa=Isa[label]), matvec.cpu(qs, d, x[0], isa=Isa[label])
-        print(label, max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, (ref, ref[0]))))
+        errs = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, (ref, ref[0]))]
+        print(label, max(errs))
 """)
 
 
@@ -121,7 +122,8 @@ def test_variants_compiled_in_different_processes_load_side_by_side(tmp_path):
         r = subprocess.run([sys.executable, "-c", VARIANT_RUN, *labels], env=env,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
-        return {label: float(err) for label, err in (line.split() for line in r.stdout.splitlines())}
+        lines = (line.split() for line in r.stdout.splitlines())
+        return {label: float(err) for label, err in lines}
 
     run()                               # what both need, so that each next process compiles
     run(isas[0])                        # just its variant, and in the same order: each alone,

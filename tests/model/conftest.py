@@ -30,7 +30,7 @@ def tiny_dir(tmp_path_factory):
 def live_oracle(tiny_dir):
     """live_oracle(model, layout) -> transformers' Outputs, computed once; skips without torch."""
     if not oracle.has_transformers():
-        pytest.skip("torch and transformers >= 5.24 are not importable: the golden outputs stand in")
+        pytest.skip("torch and transformers >= 5.24 are not importable: goldens stand in")
     made = {}
 
     def get(model: tiny.Model, layout: str = "fused") -> oracle.Outputs:
