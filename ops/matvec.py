@@ -504,7 +504,7 @@ class Q4Matrix:
 
 def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None) -> np.ndarray:
     """`cpu` for prepared weights and activations into `out` ([R] for one token, or [T, R]):
-    decode's path, with only the checks that depend on this call (~0.3 us of Python). The kernel
+    decode's path, with only the checks that depend on this call (~0.5 us of Python). The kernel
     is the ISA the activations are laid out for; `isa`, if given, must be that one."""
     act_isa = act.vec.isa
     if isa is not None and act_isa is not isa:
