@@ -30,6 +30,7 @@ from fermijit.ops import matvec, quant
 GEMV_SHAPES = ((2048, 2048), (512, 2048), (4096, 2048))  # rows x K
 HOT_SHAPE = (2048, 2048)
 HOT_WALKS = 20
+LAUNCHES = 2000
 GEMM_TOKENS = 512
 GEMM_SHAPE = (2048, 2048)
 REPEATS = 3  # best of: the least disturbed pass
@@ -249,6 +250,18 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
         walk_hot()
         gbs = HOT_WALKS * hot_bytes / _best_seconds(walk_hot) / 1e9
         hot_rows.append(Row(f"gemv {r}x{k} hot", isa.label, n_all, gbs, "GB/s", gbs / bw[n_all]))
+        # What a launch costs whatever its size (Python, dispatch, fork and join): the floor under
+        # small matrices, and what grows with the team on many-core machines.
+        one = matvec.Q4Matrix.of(*(a[:n_all] for a in (hot[0].qs, hot[0].d_bits.view(np.float16))))
+        y_one = np.empty(n_all, np.float32)
+
+        def launches():
+            for _ in range(LAUNCHES):
+                matvec.product(one, act, y_one, isa=isa)
+
+        launches()
+        hot_rows.append(Row(f"gemv launch ({n_all} rows)", isa.label, n_all,
+                            _best_seconds(launches) / LAUNCHES * 1e6, "us"))
     for n, gbs in bw.items():
         rows.append(Row("read bandwidth (best)", best_isa.label, n, gbs, "GB/s", 1.0))
     if huge_gbs is not None:

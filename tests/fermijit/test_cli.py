@@ -66,8 +66,9 @@ def test_bench_kernels_reports_every_shape_and_variant():
         for variant in variants:
             assert (f"gemv {rows_}x{k} cold", variant) in got
     for variant in variants:
-        assert ("gemv all shapes", variant) in got and any(
-            what.endswith(" hot") and v == variant for what, v in got)
+        assert ("gemv all shapes", variant) in got
+        for kind in (" hot", "gemv launch"):
+            assert any(kind in what and v == variant for what, v in got), (kind, variant)
     assert any(what == "read bandwidth (best)" for what, _ in got)
     for row in rows:
         assert row["value"] > 0 and (row["ratio"] is None or 0 < row["ratio"] < 10), row
