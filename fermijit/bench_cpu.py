@@ -138,6 +138,13 @@ def _huge_page_bytes(a: np.ndarray) -> int:
     return 0
 
 
+def _fill(a: np.ndarray, values, chunk: int = 1 << 24) -> None:
+    """a[:] = values(a.size), a chunk at a time (no GiB-sized temporaries)."""
+    for start in range(0, a.size, chunk):
+        part = a[start:start + chunk]
+        part[:] = values(part.size)
+
+
 def _cold_set(rows, k, nbytes, rng):
     """Distinct Q4_0 matrices totalling >= nbytes, laid out as a converted model file lays them
     out (every matrix's qs back to back, then every d: model/convert.py), prepared as decode
@@ -147,13 +154,9 @@ def _cold_set(rows, k, nbytes, rng):
     per = qs_bytes + 2 * d_count
     count = max(2, -(-nbytes // per))
     qs_all = _page_backed(count * qs_bytes)
-    for start in range(0, qs_all.size, 1 << 26):
-        chunk = qs_all[start:start + (1 << 26)]
-        chunk[:] = rng.integers(0, 256, chunk.size, dtype=np.uint8)
+    _fill(qs_all, lambda n: rng.integers(0, 256, n, dtype=np.uint8))
     d_all = _page_backed(count * d_count * 2).view(np.float16)
-    for start in range(0, d_all.size, 1 << 24):
-        chunk = d_all[start:start + (1 << 24)]
-        chunk[:] = rng.uniform(0.001, 0.01, chunk.size)
+    _fill(d_all, lambda n: rng.uniform(0.001, 0.01, n))
     mats = [matvec.Q4Matrix.of(qs_all[i * qs_bytes:(i + 1) * qs_bytes].reshape(rows, k // 2),
                                d_all[i * d_count:(i + 1) * d_count].reshape(rows, -1))
             for i in range(count)]

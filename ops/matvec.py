@@ -463,8 +463,8 @@ def _describe(arrays) -> str:
                      for a in arrays)
 
 
-def _check_weights(op, qs, d, ndim=2):
-    check_array(op, "d", d, np.float16, ndim=ndim)
+def _check_weights(op, qs, d, ndim=2, d_name="d", d_dtype=np.float16):
+    check_array(op, d_name, d, d_dtype, ndim=ndim)
     *lead, nb = d.shape
     check_array(op, "qs", qs, np.uint8, (*lead, nb * BLOCK // 2))
     return lead[-1], nb
@@ -492,9 +492,7 @@ class Q4Matrix:
     d_bits: np.ndarray  # [R, nb] the fp16 scales' bits as uint16 (Numba has no float16)
 
     def __post_init__(self):
-        check_array("matvec", "d_bits", self.d_bits, np.uint16, ndim=2)
-        check_array("matvec", "qs", self.qs, np.uint8, self.d_bits.shape[:1] +
-                    (self.d_bits.shape[1] * BLOCK // 2,))
+        _check_weights("matvec", self.qs, self.d_bits, d_name="d_bits", d_dtype=np.uint16)
 
     @classmethod
     def of(cls, qs, d) -> "Q4Matrix":

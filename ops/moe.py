@@ -16,6 +16,7 @@ decode (T = 1) runs each projection of all selected experts as one gathered laun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -40,6 +41,13 @@ class MoeWeights:
 
     def __post_init__(self):
         _check_weights(self)
+
+    @cached_property
+    def d_bits(self):
+        """The four scale tensors' bits as uint16 (gate_up, shared gate_up, down, shared down),
+        as the gathered launches take them: viewed once, not per token."""
+        return tuple(d.view(np.uint16) for d in (self.gate_up_d, self.shared_gate_up_d,
+                                                 self.down_d, self.shared_down_d))
 
     @property
     def routed(self):
@@ -144,17 +152,16 @@ def _check(x, ids, weights, w: MoeWeights):
 
 def _decode(x, ids, weights, w, out, s: Scratch):
     s.act_x = act = matvec.quantize_act(x[0], out=s.act_x)
+    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     # moe's checks cover the weights: the prepared launches check only what each call adds.
-    matvec.gathered(w.gate_up_qs, w.gate_up_d.view(np.uint16), ids[0], act, s.gu)
-    matvec.gathered(w.shared_gate_up_qs, w.shared_gate_up_d.view(np.uint16), s.zero, act,
-                    s.shared_gu)
+    matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
+    matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
     _swiglu(s.gu, s.h)
     _swiglu(s.shared_gu, s.shared_h)
     s.act_h = matvec.quantize_act(s.h, out=s.act_h)
     s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
-    matvec.gathered(w.down_qs, w.down_d.view(np.uint16), ids[0], s.act_h, s.routed)
-    matvec.gathered(w.shared_down_qs, w.shared_down_d.view(np.uint16), s.zero, s.act_sh,
-                    s.shared)
+    matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
+    matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
     gate = np.float32(_shared_gate(x[0], w.shared_gate))
     _combine(s.routed, weights[0], s.shared[0], gate, out[0])
 

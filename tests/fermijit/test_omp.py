@@ -13,6 +13,14 @@ from fermijit.jit import omp
 from fermijit.jit.cpu import kernel
 
 
+def _python(args, timeout=600, **env):
+    """A fresh interpreter on `args` with `env` added; its stdout (it must exit 0)."""
+    r = subprocess.run([sys.executable, *args], env=dict(os.environ, **env), capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 def _record(thread, n_threads, args):
     (seen,) = args
     seen[thread] = n_threads
@@ -65,13 +73,10 @@ CACHED = textwrap.dedent("""
 def test_a_forking_kernel_loads_from_the_cache(tmp_path):
     """The cached object calls libgomp: a fresh process must link it (not crash, not miss)."""
     (tmp_path / "forker.py").write_text(CACHED)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    path = os.pathsep.join([str(tmp_path), *sys.path])
 
     def run():
-        r = subprocess.run([sys.executable, str(tmp_path / "forker.py")], env=env,
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return tuple(r.stdout.split())
+        return tuple(_python([str(tmp_path / "forker.py")], timeout=300, PYTHONPATH=path).split())
 
     assert run() == ("True", "0")   # every thread ran its share; compiled
     assert run() == ("True", "1")   # the same, loaded from the cache
@@ -92,11 +97,8 @@ WITHOUT_OMP = textwrap.dedent("""
 def test_without_the_omp_layer_products_run_as_a_team_of_one(tmp_path):
     """Where Numba's threading layer is not omp, `fork` must not call libgomp (a second pool of
     threads): the products still run, correctly, on the calling thread."""
-    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", WITHOUT_OMP], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    available, err = r.stdout.split()
+    available, err = _python(["-c", WITHOUT_OMP], NUMBA_THREADING_LAYER="workqueue",
+                             NUMBA_CACHE_DIR=str(tmp_path)).split()
     assert available == "False" and float(err) < 1e-5
 
 
@@ -126,11 +128,7 @@ ODD_TEAM = textwrap.dedent("""
 def test_a_team_larger_than_the_machine_splits_rows_exactly():
     """Three threads (more than this machine's cores, an odd count): every row of every product
     computed once, for row counts below, at and above the team size."""
-    env = dict(os.environ, NUMBA_NUM_THREADS="3")
-    r = subprocess.run([sys.executable, "-c", ODD_TEAM], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert float(r.stdout) < 1e-5
+    assert float(_python(["-c", ODD_TEAM], NUMBA_NUM_THREADS="3")) < 1e-5
 
 
 FORKED = textwrap.dedent("""
@@ -157,6 +155,5 @@ FORKED = textwrap.dedent("""
 def test_a_forked_child_is_refused_not_hung():
     """libgomp's threads do not survive fork(): a child of a process that used the kernels gets
     a one-line error (and would hang in libgomp without it)."""
-    r = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "refused:" in r.stdout and "spawn" in r.stdout and "child exit 0" in r.stdout
+    out = _python(["-c", FORKED], timeout=120)
+    assert "refused:" in out and "spawn" in out and "child exit 0" in out
