@@ -197,18 +197,28 @@ Q8_0 = _Format("q8_0", 32, False)
 def _load_units(fmt: _Format, v: Vec, builder, ptr, off, count: int):
     """`count` weight units at byte `off`; unit j meets activation registers 2j and 2j+1.
 
-    Q4_0: one register of `lanes` blocks, split into its low and high nibbles. Q8_0 (only at SSE
-    width): a block's two halves, each with its magnitude, for pmaddubsw's unsigned operand.
+    Q4_0: one register of `lanes` blocks, split into its low and high nibbles. Q8_0: two
+    registers of `lanes` whole blocks, regrouped per 128-bit lane into the blocks' first halves
+    and their second halves (the activations' layout, Q8Act), each with its magnitude, for
+    pmaddubsw's unsigned operand.
     """
     c = lambda n: ir.Constant(I64, n)  # noqa: E731
     w = v.nbytes
     if fmt.is_offset:
         return [simd.nibbles(builder, simd.load(builder, ptr, builder.add(off, c(j * w)),
                                                 vec(I8, w))) for j in range(count)]
-    halves = [simd.load(builder, ptr, builder.add(off, c(h * w)), vec(I8, w))
-              for h in range(2 * count)]
-    return [tuple((simd.abs_i8(builder, q), q) for q in halves[2 * j:2 * j + 2])
-            for j in range(count)]
+    units = []
+    for j in range(count):
+        a, b = (simd.load(builder, ptr, builder.add(off, c((2 * j + h) * w)), vec(I8, w))
+                for h in range(2))
+        if v.lanes == 1:
+            halves = (a, b)
+        else:  # a | b holds blocks 0..lanes-1 whole: block i's halves at 32i and 32i + 16
+            halves = tuple(builder.shuffle_vector(a, b, ir.Constant(vec(I32, w), [
+                32 * i + 16 * h + e for i in range(v.lanes) for e in range(16)]))
+                for h in range(2))
+        units.append(tuple((simd.abs_i8(builder, q), q) for q in halves))
+    return units
 
 
 def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
@@ -424,13 +434,12 @@ _products: dict = {}
 
 def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
     """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
-    code is ever compiled for a Westmere target: pitfall 5). Q8_0 weights run at SSE width on
-    every ISA (the LM-head option, read once per token)."""
+    code is ever compiled for a Westmere target: pitfall 5)."""
     key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
     if key not in _products:
         if not supported(isa):  # compiling it here could abort the process (pitfall 5)
             raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
-        v = simd.VEC_OF[isa] if fmt is Q4_0 else SSE
+        v = simd.VEC_OF[isa]
         n_rows, n_tok = shape
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
@@ -557,16 +566,19 @@ def q8_reference(qs, d, x):
 
 
 def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
-    """`q8_reference` in Numba; x float32 [K]/[T, K] or a Q8Act laid out for SSSE3 (natural)."""
+    """`q8_reference` in Numba; x float32 [K]/[T, K] or a Q8Act (the LM-head option: at the
+    ISA's width, as the LM head is the largest matrix read per token; at SSE width it streamed at
+    56% of the read bandwidth on an AVX-512 machine)."""
     check_array("matvec.q8", "d", d, np.float16, ndim=2)
     rows, nb = d.shape
     check_array("matvec.q8", "qs", qs, np.int8, (rows, nb * BLOCK))
-    act = _as_act("matvec.q8", x, nb, Isa.SSSE3)
+    isa = isa or selected_isa()
+    act = _as_act("matvec.q8", x, nb, isa)
     n_tok = act.xq.shape[0]
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
                                 else out is not None and out.ndim == 1)
     y = output("matvec.q8", out, (rows,) if is_vector else (n_tok, rows))
-    _call("matvec.q8", _product(isa or selected_isa(), GEMV_TILE, fmt=Q8_0), qs.view(np.uint8),
+    _call("matvec.q8", _product(isa, GEMV_TILE, fmt=Q8_0), qs.view(np.uint8),
           d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
     return y
 
