@@ -12,7 +12,6 @@ S cache length (the cache may be longer than the keys used), L = start + T keys 
 from __future__ import annotations
 
 import numpy as np
-import numba
 from numba import prange
 
 from fermijit import FermijitError
@@ -45,11 +44,15 @@ BLOCK = 64
 # (flash-decoding): with Hkv = 2 there are too few heads to occupy the cores otherwise. A range
 # shorter than this costs more in set-up and merging than it saves.
 SPLIT_MIN_KEYS = 256
+# Items wanted in all: two per thread up to 8 threads. A constant, not the thread count, so the
+# key ranges and the order partial results are merged in, and so the bits of the output, are the
+# same whatever the thread count (issue 9 item 7: 1- and 2-thread runs diverged at 512 keys).
+SPLIT_ITEMS = 16
 
 
-def _n_splits(n_items: int, n_keys: int, n_threads: int) -> int:
-    """Key ranges per (query, kv head) item: enough for two items per thread, if long enough."""
-    wanted = -(-2 * n_threads // max(n_items, 1))
+def _n_splits(n_items: int, n_keys: int) -> int:
+    """Key ranges per (query, kv head) item: enough for SPLIT_ITEMS items, if long enough."""
+    wanted = -(-SPLIT_ITEMS // max(n_items, 1))
     return max(1, min(wanted, n_keys // SPLIT_MIN_KEYS))
 
 
@@ -149,7 +152,7 @@ def cpu(q, k, v, gate, start, out=None):
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
     o = output(op, out, (T, Hq, D))
-    n_split = _n_splits(T * Hkv, start + T, numba.get_num_threads())
+    n_split = _n_splits(T * Hkv, start + T)
     if n_split == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:
