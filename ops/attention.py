@@ -16,6 +16,7 @@ from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import mathf
 from fermijit.jit.cpu import kernel
 
 
@@ -99,7 +100,7 @@ def _attend(q, k, v, start, acc, m, l):
                 rescale = np.exp(m_t[g] - m_new)
                 total = np.float32(0)
                 for j in range(n):
-                    p[g, j] = np.exp(p[g, j] - m_new)
+                    p[g, j] = mathf.exp(p[g, j] - m_new)
                     total += p[g, j]
                 l_t[g] = l_t[g] * rescale + total
                 m_t[g] = m_new
@@ -135,7 +136,7 @@ def _combine(acc, m, l, gate, o):
             for d in range(D):
                 o[t, h, d] += w * acc[s, t, h, d]
         for d in range(D):
-            o[t, h, d] *= 1 / (1 + np.exp(-gate[t, h, d]))
+            o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
 
 
 def cpu(q, k, v, gate, start, out=None):

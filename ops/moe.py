@@ -22,6 +22,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import mathf
 from fermijit.jit.cpu import kernel
 from fermijit.ops import expert_matmul, matvec
 from fermijit.ops.matvec import Q8Act
@@ -78,8 +79,7 @@ def _swiglu(gu, h):  # gu [n, 2I] -> h [n, I]
     n_inter = h.shape[1]
     for i in range(h.shape[0]):
         for j in range(n_inter):
-            g = gu[i, j]
-            h[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gu[i, n_inter + j]
+            h[i, j] = mathf.silu(gu[i, j]) * gu[i, n_inter + j]
 
 
 @kernel
