@@ -217,7 +217,7 @@ class SafetensorsWriter:
         end = begin + array.size * item
         if start < 0 or end > info.end:
             raise FermijitError(f"{self.path}: write past the end of {name}")
-        data = memoryview(np.ascontiguousarray(array)).cast("B")  # no copy of a 64 MB piece
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # no copy
         at = self._data_start + begin
         while data:  # pwrite may write less than asked
             n = os.pwrite(self._fd, data, at)
