@@ -105,7 +105,7 @@ def test_unreadable_config(tmp_path):
     with pytest.raises(FermijitError, match="no config file"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(FermijitError, match="not a readable JSON file"):
+    with pytest.raises(FermijitError, match="not valid JSON"):
         load_config(tmp_path)
 
 
