@@ -56,7 +56,8 @@ def read_bytes(path: str | Path, limit: int, what: str = "file") -> bytes:
     """The whole of a regular file of at most `limit` bytes."""
     with open_regular(path) as f:
         try:
-            data = f.read(limit + 1)
+            # read(n) allocates n bytes first: ask for the file's size, not the limit.
+            data = f.read(min(os.fstat(f.fileno()).st_size, limit) + 1)
         except OSError as e:
             raise FermijitError(f"{path}: cannot read ({e.strerror})") from None
     if len(data) > limit:
