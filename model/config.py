@@ -281,7 +281,9 @@ def _coerce(value, hint, where: str):
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for option in options:
         origin = typing.get_origin(option)
-        if option is type(None):
+        if option is object:  # any JSON value (the JSON reader has checked it)
+            return value
+        elif option is type(None):
             if value is None:
                 return None
         elif dataclasses.is_dataclass(option):

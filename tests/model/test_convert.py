@@ -90,7 +90,7 @@ def test_loader_and_both_layouts_agree(converted, tmp_path):
     convert.convert(fused, tmp_path / "fused-out", lm_head="q4_0", show_progress=False)
     cfg, w, _ = convert.load_converted(dst)
     _, w4, manifest = convert.load_converted(tmp_path / "fused-out")
-    assert manifest["tensors"]["lm_head"]["quant"] == "q4_0" and w4.lm_head.kind == "q4_0"
+    assert manifest.tensors["lm_head"].quant == "q4_0" and w4.lm_head.kind == "q4_0"
     gate_up, gate_up4 = w.layers[1].mlp.experts_gate_up, w4.layers[1].mlp.experts_gate_up
     assert isinstance(gate_up, QuantTensor) and isinstance(gate_up.qs, np.memmap)
     np.testing.assert_array_equal(gate_up.qs, gate_up4.qs)
