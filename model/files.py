@@ -174,3 +174,56 @@ def read_text(stream_or_path, where: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise FermijitError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+# --- SIGBUS from a mapped file that shrank -------------------------------------------------------
+# A weights file truncated (or replaced in place) under a running model makes the next read of a
+# missing page a SIGBUS: the process died with no message. Python's own handlers run between
+# bytecodes, never inside the faulting read, so the handler is eight machine instructions,
+# write(2, message) then exit_group(2), both async-signal-safe and needing no GIL (a Numba worker
+# thread may be the one faulting). x86-64 Linux only (the project's targets); elsewhere the
+# default action stays. Replace model files by rename, never in place (README).
+_SIGBUS_CODE = bytes.fromhex(
+    "bf02000000"      # mov edi, 2                (fd: stderr)
+    "488d3534000000"  # lea rsi, [rip + 52]       (the message, at offset 64)
+    "ba00000000"      # mov edx, <length>         (patched at offset 13)
+    "b801000000"      # mov eax, 1                (SYS_write)
+    "0f05"            # syscall
+    "bf02000000"      # mov edi, 2                (exit status)
+    "b8e7000000"      # mov eax, 231              (SYS_exit_group)
+    "0f05")           # syscall
+_SIGBUS_MESSAGE_AT, _SIGBUS_PAGE = 64, 4096
+_sigbus_page = None
+_mapped: list[str] = []
+
+
+def guard_mapping(path: str | Path) -> None:
+    """From now on a SIGBUS prints one line naming the mapped files, and exits 2."""
+    import ctypes
+    import mmap
+    import platform
+    import signal
+    import sys
+
+    global _sigbus_page
+    if not sys.platform.startswith("linux") or platform.machine() != "x86_64":
+        return
+    if str(path) not in _mapped:
+        _mapped[:] = _mapped[-3:] + [str(path)]  # the latest few: one model at a time runs
+    message = (f"Error: {', '.join(_mapped)} changed while mapped (SIGBUS: truncated or "
+               f"rewritten in place; replace model files by rename)\n").encode(errors="replace")
+    message = message[:_SIGBUS_PAGE - _SIGBUS_MESSAGE_AT]
+    first = _sigbus_page is None
+    if first:
+        _sigbus_page = mmap.mmap(-1, _SIGBUS_PAGE,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        _sigbus_page[:len(_SIGBUS_CODE)] = _SIGBUS_CODE
+    # Length first, then text: a fault in between prints a prefix of the new message.
+    _sigbus_page[_SIGBUS_MESSAGE_AT:_SIGBUS_MESSAGE_AT + len(message)] = message
+    _sigbus_page[13:17] = len(message).to_bytes(4, "little")
+    if first:
+        libc = ctypes.CDLL(None)
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal.restype = ctypes.c_void_p
+        address = ctypes.addressof(ctypes.c_char.from_buffer(_sigbus_page))
+        libc.signal(int(signal.SIGBUS), address)

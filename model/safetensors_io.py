@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.model.files import member, open_regular, parse_json, read_json, short
+from fermijit.model.files import (guard_mapping, member, open_regular, parse_json, read_json,
+                                  short)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -121,6 +122,7 @@ class SafetensorsFile:
         """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
         info = self.tensors[name]
         if self._data is None:
+            guard_mapping(self.path)
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start,
                                    shape=(self.data_nbytes,)) if self.data_nbytes else \
                 np.zeros(0, np.uint8)
