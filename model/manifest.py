@@ -133,9 +133,10 @@ def check_tensor(weights: SafetensorsFile, name: str, entry: TensorEntry, on_byt
 
 
 def check_small_tensors(weights: SafetensorsFile, manifest: Manifest,
-                        budget_nbytes: int = LOAD_CHECK_NBYTES) -> int:
+                        budget_nbytes: int | None = None) -> int:
     """`check_tensor` on the smallest tensors, up to `budget_nbytes` in all (what every load
-    affords); returns how many were checked."""
+    affords, LOAD_CHECK_NBYTES by default); returns how many were checked."""
+    budget_nbytes = LOAD_CHECK_NBYTES if budget_nbytes is None else budget_nbytes
     sizes = sorted((stored_nbytes(weights, name, e), name) for name, e in
                    manifest.tensors.items())
     n_checked, spent = 0, 0
