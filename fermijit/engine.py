@@ -206,15 +206,20 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
 
     stream = tokenizer.stream()
 
+    def write(text: str) -> None:
+        try:
+            out.write(text.encode("utf-8"))
+            out.flush()
+        except OSError as e:  # stdout on /dev/full, a closed pipe (issue 11 case 8)
+            raise FermijitError(f"cannot write the generated text: {e.strerror}") from None
+
     def emit(token: int) -> None:
         text = stream.push(token)
         if text:
-            out.write(text.encode("utf-8"))
-            out.flush()
+            write(text)
 
     _, stats = generate(model, prompt, sampler, settings.max_tokens, context, tokenizer.eos_ids,
                         emit, progress_to=err)
-    out.write(stream.flush().encode("utf-8"))
-    out.flush()
+    write(stream.flush())
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)
     return stats
