@@ -187,16 +187,19 @@ def _open_missing_streams() -> None:
 
 def _fail(message: str) -> None:
     # The first line only: a library message is one line, an OS or click one may not be.
-    print(f"Error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr)
     try:
-        sys.stderr.flush()
+        print(f"Error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr,
+              flush=True)
     except OSError:
         pass
-    # stdout may be unwritable (/dev/full, a closed pipe): point it at /dev/null, so the
-    # interpreter's flush at exit neither fails nor prints a second error.
-    fd = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(fd, 1)
-    os.close(fd)
+    try:
+        sys.stdout.flush()
+    except OSError:
+        # stdout is unwritable (/dev/full, a closed pipe): point it at /dev/null, so the
+        # interpreter's flush at exit neither fails nor prints a second error.
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
     sys.exit(2)
 
 
