@@ -220,15 +220,15 @@ MAX_DIMENSION = 1 << 24
 
 
 def _check_bounds(c: TextConfig, where: str) -> None:
+    if c.num_hidden_layers > MAX_LAYERS:
+        raise FermijitError(f"{where}: num_hidden_layers {c.num_hidden_layers} is beyond "
+                            f"{MAX_LAYERS}")
     for name in _POSITIVE:
         value = getattr(c, name)
         if not value > 0:
             raise FermijitError(f"{where}: {name} must be positive, got {value}")
         if isinstance(value, int) and value > MAX_DIMENSION:
             raise FermijitError(f"{where}: {name} {value} is beyond {MAX_DIMENSION}")
-    if c.num_hidden_layers > MAX_LAYERS:
-        raise FermijitError(f"{where}: num_hidden_layers {c.num_hidden_layers} is beyond "
-                            f"{MAX_LAYERS}")
 
 
 def _validate_text(c: TextConfig, where: str) -> None:

@@ -135,8 +135,8 @@ class Tokenizer:
                     pieces.append(piece)
                 return "".join(pieces)
         except jinja2.exceptions.TemplateError as e:
-            raise FermijitError(f"chat template: {str(e).splitlines()[0] if str(e) else e!r}") \
-                from None
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FermijitError(f"chat template: {message}") from None
         except _TemplateLimit as e:
             raise FermijitError(f"chat template: {e}") from None
         except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
