@@ -62,6 +62,13 @@ def test_stdout_full_is_one_line():
     assert_one_line(code, err, "cannot write the generated text: No space left on device")
 
 
+def test_closed_stdout_is_not_a_traceback():
+    """Case 8: with fd 1 closed, sys.stdout is None (AttributeError); the text goes nowhere, as
+    asked."""
+    code, _, err = fermijit("generate", "def f", *GREEDY, preexec_fn=lambda: os.close(1))
+    assert code == 0 and "Traceback" not in err and "generated 6 tokens" in err, err
+
+
 def test_invalid_utf8_prompts_are_one_line():
     """Case 6: argv bytes and stdin bytes that are not UTF-8."""
     r = subprocess.run([sys.executable.encode(), b"-m", b"fermijit", b"generate", b"\xff\xfe"],
