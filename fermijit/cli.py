@@ -55,6 +55,22 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
 
 
+@bench.command("isa")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (a full-size synthetic one: `synth`).")
+@click.option("--tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Prompt tokens through the whole model.")
+@click.option("--layer-tokens", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Tokens through the single layers in the prefill kernels' row.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) -> None:
+    """How far apart the ISA variants' outputs are: one layer of each kind against the float64
+    reference, and the whole model's logits, with a 1e-7 perturbation for scale."""
+    from fermijit import bench_isa as isa_bench
+
+    isa_bench.run(model_dir, tokens, layer_tokens, as_json)
+
+
 @bench.command("decode")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory.")
