@@ -35,8 +35,9 @@ import numpy as np
 from fermijit import FermijitError, __version__
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.files import member
-from fermijit.model.manifest import (FORMAT_VERSION, MANIFEST, Manifest, Source, TensorEntry,
-                                     check_small_tensors, checksum, read_manifest, stored_specs)
+from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
+                                     TensorEntry, check_small_tensors, checksum, read_manifest,
+                                     stored_specs)
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
 from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemble,
@@ -55,7 +56,6 @@ Q4_0_FIELDS = frozenset({"in_proj_qkv", "in_proj_z", "out_proj", "q_proj",
                          "k_proj", "v_proj", "o_proj", "experts_gate_up", "experts_down",
                          "shared_gate_up", "shared_down"})
 LM_HEAD_CHOICES = ("q8_0", "q4_0")
-BLOCK = 32
 CHUNK_BYTES = 64 << 20  # fp32 bytes per streamed piece: ~3x this is the converter's working set
 
 
