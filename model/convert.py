@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fermijit import FermijitError, __version__
+from fermijit import FermijitError, __version__, numa
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
@@ -218,6 +218,7 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, dic
             raise FermijitError(f"{path}: tensor {name} has shape {tensors[name]['shape']}, "
                                 f"config.json implies {list(shape)}")
     weights_file = SafetensorsFile(directory / manifest.get("weights", WEIGHTS))
+    numa.apply([weights_file.mapped()])  # --numa: where the weights' pages go
     arrays = {}
     for name, entry in tensors.items():
         for stored, dtype, shape in stored_specs(name, tuple(entry["shape"]), entry["quant"]):
