@@ -46,6 +46,14 @@ def memory_now() -> dict[str, int]:
     return out
 
 
+def page_ins() -> tuple[int, int]:
+    """(major page faults, bytes read from storage) of this process so far: what re-reading
+    evicted weight pages costs (/proc/self/stat field 12, /proc/self/io read_bytes)."""
+    majflt = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return majflt, int(io.get("read_bytes", 0))
+
+
 class MemoryWatch:
     """The largest anonymous and file-backed residency seen at the samples taken (the kernel
     keeps a peak only of their sum, VmHWM)."""
@@ -242,12 +250,13 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     memory.sample()
 
     _progress(f"decode of {n_tokens} tokens")
-    times, cpu0 = [], time.process_time()
+    times, cpu0, faults0 = [], time.process_time(), page_ins()
     for _ in range(n_tokens):
         start = time.perf_counter()
         token = int(np.argmax(model.decode(token, state)))
         times.append(time.perf_counter() - start)
     decode_cpu_s = time.process_time() - cpu0
+    faults = [b - a for a, b in zip(faults0, page_ins())]
     memory.sample()
     peak = memory_now()["peak"]  # before anything else is allocated
 
@@ -286,6 +295,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         "experts_selected_per_layer": selected,
         "read_gbs": bw, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
         "decode_gbs": bytes_.total * tok_s / 1e9,
+        "decode_major_faults": faults[0], "decode_read_bytes": faults[1],
         "peak_rss": peak, "peak_anon": memory.anon, "peak_file": memory.file,
         "profile": profile_rows,
     })
@@ -326,6 +336,8 @@ def format_report(r: dict) -> str:
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",
         f"{'decode of ceiling':<28} {100 * r['of_ceiling']:9.1f} %",
+        f"{'decode page-ins':<28} {r['decode_major_faults']:9d}     "
+        f"({r['decode_read_bytes'] / gb:.2f} GB read from storage)",
         f"{'peak RSS':<28} {r['peak_rss'] / gib:9.2f} GiB  (anonymous {r['peak_anon'] / gib:.2f}, "
         f"file-backed {r['peak_file'] / gib:.2f})",
     ]

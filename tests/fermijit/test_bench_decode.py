@@ -30,6 +30,8 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     for key in ("load_s", "warm_up_s", "prefill_tok_s", "decode_tok_s", "read_gbs",
                 "ceiling_tok_s", "peak_rss", "peak_anon", "peak_file", "prefill_gflops"):
         assert r[key] > 0, key
+    for key in ("decode_major_faults", "decode_read_bytes"):
+        assert r[key] >= 0, key
     assert r["threads"] == 1 and r["prompt_tokens"] == 8 and r["decode_tokens"] == 3
     assert r["experts_selected_per_layer"] == [TOP_K] * 4
     assert r["ready_to_decode_s"] == pytest.approx(r["load_s"] + r["warm_up_s"])
