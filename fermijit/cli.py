@@ -26,9 +26,23 @@ def cli(isa: str | None) -> None:
     cpu.select_isa(isa)
 
 
+def _select_numa(ctx, param, value):
+    from fermijit import numa
+
+    numa.select(value)
+    return value
+
+
+numa_option = click.option(
+    "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
+    callback=_select_numa, expose_value=False,
+    help="NUMA placement of the weight pages (default: interleave where there are several "
+         "nodes, else off).")
+
+
 @cli.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
 def info(threads: int | None) -> None:
     """CPU, SIMD features, kernel variants, threading, GPU and ptxas availability."""
     from fermijit import machine
@@ -45,7 +59,7 @@ def bench() -> None:
 @bench.command("kernels")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads for the all-threads columns (default: all cores).")
+              help="Numba threads for the all-threads columns (default: the physical cores).")
 @click.option("--gib", type=click.FloatRange(min=0.0625), default=1.0, show_default=True,
               help="Size of each cold weight set and of the bandwidth probe, in GiB.")
 def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
@@ -83,6 +97,7 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
               help="Greedy tokens to decode.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
+@numa_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
@@ -186,10 +201,11 @@ def verify(model_dir: Path) -> None:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the sampler.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
               help="Context length (default: prompt + max tokens, at most "
                    "max_position_embeddings).")
+@numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
@@ -221,7 +237,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                    "max_position_embeddings).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
+@numa_option
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
                  threads: int | None) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s

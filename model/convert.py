@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fermijit import FermijitError, __version__
+from fermijit import FermijitError, __version__, numa
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.files import member
 from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
@@ -315,6 +315,7 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
     if extra:
         raise FermijitError(f"{path}: tensor {extra[0]} is not in a model of this config.json")
     weights_file = SafetensorsFile(directory / manifest.weights)
+    numa.apply([weights_file.mapped()])  # --numa: where the weights' pages go
     arrays = {}
     for name, entry in manifest.tensors.items():
         for stored, dtype, shape in stored_specs(name, entry.shape, entry.quant):

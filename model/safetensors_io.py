@@ -118,15 +118,19 @@ class SafetensorsFile:
             self._bad(f"{name} ends at byte {end} of {self.data_nbytes} (truncated?)")
         return TensorInfo(name, dtype, shape, begin, end)
 
-    def raw(self, name: str) -> np.ndarray:
-        """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
-        info = self.tensors[name]
+    def mapped(self) -> np.ndarray:
+        """The data region as one read-only uint8 map (made on first use)."""
         if self._data is None:
             guard_mapping(self.path)
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start,
                                    shape=(self.data_nbytes,)) if self.data_nbytes else \
                 np.zeros(0, np.uint8)
-        return self._data[info.begin:info.end].view(STORAGE[info.dtype]).reshape(info.shape)
+        return self._data
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
+        info = self.tensors[name]
+        return self.mapped()[info.begin:info.end].view(STORAGE[info.dtype]).reshape(info.shape)
 
 
 class Checkpoint:

@@ -115,14 +115,39 @@ def variants_up_to(isa: Isa) -> list[Isa]:
     return list(PREFERENCE[PREFERENCE.index(isa):])
 
 
+def physical_cores() -> int:
+    """The cores this process may run on, SMT siblings counted once (each CPU's
+    topology/thread_siblings_list); every allowed CPU where the topology cannot be read."""
+    allowed = os.sched_getaffinity(0)
+    cores = set()
+    for n in allowed:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{n}/topology/thread_siblings_list")
+                      .read_text().strip())
+        except OSError:
+            return len(allowed)
+    return len(cores)
+
+
+_threads_chosen = False
+
+
 def configure_threads(n_threads: int | None) -> int:
-    """Prefer the omp layer (4x lower call overhead than workqueue: notes, section 5)."""
+    """Set Numba's thread count: `n_threads`, or by default the physical cores (an SMT sibling
+    shares its core's load ports and caches: decode is bound by memory, prefill by those units).
+    A later None keeps what was chosen. Prefers the omp layer (4x lower call overhead than
+    workqueue: notes, section 5)."""
+    global _threads_chosen
     numba_config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
     if n_threads is not None:
         if not 1 <= n_threads <= numba_config.NUMBA_NUM_THREADS:
             raise FermijitError(
                 f"--threads must be between 1 and {numba_config.NUMBA_NUM_THREADS}")
         numba.set_num_threads(n_threads)
+        _threads_chosen = True
+    elif not _threads_chosen:
+        numba.set_num_threads(max(1, min(physical_cores(), numba_config.NUMBA_NUM_THREADS)))
+        _threads_chosen = True
     return numba.get_num_threads()
 
 
