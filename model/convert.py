@@ -39,6 +39,7 @@ from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemb
 FORMAT_VERSION = 1
 MANIFEST = "fermijit.json"
 WEIGHTS = "model.safetensors"
+REAP_RECORD = "reap.json"  # beside a pruned HF checkpoint: its config.json takes no extra keys
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                 "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
@@ -103,26 +104,17 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
     quants = {name: quantisation(name, lm_head) for name in plans}
     specs = {name: stored_specs(name, plan.shape, quants[name]) for name, plan in plans.items()}
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FermijitError(f"output directory {dst} exists and is not empty")
-    dst.mkdir(parents=True, exist_ok=True)
-
-    # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
-    # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
+    make_output_dir(dst)
     flat = [s for name in plans for s in specs[name]]
-    order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
-    partial = dst / (WEIGHTS + ".partial")
     total = sum(int(np.prod(p.shape)) for p in plans.values())
-    with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
-            tqdm(total=total, unit="param", unit_scale=True, desc="convert", file=sys.stderr,
-                 disable=not show_progress) as bar:
-        for name, plan in plans.items():
-            for n_done in _stream(plan, quants[name], ckpt, out, chunk_bytes):
-                bar.update(n_done)
-    os.replace(partial, dst / WEIGHTS)
-    for file in COPIED_FILES:
-        if (src / file).is_file():
-            shutil.copyfile(src / file, dst / file)
+
+    def fill(out: SafetensorsWriter) -> None:
+        with tqdm(total=total, unit="param", unit_scale=True, desc="convert", file=sys.stderr,
+                  disable=not show_progress) as bar:
+            for name, plan in plans.items():
+                for n_done in _stream(plan, quants[name], ckpt, out, chunk_bytes):
+                    bar.update(n_done)
+
     manifest = {
         "format_version": FORMAT_VERSION,
         "converter": f"fermijit {__version__}",
@@ -131,10 +123,50 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
         "weights": WEIGHTS,
         "tensors": {name: {"shape": list(plan.shape), "quant": quants[name]}
                     for name, plan in plans.items()},
-        "reap": None,  # no experts pruned
+        "reap": reap_record(src),  # None: no experts pruned
     }
-    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: marks it complete
+    write_model(src, dst, flat, fill, manifest)
     return manifest
+
+
+def reap_record(src: Path) -> dict | None:
+    """The REAP record of an HF checkpoint pruned by fermijit (its REAP_RECORD file), else None."""
+    path = src / REAP_RECORD
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise FermijitError(f"{path}: unreadable REAP record") from None
+
+
+def make_output_dir(dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FermijitError(f"output directory {dst} exists and is not empty")
+    dst.mkdir(parents=True, exist_ok=True)
+
+
+def write_model(src: Path, dst: Path, specs: list[tuple[str, str, tuple]], fill,
+                manifest: dict, config: dict | None = None) -> None:
+    """A model directory `dst` (existing and empty): the weights file declared by `specs` (the
+    stored entries, from stored_specs) and filled by `fill(writer)`, the side files copied from
+    `src` (config.json replaced by `config` when given), and the manifest, last: its presence
+    marks the directory complete. The converter and the pruner (model/prune.py) both write
+    through here."""
+    # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
+    # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
+    order = sorted(specs, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32"
+                                         else 2))
+    partial = dst / (WEIGHTS + ".partial")
+    with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out:
+        fill(out)
+    os.replace(partial, dst / manifest.get("weights", WEIGHTS))
+    for file in COPIED_FILES:
+        if (src / file).is_file():
+            shutil.copyfile(src / file, dst / file)
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def describe(manifest: dict) -> str:

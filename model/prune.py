@@ -1,0 +1,156 @@
+"""Writing a pruned model (issue 15): the experts model/reap.py chose, the router's rows with them.
+
+Both kinds of model directory are pruned the same way, per layer i and kept ids kept[i] (ascending,
+so the remaining experts keep their order):
+    router [E, H] -> router[kept[i]],  experts [E, ...] -> experts[kept[i]],  num_experts -> keep
+* a fermijit model: the Q4_0 `.qs`/`.d` bytes of the kept experts are copied as they are (no
+  requantisation), written through model/convert.write_model; `fermijit.json` carries the REAP
+  record (kept ids per layer, counts, saliencies, calibration source and token count).
+* an HF checkpoint: every tensor copied in its own dtype, the fused `experts.*_proj` [E, ...]
+  sliced, split `experts.{e}.*` renumbered 0..keep-1, one output file per input shard (and the
+  index); the record goes to `reap.json` (config.json takes no unknown keys), which `convert`
+  carries into the fermijit manifest. The MTP head (`mtp.*`) is dropped and
+  mtp_num_hidden_layers set to 0: its experts are not calibrated (fermijit never runs it).
+Experts are copied one at a time: memory stays at one expert's tensor (4 MiB in the real model).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model import convert
+from fermijit.model.config import load_config
+from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
+                                           SafetensorsWriter)
+
+# Fields of a fermijit model whose first dimension is the expert: layers.{i}.mlp.<field>
+EXPERT_FIELDS = ("gate", "experts_gate_up", "experts_down")
+
+
+def pruned_config(config: dict, keep: int) -> dict:
+    """config.json with num_experts = keep (in text_config when composite) and no MTP head."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    text["num_experts"] = keep
+    if text.get("mtp_num_hidden_layers"):
+        text["mtp_num_hidden_layers"] = 0
+    return config
+
+
+def _check_kept(kept: np.ndarray, n_layers: int, n_experts: int) -> np.ndarray:
+    kept = np.asarray(kept, dtype=np.int64)
+    if (kept.ndim != 2 or kept.shape[0] != n_layers or kept.size == 0
+            or kept.min() < 0 or kept.max() >= n_experts
+            or not (np.diff(kept, axis=1) > 0).all()):
+        raise FermijitError(f"kept experts must be [{n_layers} layers, keep] ascending ids in "
+                            f"[0, {n_experts})")
+    return kept
+
+
+def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
+    """Prune fermijit model `src` into `dst`; returns the manifest written."""
+    src, dst = Path(src), Path(dst)
+    cfg, _, manifest = convert.load_converted(src)
+    text = cfg.text_config
+    kept = _check_kept(kept, text.num_hidden_layers, text.num_experts)
+    weights = SafetensorsFile(src / manifest.get("weights", convert.WEIGHTS))
+    tensors, plan = {}, []        # plan: (stored name, its source view, kept ids or None)
+    for name, entry in manifest["tensors"].items():
+        shape, ids = tuple(entry["shape"]), None
+        layer, _, field = name.partition(".mlp.")
+        if field in EXPERT_FIELDS:
+            ids = kept[int(layer.split(".")[1])]
+            shape = (ids.size,) + shape[1:]
+        tensors[name] = {**entry, "shape": list(shape)}
+        for stored, _, _ in convert.stored_specs(name, tuple(entry["shape"]), entry["quant"]):
+            plan.append((stored, weights.raw(stored), ids))
+    specs = [(stored, weights.tensors[stored].dtype,
+              view.shape if ids is None else (ids.size,) + view.shape[1:])
+             for stored, view, ids in plan]
+
+    def fill(out: SafetensorsWriter) -> None:
+        for stored, view, ids in plan:
+            _copy_rows(out, stored, view, ids)
+
+    convert.make_output_dir(dst)
+    record = {**record, "pruned_from": str(src.resolve()), "previous": manifest.get("reap")}
+    manifest = {**manifest, "tensors": tensors, "reap": record}
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    convert.write_model(src, dst, specs, fill, manifest, pruned_config(config, kept.shape[1]))
+    return manifest
+
+
+def _copy_rows(out: SafetensorsWriter, name: str, view: np.ndarray, ids) -> None:
+    """Tensor `name` <- view (ids None), or view[ids] one leading row at a time."""
+    if ids is None:
+        out.write(name, view)
+        return
+    for j, e in enumerate(ids):
+        out.write(name, view[e], start=j * view[e].size)
+
+
+def _hf_expert_pattern(ckpt: Checkpoint) -> re.Pattern:
+    from fermijit.model.weights import text_prefix
+
+    p = re.escape(text_prefix(ckpt))
+    # layer | fused or router tensor | split expert id, rest of its name
+    return re.compile(rf"{p}layers\.(\d+)\.mlp\.(?:(gate\.weight|experts\.gate_up_proj|"
+                      rf"experts\.down_proj)|experts\.(\d+)\.(.+))$")
+
+
+def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> None:
+    """Prune HF checkpoint directory `src` into `dst` (a pruned HF checkpoint)."""
+    from fermijit.model.weights import plan_text_weights
+
+    src, dst = Path(src), Path(dst)
+    cfg = load_config(src)
+    ckpt = Checkpoint(src)
+    plan_text_weights(cfg.text_config, ckpt)       # a bad checkpoint fails before any write
+    text = cfg.text_config
+    kept = _check_kept(kept, text.num_hidden_layers, text.num_experts)
+    expert = _hf_expert_pattern(ckpt)
+    convert.make_output_dir(dst)
+    weight_map, total_nbytes = {}, 0
+    for f in ckpt.files:
+        plan = []                                   # (name out, name in, kept ids or None)
+        for name in f.tensors:
+            if name.startswith("mtp."):
+                continue
+            m = expert.match(name)
+            if m is None:
+                plan.append((name, name, None))
+            elif m[2] is not None:                  # router rows or fused experts
+                plan.append((name, name, kept[int(m[1])]))
+            elif int(m[3]) in kept[int(m[1])]:      # split: renumbered in kept order
+                j = int(np.searchsorted(kept[int(m[1])], int(m[3])))
+                plan.append((name[:m.start(3)] + f"{j}." + m[4], name, None))
+        specs = []
+        for out_name, name, ids in plan:
+            info = f.tensors[name]
+            shape = info.shape if ids is None else (ids.size,) + info.shape[1:]
+            specs.append((out_name, info.dtype, shape))
+            nbytes = info.end - info.begin
+            total_nbytes += nbytes if ids is None else nbytes // info.shape[0] * ids.size
+            weight_map[out_name] = f.path.name
+        with SafetensorsWriter(dst / f.path.name, specs, f.metadata or {"format": "pt"}) as out:
+            for out_name, name, ids in plan:
+                _copy_rows(out, out_name, f.raw(name), ids)
+    if (src / INDEX_NAME).is_file():
+        (dst / INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": total_nbytes}, "weight_map": weight_map}, indent=2) + "\n")
+    for path in sorted(src.iterdir()):              # tokenizer, templates, licences ...
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
+                INDEX_NAME, "config.json", convert.REAP_RECORD, convert.MANIFEST):
+            shutil.copyfile(path, dst / path.name)
+    record = {**record, "pruned_from": str(src.resolve()),
+              "previous": convert.reap_record(src)}
+    (dst / convert.REAP_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    (dst / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
+                                                indent=2) + "\n")
