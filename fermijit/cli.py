@@ -97,6 +97,44 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
 
 @cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 calibration text (keep it apart from any text you "
+                                  "evaluate on).")
+@click.option("--keep", type=click.IntRange(min=1), default=None,
+              help="Experts kept per layer.")
+@click.option("--ratio", type=float, default=None,
+              help="Fraction of the experts pruned per layer, instead of --keep (0.5: half).")
+@click.option("--criterion", type=click.Choice(["reap", "frequency", "random"]), default="reap",
+              show_default=True, help="What ranks the experts: REAP saliency, the count of "
+                                      "tokens routed, or a seeded random order (baselines).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per calibration window, each run from a fresh state.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Calibrate on at most this many tokens, in windows spread over the text "
+                   "(default: all of it).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of --criterion random.")
+@click.option("--calibrate-with", type=click.Path(path_type=Path), default=None,
+              help="Run calibration on this model instead of SRC (e.g. the 4-bit conversion "
+                   "of an HF checkpoint too big to run in fp32); same layers and experts.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
+          criterion: str, context: int, max_tokens: int | None, seed: int,
+          calibrate_with: Path | None, threads: int | None) -> None:
+    """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
+    same kind; calibration runs the engine over --text."""
+    from fermijit.jit import cpu
+    from fermijit.model import prune as pruner
+
+    cpu.configure_threads(threads)
+    pruner.run(src, dst, text_path, keep, ratio, context, max_tokens, criterion, seed,
+               calibrate_with)
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "

@@ -79,11 +79,18 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict) -> dict
             _copy_rows(out, stored, view, ids)
 
     convert.make_output_dir(dst)
-    record = {**record, "pruned_from": str(src.resolve()), "previous": manifest.get("reap")}
+    record = _record(record, src, kept, text.num_experts, manifest.get("reap"))
     manifest = {**manifest, "tensors": tensors, "reap": record}
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
     convert.write_model(src, dst, specs, fill, manifest, pruned_config(config, kept.shape[1]))
     return manifest
+
+
+def _record(record: dict, src: Path, kept: np.ndarray, n_experts: int, previous) -> dict:
+    """The REAP record: `record` (criterion, calibration ...) plus the kept ids, where from and
+    the record of `src` if it was pruned before (its ids number src's source's experts)."""
+    return {**record, "n_experts": n_experts, "keep": int(kept.shape[1]), "kept": kept.tolist(),
+            "pruned_from": str(src.resolve()), "previous": previous}
 
 
 def _copy_rows(out: SafetensorsWriter, name: str, view: np.ndarray, ids) -> None:
@@ -104,8 +111,9 @@ def _hf_expert_pattern(ckpt: Checkpoint) -> re.Pattern:
                       rf"experts\.down_proj)|experts\.(\d+)\.(.+))$")
 
 
-def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> None:
-    """Prune HF checkpoint directory `src` into `dst` (a pruned HF checkpoint)."""
+def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
+    """Prune HF checkpoint directory `src` into `dst` (a pruned HF checkpoint); returns the REAP
+    record written beside it."""
     from fermijit.model.weights import plan_text_weights
 
     src, dst = Path(src), Path(dst)
@@ -148,9 +156,59 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> None:
         if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
                 INDEX_NAME, "config.json", convert.REAP_RECORD, convert.MANIFEST):
             shutil.copyfile(path, dst / path.name)
-    record = {**record, "pruned_from": str(src.resolve()),
-              "previous": convert.reap_record(src)}
+    record = _record(record, src, kept, text.num_experts, convert.reap_record(src))
     (dst / convert.REAP_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
     (dst / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
                                                 indent=2) + "\n")
+    return record
+
+
+def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
+        context: int, max_tokens: int | None, criterion: str, seed: int,
+        calibrate_with: Path | None = None, err=None) -> dict:
+    """`prune` for the CLI: calibrate on `text_path` with `calibrate_with` (default `src`: a
+    fermijit model runs W4A8, an HF checkpoint fp32), choose, write `dst` as `src`'s kind;
+    progress and a summary to `err`. Returns the REAP record."""
+    import sys
+
+    from tqdm import tqdm
+
+    from fermijit.evaluate import read_text
+    from fermijit.model import reap
+    from fermijit.model.forward import load_model
+    from fermijit.model.tokenizer import Tokenizer
+
+    err = err or sys.stderr
+    if (keep is None) == (ratio is None):
+        raise FermijitError("give one of --keep and --ratio")
+    if criterion not in reap.CRITERIA:
+        raise FermijitError(f"--criterion must be one of {', '.join(reap.CRITERIA)}")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FermijitError(f"output directory {dst} exists and is not empty")
+    text = load_config(src).text_config
+    keep = (reap.keep_for_ratio(ratio, text.num_experts, text.num_experts_per_tok)
+            if keep is None else keep)
+    reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
+    calibrate_with = calibrate_with or src
+    cfg, model = load_model(calibrate_with, show_progress=True)
+    if (len(model.layers), model.n_experts) != (text.num_hidden_layers, text.num_experts):
+        raise FermijitError(f"{calibrate_with} has {len(model.layers)} layers of "
+                            f"{model.n_experts} experts, {src} {text.num_hidden_layers} of "
+                            f"{text.num_experts}")
+    reap.check_context(context, model.max_context)
+    tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id).encode(read_text(text_path))
+    n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
+    with tqdm(total=n_tokens, desc="calibrate", unit="tok", file=err) as bar:
+        cal = reap.calibrate(model, tokens, context, str(text_path), max_tokens, bar.update)
+    kept = reap.choose(cal.scores(criterion, seed), keep)
+    record = {"criterion": criterion, **({"seed": seed} if criterion == "random" else {}),
+              "calibration": {**cal.as_dict(), "model": str(Path(calibrate_with).resolve())},
+              "counts": cal.counts.tolist(), "saliency": cal.saliency.tolist()}
+    if convert.is_fermijit_model(src):
+        record = prune_fermijit(src, dst, kept, record)["reap"]
+    else:
+        record = prune_hf(src, dst, kept, record)
+    print(f"wrote {dst}: {keep} of {text.num_experts} experts per layer kept by {criterion}, "
+          f"calibrated on {cal.n_tokens} tokens of {text_path}", file=err)
+    return record

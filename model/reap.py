@@ -109,6 +109,12 @@ class Collector:
                          where=self.counts > 0)
 
 
+def check_context(context: int, max_context: int) -> None:
+    if not 1 <= context <= max_context:
+        raise FermijitError(f"--ctx must be between 1 and {max_context} "
+                            f"(max_position_embeddings), got {context}")
+
+
 def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.ndarray:
     """Start offsets of the calibration windows: whole windows of `context` tokens, at most
     `max_tokens` tokens in all, spread evenly over the text (the default corpus' documents are in
@@ -126,9 +132,7 @@ def calibrate(model, tokens, context: int, source: str, max_tokens: int | None =
     """Statistics of `model` (forward.Model) over `tokens` [N], each window from a fresh state;
     `on_tokens(n)` after each prefill pass of n tokens (progress)."""
     tokens = np.asarray(tokens, dtype=np.int32)
-    if not 1 <= context <= model.max_context:
-        raise FermijitError(f"--ctx must be between 1 and {model.max_context} "
-                            f"(max_position_embeddings), got {context}")
+    check_context(context, model.max_context)
     starts = windows(tokens.size, context, max_tokens)
     collector = Collector(model)
     model.moe_observer = collector
@@ -142,16 +146,18 @@ def calibrate(model, tokens, context: int, source: str, max_tokens: int | None =
 
 
 def reference(x, router_w, gate_up, down, top_k):
-    """One layer's (counts [E] int64, saliency [E] float64) from its MoE inputs x [T, H] fp32,
-    router [E, H] and fp32 experts gate_up [E, 2I, H], down [E, H, I]; float64 after routing."""
+    """One layer's (counts [E] int64, saliency [E] float64) from its MoE inputs x [T, H] fp32, the
+    router [E, H] and the experts gate_up [E, 2I, H], down [E, H, I] as model/reference.py takes
+    them (fp32, or QuantTensor: W4A8 for the engine's activation rounding); float64 after
+    routing."""
+    from fermijit.model.reference import expert, swiglu
+
     n_experts = router_w.shape[0]
     ids, weights = router.reference(x.astype(np.float32) @ router_w.T, top_k)  # the engine's logits
     counts, sums = np.zeros(n_experts, np.int64), np.zeros(n_experts)
     for t in range(x.shape[0]):
         for e, g in zip(ids[t], weights[t].astype(np.float64)):
-            gu = gate_up[e].astype(np.float64) @ x[t].astype(np.float64)
-            gate, up = np.split(gu, 2)
-            y = down[e].astype(np.float64) @ (gate / (1 + np.exp(-gate)) * up)
+            y = swiglu(x[t:t + 1].astype(np.float64), expert(gate_up, e), expert(down, e))[0]
             counts[e] += 1
             sums[e] += g * np.linalg.norm(y)
     return counts, np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
