@@ -65,6 +65,40 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
 
+@bench.command("prune")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 calibration text.")
+@click.option("--heldout", "heldout_path",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="UTF-8 text to score, disjoint from --text.")
+@click.option("--keep", type=click.IntRange(min=1), default=None, help="Experts kept per layer.")
+@click.option("--ratio", type=float, default=None,
+              help="Fraction of the experts pruned per layer, instead of --keep.")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per calibration window.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Calibrate on at most this many tokens, spread over the text.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random pruning.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path, keep: int | None,
+                ratio: float | None, context: int, max_tokens: int | None, seed: int,
+                as_json: bool, threads: int | None) -> None:
+    """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
+    at random to the same expert count, next to the full model's."""
+    from fermijit import bench_prune as bench_prune_module
+    from fermijit import engine
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bench_prune_module.run(model_dir or engine.DEFAULT_MODEL, text_path, heldout_path, keep,
+                           ratio, context, max_tokens, seed, as_json)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
