@@ -92,8 +92,6 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
 def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
             chunk_bytes: int = CHUNK_BYTES) -> dict:
     """Convert; returns the manifest written to `dst/fermijit.json`."""
-    from tqdm import tqdm
-
     src, dst = Path(src), Path(dst)
     if lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
@@ -103,30 +101,20 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
     quants = {name: quantisation(name, lm_head) for name in plans}
-    specs = {name: stored_specs(name, plan.shape, quants[name]) for name, plan in plans.items()}
-    make_output_dir(dst)
-    flat = [s for name in plans for s in specs[name]]
-    total = sum(int(np.prod(p.shape)) for p in plans.values())
+    check_output_dir(dst)
 
-    def fill(out: SafetensorsWriter) -> None:
-        with tqdm(total=total, unit="param", unit_scale=True, desc="convert", file=sys.stderr,
-                  disable=not show_progress) as bar:
-            for name, plan in plans.items():
-                for n_done in _stream(plan, quants[name], ckpt, out, chunk_bytes):
-                    bar.update(n_done)
+    def copy_files(out: Path) -> None:
+        for file in COPIED_FILES:
+            if (src / file).is_file():
+                shutil.copyfile(src / file, out / file)
 
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "converter": f"fermijit {__version__}",
-        "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
-                   "files": [f.path.name for f in ckpt.files]},
-        "weights": WEIGHTS,
-        "tensors": {name: {"shape": list(plan.shape), "quant": quants[name]}
-                    for name, plan in plans.items()},
-        "reap": reap_record(src),  # None: no experts pruned
-    }
-    write_model(src, dst, flat, fill, manifest)
-    return manifest
+    return write_model(
+        dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
+        lambda name, out: _stream(plans[name], quants[name], ckpt, out, chunk_bytes),
+        source={"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
+                "files": [f.path.name for f in ckpt.files]},
+        other_files=copy_files, desc="convert", show_progress=show_progress,
+        reap=reap_record(src))
 
 
 def reap_record(src: Path) -> dict | None:
@@ -140,33 +128,49 @@ def reap_record(src: Path) -> dict | None:
         raise FermijitError(f"{path}: unreadable REAP record") from None
 
 
-def make_output_dir(dst: Path) -> None:
+def check_output_dir(dst: Path) -> None:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FermijitError(f"output directory {dst} exists and is not empty")
+
+
+def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
+                source: dict, other_files, desc: str, show_progress: bool = True,
+                reap: dict | None = None) -> dict:
+    """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`): the
+    weights file, in which `fill(name, writer)` stores tensor `name` (quantised as `quantisation`
+    says), yielding the elements done per piece; then `other_files(dst)` (config, tokenizer...);
+    the manifest last, with `reap` (the REAP record of a pruned model), as it marks the directory
+    complete. Returns the manifest."""
+    from tqdm import tqdm
+
+    quants = {name: quantisation(name, lm_head) for name in shapes}
+    specs = {name: stored_specs(name, shape, quants[name]) for name, shape in shapes.items()}
     dst.mkdir(parents=True, exist_ok=True)
-
-
-def write_model(src: Path, dst: Path, specs: list[tuple[str, str, tuple]], fill,
-                manifest: dict, config: dict | None = None) -> None:
-    """A model directory `dst` (existing and empty): the weights file declared by `specs` (the
-    stored entries, from stored_specs) and filled by `fill(writer)`, the side files copied from
-    `src` (config.json replaced by `config` when given), and the manifest, last: its presence
-    marks the directory complete. The converter and the pruner (model/prune.py) both write
-    through here."""
     # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
     # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
-    order = sorted(specs, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32"
-                                         else 2))
+    flat = [s for name in shapes for s in specs[name]]
+    order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
     partial = dst / (WEIGHTS + ".partial")
-    with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out:
-        fill(out)
-    os.replace(partial, dst / manifest.get("weights", WEIGHTS))
-    for file in COPIED_FILES:
-        if (src / file).is_file():
-            shutil.copyfile(src / file, dst / file)
-    if config is not None:
-        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    total = sum(int(np.prod(shape)) for shape in shapes.values())
+    with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
+            tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
+                 disable=not show_progress) as bar:
+        for name in shapes:
+            for n_done in fill(name, out):
+                bar.update(n_done)
+    os.replace(partial, dst / WEIGHTS)
+    other_files(dst)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "converter": f"fermijit {__version__}",
+        "source": source,
+        "weights": WEIGHTS,
+        "tensors": {name: {"shape": list(shape), "quant": quants[name]}
+                    for name, shape in shapes.items()},
+        "reap": reap,  # None: no experts pruned
+    }
+    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: marks it complete
+    return manifest
 
 
 def describe(manifest: dict) -> str:

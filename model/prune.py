@@ -53,37 +53,44 @@ def _check_kept(kept: np.ndarray, n_layers: int, n_experts: int) -> np.ndarray:
     return kept
 
 
-def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
+def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
+                   show_progress: bool = False) -> dict:
     """Prune fermijit model `src` into `dst`; returns the manifest written."""
     src, dst = Path(src), Path(dst)
     cfg, _, manifest = convert.load_converted(src)
     text = cfg.text_config
     kept = _check_kept(kept, text.num_hidden_layers, text.num_experts)
+    lm_head = manifest["tensors"]["lm_head"]["quant"]
     weights = SafetensorsFile(src / manifest.get("weights", convert.WEIGHTS))
-    tensors, plan = {}, []        # plan: (stored name, its source view, kept ids or None)
+    shapes, rows = {}, {}          # rows: the kept ids of a tensor whose first axis is experts
     for name, entry in manifest["tensors"].items():
-        shape, ids = tuple(entry["shape"]), None
+        if entry["quant"] != convert.quantisation(name, lm_head):
+            raise FermijitError(f"{src}: {name} is {entry['quant']}, this fermijit stores it as "
+                                f"{convert.quantisation(name, lm_head)}; convert it again")
+        shapes[name] = tuple(entry["shape"])
         layer, _, field = name.partition(".mlp.")
         if field in EXPERT_FIELDS:
-            ids = kept[int(layer.split(".")[1])]
-            shape = (ids.size,) + shape[1:]
-        tensors[name] = {**entry, "shape": list(shape)}
-        for stored, _, _ in convert.stored_specs(name, tuple(entry["shape"]), entry["quant"]):
-            plan.append((stored, weights.raw(stored), ids))
-    specs = [(stored, weights.tensors[stored].dtype,
-              view.shape if ids is None else (ids.size,) + view.shape[1:])
-             for stored, view, ids in plan]
+            rows[name] = kept[int(layer.split(".")[1])]
+            shapes[name] = (rows[name].size,) + shapes[name][1:]
 
-    def fill(out: SafetensorsWriter) -> None:
-        for stored, view, ids in plan:
-            _copy_rows(out, stored, view, ids)
+    def fill(name: str, out: SafetensorsWriter):
+        for stored, _, _ in convert.stored_specs(name, tuple(manifest["tensors"][name]["shape"]),
+                                                 manifest["tensors"][name]["quant"]):
+            _copy_rows(out, stored, weights.raw(stored), rows.get(name))
+        yield int(np.prod(shapes[name]))
 
-    convert.make_output_dir(dst)
-    record = _record(record, src, kept, text.num_experts, manifest.get("reap"))
-    manifest = {**manifest, "tensors": tensors, "reap": record}
-    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    convert.write_model(src, dst, specs, fill, manifest, pruned_config(config, kept.shape[1]))
-    return manifest
+    def other_files(out: Path) -> None:
+        for file in convert.COPIED_FILES:
+            if (src / file).is_file():
+                shutil.copyfile(src / file, out / file)
+        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        (out / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
+                                                    indent=2) + "\n")
+
+    convert.check_output_dir(dst)
+    return convert.write_model(dst, shapes, lm_head, fill, manifest["source"], other_files,
+                               "prune", show_progress,
+                               _record(record, src, kept, text.num_experts, manifest.get("reap")))
 
 
 def _record(record: dict, src: Path, kept: np.ndarray, n_experts: int, previous) -> dict:
@@ -123,7 +130,8 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     text = cfg.text_config
     kept = _check_kept(kept, text.num_hidden_layers, text.num_experts)
     expert = _hf_expert_pattern(ckpt)
-    convert.make_output_dir(dst)
+    convert.check_output_dir(dst)
+    dst.mkdir(parents=True, exist_ok=True)
     weight_map, total_nbytes = {}, 0
     for f in ckpt.files:
         plan = []                                   # (name out, name in, kept ids or None)
@@ -184,8 +192,7 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
         raise FermijitError("give one of --keep and --ratio")
     if criterion not in reap.CRITERIA:
         raise FermijitError(f"--criterion must be one of {', '.join(reap.CRITERIA)}")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FermijitError(f"output directory {dst} exists and is not empty")
+    convert.check_output_dir(dst)
     text = load_config(src).text_config
     keep = (reap.keep_for_ratio(ratio, text.num_experts, text.num_experts_per_tok)
             if keep is None else keep)
