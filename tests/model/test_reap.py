@@ -222,3 +222,16 @@ def test_refuses_a_non_empty_output_and_a_mismatched_calibration_model(models, t
                         "--text", text, "--keep", "4", "--calibrate-with", other)
     assert code == 2 and "experts" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["hf-fused", "hf-split"])
+def test_transformers_runs_the_pruned_hf_checkpoint_unchanged(models, kind, tmp_path):
+    """The pruned HF checkpoint is one transformers loads (config, names, shapes) and its
+    outputs are the full model's: the planted experts were never routed."""
+    from tests.model import oracle
+    if not oracle.has_transformers():
+        pytest.skip("torch and transformers >= 5.24 are not importable")
+    prune.prune_hf(models[kind], tmp_path / "pruned", LIVE, {"criterion": "reap"})
+    full, pruned = oracle.live(models[kind]), oracle.live(tmp_path / "pruned")
+    assert_rel("prompt logits", full.prompt_logits, pruned.prompt_logits, PRUNED_VS_FULL)
+    np.testing.assert_array_equal(full.tokens, pruned.tokens)
