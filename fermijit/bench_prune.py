@@ -21,9 +21,11 @@ def _nbytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
 
-def run(model_dir: Path, text_path: Path, heldout_path: Path, keep: int | None,
-        ratio: float | None, context: int, max_tokens: int | None, seed: int,
+def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, ...],
+        ratios: tuple[float, ...], context: int, max_tokens: int | None, seed: int,
         as_json: bool) -> list[dict]:
+    """Rows for the full model, then per expert count (each of `keeps`, and each of `ratios`
+    pruned) each criterion's; calibration runs once."""
     from tqdm import tqdm
 
     from fermijit.evaluate import DEFAULT_CONTEXT, read_text, score
@@ -33,13 +35,14 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keep: int | None,
 
     if not convert.is_fermijit_model(model_dir):
         raise FermijitError(f"{model_dir}: bench prune takes a fermijit model (convert it first)")
-    if (keep is None) == (ratio is None):
-        raise FermijitError("give one of --keep and --ratio")
+    if not keeps and not ratios:
+        raise FermijitError("give --keep or --ratio (either may be repeated)")
     cfg, model = load_model(model_dir)
     text = cfg.text_config
-    keep = (reap.keep_for_ratio(ratio, text.num_experts, text.num_experts_per_tok)
-            if keep is None else keep)
-    reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
+    keeps = set(keeps) | {reap.keep_for_ratio(r, text.num_experts, text.num_experts_per_tok)
+                          for r in ratios}
+    for keep in keeps:
+        reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
     reap.check_context(context, model.max_context)
     tokenizer = Tokenizer(model_dir, text.eos_token_id)
     calibration = tokenizer.encode(read_text(text_path))
@@ -59,14 +62,15 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keep: int | None,
     rows = [{"model": "full", "experts": text.num_experts, "perplexity": full,
              "change": 0.0, "weights_nbytes": _nbytes(model_dir)}]
     with tempfile.TemporaryDirectory() as tmp:
-        for criterion in reap.CRITERIA:
-            dst = Path(tmp) / criterion
-            kept = reap.choose(cal.scores(criterion, seed), keep)
-            prune.prune_fermijit(model_dir, dst, kept, {"criterion": criterion,
-                                                        "calibration": cal.as_dict()})
-            ppl = evaluate(dst, criterion)
-            rows.append({"model": criterion, "experts": keep, "perplexity": ppl,
-                         "change": ppl / full - 1, "weights_nbytes": _nbytes(dst)})
+        for keep in sorted(keeps, reverse=True):
+            for criterion in reap.CRITERIA:
+                dst = Path(tmp) / f"{criterion}-{keep}"
+                kept = reap.choose(cal.scores(criterion, seed), keep)
+                prune.prune_fermijit(model_dir, dst, kept, {"criterion": criterion,
+                                                            "calibration": cal.as_dict()})
+                ppl = evaluate(dst, f"{criterion} {keep}")
+                rows.append({"model": criterion, "experts": keep, "perplexity": ppl,
+                             "change": ppl / full - 1, "weights_nbytes": _nbytes(dst)})
     info = {"model": str(model_dir), "calibration": cal.as_dict(), "heldout": str(heldout_path),
             "heldout_tokens": int(heldout.size), "eval_context": eval_context, "seed": seed}
     if as_json:

@@ -73,9 +73,11 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
 @click.option("--heldout", "heldout_path",
               type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="UTF-8 text to score, disjoint from --text.")
-@click.option("--keep", type=click.IntRange(min=1), default=None, help="Experts kept per layer.")
-@click.option("--ratio", type=float, default=None,
-              help="Fraction of the experts pruned per layer, instead of --keep.")
+@click.option("--keep", "keeps", type=click.IntRange(min=1), multiple=True,
+              help="Experts kept per layer (repeat for several counts).")
+@click.option("--ratio", "ratios", type=float, multiple=True,
+              help="Fraction of the experts pruned per layer, as well as or instead of --keep "
+                   "(repeat for several).")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per calibration window.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
@@ -85,9 +87,9 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: all cores).")
-def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path, keep: int | None,
-                ratio: float | None, context: int, max_tokens: int | None, seed: int,
-                as_json: bool, threads: int | None) -> None:
+def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
+                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int,
+                max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
     """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
     at random to the same expert count, next to the full model's."""
     from fermijit import bench_prune as bench_prune_module
@@ -95,8 +97,8 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path, kee
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
-    bench_prune_module.run(model_dir or engine.DEFAULT_MODEL, text_path, heldout_path, keep,
-                           ratio, context, max_tokens, seed, as_json)
+    bench_prune_module.run(model_dir or engine.DEFAULT_MODEL, text_path, heldout_path, keeps,
+                           ratios, context, max_tokens, seed, as_json)
 
 
 @cli.group()

@@ -27,12 +27,15 @@ def test_bench_prune_reports_every_criterion(planted, tmp_path, monkeypatch, cap
     heldout.write_text("A tiny model reads a held-out text: the fox and the dog sat on a log.")
     monkeypatch.setattr("sys.argv", ["fermijit", "bench", "prune", "--model", str(planted),
                                      "--text", str(text), "--heldout", str(heldout), "--keep",
-                                     "6", "--ctx", "32", "--max-tokens", "128", "--json"])
+                                     "6", "--ratio", "0.5", "--ctx", "32", "--max-tokens",
+                                     "128", "--json"])
     from fermijit import cli
     cli.main()
     report = json.loads(capsys.readouterr().out)
-    rows = {r["model"]: r for r in report["rows"]}
-    assert list(rows) == ["full", "reap", "frequency", "random"]
+    assert [(r["model"], r["experts"]) for r in report["rows"]] == [
+        ("full", 8), ("reap", 6), ("frequency", 6), ("random", 6), ("reap", 4),
+        ("frequency", 4), ("random", 4)]
+    rows = {r["model"]: r for r in report["rows"] if r["experts"] in (6, 8)}
     assert report["calibration"]["n_tokens"] == 128 and report["heldout_tokens"] > 10
     full = rows["full"]
     for name in ("reap", "frequency"):
@@ -49,3 +52,5 @@ def test_bench_prune_needs_a_fermijit_model(tmp_path, monkeypatch, capsys):
     code, err = run_cli(monkeypatch, capsys, "bench", "prune", "--model", src, "--text", text,
                         "--heldout", text, "--keep", "4")
     assert code == 2 and "takes a fermijit model" in err and err.count("\n") == 1
+    code, err = run_cli(monkeypatch, capsys, "bench", "prune", "--text", text, "--heldout", text)
+    assert code == 2 and "give --keep or --ratio" in err and err.count("\n") == 1
