@@ -43,13 +43,15 @@ def pruned_config(config: dict, keep: int) -> dict:
     return config
 
 
-def _check_kept(kept: np.ndarray, n_layers: int, n_experts: int) -> np.ndarray:
+def _check_kept(kept: np.ndarray, text) -> np.ndarray:
+    """`kept` as int64 [L, keep], each row ascending ids of `text`'s (TextConfig) experts."""
+    n_layers, n_experts = text.num_hidden_layers, text.num_experts
     kept = np.asarray(kept, dtype=np.int64)
-    if (kept.ndim != 2 or kept.shape[0] != n_layers or kept.size == 0
+    if (kept.ndim != 2 or kept.shape[0] != n_layers or kept.shape[1] < text.num_experts_per_tok
             or kept.min() < 0 or kept.max() >= n_experts
             or not (np.diff(kept, axis=1) > 0).all()):
-        raise FermijitError(f"kept experts must be [{n_layers} layers, keep] ascending ids in "
-                            f"[0, {n_experts})")
+        raise FermijitError(f"kept experts must be [{n_layers} layers, keep >= "
+                            f"{text.num_experts_per_tok}] ascending ids in [0, {n_experts})")
     return kept
 
 
@@ -59,7 +61,7 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
     src, dst = Path(src), Path(dst)
     cfg, _, manifest = convert.load_converted(src)
     text = cfg.text_config
-    kept = _check_kept(kept, text.num_hidden_layers, text.num_experts)
+    kept = _check_kept(kept, text)
     lm_head = manifest["tensors"]["lm_head"]["quant"]
     weights = SafetensorsFile(src / manifest.get("weights", convert.WEIGHTS))
     shapes, rows = {}, {}          # rows: the kept ids of a tensor whose first axis is experts
@@ -128,7 +130,7 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     ckpt = Checkpoint(src)
     plan_text_weights(cfg.text_config, ckpt)       # a bad checkpoint fails before any write
     text = cfg.text_config
-    kept = _check_kept(kept, text.num_hidden_layers, text.num_experts)
+    kept = _check_kept(kept, text)
     expert = _hf_expert_pattern(ckpt)
     convert.check_output_dir(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from fermijit import FermijitError
 from fermijit.model import convert, prune, reap
 from fermijit.model.forward import load_model
 from fermijit.model.reference import as_w4a8
@@ -235,3 +236,12 @@ def test_transformers_runs_the_pruned_hf_checkpoint_unchanged(models, kind, tmp_
     full, pruned = oracle.live(models[kind]), oracle.live(tmp_path / "pruned")
     assert_rel("prompt logits", full.prompt_logits, pruned.prompt_logits, PRUNED_VS_FULL)
     np.testing.assert_array_equal(full.tokens, pruned.tokens)
+
+
+def test_kept_ids_are_checked(models, tmp_path):
+    for kept in (LIVE[:3], LIVE[:, ::-1], LIVE[:, :1], LIVE + 2):
+        with pytest.raises(FermijitError, match="kept experts must be"):
+            prune.prune_fermijit(models["fermijit"], tmp_path / "x", kept, {})
+        with pytest.raises(FermijitError, match="kept experts must be"):
+            prune.prune_hf(models["hf-fused"], tmp_path / "y", kept, {})
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
