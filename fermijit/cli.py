@@ -123,6 +123,42 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
 
+@bench.command("prune")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 calibration text.")
+@click.option("--heldout", "heldout_path",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="UTF-8 text to score, disjoint from --text.")
+@click.option("--keep", "keeps", type=click.IntRange(min=1), multiple=True,
+              help="Experts kept per layer (repeat for several counts).")
+@click.option("--ratio", "ratios", type=float, multiple=True,
+              help="Fraction of the experts pruned per layer, as well as or instead of --keep "
+                   "(repeat for several).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per calibration window.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Calibrate on at most this many tokens, spread over the text.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random pruning.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
+                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int,
+                max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
+    """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
+    at random to the same expert count, next to the full model's."""
+    from fermijit import bench_prune as bench_prune_module
+    from fermijit import engine
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bench_prune_module.run(model_dir or engine.DEFAULT_MODEL, text_path, heldout_path, keeps,
+                           ratios, context, max_tokens, seed, as_json)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
@@ -152,6 +188,44 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
     manifest = converter.convert(src, dst, lm_head=lm_head)
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 calibration text (keep it apart from any text you "
+                                  "evaluate on).")
+@click.option("--keep", type=click.IntRange(min=1), default=None,
+              help="Experts kept per layer.")
+@click.option("--ratio", type=float, default=None,
+              help="Fraction of the experts pruned per layer, instead of --keep (0.5: half).")
+@click.option("--criterion", type=click.Choice(["reap", "frequency", "random"]), default="reap",
+              show_default=True, help="What ranks the experts: REAP saliency, the count of "
+                                      "tokens routed, or a seeded random order (baselines).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per calibration window, each run from a fresh state.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Calibrate on at most this many tokens, in windows spread over the text "
+                   "(default: all of it).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of --criterion random.")
+@click.option("--calibrate-with", type=click.Path(path_type=Path), default=None,
+              help="Run calibration on this model instead of SRC (e.g. the 4-bit conversion "
+                   "of an HF checkpoint too big to run in fp32); same layers and experts.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
+          criterion: str, context: int, max_tokens: int | None, seed: int,
+          calibrate_with: Path | None, threads: int | None) -> None:
+    """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
+    same kind; calibration runs the engine over --text."""
+    from fermijit.jit import cpu
+    from fermijit.model import prune as pruner
+
+    cpu.configure_threads(threads)
+    pruner.run(src, dst, text_path, keep, ratio, context, max_tokens, criterion, seed,
+               calibrate_with)
 
 
 @cli.command()

@@ -34,7 +34,7 @@ import numpy as np
 
 from fermijit import FermijitError, __version__, numa
 from fermijit.model.config import ModelConfig, load_config
-from fermijit.model.files import member
+from fermijit.model.files import member, read_json
 from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
                                      TensorEntry, check_small_tensors, checksum, read_manifest,
                                      stored_specs)
@@ -45,6 +45,7 @@ from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemb
 
 WEIGHTS = "model.safetensors"
 PARTIAL_SUFFIX = ".partial"
+REAP_RECORD = "reap.json"  # beside a pruned HF checkpoint: its config.json takes no extra keys
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                 "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
@@ -106,7 +107,16 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     return write_model(
         dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
         lambda name, out: _stream(plans[name], quants[name], ckpt, out, chunk_bytes),
-        source, other_files=copy_files, desc="convert", show_progress=show_progress)
+        source, other_files=copy_files, desc="convert", show_progress=show_progress,
+        reap=reap_record(src))
+
+
+def reap_record(src: Path) -> dict | None:
+    """The REAP record of an HF checkpoint pruned by fermijit (its REAP_RECORD file), else None."""
+    path = src / REAP_RECORD
+    if not path.is_file():
+        return None
+    return read_json(path)
 
 
 def check_output_dir(dst: Path) -> None:
@@ -125,12 +135,14 @@ def check_output_dir(dst: Path) -> None:
 
 
 def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
-                source: Source, other_files, desc: str, show_progress: bool = True) -> Manifest:
-    """The one writer of a model directory (`convert` and `model/synth.py`): the weights file, in
-    which `fill(name, writer)` stores tensor `name` (quantised as `quantisation` says), yielding
-    the elements done per piece; then `other_files(dst)` (config, tokenizer...); the manifest
-    last, as it marks the directory complete. Returns the manifest. On any failure, SIGTERM
-    included, what was written is removed."""
+                source: Source, other_files, desc: str, show_progress: bool = True,
+                reap: dict | None = None) -> Manifest:
+    """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`): the
+    weights file, in which `fill(name, writer)` stores tensor `name` (quantised as `quantisation`
+    says), yielding the elements done per piece; then `other_files(dst)` (config, tokenizer...);
+    the manifest last, with `reap` (the REAP record of a pruned model), as it marks the directory
+    complete. Returns the manifest. On any failure, SIGTERM included, what was written is
+    removed."""
     dst = Path(dst)
     check_output_dir(dst)
     made_dir = not dst.exists()
@@ -141,7 +153,7 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     try:
         with _terminate_as_exception():
             return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
-                               show_progress)
+                               show_progress, reap)
     except BaseException as e:
         _remove_output(dst, made_dir)
         if isinstance(e, OSError):
@@ -152,7 +164,8 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
 
 
 def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
-                source: Source, other_files, desc: str, show_progress: bool) -> Manifest:
+                source: Source, other_files, desc: str, show_progress: bool,
+                reap: dict | None) -> Manifest:
     from tqdm import tqdm
 
     quants = {name: quantisation(name, lm_head) for name in shapes}
@@ -173,7 +186,7 @@ def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     os.replace(partial, dst / WEIGHTS)
     other_files(dst)
     return write_manifest(dst, {name: (shape, quants[name]) for name, shape in shapes.items()},
-                          source)
+                          source, reap)
 
 
 def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ...], str]],
