@@ -33,8 +33,8 @@ from fermijit import FermijitError, __version__
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
-from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemble,
-                                    plan_text_weights, text_weight_shapes)
+from fermijit.model.weights import (QuantTensor, TextWeights, assemble, plan_text_weights,
+                                    text_weight_shapes)
 
 FORMAT_VERSION = 1
 MANIFEST = "fermijit.json"
@@ -90,50 +90,79 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
 
 def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
             chunk_bytes: int = CHUNK_BYTES) -> dict:
-    """Convert; returns the manifest written to `dst/fermijit.json`."""
-    from tqdm import tqdm
-
+    """Convert an HF checkpoint directory, or a GGUF file (model/gguf_io.py); returns the
+    manifest written to `dst/fermijit.json`."""
     src, dst = Path(src), Path(dst)
     if lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
+    if src.is_file():
+        from fermijit.model import gguf_io
+
+        return gguf_io.convert(src, dst, lm_head, show_progress, chunk_bytes)
     if not src.is_dir():
-        raise FermijitError(f"no such model directory: {src}")
+        raise FermijitError(f"no such model directory or GGUF file: {src}")
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
-    quants = {name: quantisation(name, lm_head) for name in plans}
-    specs = {name: stored_specs(name, plan.shape, quants[name]) for name, plan in plans.items()}
+    tensors = {name: (plan.shape, quantisation(name, lm_head)) for name, plan in plans.items()}
+    for name, (shape, quant) in tensors.items():
+        stored_specs(name, shape, quant)  # quantisable: checked before any write
+    check_output(dst)
+
+    def fill(out: SafetensorsWriter):
+        for name, plan in plans.items():
+            yield from stream(name, plan.shape, tensors[name][1],
+                              lambda lead, rows, plan=plan: plan.read(ckpt, lead, rows), out,
+                              chunk_bytes)
+
+    write_weights(dst, tensors, fill, show_progress)
+    for file in COPIED_FILES:
+        if (src / file).is_file():
+            shutil.copyfile(src / file, dst / file)
+    source = {"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
+              "files": [f.path.name for f in ckpt.files]}
+    return write_manifest(dst, source, tensors)
+
+
+def check_output(dst: Path) -> None:
+    """`dst` is made, or is an empty directory: a conversion never mixes with other files."""
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FermijitError(f"output directory {dst} exists and is not empty")
     dst.mkdir(parents=True, exist_ok=True)
 
+
+def write_weights(dst: Path, tensors: dict[str, tuple[tuple[int, ...], str]], fill,
+                  show_progress: bool) -> None:
+    """`dst/model.safetensors` holding `tensors` ({name: (shape, quant)}), filled by
+    `fill(writer)`, which yields the elements done as it goes (for the progress bar)."""
+    from tqdm import tqdm
+
     # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
     # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
-    flat = [s for name in plans for s in specs[name]]
+    flat = [s for name, (shape, quant) in tensors.items() for s in stored_specs(name, shape, quant)]
     order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
     partial = dst / (WEIGHTS + ".partial")
-    total = sum(int(np.prod(p.shape)) for p in plans.values())
+    total = sum(int(np.prod(shape)) for shape, _ in tensors.values())
     with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
             tqdm(total=total, unit="param", unit_scale=True, desc="convert", file=sys.stderr,
                  disable=not show_progress) as bar:
-        for name, plan in plans.items():
-            for n_done in _stream(plan, quants[name], ckpt, out, chunk_bytes):
-                bar.update(n_done)
+        for n_done in fill(out):
+            bar.update(n_done)
     os.replace(partial, dst / WEIGHTS)
-    for file in COPIED_FILES:
-        if (src / file).is_file():
-            shutil.copyfile(src / file, dst / file)
+
+
+def write_manifest(dst: Path, source: dict, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
+    """`dst/fermijit.json`, written last: it marks the conversion complete."""
     manifest = {
         "format_version": FORMAT_VERSION,
         "converter": f"fermijit {__version__}",
-        "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
-                   "files": [f.path.name for f in ckpt.files]},
+        "source": source,
         "weights": WEIGHTS,
-        "tensors": {name: {"shape": list(plan.shape), "quant": quants[name]}
-                    for name, plan in plans.items()},
+        "tensors": {name: {"shape": list(shape), "quant": quant}
+                    for name, (shape, quant) in tensors.items()},
         "reap": None,  # no experts pruned
     }
-    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: marks it complete
+    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -145,28 +174,30 @@ def describe(manifest: dict) -> str:
     return f"{len(kinds)} tensors ({counts}), lm_head {manifest['tensors']['lm_head']['quant']}"
 
 
-def _stream(plan: TensorPlan, quant: str, ckpt: Checkpoint, out: SafetensorsWriter,
-            chunk_bytes: int):
-    """Read, quantise and write `plan` in row chunks; yields the elements done per chunk."""
+def stream(name: str, shape: tuple[int, ...], quant: str, read, out: SafetensorsWriter,
+           chunk_bytes: int):
+    """Read, quantise and write one tensor in row chunks; `read(lead, rows)` gives fp32 rows
+    [n, cols] (or [n]) of expert `lead` (None for 1-D and 2-D tensors). Yields the elements
+    done per chunk."""
     from fermijit.ops import quant as q
 
-    rows, cols = (plan.shape[-2], plan.shape[-1]) if len(plan.shape) >= 2 else (plan.shape[0], 1)
-    leads = range(plan.shape[0]) if len(plan.shape) == 3 else [None]
+    rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[0], 1)
+    leads = range(shape[0]) if len(shape) == 3 else [None]
     step = max(1, chunk_bytes // (4 * cols))
     for e, lead in enumerate(leads):
         for r0 in range(0, rows, step):
-            x = plan.read(ckpt, lead, slice(r0, r0 + step))        # fp32 [n, cols] (or [n])
+            x = read(lead, slice(r0, r0 + step))        # fp32 [n, cols] (or [n])
             first_row = e * rows + r0
             if quant == "f32":
-                out.write(plan.name, x, start=first_row * cols)
+                out.write(name, x, start=first_row * cols)
             elif quant == "f16":
                 if np.abs(x).max(initial=0) > np.finfo(np.float16).max:
-                    raise FermijitError(f"{plan.name}: values beyond the fp16 range")
-                out.write(plan.name, x.astype(np.float16), start=first_row * cols)
+                    raise FermijitError(f"{name}: values beyond the fp16 range")
+                out.write(name, x.astype(np.float16), start=first_row * cols)
             else:
                 qs, d = q.quantize_q4_0_cpu(x) if quant == "q4_0" else q.quantize_q8_0(x)
-                out.write(plan.name + ".qs", qs, start=first_row * qs.shape[-1])
-                out.write(plan.name + ".d", d, start=first_row * d.shape[-1])
+                out.write(name + ".qs", qs, start=first_row * qs.shape[-1])
+                out.write(name + ".d", d, start=first_row * d.shape[-1])
             yield x.size
 
 
