@@ -80,7 +80,8 @@ class GgufFile:
         try:
             self.reader = GGUFReader(self.path)
         except Exception as e:  # the package raises ValueError, IndexError, struct errors...
-            raise FermijitError(f"{self.path}: unreadable GGUF ({_one_line(e)})") from None
+            raise FermijitError(f"{self.path}: unreadable GGUF, truncated or corrupt "
+                                f"({_one_line(e)})") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         size = self.path.stat().st_size
         for t in self.reader.tensors:

@@ -1,0 +1,178 @@
+"""GGUF in (issue 16): llama.cpp's own conversion of a tiny random checkpoint (tests/model/data/gguf,
+README there) read back equals the checkpoint: fp32 logits, fermijit's quantised blocks, the
+tokenizer; malformed files are one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.model import convert, gguf_io
+from fermijit.model.forward import Model, load_model
+from fermijit.model.safetensors_io import SafetensorsFile
+from fermijit.model.tokenizer import Tokenizer
+from tests.model import gguf_data
+from tests.numerics import assert_close
+
+pytest.importorskip("gguf")
+
+# Every llama.cpp transform is undone exactly but two, each within an ulp of its value: the norms'
+# 1 + w (rounded at 1's exponent: 6e-8) and A_log's -exp. Measured: logits equal to the last bit.
+LOGITS_ATOL = 1e-5
+NORM_ULP = 2.0 ** -24  # |(1 + w) - 1 - w| for |w| < 1
+TOKENS = np.array([5, 17, 100, 3, 250, 9, 42, 1, 299, 0, 64], np.int32)
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello   world!\n\n  x's  don't 123",
+         "<|im_start|>user\nhi<|im_end|>", "", "ﬁ café naïve 日本語 🚀\r\n\tend"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The HF checkpoint the GGUF files were made from (regenerated: it is seeded)."""
+    return gguf_data.write_checkpoint(tmp_path_factory.mktemp("gguf") / "tiny-hf")
+
+
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory):
+    """converted(source) -> fermijit's conversion of the HF checkpoint or of a GGUF file, once."""
+    root, made = tmp_path_factory.mktemp("gguf-converted"), {}
+
+    def get(src):
+        if src not in made:
+            made[src] = root / src.name.replace(".", "-")
+            convert.convert(src, made[src], show_progress=False)
+        return made[src]
+
+    return get
+
+
+def all_logits(model) -> np.ndarray:
+    state = model.new_state(TOKENS.size)
+    return model.prefill(TOKENS, state, all_logits=True)
+
+
+def test_f32_gguf_logits_equal_the_checkpoint(hf_dir):
+    cfg, weights = gguf_io.load_float_weights(gguf_data.F32)
+    hf_cfg, hf_model = load_model(hf_dir)
+    # All but the token ids (the GGUF's are the tokenizer's) and MTP (converted without it).
+    ignored = dict(pad_token_id=None, eos_token_id=None, mtp_num_hidden_layers=0)
+    assert (dataclasses.replace(cfg.text_config, **ignored)
+            == dataclasses.replace(hf_cfg.text_config, **ignored))
+    assert_close("fp32 logits from the F32 GGUF", all_logits(hf_model),
+                 all_logits(Model(cfg.text_config, weights)), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_f32_gguf_converts_to_fermijits_own_conversion(hf_dir, converted):
+    """Every quantised tensor byte for byte (the V-head reorder is undone exactly), the fp32 ones
+    within an ulp, and the W4A8 logits equal."""
+    ours, theirs = converted(hf_dir), converted(gguf_data.F32)
+    a, b = SafetensorsFile(ours / convert.WEIGHTS), SafetensorsFile(theirs / convert.WEIGHTS)
+    assert set(a.tensors) == set(b.tensors)
+    for name in a.tensors:
+        x, y = np.asarray(a.raw(name)), np.asarray(b.raw(name))
+        if x.dtype == np.float32:
+            assert_close(name, x, y, atol=NORM_ULP * 2, rtol=0)
+        else:
+            assert x.tobytes() == y.tobytes(), name
+    assert_close("W4A8 logits", all_logits(load_model(ours)[1]),
+                 all_logits(load_model(theirs)[1]), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_tokenizer_from_metadata_equals_the_checkpoints(hf_dir, converted):
+    hf, ours = Tokenizer(hf_dir), Tokenizer(converted(gguf_data.F32))
+    for text in TEXTS:
+        ids = hf.encode(text)
+        assert ours.encode(text).tolist() == ids.tolist(), text
+        assert ours.decode(ids) == hf.decode(ids)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.render_chat(chat) == hf.render_chat(chat)
+    assert ours.eos_ids == {3}  # tokenizer_config's eos, the one llama.cpp stores
+
+
+def malformed(tmp_path, name: str, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def bad_files(tmp_path) -> dict:
+    """One broken copy of the F32 file per way a GGUF can be broken."""
+    import gguf
+
+    good = gguf_data.F32.read_bytes()
+    last = gguf.GGUFReader(gguf_data.F32).tensors[-1].field  # its last part: the data offset
+    at = last.offset + sum(p.nbytes for p in last.parts[:-1])
+    first_arch = good.index(b"qwen35moe")  # general.architecture's value comes first
+    return {
+        "truncated": good[:len(good) // 2],
+        "header cut": good[:200],
+        "bad magic": b"GGUX" + good[4:],
+        "wrong version": good[:4] + struct.pack("<I", 99) + good[8:],
+        "data out of range": good[:at] + struct.pack("<Q", 1 << 40) + good[at + 8:],
+        "unknown arch": good[:first_arch] + b"mamba2xyz" + good[first_arch + 9:],
+    }
+
+
+def test_malformed_gguf_is_a_one_line_error(tmp_path):
+    for what, data in bad_files(tmp_path).items():
+        path = malformed(tmp_path, what.replace(" ", "-") + ".gguf", data)
+        with pytest.raises(FermijitError) as e:
+            convert.convert(path, tmp_path / "out", show_progress=False)
+        message = str(e.value)
+        assert "\n" not in message and str(path) in message, (what, message)
+        assert not (tmp_path / "out").exists(), what
+    unknown = malformed(tmp_path, "arch.gguf", bad_files(tmp_path)["unknown arch"])
+    with pytest.raises(FermijitError, match="unsupported architecture 'mamba2xyz'"):
+        gguf_io.GgufFile(unknown)
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
+    from fermijit import cli
+
+    monkeypatch.setattr(sys, "argv", ["fermijit", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", ["convert", "generate", "eval"])
+def test_cli_refuses_a_malformed_gguf_in_one_line(verb, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text("hello")
+    for what, data in bad_files(tmp_path).items():
+        path = malformed(tmp_path, what.replace(" ", "-") + ".gguf", data)
+        args = {"convert": ["convert", path, tmp_path / "out"],
+                "generate": ["generate", "--model", path, "hi"],
+                "eval": ["eval", "--model", path, "--text", text]}[verb]
+        code, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 2, (what, err)
+        assert err.count("\n") == 1 and err.startswith("Error: "), (what, err)
+
+
+def test_generate_model_gguf_converts_once_into_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "cache"))
+    first = gguf_io.model_directory(gguf_data.F32)
+    assert "converting" in capsys.readouterr().err
+    assert convert.is_fermijit_model(first) and first.parent == tmp_path / "cache" / "gguf"
+    assert gguf_io.model_directory(gguf_data.F32) == first
+    assert capsys.readouterr().err == ""  # the second run loads the cached conversion
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial left behind
+    manifest = json.loads((first / convert.MANIFEST).read_text())
+    assert manifest["source"]["format"] == "gguf" and manifest["source"]["requantised"] == {}
+
+
+def test_value_heads_return_to_grouped_order():
+    """llama.cpp's _reorder_v_heads (grouped by key head -> tiled), in numpy; ours inverts it."""
+    Hk, Hv, d = 2, 6, 3
+    grouped = np.arange(Hv * d)
+    tiled = grouped.reshape(Hk, Hv // Hk, d).transpose(1, 0, 2).reshape(-1)
+    assert (tiled[gguf_io.grouped_from_tiled(Hk, Hv, d)] == grouped).all()
