@@ -129,7 +129,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     of timings to stderr."""
     from fermijit import engine
     from fermijit.jit import cpu
-    from fermijit.model.gguf_io import model_directory
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -157,7 +157,7 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
     from fermijit.jit import cpu
-    from fermijit.model.gguf_io import model_directory
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json)

@@ -90,15 +90,15 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
 
 def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
             chunk_bytes: int = CHUNK_BYTES) -> dict:
-    """Convert an HF checkpoint directory, or a GGUF file (model/gguf_io.py); returns the
+    """Convert an HF checkpoint directory, or a GGUF file (model/gguf_convert.py); returns the
     manifest written to `dst/fermijit.json`."""
     src, dst = Path(src), Path(dst)
     if lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
     if src.is_file():
-        from fermijit.model import gguf_io
+        from fermijit.model import gguf_convert
 
-        return gguf_io.convert(src, dst, lm_head, show_progress, chunk_bytes)
+        return gguf_convert.convert(src, dst, lm_head, show_progress, chunk_bytes)
     if not src.is_dir():
         raise FermijitError(f"no such model directory or GGUF file: {src}")
     cfg = load_config(src)

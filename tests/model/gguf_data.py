@@ -5,10 +5,11 @@ converted by llama.cpp's own `convert_hf_to_gguf.py` (F32) and quantised by its 
     python -m tests.model.gguf_data LLAMA_CPP_DIR QUANTIZE_BINARY
 
 The checkpoint is `tiny.UNIT` (seed 0), converted with `--no-mtp` (its lone `mtp.fc` tensor is
-not a loadable MTP layer), with a tokenizer trained here whose pre-tokenizer is Qwen3.5's (the `qwen35` split regex). llama.cpp identifies a BPE
-pre-tokenizer by hashing how a tokenizer splits a fixed text, a hash only the published
-tokenizers have; the conversion is run with that lookup answering `qwen35`, which is true of this
-tokenizer's pre-tokenizer. Nothing else of the converter is touched.
+not a loadable MTP layer), with a tokenizer trained here whose pre-tokenizer is Qwen3.5's (the
+`qwen35` split regex). llama.cpp identifies a BPE pre-tokenizer by hashing how a tokenizer splits
+a fixed text, a hash only the published tokenizers have; the conversion is run with that lookup
+answering `qwen35`, which is true of this tokenizer's pre-tokenizer. Nothing else of the
+converter is touched.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ runpy.run_path(script, run_name="__main__")
 
 
 def write_tokenizer(directory: Path) -> None:
-    """tiny's tokenizer (same corpus, special tokens and chat template), pre-tokenized as Qwen3.5."""
+    """tiny's tokenizer (its corpus, special tokens, chat template), pre-tokenized as Qwen3.5."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

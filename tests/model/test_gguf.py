@@ -1,6 +1,6 @@
-"""GGUF in (issue 16): llama.cpp's own conversion of a tiny random checkpoint (tests/model/data/gguf,
-README there) read back equals the checkpoint: fp32 logits, fermijit's quantised blocks, the
-tokenizer; malformed files are one-line errors."""
+"""GGUF in (issue 16): llama.cpp's own conversion of a tiny random checkpoint (README in
+tests/model/data/gguf) read back equals the checkpoint: fp32 logits, fermijit's quantised blocks,
+the tokenizer; malformed files are one-line errors."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fermijit import FermijitError
-from fermijit.model import convert, gguf_io
+from fermijit.model import convert, gguf_convert, gguf_io
 from fermijit.model.forward import Model, load_model
 from fermijit.model.safetensors_io import SafetensorsFile
 from fermijit.model.tokenizer import Tokenizer
@@ -57,7 +57,7 @@ def all_logits(model) -> np.ndarray:
 
 
 def test_f32_gguf_logits_equal_the_checkpoint(hf_dir):
-    cfg, weights = gguf_io.load_float_weights(gguf_data.F32)
+    cfg, weights = gguf_convert.load_float_weights(gguf_data.F32)
     hf_cfg, hf_model = load_model(hf_dir)
     # All but the token ids (the GGUF's are the tokenizer's) and MTP (converted without it).
     ignored = dict(pad_token_id=None, eos_token_id=None, mtp_num_hidden_layers=0)
@@ -160,10 +160,10 @@ def test_cli_refuses_a_malformed_gguf_in_one_line(verb, tmp_path, monkeypatch, c
 
 def test_generate_model_gguf_converts_once_into_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "cache"))
-    first = gguf_io.model_directory(gguf_data.F32)
+    first = gguf_convert.model_directory(gguf_data.F32)
     assert "converting" in capsys.readouterr().err
     assert convert.is_fermijit_model(first) and first.parent == tmp_path / "cache" / "gguf"
-    assert gguf_io.model_directory(gguf_data.F32) == first
+    assert gguf_convert.model_directory(gguf_data.F32) == first
     assert capsys.readouterr().err == ""  # the second run loads the cached conversion
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no partial left behind
     manifest = json.loads((first / convert.MANIFEST).read_text())
