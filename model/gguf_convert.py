@@ -89,7 +89,7 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
               f"(its kernels read Q4_0 and Q8_0 blocks only; MoE experts Q4_0 only)",
               file=sys.stderr)
     source = {"path": str(Path(src).resolve()), "format": "gguf", "fingerprint": g.fingerprint(),
-              "files": [Path(src).name], "imported_blocks": len(imported),
+              "files": [Path(src).name], "imported_blocks": sorted(imported),
               "requantised": {name: kind for name, (kind, _) in requantised.items()}}
     return fj.write_manifest(dst, source, tensors)
 

@@ -1,8 +1,8 @@
 """The GGUF test data (tests/model/data/gguf/, README there): a tiny random Qwen3.6 checkpoint,
-converted by llama.cpp's own `convert_hf_to_gguf.py` (F32) and quantised by its `llama-quantize`
-(Q4_0, Q8_0). Run once, by hand:
+converted by llama.cpp's own `convert_hf_to_gguf.py` (F32) and quantised by its quantizer,
+libllama's `llama_model_quantize` (Q4_0, Q8_0; tests/model/llama_quantize.py). Run once, by hand:
 
-    python -m tests.model.gguf_data LLAMA_CPP_DIR QUANTIZE_BINARY
+    python -m tests.model.gguf_data LLAMA_CPP_DIR LIBLLAMA_SO
 
 The checkpoint is `tiny.UNIT` (seed 0), converted with `--no-mtp` (its lone `mtp.fc` tensor is
 not a loadable MTP layer), with a tokenizer trained here whose pre-tokenizer is Qwen3.5's (the
@@ -66,14 +66,16 @@ def write_checkpoint(directory: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    llama_cpp, quantize = Path(argv[0]).resolve(), Path(argv[1]).resolve()
+    from tests.model.llama_quantize import quantize
+
+    llama_cpp, libllama = Path(argv[0]).resolve(), Path(argv[1]).resolve()
     DATA.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_checkpoint(Path(tmp) / "tiny-hf")
         subprocess.run([sys.executable, "-c", _CONVERT_PINNED, str(llama_cpp), str(hf),
                         "--outfile", str(F32), "--outtype", "f32", "--no-mtp"], check=True)
     for out, kind in ((Q4_0, "Q4_0"), (Q8_0, "Q8_0")):
-        subprocess.run([str(quantize), str(F32), str(out), kind], check=True)
+        quantize(str(libllama), str(F32), str(out), kind)
     for path in (F32, Q4_0, Q8_0):
         print(f"{path.name}: {path.stat().st_size} bytes")
 

@@ -1,12 +1,12 @@
 """Issue 16 item 5, by hand: the default model through llama.cpp (GGUF, Q4_K_M) and back.
 
-    python -m tests.model.gguf_report LLAMA_CPP_DIR QUANTIZE_BINARY WORKDIR
+    python -m tests.model.gguf_report LLAMA_CPP_DIR LIBLLAMA_SO WORKDIR
 
 The default model's HF checkpoint is not kept (fermijit/default_model is its 4-bit conversion),
 so the checkpoint exported is the one the shipped weights dequantise to (fp32; Q4_0 and Q8_0
 blocks are exact in fp32). From it: llama.cpp's converter (F32 GGUF), its quantizer (Q4_K_M and
-Q4_0), fermijit's import of each, and fermijit's direct conversion of the checkpoint; then `eval`
-of each on the held-out sample, one after another in one process (a table on stdout).
+Q4_0; tests/model/llama_quantize.py), fermijit's import of each, and fermijit's direct
+conversion of the checkpoint; then `eval` of each on the held-out sample (a table on stdout).
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ def evaluate(model: Path) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    llama_cpp, quantize, work = (Path(a).resolve() for a in argv)
+    from tests.model.llama_quantize import quantize
+
+    llama_cpp, libllama, work = (Path(a).resolve() for a in argv)
     hf = export_hf(work / "default-hf")
     f32 = work / "default-f32.gguf"
     # The default tokenizer's split regex is Qwen2's: llama.cpp's `qwen2` pre-tokenizer.
@@ -93,7 +95,7 @@ def main(argv: list[str]) -> None:
     ggufs = {"F32": f32}
     for kind in ("Q4_K_M", "Q4_0"):
         ggufs[kind] = work / f"default-{kind.lower()}.gguf"
-        subprocess.run([str(quantize), str(f32), str(ggufs[kind]), kind], check=True)
+        quantize(str(libllama), str(f32), str(ggufs[kind]), kind, n_threads=2)
     models = {"fermijit convert (HF)": work / "fj-direct"}
     convert.convert(hf, models["fermijit convert (HF)"])
     for kind, path in ggufs.items():
