@@ -84,7 +84,8 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
     if requantised:
         kinds = sorted({kind for kind, _ in requantised.values()})
         mib = sum(n for _, n in requantised.values()) / 2**20
-        print(f"warning: {src.name}: {len(requantised)} tensors ({mib:.1f} MiB of "
+        n = len(requantised)
+        print(f"warning: {src.name}: {n} tensor{'s' if n > 1 else ''} ({mib:.1f} MiB of "
               f"{', '.join(kinds)}) dequantised and requantised to fermijit's Q4_0/Q8_0/F16 "
               f"(its kernels read Q4_0 and Q8_0 blocks only; MoE experts Q4_0 only)",
               file=sys.stderr)

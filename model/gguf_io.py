@@ -235,13 +235,26 @@ def plan_fields(cfg: TextConfig, g: GgufFile) -> dict[str, Field]:
     return fields
 
 
+def _shape(t, ndim: int) -> tuple[int, ...]:
+    """A tensor's shape in numpy order (GGUF lists dims innermost first), with the unit dims
+    GGUF writers drop (llama-quantize writes ffn_gate_inp_shexp [1, H] as [H]) put back."""
+    shape = tuple(int(n) for n in reversed(t.shape))
+    return (1,) * (ndim - len(shape)) + shape
+
+
+def _array(t, ndim: int) -> np.ndarray:
+    """A tensor's data (elements, or bytes of block rows) with those unit dims put back."""
+    data = t.data
+    return data.reshape((1,) * (ndim - data.ndim) + data.shape) if data.ndim < ndim else data
+
+
 def _check_sources(g: GgufFile, field: Field) -> None:
     n_rows = 0
     for s in field.sources:
         t = g.tensors.get(s)
         if t is None:
             raise FermijitError(f"{g.path}: missing tensor {s}")
-        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
+        shape = _shape(t, len(field.shape))
         lead, inner = field.shape[:-2], field.shape[-1:]
         if len(field.shape) == 1:
             ok = shape == field.shape
@@ -259,8 +272,7 @@ def _check_sources(g: GgufFile, field: Field) -> None:
 def _source_runs(field: Field, g: GgufFile, r0: int, r1: int):
     """(tensor, its row indices) pieces that give field rows [r0, r1), in order."""
     tensors = field.tensors(g)
-    sizes = [int(t.shape[1]) if len(t.shape) > 1 and len(field.shape) > 1 else int(t.shape[0])
-             for t in tensors]
+    sizes = [_shape(t, len(field.shape))[-2 if len(field.shape) > 1 else 0] for t in tensors]
     offsets = np.cumsum([0] + sizes)
     idx = field.rows[r0:r1] if field.rows is not None else np.arange(r0, min(r1, offsets[-1]))
     which = np.searchsorted(offsets, idx, side="right") - 1
@@ -271,9 +283,9 @@ def _source_runs(field: Field, g: GgufFile, r0: int, r1: int):
             yield tensors[k], run_idx - offsets[k]
 
 
-def _raw(t, lead: int | None, rows: np.ndarray) -> np.ndarray:
+def _raw(t, ndim: int, lead: int | None, rows: np.ndarray) -> np.ndarray:
     """Rows of a tensor's stored data (elements, or bytes of blocks), of expert `lead`."""
-    data = t.data if lead is None else t.data[lead]
+    data = _array(t, ndim) if lead is None else _array(t, ndim)[lead]
     contiguous = rows.size and rows[-1] - rows[0] == rows.size - 1 and np.all(np.diff(rows) == 1)
     return np.array(data[rows[0]:rows[-1] + 1] if contiguous else data[rows])
 
@@ -284,7 +296,9 @@ def read_float(field: Field, g: GgufFile, lead: int | None, rows: slice) -> np.n
 
     n_rows = field.shape[-2] if len(field.shape) > 1 else field.shape[0]
     r0, r1, _ = rows.indices(n_rows)
-    parts = [quants.dequantize(_raw(t, lead, idx), t.tensor_type).astype(np.float32, copy=False)
+    ndim = len(field.shape)
+    parts = [quants.dequantize(_raw(t, ndim, lead, idx), t.tensor_type).astype(np.float32,
+                                                                                copy=False)
              for t, idx in _source_runs(field, g, r0, r1)]
     x = np.concatenate(parts) if len(parts) > 1 else parts[0]
     if field.col_perm is not None:
@@ -301,7 +315,7 @@ def read_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: 
     """(qs, d) of rows of a Q4_0 or Q8_0 field, split bit for bit from GGUF's blocks."""
     n_rows = field.shape[-2]
     r0, r1, _ = rows.indices(n_rows)
-    raw = [_raw(t, lead, idx) for t, idx in _source_runs(field, g, r0, r1)]
+    raw = [_raw(t, len(field.shape), lead, idx) for t, idx in _source_runs(field, g, r0, r1)]
     raw = np.concatenate(raw) if len(raw) > 1 else raw[0]
     n, nb = raw.shape[0], field.shape[-1] // fj.BLOCK
     blocks = raw.reshape(n, nb, -1)                       # [n, blocks, 18 or 34]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from fermijit import FermijitError
 
 # tokenizer.ggml.pre -> the split regex of the HF tokenizer.json it came from.
@@ -104,8 +106,10 @@ def tokenizer_files(g) -> dict[str, str]:
     stops = [t[0] for t in (eos, eot) if t is not None]
     generation = {"bos_token_id": bos and bos[0], "eos_token_id": sorted(set(stops)),
                   "pad_token_id": pad and pad[0]}
-    generation.update({name: g.value(key) for key, name in SAMPLING.items()
-                       if g.value(key, None) is not None})
+    for key, name in SAMPLING.items():
+        value = g.value(key, None)
+        if value is not None:  # float32 in the file: its shortest decimal, as config files say it
+            generation[name] = float(str(np.float32(value))) if isinstance(value, float) else value
     if "temperature" in generation:
         generation["do_sample"] = generation["temperature"] > 0
     return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False),

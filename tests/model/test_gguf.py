@@ -176,3 +176,51 @@ def test_value_heads_return_to_grouped_order():
     grouped = np.arange(Hv * d)
     tiled = grouped.reshape(Hk, Hv // Hk, d).transpose(1, 0, 2).reshape(-1)
     assert (tiled[gguf_io.grouped_from_tiled(Hk, Hv, d)] == grouped).all()
+
+
+@pytest.mark.parametrize("path", [gguf_data.Q4_0, gguf_data.Q8_0], ids=["q4_0", "q8_0"])
+def test_quantised_gguf_blocks_are_imported_bit_for_bit(path, hf_dir, converted, capsys):
+    """llama.cpp's Q4_0/Q8_0 blocks, reordered back, are byte for byte the blocks fermijit's own
+    conversion makes of the checkpoint (both round as GGML's reference quantiser); what fermijit's
+    kernels cannot read (Q8_0 experts) or stores otherwise (the fp16 embedding) is requantised,
+    said in one warning; the rest is dequantised into fp32 fields."""
+    import gguf
+
+    from fermijit.model.safetensors_io import Checkpoint
+    from fermijit.model.weights import plan_text_weights
+    from fermijit.ops import quant
+
+    ours = converted(hf_dir)
+    capsys.readouterr()
+    theirs = converted(path)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    manifest = json.loads((theirs / convert.MANIFEST).read_text())
+    ours_manifest = json.loads((ours / convert.MANIFEST).read_text())
+    imported, requantised = manifest["source"]["imported_blocks"], manifest["source"]["requantised"]
+    plans = plan_text_weights(load_model(hf_dir)[0].text_config, Checkpoint(hf_dir))
+    a, b = SafetensorsFile(ours / convert.WEIGHTS), SafetensorsFile(theirs / convert.WEIGHTS)
+    for name in imported:
+        kind = manifest["tensors"][name]["quant"]
+        if ours_manifest["tensors"][name]["quant"] == kind:   # fermijit's own conversion
+            qs, d = np.asarray(a.raw(name + ".qs")), np.asarray(a.raw(name + ".d"))
+        else:                                                  # the same quantiser, another kind
+            qs, d = quant.quantize_q8_0(plans[name].read_all(Checkpoint(hf_dir)))
+        assert np.asarray(b.raw(name + ".qs")).tobytes() == qs.tobytes(), name
+        assert np.asarray(b.raw(name + ".d")).tobytes() == d.tobytes(), name
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    kind = path.stem.split("-")[-1].upper()
+    expected = {"token_embd.weight": kind}  # fp16 in fermijit
+    if kind == "Q8_0":  # the MoE kernels read Q4_0 only
+        expected.update({n: kind for n in types if "_exps." in n or "_shexp." in n
+                         and "gate_inp" not in n})
+    assert requantised == expected
+    assert len(warnings) == 1 and f"{len(expected)} tensor" in warnings[0]
+    fields = gguf_io.plan_fields(load_model(hf_dir)[0].text_config, gguf_io.GgufFile(path))
+    quantised = {n for n, t in types.items() if t not in ("F32", "F16", "BF16")}
+    for name, field in fields.items():  # every quantised tensor went one of the three ways
+        if set(field.sources) & quantised and name not in imported:
+            assert (manifest["tensors"][name]["quant"] == "f32"
+                    or set(field.sources) <= set(requantised)), name
+    # Every quantised matrix field: 7 per linear-attention layer, 8 per attention layer, lm_head;
+    # from Q8_0 all but the MoE's 4 per layer.
+    assert len(imported) == (30 if kind == "Q4_0" else 30 - 16)
