@@ -14,6 +14,7 @@ converter is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -24,6 +25,10 @@ from tests.model import tiny
 
 DATA = Path(__file__).parent / "data" / "gguf"
 F32, Q4_0, Q8_0 = DATA / "tiny-f32.gguf", DATA / "tiny-q4_0.gguf", DATA / "tiny-q8_0.gguf"
+# K-quants need rows of 256: the tiny model 256 wide, in Q4_K_M (Q4_K, Q5_0, Q6_K, Q8_0 by tensor).
+Q4_K_M = DATA / "wide-q4_k_m.gguf"
+WIDE = dataclasses.replace(tiny.UNIT, name="wide",
+                           text_config={**tiny.TEXT_CONFIG, "hidden_size": 256})
 # Qwen3.5's split regex, as its tokenizer.json writes it (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35).
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
                 r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -58,11 +63,16 @@ def write_tokenizer(directory: Path) -> None:
          "pad_token": "<|endoftext|>", "chat_template": tiny.CHAT_TEMPLATE}, indent=2))
 
 
-def write_checkpoint(directory: Path) -> Path:
+def write_checkpoint(directory: Path, model: tiny.Model = tiny.UNIT) -> Path:
     """The HF checkpoint the GGUF files were made from (deterministic: seeded numpy)."""
-    tiny.write_checkpoint(directory, model=tiny.UNIT)
+    tiny.write_checkpoint(directory, model=model)
     write_tokenizer(directory)
     return directory
+
+
+def _to_gguf(llama_cpp: Path, hf: Path, out: Path) -> None:
+    subprocess.run([sys.executable, "-c", _CONVERT_PINNED, str(llama_cpp), str(hf),
+                    "--outfile", str(out), "--outtype", "f32", "--no-mtp"], check=True)
 
 
 def main(argv: list[str]) -> None:
@@ -71,12 +81,13 @@ def main(argv: list[str]) -> None:
     llama_cpp, libllama = Path(argv[0]).resolve(), Path(argv[1]).resolve()
     DATA.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = write_checkpoint(Path(tmp) / "tiny-hf")
-        subprocess.run([sys.executable, "-c", _CONVERT_PINNED, str(llama_cpp), str(hf),
-                        "--outfile", str(F32), "--outtype", "f32", "--no-mtp"], check=True)
-    for out, kind in ((Q4_0, "Q4_0"), (Q8_0, "Q8_0")):
-        quantize(str(libllama), str(F32), str(out), kind)
-    for path in (F32, Q4_0, Q8_0):
+        _to_gguf(llama_cpp, write_checkpoint(Path(tmp) / "tiny-hf"), F32)
+        for out, kind in ((Q4_0, "Q4_0"), (Q8_0, "Q8_0")):
+            quantize(str(libllama), str(F32), str(out), kind)
+        wide_f32 = Path(tmp) / "wide-f32.gguf"
+        _to_gguf(llama_cpp, write_checkpoint(Path(tmp) / "wide-hf", WIDE), wide_f32)
+        quantize(str(libllama), str(wide_f32), str(Q4_K_M), "Q4_K_M")
+    for path in (F32, Q4_0, Q8_0, Q4_K_M):
         print(f"{path.name}: {path.stat().st_size} bytes")
 
 

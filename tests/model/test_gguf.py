@@ -224,3 +224,46 @@ def test_quantised_gguf_blocks_are_imported_bit_for_bit(path, hf_dir, converted,
     # Every quantised matrix field: 7 per linear-attention layer, 8 per attention layer, lm_head;
     # from Q8_0 all but the MoE's 4 per layer.
     assert len(imported) == (30 if kind == "Q4_0" else 30 - 16)
+
+
+# Q4_K (the coarsest type in the file) keeps weights to ~4% relative RMS error; a field read
+# with a transform left undone (a permutation, the 1 + w) is off by ~100% or more.
+KQUANT_REL_RMS = 0.1
+
+
+def test_k_quants_are_dequantised_and_requantised_with_one_warning(tmp_path_factory, capsys):
+    """llama.cpp's Q4_K_M (Q4_K, Q5_0, Q5_1, Q6_K and Q8_0 tensors) of the 256-wide tiny model:
+    each field not importable bit for bit is gguf's dequantisation, transforms undone (near the
+    checkpoint's weights), quantised by fermijit's Q4_0/Q8_0 quantiser; one warning counts them."""
+    from fermijit.model.safetensors_io import Checkpoint
+    from fermijit.model.weights import plan_text_weights
+    from fermijit.ops import quant
+
+    root = tmp_path_factory.mktemp("gguf-wide")
+    hf = gguf_data.write_checkpoint(root / "hf", gguf_data.WIDE)
+    out = root / "out"
+    convert.convert(gguf_data.Q4_K_M, out, show_progress=False)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    manifest = json.loads((out / convert.MANIFEST).read_text())
+    requantised = manifest["source"]["requantised"]
+    assert {"Q4_K", "Q6_K", "Q5_0"} <= set(requantised.values())
+    assert len(warnings) == 1 and f"{len(requantised)} tensors" in warnings[0]
+    g = gguf_io.GgufFile(gguf_data.Q4_K_M)
+    cfg = load_model(hf)[0].text_config
+    plans, weights = plan_text_weights(cfg, Checkpoint(hf)), SafetensorsFile(out / convert.WEIGHTS)
+    n_checked = 0
+    for name, field in gguf_io.plan_fields(cfg, g).items():
+        entry = manifest["tensors"][name]
+        if not set(field.sources) & set(requantised) or entry["quant"] not in ("q4_0", "q8_0"):
+            continue
+        leads = range(field.shape[0]) if len(field.shape) == 3 else [None]
+        values = np.stack([gguf_io.read_float(field, g, e, slice(None)) for e in leads])
+        values = values.reshape(field.shape)
+        expected = plans[name].read_all(Checkpoint(hf))
+        err = np.sqrt(np.mean((values - expected) ** 2) / np.mean(expected ** 2))
+        assert err < KQUANT_REL_RMS, (name, err)
+        qs, d = (quant.quantize_q4_0 if entry["quant"] == "q4_0" else quant.quantize_q8_0)(values)
+        assert np.asarray(weights.raw(name + ".qs")).tobytes() == qs.tobytes(), name
+        assert np.asarray(weights.raw(name + ".d")).tobytes() == d.tobytes(), name
+        n_checked += 1
+    assert n_checked >= 20
