@@ -267,3 +267,19 @@ def test_k_quants_are_dequantised_and_requantised_with_one_warning(tmp_path_fact
         assert np.asarray(weights.raw(name + ".d")).tobytes() == d.tobytes(), name
         n_checked += 1
     assert n_checked >= 20
+
+
+def test_generate_chat_runs_from_a_gguf_alone(hf_dir, tmp_path, monkeypatch, capsysbinary):
+    """`generate --chat --model FILE.gguf`: weights, tokenizer and chat template all from the file."""
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "cache"))
+    from fermijit import cli
+
+    monkeypatch.setattr(sys, "argv", ["fermijit", "generate", "--model", str(gguf_data.Q4_0),
+                                      "--chat", "--max-tokens", "4", "--temperature", "0", "hi"])
+    cli.main()
+    out, err = capsysbinary.readouterr()
+    hf = Tokenizer(hf_dir)  # the prompt as the checkpoint's own tokenizer and template make it
+    n_prompt = hf.encode(hf.render_chat([{"role": "user", "content": "hi"}]),
+                         add_special_tokens=False).size
+    assert f"prompt {n_prompt} tokens;".encode() in err, err
+    assert b" tokens, decode " in err and b"Error" not in err  # a random model may stop at once
