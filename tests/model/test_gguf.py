@@ -277,7 +277,7 @@ def test_generate_chat_runs_from_a_gguf_alone(hf_dir, tmp_path, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", ["fermijit", "generate", "--model", str(gguf_data.Q4_0),
                                       "--chat", "--max-tokens", "4", "--temperature", "0", "hi"])
     cli.main()
-    out, err = capsysbinary.readouterr()
+    _, err = capsysbinary.readouterr()
     hf = Tokenizer(hf_dir)  # the prompt as the checkpoint's own tokenizer and template make it
     n_prompt = hf.encode(hf.render_chat([{"role": "user", "content": "hi"}]),
                          add_special_tokens=False).size
