@@ -33,8 +33,8 @@ from fermijit import FermijitError, __version__
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
-from fermijit.model.weights import (QuantTensor, TextWeights, assemble, plan_text_weights,
-                                    text_weight_shapes)
+from fermijit.model.weights import (QuantTensor, TextWeights, assemble,
+                                    plan_text_weights, text_weight_shapes)
 
 FORMAT_VERSION = 1
 MANIFEST = "fermijit.json"
@@ -104,65 +104,66 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
-    tensors = {name: (plan.shape, quantisation(name, lm_head)) for name, plan in plans.items()}
-    for name, (shape, quant) in tensors.items():
-        stored_specs(name, shape, quant)  # quantisable: checked before any write
-    check_output(dst)
+    quants = {name: quantisation(name, lm_head) for name in plans}
+    check_output_dir(dst)
 
-    def fill(out: SafetensorsWriter):
-        for name, plan in plans.items():
-            yield from stream(name, plan.shape, tensors[name][1],
-                              lambda lead, rows, plan=plan: plan.read(ckpt, lead, rows), out,
-                              chunk_bytes)
+    def copy_files(out: Path) -> None:
+        for file in COPIED_FILES:
+            if (src / file).is_file():
+                shutil.copyfile(src / file, out / file)
 
-    write_weights(dst, tensors, fill, show_progress)
-    for file in COPIED_FILES:
-        if (src / file).is_file():
-            shutil.copyfile(src / file, dst / file)
-    source = {"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
-              "files": [f.path.name for f in ckpt.files]}
-    return write_manifest(dst, source, tensors)
+    return write_model(
+        dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
+        lambda name, out: stream(name, plans[name].shape, quants[name],
+                                 lambda lead, rows: plans[name].read(ckpt, lead, rows), out,
+                                 chunk_bytes),
+        source={"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
+                "files": [f.path.name for f in ckpt.files]},
+        other_files=copy_files, desc="convert", show_progress=show_progress)
 
 
-def check_output(dst: Path) -> None:
-    """`dst` is made, or is an empty directory: a conversion never mixes with other files."""
+def check_output_dir(dst: Path) -> None:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FermijitError(f"output directory {dst} exists and is not empty")
-    dst.mkdir(parents=True, exist_ok=True)
 
 
-def write_weights(dst: Path, tensors: dict[str, tuple[tuple[int, ...], str]], fill,
-                  show_progress: bool) -> None:
-    """`dst/model.safetensors` holding `tensors` ({name: (shape, quant)}), filled by
-    `fill(writer)`, which yields the elements done as it goes (for the progress bar)."""
+def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
+                source: dict, other_files, desc: str, show_progress: bool = True,
+                quants: dict[str, str] | None = None) -> dict:
+    """The one writer of a model directory (`convert`, `model/synth.py`, model/gguf_convert.py):
+    the weights file, in which `fill(name, writer)` stores tensor `name` (quantised as
+    `quantisation` says, or as `quants` does: a GGUF's imported blocks keep their kind), yielding
+    the elements done per piece; then `other_files(dst)` (config, tokenizer...); the manifest
+    last, as it marks the directory complete. Returns the manifest."""
     from tqdm import tqdm
 
+    quants = quants or {name: quantisation(name, lm_head) for name in shapes}
+    specs = {name: stored_specs(name, shape, quants[name]) for name, shape in shapes.items()}
+    dst.mkdir(parents=True, exist_ok=True)
     # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
     # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
-    flat = [s for name, (shape, quant) in tensors.items() for s in stored_specs(name, shape, quant)]
+    flat = [s for name in shapes for s in specs[name]]
     order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
     partial = dst / (WEIGHTS + ".partial")
-    total = sum(int(np.prod(shape)) for shape, _ in tensors.values())
+    total = sum(int(np.prod(shape)) for shape in shapes.values())
     with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
-            tqdm(total=total, unit="param", unit_scale=True, desc="convert", file=sys.stderr,
+            tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
                  disable=not show_progress) as bar:
-        for n_done in fill(out):
-            bar.update(n_done)
+        for name in shapes:
+            for n_done in fill(name, out):
+                bar.update(n_done)
     os.replace(partial, dst / WEIGHTS)
-
-
-def write_manifest(dst: Path, source: dict, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
-    """`dst/fermijit.json`, written last: it marks the conversion complete."""
+    other_files(dst)
     manifest = {
         "format_version": FORMAT_VERSION,
         "converter": f"fermijit {__version__}",
         "source": source,
         "weights": WEIGHTS,
-        "tensors": {name: {"shape": list(shape), "quant": quant}
-                    for name, (shape, quant) in tensors.items()},
+        "tensors": {name: {"shape": list(shape), "quant": quants[name]}
+                    for name, shape in shapes.items()},
         "reap": None,  # no experts pruned
     }
-    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: marks it complete
     return manifest
 
 

@@ -54,33 +54,17 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
     raw_config, cfg = read_config(g)
     fields = plan_fields(cfg.text_config, g)          # every tensor checked before any write
     files = tokenizer_files(g)
-    tensors, imported, requantised = {}, set(), {}
+    quants, imported, requantised = {}, set(), {}
     for name, field in fields.items():
-        quant, is_import = storage(field, g, fj.quantisation(name, lm_head))
-        fj.stored_specs(name, field.shape, quant)      # quantisable: checked before any write
-        tensors[name] = (field.shape, quant)
+        quants[name], is_import = storage(field, g, fj.quantisation(name, lm_head))
+        fj.stored_specs(name, field.shape, quants[name])  # quantisable: checked before any write
         if is_import:
             imported.add(name)
-        elif quant != "f32":
+        elif quants[name] != "f32":
             for t in field.tensors(g):
                 if not _is_float(t):
                     requantised[t.name] = (t.tensor_type.name, int(t.n_bytes))
-    fj.check_output(dst)
-
-    def fill(out):
-        for name, field in fields.items():
-            shape, quant = tensors[name]
-            if name in imported:
-                yield from _write_blocks(field, g, quant, out, chunk_bytes)
-            else:
-                yield from fj.stream(name, shape, quant,
-                                     lambda lead, rows, f=field: _read_float(f, g, lead, rows),
-                                     out, chunk_bytes)
-
-    fj.write_weights(dst, tensors, fill, show_progress)
-    (dst / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
-    for file, text in files.items():
-        (dst / file).write_text(text, encoding="utf-8")
+    fj.check_output_dir(dst)
     if requantised:
         kinds = sorted({kind for kind, _ in requantised.values()})
         mib = sum(n for _, n in requantised.values()) / 2**20
@@ -89,10 +73,25 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
               f"{', '.join(kinds)}) dequantised and requantised to fermijit's Q4_0/Q8_0/F16 "
               f"(its kernels read Q4_0 and Q8_0 blocks only; MoE experts Q4_0 only)",
               file=sys.stderr)
+
+    def fill(name: str, out):
+        field = fields[name]
+        if name in imported:
+            return _write_blocks(field, g, quants[name], out, chunk_bytes)
+        return fj.stream(name, field.shape, quants[name],
+                         lambda lead, rows: _read_float(field, g, lead, rows), out, chunk_bytes)
+
+    def other_files(out: Path) -> None:
+        (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
+        for file, text in files.items():
+            (out / file).write_text(text, encoding="utf-8")
+
     source = {"path": str(Path(src).resolve()), "format": "gguf", "fingerprint": g.fingerprint(),
               "files": [Path(src).name], "imported_blocks": sorted(imported),
               "requantised": {name: kind for name, (kind, _) in requantised.items()}}
-    return fj.write_manifest(dst, source, tensors)
+    return fj.write_model(dst, {name: f.shape for name, f in fields.items()}, lm_head, fill,
+                          source, other_files, desc="convert", show_progress=show_progress,
+                          quants=quants)
 
 
 def _read_float(field: Field, g: GgufFile, lead, rows) -> np.ndarray:
