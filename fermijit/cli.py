@@ -182,7 +182,8 @@ def kernels_check(ptxas: Path | None, as_json: bool) -> None:
 @click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default="q8_0", show_default=True,
               help="Quantisation of the output head, the matrix most sensitive to error.")
 def convert(src: Path, dst: Path, lm_head: str) -> None:
-    """Convert the HF checkpoint directory SRC into a 4-bit fermijit model directory DST."""
+    """Convert SRC, an HF checkpoint directory or a GGUF file (llama.cpp's qwen35moe), into a
+    4-bit fermijit model directory DST."""
     # SRC is checked by the converter, not click.Path(exists=True): a usage error is 3 lines.
     from fermijit.model import convert as converter
 
@@ -260,9 +261,10 @@ def verify(model_dir: Path) -> None:
 @cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
-                   "(run unquantised in fp32, for reference runs). Default: the embedded model "
-                   "(fermijit/default_model, trained on the Python docs).")
+              help="A fermijit model directory (from `convert`), a GGUF file (converted once into "
+                   "the cache: $FERMIJIT_CACHE, else ~/.cache/fermijit), or an HF checkpoint "
+                   "directory (run unquantised in fp32, for reference runs). Default: the "
+                   "embedded model (fermijit/default_model, trained on the Python docs).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Most tokens to generate.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None,
@@ -289,6 +291,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     of timings to stderr."""
     from fermijit import engine
     from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -297,13 +300,14 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
-    engine.run(model_dir or engine.DEFAULT_MODEL, text, settings)
+    engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings)
 
 
 @cli.command("eval")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory (run W4A8) or an HF checkpoint directory (fp32). "
-                   "Default: the embedded model.")
+              help="A fermijit model directory (run W4A8), a GGUF file (converted once into the "
+                   "cache, then W4A8) or an HF checkpoint directory (fp32). Default: the "
+                   "embedded model.")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               required=True, help="UTF-8 text file to score.")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
@@ -319,9 +323,10 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
     from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
-    evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
+    evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json)
 
 
 def _open_missing_streams() -> None:

@@ -235,13 +235,13 @@ def test_sigterm_removes_the_partial_output(tmp_path):
         import os, signal, sys
         from fermijit.model import convert
         from fermijit.cli import main
-        real = convert._stream
+        real = convert.stream
         def stream(*args):
             for i, n in enumerate(real(*args)):
-                if args[0].name == "layers.1.mlp.experts_gate_up":
+                if args[0] == "layers.1.mlp.experts_gate_up":
                     os.kill(os.getpid(), signal.SIGTERM)
                 yield n
-        convert._stream = stream
+        convert.stream = stream
         sys.argv = ["fermijit", "convert", {str(src)!r}, {str(tmp_path / "dst")!r}]
         main()
     """)
