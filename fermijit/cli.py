@@ -14,6 +14,29 @@ from fermijit import FermijitError
 ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
 
 
+class ByteSize(click.ParamType):
+    """A number of bytes: 1000000, 512K, 64M, 2G (powers of 1024)."""
+
+    name = "size"
+    UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
+        try:
+            n = float(number)
+        except ValueError:
+            n = -1.0
+        if not n >= 0:
+            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
+        return int(n * self.UNITS[unit])
+
+
+SIZE = ByteSize()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
               help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
@@ -120,19 +143,33 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
                    "max_position_embeddings).")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
+@click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
+                                               "cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep prompt snapshots in this directory too, so later runs (and other "
+                   "processes) resume from them.")
+@click.option("--cache-mem", type=SIZE, default=None,
+              help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot the state every this many prompt tokens (default: 256).")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
-             context: int | None, chat: bool) -> None:
+             context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
+             cache_mem: int | None, snapshot_every: int | None) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
-    of timings to stderr."""
-    from fermijit import engine
+    of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
+    (in this process, or in --cache-dir)."""
+    from fermijit import engine, prefix_cache
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat)
+    cache = prefix_cache.CacheSettings(
+        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
     engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
-               settings)
+               settings, cache_settings=cache)
 
 
 @cli.command("eval")
