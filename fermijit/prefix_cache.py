@@ -109,6 +109,12 @@ def common_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+def _if_whole(logits: np.ndarray | None, position: int, prompt: np.ndarray) -> np.ndarray | None:
+    """A copy of the logits after `position` tokens if that is all of `prompt` (else a token is
+    left to prefill, and they are not the prompt's)."""
+    return None if logits is None or position < prompt.size else logits.copy()
+
+
 class PrefixCache:
     """Snapshots of one model's state keyed by exact token prefixes, in memory (and on disk)."""
 
@@ -148,12 +154,14 @@ class PrefixCache:
             if loaded is not None:
                 state, logits = loaded
                 self.add(prompt[:state.position], state, logits, to_disk=False)
-                return state.copy(context), None if logits is None else logits.copy()
+                node, path = self._best(prompt)
+                if node is None or node.end < state.position:  # evicted at once: too big
+                    return state.copy(context), _if_whole(logits, state.position, prompt)
         if node is None:
             return None, None
         self._credit(node)
-        logits = node.snapshot.logits
-        return self._state(node, path, context), None if logits is None else logits.copy()
+        return (self._state(node, path, context),
+                _if_whole(node.snapshot.logits, node.end, prompt))
 
     def _best(self, prompt: np.ndarray) -> tuple[Node | None, list[Node]]:
         """The deepest snapshotted node on `prompt`'s path that leaves a token to prefill or
