@@ -164,8 +164,9 @@ class SnapshotDir:
         (usable: leaves a token to prefill, or has the logits of the whole prompt), loaded."""
         self.scan()
         for entry in self._prefixes(prompt, below):
-            if entry.position == prompt.size and not entry.has_logits:
-                continue
+            if entry.path.name in self.bad or entry.position == prompt.size \
+                    and not entry.has_logits:
+                continue  # found bad as another's parent, or cannot serve the whole prompt
             try:
                 return self._load(entry)
             except Corrupt as e:
@@ -190,8 +191,12 @@ class SnapshotDir:
                     kv_pieces.append((fresh.parent_position, _read_section(f, fresh.kv)))
                     if e is entry:
                         state_arrays = _read_section(f, fresh.state)
-            except OSError as err:
-                raise Corrupt(f"unreadable ({err.strerror})") from None
+            except (Corrupt, OSError) as err:
+                why = str(err) if isinstance(err, Corrupt) else f"unreadable ({err.strerror})"
+                if e is entry:
+                    raise Corrupt(why) from None
+                self._skip(e.path.name, why)
+                raise Corrupt(f"its parent {e.path.name} is unusable") from None
         layers, n_gdn = [], 0
         n_kv = entry.layers.count("kv")
         for i, kind in enumerate(entry.layers):
@@ -223,8 +228,8 @@ class SnapshotDir:
         """Write a snapshot of `state` (which has seen `tokens`) unless it is on disk already."""
         name = file_name(self.fingerprint, tokens)
         path = self.dir / name
-        if name in self.entries or path.exists():
-            return
+        if name in self.entries or path.exists() and name not in self.bad:
+            return  # immutable: what is there serves (a bad one is written over)
         self.scan()
         parents = self._prefixes(tokens[:-1], 0)
         parent = parents[0] if parents else None
@@ -258,4 +263,5 @@ class SnapshotDir:
                 os.unlink(tmp)
             self.warn(f"warning: snapshot cache: could not write {path}: {e.strerror}")
             return
+        self.bad.discard(name)
         self.scan()  # registers it (or warns, should another process have spoilt it)

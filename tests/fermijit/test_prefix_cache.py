@@ -26,6 +26,18 @@ EVERY = 8       # snapshot positions 8, 16, ...: several within the tiny prompts
 CONTEXT = 160
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Dozens of tiny prefills: on 2 shared cores a team of threads costs more than it gives
+    (a 41-token W4A8 prefill took 2.3 s with 2 threads under load, 0.13 s with one)."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefix-cache")
