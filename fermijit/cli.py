@@ -88,6 +88,33 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
 
+@bench.command("cache")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--tokens", type=click.IntRange(min=2), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot interval (default: the cache's, 256).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Repetitions (cases interleaved); the median is shown.")
+@click.option("--sweep", is_flag=True, help="Also time cold+snap and branched per snapshot "
+                                            "interval (64, 128, 256, 512).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None, repeat: int,
+                sweep: bool, threads: int | None, as_json: bool) -> None:
+    """Snapshot prefix cache: a prompt cold, repeated, extended by 32 tokens and branched at a
+    random point; time, speed-up against cold, snapshot bytes and count."""
+    from fermijit import bench_cache as bc
+    from fermijit import engine, prefix_cache
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bc.run(model_dir or engine.DEFAULT_MODEL, tokens,
+           snapshot_every or prefix_cache.SNAPSHOT_EVERY, repeat, sweep, as_json)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""

@@ -99,13 +99,8 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     prompt = np.asarray(prompt, np.int32)
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
-    state, logits = (None, None) if cache is None else cache.restore(prompt, context)
-    if state is None:
-        state = model.new_state(context)
-    if cache is not None:
-        stats.n_cached = state.position
-    if logits is None:
-        logits = _prefill(model, prompt, state, cache, progress_to)
+    state, logits, n_cached = prefill(model, prompt, context, cache, progress_to)
+    stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
     tokens: list[int] = []
@@ -134,12 +129,28 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     return tokens, stats
 
 
-def _prefill(model, prompt: np.ndarray, state, cache, progress_to) -> np.ndarray:
+def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None):
+    """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
+    `context`, the logits after it, and how many of its tokens were restored from `cache` (the
+    longest cached prefix; the rest is prefilled, snapshotted on the way and at the end)."""
+    prompt = np.asarray(prompt, np.int32)
+    state, logits = (None, None) if cache is None else cache.restore(prompt, context)
+    if state is None:
+        state = model.new_state(context)
+    n_cached = state.position
+    if logits is None:
+        logits = _prefill_rest(model, prompt, state, cache, progress_to)
+    return state, logits, n_cached
+
+
+def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to) -> np.ndarray:
     """Prefill what `state` has not seen of `prompt` (the logits after it); with a cache,
-    snapshots at its positions and at the end."""
+    snapshots where a pass ends at a multiple of `snapshot_every` (passes are aligned to them)
+    or `snapshot_every` past the last one (a prefill that cannot align), and at the end."""
     from fermijit.model.forward import PREFILL_BLOCK
 
     rest = prompt[state.position:]
+    last = [state.position]
     bar = None
     if progress_to is not None and rest.size > PREFILL_BLOCK:
         bar = tqdm(total=int(rest.size), desc="prefill", unit="tok", file=progress_to,
@@ -148,9 +159,12 @@ def _prefill(model, prompt: np.ndarray, state, cache, progress_to) -> np.ndarray
     def on_block(n: int) -> None:
         if bar is not None:
             bar.update(n)
-        if cache is not None and state.position < prompt.size \
-                and state.position % cache.snapshot_every == 0:
+        if cache is None or state.position == prompt.size:
+            return
+        every = cache.snapshot_every
+        if state.position % every == 0 or state.position - last[0] >= every:
             cache.add(prompt[:state.position], state)
+            last[0] = state.position
 
     try:
         logits = model.prefill(rest, state, on_block=on_block,

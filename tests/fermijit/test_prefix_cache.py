@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fermijit import FermijitError
-from fermijit.engine import _prefill, generate
+from fermijit.engine import generate, prefill
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.state import KvCache
@@ -57,12 +57,7 @@ def uncached(model, prompt):
 
 def cached(model, cache, prompt):
     """(logits, tokens restored): what generate does before sampling."""
-    state, logits = cache.restore(prompt, CONTEXT)
-    if state is None:
-        state = model.new_state(CONTEXT)
-    n_cached = state.position
-    if logits is None:
-        logits = _prefill(model, prompt, state, cache, None)
+    _, logits, n_cached = prefill(model, prompt, CONTEXT, cache)
     return logits, n_cached
 
 
