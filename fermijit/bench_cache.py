@@ -28,6 +28,9 @@ import numpy as np
 
 N_EXTEND = 32
 SWEEP = (64, 128, 256, 512)
+# Long enough that every op takes its parallel kernel (ops' PARALLEL_MIN_ELEMENTS, 1 << 16 at
+# most, over 384 hidden), so no compile lands in a timed case.
+WARM_UP_PREFILL = 256
 
 
 def _timed(fn):
@@ -74,14 +77,14 @@ def measure(model, prompt: np.ndarray, snapshot_every: int, repeat: int, rng) ->
 def run(model_dir: Path, n_prompt: int, snapshot_every: int, repeat: int, sweep: bool,
         as_json: bool, seed: int = 0) -> None:
     from fermijit.engine import warm_up
-    from fermijit.model.forward import PREFILL_BLOCK, load_model
+    from fermijit.model.forward import load_model
     from fermijit.model.state import GdnState, KvCache
 
     _, model = load_model(model_dir)
     n_prompt = min(n_prompt, model.max_context - N_EXTEND)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.vocab_size, n_prompt).astype(np.int32)
-    warm_up(model, prompt, n_prefill=min(n_prompt, PREFILL_BLOCK))
+    warm_up(model, prompt, n_prefill=min(n_prompt, WARM_UP_PREFILL))
     main = measure(model, prompt, snapshot_every, repeat, rng)
     state = model.new_state(1)
     gdn_nbytes = sum(s.conv.nbytes + s.recurrent.nbytes for s in state.layers

@@ -214,8 +214,9 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 @click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
                                                "cache.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="FERMIJIT_CACHE_DIR",
               help="Keep prompt snapshots in this directory too, so later runs (and other "
-                   "processes) resume from them.")
+                   "processes) resume from them (env FERMIJIT_CACHE_DIR; never pruned).")
 @click.option("--cache-mem", type=SIZE, default=None,
               help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
 @click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
