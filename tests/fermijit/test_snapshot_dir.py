@@ -146,3 +146,25 @@ def test_two_processes_share_a_directory(models, tmp_path):
 def test_fingerprint_names_the_directory(models, q4, tmp_path):
     cache = PrefixCache(model_fingerprint(models["w4a8"]), directory=tmp_path, snapshot_every=8)
     assert cache.disk.dir.parent == tmp_path and len(cache.disk.dir.name) == 16
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--cache-mem", "lots"), "is not a size such as 512M or 2G"),
+    (("--cache-mem", "-1G"), "is not a size such as 512M or 2G"),
+    (("--snapshot-every", "0"), "--snapshot-every"),
+    (("--cache-dir", "FILE"), "cannot create it"),
+])
+def test_bad_cache_flags_are_one_line(models, tmp_path, flags, message):
+    (tmp_path / "file").write_text("")
+    flags = [str(tmp_path / "file" / "sub") if f == "FILE" else f for f in flags]
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "--model",
+                        str(models["w4a8"]), *flags, "hello"], capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_sizes():
+    from fermijit.cli import SIZE
+
+    assert [SIZE.convert(v, None, None) for v in ("0", "1000", "512K", "64m", "2G", "1.5GiB")] \
+        == [0, 1000, 512 << 10, 64 << 20, 2 << 30, 3 << 29]
