@@ -4,6 +4,7 @@ engine function and print; heavy imports (numba, pycuda, the model) happen insid
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -188,6 +189,20 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 
 
 @cli.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (from `convert`).")
+def verify(model_dir: Path) -> None:
+    """Check every tensor of a fermijit model against the checksum `convert` recorded (a
+    progress bar on stderr); exit 2 naming the first damaged tensor. Loading checks only the
+    manifest and the smallest tensors."""
+    from fermijit.model import manifest
+
+    n_tensors, nbytes = manifest.verify(model_dir)
+    click.echo(f"{model_dir}: {n_tensors} tensors, {nbytes / 2**20:.1f} MiB, all match their "
+               f"checksums")
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
@@ -237,8 +252,11 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     cache = prefix_cache.CacheSettings(
         is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
         snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
-    engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
-               settings, cache_settings=cache)
+    from fermijit.model import files
+
+    text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
+            else files.check_text(prompt, "the prompt"))
+    engine.run(model_dir or engine.DEFAULT_MODEL, text, settings, cache_settings=cache)
 
 
 @cli.command("eval")
@@ -264,16 +282,50 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
     evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
 
 
+def _open_missing_streams() -> None:
+    """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
+    diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
+    /dev/null instead."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode))
+
+
+def _fail(message: str) -> None:
+    # The first line only: a library message is one line, an OS or click one may not be.
+    try:
+        print(f"Error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr,
+              flush=True)
+    except OSError:
+        pass
+    try:
+        sys.stdout.flush()
+    except OSError:
+        # stdout is unwritable (/dev/full, a closed pipe): point it at /dev/null, so the
+        # interpreter's flush at exit neither fails nor prints a second error.
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    sys.exit(2)
+
+
 def main() -> None:
+    _open_missing_streams()
     try:
         cli.main(standalone_mode=False)
+        sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as e:
         # One line for every command, usage errors included (bad input: one line, exit 2).
-        click.echo(f"Error: {e.format_message()}", err=True)
-        sys.exit(2)
+        _fail(e.format_message())
     except FermijitError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
+        _fail(str(e))
+    except OSError as e:
+        # What the library does not name itself: stdout full (/dev/full) or closed, a disk
+        # that fails under a read. One line, as any bad environment.
+        where = f": {e.filename}" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}")
+    except MemoryError:
+        _fail("out of memory")
