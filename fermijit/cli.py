@@ -15,6 +15,29 @@ from fermijit import FermijitError
 ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
 
 
+class ByteSize(click.ParamType):
+    """A number of bytes: 1000000, 512K, 64M, 2G (powers of 1024)."""
+
+    name = "size"
+    UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
+        try:
+            n = float(number)
+        except ValueError:
+            n = -1.0
+        if not n >= 0:
+            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
+        return int(n * self.UNITS[unit])
+
+
+SIZE = ByteSize()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
               help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
@@ -159,6 +182,33 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
                            ratios, context, max_tokens, seed, as_json)
 
 
+@bench.command("cache")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--tokens", type=click.IntRange(min=2), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot interval (default: the cache's, 256).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Repetitions (cases interleaved); the median is shown.")
+@click.option("--sweep", is_flag=True, help="Also time cold+snap and branched per snapshot "
+                                            "interval (64, 128, 256, 512).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None, repeat: int,
+                sweep: bool, threads: int | None, as_json: bool) -> None:
+    """Snapshot prefix cache: a prompt cold, repeated, extended by 32 tokens and branched at a
+    random point; time, speed-up against cold, snapshot bytes and count."""
+    from fermijit import bench_cache as bc
+    from fermijit import engine, prefix_cache
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bc.run(model_dir or engine.DEFAULT_MODEL, tokens,
+           snapshot_every or prefix_cache.SNAPSHOT_EVERY, repeat, sweep, as_json)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
@@ -284,23 +334,39 @@ def verify(model_dir: Path) -> None:
 @numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
+@click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
+                                               "cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="FERMIJIT_CACHE_DIR",
+              help="Keep prompt snapshots in this directory too, so later runs (and other "
+                   "processes) resume from them (env FERMIJIT_CACHE_DIR; never pruned).")
+@click.option("--cache-mem", type=SIZE, default=None,
+              help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot the state every this many prompt tokens (default: 256).")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
-             context: int | None, chat: bool) -> None:
+             context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
+             cache_mem: int | None, snapshot_every: int | None) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
-    of timings to stderr."""
-    from fermijit import engine
+    of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
+    (in this process, or in --cache-dir)."""
+    from fermijit import engine, prefix_cache
     from fermijit.jit import cpu
     from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat)
+    cache = prefix_cache.CacheSettings(
+        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
     from fermijit.model import files
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
-    engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings)
+    engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
+               cache_settings=cache)
 
 
 @cli.command("eval")
