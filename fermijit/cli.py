@@ -120,9 +120,19 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
                    "max_position_embeddings).")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
-             context: int | None, chat: bool) -> None:
+             context: int | None, chat: bool, prefill: str, gpu_mem: str | None,
+             pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr."""
     from fermijit import engine
@@ -130,7 +140,9 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed, context=context, is_chat=chat)
+                               top_p=top_p, seed=seed, context=context, is_chat=chat,
+                               prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
+                               verbose=verbose)
     engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
                settings)
 
@@ -147,15 +159,26 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: all cores).")
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
-                 threads: int | None) -> None:
+                 threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+                 verbose: bool) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
-    evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
+    evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json,
+                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
 
 
 def main() -> None:

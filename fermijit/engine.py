@@ -3,7 +3,8 @@ one token at a time, sample, detokenise and stream; timings and peak memory on t
 
 `generate` is the loop on token ids, for any caller; `run` is what `python -m fermijit generate`
 calls: load the model and tokenizer, settle the settings, stream text to stdout and the summary
-to stderr. Prefill runs on the CPU (the GPU path and the snapshot prefix cache come later).
+to stderr. The prompt is prefilled by a `hybrid` prefiller chosen once (`--prefill cpu|gpu|auto`:
+the GPU with experts streamed from host memory, or the CPU); decode runs on the CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Settings:
     seed: int = 0
     context: int | None = None
     is_chat: bool = False
+    prefill: str = "cpu"          # --prefill cpu|gpu|auto (fermijit/hybrid.py)
+    gpu_mem: str | None = None    # --gpu-mem, e.g. "6G" (default: free less a margin)
+    pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
+    verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
 
 
 @dataclasses.dataclass
@@ -80,11 +85,15 @@ def peak_rss_bytes() -> int:
 
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
              eos_ids: frozenset[int], on_token: Callable[[int], None],
-             progress_to=None) -> tuple[list[int], Stats]:
-    """Prefill `prompt`, then sample and decode until an eos id, `max_tokens` or the end of the
-    context; `on_token` gets each generated token as it is made. Returns (tokens, stats). With
-    `progress_to` (a text stream), a prompt of several prefill passes shows a progress bar there."""
+             progress_to=None, prefiller=None) -> tuple[list[int], Stats]:
+    """Prefill `prompt` (through `prefiller`, default the CPU's), then sample and decode until an
+    eos id, `max_tokens` or the end of the context; `on_token` gets each generated token as it is
+    made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
+    passes shows a progress bar there."""
+    from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
+
+    prefiller = prefiller or CpuPrefiller(model)
 
     stats = Stats(n_prompt=int(prompt.size))
     state = model.new_state(context)
@@ -94,7 +103,7 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
         bar = tqdm(total=int(prompt.size), desc="prefill", unit="tok", file=progress_to,
                    leave=False)
     try:
-        logits = model.prefill(prompt, state, on_block=None if bar is None else bar.update)
+        logits = prefiller.prefill(prompt, state, on_block=None if bar is None else bar.update)
     finally:
         if bar is not None:
             bar.close()
@@ -170,10 +179,12 @@ def context_length(settings: Settings, n_prompt: int, max_context: int) -> int:
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None) -> Stats:
     """`generate` for the CLI: the continuation streams to `out` (bytes, default stdout) as
     UTF-8, progress and the summary go to `err` (text, default stderr)."""
+    from fermijit import hybrid
     from fermijit.model.forward import load_model
     from fermijit.model.tokenizer import Tokenizer
     from fermijit.ops.sampling import Sampler
 
+    hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
     out = out or sys.stdout.buffer
     err = err or sys.stderr
     start = time.perf_counter()
@@ -200,6 +211,13 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
     warm_up_s = warm_up(model, prompt, sampler=new_sampler())  # a twin: warming draws from it
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
+    prefiller = hybrid.make(model, settings.prefill, settings.gpu_mem, settings.pin_budget,
+                            settings.verbose, err)
+    if settings.prefill != "cpu":
+        start = time.perf_counter()
+        if prefiller.prepare():
+            print(f"gpu prefill ready in {time.perf_counter() - start:.2f} s", file=err,
+                  flush=True)
 
     stream = tokenizer.stream()
 
@@ -210,7 +228,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
             out.flush()
 
     _, stats = generate(model, prompt, sampler, settings.max_tokens, context, tokenizer.eos_ids,
-                        emit, progress_to=err)
+                        emit, progress_to=err, prefiller=prefiller)
     out.write(stream.flush().encode("utf-8"))
     out.flush()
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)

@@ -1,0 +1,390 @@
+"""The GPU prefill (issue 10): the forward of model/forward.py over a whole prompt on the GPU, the
+dense weights resident, the routed experts streamed from host memory (fermijit/expert_stream.py),
+and the state handed to the CPU `State` for decode.
+
+Per layer, on the legacy stream (the ops' launches):
+    xn = rmsnorm(x);  x += mixer(xn)           (GDN or attention; the output projection adds into
+                                                x: the expert_down GEMM with one expert, every
+                                                token routed to it with weight 1)
+    xn = rmsnorm(x);  router logits, top-k     (then the ids come to the host: the one sync)
+    copies of the routed experts, by group     (copy stream; see Streamer)
+    x += σ(xn·w_sg) · shared(xn)               (runs while group 0 is on the link)
+    for each group: wait for its copy; x += routed experts of the group
+then the final norm and the LM head for the last position. Routing needs the layer's own input,
+so a layer's copies cannot start before its router has run; the overlap is within the layer
+(copies of group j+1 under the GEMMs of group j) and the shared expert.
+
+Numerics: activations stay fp32 (DESIGN.md: prefill keeps them in fp32), so the logits follow
+model/reference.py over the same 4-bit weights, not the CPU's W4A8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model.forward import L2NORM_EPS, Model
+from fermijit.model.state import GdnState, KvCache, State
+from fermijit.model.weights import GatedDeltaNetWeights, QuantTensor
+from fermijit.ops import (attention, conv1d, embedding, expert_matmul, f32_gemm, gated_delta,
+                          l2norm, matmul, matvec, quant, rmsnorm, rope, router)
+
+F32 = 4
+EXPERT_GROUPS = 8  # copy groups per layer: the last group's GEMMs are the copy link's idle time
+
+
+def _q4(a) -> tuple[np.ndarray, np.ndarray]:
+    """(qs, d) of a Q4_0 projection (Q4Matrix or QuantTensor)."""
+    if isinstance(a, matvec.Q4Matrix):
+        return a.qs, a.d_bits.view(np.float16)
+    if isinstance(a, QuantTensor) and a.kind == "q4_0":
+        return a.qs, a.d
+    raise FermijitError("the GPU prefill needs a 4-bit (Q4_0) model")
+
+
+def dense_arrays(model: Model) -> list[dict[str, np.ndarray]]:
+    """Per layer, the host arrays that stay resident on the GPU (names -> arrays)."""
+    if not model.is_quantized:
+        raise FermijitError("the GPU prefill needs a 4-bit model (convert it first); this one is "
+                            "an fp32 checkpoint")
+    layers = []
+    for w in model.layers:
+        m, e = w.mixer, w.experts
+        a = {"input_norm": w.input_norm, "post_norm": w.post_norm, "router": w.router,
+             "shared_gate": e.shared_gate[None],
+             "shared_gate_up_qs": e.shared_gate_up_qs, "shared_gate_up_d": e.shared_gate_up_d,
+             "shared_down_qs": e.shared_down_qs, "shared_down_d": e.shared_down_d}
+        if isinstance(m, GatedDeltaNetWeights):
+            for name in ("in_proj_qkv", "in_proj_z", "out_proj"):
+                a[f"{name}_qs"], a[f"{name}_d"] = _q4(getattr(m, name))
+            a["w_ba"] = np.concatenate([np.asarray(m.in_proj_b, np.float32),
+                                        np.asarray(m.in_proj_a, np.float32)])
+            a.update(conv1d=m.conv1d, A_log=m.A_log, dt_bias=m.dt_bias, norm=m.norm)
+        else:
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                a[f"{name}_qs"], a[f"{name}_d"] = _q4(getattr(m, name))
+            a.update(q_norm=m.q_norm, k_norm=m.k_norm)
+        layers.append(a)
+    return layers
+
+
+def head_on_gpu(model: Model) -> bool:
+    """A Q4_0 LM head runs on the GPU; a Q8_0 one in fp32 on the host (no Q8 GEMM in PTX)."""
+    return isinstance(model.lm_head, matvec.Q4Matrix)
+
+
+def host_head(model: Model, x: np.ndarray, rows_per_block: int = 8192) -> np.ndarray:
+    """logits [T, V] = x · headᵀ for fp32 rows x [T, H] (already normed), the Q8_0 head
+    dequantised a block of rows at a time: fp32 activations, as the rest of the GPU prefill."""
+    w = model.lm_head
+    out = np.empty((x.shape[0], model.vocab_size), np.float32)
+    for r in range(0, model.vocab_size, rows_per_block):
+        rows = slice(r, r + rows_per_block)
+        if isinstance(w, QuantTensor) and w.kind == "q8_0":
+            block = quant.dequantize_q8_0(w.qs[rows], w.d[rows])
+        else:
+            block = np.asarray(w[rows], np.float32)
+        out[:, rows] = x @ block.T
+    return out
+
+
+def activation_bytes(model: Model, n_tokens: int) -> int:
+    """Device bytes of one pass's intermediates over `n_tokens` (what `Workspace` holds, plus the
+    GDN chunk scratch and the routed slots)."""
+    H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
+    Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
+    experts = model.layers[0].experts
+    inter = experts.down_qs.shape[2] * 2
+    shared_inter = experts.shared_down_qs.shape[2] * 2
+    per_token = (3 * H + 4 * Hq * D + 2 * Hkv * D + 2 * model.conv_dim + 2 * Hv * dv
+                 + 2 * Hk * dk + 2 * Hv * dv + 4 * Hv + model.n_experts
+                 + model.top_k * (2 + inter + 2) + shared_inter + 3)
+    chunks = -(-n_tokens // gated_delta.GPU_CHUNK)
+    gdn_scratch = Hv * chunks * gated_delta.GPU_CHUNK * (1 + 2 * gated_delta.GPU_CHUNK)
+    rope_tables = n_tokens * model.rotary_dim
+    return F32 * (n_tokens * per_token + gdn_scratch + rope_tables)
+
+
+def state_bytes(model: Model, n_positions: int) -> int:
+    """Device bytes of the KV caches (for `n_positions`) and the GDN states."""
+    total = 0
+    for is_attention in model.is_attention:
+        if is_attention:
+            total += 2 * model.n_kv_heads * n_positions * model.head_dim
+        else:
+            total += (model.conv_dim * (model.conv_taps - 1)
+                      + model.n_value_heads * model.key_dim * model.value_dim)
+    return F32 * total
+
+
+class DeviceModel:
+    """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
+
+    def __init__(self, model: Model, source: str, n_groups: int = EXPERT_GROUPS):
+        from fermijit import expert_stream
+        from fermijit.jit import gpu
+
+        self.model = model
+        self.layers = [{k: gpu.to_device("gpu prefill", k, np.ascontiguousarray(v), v.dtype)
+                        for k, v in a.items()} for a in dense_arrays(model)]
+        self.norm = gpu.to_device("gpu prefill", "norm", model.norm, np.float32)
+        self.head = None
+        if head_on_gpu(model):
+            qs, d = _q4(model.lm_head)
+            self.head = tuple(gpu.to_device("gpu prefill", "lm_head", a, a.dtype) for a in (qs, d))
+        self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source,
+                                               n_groups)
+        self.expert_buffer = gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
+        self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
+                               + self.norm.nbytes
+                               + (0 if self.head is None else sum(a.nbytes for a in self.head)))
+
+
+@dataclasses.dataclass
+class LayerTiming:
+    """CUDA events of one layer of one pass (for `bench prefill --verbose`)."""
+
+    compute: tuple  # (start, end) on the legacy stream
+    copy: tuple     # (start, end) on the copy stream, or () when nothing was copied
+
+
+class Pass:
+    """The device buffers of one prefill over `n_tokens` after `start` positions."""
+
+    def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int):
+        from fermijit.jit import gpu
+
+        m = dev.model
+        self.dev, self.m, self.T, self.start, self.states = dev, m, n_tokens, start, states
+        T, H = n_tokens, m.hidden
+        e = gpu.empty
+        self.x, self.xn = e((T, H)), e((T, H))
+        self.logits_r = e((T, m.n_experts))
+        self.ids, self.weights = e((T, m.top_k), np.int32), e((T, m.top_k))
+        inter = m.layers[0].experts.down_qs.shape[2] * 2
+        self.h = e((T * m.top_k, inter))
+        self.h_shared = e((T, m.layers[0].experts.shared_down_qs.shape[2] * 2))
+        self.shared_w = e((T, 1))
+        rows = np.arange(T, dtype=np.int32)
+        tiles = np.array([(0, s, min(s + expert_matmul.TILE_ROWS, T), 0)
+                          for s in range(0, T, expert_matmul.TILE_ROWS)], np.int32)
+        op = "gpu prefill"
+        self.rows = gpu.to_device(op, "rows", rows, np.int32)
+        self.tiles = gpu.to_device(op, "tiles", tiles, np.int32)
+        self.ones = gpu.to_device(op, "ones", np.ones(T, np.float32), np.float32)
+        self.n_tiles = len(tiles)
+        self.positions = np.arange(start, start + T, dtype=np.int64)
+        self.timings: list[LayerTiming] = []
+        self.copy_events: tuple = ()
+        self.layer_stats: list[dict] = []    # per layer: routed slots, experts copied
+        self.marks: list | None = None       # (category, event) in order, when profiling
+
+    def mark(self, category: str) -> None:
+        """Profiling: the kernels launched since the previous mark were `category`."""
+        if self.marks is not None:
+            from fermijit.jit import gpu
+
+            done = gpu.event()
+            done.record()
+            self.marks.append((category, done))
+
+    # --- one layer ------------------------------------------------------------------------------
+
+    def add_projection(self, src, qs, d) -> None:
+        """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1."""
+        from fermijit.jit import gpu
+
+        gpu.kernel("q4_gemm", MODE="expert_down")(
+            (-(-self.m.hidden // expert_matmul.DOWN_TILE_COLS), self.n_tiles), (256,),
+            src, qs, d, self.x, self.tiles, self.rows, self.ones, 0, self.m.hidden, src.shape[1])
+
+    def gdn(self, w, s: GdnState) -> None:
+        from fermijit.jit import gpu
+
+        m, T = self.m, self.T
+        Hk, Hv, dk, dv = m.n_key_heads, m.n_value_heads, m.key_dim, m.value_dim
+        e = gpu.empty
+        mixed = matmul.gpu(self.xn, w["in_proj_qkv_qs"], w["in_proj_qkv_d"], out=e((T, m.conv_dim)))
+        z = matmul.gpu(self.xn, w["in_proj_z_qs"], w["in_proj_z_d"], out=e((T, Hv * dv)))
+        self.mark("dense gemm")
+        g, beta = f32_gemm.gates_gpu(self.xn, w["w_ba"], w["A_log"], w["dt_bias"],
+                                     out=(e((T, Hv)), e((T, Hv))))
+        conv1d.gpu(mixed, w["conv1d"], s.conv, out=mixed)
+        parts = [e((T, Hk, dk)), e((T, Hk, dk)), e((T, Hv, dv))]
+        at = 0
+        for part in parts:
+            width = part.nbytes // T
+            gpu.copy_2d(part.gpudata, width, int(mixed.gpudata) + at, m.conv_dim * F32, width, T)
+            at += width
+        q, k, v = parts
+        l2norm.gpu(q, L2NORM_EPS, 1 / np.sqrt(dk), out=q)
+        l2norm.gpu(k, L2NORM_EPS, out=k)
+        o = e((T, Hv, dv))
+        self.mark("small ops")
+        gated_delta.gpu(q, k, v, g, beta, s.recurrent, out=o)
+        self.mark("gated delta")
+        rmsnorm.gated_gpu(o, z.reshape(T, Hv, dv), w["norm"], m.eps, out=o)
+        self.mark("small ops")
+        self.add_projection(o.reshape(T, Hv * dv), w["out_proj_qs"], w["out_proj_d"])
+        self.mark("dense gemm")
+
+    def attention(self, w, cache: KvCache) -> None:
+        from fermijit.jit import gpu
+
+        m, T, D = self.m, self.T, self.m.head_dim
+        Hq, Hkv = m.n_heads, m.n_kv_heads
+        e = gpu.empty
+        qg = matmul.gpu(self.xn, w["q_proj_qs"], w["q_proj_d"], out=e((T, Hq * 2 * D)))
+        k = matmul.gpu(self.xn, w["k_proj_qs"], w["k_proj_d"], out=e((T, Hkv * D)))
+        v = matmul.gpu(self.xn, w["v_proj_qs"], w["v_proj_d"], out=e((T, Hkv * D)))
+        self.mark("dense gemm")
+        q, gate = e((T, Hq, D)), e((T, Hq, D))
+        for part, at in ((q, 0), (gate, D * F32)):
+            gpu.copy_2d(part.gpudata, D * F32, int(qg.gpudata) + at, 2 * D * F32, D * F32, T * Hq)
+        k, v = k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+        rmsnorm.gpu(q, w["q_norm"], m.eps, out=q)
+        rmsnorm.gpu(k, w["k_norm"], m.eps, out=k)
+        rope.gpu(q, self.positions, m.rotary_dim, m.theta, out=q)
+        rope.gpu(k, self.positions, m.rotary_dim, m.theta, out=k)
+        positions = cache.k.shape[1]
+        for src, dst in ((k, cache.k), (v, cache.v)):      # [T, Hkv, D] -> [Hkv, S, D] rows
+            for h in range(Hkv):
+                gpu.copy_2d(int(dst.gpudata) + (h * positions + self.start) * D * F32, D * F32,
+                            int(src.gpudata) + h * D * F32, Hkv * D * F32, D * F32, T)
+        self.mark("small ops")
+        o = attention.gpu(q, cache.k, cache.v, gate, self.start, out=e((T, Hq, D)))
+        self.mark("attention")
+        self.add_projection(o.reshape(T, Hq * D), w["o_proj_qs"], w["o_proj_d"])
+        self.mark("dense gemm")
+
+    def moe(self, i: int, w) -> None:
+        """x += shared(xn) + routed(xn), the routed experts streamed in by group."""
+        from fermijit.jit import gpu
+
+        m, dev = self.m, self.dev
+        f32_gemm.gpu(self.xn, w["router"], out=self.logits_r)
+        router.gpu(self.logits_r, m.top_k, out=(self.ids, self.weights))
+        self.mark("small ops")
+        with gpu.check("reading the routing back"):
+            ids, weights = self.ids.get(), self.weights.get()
+        needed = np.bincount(ids.reshape(-1), minlength=m.n_experts) > 0
+        order, _, tiles = expert_matmul.sort_slots(ids, m.n_experts)
+        op = "gpu prefill"
+        rows = gpu.to_device(op, "rows", (order // m.top_k).astype(np.int32), np.int32)
+        slot_weights = gpu.to_device(op, "slot weights",
+                                     np.ascontiguousarray(weights.reshape(-1)[order]), np.float32)
+        tiles_dev = gpu.to_device(op, "tiles", tiles, np.int32)
+        streamer, base = dev.streamer, int(dev.expert_buffer.gpudata)
+        copy_start = gpu.event()
+        copy_start.record(streamer.stream)
+        copied = streamer.bytes_copied
+        events = [streamer.copy_group(i, j, needed, base) for j in range(len(streamer.groups))]
+        self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
+                                 "bytes": streamer.bytes_copied - copied})
+        self.mark("routing (host)")
+        f32_gemm.gpu(self.xn, w["shared_gate"], "sigmoid", out=self.shared_w)
+        shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
+        expert_matmul.gate_up_gpu(self.xn, shared, w["shared_gate_up_qs"],
+                                  w["shared_gate_up_d"], self.h_shared)
+        expert_matmul.down_gpu(self.h_shared, shared, w["shared_down_qs"], w["shared_down_d"],
+                               self.x)
+        self.mark("shared expert")
+        if self.marks is not None:  # profiling: the copies first, so the GEMMs are timed alone
+            with gpu.check(f"waiting for the experts of layer {i}"):
+                events[-1].synchronize()
+            self.mark("copy wait (profiling)")
+        lay = streamer.layout
+        gu_qs, gu_d, dn_qs, dn_d = (base + s for s in lay.offsets)
+        tile_experts = tiles[:, 0]
+        inter, hidden = self.h.shape[1], m.hidden
+        for (e0, e1), done in zip(streamer.groups, events):
+            t0, t1 = np.searchsorted(tile_experts, [e0, e1])
+            with gpu.check(f"waiting for the experts of layer {i}"):
+                done.synchronize()
+            if t1 == t0:
+                continue
+            at = int(tiles_dev.gpudata) + int(t0) * tiles.itemsize * 4
+            gpu.kernel("q4_gemm", MODE="expert_gate_up")(
+                (-(-inter // expert_matmul.GATE_UP_TILE_COLS), int(t1 - t0)), (256,),
+                self.xn, gu_qs, gu_d, self.h, at, rows, None, 0, inter, hidden)
+            gpu.kernel("q4_gemm", MODE="expert_down")(
+                (-(-hidden // expert_matmul.DOWN_TILE_COLS), int(t1 - t0)), (256,),
+                self.h, dn_qs, dn_d, self.x, at, rows, slot_weights, 0,
+                hidden, inter)
+        self.mark("expert gemm")
+        self.copy_events = (copy_start, events[-1])
+
+    def run(self, tokens: np.ndarray, time_layers: bool = False) -> None:
+        """Every layer over `tokens` [T] int32; x holds the last hidden states after."""
+        from fermijit.jit import gpu
+
+        m = self.m
+        self.mark("start")
+        x = embedding.cpu(tokens, m.embed)
+        with gpu.check("copying the embeddings in"):
+            self.x.set(x)
+        self.mark("embedding")
+        for i, (w, s) in enumerate(zip(self.dev.layers, self.states)):
+            start = gpu.event() if time_layers else None
+            if start is not None:
+                start.record()
+            rmsnorm.gpu(self.x, w["input_norm"], m.eps, out=self.xn)
+            self.mark("small ops")
+            if isinstance(s, KvCache):
+                self.attention(w, s)
+            else:
+                self.gdn(w, s)
+            rmsnorm.gpu(self.x, w["post_norm"], m.eps, out=self.xn)
+            self.mark("small ops")
+            self.moe(i, w)
+            if start is not None:
+                end = gpu.event()
+                end.record()
+                self.timings.append(LayerTiming((start, end), self.copy_events))
+
+    def logits(self, all_logits: bool = False) -> np.ndarray:
+        """Logits [V] of the last token ([T, V] of every token with `all_logits`)."""
+        from fermijit.jit import gpu
+
+        m = self.m
+        x = self.x if all_logits else self.x[self.T - 1:self.T]
+        xn = rmsnorm.gpu(x, self.dev.norm, m.eps, out=gpu.empty(x.shape))
+        if self.dev.head is not None:
+            out = matmul.gpu(xn, *self.dev.head, out=np.empty((x.shape[0], m.vocab_size),
+                                                               np.float32))
+        else:
+            out = host_head(m, xn.get())
+        return out if all_logits else out[0]
+
+
+def upload_states(state: State, n_positions: int) -> list:
+    """The host state on the device: KV caches with room for `n_positions`, GDN states."""
+    from fermijit.jit import gpu
+
+    op, states = "gpu prefill", []
+    for s in state.layers:
+        if isinstance(s, KvCache):
+            k, v = (np.ascontiguousarray(a[:, :n_positions]) for a in (s.k, s.v))
+            states.append(KvCache(gpu.to_device(op, "k cache", k, np.float32),
+                                  gpu.to_device(op, "v cache", v, np.float32)))
+        else:
+            states.append(GdnState(gpu.to_device(op, "conv state", s.conv, np.float32),
+                                   gpu.to_device(op, "recurrent state", s.recurrent, np.float32)))
+    return states
+
+
+def hand_off(states: list, state: State, end: int) -> None:
+    """The device caches and states into the host `State`, which then holds `end` positions.
+    Everything is read back before the host state changes, so a failure leaves it as it was."""
+    from fermijit.jit import gpu
+
+    with gpu.check("copying the state back"):
+        host = [[a.get() for a in dataclasses.astuple(s)] for s in states]
+    for s, arrays in zip(state.layers, host):
+        if isinstance(s, KvCache):
+            s.k[:, :end], s.v[:, :end] = (a[:, :end] for a in arrays)
+        else:
+            s.conv[...], s.recurrent[...] = arrays
+    state.position = end
