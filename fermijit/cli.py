@@ -97,6 +97,21 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
 
 @cli.command()
+@click.argument("name", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Decoder layers (default: the real 40).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random weights.")
+def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
+    """Write a random-weight model of the real shapes of NAME into the new directory DST, in the
+    converted format (qwen3.6-35b-a3b: 256 experts, 19.7 GB; -reap128: 128 experts, 11.2 GB)."""
+    from fermijit.model import synth as synthetic
+
+    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed).summary(), err=True)
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
