@@ -65,6 +65,31 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
 
+@bench.command("prefill")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", default=None,
+              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
+                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@click.option("--tokens", type=click.IntRange(min=1), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
+                                              "512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--verbose", is_flag=True, help="Per-layer copy/compute/overlap and the profile.")
+@click.option("--project", "projection", type=click.Choice(["c2075"]), default=None,
+              help="Project the run onto this GPU (the cost model is printed).")
+def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
+                  gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
+                  projection: str | None) -> None:
+    """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
+    pageable expert streaming (GPU)."""
+    from fermijit import bench_prefill as bp
+
+    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""

@@ -70,24 +70,42 @@ def dense_arrays(model: Model) -> list[dict[str, np.ndarray]]:
     return layers
 
 
-def head_on_gpu(model: Model) -> bool:
-    """A Q4_0 LM head runs on the GPU; a Q8_0 one in fp32 on the host (no Q8 GEMM in PTX)."""
-    return isinstance(model.lm_head, matvec.Q4Matrix)
-
-
-def host_head(model: Model, x: np.ndarray, rows_per_block: int = 8192) -> np.ndarray:
-    """logits [T, V] = x · headᵀ for fp32 rows x [T, H] (already normed), the Q8_0 head
-    dequantised a block of rows at a time: fp32 activations, as the rest of the GPU prefill."""
+def head_arrays(model: Model, rows_per_block: int = 16384) -> dict[str, np.ndarray]:
+    """The LM head as the GPU runs it: Q4_0 as it is ("qs", "d"); Q8_0 split exactly into two
+    Q4_0 matrices and a bias, as the PTX has Q4_0 GEMMs only. With u = q + 128 = 16 hi + lo
+    (hi, lo nibbles), q d = (hi - 8)(16 d) + (lo - 8) d + 8 d, so
+        head · x = Q4(hi, 16 d) · x + Q4(lo, d) · x + 8 Σ_b d_b Σ_{k in b} x_k,
+    the last term a product of the scales (fp32 [V, K/32]) with x's block sums."""
     w = model.lm_head
-    out = np.empty((x.shape[0], model.vocab_size), np.float32)
-    for r in range(0, model.vocab_size, rows_per_block):
-        rows = slice(r, r + rows_per_block)
-        if isinstance(w, QuantTensor) and w.kind == "q8_0":
-            block = quant.dequantize_q8_0(w.qs[rows], w.d[rows])
-        else:
-            block = np.asarray(w[rows], np.float32)
-        out[:, rows] = x @ block.T
+    if isinstance(w, matvec.Q4Matrix):
+        return {"qs": w.qs, "d": w.d_bits.view(np.float16)}
+    if not (isinstance(w, QuantTensor) and w.kind == "q8_0"):
+        raise FermijitError("the GPU prefill needs a Q4_0 or Q8_0 LM head")
+    rows, k = w.qs.shape
+    half = quant.BLOCK // 2
+    out = {"hi_qs": np.empty((rows, k // 2), np.uint8), "lo_qs": np.empty((rows, k // 2), np.uint8)}
+    for r in range(0, rows, rows_per_block):
+        u = (np.asarray(w.qs[r:r + rows_per_block]).view(np.uint8) ^ 0x80).reshape(-1, k // 32, 32)
+        for name, nib in (("hi_qs", u >> 4), ("lo_qs", u & 0x0F)):
+            out[name][r:r + rows_per_block] = (nib[..., :half] | (nib[..., half:] << 4)).reshape(
+                -1, k // 2)
+    d = np.asarray(w.d, np.float16)
+    out["hi_d"], out["lo_d"] = (d * np.float16(16)).astype(np.float16), d
+    out["d32"] = d.astype(np.float32)
+    blocks = np.zeros((k // quant.BLOCK, k), np.float32)                   # block sums of x
+    blocks[np.arange(k) // quant.BLOCK, np.arange(k)] = 1
+    out["block_sums"] = blocks
     return out
+
+
+def head_bytes(model: Model) -> int:
+    """Device bytes of `head_arrays(model)`, without making them."""
+    w = model.lm_head
+    if isinstance(w, matvec.Q4Matrix):
+        return w.qs.nbytes + w.d_bits.nbytes
+    rows, k = w.qs.shape
+    nb = k // quant.BLOCK
+    return rows * k + rows * nb * (2 + 2 + 4) + nb * k * 4
 
 
 def activation_bytes(model: Model, n_tokens: int) -> int:
@@ -130,16 +148,13 @@ class DeviceModel:
         self.layers = [{k: gpu.to_device("gpu prefill", k, np.ascontiguousarray(v), v.dtype)
                         for k, v in a.items()} for a in dense_arrays(model)]
         self.norm = gpu.to_device("gpu prefill", "norm", model.norm, np.float32)
-        self.head = None
-        if head_on_gpu(model):
-            qs, d = _q4(model.lm_head)
-            self.head = tuple(gpu.to_device("gpu prefill", "lm_head", a, a.dtype) for a in (qs, d))
+        self.head = {k: gpu.to_device("gpu prefill", f"lm_head {k}", np.ascontiguousarray(v),
+                                      v.dtype) for k, v in head_arrays(model).items()}
         self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source,
                                                n_groups)
         self.expert_buffer = gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
-                               + self.norm.nbytes
-                               + (0 if self.head is None else sum(a.nbytes for a in self.head)))
+                               + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
 
 
 @dataclasses.dataclass
@@ -179,7 +194,8 @@ class Pass:
         self.timings: list[LayerTiming] = []
         self.copy_events: tuple = ()
         self.layer_stats: list[dict] = []    # per layer: routed slots, experts copied
-        self.marks: list | None = None       # (category, event) in order, when profiling
+        self.marks: list | None = None       # (layer, category, event) in order, when profiling
+        self.layer = -1
 
     def mark(self, category: str) -> None:
         """Profiling: the kernels launched since the previous mark were `category`."""
@@ -188,7 +204,7 @@ class Pass:
 
             done = gpu.event()
             done.record()
-            self.marks.append((category, done))
+            self.marks.append((self.layer, category, done))
 
     # --- one layer ------------------------------------------------------------------------------
 
@@ -327,6 +343,7 @@ class Pass:
             self.x.set(x)
         self.mark("embedding")
         for i, (w, s) in enumerate(zip(self.dev.layers, self.states)):
+            self.layer = i
             start = gpu.event() if time_layers else None
             if start is not None:
                 start.record()
@@ -349,13 +366,22 @@ class Pass:
         from fermijit.jit import gpu
 
         m = self.m
+        self.layer = len(m.layers)
         x = self.x if all_logits else self.x[self.T - 1:self.T]
         xn = rmsnorm.gpu(x, self.dev.norm, m.eps, out=gpu.empty(x.shape))
-        if self.dev.head is not None:
-            out = matmul.gpu(xn, *self.dev.head, out=np.empty((x.shape[0], m.vocab_size),
-                                                               np.float32))
-        else:
-            out = host_head(m, xn.get())
+        head = self.dev.head
+        if "qs" in head:
+            out = matmul.gpu(xn, head["qs"], head["d"], out=np.empty((x.shape[0], m.vocab_size),
+                                                                      np.float32))
+        else:                                    # the Q8_0 head's three terms (head_arrays)
+            sums = f32_gemm.gpu(xn, head["block_sums"])
+            terms = [matmul.gpu(xn, head["hi_qs"], head["hi_d"]),
+                     matmul.gpu(xn, head["lo_qs"], head["lo_d"]),
+                     f32_gemm.gpu(sums, head["d32"])]
+            with gpu.check("reading the logits back"):
+                hi, lo, bias = (t.get() for t in terms)
+            out = hi + lo + np.float32(8) * bias
+        self.mark("lm head")
         return out if all_logits else out[0]
 
 

@@ -101,8 +101,7 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
 
     resident = sum(a.nbytes for layer in gpu_prefill.dense_arrays(model) for a in layer.values())
     resident += model.norm.nbytes
-    if gpu_prefill.head_on_gpu(model):
-        resident += model.lm_head.qs.nbytes + model.lm_head.d_bits.nbytes
+    resident += gpu_prefill.head_bytes(model)
     layout = expert_stream.Layout.of(model.layers[0].experts)
     states = gpu_prefill.state_bytes(model, start + n_tokens)
     fixed = resident + layout.layer_bytes + states
@@ -111,9 +110,11 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
         logits = 4 * model.vocab_size * (t if all_logits else 1)
         return int(POOL_SLACK * (gpu_prefill.activation_bytes(model, t) + logits))
 
-    chunk = n_tokens
-    while fixed + activations(chunk) > budget and chunk > MIN_CHUNK:
-        chunk = max(MIN_CHUNK, chunk // 2 // MIN_CHUNK * MIN_CHUNK)
+    chunk = n_tokens  # else the largest multiple of MIN_CHUNK that fits
+    if fixed + activations(chunk) > budget:
+        chunk = max(MIN_CHUNK, (n_tokens - 1) // MIN_CHUNK * MIN_CHUNK)
+        while fixed + activations(chunk) > budget and chunk > MIN_CHUNK:
+            chunk -= MIN_CHUNK
     if fixed + activations(chunk) > budget:
         raise FermijitError(f"the GPU prefill needs {(fixed + activations(chunk)) / MIB:,.0f} "
                             f"MiB of GPU memory, the budget is {budget / MIB:,.0f} MiB")
