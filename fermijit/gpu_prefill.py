@@ -407,7 +407,7 @@ def hand_off(states: list, state: State, end: int) -> None:
     from fermijit.jit import gpu
 
     with gpu.check("copying the state back"):
-        host = [[a.get() for a in dataclasses.astuple(s)] for s in states]
+        host = [[a.get() for a in vars(s).values()] for s in states]
     for s, arrays in zip(state.layers, host):
         if isinstance(s, KvCache):
             s.k[:, :end], s.v[:, :end] = (a[:, :end] for a in arrays)

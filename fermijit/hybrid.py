@@ -195,7 +195,7 @@ class GpuPrefiller:
         reason = gpu.unavailable_reason()
         if reason is not None:
             raise FermijitError(f"no GPU: {reason}")
-        budget = self.budget()
+        budget = self.gpu_mem = self.budget()  # free memory now, before our own allocations
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
         first = plan(self.model, 2, 0, budget, pin_budget)  # checks the model and the budget
         self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source)

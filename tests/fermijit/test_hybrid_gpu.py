@@ -1,0 +1,158 @@
+"""The GPU prefill end to end (issue 10 item 3), on the default model and a tiny model with 128
+experts: last-position logits against the float64 reference over the same 4-bit weights, the
+hand-off to the CPU state, and 32 greedy tokens decoded on the CPU identical to the all-CPU run.
+Chunked passes, a continued state, every expert source and the all-logits form (eval) too."""
+
+import io
+
+import numpy as np
+import pytest
+
+from fermijit import engine, hybrid
+from fermijit.model import convert
+from fermijit.model.forward import load_model
+from fermijit.model.reference import Reference
+from tests.fermijit.hybrid_models import tiny_e128
+from tests.gpu import MARKS, report_error
+from tests.model.oracle import assert_rel, rel_error
+
+pytestmark = MARKS
+
+# Issue 10 item 3: the GPU keeps activations in fp32, so its logits follow the float64 reference
+# over the same 4-bit weights to fp32 rounding (<= 1e-4 of max|logit|).
+GPU_VS_REFERENCE = 1e-4
+# The CPU path quantises activations to 8 bits (W4A8): the two paths differ by that, measured on
+# HF_INIT 0.65e-2 (tests/model/test_forward.py); the hand-off is checked against it.
+GPU_VS_W4A8 = 5e-2
+# Two GPU runs of the same tokens differ only in the order of the experts' atomic adds.
+GPU_VS_GPU = 1e-5
+N_PROMPT, N_GREEDY = 150, 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {"default": engine.DEFAULT_MODEL, "tiny-e128": tiny_e128(root)}
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            cfg, weights, _ = convert.load_converted(models[name])
+            made[name] = (load_model(models[name])[1], Reference(cfg.text_config, weights))
+        return made[name]
+
+    return get
+
+
+def prompt(model, n=N_PROMPT, seed=0):
+    return np.random.default_rng(seed).integers(3, model.vocab_size, n).astype(np.int32)
+
+
+def gpu_prefiller(model, **kwargs):
+    err = io.StringIO()
+    pf = hybrid.GpuPrefiller(model, err=err, **kwargs)
+    assert pf.prepare(), err.getvalue()
+    return pf, err
+
+
+def greedy(model, logits, state, n=N_GREEDY):
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(logits)))
+        logits = model.decode(tokens[-1], state)
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["default", "tiny-e128"])
+def test_logits_hand_off_and_greedy_tokens(loaded, name):
+    model, reference = loaded(name)
+    tokens = prompt(model)
+    pf, err = gpu_prefiller(model)
+    state = model.new_state(N_PROMPT + N_GREEDY)
+    logits = pf.prefill(tokens, state)
+    assert pf.broken is None, err.getvalue()
+    expected = reference.forward(tokens, reference.new_state())[-1]
+    report_error(f"gpu prefill logits ({name})", expected, logits)
+    assert_rel("gpu prefill logits", expected, logits, GPU_VS_REFERENCE)
+    cpu_state = model.new_state(N_PROMPT + N_GREEDY)
+    cpu_logits = model.prefill(tokens, cpu_state)
+    print(f"rel err gpu vs w4a8 logits ({name}): {rel_error(cpu_logits, logits):.3g}")
+    assert_rel("gpu vs cpu logits", cpu_logits, logits, GPU_VS_W4A8)
+    assert state.position == cpu_state.position == N_PROMPT
+    for s, c in zip(state.layers, cpu_state.layers):
+        for a, b in zip(vars(s).values(), vars(c).values()):
+            assert_rel("handed-off state", b, a, GPU_VS_W4A8)
+    assert greedy(model, logits, state) == greedy(model, cpu_logits, cpu_state)
+
+
+def test_chunked_passes_equal_one_pass(loaded):
+    model, _ = loaded("tiny-e128")
+    tokens = prompt(model, 200)
+    one, _ = gpu_prefiller(model)
+    expected = one.prefill(tokens, model.new_state(200))
+    plan = hybrid.plan(model, 200, 0, 1 << 40, 1 << 40)
+    budget = plan.total - plan.activations // 2          # half the activations: chunks
+    chunked, err = gpu_prefiller(model, gpu_mem=budget)
+    logits = chunked.prefill(tokens, model.new_state(200))
+    assert chunked.last_plan.n_chunks > 1 and "passes of" in err.getvalue()
+    assert_rel("chunked logits", expected, logits, GPU_VS_GPU)
+
+
+def test_a_state_continues(loaded):
+    """Prefill in two calls (as after a restored prefix) equals one call."""
+    model, reference = loaded("default")
+    tokens = prompt(model, 120)
+    pf, _ = gpu_prefiller(model)
+    state = model.new_state(130)
+    pf.prefill(tokens[:70], state)
+    logits = pf.prefill(tokens[70:], state)
+    expected = reference.forward(tokens, reference.new_state())[-1]
+    assert_rel("continued logits", expected, logits, GPU_VS_REFERENCE)
+
+
+@pytest.mark.parametrize("source", ["ring", "pageable"])
+def test_expert_sources_agree(loaded, source):
+    model, _ = loaded("tiny-e128")
+    tokens = prompt(model, 90)
+    pinned, _ = gpu_prefiller(model, source="pinned")
+    other, _ = gpu_prefiller(model, source=source)
+    a = pinned.prefill(tokens, model.new_state(90))
+    b = other.prefill(tokens, model.new_state(90))
+    assert other.device.streamer.source == source
+    assert_rel(f"{source} logits", a, b, GPU_VS_GPU)
+
+
+def test_only_routed_experts_are_copied(loaded):
+    model, _ = loaded("tiny-e128")
+    pf, _ = gpu_prefiller(model)
+    before = pf.device.streamer.bytes_copied
+    pf.prefill(np.array([5, 6, 7], np.int32), model.new_state(3))   # 3 tokens: <= 24 experts
+    run = pf.last_pass
+    layout = pf.device.streamer.layout
+    assert all(s["experts"] <= 24 and s["bytes"] == s["experts"] * layout.expert_bytes
+               for s in run.layer_stats)
+    assert pf.device.streamer.bytes_copied - before == sum(s["bytes"] for s in run.layer_stats)
+
+
+def test_all_logits_for_eval(loaded):
+    model, reference = loaded("default")
+    tokens = prompt(model, 80)
+    pf, _ = gpu_prefiller(model)
+    logits = pf.prefill(tokens, model.new_state(80), all_logits=True)
+    expected = reference.forward(tokens, reference.new_state())
+    assert logits.shape == expected.shape
+    assert_rel("all logits", expected, logits, GPU_VS_REFERENCE)
+
+
+def test_too_little_gpu_memory_falls_back(loaded):
+    model, _ = loaded("default")
+    err = io.StringIO()
+    pf = hybrid.GpuPrefiller(model, gpu_mem=1 << 20, err=err)
+    tokens = prompt(model, 40)
+    logits = pf.prefill(tokens, model.new_state(40))
+    np.testing.assert_array_equal(logits, model.prefill(tokens, model.new_state(40)))
+    assert "prefilling on the CPU" in err.getvalue() and "GPU memory" in err.getvalue()
