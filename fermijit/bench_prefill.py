@@ -268,6 +268,38 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
     return report
 
 
+def sweep(model_dir: Path | None, synthetic: str | None, lengths: list[int], out=None,
+          err=None) -> list[dict]:
+    """CPU against GPU prefill time per prompt length (best of REPEATS, kernels warm): where
+    `--prefill auto` should switch (hybrid.AUTO_MIN_TOKENS)."""
+    from fermijit import hybrid
+    from fermijit.engine import warm_up
+
+    out, err = out or sys.stdout, err or sys.stderr
+    model = load(model_dir, synthetic, err)
+    gpu_pf = hybrid.GpuPrefiller(model, err=err)
+    if not gpu_pf.prepare():
+        raise FermijitError(f"the GPU prefill could not start: {gpu_pf.broken}")
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"{'tokens':>7}{'cpu s':>10}{'gpu s':>10}", file=out)
+    for n in lengths:
+        tokens = rng.integers(0, model.vocab_size, n).astype(np.int32)
+        warm_up(model, tokens, n)
+        best = {}
+        for name, prefill in (("cpu", model.prefill), ("gpu", gpu_pf.run)):
+            times = []
+            for _ in range(REPEATS):
+                state = model.new_state(n)
+                start = time.perf_counter()
+                prefill(tokens, state)
+                times.append(time.perf_counter() - start)
+            best[name] = min(times)
+        rows.append({"tokens": n, "cpu_s": best["cpu"], "gpu_s": best["gpu"]})
+        print(f"{n:>7}{best['cpu']:>10.4f}{best['gpu']:>10.4f}", file=out, flush=True)
+    return rows
+
+
 def layer_rows(run) -> list[dict]:
     """Per layer (CUDA events): compute span, copy span and their overlap, in ms."""
     rows = []

@@ -80,13 +80,22 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
 @click.option("--verbose", is_flag=True, help="Per-layer copy/compute/overlap and the profile.")
 @click.option("--project", "projection", type=click.Choice(["c2075"]), default=None,
               help="Project the run onto this GPU (the cost model is printed).")
+@click.option("--sweep", default=None, help="Instead: CPU vs GPU prefill time at these prompt "
+                                            "lengths, e.g. 8,32,128 (the auto threshold).")
 def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
                   gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
-                  projection: str | None) -> None:
+                  projection: str | None, sweep: str | None) -> None:
     """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
     pageable expert streaming (GPU)."""
     from fermijit import bench_prefill as bp
 
+    if sweep is not None:
+        try:
+            lengths = [int(n) for n in sweep.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"--sweep takes lengths like 8,32,128, got {sweep!r}")
+        bp.sweep(model_dir, synthetic, lengths)
+        return
     bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
 
 

@@ -12,6 +12,7 @@ from fermijit import engine, hybrid
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
+from fermijit.model.state import KvCache
 from tests.fermijit.hybrid_models import tiny_e128
 from tests.gpu import MARKS, report_error
 from tests.model.oracle import assert_rel, rel_error
@@ -21,8 +22,10 @@ pytestmark = MARKS
 # Issue 10 item 3: the GPU keeps activations in fp32, so its logits follow the float64 reference
 # over the same 4-bit weights to fp32 rounding (<= 1e-4 of max|logit|).
 GPU_VS_REFERENCE = 1e-4
-# The CPU path quantises activations to 8 bits (W4A8): the two paths differ by that, measured on
-# HF_INIT 0.65e-2 (tests/model/test_forward.py); the hand-off is checked against it.
+# The CPU path quantises activations to 8 bits (W4A8): the two paths' logits differ by that
+# (measured on the default model 1.24e-2; HF_INIT 0.65e-2, tests/model/test_forward.py). The
+# handed-off state is checked against the reference's instead: W4A8 noise on a K head of small
+# norm, amplified by its RMSNorm, put single cache entries 9% apart (measured on the H200).
 GPU_VS_W4A8 = 5e-2
 # Two GPU runs of the same tokens differ only in the order of the experts' atomic adds.
 GPU_VS_GPU = 1e-5
@@ -75,17 +78,24 @@ def test_logits_hand_off_and_greedy_tokens(loaded, name):
     state = model.new_state(N_PROMPT + N_GREEDY)
     logits = pf.prefill(tokens, state)
     assert pf.broken is None, err.getvalue()
-    expected = reference.forward(tokens, reference.new_state())[-1]
+    ref_state = reference.new_state()
+    expected = reference.forward(tokens, ref_state)[-1]
     report_error(f"gpu prefill logits ({name})", expected, logits)
     assert_rel("gpu prefill logits", expected, logits, GPU_VS_REFERENCE)
+    assert state.position == N_PROMPT
+    for i, (s, r) in enumerate(zip(state.layers, ref_state.layers)):   # the hand-off
+        if isinstance(s, KvCache):
+            pairs = ((s.k[:, :N_PROMPT], r.k.transpose(1, 0, 2)),
+                     (s.v[:, :N_PROMPT], r.v.transpose(1, 0, 2)))
+        else:
+            pairs = ((s.conv, r.conv.T), (s.recurrent, r.recurrent))
+        for ours, spec in pairs:
+            report_error(f"handed-off state ({name})", spec, ours)
+            assert_rel(f"layer {i} state", spec, ours, GPU_VS_REFERENCE)
     cpu_state = model.new_state(N_PROMPT + N_GREEDY)
     cpu_logits = model.prefill(tokens, cpu_state)
     print(f"rel err gpu vs w4a8 logits ({name}): {rel_error(cpu_logits, logits):.3g}")
     assert_rel("gpu vs cpu logits", cpu_logits, logits, GPU_VS_W4A8)
-    assert state.position == cpu_state.position == N_PROMPT
-    for s, c in zip(state.layers, cpu_state.layers):
-        for a, b in zip(vars(s).values(), vars(c).values()):
-            assert_rel("handed-off state", b, a, GPU_VS_W4A8)
     assert greedy(model, logits, state) == greedy(model, cpu_logits, cpu_state)
 
 
