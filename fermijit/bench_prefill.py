@@ -7,8 +7,8 @@ random token ids with the experts streamed from pinned memory and from pageable 
 REPEATS each, on a fresh state). Floors: PCIe = bytes copied / pinned bandwidth; compute = FLOPs /
 FMA ceiling (FLOPs counted from the shapes and the run's routing, `flops`). The ratio is the
 pinned time over the larger floor. `--verbose` adds the per-layer copy / compute / overlap (CUDA
-events) and the per-category profile (a separate run in which each layer's copies finish before
-its expert GEMMs start, so every kernel is timed alone).
+events) and the per-category profile (a separate run with a CUDA event between categories of
+kernels: the time from one event to the next, on the GPU's clock).
 
 `--project c2075`: the cost model `project` (stated in full in the output).
 """
@@ -48,7 +48,7 @@ PROJECTIONS = {"c2075": C2075}
 # Categories bounded by memory traffic (no GEMM): projected through their achieved share of the
 # measured device bandwidth; the rest through their achieved share of the FMA ceiling.
 MEMORY_BOUND = ("small ops", "embedding")
-HOST = ("routing (host)", "copy wait (profiling)")
+HOST = ("routing (host)", "copy wait")
 
 
 def h2d_bandwidth(pinned: bool, nbytes: int = BANDWIDTH_BYTES) -> float:
@@ -142,7 +142,7 @@ def profile_by_layer(run) -> list[dict[str, float]]:
 
 
 def project(device: Device, by_layer: list[dict], layer_stats: list[dict], flops_by: dict,
-            bytes_by: dict, h200_fma: float, h200_mem: float, n_groups: int) -> dict:
+            bytes_by: dict, h200_fma: float, h200_mem: float) -> dict:
     """The cost model of `bench prefill --project`, as its output states it."""
     total_h200 = {}
     for row in by_layer:
@@ -163,14 +163,12 @@ def project(device: Device, by_layer: list[dict], layer_stats: list[dict], flops
         scale[cat] = projected / t
     layers = []
     for i, row in enumerate(by_layer):
-        t = {k: v * scale[k] for k, v in row.items() if k != "copy wait (profiling)"}
-        routed = t.pop("expert gemm", 0.0) + t.pop("shared expert", 0.0)
+        compute = sum(v * scale[k] for k, v in row.items() if k != "copy wait")
         stats = layer_stats[i - 1] if 1 <= i <= len(layer_stats) else None
         copy = stats["bytes"] / (device.pcie_gbps * 1e9) if stats else 0.0
-        # copies of group j+1 under the GEMMs of group j: the longer of the two, plus one
-        # group's worth of the shorter (the pipeline's fill or drain)
-        streamed = max(copy, routed) + min(copy, routed) / n_groups if copy else routed
-        layers.append(sum(t.values()) + streamed)
+        # A layer's experts are copied under the previous layer's post-routing work and its own
+        # mixer (the prediction), about one layer of compute: the longer of the two.
+        layers.append(max(compute, copy))
     return {"device": dataclasses.asdict(device), "seconds": sum(layers),
             "scale_by_category": scale, "h200_seconds_by_category": total_h200}
 
@@ -181,8 +179,8 @@ ceiling they reached here, applied to the target's fp32 peak, and take at least 
 bandwidth; norms, conv, rope, router and copies between buffers (memory-bound) keep their share of
 the device bandwidth measured here (copy.ptx), applied to the target's; host work (routing sort,
 launches) is kept as measured on this host. Per layer the routed-expert copies move at the target's
-PCIe rate and overlap the expert GEMMs as the schedule does (groups of experts: max(copy, GEMMs)
-plus one group of the shorter); the mixer, norms and router do not overlap copies."""
+PCIe rate and, as the schedule overlaps them (layer i+1's predicted experts copy under layer i's
+experts and layer i+1's mixer), a layer takes the longer of its compute and its copies."""
 
 
 def load(model_dir: Path | None, synthetic: str | None, err):
@@ -241,10 +239,12 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
         row = {"seconds": min(times), "times": times, "bytes_copied": copied,
                "prepare_s": prepare_s, "device_bytes_used": used, "plan": dataclasses.asdict(
                    pf.last_plan), "pinned_bytes": pf.device.streamer.pinned_bytes}
+        stats = pf.last_pass.layer_stats
+        row["unused_experts"] = sum(s["unused_experts"] for s in stats)
+        row["late_bytes"] = sum(s["late_bytes"] for s in stats)
         if source == "pinned":
             pf.run(tokens, model.new_state(n_tokens), time_layers=True)
             row["layers"] = layer_rows(pf.last_pass)
-            stats = pf.last_pass.layer_stats
             pf.run(tokens, model.new_state(n_tokens), profile=True)
             by_layer = profile_by_layer(pf.last_pass)
             f, b = flops(model, n_tokens, 0, stats), memory_bytes(model, n_tokens, stats)
@@ -253,7 +253,7 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
                               for k in sorted({k for r in by_layer for k in r})}
             if projection is not None:
                 report["projection"] = project(PROJECTIONS[projection], by_layer, stats, f, b,
-                                               fma, copy_gbps, len(pf.device.streamer.groups))
+                                               fma, copy_gbps)
         report["runs"][source] = row
         del pf
     pinned = report["runs"]["pinned"]
@@ -326,6 +326,9 @@ def print_report(r: dict, verbose: bool, out) -> None:
     for name, row in (("pinned", p), ("pageable", g)):
         print(f"{name:<14}{row['seconds']:>10.3f}{r['tokens'] / row['seconds']:>9.0f}"
               f"{row['bytes_copied'] / 1e9:>11.2f}", file=out)
+    print(f"copies: {p['unused_experts']} experts prefetched and not routed (of "
+          f"{len(p['layers'])} layers), {p['late_bytes'] / 1e6:,.1f} MB copied after routing "
+          f"(missed by the prediction)", file=out)
     print(f"floors: PCIe {p['pcie_floor_s']:.3f} s (bytes / pinned bandwidth), compute "
           f"{p['compute_floor_s']:.3f} s ({sum(p['flops'].values()) / 1e9:,.0f} GFLOP / FMA "
           f"ceiling); pinned time / larger floor = {p['ratio_to_floor']:.2f}", file=out)

@@ -1,16 +1,16 @@
 """Routed experts streamed to the GPU during prefill (issue 10): host sources and the copy stream.
 
 A layer's routed experts are four arrays [E, ...] (ops.moe.MoeWeights: gate_up qs and d, down qs
-and d). On the device they live in one buffer of the same layout (four regions of E experts), so
-the expert kernels index it by expert id as they index a resident tensor; only the experts the
-pass routes to are copied in. The copies go on a stream of their own in groups of experts, an
-event after each group, so the expert GEMMs of group j run while group j+1 is on the link.
+and d). On the device they live in a buffer of the same layout (four regions of E experts), so
+the expert kernels index it by expert id as they index a resident tensor; only the experts asked
+for are copied in (fermijit/gpu_prefill.py decides which, and when). The copies go on a stream of
+their own that does not wait for the kernels, an event after each batch.
 
 Host sources, one per `--pin-budget` outcome (and the bench's baseline):
   pinned    the whole expert pool in page-locked memory, copied from the model file once: the DMA
             engine reads it directly, asynchronously;
-  ring      a ring of page-locked staging slots, one group each, refilled from the (memory-mapped,
-            pageable) model file by the host while earlier groups are on the link;
+  ring      a ring of page-locked staging slots of RING_SLOT_BYTES, refilled by the host from the
+            (memory-mapped, pageable) model file while the previous slot is on the link;
   pageable  copies straight from the model file: the driver stages them itself, synchronously.
 """
 
@@ -24,7 +24,8 @@ from fermijit import FermijitError
 from fermijit.ops import moe
 
 SOURCES = ("pinned", "ring", "pageable")
-RING_SLOTS = 3  # staging slots: one being filled, one on the link, one spare
+RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
+RING_SLOT_BYTES = 64 << 20   # per slot: the host's memcpy into it overlaps the last slot's copy
 
 
 def expert_arrays(w: moe.MoeWeights) -> tuple[np.ndarray, ...]:
@@ -60,30 +61,23 @@ class Layout:
         return tuple(int(s) for s in starts)
 
 
-def groups(n_experts: int, n_groups: int) -> list[tuple[int, int]]:
-    """Expert ranges [e0, e1) of the copy groups, as even as possible."""
-    edges = np.linspace(0, n_experts, min(n_groups, n_experts) + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-
-
-def runs(needed: np.ndarray, e0: int, e1: int) -> list[tuple[int, int]]:
-    """Maximal runs [a, b) of needed experts within [e0, e1) (needed: bool [E])."""
-    inside = np.concatenate([[False], needed[e0:e1], [False]]).astype(np.int8)
+def runs(needed: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of needed experts (needed: bool [E])."""
+    inside = np.concatenate([[False], needed, [False]]).astype(np.int8)
     change = np.flatnonzero(np.diff(inside))
-    return [(e0 + int(a), e0 + int(b)) for a, b in zip(change[::2], change[1::2])]
+    return [(int(a), int(b)) for a, b in zip(change[::2], change[1::2])]
 
 
 class Streamer:
     """Copies a layer's needed experts into a device buffer, group by group, on a copy stream."""
 
-    def __init__(self, layers: list[moe.MoeWeights], source: str, n_groups: int):
+    def __init__(self, layers: list[moe.MoeWeights], source: str):
         from fermijit.jit import gpu
 
         if source not in SOURCES:
             raise FermijitError(f"expert source must be one of {SOURCES}, got {source!r}")
         self.layout = Layout.of(layers[0])
         self.source = source
-        self.groups = groups(self.layout.n_experts, n_groups)
         self.host = [expert_arrays(w) for w in layers]
         self.stream = gpu.copy_stream()
         self.pool: list[np.ndarray] = []
@@ -93,10 +87,9 @@ class Streamer:
                 for start, a in zip(self.layout.offsets, arrays):
                     buf[start:start + a.size] = a.reshape(-1)
                 self.pool.append(buf)
-        group_bytes = max(b - a for a, b in self.groups) * self.layout.expert_bytes
-        self.ring = ([gpu.pinned(group_bytes) for _ in range(RING_SLOTS)]
+        self.ring = ([gpu.pinned(RING_SLOT_BYTES) for _ in range(RING_SLOTS)]
                      if source == "ring" else [])
-        self.ring_events = [None] * len(self.ring)
+        self.ring_events: list = [None] * len(self.ring)
         self._next_slot = 0
         self.bytes_copied = 0
 
@@ -104,45 +97,48 @@ class Streamer:
     def pinned_bytes(self) -> int:
         return sum(b.nbytes for b in self.pool) + sum(b.nbytes for b in self.ring)
 
-    def copy_group(self, layer: int, group: int, needed: np.ndarray, device_base: int):
-        """Issue the copies of `needed` experts of group `group` of `layer` into the layer buffer
-        at `device_base`; returns an event recorded after them on the copy stream."""
+    def copy(self, layer: int, experts: np.ndarray, device_base: int):
+        """Issue the copies of `experts` (bool [E]) of `layer` into a layer buffer at
+        `device_base`; returns an event recorded after them on the copy stream."""
         from fermijit.jit import gpu
 
         cuda = gpu.driver()
         lay, arrays = self.layout, self.host[layer]
         pieces = []  # (device address, host bytes)
-        for a, b in runs(needed, *self.groups[group]):
+        for a, b in runs(experts):
             for r, (start, size) in enumerate(zip(lay.offsets, lay.per_expert)):
                 if self.source == "pinned":
                     src = self.pool[layer][start + a * size:start + b * size]
                 else:
                     src = arrays[r][a:b].reshape(-1)
                 pieces.append((device_base + start + a * size, src))
-        if self.source == "ring" and pieces:
-            pieces = self._staged(pieces)
         with gpu.check(f"copying experts of layer {layer} to the device"):
-            for address, src in pieces:
-                cuda.memcpy_htod_async(address, src, self.stream)
-                self.bytes_copied += src.nbytes
+            if self.source == "ring":
+                self._staged(pieces)
+            else:
+                for address, src in pieces:
+                    cuda.memcpy_htod_async(address, src, self.stream)
+                    self.bytes_copied += src.nbytes
             done = gpu.event()
             done.record(self.stream)
-        if self.source == "ring" and pieces:
-            self.ring_events[self._next_slot - 1] = done
         return done
 
-    def _staged(self, pieces):
-        """The pieces copied into the next ring slot (after its previous copy has left it)."""
+    def _staged(self, pieces) -> None:
+        """The pieces through the ring: each slot filled by the host once its previous copy has
+        left it, then copied from on the stream."""
         from fermijit.jit import gpu
 
-        slot = self._next_slot % len(self.ring)
-        if self.ring_events[slot] is not None:
-            with gpu.check("waiting for a staging slot"):
-                self.ring_events[slot].synchronize()
-        buf, at, staged = self.ring[slot], 0, []
+        cuda = gpu.driver()
         for address, src in pieces:
-            buf[at:at + src.nbytes] = src
-            staged.append((address, buf[at:at + src.nbytes]))
-            at += src.nbytes
-        self._next_slot = slot + 1
-        return staged
+            for at in range(0, src.nbytes, RING_SLOT_BYTES):
+                part = src[at:at + RING_SLOT_BYTES]
+                slot = self._next_slot
+                self._next_slot = (slot + 1) % len(self.ring)
+                if self.ring_events[slot] is not None:
+                    self.ring_events[slot].synchronize()
+                buf = self.ring[slot][:part.nbytes]
+                buf[:] = part
+                cuda.memcpy_htod_async(address + at, buf, self.stream)
+                self.bytes_copied += part.nbytes
+                self.ring_events[slot] = gpu.event()
+                self.ring_events[slot].record(self.stream)

@@ -6,13 +6,18 @@ Per layer, on the legacy stream (the ops' launches):
     xn = rmsnorm(x);  x += mixer(xn)           (GDN or attention; the output projection adds into
                                                 x: the expert_down GEMM with one expert, every
                                                 token routed to it with weight 1)
-    xn = rmsnorm(x);  router logits, top-k     (then the ids come to the host: the one sync)
-    copies of the routed experts, by group     (copy stream; see Streamer)
-    x += σ(xn·w_sg) · shared(xn)               (runs while group 0 is on the link)
-    for each group: wait for its copy; x += routed experts of the group
-then the final norm and the LM head for the last position. Routing needs the layer's own input,
-so a layer's copies cannot start before its router has run; the overlap is within the layer
-(copies of group j+1 under the GEMMs of group j) and the shared expert.
+    xn = rmsnorm(x);  router top-k of layer i, and of layer i+1 on the same xn (a prediction)
+                                               (the ids come to the host: the one sync per layer)
+    copy stream: the routed experts of layer i not yet on the device, then the experts predicted
+                 for layer i+1 into the other buffer of the pair (double buffer)
+    x += σ(xn·w_sg) · shared(xn);  wait for layer i's copies;  x += routed experts(xn)
+then the final norm and the LM head for the last position. A layer's routing needs its own input,
+so its copies could not start before its router ran; predicting it from the layer before (the
+residual stream changes little per layer) lets the copies of layer i+1 run under the experts of
+layer i and the mixer of layer i+1. A wrong prediction costs bytes, never correctness: whatever
+the real routing needs and the prediction missed is copied after routing, before the GEMMs. On a
+long prompt every expert is routed (947 tokens x 8 of 128: each expert unused with probability
+(120/128)^947 ~ 1e-27 under uniform routing), so the prediction is then exact.
 
 Numerics: activations stay fp32 (DESIGN.md: prefill keeps them in fp32), so the logits follow
 model/reference.py over the same 4-bit weights, not the CPU's W4A8.
@@ -32,7 +37,6 @@ from fermijit.ops import (attention, conv1d, embedding, expert_matmul, f32_gemm,
                           l2norm, matmul, matvec, quant, rmsnorm, rope, router)
 
 F32 = 4
-EXPERT_GROUPS = 8  # copy groups per layer: the last group's GEMMs are the copy link's idle time
 
 
 def _q4(a) -> tuple[np.ndarray, np.ndarray]:
@@ -140,7 +144,7 @@ def state_bytes(model: Model, n_positions: int) -> int:
 class DeviceModel:
     """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
 
-    def __init__(self, model: Model, source: str, n_groups: int = EXPERT_GROUPS):
+    def __init__(self, model: Model, source: str):
         from fermijit import expert_stream
         from fermijit.jit import gpu
 
@@ -150,9 +154,9 @@ class DeviceModel:
         self.norm = gpu.to_device("gpu prefill", "norm", model.norm, np.float32)
         self.head = {k: gpu.to_device("gpu prefill", f"lm_head {k}", np.ascontiguousarray(v),
                                       v.dtype) for k, v in head_arrays(model).items()}
-        self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source,
-                                               n_groups)
-        self.expert_buffer = gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
+        self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source)
+        self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
+                               for _ in range(2)]  # layer i in buffer i % 2
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
                                + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
 
@@ -193,7 +197,12 @@ class Pass:
         self.positions = np.arange(start, start + T, dtype=np.int64)
         self.timings: list[LayerTiming] = []
         self.copy_events: tuple = ()
+        self.prediction: int | None = None
         self.layer_stats: list[dict] = []    # per layer: routed slots, experts copied
+        self.ids_next = e((T, m.top_k), np.int32)   # the routing predicted for the next layer
+        self.weights_next = e((T, m.top_k))
+        self.logits_next = e((T, m.n_experts))
+        self.on_device: dict[int, tuple] = {}  # layer -> (experts copied, events, first event)
         self.marks: list | None = None       # (layer, category, event) in order, when profiling
         self.layer = -1
 
@@ -275,30 +284,60 @@ class Pass:
         self.add_projection(o.reshape(T, Hq * D), w["o_proj_qs"], w["o_proj_d"])
         self.mark("dense gemm")
 
-    def moe(self, i: int, w) -> None:
-        """x += shared(xn) + routed(xn), the routed experts streamed in by group."""
+    def predict(self, layer: int, xn) -> None:
+        """Start copying the experts layer `layer`'s router picks for `xn` into its buffer."""
+        m = self.m
+        if layer >= len(m.layers) or layer in self.on_device:
+            return
+        f32_gemm.gpu(xn, self.dev.layers[layer]["router"], out=self.logits_next)
+        router.gpu(self.logits_next, m.top_k, out=(self.ids_next, self.weights_next))
+        self.prediction = layer
+
+    def fetch(self, layer: int, experts: np.ndarray) -> None:
+        """Copy `experts` (bool [E]) of `layer` not already on the device or on their way."""
         from fermijit.jit import gpu
 
-        m, dev = self.m, self.dev
+        streamer = self.dev.streamer
+        had, events, start = self.on_device.get(layer, (np.zeros_like(experts), [], None))
+        missing = experts & ~had
+        if missing.any():
+            if start is None:
+                start = gpu.event()
+                start.record(streamer.stream)
+            base = int(self.dev.expert_buffers[layer % 2].gpudata)
+            events = events + [streamer.copy(layer, missing, base)]
+        self.on_device[layer] = (had | missing, events, start)
+
+    def moe(self, i: int, w) -> None:
+        """x += shared(xn) + routed(xn); the routed experts' copies as the module says."""
+        from fermijit.jit import gpu
+
+        m, dev, E = self.m, self.dev, self.m.n_experts
         f32_gemm.gpu(self.xn, w["router"], out=self.logits_r)
         router.gpu(self.logits_r, m.top_k, out=(self.ids, self.weights))
+        self.prediction = None
+        self.predict(i + 1, self.xn)
         self.mark("small ops")
         with gpu.check("reading the routing back"):
             ids, weights = self.ids.get(), self.weights.get()
-        needed = np.bincount(ids.reshape(-1), minlength=m.n_experts) > 0
-        order, _, tiles = expert_matmul.sort_slots(ids, m.n_experts)
+            predicted = None if self.prediction is None else self.ids_next.get()
+        needed = np.bincount(ids.reshape(-1), minlength=E) > 0
+        copied = dev.streamer.bytes_copied
+        self.fetch(i, needed)                                  # what the prediction missed
+        late = dev.streamer.bytes_copied - copied
+        if predicted is not None:
+            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
+        order, _, tiles = expert_matmul.sort_slots(ids, E)
         op = "gpu prefill"
         rows = gpu.to_device(op, "rows", (order // m.top_k).astype(np.int32), np.int32)
         slot_weights = gpu.to_device(op, "slot weights",
                                      np.ascontiguousarray(weights.reshape(-1)[order]), np.float32)
         tiles_dev = gpu.to_device(op, "tiles", tiles, np.int32)
-        streamer, base = dev.streamer, int(dev.expert_buffer.gpudata)
-        copy_start = gpu.event()
-        copy_start.record(streamer.stream)
-        copied = streamer.bytes_copied
-        events = [streamer.copy_group(i, j, needed, base) for j in range(len(streamer.groups))]
+        on_device, events, copy_start = self.on_device.pop(i)
         self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
-                                 "bytes": streamer.bytes_copied - copied})
+                                 "bytes": int(on_device.sum()) * dev.streamer.layout.expert_bytes,
+                                 "late_bytes": late,
+                                 "unused_experts": int((on_device & ~needed).sum())})
         self.mark("routing (host)")
         f32_gemm.gpu(self.xn, w["shared_gate"], "sigmoid", out=self.shared_w)
         shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
@@ -307,30 +346,21 @@ class Pass:
         expert_matmul.down_gpu(self.h_shared, shared, w["shared_down_qs"], w["shared_down_d"],
                                self.x)
         self.mark("shared expert")
-        if self.marks is not None:  # profiling: the copies first, so the GEMMs are timed alone
-            with gpu.check(f"waiting for the experts of layer {i}"):
-                events[-1].synchronize()
-            self.mark("copy wait (profiling)")
-        lay = streamer.layout
-        gu_qs, gu_d, dn_qs, dn_d = (base + s for s in lay.offsets)
-        tile_experts = tiles[:, 0]
-        inter, hidden = self.h.shape[1], m.hidden
-        for (e0, e1), done in zip(streamer.groups, events):
-            t0, t1 = np.searchsorted(tile_experts, [e0, e1])
-            with gpu.check(f"waiting for the experts of layer {i}"):
+        with gpu.check(f"waiting for the experts of layer {i}"):
+            for done in events:
                 done.synchronize()
-            if t1 == t0:
-                continue
-            at = int(tiles_dev.gpudata) + int(t0) * tiles.itemsize * 4
-            gpu.kernel("q4_gemm", MODE="expert_gate_up")(
-                (-(-inter // expert_matmul.GATE_UP_TILE_COLS), int(t1 - t0)), (256,),
-                self.xn, gu_qs, gu_d, self.h, at, rows, None, 0, inter, hidden)
-            gpu.kernel("q4_gemm", MODE="expert_down")(
-                (-(-hidden // expert_matmul.DOWN_TILE_COLS), int(t1 - t0)), (256,),
-                self.h, dn_qs, dn_d, self.x, at, rows, slot_weights, 0,
-                hidden, inter)
+        self.copy_events = (copy_start, events[-1]) if events else ()
+        self.mark("copy wait")
+        base = int(dev.expert_buffers[i % 2].gpudata)
+        gu_qs, gu_d, dn_qs, dn_d = (base + s for s in dev.streamer.layout.offsets)
+        inter, hidden, n_tiles = self.h.shape[1], m.hidden, len(tiles)
+        gpu.kernel("q4_gemm", MODE="expert_gate_up")(
+            (-(-inter // expert_matmul.GATE_UP_TILE_COLS), n_tiles), (256,),
+            self.xn, gu_qs, gu_d, self.h, tiles_dev, rows, None, 0, inter, hidden)
+        gpu.kernel("q4_gemm", MODE="expert_down")(
+            (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
+            self.h, dn_qs, dn_d, self.x, tiles_dev, rows, slot_weights, 0, hidden, inter)
         self.mark("expert gemm")
-        self.copy_events = (copy_start, events[-1])
 
     def run(self, tokens: np.ndarray, time_layers: bool = False) -> None:
         """Every layer over `tokens` [T] int32; x holds the last hidden states after."""
@@ -341,6 +371,11 @@ class Pass:
         x = embedding.cpu(tokens, m.embed)
         with gpu.check("copying the embeddings in"):
             self.x.set(x)
+        rmsnorm.gpu(self.x, self.dev.layers[0]["post_norm"], m.eps, out=self.xn)
+        self.predict(0, self.xn)                     # layer 0's experts from the embeddings
+        with gpu.check("reading the routing back"):
+            predicted = self.ids_next.get()
+        self.fetch(0, np.bincount(predicted.reshape(-1), minlength=m.n_experts) > 0)
         self.mark("embedding")
         for i, (w, s) in enumerate(zip(self.dev.layers, self.states)):
             self.layer = i
@@ -371,8 +406,8 @@ class Pass:
         xn = rmsnorm.gpu(x, self.dev.norm, m.eps, out=gpu.empty(x.shape))
         head = self.dev.head
         if "qs" in head:
-            out = matmul.gpu(xn, head["qs"], head["d"], out=np.empty((x.shape[0], m.vocab_size),
-                                                                      np.float32))
+            with gpu.check("reading the logits back"):
+                out = matmul.gpu(xn, head["qs"], head["d"]).get()
         else:                                    # the Q8_0 head's three terms (head_arrays)
             sums = f32_gemm.gpu(xn, head["block_sums"])
             terms = [matmul.gpu(xn, head["hi_qs"], head["hi_d"]),

@@ -60,7 +60,7 @@ class Plan:
     chunk: int                # tokens per pass
     budget: int               # --gpu-mem
     resident: int             # dense weights, final norm, LM head (when Q4_0)
-    expert_buffer: int        # one layer's routed experts (all E, the routed ones filled)
+    expert_buffer: int        # two layers' routed experts (all E each, the routed ones filled)
     streamed_per_layer: int   # bytes of all E experts of a layer: the most a layer copies
     states: int               # KV caches for the prompt's positions, GDN states
     activations: int          # one pass of `chunk` tokens, with the pool's rounding
@@ -81,7 +81,7 @@ class Plan:
             f"gpu prefill plan: {self.n_tokens} tokens in {self.n_chunks} pass(es) of "
             f"<= {self.chunk}; budget {mib(self.budget)}, planned {mib(self.total)}",
             f"  resident dense weights   {mib(self.resident)}",
-            f"  expert buffer (1 layer)  {mib(self.expert_buffer)}",
+            f"  expert buffers (2 lay.)  {mib(self.expert_buffer)}",
             f"  streamed per layer       <= {mib(self.streamed_per_layer)} (routed experts only)",
             f"  KV caches + GDN states   {mib(self.states)}",
             f"  activations per pass     {mib(self.activations)}",
@@ -104,7 +104,7 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
     resident += gpu_prefill.head_bytes(model)
     layout = expert_stream.Layout.of(model.layers[0].experts)
     states = gpu_prefill.state_bytes(model, start + n_tokens)
-    fixed = resident + layout.layer_bytes + states
+    fixed = resident + 2 * layout.layer_bytes + states  # the expert buffer pair
 
     def activations(t: int) -> int:
         logits = 4 * model.vocab_size * (t if all_logits else 1)
@@ -120,11 +120,9 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
                             f"MiB of GPU memory, the budget is {budget / MIB:,.0f} MiB")
     pool = layout.layer_bytes * len(model.layers)
     source = "pinned" if pool <= pin_budget else "ring"
-    pinned = pool if source == "pinned" else (
-        expert_stream.RING_SLOTS * layout.expert_bytes
-        * max(b - a for a, b in expert_stream.groups(layout.n_experts, gpu_prefill.EXPERT_GROUPS)))
-    return Plan(n_tokens, chunk, budget, resident, layout.layer_bytes, layout.layer_bytes, states,
-                activations(chunk), source, pinned)
+    pinned = pool if source == "pinned" else expert_stream.RING_SLOTS * expert_stream.RING_SLOT_BYTES
+    return Plan(n_tokens, chunk, budget, resident, 2 * layout.layer_bytes, layout.layer_bytes,
+                states, activations(chunk), source, pinned)
 
 
 class CpuPrefiller:
