@@ -25,7 +25,7 @@ from fermijit.ops import moe
 
 SOURCES = ("pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
-RING_SLOT_BYTES = 64 << 20   # per slot: the host's memcpy into it overlaps the last slot's copy
+RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
 
 
 def expert_arrays(w: moe.MoeWeights) -> tuple[np.ndarray, ...]:
@@ -71,7 +71,8 @@ def runs(needed: np.ndarray) -> list[tuple[int, int]]:
 class Streamer:
     """Copies a layer's needed experts into a device buffer, group by group, on a copy stream."""
 
-    def __init__(self, layers: list[moe.MoeWeights], source: str):
+    def __init__(self, layers: list[moe.MoeWeights], source: str,
+                 ring_slot_bytes: int = RING_SLOT_BYTES):
         from fermijit.jit import gpu
 
         if source not in SOURCES:
@@ -87,7 +88,8 @@ class Streamer:
                 for start, a in zip(self.layout.offsets, arrays):
                     buf[start:start + a.size] = a.reshape(-1)
                 self.pool.append(buf)
-        self.ring = ([gpu.pinned(RING_SLOT_BYTES) for _ in range(RING_SLOTS)]
+        self.slot_bytes = ring_slot_bytes
+        self.ring = ([gpu.pinned(ring_slot_bytes) for _ in range(RING_SLOTS)]
                      if source == "ring" else [])
         self.ring_events: list = [None] * len(self.ring)
         self._next_slot = 0
@@ -130,8 +132,8 @@ class Streamer:
 
         cuda = gpu.driver()
         for address, src in pieces:
-            for at in range(0, src.nbytes, RING_SLOT_BYTES):
-                part = src[at:at + RING_SLOT_BYTES]
+            for at in range(0, src.nbytes, self.slot_bytes):
+                part = src[at:at + self.slot_bytes]
                 slot = self._next_slot
                 self._next_slot = (slot + 1) % len(self.ring)
                 if self.ring_events[slot] is not None:

@@ -144,7 +144,7 @@ def state_bytes(model: Model, n_positions: int) -> int:
 class DeviceModel:
     """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
 
-    def __init__(self, model: Model, source: str):
+    def __init__(self, model: Model, source: str, ring_slot_bytes: int = 64 << 20):
         from fermijit import expert_stream
         from fermijit.jit import gpu
 
@@ -154,7 +154,8 @@ class DeviceModel:
         self.norm = gpu.to_device("gpu prefill", "norm", model.norm, np.float32)
         self.head = {k: gpu.to_device("gpu prefill", f"lm_head {k}", np.ascontiguousarray(v),
                                       v.dtype) for k, v in head_arrays(model).items()}
-        self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source)
+        self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source,
+                                               ring_slot_bytes)
         self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())

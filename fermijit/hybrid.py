@@ -89,6 +89,13 @@ class Plan:
             f"page-locked)"])
 
 
+def ring_slot_bytes(pin_budget: int) -> int:
+    """Staging slots of the ring within `pin_budget`: at most RING_SLOT_BYTES, at least 1 MiB."""
+    from fermijit import expert_stream
+
+    return max(MIB, min(expert_stream.RING_SLOT_BYTES, pin_budget // expert_stream.RING_SLOTS))
+
+
 def default_pin_budget() -> int:
     return int(PIN_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
@@ -120,7 +127,7 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
                             f"MiB of GPU memory, the budget is {budget / MIB:,.0f} MiB")
     pool = layout.layer_bytes * len(model.layers)
     source = "pinned" if pool <= pin_budget else "ring"
-    pinned = pool if source == "pinned" else expert_stream.RING_SLOTS * expert_stream.RING_SLOT_BYTES
+    pinned = pool if source == "pinned" else expert_stream.RING_SLOTS * ring_slot_bytes(pin_budget)
     return Plan(n_tokens, chunk, budget, resident, 2 * layout.layer_bytes, layout.layer_bytes,
                 states, activations(chunk), source, pinned)
 
@@ -196,7 +203,8 @@ class GpuPrefiller:
         budget = self.gpu_mem = self.budget()  # free memory now, before our own allocations
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
         first = plan(self.model, 2, 0, budget, pin_budget)  # checks the model and the budget
-        self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source)
+        self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
+                                              ring_slot_bytes(pin_budget))
         warm = self.model.new_state(2)
         self.run(np.zeros(2, np.int32), warm)
 

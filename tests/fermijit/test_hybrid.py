@@ -62,8 +62,8 @@ def test_plan_refuses_a_budget_nothing_fits(default_model):
 
 
 def test_plan_past_the_pin_budget_uses_a_staging_ring(default_model):
-    p = hybrid.plan(default_model, 100, 0, 6 * GIB, 1 << 20)
-    assert p.source == "ring" and p.pinned < 1 << 20
+    p = hybrid.plan(default_model, 100, 0, 6 * GIB, 4 << 20)   # the pool is 7.6 MiB
+    assert p.source == "ring" and p.pinned <= 4 << 20
 
 
 @pytest.mark.parametrize("name", ["qwen3.6-35b-a3b-reap128", "qwen3.6-35b-a3b"])

@@ -142,7 +142,7 @@ def test_expert_sources_agree(loaded, source):
     model, _ = loaded("tiny-e128")
     tokens = prompt(model, 90)
     pinned, _ = gpu_prefiller(model, source="pinned")
-    other, _ = gpu_prefiller(model, source=source)
+    other, _ = gpu_prefiller(model, source=source, pin_budget=3 << 20)  # ring: 1 MiB slots
     a = pinned.prefill(tokens, model.new_state(90))
     b = other.prefill(tokens, model.new_state(90))
     assert other.device.streamer.source == source
