@@ -301,16 +301,20 @@ def sweep(model_dir: Path | None, synthetic: str | None, lengths: list[int], out
 
 
 def layer_rows(run) -> list[dict]:
-    """Per layer (CUDA events): compute span, copy span and their overlap, in ms."""
+    """Per layer (CUDA events), in ms: its compute span, the span of its experts' copies, and how
+    much of that copy ran under compute (its own layer's or the one before, where the prediction
+    starts it)."""
     rows = []
     origin = run.timings[0].compute[0]
     origin.synchronize()
     run.timings[-1].compute[1].synchronize()
-    for t in run.timings:
-        c0, c1 = (origin.time_till(e) for e in t.compute)
+    spans = [tuple(origin.time_till(e) for e in t.compute) for t in run.timings]
+    for i, t in enumerate(run.timings):
+        c0, c1 = spans[i]
         k0, k1 = (origin.time_till(e) for e in t.copy) if t.copy else (c0, c0)
+        under = spans[max(0, i - 1)][0], c1
         rows.append({"compute_ms": c1 - c0, "copy_ms": k1 - k0,
-                     "overlap_ms": max(0.0, min(c1, k1) - max(c0, k0))})
+                     "overlap_ms": max(0.0, min(under[1], k1) - max(under[0], k0))})
     return rows
 
 

@@ -35,9 +35,11 @@ GPU_MEM_MARGIN = 512 * MIB  # default --gpu-mem is free memory less this (pool r
 POOL_SLACK = 1.25           # pycuda's memory pool rounds each allocation up by at most a quarter
 MIN_CHUNK = 64              # tokens: the GEMM tile height; below it a chunk wastes its tiles
 PIN_FRACTION = 0.5          # default --pin-budget: this share of the host's RAM
-# auto: prompts at least this long prefill on the GPU. Measured on the H200 machine with the
-# default model (bench prefill --sweep): see NOTE in /work/notes/hybrid.md.
-AUTO_MIN_TOKENS = 64
+# auto: prompts at least this long prefill on the GPU. The crossover measured on the H200
+# machine (bench prefill --sweep, best of 3): the default model, CPU 15.7 / GPU 18.8 ms at 16
+# tokens, 23.0 / 18.6 ms at 32; the REAP-128 shape's GPU prefill is already 11x faster at 8
+# tokens (0.25 against 2.74 s), so the small model's crossover is the one that binds.
+AUTO_MIN_TOKENS = 32
 MODES = ("cpu", "gpu", "auto")
 
 

@@ -179,3 +179,19 @@ def test_bad_input_is_an_error_not_a_fallback(default_model, monkeypatch):
 def test_bad_mode_is_refused(default_model):
     with pytest.raises(FermijitError, match="--prefill"):
         hybrid.make(default_model, "tpu")
+
+
+@pytest.mark.parametrize("shape", [(947, 8, 128), (3, 8, 128), (50, 4, 16), (1, 1, 8)])
+def test_route_slots_is_expert_matmuls_sort(rng, shape):
+    """gpu_prefill.route_slots (vectorised) gives what expert_matmul.route uploads."""
+    from fermijit.ops import expert_matmul
+
+    t, k, e = shape
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    ids[: t // 3] = ids[0]                                  # some experts with many tokens
+    weights = rng.random((t, k), dtype=np.float32)
+    rows, slot_weights, tiles = gpu_prefill.route_slots(ids, weights, e)
+    order, _, expected_tiles = expert_matmul.sort_slots(ids, e)
+    np.testing.assert_array_equal(tiles, expected_tiles)
+    np.testing.assert_array_equal(rows, order // k)
+    np.testing.assert_array_equal(slot_weights, weights.reshape(-1)[order])
