@@ -195,3 +195,43 @@ def test_route_slots_is_expert_matmuls_sort(rng, shape):
     np.testing.assert_array_equal(tiles, expected_tiles)
     np.testing.assert_array_equal(rows, order // k)
     np.testing.assert_array_equal(slot_weights, weights.reshape(-1)[order])
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory):
+    from fermijit.model import convert
+    from tests.model import tiny
+
+    root = tmp_path_factory.mktemp("hybrid-cli")
+    convert.convert(tiny.write_checkpoint(root / "hf", model=tiny.HF_INIT), root / "q4",
+                    show_progress=False)
+    return root / "q4"
+
+
+def test_generate_with_gpu_prefill_streams_what_the_cpu_does(q4_model):
+    """`generate --prefill gpu`: the same greedy text as the CPU path; without a GPU one line
+    says why the CPU prefilled, with one the plan is printed (--verbose)."""
+    from tests.fermijit.test_generate import PROMPT, expected, fermijit
+
+    code, out, err = fermijit("generate", "--model", q4_model, PROMPT, "--max-tokens", 8,
+                              "--temperature", 0, "--threads", 1, "--prefill", "gpu",
+                              "--gpu-mem", "1G", "--verbose")
+    assert code == 0, err
+    assert out.rstrip("\n") == expected(q4_model, PROMPT, 8)[0]
+    if gpu.unavailable_reason() is not None:
+        assert "gpu prefill unavailable, prefilling on the CPU: no GPU" in err
+    else:
+        assert "gpu prefill ready" in err and "gpu prefill plan" in err
+
+
+@pytest.mark.parametrize("flag", [("--gpu-mem", "lots"), ("--pin-budget", "-3G"),
+                                  ("--prefill", "tpu")])
+def test_bad_prefill_flags_are_one_line(q4_model, flag):
+    from tests.fermijit.test_generate import fermijit
+
+    for command in (("generate", PROMPT_TEXT), ("eval", "--text", __file__)):
+        code, out, err = fermijit(*command, "--model", q4_model, *flag)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+
+
+PROMPT_TEXT = "the cat sat"
