@@ -164,6 +164,17 @@ def test_an_unquantised_model_is_refused_by_the_plan(tmp_path):
         hybrid.plan(model, 10, 0, GIB, GIB)
 
 
+def test_shapes_the_kernels_do_not_take_are_refused_by_the_plan(tmp_path):
+    """HF_INIT's GDN key dim is 32; the chunked GDN kernels take 64 and 128."""
+    from fermijit.model import convert
+    from tests.model import tiny
+
+    convert.convert(tiny.write_checkpoint(tmp_path / "hf", model=tiny.HF_INIT), tmp_path / "q4",
+                    show_progress=False)
+    with pytest.raises(FermijitError, match="linear key dim 32"):
+        hybrid.plan(load_model(tmp_path / "q4")[1], 10, 0, GIB, GIB)
+
+
 def test_bad_input_is_an_error_not_a_fallback(default_model, monkeypatch):
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
     pf = hybrid.GpuPrefiller(default_model, err=io.StringIO())
@@ -199,13 +210,9 @@ def test_route_slots_is_expert_matmuls_sort(rng, shape):
 
 @pytest.fixture(scope="module")
 def q4_model(tmp_path_factory):
-    from fermijit.model import convert
-    from tests.model import tiny
+    from tests.fermijit.hybrid_models import tiny_e128
 
-    root = tmp_path_factory.mktemp("hybrid-cli")
-    convert.convert(tiny.write_checkpoint(root / "hf", model=tiny.HF_INIT), root / "q4",
-                    show_progress=False)
-    return root / "q4"
+    return tiny_e128(tmp_path_factory.mktemp("hybrid-cli"))
 
 
 def test_generate_with_gpu_prefill_streams_what_the_cpu_does(q4_model):
