@@ -3,10 +3,10 @@ and its projection onto a Tesla C2075 (item 6).
 
 One run measures, on the same GPU and host: the FMA ceiling (bench_gpu.fma_ceiling), the
 host-to-device bandwidth from page-locked and from pageable memory, then the prefill of `--tokens`
-random token ids with the experts streamed from pinned memory and from pageable memory (best of
-REPEATS each, on a fresh state). Floors: PCIe = bytes copied / pinned bandwidth; compute = FLOPs /
+random token ids with the experts streamed as planned (page-locked pool, or the staging ring past
+--pin-budget) and from pageable memory (best of REPEATS each, on a fresh state). Floors: PCIe = bytes copied / pinned bandwidth; compute = FLOPs /
 FMA ceiling (FLOPs counted from the shapes and the run's routing, `flops`). The ratio is the
-pinned time over the larger floor. `--verbose` adds the per-layer copy / compute / overlap (CUDA
+planned run's time over the larger floor. `--verbose` adds the per-layer copy / compute / overlap (CUDA
 events) and the per-category profile (a separate run with a CUDA event between categories of
 kernels: the time from one event to the next, on the GPU's clock).
 
@@ -220,7 +220,7 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
     bw = {"pinned": h2d_bandwidth(True), "pageable": h2d_bandwidth(False)}
     report = {"model": str(model_dir or synthetic), "tokens": n_tokens, "fma_gflops": fma,
               "device_copy_gbps": copy_gbps, "h2d_gbps": bw, "runs": {}}
-    for source in ("pinned", "pageable"):
+    for key, source in (("planned", None), ("pageable", "pageable")):
         free_before = gpu.memory()[0]
         pf = hybrid.GpuPrefiller(model, budget, pins, verbose=False, err=err, source=source)
         start = time.perf_counter()
@@ -236,13 +236,14 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
             times.append(time.perf_counter() - start)
             copied = pf.device.streamer.bytes_copied - before
         used = free_before - gpu.memory()[0]
-        row = {"seconds": min(times), "times": times, "bytes_copied": copied,
+        row = {"source": pf.device.streamer.source, "seconds": min(times), "times": times,
+               "bytes_copied": copied,
                "prepare_s": prepare_s, "device_bytes_used": used, "plan": dataclasses.asdict(
                    pf.last_plan), "pinned_bytes": pf.device.streamer.pinned_bytes}
         stats = pf.last_pass.layer_stats
         row["unused_experts"] = sum(s["unused_experts"] for s in stats)
         row["late_bytes"] = sum(s["late_bytes"] for s in stats)
-        if source == "pinned":
+        if key == "planned":
             pf.run(tokens, model.new_state(n_tokens), time_layers=True)
             row["layers"] = layer_rows(pf.last_pass)
             pf.run(tokens, model.new_state(n_tokens), profile=True)
@@ -254,9 +255,9 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
             if projection is not None:
                 report["projection"] = project(PROJECTIONS[projection], by_layer, stats, f, b,
                                                fma, copy_gbps)
-        report["runs"][source] = row
+        report["runs"][key] = row
         del pf
-    pinned = report["runs"]["pinned"]
+    pinned = report["runs"]["planned"]
     pinned["pcie_floor_s"] = pinned["bytes_copied"] / (bw["pinned"] * 1e9)
     pinned["compute_floor_s"] = sum(pinned["flops"].values()) / (fma * 1e9)
     pinned["ratio_to_floor"] = pinned["seconds"] / max(pinned["pcie_floor_s"],
@@ -319,7 +320,7 @@ def layer_rows(run) -> list[dict]:
 
 
 def print_report(r: dict, verbose: bool, out) -> None:
-    p, g = r["runs"]["pinned"], r["runs"]["pageable"]
+    p, g = r["runs"]["planned"], r["runs"]["pageable"]
     mib = 2 ** 20
     print(f"prefill {r['tokens']} tokens of {r['model']}; plan: {p['plan']['n_tokens']} tokens "
           f"in passes of <= {p['plan']['chunk']}, budget {p['plan']['budget'] / mib:,.0f} MiB, "
@@ -327,7 +328,7 @@ def print_report(r: dict, verbose: bool, out) -> None:
     print(f"FMA ceiling {r['fma_gflops']:,.0f} GFLOP/s; host-to-device {r['h2d_gbps']['pinned']:.1f}"
           f" GB/s pinned, {r['h2d_gbps']['pageable']:.1f} GB/s pageable", file=out)
     print(f"{'experts from':<14}{'prefill s':>10}{'tok/s':>9}{'copied GB':>11}", file=out)
-    for name, row in (("pinned", p), ("pageable", g)):
+    for name, row in ((p["source"], p), ("pageable", g)):
         print(f"{name:<14}{row['seconds']:>10.3f}{r['tokens'] / row['seconds']:>9.0f}"
               f"{row['bytes_copied'] / 1e9:>11.2f}", file=out)
     print(f"copies: {p['unused_experts']} experts prefetched and not routed (of "
@@ -335,7 +336,7 @@ def print_report(r: dict, verbose: bool, out) -> None:
           f"(missed by the prediction)", file=out)
     print(f"floors: PCIe {p['pcie_floor_s']:.3f} s (bytes / pinned bandwidth), compute "
           f"{p['compute_floor_s']:.3f} s ({sum(p['flops'].values()) / 1e9:,.0f} GFLOP / FMA "
-          f"ceiling); pinned time / larger floor = {p['ratio_to_floor']:.2f}", file=out)
+          f"ceiling); {p['source']} time / larger floor = {p['ratio_to_floor']:.2f}", file=out)
     if verbose:
         print("per layer (ms): compute, copy, overlap", file=out)
         for i, row in enumerate(p["layers"]):

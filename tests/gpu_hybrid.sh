@@ -31,6 +31,9 @@ case ",$steps," in *,sweep,*)
 esac
 case ",$steps," in *,reap128,*)
   bench reap128 --synthetic qwen3.6-35b-a3b-reap128 --tokens 947 --gpu-mem 6G;; esac
+case ",$steps," in *,ring128,*)
+  bench ring128 --synthetic qwen3.6-35b-a3b-reap128 --tokens 947 --gpu-mem 6G --pin-budget 1G;;
+esac
 case ",$steps," in *,sweep128,*)
   timeout 250 python3 -m fermijit bench prefill --synthetic qwen3.6-35b-a3b-reap128 \
     --sweep 8,32,128 >"$out/sweep-reap128.txt" 2>"$out/sweep-reap128.err"
