@@ -4,11 +4,12 @@ and its projection onto a Tesla C2075 (item 6).
 One run measures, on the same GPU and host: the FMA ceiling (bench_gpu.fma_ceiling), the
 host-to-device bandwidth from page-locked and from pageable memory, then the prefill of `--tokens`
 random token ids with the experts streamed as planned (page-locked pool, or the staging ring past
---pin-budget) and from pageable memory (best of REPEATS each, on a fresh state). Floors: PCIe = bytes copied / pinned bandwidth; compute = FLOPs /
-FMA ceiling (FLOPs counted from the shapes and the run's routing, `flops`). The ratio is the
-planned run's time over the larger floor. `--verbose` adds the per-layer copy / compute / overlap (CUDA
-events) and the per-category profile (a separate run with a CUDA event between categories of
-kernels: the time from one event to the next, on the GPU's clock).
+--pin-budget) and from pageable memory (best of REPEATS each, on a fresh state). Floors:
+PCIe = bytes copied / pinned bandwidth; compute = FLOPs / FMA ceiling (FLOPs counted from the
+shapes and the run's routing, `flops`). The ratio is the planned run's time over the larger floor.
+`--verbose` adds the per-layer copy / compute / overlap (CUDA events) and the per-category
+profile (a separate run with a CUDA event between categories of kernels: the time from one event
+to the next, on the GPU's clock).
 
 `--project c2075`: the cost model `project` (stated in full in the output).
 """
@@ -325,8 +326,9 @@ def print_report(r: dict, verbose: bool, out) -> None:
     print(f"prefill {r['tokens']} tokens of {r['model']}; plan: {p['plan']['n_tokens']} tokens "
           f"in passes of <= {p['plan']['chunk']}, budget {p['plan']['budget'] / mib:,.0f} MiB, "
           f"device memory used {p['device_bytes_used'] / mib:,.0f} MiB", file=out)
-    print(f"FMA ceiling {r['fma_gflops']:,.0f} GFLOP/s; host-to-device {r['h2d_gbps']['pinned']:.1f}"
-          f" GB/s pinned, {r['h2d_gbps']['pageable']:.1f} GB/s pageable", file=out)
+    print(f"FMA ceiling {r['fma_gflops']:,.0f} GFLOP/s; host-to-device "
+          f"{r['h2d_gbps']['pinned']:.1f} GB/s pinned, {r['h2d_gbps']['pageable']:.1f} GB/s "
+          f"pageable", file=out)
     print(f"{'experts from':<14}{'prefill s':>10}{'tok/s':>9}{'copied GB':>11}", file=out)
     for name, row in ((p["source"], p), ("pageable", g)):
         print(f"{name:<14}{row['seconds']:>10.3f}{r['tokens'] / row['seconds']:>9.0f}"

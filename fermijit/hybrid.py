@@ -106,18 +106,18 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
          all_logits: bool = False) -> Plan:
     """The memory plan of a prefill of `n_tokens` after `start` positions; FermijitError when
     even a pass of MIN_CHUNK tokens does not fit `budget`. Needs no GPU."""
-    from fermijit import expert_stream, gpu_prefill
+    from fermijit import expert_stream, gpu_layout
 
-    resident = sum(a.nbytes for layer in gpu_prefill.dense_arrays(model) for a in layer.values())
+    resident = sum(a.nbytes for layer in gpu_layout.dense_arrays(model) for a in layer.values())
     resident += model.norm.nbytes
-    resident += gpu_prefill.head_bytes(model)
+    resident += gpu_layout.head_bytes(model)
     layout = expert_stream.Layout.of(model.layers[0].experts)
-    states = gpu_prefill.state_bytes(model, start + n_tokens)
+    states = gpu_layout.state_bytes(model, start + n_tokens)
     fixed = resident + 2 * layout.layer_bytes + states  # the expert buffer pair
 
     def activations(t: int) -> int:
         logits = 4 * model.vocab_size * (t if all_logits else 1)
-        return int(POOL_SLACK * (gpu_prefill.activation_bytes(model, t) + logits))
+        return int(POOL_SLACK * (gpu_layout.activation_bytes(model, t) + logits))
 
     chunk = n_tokens  # else the largest multiple of MIN_CHUNK that fits
     if fixed + activations(chunk) > budget:

@@ -2,14 +2,16 @@
 # The GPU prefill's pass on the lent GPU machine (issue 10): its GPU tests, then bench prefill on
 # the default model and on both synthetic full-size shapes within --gpu-mem 6G (models built in
 # /dev/shm, never carried). Full logs in OUT; a summary printed last.
-# Usage, from the project root, after shared/device/prepare.sh: bash tests/gpu_hybrid.sh OUT [STEPS]
+# Usage, from the project root, after shared/device/prepare.sh:
+#   bash tests/gpu_hybrid.sh OUT [STEPS]
 set -u
-out=${1:?usage: tests/gpu_hybrid.sh OUTDIR [tests,default,reap128,full256]}
+out=${1:?usage: tests/gpu_hybrid.sh OUTDIR [tests,default,sweep,reap128,ring128,full256]}
 steps=${2:-tests,default,reap128,full256}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/*.whl \
-  && export PYTHONPATH=/tmp/site \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  .device-wheels/*.whl && export PYTHONPATH=/tmp/site \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    >"$out/install.log" 2>&1 \
   || { echo "install failed"; cat "$out/install.log"; exit 1; }
 case ",$steps," in *,tests,*)
   timeout 300 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_f32_gemm_gpu.py \

@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from fermijit import FermijitError, engine, gpu_prefill, hybrid
+from fermijit import FermijitError, engine, gpu_layout, gpu_prefill, hybrid
 from fermijit.jit import gpu
 from fermijit.model.forward import load_model
 from tests.fermijit.hybrid_models import empty_full_size
@@ -51,7 +51,7 @@ def test_plan_chunks_the_largest_pass_that_fits(default_model):
     p = hybrid.plan(default_model, 947, 0, 40 << 20, GIB)
     assert 1 < p.n_chunks and p.chunk % hybrid.MIN_CHUNK == 0 and p.total <= p.budget
     more = p.chunk + hybrid.MIN_CHUNK  # one more tile row of tokens would not have fitted
-    activations = hybrid.POOL_SLACK * (gpu_prefill.activation_bytes(default_model, more)
+    activations = hybrid.POOL_SLACK * (gpu_layout.activation_bytes(default_model, more)
                                        + 4 * default_model.vocab_size)
     assert p.total - p.activations + activations > p.budget
 
@@ -194,14 +194,14 @@ def test_bad_mode_is_refused(default_model):
 
 @pytest.mark.parametrize("shape", [(947, 8, 128), (3, 8, 128), (50, 4, 16), (1, 1, 8)])
 def test_route_slots_is_expert_matmuls_sort(rng, shape):
-    """gpu_prefill.route_slots (vectorised) gives what expert_matmul.route uploads."""
+    """gpu_layout.route_slots (vectorised) gives what expert_matmul.route uploads."""
     from fermijit.ops import expert_matmul
 
     t, k, e = shape
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
     ids[: t // 3] = ids[0]                                  # some experts with many tokens
     weights = rng.random((t, k), dtype=np.float32)
-    rows, slot_weights, tiles = gpu_prefill.route_slots(ids, weights, e)
+    rows, slot_weights, tiles = gpu_layout.route_slots(ids, weights, e)
     order, _, expected_tiles = expert_matmul.sort_slots(ids, e)
     np.testing.assert_array_equal(tiles, expected_tiles)
     np.testing.assert_array_equal(rows, order // k)
