@@ -4,6 +4,7 @@ engine function and print; heavy imports (numba, pycuda, the model) happen insid
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,32 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     from fermijit import bench_cpu
 
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
+
+
+@bench.command("decode")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]),
+              default=None, help="Build this synthetic model into a temporary directory first "
+                                 "(when no --model is given).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Random prompt tokens to prefill.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Greedy tokens to decode.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
+                                              "dispatch apart from kernel time).")
+def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
+                 threads: int | None, as_json: bool, profile: bool) -> None:
+    """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
+    ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
+    from fermijit import bench_decode as bench_decode_module
+
+    if model_dir is not None:
+        synthetic = None
+    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
 
 
 @bench.command("gpu")
@@ -146,6 +173,20 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 
 
 @cli.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (from `convert`).")
+def verify(model_dir: Path) -> None:
+    """Check every tensor of a fermijit model against the checksum `convert` recorded (a
+    progress bar on stderr); exit 2 naming the first damaged tensor. Loading checks only the
+    manifest and the smallest tensors."""
+    from fermijit.model import manifest
+
+    n_tensors, nbytes = manifest.verify(model_dir)
+    click.echo(f"{model_dir}: {n_tensors} tensors, {nbytes / 2**20:.1f} MiB, all match their "
+               f"checksums")
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
@@ -192,8 +233,11 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
                                verbose=verbose)
-    engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
-               settings)
+    from fermijit.model import files
+
+    text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
+            else files.check_text(prompt, "the prompt"))
+    engine.run(model_dir or engine.DEFAULT_MODEL, text, settings)
 
 
 @cli.command("eval")
@@ -230,16 +274,50 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
                  prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
 
 
+def _open_missing_streams() -> None:
+    """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
+    diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
+    /dev/null instead."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode))
+
+
+def _fail(message: str) -> None:
+    # The first line only: a library message is one line, an OS or click one may not be.
+    try:
+        print(f"Error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr,
+              flush=True)
+    except OSError:
+        pass
+    try:
+        sys.stdout.flush()
+    except OSError:
+        # stdout is unwritable (/dev/full, a closed pipe): point it at /dev/null, so the
+        # interpreter's flush at exit neither fails nor prints a second error.
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    sys.exit(2)
+
+
 def main() -> None:
+    _open_missing_streams()
     try:
         cli.main(standalone_mode=False)
+        sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as e:
         # One line for every command, usage errors included (bad input: one line, exit 2).
-        click.echo(f"Error: {e.format_message()}", err=True)
-        sys.exit(2)
+        _fail(e.format_message())
     except FermijitError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
+        _fail(str(e))
+    except OSError as e:
+        # What the library does not name itself: stdout full (/dev/full) or closed, a disk
+        # that fails under a read. One line, as any bad environment.
+        where = f": {e.filename}" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}")
+    except MemoryError:
+        _fail("out of memory")

@@ -154,13 +154,16 @@ def sampling_settings(settings: Settings, generation_config: dict) -> tuple[floa
     false means greedy), else HF's defaults."""
     def pick(flag, key, default):
         value = generation_config.get(key)
-        return flag if flag is not None else value if isinstance(value, (int, float)) else default
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return flag if flag is not None else value if is_number else default
 
     temperature = pick(settings.temperature, "temperature", DEFAULT_TEMPERATURE)
     if settings.temperature is None and generation_config.get("do_sample") is False:
         temperature = 0.0
-    return (float(temperature), int(pick(settings.top_k, "top_k", DEFAULT_TOP_K)),
-            float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
+    top_k = pick(settings.top_k, "top_k", DEFAULT_TOP_K)
+    if not top_k >= 0:
+        raise FermijitError(f"top_k must be >= 0 (0 = all), got {top_k}")
+    return (float(temperature), int(top_k), float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
 
 
 def context_length(settings: Settings, n_prompt: int, max_context: int) -> int:
@@ -221,15 +224,20 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
 
     stream = tokenizer.stream()
 
+    def write(text: str) -> None:
+        try:
+            out.write(text.encode("utf-8"))
+            out.flush()
+        except OSError as e:  # stdout on /dev/full, a closed pipe (issue 11 case 8)
+            raise FermijitError(f"cannot write the generated text: {e.strerror}") from None
+
     def emit(token: int) -> None:
         text = stream.push(token)
         if text:
-            out.write(text.encode("utf-8"))
-            out.flush()
+            write(text)
 
     _, stats = generate(model, prompt, sampler, settings.max_tokens, context, tokenizer.eos_ids,
                         emit, progress_to=err, prefiller=prefiller)
-    out.write(stream.flush().encode("utf-8"))
-    out.flush()
+    write(stream.flush())
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)
     return stats

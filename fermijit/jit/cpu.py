@@ -10,7 +10,10 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import os
 import re
+import sys
+import tempfile
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -158,6 +161,62 @@ class _SourceKeyedCache(FunctionCache):
         return super()._index_key(sig, codegen) + self._extra_key
 
 
+_cache_note_said = False
+
+
+def _say_once(message: str) -> None:
+    global _cache_note_said
+    if not _cache_note_said:
+        _cache_note_said = True
+        print(f"fermijit: {message}", file=sys.stderr)
+
+
+def _private_dir(path: Path) -> bool:
+    """`path` made (or found) as a directory of ours alone: cached kernels are code to run, so a
+    folder another user could write to is not one to load them from."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return False
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def _source_keyed_cache(body, extra: tuple) -> "_SourceKeyedCache | None":
+    """Numba's cache needs a writable place: the package's __pycache__, NUMBA_CACHE_DIR or the
+    user's cache folder. A read-only install with no writable HOME has none, and every model
+    command died at import (issue 11 case 5). Then fall back to a private folder in the temp
+    directory, and failing that run uncached (compiling every run); said once on stderr."""
+    try:
+        return _SourceKeyedCache(body, extra)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        pass
+    if not numba_config.CACHE_DIR:
+        for folder in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                       / "fermijit",
+                       Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"):
+            try:
+                is_ok = _private_dir(folder)
+            except RuntimeError:  # Path.home() without HOME or a passwd entry
+                continue
+            if is_ok:
+                numba_config.CACHE_DIR = str(folder)
+                break
+        try:
+            cache = _SourceKeyedCache(body, extra)
+            _say_once(f"kernels are cached in {numba_config.CACHE_DIR} (the package folder "
+                      f"and Numba's user cache are not writable)")
+            return cache
+        except RuntimeError:
+            pass
+    _say_once("no writable folder for Numba's cache: kernels are compiled on every run "
+              "(set NUMBA_CACHE_DIR to a writable folder)")
+    return None
+
+
 def bind(fn, name: str = "", **bindings):
     """A copy of `fn` whose globals named in `bindings` are replaced (no closure: Numba can
     cache what calls it), called `<qualname>__<name>`.
@@ -205,7 +264,9 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
-        dispatcher._cache = _SourceKeyedCache(body, extra)
+        cache = _source_keyed_cache(body, extra)
+        if cache is not None:
+            dispatcher._cache = cache
         for sig in signatures:
             dispatcher.compile(sig)
         if signatures:
