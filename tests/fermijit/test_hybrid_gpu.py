@@ -1,6 +1,7 @@
 """The GPU prefill end to end (issue 10 item 3), on the default model and a tiny model with 128
 experts: last-position logits against the float64 reference over the same 4-bit weights, the
-hand-off to the CPU state, and 32 greedy tokens decoded on the CPU identical to the all-CPU run.
+hand-off to the CPU state against the reference's, 32 greedy tokens decoded on the CPU identical to
+those decoded from the reference's state, and how many equal the all-CPU (W4A8) run's.
 Chunked passes, a continued state, every expert source and the all-logits form (eval) too."""
 
 import io
@@ -31,6 +32,14 @@ GPU_VS_W4A8 = 5e-2
 # Two GPU runs of the same tokens differ only in the order of the experts' atomic adds.
 GPU_VS_GPU = 1e-5
 N_PROMPT, N_GREEDY = 150, 32
+# Greedy tokens after a GPU prefill that equal the all-CPU run's (issue 10 asks for 32). The CPU
+# prefills in W4A8, so its state is ~1% off the fp32 one the GPU hands over, and a near tie in
+# decode can go either way: measured 32 of 32 on both models before main's CPU numerics changes
+# (fast exp/sigmoid, joined projections) merged at cebb1d4; after them the default model's run
+# from this prompt differs at token 2 (the reference's state decoded on the CPU gives the same
+# as the GPU's: 314, 200, 313, 269 against the CPU's 314, 269, 200, 313), the tiny model's
+# still 32. The hand-off itself is checked exactly above, against the reference's state.
+SAME_AS_CPU = {"default": 1, "tiny-e128": N_GREEDY}
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +84,19 @@ def gpu_prefiller(model, **kwargs):
     return pf, err
 
 
+def from_reference(model, ref_state):
+    """The float64 reference's state as the engine's `State` (fp32, its layouts)."""
+    state = model.new_state(N_PROMPT + N_GREEDY)
+    for s, r in zip(state.layers, ref_state.layers):
+        if isinstance(s, KvCache):
+            s.k[:, :ref_state.position] = r.k.transpose(1, 0, 2)
+            s.v[:, :ref_state.position] = r.v.transpose(1, 0, 2)
+        else:
+            s.conv[...], s.recurrent[...] = r.conv.T, r.recurrent
+    state.position = ref_state.position
+    return state
+
+
 def greedy(model, logits, state, n=N_GREEDY):
     tokens = []
     for _ in range(n):
@@ -105,11 +127,18 @@ def test_logits_hand_off_and_greedy_tokens(models, loaded, name):
         for ours, spec in pairs:
             report_error(f"handed-off state ({name})", spec, ours)
             assert_rel(f"layer {i} state", spec, ours, GPU_VS_REFERENCE)
+    ours = greedy(model, logits, state)
+    # Decoded on the CPU from the reference's own state: what the hand-off should give.
+    spec = greedy(model, expected.astype(np.float32), from_reference(model, ref_state))
+    assert ours == spec
     cpu_state = model.new_state(N_PROMPT + N_GREEDY)
     cpu_logits = model.prefill(tokens, cpu_state)
     print(f"rel err gpu vs w4a8 logits ({name}): {rel_error(cpu_logits, logits):.3g}")
     assert_rel("gpu vs cpu logits", cpu_logits, logits, GPU_VS_W4A8)
-    assert greedy(model, logits, state) == greedy(model, cpu_logits, cpu_state)
+    cpu = greedy(model, cpu_logits, cpu_state)
+    same = next((n for n, (a, b) in enumerate(zip(ours, cpu)) if a != b), N_GREEDY)
+    print(f"greedy tokens identical to the all-CPU run ({name}): {same} of {N_GREEDY}")
+    assert same >= SAME_AS_CPU[name]
 
 
 def test_chunked_passes_equal_one_pass(loaded):
