@@ -209,6 +209,40 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
            snapshot_every or prefix_cache.SNAPSHOT_EVERY, repeat, sweep, as_json)
 
 
+@bench.command("prefill")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", default=None,
+              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
+                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@click.option("--tokens", type=click.IntRange(min=1), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
+                                              "512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--verbose", is_flag=True, help="Per-layer copy/compute/overlap and the profile.")
+@click.option("--project", "projection", type=click.Choice(["c2075"]), default=None,
+              help="Project the run onto this GPU (the cost model is printed).")
+@click.option("--sweep", default=None, help="Instead: CPU vs GPU prefill time at these prompt "
+                                            "lengths, e.g. 8,32,128 (the auto threshold).")
+def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
+                  gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
+                  projection: str | None, sweep: str | None) -> None:
+    """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
+    pageable expert streaming (GPU)."""
+    from fermijit import bench_prefill as bp
+
+    if sweep is not None:
+        try:
+            lengths = [int(n) for n in sweep.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"--sweep takes lengths like 8,32,128, got {sweep!r}")
+        bp.sweep(model_dir, synthetic, lengths)
+        return
+    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
@@ -344,10 +378,20 @@ def verify(model_dir: Path) -> None:
               help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
 @click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
               help="Snapshot the state every this many prompt tokens (default: 256).")
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
-             cache_mem: int | None, snapshot_every: int | None) -> None:
+             cache_mem: int | None, snapshot_every: int | None, prefill: str,
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -357,7 +401,9 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed, context=context, is_chat=chat)
+                               top_p=top_p, seed=seed, context=context, is_chat=chat,
+                               prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
+                               verbose=verbose)
     cache = prefix_cache.CacheSettings(
         is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
         snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
@@ -383,8 +429,18 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
 @numa_option
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
-                 threads: int | None) -> None:
+                 threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+                 verbose: bool) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
@@ -392,7 +448,8 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
     from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
-    evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json)
+    evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
+                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
 
 
 def _open_missing_streams() -> None:

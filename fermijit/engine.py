@@ -7,7 +7,9 @@ defaults and its snapshot prefix cache (fermijit/prefix_cache.py), and is what a
 calls: load an Engine, settle the settings, stream text to stdout and the summary to stderr.
 With a cache, the prompt resumes from its longest cached prefix and only the rest is prefilled;
 snapshots are taken every `snapshot_every` positions of the prefill, at the end of the prompt
-and at the end of the generation. Prefill runs on the CPU (the GPU path comes later).
+and at the end of the generation. The prompt is prefilled by a `hybrid` prefiller chosen
+once (`--prefill cpu|gpu|auto`: the GPU with experts streamed from host memory, or the CPU);
+decode runs on the CPU.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Settings:
     seed: int = 0
     context: int | None = None
     is_chat: bool = False
+    prefill: str = "cpu"          # --prefill cpu|gpu|auto (fermijit/hybrid.py)
+    gpu_mem: str | None = None    # --gpu-mem, e.g. "6G" (default: free less a margin)
+    pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
+    verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
 
 
 @dataclasses.dataclass
@@ -91,16 +97,17 @@ def peak_rss_bytes() -> int:
 
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
              eos_ids: frozenset[int], on_token: Callable[[int], None],
-             progress_to=None, cache=None) -> tuple[list[int], Stats]:
-    """Prefill `prompt`, then sample and decode until an eos id, `max_tokens` or the end of the
-    context; `on_token` gets each generated token as it is made. Returns (tokens, stats). With
-    `progress_to` (a text stream), a prompt of several prefill passes shows a progress bar there.
-    With `cache` (a prefix_cache.PrefixCache of this model), the prompt resumes from its longest
-    cached prefix, and the state is snapshotted on the way and at the end."""
+             progress_to=None, cache=None, prefiller=None) -> tuple[list[int], Stats]:
+    """Prefill `prompt` (through `prefiller`, default the CPU's), then sample and decode until an
+    eos id, `max_tokens` or the end of the context; `on_token` gets each generated token as it is
+    made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
+    passes shows a progress bar there. With `cache` (a prefix_cache.PrefixCache of this model),
+    the prompt resumes from its longest cached prefix, and the state is snapshotted on the way
+    and at the end."""
     prompt = np.asarray(prompt, np.int32)
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
-    state, logits, n_cached = prefill(model, prompt, context, cache, progress_to)
+    state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
@@ -130,26 +137,31 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     return tokens, stats
 
 
-def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None):
+def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None,
+            prefiller=None):
     """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
     `context`, the logits after it, and how many of its tokens were restored from `cache` (the
-    longest cached prefix; the rest is prefilled, snapshotted on the way and at the end)."""
+    longest cached prefix; the rest is prefilled by `prefiller`, default the CPU's, snapshotted
+    on the way and at the end)."""
     prompt = np.asarray(prompt, np.int32)
     state, logits = (None, None) if cache is None else cache.restore(prompt, context)
     if state is None:
         state = model.new_state(context)
     n_cached = state.position
     if logits is None:
-        logits = _prefill_rest(model, prompt, state, cache, progress_to)
+        logits = _prefill_rest(model, prompt, state, cache, progress_to, prefiller)
     return state, logits, n_cached
 
 
-def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to) -> np.ndarray:
+def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
+                  prefiller=None) -> np.ndarray:
     """Prefill what `state` has not seen of `prompt` (the logits after it); with a cache,
     snapshots where a pass ends at a multiple of `snapshot_every` (passes are aligned to them)
     or `snapshot_every` past the last one (a prefill that cannot align), and at the end."""
+    from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
 
+    prefiller = prefiller or CpuPrefiller(model)
     rest = prompt[state.position:]
     last = [state.position]
     bar = None
@@ -168,8 +180,8 @@ def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to) -> np.nd
             last[0] = state.position
 
     try:
-        logits = model.prefill(rest, state, on_block=on_block,
-                               align=None if cache is None else cache.snapshot_every)
+        logits = prefiller.prefill(rest, state, on_block=on_block,
+                                   align=None if cache is None else cache.snapshot_every)
     finally:
         if bar is not None:
             bar.close()
@@ -247,8 +259,9 @@ class Engine:
     """A model ready to generate from token ids: its tokenizer (end ids, sampling defaults) and its
     snapshot prefix cache (None: off). What the CLI and any other caller (the server) use."""
 
-    def __init__(self, model, tokenizer, cache=None):
+    def __init__(self, model, tokenizer, cache=None, prefiller=None):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.prefiller = prefiller  # fermijit/hybrid.py; None: the CPU's
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
@@ -285,13 +298,17 @@ class Engine:
             raise FermijitError("the prompt is empty (no tokens)")
         context = context_length(settings, int(prompt.size), self.model.max_context)
         return generate(self.model, prompt, self.sampler(settings), settings.max_tokens, context,
-                        self.tokenizer.eos_ids, on_token, progress_to, self.cache)
+                        self.tokenizer.eos_ids, on_token, progress_to, self.cache,
+                        self.prefiller)
 
 
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
         cache_settings=None) -> Stats:
     """`generate` for the CLI: the continuation streams to `out` (bytes, default stdout) as
     UTF-8, progress and the summary go to `err` (text, default stderr)."""
+    from fermijit import hybrid
+
+    hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
     out = out or sys.stdout.buffer
     err = err or sys.stderr
     start = time.perf_counter()
@@ -313,6 +330,13 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
     warm_up_s = warm_up(model, prompt, sampler=engine.sampler(settings))  # a twin: warming draws
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
+    engine.prefiller = prefiller = hybrid.make(model, settings.prefill, settings.gpu_mem,
+                                               settings.pin_budget, settings.verbose, err)
+    if settings.prefill != "cpu":
+        start = time.perf_counter()
+        if prefiller.prepare():
+            print(f"gpu prefill ready in {time.perf_counter() - start:.2f} s", file=err,
+                  flush=True)
 
     stream = tokenizer.stream()
 

@@ -281,5 +281,5 @@ def test_generate_chat_runs_from_a_gguf_alone(hf_dir, tmp_path, monkeypatch, cap
     hf = Tokenizer(hf_dir)  # the prompt as the checkpoint's own tokenizer and template make it
     n_prompt = hf.encode(hf.render_chat([{"role": "user", "content": "hi"}]),
                          add_special_tokens=False).size
-    assert f"prompt {n_prompt} tokens;".encode() in err, err
+    assert f"prompt {n_prompt} tokens (0 from the cache);".encode() in err, err
     assert b" tokens, decode " in err and b"Error" not in err  # a random model may stop at once
