@@ -10,11 +10,23 @@ Layout: head-major chunks, keys already repeated to value heads (value head h re
 h // (Hv/Hk)). Letters: Hv value heads, N chunks, C chunk length, dk key dim, dv value dim.
   q, k [Hv, N, C, dk]; v, u, v_new [Hv, N, C, dv]; g, beta, gamma [Hv, N, C];
   state [Hv, dk, dv]; h [Hv, N, dk, dv] (the state at the start of each chunk).
+
+`cpu` runs every stage in Numba, one value head per thread and its chunks in order, on the
+token-major arrays of `gated_delta.cpu` (same signature and result: the CPU prefill's form, issue 9).
+A last chunk shorter than C is taken as it is: the chunk equations hold for any length, and the
+padding they would add changes nothing.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import prange
+
+from fermijit import FermijitError
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import kernel
+
+CHUNK = 64  # MODEL.md §6, as the GPU (gated_delta.GPU_CHUNK) and transformers
 
 
 def to_chunks(x: np.ndarray, chunk: int) -> np.ndarray:
@@ -79,3 +91,125 @@ def chunk_output(q, k, v_new, h, gamma):
     inter = (q * np.exp(gamma)[..., None]) @ h
     intra = ((q @ np.swapaxes(k, -1, -2)) * decay_mask(gamma)) @ v_new
     return inter + intra
+
+
+# --- CPU ----------------------------------------------------------------------------------------
+
+@kernel
+def _wy_representation(k, v, beta, gamma, a, w, u):
+    """The chunk's W [n, dk] and U [n, dv] by forward substitution through the unit lower
+    triangular A (a: its strictly lower part, [n, n] scratch); k [n, dk], v [n, dv] views."""
+    n, dk = k.shape
+    dv = v.shape[1]
+    for r in range(n):
+        for s in range(r):
+            dot = np.float32(0)
+            for i in range(dk):
+                dot += k[r, i] * k[s, i]
+            a[r, s] = beta[r] * dot * np.exp(gamma[r] - gamma[s])
+    for r in range(n):
+        b = beta[r]
+        bg = b * np.exp(gamma[r])
+        for j in range(dv):
+            u[r, j] = b * v[r, j]
+        for i in range(dk):
+            w[r, i] = bg * k[r, i]
+        for s in range(r):
+            ars = a[r, s]
+            for j in range(dv):
+                u[r, j] -= ars * u[s, j]
+            for i in range(dk):
+                w[r, i] -= ars * w[s, i]
+
+
+@kernel
+def _chunk_step(q, k, u, w, gamma, S, o):
+    """One chunk against the state S [dk, dv] at its start: u <- V' = U - W S; o [n, dv] =
+    (Q e^gamma) S + (Q K^T Gamma) V'; then S <- e^{gamma_n} S + (K e^{gamma_n - gamma})^T V'."""
+    n, dk = k.shape
+    dv = u.shape[1]
+    for r in range(n):
+        for i in range(dk):
+            wri = w[r, i]
+            for j in range(dv):
+                u[r, j] -= wri * S[i, j]
+    for r in range(n):
+        eg = np.exp(gamma[r])
+        for j in range(dv):
+            o[r, j] = 0
+        for i in range(dk):
+            qi = q[r, i] * eg
+            for j in range(dv):
+                o[r, j] += qi * S[i, j]
+        for s in range(r + 1):
+            dot = np.float32(0)
+            for i in range(dk):
+                dot += q[r, i] * k[s, i]
+            c = dot * np.exp(gamma[r] - gamma[s])
+            for j in range(dv):
+                o[r, j] += c * u[s, j]
+    last = gamma[n - 1]
+    decay = np.exp(last)
+    for i in range(dk):
+        for j in range(dv):
+            S[i, j] *= decay
+    for s in range(n):
+        f = np.exp(last - gamma[s])
+        for i in range(dk):
+            ksi = k[s, i] * f
+            for j in range(dv):
+                S[i, j] += ksi * u[s, j]
+
+
+@kernel(parallel=True)
+def _chunked(q, k, v, g, beta, state, o, chunk):
+    """Per value head (one per thread), its chunks in order: each chunk's rows gathered from the
+    token-major inputs, the stages, the outputs scattered back."""
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    group = Hv // Hk
+    for h in prange(Hv):
+        hk = h // group
+        qc = np.empty((chunk, dk), np.float32)
+        kc = np.empty((chunk, dk), np.float32)
+        vc = np.empty((chunk, dv), np.float32)
+        oc = np.empty((chunk, dv), np.float32)
+        w = np.empty((chunk, dk), np.float32)
+        u = np.empty((chunk, dv), np.float32)
+        a = np.empty((chunk, chunk), np.float32)
+        bc = np.empty(chunk, np.float32)
+        gamma = np.empty(chunk, np.float32)
+        for t0 in range(0, T, chunk):
+            n = min(chunk, T - t0)
+            total = np.float32(0)
+            for r in range(n):
+                qc[r] = q[t0 + r, hk]
+                kc[r] = k[t0 + r, hk]
+                vc[r] = v[t0 + r, h]
+                bc[r] = beta[t0 + r, h]
+                total += g[t0 + r, h]
+                gamma[r] = total
+            _wy_representation(kc[:n], vc[:n], bc[:n], gamma[:n], a, w[:n], u[:n])
+            _chunk_step(qc[:n], kc[:n], u[:n], w[:n], gamma[:n], state[h], oc[:n])
+            for r in range(n):
+                o[t0 + r, h] = oc[r]
+
+
+def cpu(q, k, v, g, beta, state, out=None):
+    """`gated_delta.reference`'s result by the chunked form (C = CHUNK), fp32, updating `state`
+    in place: q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [Hv, dk, dv] ->
+    (o [T, Hv, dv], state)."""
+    op = "gated_delta_chunk"
+    T, Hv, dv = check_array(op, "v", v, np.float32, ndim=3).shape
+    Hk, dk = check_array(op, "q", q, np.float32, (T, None, None)).shape[1:]
+    check_array(op, "k", k, np.float32, (T, Hk, dk))
+    check_array(op, "g", g, np.float32, (T, Hv))
+    check_array(op, "beta", beta, np.float32, (T, Hv))
+    check_array(op, "state", state, np.float32, (Hv, dk, dv))
+    if Hk == 0 or Hv % Hk:
+        raise FermijitError(f"{op}: {Hv} value heads is not a multiple of {Hk} key heads")
+    if not state.flags.writeable:
+        raise FermijitError(f"{op}: state is read-only")
+    o = output(op, out, (T, Hv, dv))
+    _chunked(q, k, v, g, beta, state, o, CHUNK)
+    return o, state
