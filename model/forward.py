@@ -95,6 +95,28 @@ def _layer(w) -> Layer:
                  _host(w.mlp.gate), _experts(w.mlp))
 
 
+GDN_MATRICES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ATTENTION_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _n_weights(w) -> int:
+    """Rows x inputs of a matrix as `linear` takes it."""
+    if isinstance(w, matvec.Q4Matrix):
+        return w.qs.size * 2
+    return int(np.prod(w.shape))
+
+
+def _expert_weights(e: moe.MoeWeights | DenseExperts, top_k: int) -> int:
+    """Weights one token multiplies in the experts: top_k routed, the shared one, its gate."""
+    if isinstance(e, moe.MoeWeights):
+        routed = 2 * (e.gate_up_qs[0].size + e.down_qs[0].size)
+        shared = 2 * (e.shared_gate_up_qs.size + e.shared_down_qs.size)
+    else:
+        routed = e.gate_up[0].size + e.down[0].size
+        shared = e.shared_gate_up.size + e.shared_down.size
+    return top_k * routed + shared + e.shared_gate.size
+
+
 def linear(x, w, out, act=None):
     """out [T, R] = x [T, K] · wᵀ. Q4_0: W4A8 GEMM/GEMV on `act` (x quantised once for all the
     matrices reading it) or x; Q8_0 (the LM head option): x quantised here; fp32: numpy."""
@@ -219,6 +241,19 @@ class Model:
                 if a.dtype != np.float32 or a.shape != want:
                     raise FermijitError(f"state layer {i} {field.name} is {a.dtype} "
                                         f"{list(a.shape)}, the model needs float32 {list(want)}")
+
+    def prefill_flops(self, n_tokens: int) -> int:
+        """2 x the multiply-adds of the weight products in a prefill of `n_tokens` (the logits of
+        the last only): every projection, the router, the top-k routed and the shared expert,
+        the LM head once. The work the W4A8 GEMM's own GFLOP/s compares with; attention scores
+        and the GDN recurrence, which grow with the context, are left out."""
+        per_token = 0
+        for layer in self.layers:
+            names = (GDN_MATRICES if isinstance(layer.mixer, GatedDeltaNetWeights)
+                     else ATTENTION_MATRICES)
+            per_token += sum(_n_weights(getattr(layer.mixer, name)) for name in names)
+            per_token += layer.router.size + _expert_weights(layer.experts, self.top_k)
+        return 2 * (n_tokens * per_token + _n_weights(self.lm_head))
 
     # --- the two entry points -------------------------------------------------------------------
 

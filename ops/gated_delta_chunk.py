@@ -12,7 +12,7 @@ h // (Hv/Hk)). Letters: Hv value heads, N chunks, C chunk length, dk key dim, dv
   state [Hv, dk, dv]; h [Hv, N, dk, dv] (the state at the start of each chunk).
 
 `cpu` runs every stage in Numba, one value head per thread and its chunks in order, on the
-token-major arrays of `gated_delta.cpu` (same signature and result: the CPU prefill's form, issue 9).
+token-major arrays of `gated_delta.cpu` (same signature and result; issue 9).
 A last chunk shorter than C is taken as it is: the chunk equations hold for any length, and the
 padding they would add changes nothing.
 """
@@ -95,31 +95,43 @@ def chunk_output(q, k, v_new, h, gamma):
 
 # --- CPU ----------------------------------------------------------------------------------------
 
+# The loops below index rows through views (`u_r = u[r]`): with 2-D indices LLVM left the inner
+# loops scalar (the conv1d prefill loop measured 5.6 against 1.3 ns per element).
+
+@kernel
+def _dot(a, b):
+    acc = np.float32(0)
+    for i in range(a.size):
+        acc += a[i] * b[i]
+    return acc
+
+
+@kernel
+def _axpy(alpha, x, y):  # y += alpha x
+    for i in range(y.size):
+        y[i] += alpha * x[i]
+
+
 @kernel
 def _wy_representation(k, v, beta, gamma, a, w, u):
     """The chunk's W [n, dk] and U [n, dv] by forward substitution through the unit lower
     triangular A (a: its strictly lower part, [n, n] scratch); k [n, dk], v [n, dv] views."""
-    n, dk = k.shape
-    dv = v.shape[1]
+    n = k.shape[0]
     for r in range(n):
+        a_r = a[r]
         for s in range(r):
-            dot = np.float32(0)
-            for i in range(dk):
-                dot += k[r, i] * k[s, i]
-            a[r, s] = beta[r] * dot * np.exp(gamma[r] - gamma[s])
+            a_r[s] = beta[r] * _dot(k[r], k[s]) * np.exp(gamma[r] - gamma[s])
     for r in range(n):
+        u_r, w_r, v_r, k_r = u[r], w[r], v[r], k[r]
         b = beta[r]
         bg = b * np.exp(gamma[r])
-        for j in range(dv):
-            u[r, j] = b * v[r, j]
-        for i in range(dk):
-            w[r, i] = bg * k[r, i]
+        for j in range(u_r.size):
+            u_r[j] = b * v_r[j]
+        for i in range(w_r.size):
+            w_r[i] = bg * k_r[i]
         for s in range(r):
-            ars = a[r, s]
-            for j in range(dv):
-                u[r, j] -= ars * u[s, j]
-            for i in range(dk):
-                w[r, i] -= ars * w[s, i]
+            _axpy(-a[r, s], u[s], u_r)
+            _axpy(-a[r, s], w[s], w_r)
 
 
 @kernel
@@ -127,38 +139,29 @@ def _chunk_step(q, k, u, w, gamma, S, o):
     """One chunk against the state S [dk, dv] at its start: u <- V' = U - W S; o [n, dv] =
     (Q e^gamma) S + (Q K^T Gamma) V'; then S <- e^{gamma_n} S + (K e^{gamma_n - gamma})^T V'."""
     n, dk = k.shape
-    dv = u.shape[1]
     for r in range(n):
-        for i in range(dk):
-            wri = w[r, i]
-            for j in range(dv):
-                u[r, j] -= wri * S[i, j]
-    for r in range(n):
+        u_r, o_r, w_r, q_r = u[r], o[r], w[r], q[r]
         eg = np.exp(gamma[r])
-        for j in range(dv):
-            o[r, j] = 0
+        o_r[:] = 0
         for i in range(dk):
-            qi = q[r, i] * eg
-            for j in range(dv):
-                o[r, j] += qi * S[i, j]
+            S_i = S[i]
+            _axpy(-w_r[i], S_i, u_r)
+            _axpy(q_r[i] * eg, S_i, o_r)
+    for r in range(n):
+        o_r, q_r = o[r], q[r]
         for s in range(r + 1):
-            dot = np.float32(0)
-            for i in range(dk):
-                dot += q[r, i] * k[s, i]
-            c = dot * np.exp(gamma[r] - gamma[s])
-            for j in range(dv):
-                o[r, j] += c * u[s, j]
+            _axpy(_dot(q_r, k[s]) * np.exp(gamma[r] - gamma[s]), u[s], o_r)
     last = gamma[n - 1]
     decay = np.exp(last)
     for i in range(dk):
-        for j in range(dv):
-            S[i, j] *= decay
+        S_i = S[i]
+        for j in range(S_i.size):
+            S_i[j] *= decay
     for s in range(n):
+        k_s, u_s = k[s], u[s]
         f = np.exp(last - gamma[s])
         for i in range(dk):
-            ksi = k[s, i] * f
-            for j in range(dv):
-                S[i, j] += ksi * u[s, j]
+            _axpy(k_s[i] * f, u_s, S[i])
 
 
 @kernel(parallel=True)
