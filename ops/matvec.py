@@ -68,7 +68,9 @@ class Q8Act:
 
     Within each step of `blocks_per_step` blocks, register j holds blocks j·lanes..j·lanes+lanes-1:
     first the low halves (elements 0..15) of those blocks, then the high halves, matching the
-    nibble split of the weights. Blocks after the last whole step keep the natural order.
+    nibble split of the weights. After the last whole step, whole steps of the half width
+    (simd.HALF_OF, AVX-512 only) are laid out the same way for its lanes; the blocks after those
+    keep the natural order (SSE's step layout, then single blocks).
     """
 
     xq: np.ndarray     # [T, K] int8, in the layout above
@@ -123,11 +125,13 @@ def reference(qs, d, x):
 
 # No fast-math: the rounding must be the reference's, bit for bit.
 @kernel(fastmath=False)
-def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks):
+def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
     n_tok, k = x.shape
     nb = k // 32
     whole = nb // step_blocks * step_blocks
     reg = 16 * lanes
+    half_step = 4 * half_lanes
+    half_end = whole + ((nb - whole) // half_step * half_step if half_lanes else 0)
     for t in range(n_tok):
         for b in range(nb):
             amax = np.float32(0.0)
@@ -139,6 +143,10 @@ def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks):
                 w = b % step_blocks
                 lo = (b - w) * 32 + (w // lanes) * 2 * reg + (w % lanes) * 16
                 hi = lo + reg
+            elif b < half_end:
+                w = (b - whole) % half_step
+                lo = (b - w) * 32 + (w // half_lanes) * 32 * half_lanes + (w % half_lanes) * 16
+                hi = lo + 16 * half_lanes
             else:
                 lo = b * 32
                 hi = lo + 16
@@ -178,7 +186,9 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
     elif out.xq.shape != x2.shape:  # the rest was checked when `out` was made
         raise FermijitError(f"quantize_act: out holds {list(out.xq.shape)}, x is "
                             f"{list(x2.shape)}")
-    _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v))
+    half = simd.HALF_OF.get(v.isa)
+    _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v),
+                         half.lanes if half else 0)
     return out
 
 
@@ -319,6 +329,11 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
             n_steps = builder.udiv(nb, c(bps))
             accs = [steps(v, c(0), n_steps)]
             whole = builder.mul(n_steps, c(bps))
+            half = simd.HALF_OF.get(v.isa) if v.nbytes > simd.AVX512VNNI_256.nbytes else None
+            if half is not None:  # whole half-width steps next, laid out so by Q8Act
+                n_half = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(half)))
+                accs.append(steps(half, whole, n_half))
+                whole = builder.add(whole, builder.mul(n_half, c(blocks_per_step(half))))
             if v.nbytes > SSE.nbytes:
                 # The rest in natural order (Q8Act), which is SSE's step layout: whole SSE steps
                 # there, so small K (the default model's 96-512) is not all one-block steps.

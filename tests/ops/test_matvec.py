@@ -13,11 +13,12 @@ ISAS = [i for i in cpu.variants_up_to(cpu.selected_isa())]
 # multiply-add per block and of the final horizontal sum: a few ulps of the row's scale.
 RTOL = 1e-5
 # (rows, K, tokens): ragged rows (tails of the 4-row tile), K whose block count is not a whole
-# step for any ISA (tail blocks; K384 and K736 leave whole SSE steps after the wide ones), and
+# step for any ISA (tail blocks; K384, K736 and K800 leave whole half-width and SSE steps after
+# the wide ones), and
 # the GEMM's token tail.
 SHAPES = {"R1-K32-T1": (1, 32, 1), "R5-K96-T1": (5, 96, 1), "R8-K512-T1": (8, 512, 1),
           "R33-K1056-T1": (33, 1056, 1), "R7-K544-T5": (7, 544, 5), "R12-K2048-T9": (12, 2048, 9),
-          "R9-K384-T6": (9, 384, 6), "R3-K736-T1": (3, 736, 1)}
+          "R9-K384-T6": (9, 384, 6), "R3-K736-T1": (3, 736, 1), "R4-K800-T3": (4, 800, 3)}
 
 
 def _weights(rng, rows, k):
