@@ -109,6 +109,18 @@ def _reader(isa):
     return lambda buf: kernel(buf, numba.get_num_threads() * 8)
 
 
+def read_bandwidth(nbytes: int, repeats: int = REPEATS) -> float:
+    """GB/s of the read probe over `nbytes` of ordinary pages, best of `repeats`, at the current
+    thread count and the selected ISA (bench decode's ceiling)."""
+    buf = _page_backed(nbytes)
+    buf[:] = 1
+    read = _reader(cpu.selected_isa())
+    read(buf)
+    gbs = buf.nbytes / _best_seconds(lambda: read(buf), repeats) / 1e9
+    del buf
+    return gbs
+
+
 def _page_backed(nbytes: int, huge: bool = False) -> np.ndarray:
     """Private anonymous memory in ordinary 4 KB pages, as a memory-mapped model file is, or in
     transparent huge pages where asked (numpy asks for them on any large array, which alone made

@@ -54,6 +54,32 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
 
 
+@bench.command("decode")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]),
+              default=None, help="Build this synthetic model into a temporary directory first "
+                                 "(when no --model is given).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Random prompt tokens to prefill.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Greedy tokens to decode.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
+                                              "dispatch apart from kernel time).")
+def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
+                 threads: int | None, as_json: bool, profile: bool) -> None:
+    """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
+    ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
+    from fermijit import bench_decode as bench_decode_module
+
+    if model_dir is not None:
+        synthetic = None
+    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
+
+
 @bench.command("gpu")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--tokens", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -94,6 +120,21 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
     manifest = converter.convert(src, dst, lm_head=lm_head)
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
+
+
+@cli.command()
+@click.argument("name", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Decoder layers (default: the real 40).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random weights.")
+def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
+    """Write a random-weight model of the real shapes of NAME into the new directory DST, in the
+    converted format (qwen3.6-35b-a3b: 256 experts, 19.7 GB; -reap128: 128 experts, 11.2 GB)."""
+    from fermijit.model import synth as synthetic
+
+    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed).summary(), err=True)
 
 
 @cli.command()

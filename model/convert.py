@@ -91,8 +91,6 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
 def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
             chunk_bytes: int = CHUNK_BYTES) -> dict:
     """Convert; returns the manifest written to `dst/fermijit.json`."""
-    from tqdm import tqdm
-
     src, dst = Path(src), Path(dst)
     if lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
@@ -102,35 +100,58 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
     quants = {name: quantisation(name, lm_head) for name in plans}
-    specs = {name: stored_specs(name, plan.shape, quants[name]) for name, plan in plans.items()}
+    check_output_dir(dst)
+
+    def copy_files(out: Path) -> None:
+        for file in COPIED_FILES:
+            if (src / file).is_file():
+                shutil.copyfile(src / file, out / file)
+
+    return write_model(
+        dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
+        lambda name, out: _stream(plans[name], quants[name], ckpt, out, chunk_bytes),
+        source={"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
+                "files": [f.path.name for f in ckpt.files]},
+        other_files=copy_files, desc="convert", show_progress=show_progress)
+
+
+def check_output_dir(dst: Path) -> None:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FermijitError(f"output directory {dst} exists and is not empty")
-    dst.mkdir(parents=True, exist_ok=True)
 
+
+def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
+                source: dict, other_files, desc: str, show_progress: bool = True) -> dict:
+    """The one writer of a model directory (`convert` and `model/synth.py`): the weights file, in
+    which `fill(name, writer)` stores tensor `name` (quantised as `quantisation` says), yielding
+    the elements done per piece; then `other_files(dst)` (config, tokenizer...); the manifest
+    last, as it marks the directory complete. Returns the manifest."""
+    from tqdm import tqdm
+
+    quants = {name: quantisation(name, lm_head) for name in shapes}
+    specs = {name: stored_specs(name, shape, quants[name]) for name, shape in shapes.items()}
+    dst.mkdir(parents=True, exist_ok=True)
     # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
     # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
-    flat = [s for name in plans for s in specs[name]]
+    flat = [s for name in shapes for s in specs[name]]
     order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
     partial = dst / (WEIGHTS + ".partial")
-    total = sum(int(np.prod(p.shape)) for p in plans.values())
+    total = sum(int(np.prod(shape)) for shape in shapes.values())
     with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
-            tqdm(total=total, unit="param", unit_scale=True, desc="convert", file=sys.stderr,
+            tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
                  disable=not show_progress) as bar:
-        for name, plan in plans.items():
-            for n_done in _stream(plan, quants[name], ckpt, out, chunk_bytes):
+        for name in shapes:
+            for n_done in fill(name, out):
                 bar.update(n_done)
     os.replace(partial, dst / WEIGHTS)
-    for file in COPIED_FILES:
-        if (src / file).is_file():
-            shutil.copyfile(src / file, dst / file)
+    other_files(dst)
     manifest = {
         "format_version": FORMAT_VERSION,
         "converter": f"fermijit {__version__}",
-        "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
-                   "files": [f.path.name for f in ckpt.files]},
+        "source": source,
         "weights": WEIGHTS,
-        "tensors": {name: {"shape": list(plan.shape), "quant": quants[name]}
-                    for name, plan in plans.items()},
+        "tensors": {name: {"shape": list(shape), "quant": quants[name]}
+                    for name, shape in shapes.items()},
         "reap": None,  # no experts pruned
     }
     (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: marks it complete

@@ -54,6 +54,11 @@ class Layer:
     post_norm: np.ndarray                           # [H]  zero-centred
     router: np.ndarray                              # [E, H] fp32
     experts: moe.MoeWeights | DenseExperts
+    # Decode reads the mixer's input projections in one launch where they lie back to back in
+    # memory (a converted file stores them so): GDN [qkv; z] [C + Hv·dv, H], attention
+    # [q; k; v] [Hq·2D + 2·Hkv·D, H]; None otherwise. GDN's [b; a] [2Hv, H] fp32 always.
+    joined_in: matvec.Q4Matrix | None = None
+    gates_in: np.ndarray | None = None
 
 
 def _host(a):
@@ -88,11 +93,38 @@ def _experts(mlp) -> moe.MoeWeights | DenseExperts:
                         _host(mlp.shared_gate_up)[None], _host(mlp.shared_down)[None], shared_gate)
 
 
+def _back_to_back(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """One view over the rows of `arrays` when they lie back to back in memory, else None."""
+    first = arrays[0]
+    addr = first.ctypes.data
+    for a in arrays:
+        if (a.ctypes.data != addr or a.dtype != first.dtype or a.shape[1:] != first.shape[1:]
+                or not a.flags.c_contiguous):
+            return None
+        addr += a.nbytes
+    rows = sum(a.shape[0] for a in arrays)
+    return np.lib.stride_tricks.as_strided(first, (rows, *first.shape[1:]), first.strides,
+                                           writeable=False)
+
+
+def _joined(mats) -> matvec.Q4Matrix | None:
+    """The Q4_0 matrices `mats` (reading the same input) as one, without a copy, or None."""
+    if not all(isinstance(m, matvec.Q4Matrix) for m in mats):
+        return None
+    qs, d_bits = _back_to_back([m.qs for m in mats]), _back_to_back([m.d_bits for m in mats])
+    return None if qs is None or d_bits is None else matvec.Q4Matrix(qs, d_bits)
+
+
 def _layer(w) -> Layer:
     mixer = type(w.mixer)(**{f.name: _matrix(getattr(w.mixer, f.name))
                              for f in dataclasses.fields(w.mixer)})
+    if isinstance(mixer, GatedDeltaNetWeights):
+        joined_in = _joined([mixer.in_proj_qkv, mixer.in_proj_z])
+        gates_in = np.concatenate([mixer.in_proj_b, mixer.in_proj_a])   # 2 x [Hv, H]: small
+    else:
+        joined_in, gates_in = _joined([mixer.q_proj, mixer.k_proj, mixer.v_proj]), None
     return Layer(_host(w.input_layernorm), mixer, _host(w.post_attention_layernorm),
-                 _host(w.mlp.gate), _experts(w.mlp))
+                 _host(w.mlp.gate), _experts(w.mlp), joined_in, gates_in)
 
 
 def linear(x, w, out, act=None):
@@ -133,6 +165,7 @@ class Workspace:
         H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
         Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
         self.offsets = np.arange(T, dtype=np.int64)
+        C, Cq = model.conv_dim, Hq * 2 * D
         self.positions = np.empty(T, np.int64)
         self.tokens = np.empty(T, np.int32)
         self.x = np.empty((T, H), f)             # the residual stream
@@ -141,18 +174,24 @@ class Workspace:
         self.act = None                          # xn quantised for the Q4_0 kernels (Q8Act)
         self.act_attn = None                     # the attention output, quantised
         self.act_gdn = None                      # the GDN output, quantised
+        # A mixer's projections of one token land in one buffer, each a view of it (contiguous,
+        # as T = 1), so that a joined matrix fills them in one launch.
+        self.attn_in = np.empty((1, Cq + 2 * Hkv * D), f) if T == 1 else None
+        self.gdn_in = np.empty((1, C + Hv * dv), f) if T == 1 else None
+        self.gates_in = np.empty((1, 2 * Hv), f) if T == 1 else None
         # attention
-        self.qg = np.empty((T, Hq * 2 * D), f)   # per head: query D | gate D
+        self.qg = np.empty((T, Cq), f) if T > 1 else self.attn_in[:, :Cq]  # query D | gate D
         self.q = np.empty((T, Hq, D), f)
         self.gate = np.empty((T, Hq, D), f)
-        self.k = np.empty((T, Hkv, D), f)
-        self.v = np.empty((T, Hkv, D), f)
+        self.k, self.v = (np.empty((T, Hkv, D), f) if T > 1 else
+                          self.attn_in[:, Cq + i * Hkv * D:Cq + (i + 1) * Hkv * D].reshape(T, Hkv, D)
+                          for i in range(2))
         self.o = np.empty((T, Hq, D), f)
         # gated deltanet
-        self.mixed = np.empty((T, model.conv_dim), f)   # q | k | v before and after the conv
-        self.z = np.empty((T, Hv, dv), f)
-        self.b = np.empty((T, Hv), f)
-        self.a = np.empty((T, Hv), f)
+        self.mixed = np.empty((T, C), f) if T > 1 else self.gdn_in[:, :C]  # q | k | v
+        self.z = (np.empty((T, Hv * dv), f) if T > 1 else self.gdn_in[:, C:]).reshape(T, Hv, dv)
+        self.b = np.empty((T, Hv), f) if T > 1 else self.gates_in[:, :Hv]
+        self.a = np.empty((T, Hv), f) if T > 1 else self.gates_in[:, Hv:]
         self.gq = np.empty((T, Hk, dk), f)
         self.gk = np.empty((T, Hk, dk), f)
         self.gv = np.empty((T, Hv, dv), f)
@@ -277,9 +316,9 @@ class Model:
         for w, s in zip(self.layers, state.layers):
             rmsnorm.cpu(ws.x, w.input_norm, self.eps, out=ws.xn)
             if isinstance(s, KvCache):
-                self.attention(w.mixer, s, start, ws)
+                self.attention(w.mixer, w.joined_in, s, start, ws)
             else:
-                self.gated_deltanet(w.mixer, s, ws)
+                self.gated_deltanet(w.mixer, w.joined_in, w.gates_in, s, ws)
             ws.x += ws.y                                               # h = x + mixer(norm(x))
             rmsnorm.cpu(ws.x, w.post_norm, self.eps, out=ws.xn)
             self.moe(w, ws)
@@ -294,16 +333,20 @@ class Model:
     def _quantized_input(self, x, act):
         return matvec.quantize_act(x, out=act) if self.is_quantized else None
 
-    def attention(self, w: AttentionWeights, cache: KvCache, start: int, ws: Workspace) -> None:
+    def attention(self, w: AttentionWeights, joined, cache: KvCache, start: int,
+                  ws: Workspace) -> None:
         """Gated GQA attention (MODEL.md §5): ws.xn -> ws.y, keys and values into the cache."""
         T, D = ws.tokens.size, self.head_dim
         ws.act = act = self._quantized_input(ws.xn, ws.act)
-        linear(ws.xn, w.q_proj, ws.qg, act)                          # per head: query | gate
+        if joined is not None and ws.attn_in is not None:
+            linear(ws.xn, joined, ws.attn_in, act)                   # q | k | v in one launch
+        else:
+            linear(ws.xn, w.q_proj, ws.qg, act)                      # per head: query | gate
+            linear(ws.xn, w.k_proj, ws.k.reshape(T, -1), act)
+            linear(ws.xn, w.v_proj, ws.v.reshape(T, -1), act)
         qg = ws.qg.reshape(T, self.n_heads, 2 * D)
         np.copyto(ws.q, qg[..., :D])
         np.copyto(ws.gate, qg[..., D:])
-        linear(ws.xn, w.k_proj, ws.k.reshape(T, -1), act)
-        linear(ws.xn, w.v_proj, ws.v.reshape(T, -1), act)
         rmsnorm.cpu(ws.q, w.q_norm, self.eps, out=ws.q)              # per head, before RoPE
         rmsnorm.cpu(ws.k, w.k_norm, self.eps, out=ws.k)
         rope.cpu(ws.q, ws.positions, self.rotary_dim, self.theta, out=ws.q)
@@ -315,14 +358,21 @@ class Model:
         ws.act_attn = self._quantized_input(o, ws.act_attn)
         linear(o, w.o_proj, ws.y, ws.act_attn)
 
-    def gated_deltanet(self, w: GatedDeltaNetWeights, s, ws: Workspace) -> None:
+    def gated_deltanet(self, w: GatedDeltaNetWeights, joined, gates_in, s,
+                       ws: Workspace) -> None:
         """Gated DeltaNet (MODEL.md §6): ws.xn -> ws.y; conv and recurrent state updated."""
         T, Hk, dk = ws.tokens.size, self.n_key_heads, self.key_dim
         ws.act = act = self._quantized_input(ws.xn, ws.act)
-        linear(ws.xn, w.in_proj_qkv, ws.mixed, act)                  # [T, C]
-        linear(ws.xn, w.in_proj_z, ws.z.reshape(T, -1), act)
-        linear(ws.xn, w.in_proj_b, ws.b)                             # fp32 [Hv, H]: gates
-        linear(ws.xn, w.in_proj_a, ws.a)
+        if joined is not None and ws.gdn_in is not None:
+            linear(ws.xn, joined, ws.gdn_in, act)                    # qkv | z in one launch
+        else:
+            linear(ws.xn, w.in_proj_qkv, ws.mixed, act)              # [T, C]
+            linear(ws.xn, w.in_proj_z, ws.z.reshape(T, -1), act)
+        if ws.gdn_in is not None:
+            np.matmul(ws.xn, gates_in.T, out=ws.gates_in)            # b | a: fp32 [2Hv, H]
+        else:
+            linear(ws.xn, w.in_proj_b, ws.b)                         # fp32 [Hv, H]: gates
+            linear(ws.xn, w.in_proj_a, ws.a)
         conv1d.cpu(ws.mixed, w.conv1d, s.conv, out=ws.mixed)         # causal conv + SiLU
         np.copyto(ws.gq, ws.mixed[:, :Hk * dk].reshape(T, Hk, dk))
         np.copyto(ws.gk, ws.mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk))

@@ -201,6 +201,10 @@ class SafetensorsWriter:
         os.pwrite(self._fd, struct.pack("<Q", len(text)) + text, 0)
         os.ftruncate(self._fd, self._data_start + offset)
 
+    def dtype_of(self, name: str) -> np.dtype:
+        """The numpy dtype `write` takes for tensor `name`."""
+        return STORAGE[self._infos[name].dtype]
+
     def write(self, name: str, array: np.ndarray, start: int = 0) -> None:
         """Store `array` as elements [start, start + array.size) of tensor `name` (row-major).
         BF16 tensors take uint16 bit patterns; others take their own numpy dtype.
@@ -213,7 +217,11 @@ class SafetensorsWriter:
         end = begin + array.size * item
         if start < 0 or end > info.end:
             raise FermijitError(f"{self.path}: write past the end of {name}")
-        os.pwrite(self._fd, np.ascontiguousarray(array).tobytes(), self._data_start + begin)
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))  # no copy
+        at = self._data_start + begin
+        while data:  # pwrite may write less than asked
+            n = os.pwrite(self._fd, data, at)
+            data, at = data[n:], at + n
         spans = self._written[name]
         if spans and spans[-1][1] == begin:  # sequential pieces merge: O(1) bookkeeping
             spans[-1] = (spans[-1][0], end)

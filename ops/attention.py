@@ -12,11 +12,11 @@ S cache length (the cache may be longer than the keys used), L = start + T keys 
 from __future__ import annotations
 
 import numpy as np
-import numba
 from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import mathf
 from fermijit.jit.cpu import kernel
 
 
@@ -45,11 +45,15 @@ BLOCK = 64
 # (flash-decoding): with Hkv = 2 there are too few heads to occupy the cores otherwise. A range
 # shorter than this costs more in set-up and merging than it saves.
 SPLIT_MIN_KEYS = 256
+# Items wanted in all: two per thread up to 8 threads. A constant, not the thread count, so the
+# key ranges and the order partial results are merged in, and so the bits of the output, are the
+# same whatever the thread count (issue 9 item 7: 1- and 2-thread runs diverged at 512 keys).
+SPLIT_ITEMS = 16
 
 
-def _n_splits(n_items: int, n_keys: int, n_threads: int) -> int:
-    """Key ranges per (query, kv head) item: enough for two items per thread, if long enough."""
-    wanted = -(-2 * n_threads // max(n_items, 1))
+def _n_splits(n_items: int, n_keys: int) -> int:
+    """Key ranges per (query, kv head) item: enough for SPLIT_ITEMS items, if long enough."""
+    wanted = -(-SPLIT_ITEMS // max(n_items, 1))
     return max(1, min(wanted, n_keys // SPLIT_MIN_KEYS))
 
 
@@ -96,7 +100,7 @@ def _attend(q, k, v, start, acc, m, l):
                 rescale = np.exp(m_t[g] - m_new)
                 total = np.float32(0)
                 for j in range(n):
-                    p[g, j] = np.exp(p[g, j] - m_new)
+                    p[g, j] = mathf.exp(p[g, j] - m_new)
                     total += p[g, j]
                 l_t[g] = l_t[g] * rescale + total
                 m_t[g] = m_new
@@ -132,7 +136,7 @@ def _combine(acc, m, l, gate, o):
             for d in range(D):
                 o[t, h, d] += w * acc[s, t, h, d]
         for d in range(D):
-            o[t, h, d] *= 1 / (1 + np.exp(-gate[t, h, d]))
+            o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
 
 
 def cpu(q, k, v, gate, start, out=None):
@@ -149,7 +153,7 @@ def cpu(q, k, v, gate, start, out=None):
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
     o = output(op, out, (T, Hq, D))
-    n_split = _n_splits(T * Hkv, start + T, numba.get_num_threads())
+    n_split = _n_splits(T * Hkv, start + T)
     if n_split == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:

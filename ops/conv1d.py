@@ -15,6 +15,7 @@ from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import mathf
 from fermijit.jit.cpu import kernel
 
 # Threads over channel blocks from this many elements of x. Every element costs an expf (~5 ns,
@@ -35,12 +36,6 @@ def reference(x, w, state):
     return y.astype(np.float32), np.ascontiguousarray(xx[n_tokens:].T, dtype=np.float32)
 
 
-@kernel
-def _silu(v):
-    # exp(-v) overflows to inf for v < -88: silu is then -0, not NaN.
-    return v / (np.float32(1.0) + np.exp(-v))
-
-
 def _conv_tokens(x, w, state, out):  # x, out [T, C]; w [C, K]; state [C, K-1]
     # The decode step applied token after token, the state row as the sliding window. Blocks of
     # channels keep their taps and state rows in L1 while t advances; rows of x stream in order.
@@ -57,7 +52,7 @@ def _conv_tokens(x, w, state, out):  # x, out [T, C]; w [C, K]; state [C, K-1]
                 for j in range(k - 2):
                     state[c, j] = state[c, j + 1]
                 state[c, k - 2] = xc
-                out[t, c] = _silu(acc)
+                out[t, c] = mathf.silu(acc)
 
 
 _conv_serial = kernel(_conv_tokens)

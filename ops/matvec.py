@@ -197,18 +197,28 @@ Q8_0 = _Format("q8_0", 32, False)
 def _load_units(fmt: _Format, v: Vec, builder, ptr, off, count: int):
     """`count` weight units at byte `off`; unit j meets activation registers 2j and 2j+1.
 
-    Q4_0: one register of `lanes` blocks, split into its low and high nibbles. Q8_0 (only at SSE
-    width): a block's two halves, each with its magnitude, for pmaddubsw's unsigned operand.
+    Q4_0: one register of `lanes` blocks, split into its low and high nibbles. Q8_0: two
+    registers of `lanes` whole blocks, regrouped per 128-bit lane into the blocks' first halves
+    and their second halves (the activations' layout, Q8Act), each with its magnitude, for
+    pmaddubsw's unsigned operand.
     """
     c = lambda n: ir.Constant(I64, n)  # noqa: E731
     w = v.nbytes
     if fmt.is_offset:
         return [simd.nibbles(builder, simd.load(builder, ptr, builder.add(off, c(j * w)),
                                                 vec(I8, w))) for j in range(count)]
-    halves = [simd.load(builder, ptr, builder.add(off, c(h * w)), vec(I8, w))
-              for h in range(2 * count)]
-    return [tuple((simd.abs_i8(builder, q), q) for q in halves[2 * j:2 * j + 2])
-            for j in range(count)]
+    units = []
+    for j in range(count):
+        a, b = (simd.load(builder, ptr, builder.add(off, c((2 * j + h) * w)), vec(I8, w))
+                for h in range(2))
+        if v.lanes == 1:
+            halves = (a, b)
+        else:  # a | b holds blocks 0..lanes-1 whole: block i's halves at 32i and 32i + 16
+            halves = tuple(builder.shuffle_vector(a, b, ir.Constant(vec(I32, w), [
+                32 * i + 16 * h + e for i in range(v.lanes) for e in range(16)]))
+                for h in range(2))
+        units.append(tuple((simd.abs_i8(builder, q), q) for q in halves))
+    return units
 
 
 def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
@@ -263,6 +273,7 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
 
             step_bytes = bps * fmt.block_bytes
             qs_ahead = c(PREFETCH_BYTES)
+            d_ahead = c(PREFETCH_BYTES * 2 // fmt.block_bytes)
             n_steps = builder.udiv(nb, c(bps))
             with cgutils.for_range(builder, n_steps) as loop:
                 s = loop.index
@@ -275,6 +286,9 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
                     for line in range(0, step_bytes, 64):
                         simd.prefetch(builder, qs_row[i],
                                       builder.add(builder.add(qs_off, qs_ahead), c(line)))
+                    # The scales are a second stream, as far ahead in rows: a row's scales are
+                    # a cache line or two that the hardware prefetcher alone fetched late.
+                    simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
                     units.append(_load_units(fmt, v, builder, qs_row[i], qs_off,
                                              VECTORS_PER_STEP))
                     scales.append(simd.fp16_to_f32(
@@ -338,18 +352,22 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
 
 
 @intrinsic
-def _warm(typingctx, qs, row):
-    """Prefetch PREFETCH_BYTES of `qs` from `row` on, where a thread's stream starts: that much is
-    then in flight at once, not one row of demand misses (cold 512x2048: +1.3 %, 2383 pairs)."""
+def _warm(typingctx, a, row):
+    """Prefetch the first PREFETCH_BYTES of a weight stream (qs, or its scales d in proportion)
+    from `row` on, where a thread's stream starts: that much is then in flight at once, not one
+    row of demand misses (cold 512x2048: +1.3 %, 2383 pairs)."""
     def codegen(context, builder, sig, args):
-        arr = context.make_array(sig.args[0])(context, builder, args[0])
-        _, stride = cgutils.unpack_tuple(builder, arr.shape, 2)
-        start = builder.mul(args[1], stride)
-        for line in range(0, PREFETCH_BYTES, 64):
+        ty = sig.args[0]
+        arr = context.make_array(ty)(context, builder, args[0])
+        _, cols = cgutils.unpack_tuple(builder, arr.shape, 2)
+        item = context.get_abi_sizeof(context.get_data_type(ty.dtype))
+        start = builder.mul(builder.mul(args[1], cols), ir.Constant(I64, item))
+        nbytes = PREFETCH_BYTES if item == 1 else PREFETCH_BYTES * 2 // Q4_0.block_bytes
+        for line in range(0, nbytes, 64):
             simd.prefetch(builder, arr.data, builder.add(start, ir.Constant(I64, line)))
         return context.get_dummy_value()
 
-    return types.none(qs, row), codegen
+    return types.none(a, row), codegen
 
 
 def _product_share(thread, n_threads, args):
@@ -360,6 +378,7 @@ def _product_share(thread, n_threads, args):
     tok_whole = n_tok // TOKS * TOKS
     first = thread * row_groups // n_threads
     _warm(qs, first * ROWS)
+    _warm(d, first * ROWS)
     for g in range(first, (thread + 1) * row_groups // n_threads):
         for t in range(0, tok_whole, TOKS):
             tile(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
@@ -374,33 +393,60 @@ def _product_body(qs, d, xq, dx, xsum8, out):
             one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
 
 
+@kernel(fastmath=False)
+def _expert(qs, d, idx, sqs, sd, i):
+    """Matrix i of a gathered launch: routed expert idx[i], then the always-on ones (sqs, sd)."""
+    n = idx.size
+    return (qs[idx[i]], d[idx[i]]) if i < n else (sqs[i - n], sd[i - n])
+
+
 def _gathered_share(thread, n_threads, args):
-    qs, d, idx, xq, dx, xsum8, out = args
+    """One thread's run of (matrix, row group) jobs, matrix by matrix: a division-free inner loop
+    (a per-row job // row_groups cost ~14 % against a plain product on the same memory), and the
+    next matrix's first rows prefetched while the last ones of this one are read."""
+    qs, d, idx, sqs, sd, xq, dx, xsum8, out = args
     row_groups = qs.shape[1] // ROWS
-    n_jobs = idx.size * row_groups
+    first = thread * (idx.size + sqs.shape[0]) * row_groups // n_threads
+    last = (thread + 1) * (idx.size + sqs.shape[0]) * row_groups // n_threads
+    if first == last:
+        return
     shared_x = xq.shape[0] == 1
-    started = -1
-    for job in range(thread * n_jobs // n_threads, (thread + 1) * n_jobs // n_threads):
-        i = job // row_groups
-        e = idx[i]
-        row = (job % row_groups) * ROWS
-        if i != started:  # a new stream: each expert is a run of memory of its own
-            _warm(qs[e], row)
-            started = i
-        tile(qs[e], d[e], xq, dx, xsum8, out, row, 0 if shared_x else i, i)
+    # The row group from which the tile's own prefetch runs past the end of the matrix.
+    lead = max(0, row_groups - PREFETCH_BYTES // (ROWS * qs.shape[2]))
+    i = first // row_groups
+    w, s = _expert(qs, d, idx, sqs, sd, i)
+    _warm(w, first % row_groups * ROWS)
+    _warm(s, first % row_groups * ROWS)
+    while i * row_groups < last:
+        g0 = max(first - i * row_groups, 0)
+        g1 = min(last - i * row_groups, row_groups)
+        has_next = (i + 1) * row_groups < last
+        if has_next:
+            w_next, s_next = _expert(qs, d, idx, sqs, sd, i + 1)
+        for g in range(g0, g1):
+            if g == lead and has_next:
+                _warm(w_next, 0)
+                _warm(s_next, 0)
+            tile(w, s, xq, dx, xsum8, out, g * ROWS, 0 if shared_x else i, i)
+        i += 1
+        if has_next:
+            w, s = w_next, s_next
 
 
-def _gathered_body(qs, d, idx, xq, dx, xsum8, out):
-    """out[i] = W[idx[i]] · x[i] (or x[0] for every i when x holds one token): all selected
-    experts in one parallel launch, so decode pays one thread wake-up per projection, not eight."""
+def _gathered_body(qs, d, idx, sqs, sd, xq, dx, xsum8, out):
+    """out[i] = W[idx[i]] · x[i] for the routed experts, then out[idx.size + j] = S[j] · x[...]
+    for each always-on matrix S (the shared expert; none: an empty [0, R, K/2]), x[0] for every
+    row when x holds one token: all in one parallel launch, so decode pays one thread wake-up per
+    projection, not nine."""
     for i in range(idx.size):  # here, not in numpy: a per-call min/max cost more than the GEMV
         if idx[i] < 0 or idx[i] >= qs.shape[0]:
             raise IndexError("expert index out of range")
-    fork((qs, d, idx, xq, dx, xsum8, out))
+    fork((qs, d, idx, sqs, sd, xq, dx, xsum8, out))
     shared_x = xq.shape[0] == 1
-    for i in range(idx.size):
+    for i in range(idx.size + sqs.shape[0]):
+        w, s = _expert(qs, d, idx, sqs, sd, i)
         for r in range(qs.shape[1] // ROWS * ROWS, qs.shape[1]):
-            one_by_1(qs[idx[i]], d[idx[i]], xq, dx, xsum8, out, r, 0 if shared_x else i, i)
+            one_by_1(w, s, xq, dx, xsum8, out, r, 0 if shared_x else i, i)
 
 
 _SHARES = {_product_body: _product_share, _gathered_body: _gathered_share}
@@ -417,20 +463,20 @@ _SIGNATURES = {
     _product_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
                                _array(types.float32, n_out)) for n_out in (1, 2)],
     _gathered_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
-                                _array(types.int32, 1, True), *_ACT, _array(types.float32, 2))],
+                                _array(types.int32, 1, True), _array(types.uint8, 3, True),
+                                _array(types.uint16, 3, True), *_ACT, _array(types.float32, 2))],
 }
 _products: dict = {}
 
 
 def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
     """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
-    code is ever compiled for a Westmere target: pitfall 5). Q8_0 weights run at SSE width on
-    every ISA (the LM-head option, read once per token)."""
+    code is ever compiled for a Westmere target: pitfall 5)."""
     key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
     if key not in _products:
         if not supported(isa):  # compiling it here could abort the process (pitfall 5)
             raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
-        v = simd.VEC_OF[isa] if fmt is Q4_0 else SSE
+        v = simd.VEC_OF[isa]
         n_rows, n_tok = shape
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
@@ -557,51 +603,81 @@ def q8_reference(qs, d, x):
 
 
 def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
-    """`q8_reference` in Numba; x float32 [K]/[T, K] or a Q8Act laid out for SSSE3 (natural)."""
+    """`q8_reference` in Numba; x float32 [K]/[T, K] or a Q8Act (the LM-head option: at the
+    ISA's width, as the LM head is the largest matrix read per token; at SSE width it streamed at
+    56% of the read bandwidth on an AVX-512 machine)."""
     check_array("matvec.q8", "d", d, np.float16, ndim=2)
     rows, nb = d.shape
     check_array("matvec.q8", "qs", qs, np.int8, (rows, nb * BLOCK))
-    act = _as_act("matvec.q8", x, nb, Isa.SSSE3)
+    isa = isa or selected_isa()
+    act = _as_act("matvec.q8", x, nb, isa)
     n_tok = act.xq.shape[0]
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
                                 else out is not None and out.ndim == 1)
     y = output("matvec.q8", out, (rows,) if is_vector else (n_tok, rows))
-    _call("matvec.q8", _product(isa or selected_isa(), GEMV_TILE, fmt=Q8_0), qs.view(np.uint8),
+    _call("matvec.q8", _product(isa, GEMV_TILE, fmt=Q8_0), qs.view(np.uint8),
           d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
     return y
 
 
-def gathered_reference(qs, d, idx, x):
-    """out[i] = W[idx[i]] · x (x [K]) or W[idx[i]] · x[i] (x [n, K]); qs [E, R, K/2]."""
-    xs = np.broadcast_to(np.atleast_2d(x), (len(idx), np.shape(x)[-1]))
-    return np.stack([reference(qs[e], d[e], xi) for e, xi in zip(idx, xs)])
+def gathered_reference(qs, d, idx, x, shared=None):
+    """out[i] = W[idx[i]] · x (x [K]) or W[idx[i]] · x[i] (x [n, K]); qs [E, R, K/2]. With
+    `shared` = (sqs [S, R, K/2], sd), rows n + j are S[j] · x (or · x[n + j])."""
+    mats = [(qs[e], d[e]) for e in idx] + list(zip(*shared) if shared is not None else [])
+    xs = np.broadcast_to(np.atleast_2d(x), (len(mats), np.shape(x)[-1]))
+    return np.stack([reference(w, s, xi) for (w, s), xi in zip(mats, xs)])
 
 
-def gathered_cpu(qs, d, idx, x, out=None, *, isa: Isa | None = None):
-    """`gathered_reference` in one parallel launch (the MoE's selected experts); out [n, R]."""
+def gathered_cpu(qs, d, idx, x, out=None, *, shared=None, isa: Isa | None = None):
+    """`gathered_reference` in one parallel launch (the MoE's selected experts, and its shared
+    expert with `shared`); out [n (+ S), R]."""
     isa = isa or selected_isa()
     rows, nb = _check_weights("matvec.gathered", qs, d, ndim=3)
     check_array("matvec.gathered", "idx", idx, np.int32, ndim=1)
+    n_shared = 0
+    if shared is not None:
+        sqs, sd = shared
+        _check_weights("matvec.gathered shared", sqs, sd, ndim=3)
+        shared = (sqs, sd.view(np.uint16))
+        n_shared = sqs.shape[0]
     act = _as_act("matvec.gathered", x, nb, isa)
-    return gathered(qs, d.view(np.uint16), idx, act, output("matvec.gathered", out,
-                                                             (idx.size, rows)))
+    return gathered(qs, d.view(np.uint16), idx, act,
+                    output("matvec.gathered", out, (idx.size + n_shared, rows)), shared)
 
 
-def gathered(qs, d_bits, idx, act: Q8Act, out):
+def gathered(qs, d_bits, idx, act: Q8Act, out, shared=None):
     """`gathered_cpu` for decode: the checks that depend on this call (the kernel refuses
-    out-of-range experts, and its signature wrong dtypes and layouts); d as its uint16 bits."""
+    out-of-range experts, and its signature wrong dtypes and layouts); d as its uint16 bits,
+    `shared` as (sqs, sd_bits)."""
+    sqs, sd_bits = shared if shared is not None else _no_shared(qs.shape)
+    n_out = idx.size + sqs.shape[0]
     n_act, k = act.xq.shape
-    if n_act not in (1, idx.size):
-        raise FermijitError(f"matvec.gathered: {n_act} activation rows for {idx.size} experts "
+    if n_act not in (1, n_out):
+        raise FermijitError(f"matvec.gathered: {n_act} activation rows for {n_out} experts "
                             f"(give 1 shared or one per expert)")
-    if (k != 2 * qs.shape[-1] or getattr(out, "shape", None) != (idx.size, qs.shape[1])
-            or d_bits.shape != (*qs.shape[:2], k // BLOCK)):
+    if (k != 2 * qs.shape[-1] or getattr(out, "shape", None) != (n_out, qs.shape[1])
+            or d_bits.shape != (*qs.shape[:2], k // BLOCK) or sqs.shape[1:] != qs.shape[1:]
+            or sd_bits.shape != (*sqs.shape[:2], k // BLOCK)):
         raise FermijitError(f"matvec.gathered: weights {list(qs.shape)} (bytes) with scales "
-                            f"{list(d_bits.shape)}, x of {k} inputs, out "
+                            f"{list(d_bits.shape)}, shared {list(sqs.shape)} with "
+                            f"{list(sd_bits.shape)}, x of {k} inputs, out "
                             f"{list(getattr(out, 'shape', []))}: inconsistent")
     _call("matvec.gathered", _product(act.vec.isa, GEMV_TILE, _gathered_body), qs, d_bits, idx,
-          act.xq, act.dx, act.xsum8, out)
+          sqs, sd_bits, act.xq, act.dx, act.xsum8, out)
     return out
+
+
+_no_shared_of: dict = {}
+
+
+def _no_shared(shape) -> tuple[np.ndarray, np.ndarray]:
+    """Empty always-on matrices for a gathered launch of routed experts only (made once per
+    shape: decode looks them up per call)."""
+    if shape not in _no_shared_of:
+        _, rows, half_k = shape
+        _no_shared_of[shape] = (np.empty((0, rows, half_k), np.uint8),
+                                np.empty((0, rows, half_k // (BLOCK // 2)), np.uint16))
+    return _no_shared_of[shape]
 
 
 def simd_variant(isa: Isa) -> str:

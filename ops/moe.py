@@ -22,6 +22,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import mathf
 from fermijit.jit.cpu import kernel
 from fermijit.ops import expert_matmul, matvec
 from fermijit.ops.matvec import Q8Act
@@ -78,12 +79,17 @@ def _swiglu(gu, h):  # gu [n, 2I] -> h [n, I]
     n_inter = h.shape[1]
     for i in range(h.shape[0]):
         for j in range(n_inter):
-            g = gu[i, j]
-            h[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gu[i, n_inter + j]
+            h[i, j] = mathf.silu(gu[i, j]) * gu[i, n_inter + j]
 
 
 @kernel
-def _combine(routed, weights, shared, gate, y):  # routed [k, H], weights [k], shared [H] -> y
+def _combine(routed, weights, shared, x, w_sg, y):
+    """y = Σ_k weights[k] · routed[k] + σ(w_sg · x) · shared; routed [k, H], shared [H]. The gate's
+    dot product in float64, as `reference` computes it."""
+    dot = 0.0
+    for j in range(x.size):
+        dot += np.float64(x[j]) * np.float64(w_sg[j])
+    gate = np.float32(1.0 / (1.0 + np.exp(-dot)))
     for j in range(y.size):
         acc = gate * shared[j]
         for i in range(weights.size):
@@ -93,15 +99,20 @@ def _combine(routed, weights, shared, gate, y):  # routed [k, H], weights [k], s
 
 @dataclass
 class Scratch:
-    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing."""
+    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing.
 
-    gu: np.ndarray         # [k, 2I]
-    h: np.ndarray          # [k, I]
-    routed: np.ndarray     # [k, H]
-    shared_gu: np.ndarray  # [1, 2Is]
+    When the shared expert has the routed experts' shapes (I = Is, as in Qwen3.6-35B-A3B), it
+    rides in the routed experts' launches as row k of gu, h and out: two launches a layer, not
+    four. Otherwise it has buffers and launches of its own."""
+
+    gu: np.ndarray         # [k (+1), 2I]
+    h: np.ndarray          # [k (+1), I]
+    routed: np.ndarray     # [k (+1), H]
+    shared_gu: np.ndarray  # [1, 2Is] (unused when fused)
     shared_h: np.ndarray   # [1, Is]
     shared: np.ndarray     # [1, H]
     zero: np.ndarray       # [1] int32: the shared expert's index
+    is_fused: bool
     act_x: Q8Act | None = None  # made by the first call, reused after
     act_h: Q8Act | None = None
     act_sh: Q8Act | None = None
@@ -110,10 +121,12 @@ class Scratch:
     def make(cls, w: MoeWeights, top_k: int) -> "Scratch":
         h2, i2 = w.gate_up_d.shape[1], w.down_d.shape[1]
         s2 = w.shared_gate_up_d.shape[1]
+        is_fused = w.shared_gate_up_qs.shape[1:] == w.gate_up_qs.shape[1:]
+        n = top_k + is_fused
         f = np.float32
-        return cls(np.empty((top_k, h2), f), np.empty((top_k, h2 // 2), f),
-                   np.empty((top_k, i2), f), np.empty((1, s2), f), np.empty((1, s2 // 2), f),
-                   np.empty((1, i2), f), np.zeros(1, np.int32))
+        return cls(np.empty((n, h2), f), np.empty((n, h2 // 2), f), np.empty((n, i2), f),
+                   np.empty((1, s2), f), np.empty((1, s2 // 2), f), np.empty((1, i2), f),
+                   np.zeros(1, np.int32), is_fused)
 
 
 def _check_weights(w: MoeWeights) -> None:
@@ -153,17 +166,27 @@ def _check(x, ids, weights, w: MoeWeights):
 def _decode(x, ids, weights, w, out, s: Scratch):
     s.act_x = act = matvec.quantize_act(x[0], out=s.act_x)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
+    k = ids.shape[1]
     # moe's checks cover the weights: the prepared launches check only what each call adds.
-    matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
-    matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
-    _swiglu(s.gu, s.h)
-    _swiglu(s.shared_gu, s.shared_h)
-    s.act_h = matvec.quantize_act(s.h, out=s.act_h)
-    s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
-    matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
-    matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
-    gate = np.float32(_shared_gate(x[0], w.shared_gate))
-    _combine(s.routed, weights[0], s.shared[0], gate, out[0])
+    if s.is_fused:
+        matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu,
+                        shared=(w.shared_gate_up_qs, shared_gu_bits))
+        _swiglu(s.gu, s.h)
+        s.act_h = matvec.quantize_act(s.h, out=s.act_h)
+        matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed,
+                        shared=(w.shared_down_qs, shared_down_bits))
+        routed, shared = s.routed[:k], s.routed[k]
+    else:
+        matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
+        matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
+        _swiglu(s.gu, s.h)
+        _swiglu(s.shared_gu, s.shared_h)
+        s.act_h = matvec.quantize_act(s.h, out=s.act_h)
+        s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
+        matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
+        matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
+        routed, shared = s.routed, s.shared[0]
+    _combine(routed, weights[0], shared, x[0], w.shared_gate, out[0])
 
 
 def _expert_ffn(gate_up_qs, gate_up_d, down_qs, down_d, act: Q8Act):

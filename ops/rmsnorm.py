@@ -18,6 +18,7 @@ from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import mathf
 from fermijit.jit.cpu import kernel
 
 # From this many elements the row loop runs on all threads; below it one thread wins, since
@@ -64,9 +65,7 @@ def _gated_rows(o, z, w, eps, out):  # o, z, out [N, dv]; w [dv]
     for r in prange(n_rows):
         inv = _inv_rms(o[r], eps)
         for i in range(d):
-            zi = z[r, i]
-            # exp(-zi) overflows to inf for zi < -88: silu is then -0, not NaN.
-            out[r, i] = w[i] * (o[r, i] * inv) * (zi / (np.float32(1.0) + np.exp(-zi)))
+            out[r, i] = w[i] * (o[r, i] * inv) * mathf.silu(z[r, i])
 
 
 # One body each, compiled twice: the serial copy for decode-sized calls, the other on all threads.

@@ -90,15 +90,18 @@ def test_bad_inputs(rng):
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
 @pytest.mark.parametrize("per_item", [False, True], ids=["shared-x", "x-per-expert"])
-def test_gathered_matches_reference(rng, isa, per_item):
+@pytest.mark.parametrize("n_shared", [0, 1, 2], ids=["routed", "1-always-on", "2-always-on"])
+def test_gathered_matches_reference(rng, isa, per_item, n_shared):
     n_experts, rows, k = 6, 37, 160
-    qs, d = _weights(rng, n_experts * rows, k)
-    qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    qs, d = _weights(rng, (n_experts + n_shared) * rows, k)
+    qs, d = qs.reshape(n_experts + n_shared, rows, -1), d.reshape(n_experts + n_shared, rows, -1)
+    (qs, sqs), (d, sd) = np.split(qs, [n_experts]), np.split(d, [n_experts])
+    shared = (sqs, sd) if n_shared else None
     idx = np.array([4, 0, 4, 5], np.int32)
-    x = rng.standard_normal((len(idx), k) if per_item else k).astype(np.float32)
-    out = poisoned((len(idx), rows))
-    matvec.gathered_cpu(qs, d, idx, x, out=out, isa=isa)
-    expected = matvec.gathered_reference(qs, d, idx, x)
+    x = rng.standard_normal((len(idx) + n_shared, k) if per_item else k).astype(np.float32)
+    out = poisoned((len(idx) + n_shared, rows))
+    matvec.gathered_cpu(qs, d, idx, x, out=out, shared=shared, isa=isa)
+    expected = matvec.gathered_reference(qs, d, idx, x, shared=shared)
     assert_close("gathered", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
 
 

@@ -1,0 +1,329 @@
+"""`python -m fermijit bench decode`: a prompt, then N greedy tokens on a real-size model, against
+this machine's read bandwidth measured in the same run.
+
+Decode reads every weight a token needs once, so its ceiling is read bandwidth / bytes per token.
+The bytes are counted from the model's own arrays: every dense matrix, vector and the LM head,
+one embedding row, and of the routed experts those the router actually selected (watched on one
+extra token). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
+here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
+expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+
+WARM_UP_PREFILL = 32   # tokens: past every op's parallel threshold (1 << 15 elements at H 2048)
+PROBE_BYTES = 512 << 20  # read-bandwidth probe: >> the last-level cache, small beside the model
+PROBE_REPEATS = 3
+PROFILE_TOKENS = 3  # profiled tokens: the least disturbed one is shown (a shared machine)
+
+
+def _progress(what: str) -> None:
+    print(f"bench: {what}", file=sys.stderr, flush=True)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+def memory_now() -> dict[str, int]:
+    """Bytes: resident now, split anonymous / file-backed, and the peak (/proc/self/status)."""
+    fields = {"VmHWM": "peak", "VmRSS": "rss", "RssAnon": "anon", "RssFile": "file",
+              "RssShmem": "shmem"}
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in fields:
+            out[fields[key]] = int(value.split()[0]) * 1024
+    return out
+
+
+class MemoryWatch:
+    """The largest anonymous and file-backed residency seen at the samples taken (the kernel
+    keeps a peak only of their sum, VmHWM)."""
+
+    def __init__(self):
+        self.anon = self.file = 0
+
+    def sample(self) -> None:
+        now = memory_now()
+        self.anon = max(self.anon, now.get("anon", 0))
+        self.file = max(self.file, now.get("file", 0) + now.get("shmem", 0))
+
+
+# --- what a token reads -------------------------------------------------------------------------
+
+def _arrays(obj):
+    """Every numpy array inside a weight object (dataclasses, Q4Matrix, QuantTensor...)."""
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif dataclasses.is_dataclass(obj):
+        for field in dataclasses.fields(obj):
+            if field.name == "d_bits" and hasattr(obj, "d_bits"):
+                yield getattr(obj, "d_bits")
+            else:
+                yield from _arrays(getattr(obj, field.name))
+
+
+@dataclasses.dataclass
+class TokenBytes:
+    """Weight bytes one decode token reads, by part."""
+
+    dense: int = 0        # mixers, norms, routers, the shared experts
+    experts: int = 0      # the routed experts selected
+    lm_head: int = 0
+    embedding: int = 0    # one row
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts + self.lm_head + self.embedding
+
+
+def token_bytes(model, selected: list[int]) -> TokenBytes:
+    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i."""
+    from fermijit.ops import moe
+
+    out = TokenBytes(lm_head=sum(a.nbytes for a in _arrays(model.lm_head)),
+                     embedding=model.embed.nbytes // model.embed.shape[0])
+    for layer, n_selected in zip(model.layers, selected):
+        experts = layer.experts
+        if not isinstance(experts, moe.MoeWeights):
+            raise FermijitError("bench decode needs a fermijit (4-bit) model, not an HF checkpoint")
+        routed = experts.routed
+        per_expert = sum(a.nbytes for a in routed) // routed[0].shape[0]
+        out.experts += n_selected * per_expert
+        shared = sum(a.nbytes for a in experts.shared) + experts.shared_gate.nbytes
+        out.dense += shared + sum(a.nbytes for a in _arrays(layer.mixer)) \
+            + layer.input_norm.nbytes + layer.post_norm.nbytes + layer.router.nbytes
+    out.dense += model.norm.nbytes
+    return out
+
+
+def watch_routing(model, token: int, state) -> list[int]:
+    """Decode `token` with the MoE watched: distinct experts selected per layer."""
+    selected = []
+    moe = model.moe
+
+    def watched(w, ws):
+        moe(w, ws)
+        selected.append(int(np.unique(ws.ids).size))
+
+    model.moe = watched  # an instance attribute shadows the method for this token only
+    try:
+        model.decode(token, state)
+    finally:
+        del model.moe
+    return selected
+
+
+def matmul_flops_per_token(model) -> tuple[float, float]:
+    """(dense, routed-expert) multiply-add FLOPs of one token's matrix products (2 per weight),
+    the LM head excluded (prefill runs it for the last token only)."""
+    from fermijit.ops import matvec
+
+    dense = experts = 0.0
+    for layer in model.layers:
+        mats = [getattr(layer.mixer, f.name) for f in dataclasses.fields(layer.mixer)]
+        dense += sum(2.0 * m.qs.shape[0] * m.qs.shape[1] * 2 for m in mats
+                     if isinstance(m, matvec.Q4Matrix))
+        dense += sum(2.0 * m.size for m in mats if isinstance(m, np.ndarray) and m.ndim == 2
+                     and m.shape[1] == model.hidden)
+        dense += 2.0 * layer.router.size
+        gu, _, down, _ = layer.experts.routed
+        per_expert = 2.0 * 2 * (gu[0].size + down[0].size)  # qs holds two weights per byte
+        experts += model.top_k * per_expert
+        sgu, _, sdown, _ = layer.experts.shared
+        dense += 2.0 * 2 * (sgu.size + sdown.size)
+    return dense, experts
+
+
+def gemm_gflops(model, n_tokens: int) -> dict[str, float]:
+    """The W4A8 GEMM's GFLOP/s at the prefill's shapes, on the model's own layer-0 weights:
+    a dense projection over `n_tokens`, and one expert's gate_up over the tokens an expert gets
+    on average (n_tokens * top_k / experts)."""
+    from fermijit.ops import matvec
+
+    rng = np.random.default_rng(0)
+    layer = model.layers[0]
+    dense_w = max((getattr(layer.mixer, f.name) for f in dataclasses.fields(layer.mixer)),
+                  key=lambda m: m.qs.size if isinstance(m, matvec.Q4Matrix) else -1)
+    gu_qs, gu_d = layer.experts.routed[:2]
+    expert_w = matvec.Q4Matrix.of(gu_qs[0], gu_d[0])
+    per_expert = max(1, round(n_tokens * model.top_k / model.n_experts))
+    out = {}
+    for what, w, t in (("dense", dense_w, n_tokens), ("expert", expert_w, per_expert)):
+        rows, k = w.qs.shape[0], 2 * w.qs.shape[1]
+        act = matvec.quantize_act(rng.standard_normal((t, k)).astype(np.float32))
+        y = np.empty((t, rows), np.float32)
+        matvec.product(w, act, y)
+        best = min(_seconds_per_call(lambda: matvec.product(w, act, y)) for _ in range(3))
+        out[what] = 2 * t * rows * k / best / 1e9
+        out[what + "_shape"] = [t, rows, k]
+    return out
+
+
+def _seconds_per_call(fn, min_s: float = 0.2) -> float:
+    """Mean seconds of `fn()` over as many calls as fill `min_s` (at least 2)."""
+    calls, start = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - start < min_s:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def read_bandwidth_gbs() -> float:
+    """bench kernels' read probe (fermijit/bench_cpu.py) on PROBE_BYTES, best of PROBE_REPEATS,
+    at the current thread count."""
+    from fermijit import bench_cpu
+
+    return bench_cpu.read_bandwidth(PROBE_BYTES, PROBE_REPEATS)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: int,
+        n_threads: int | None, as_json: bool, profile: bool) -> dict:
+    from fermijit.jit import cpu
+
+    if (model_dir is None) == (synthetic is None):
+        raise FermijitError("give one of --model DIR or --synthetic NAME")
+    threads = cpu.configure_threads(n_threads)
+    report: dict = {"isa": cpu.selected_isa().label, "cpu": cpu.target_cpu_name(),
+                    "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens}
+    if model_dir is not None:
+        return _measure(Path(model_dir), report, as_json, profile)
+    from fermijit.model import synth
+
+    with tempfile.TemporaryDirectory(prefix="fermijit-synth-") as tmp:
+        _progress(f"building {synthetic} in {tmp}")
+        written = synth.synth(synthetic, Path(tmp) / synthetic)
+        report["synthetic"] = {"name": synthetic, "build_s": written.seconds,
+                               "bytes": written.nbytes}
+        return _measure(written.path, report, as_json, profile)
+
+
+def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dict:
+    from fermijit import engine
+    from fermijit.model.forward import load_model
+
+    memory = MemoryWatch()
+    _progress("read bandwidth (before loading)")
+    bw_before = read_bandwidth_gbs()
+    memory.sample()
+
+    start = time.perf_counter()
+    _, model = load_model(model_dir)
+    load_s = time.perf_counter() - start
+    memory.sample()
+    n_prompt, n_tokens = report["prompt_tokens"], report["decode_tokens"]
+    if n_prompt + n_tokens + 1 + PROFILE_TOKENS > model.max_context:
+        raise FermijitError(f"prompt plus tokens exceed the context of {model.max_context}")
+    prompt = np.random.default_rng(0).integers(0, model.vocab_size, n_prompt).astype(np.int32)
+    _progress(f"loaded in {load_s:.2f} s; warming up")
+    warm_s = engine.warm_up(model, prompt, n_prefill=min(WARM_UP_PREFILL, n_prompt))
+    memory.sample()
+
+    _progress(f"prefill of {n_prompt} tokens")
+    state = model.new_state(n_prompt + n_tokens + 1 + PROFILE_TOKENS)
+    start = time.perf_counter()
+    token = int(np.argmax(model.prefill(prompt, state)))
+    prefill_s = time.perf_counter() - start
+    memory.sample()
+
+    _progress(f"decode of {n_tokens} tokens")
+    times = []
+    for _ in range(n_tokens):
+        start = time.perf_counter()
+        token = int(np.argmax(model.decode(token, state)))
+        times.append(time.perf_counter() - start)
+    memory.sample()
+    peak = memory_now()["peak"]  # before anything else is allocated
+
+    selected = watch_routing(model, token, state)
+    bytes_ = token_bytes(model, selected)
+    profile_rows = None
+    if profile:
+        from fermijit import profile as profiler
+
+        _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
+        profile_rows = min((profiler.profile_token(model, token, state)
+                            for _ in range(PROFILE_TOKENS)), key=lambda rows: rows[-1]["ms"])
+    _progress("read bandwidth (after decode), W4A8 GEMM at the prefill shapes")
+    bw = max(bw_before, read_bandwidth_gbs())
+    gemm = gemm_gflops(model, n_prompt)
+
+    decode_s = sum(times)
+    tok_s = n_tokens / decode_s
+    ceiling = bw * 1e9 / bytes_.total
+    dense_f, expert_f = matmul_flops_per_token(model)
+    prefill_gflops = (dense_f + expert_f) * n_prompt / prefill_s / 1e9
+    ideal_s = n_prompt * (dense_f / gemm["dense"] + expert_f / gemm["expert"]) / 1e9
+    file_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    report.update({
+        "model": str(model_dir), "model_file_bytes": file_bytes,
+        "load_s": load_s, "warm_up_s": warm_s, "ready_to_decode_s": load_s + warm_s,
+        "first_token_s": load_s + warm_s + prefill_s,
+        "prefill_s": prefill_s, "prefill_tok_s": n_prompt / prefill_s,
+        "prefill_gflops": prefill_gflops, "gemm_gflops": gemm,
+        "prefill_of_gemm": ideal_s / prefill_s,
+        "decode_tok_s": tok_s, "decode_token_ms_median": 1e3 * float(np.median(times)),
+        "bytes_per_token": dataclasses.asdict(bytes_) | {"total": bytes_.total},
+        "experts_selected_per_layer": selected,
+        "read_gbs": bw, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+        "decode_gbs": bytes_.total * tok_s / 1e9,
+        "peak_rss": peak, "peak_anon": memory.anon, "peak_file": memory.file,
+        "profile": profile_rows,
+    })
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return report
+
+
+def format_report(r: dict) -> str:
+    gb, gib = 1e9, 2 ** 30
+    b = r["bytes_per_token"]
+    g = r["gemm_gflops"]
+    lines = [f"model {r['model']} ({r['model_file_bytes'] / gb:.2f} GB)"]
+    if "synthetic" in r:
+        s = r["synthetic"]
+        lines.append(f"  synthetic {s['name']}, built in {s['build_s']:.1f} s "
+                     f"({s['bytes'] / gb / s['build_s']:.2f} GB/s)")
+    lines += [
+        f"cpu {r['cpu']}, isa {r['isa']}, {r['threads']} threads",
+        f"{'load':<28} {r['load_s']:9.2f} s",
+        f"{'kernel warm-up':<28} {r['warm_up_s']:9.2f} s",
+        f"{'ready to decode':<28} {r['ready_to_decode_s']:9.2f} s",
+        f"{'load to first token':<28} {r['first_token_s']:9.2f} s  (prefill included)",
+        f"{'prefill':<28} {r['prefill_tok_s']:9.2f} tok/s  ({r['prompt_tokens']} tokens, "
+        f"{r['prefill_gflops']:.1f} GFLOP/s)",
+        f"{'  W4A8 GEMM, dense':<28} {g['dense']:9.1f} GFLOP/s  (T x R x K {g['dense_shape']})",
+        f"{'  W4A8 GEMM, one expert':<28} {g['expert']:9.1f} GFLOP/s  "
+        f"(T x R x K {g['expert_shape']})",
+        f"{'  prefill of GEMM':<28} {100 * r['prefill_of_gemm']:9.1f} %",
+        f"{'decode':<28} {r['decode_tok_s']:9.2f} tok/s  ({r['decode_tokens']} tokens, median "
+        f"{r['decode_token_ms_median']:.1f} ms)",
+        f"{'weight bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
+        f"experts {b['experts'] / gb:.3f}, lm head {b['lm_head'] / gb:.3f}, embedding row "
+        f"{b['embedding']} B)",
+        f"{'read bandwidth':<28} {r['read_gbs']:9.2f} GB/s",
+        f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
+        f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",
+        f"{'decode of ceiling':<28} {100 * r['of_ceiling']:9.1f} %",
+        f"{'peak RSS':<28} {r['peak_rss'] / gib:9.2f} GiB  (anonymous {r['peak_anon'] / gib:.2f}, "
+        f"file-backed {r['peak_file'] / gib:.2f})",
+    ]
+    if r.get("profile"):
+        from fermijit import profile as profiler
+
+        lines.append(profiler.format_rows(r["profile"]))
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""Where one decode token's time goes, op by op, with Python and dispatch apart from kernel time.
+
+Installed for the profiled token only (normal decode runs untouched): every public function of
+the op modules the forward calls is wrapped with a timer (an op called inside another op counts
+to the outer one), numpy products of fp32 weights in `forward.linear` count as an op of their own,
+and Numba's dispatcher is given a timed `__call__`, so the time inside compiled code is known per
+op. Numba's own dispatch (typing the arguments, finding the overload) happens inside that call:
+it is measured on an empty kernel in the same run and moved to the Python side.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import types
+
+import numpy as np
+
+OP_MODULES = ("embedding", "rmsnorm", "attention", "conv1d", "gated_delta", "l2norm", "matvec",
+              "moe", "rope", "router")
+GLUE = "forward glue (Python, numpy copies and adds)"
+DISPATCH_SAMPLES = 20000
+
+
+class _Clock:
+    def __init__(self):
+        self.rows: dict[str, list] = {}   # op -> [calls, seconds, kernel seconds, kernel calls]
+        self.active: str | None = None
+        self.kernel_s = 0.0
+        self.kernel_calls = 0
+
+    def timed(self, name, fn):
+        def wrapper(*args, **kwargs):
+            label = name(*args) if callable(name) else name
+            if self.active is not None or label is None:
+                return fn(*args, **kwargs)
+            self.active = label
+            k0, c0 = self.kernel_s, self.kernel_calls
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - start
+                self.active = None
+                row = self.rows.setdefault(label, [0, 0.0, 0.0, 0])
+                row[0] += 1
+                row[1] += dt
+                row[2] += self.kernel_s - k0
+                row[3] += self.kernel_calls - c0
+        return wrapper
+
+
+def _dispatch_seconds() -> float:
+    """One call of an empty compiled function on an array: Numba's dispatch alone."""
+    import numba
+
+    @numba.njit(nogil=True)
+    def empty(a):
+        return a.shape[0]
+
+    a = np.zeros(4, np.float32)
+    empty(a)
+    start = time.perf_counter()
+    for _ in range(DISPATCH_SAMPLES):
+        empty(a)
+    return (time.perf_counter() - start) / DISPATCH_SAMPLES
+
+
+def profile_token(model, token: int, state) -> list[dict]:
+    """Decode `token` once with every op timed; rows sorted by time, the glue and the total last.
+    Each row: op, calls, ms, kernel_ms, python_ms (Python and dispatch), and us_per_call."""
+    from numba.core import dispatcher as numba_dispatcher
+    from numba import _dispatcher
+
+    from fermijit.model import forward
+
+    clock = _Clock()
+    patched: list[tuple[object, str, object]] = []
+
+    def patch(owner, attr, wrapper):
+        patched.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
+        setattr(owner, attr, wrapper)
+
+    for short in OP_MODULES:
+        module = importlib.import_module(f"fermijit.ops.{short}")
+        for attr, fn in list(vars(module).items()):
+            if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__ \
+                    and not attr.startswith("_") and attr != "reference":
+                patch(module, attr, clock.timed(f"{short}.{attr}", fn))
+    linear = forward.linear
+    patch(forward, "linear", clock.timed(
+        lambda x, w, out, act=None: "linear fp32 (numpy)" if isinstance(w, np.ndarray) else None,
+        linear))
+
+    base_call = _dispatcher.Dispatcher.__call__
+
+    def timed_call(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return base_call(self, *args, **kwargs)
+        finally:
+            clock.kernel_s += time.perf_counter() - start
+            clock.kernel_calls += 1
+
+    patch(numba_dispatcher.Dispatcher, "__call__", timed_call)
+    try:
+        start = time.perf_counter()
+        model.decode(token, state)
+        total = time.perf_counter() - start
+    finally:
+        for owner, attr, old in reversed(patched):
+            if old is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+
+    dispatch_s = _dispatch_seconds()  # after: its 20000 serial calls let the thread team sleep
+    rows = []
+    for op, (calls, secs, kern, kcalls) in clock.rows.items():
+        kernel = max(0.0, kern - kcalls * dispatch_s)
+        rows.append({"op": op, "calls": calls, "ms": 1e3 * secs, "kernel_ms": 1e3 * kernel,
+                     "python_ms": 1e3 * (secs - kernel), "us_per_call": 1e6 * secs / calls})
+    rows.sort(key=lambda r: -r["ms"])
+    in_ops = sum(r["ms"] for r in rows)
+    glue = 1e3 * total - in_ops
+    rows.append({"op": GLUE, "calls": None, "ms": glue, "kernel_ms": 0.0, "python_ms": glue,
+                 "us_per_call": None})
+    rows.append({"op": "token", "calls": sum(r["calls"] or 0 for r in rows), "ms": 1e3 * total,
+                 "kernel_ms": sum(r["kernel_ms"] for r in rows),
+                 "python_ms": sum(r["python_ms"] for r in rows), "us_per_call": None,
+                 "dispatch_us": 1e6 * dispatch_s})
+    return rows
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+
+def format_rows(rows: list[dict]) -> str:
+    total = rows[-1]["ms"]
+    lines = [f"profile of one decode token (Numba dispatch {rows[-1]['dispatch_us']:.2f} us a "
+             f"call, counted as Python)",
+             f"{'op':<46} {'calls':>5} {'ms':>8} {'%':>6} {'kernel ms':>10} {'python ms':>10} "
+             f"{'us/call':>8}"]
+    for r in rows:
+        calls = "" if r["calls"] is None else str(r["calls"])
+        per = "" if r["us_per_call"] is None else f"{r['us_per_call']:8.1f}"
+        lines.append(f"{r['op']:<46} {calls:>5} {r['ms']:8.2f} {100 * r['ms'] / total:5.1f}% "
+                     f"{r['kernel_ms']:10.2f} {r['python_ms']:10.2f} {per:>8}")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""`bench decode` on a shrunken synthetic model: the report's structure and its arithmetic (the
+speeds themselves are not tested: timed tests are noise)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fermijit import bench_decode
+from fermijit.model import convert, synth
+from fermijit.model.safetensors_io import SafetensorsFile
+from tests.model.test_synth import SMALL
+
+TOP_K = 8
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("bench") / "m"
+    synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, overrides=SMALL, show_progress=False)
+    return dst
+
+
+def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
+    monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
+    r = bench_decode.run(report, None, 8, 3, 1, as_json=True, profile=True)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["decode_tok_s"] == pytest.approx(r["decode_tok_s"])
+    for key in ("load_s", "warm_up_s", "prefill_tok_s", "decode_tok_s", "read_gbs",
+                "ceiling_tok_s", "peak_rss", "peak_anon", "peak_file", "prefill_gflops"):
+        assert r[key] > 0, key
+    assert r["threads"] == 1 and r["prompt_tokens"] == 8 and r["decode_tokens"] == 3
+    assert r["experts_selected_per_layer"] == [TOP_K] * 4
+    assert r["ready_to_decode_s"] == pytest.approx(r["load_s"] + r["warm_up_s"])
+    assert r["first_token_s"] > r["ready_to_decode_s"]
+    assert r["ceiling_tok_s"] == pytest.approx(r["read_gbs"] * 1e9 / r["bytes_per_token"]["total"])
+    assert r["of_ceiling"] == pytest.approx(r["decode_tok_s"] / r["ceiling_tok_s"])
+
+    # Bytes per token, counted here from the file instead of the model's arrays: everything but
+    # the unselected experts and all embedding rows but one.
+    stored = SafetensorsFile(report / convert.WEIGHTS).tensors
+    total = sum(t.end - t.begin for t in stored.values())
+    E, V = 128, SMALL["vocab_size"]
+    routed = sum(t.end - t.begin for n, t in stored.items() if ".experts_" in n)
+    embed = stored["embed_tokens"].end - stored["embed_tokens"].begin
+    expected = total - routed * (E - TOP_K) // E - embed * (V - 1) // V
+    assert r["bytes_per_token"]["total"] == expected
+
+    rows = {row["op"]: row for row in r["profile"]}
+    assert {"matvec.product", "moe.cpu", "rmsnorm.cpu", "token"} <= set(rows)
+    token = rows.pop("token")
+    assert sum(row["ms"] for row in rows.values()) == pytest.approx(token["ms"], rel=1e-6)
+    for row in rows.values():
+        assert row["kernel_ms"] >= 0 and row["kernel_ms"] <= row["ms"] + 1e-9, row
+    assert rows["moe.cpu"]["calls"] == 4 and rows["matvec.product"]["kernel_ms"] > 0
+
+
+def test_table_and_bad_input(report, capsys, monkeypatch):
+    from fermijit import FermijitError
+
+    monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
+    bench_decode.run(report, None, 4, 2, None, as_json=False, profile=False)
+    out = capsys.readouterr().out
+    for label in ("decode of ceiling", "weight bytes per token", "read bandwidth", "peak RSS",
+                  "load to first token", "prefill of GEMM"):
+        assert label in out, label
+    with pytest.raises(FermijitError, match="one of --model"):
+        bench_decode.run(None, None, 4, 2, None, as_json=False, profile=False)

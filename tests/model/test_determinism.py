@@ -1,0 +1,46 @@
+"""Issue 9 item 7: the same logits, bit for bit, whatever the thread count. Every kernel's work
+is split so that no sum's order depends on how many threads share it (a GEMV row, an attention
+key range, a GDN head is each computed by one thread, in one order)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+
+from fermijit.engine import DEFAULT_MODEL
+from fermijit.jit.cpu import configure_threads
+from fermijit.model.forward import load_model
+from fermijit.model.tokenizer import Tokenizer
+
+TEXT = Path(__file__).parent / "data" / "heldout_sample.txt"
+N_PROMPT = 600   # past 512 keys: decode attention splits its key range (ops/attention.py)
+N_DECODE = 6
+
+
+def run(model, prompt, n_threads):
+    configure_threads(n_threads)
+    state = model.new_state(N_PROMPT + N_DECODE + 1)
+    logits = [model.prefill(prompt, state, all_logits=True)]
+    token = int(np.argmax(logits[0][-1]))
+    for _ in range(N_DECODE):
+        logits.append(model.decode(token, state).copy())
+        token = int(np.argmax(logits[-1]))
+    return logits
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one CPU: nothing to compare")
+def test_logits_are_bitwise_equal_for_any_thread_count():
+    cfg, model = load_model(DEFAULT_MODEL)
+    tokenizer = Tokenizer(DEFAULT_MODEL, cfg.text_config.eos_token_id)
+    prompt = tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:N_PROMPT]
+    assert prompt.size == N_PROMPT
+    before = numba.get_num_threads()
+    try:
+        one, two = run(model, prompt, 1), run(model, prompt, 2)
+    finally:
+        configure_threads(before)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert np.array_equal(a, b), f"step {i}: max diff {np.abs(a - b).max()}"
