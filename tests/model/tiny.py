@@ -141,6 +141,34 @@ SENSITIVE = Model("sensitive", {
     "max_position_embeddings": 2048,
 }, weight_std=None, embed_std=1.0, router_gain=4.0, norm_offset_std=0.4, attention_gain=0.3,
     gdn_gain=0.3, moe_gain=0.3, qk_norm_mean=1.0, on_grid=True)
+# HF_INIT with room for a prompt past the 512-token prefill block: smooth enough that 8-bit
+# rounding flips, which over a thousand tokens are certain, stay far below the tolerances
+# (SENSITIVE's add up to 1e-2 there: tests/model/test_long_prompt.py).
+HF_INIT_LONG = dataclasses.replace(HF_INIT, name="hf-init-long", text_config={
+    **HF_INIT_TEXT_CONFIG, "max_position_embeddings": 2048})
+# The real model's shapes where they matter to the kernels and the oracle: head_dim 256 with
+# 16 query and 2 KV heads, 32 value heads on 16 key heads of 128, 128 experts top-8, a vocabulary
+# past 65,536, RoPE theta 1e7 at positions past 4096; hidden 64 and two layers to stay small.
+# HF-init scale and on the grid: W4A8 against the W4A8 oracle too.
+REAL_SHAPES = Model("real-shapes", {
+    **TEXT_CONFIG,
+    "vocab_size": 65_600,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "full_attention_interval": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "max_position_embeddings": 4224,
+}, weight_std=0.02, embed_std=1.0, router_gain=1.0, norm_offset_std=0.1, on_grid=True)
 
 
 def config_dict(model: Model = UNIT) -> dict:
