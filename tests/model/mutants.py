@@ -1,13 +1,15 @@
 """Planted bugs (issue 12): does the model test suite catch each?
 
-    .venv/bin/python -m tests.model.mutants [NAME ...]
+    .venv/bin/python -m tests.model.mutants [-k EXPRESSION] [NAME ...]
 
 runs the model-level tests (TESTS) once per mutant in a fresh pytest process with this module
 as a plugin (`-p tests.model.mutants`, the mutant named in FERMIJIT_MUTANT), which monkeypatches
 the code under test before any test runs, and prints whether the mutant was caught and by
 which test first. Each kind of bug is planted in the engine alone and, where the float64
 reference has the same part, in the engine and the reference alike (then only transformers, the
-oracle, can tell). Without FERMIJIT_MUTANT the plugin does nothing.
+oracle, can tell). `-k` selects tests as pytest's does: `-k "sensitive or w4a8_oracle"` shows
+what the SENSITIVE model's tests catch on their own. Without FERMIJIT_MUTANT the plugin does
+nothing.
 """
 
 from __future__ import annotations
@@ -211,11 +213,12 @@ def pytest_configure(config):
 
 # --- the runner -----------------------------------------------------------------------------
 
-def run(name: str, tests=TESTS) -> tuple[bool, str, float]:
+def run(name: str, tests=TESTS, select: str | None = None) -> tuple[bool, str, float]:
     """(caught, the first failing test or pytest's summary, seconds)."""
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "tests.model.mutants",
-                        "-p", "no:cacheprovider", *[t for t in tests if os.path.exists(t)]],
+                        "-p", "no:cacheprovider", *(["-k", select] if select else []),
+                        *[t for t in tests if os.path.exists(t)]],
                        env={**os.environ, "FERMIJIT_MUTANT": name}, capture_output=True,
                        text=True)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)
@@ -224,11 +227,15 @@ def run(name: str, tests=TESTS) -> tuple[bool, str, float]:
 
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or list(MUTANTS)
+    args = sys.argv[1:]
+    select = None
+    if args[:1] == ["-k"]:
+        select, args = args[1], args[2:]
+    names = args or list(MUTANTS)
     unknown = set(names) - set(MUTANTS)
     if unknown:
         sys.exit(f"unknown mutants {sorted(unknown)}; known: {list(MUTANTS)}")
     print("| mutant | caught | first failing test |\n| --- | --- | --- |", flush=True)
     for n in names:
-        caught, what, seconds = run(n)
+        caught, what, seconds = run(n, select=select)
         print(f"| {n} | {'yes' if caught else 'NO'} | {what} ({seconds:.0f} s) |", flush=True)

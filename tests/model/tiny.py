@@ -17,7 +17,11 @@ prompt, 88% in decode); and HF_INIT, weights at the HF initialiser's scale (std 
 8 layers, 16 experts, top-4) under unit-scale embeddings, so the residual stream dominates each
 layer's update as in a trained model: its W4A8 logits are 1.05% off (tests/model/test_forward.py).
 With the embeddings at std 0.02 too (pure HF init), the final norm magnifies the layers' noise
-again: measured 16% off.
+again: measured 16% off. HF_INIT's layers barely move its logits, though (removing every GDN
+output: 0.65%; tests/model/ablation.py), so it cannot tell a model missing parts from the right
+one at a loose tolerance. SENSITIVE can (each part 11-39%), with weights on the 4-bit grid so
+that W4A8 is compared tightly with transformers as the W4A8 oracle (tests/model/oracle.py);
+HF_INIT_LONG takes long prompts; REAL_SHAPES has the real model's head and expert shapes.
 """
 
 from __future__ import annotations
