@@ -237,3 +237,39 @@ def test_prepared_product_bad_inputs(rng):
         with pytest.raises(FermijitError, match="laid out for"):
             matvec.product(w, matvec.quantize_act(np.zeros(64, np.float32), ISAS[-1]),
                            np.empty(4, np.float32), isa=ISAS[0])
+
+
+# Issue 12, item 9: every ISA variant, those this CPU cannot run reported as skipped.
+ALL_ISAS = list(cpu.Isa)
+EXTREMES = {"w=-8, x=+127": (0, 127), "w=-8, x=-127": (0, -127), "w=+7, x=+127": (15, 127),
+            "w=+7, x=-127": (15, -127), "alternating": (None, None)}
+
+
+@pytest.mark.parametrize("case", EXTREMES)
+@pytest.mark.parametrize("isa", ALL_ISAS, ids=[i.label for i in ALL_ISAS])
+def test_extreme_inputs_do_not_saturate(isa, case):
+    """Nibbles all 0 or all 15 (weights -8 or +7) against activations all +-127, scales 1: each
+    output is an exact integer (|y| up to 8·127·K), which the 16-bit pmaddubsw stage and the
+    32-bit sums must carry without saturating, in the GEMV and in every GEMM tile position."""
+    if not cpu.supported(isa):
+        pytest.skip(f"{isa.label}: this CPU (or Numba's target) lacks "
+                    f"{', '.join(f for f in isa.features if f not in cpu.host_features())}")
+    rows, k, n_tok = 7, 2080, 5                      # row and token tails; 65 blocks: a tail block
+    nib, x_val = EXTREMES[case]
+    if nib is None:                                  # a row of each, against alternating signs
+        q = np.tile(np.array([0, 15], np.uint8).repeat(k // 2), (rows, 1))
+        x = np.tile(np.array([127, -127], np.float32), (n_tok, k // 2))
+        x[1::2] *= -1
+    else:
+        q = np.full((rows, k), nib, np.uint8)
+        x = np.full((n_tok, k), x_val, np.float32)
+    qb = q.reshape(rows, -1, 32)
+    qs = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(rows, k // 2)
+    d = np.ones((rows, k // 32), np.float16)
+    exact = (x.astype(np.int64) @ (q.astype(np.int64) - 8).T).astype(np.float32)   # [T, R]
+    for xs, expected in ((x[0], exact[0]), (x, exact)):
+        out = poisoned(expected.shape)
+        np.testing.assert_array_equal(matvec.cpu(qs, d, xs, out=out, isa=isa), expected)
+    q8 = np.where(q == 0, -128, 127).astype(np.int8)  # Q8_0's extremes, through the sign trick
+    exact8 = (x.astype(np.int64) @ q8.astype(np.int64).T).astype(np.float32)
+    np.testing.assert_array_equal(matvec.q8_cpu(q8, d, x, isa=isa), exact8)
