@@ -27,8 +27,8 @@ from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
-from fermijit.ops import (attention, conv1d, embedding, gated_delta, l2norm, matvec, moe,
-                          rmsnorm, rope, router)
+from fermijit.ops import (attention, conv1d, embedding, gated_delta, gdn_step, l2norm, matvec,
+                          moe, rmsnorm, rope, router)
 
 # Tokens per prefill pass: the GEMMs are batched over this many tokens while the workspace stays
 # bounded: 103 MiB for the real model at 512 (1.1 MiB at T = 1, most of it the logits).
@@ -385,6 +385,15 @@ class Model:
         else:
             linear(ws.xn, w.in_proj_b, ws.b)                         # fp32 [Hv, H]: gates
             linear(ws.xn, w.in_proj_a, ws.a)
+        if ws.gdn_in is not None and self.is_quantized:
+            # Decode: every step from the conv to the quantised output in one call (ops/gdn_step)
+            if ws.act_gdn is None:
+                ws.act_gdn = matvec.quantize_act(ws.go.reshape(1, -1))
+            gdn_step.cpu(ws.mixed, ws.z, ws.a, ws.b, w.conv1d, s.conv, w.A_log, w.dt_bias,
+                         w.norm, self.eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
+                         ws.beta, ws.go, ws.act_gdn)
+            linear(ws.go.reshape(T, -1), w.out_proj, ws.y, ws.act_gdn)
+            return
         conv1d.cpu(ws.mixed, w.conv1d, s.conv, out=ws.mixed)         # causal conv + SiLU
         np.copyto(ws.gq, ws.mixed[:, :Hk * dk].reshape(T, Hk, dk))
         np.copyto(ws.gk, ws.mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk))
