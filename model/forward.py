@@ -229,6 +229,9 @@ class Model:
         self.lm_head = _matrix(weights.lm_head)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
         self._decode_ws: Workspace | None = None
+        # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
+        # each MoE's input and routing; one attribute test per layer otherwise.
+        self.moe_observer = None
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -391,6 +394,8 @@ class Model:
         ws.xn -> ws.y."""
         np.matmul(ws.xn, w.router.T, out=ws.router_logits)            # [T, E]
         router.cpu(ws.router_logits, self.top_k, out=(ws.ids, ws.weights))
+        if self.moe_observer is not None:
+            self.moe_observer(w, ws.xn, ws.ids, ws.weights)
         if isinstance(w.experts, moe.MoeWeights):
             moe.cpu(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y, scratch=ws.moe_scratch)
         else:

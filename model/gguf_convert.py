@@ -18,6 +18,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.model import convert as fj
+from fermijit.model.manifest import Source
 from fermijit.model.gguf_io import (MOE_MATRICES, Field, GgufFile, plan_fields, read_blocks,
                                     read_config, read_float)
 
@@ -86,9 +87,10 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
         for file, text in files.items():
             (out / file).write_text(text, encoding="utf-8")
 
-    source = {"path": str(Path(src).resolve()), "format": "gguf", "fingerprint": g.fingerprint(),
-              "files": [Path(src).name], "imported_blocks": sorted(imported),
-              "requantised": {name: kind for name, (kind, _) in requantised.items()}}
+    source = Source(path=str(Path(src).resolve()), fingerprint=g.fingerprint(),
+                    files=(Path(src).name,), format="gguf",
+                    imported_blocks=tuple(sorted(imported)),
+                    requantised={name: kind for name, (kind, _) in requantised.items()})
     return fj.write_model(dst, {name: f.shape for name, f in fields.items()}, lm_head, fill,
                           source, other_files, desc="convert", show_progress=show_progress,
                           quants=quants)
