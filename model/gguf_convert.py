@@ -138,8 +138,9 @@ def cached(path: str | Path, lm_head: str = "q8_0") -> Path:
     print(f"converting {path} into {dst} (once)", file=sys.stderr, flush=True)
     try:
         convert(path, partial, lm_head)
-        shutil.rmtree(dst, ignore_errors=True)  # an earlier, interrupted conversion
-        os.replace(partial, dst)
+        if not fj.is_fermijit_model(dst):  # else another process finished first: keep its copy
+            shutil.rmtree(dst, ignore_errors=True)  # an earlier, interrupted conversion
+            os.replace(partial, dst)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return dst
