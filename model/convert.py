@@ -143,14 +143,15 @@ def check_output_dir(dst: Path) -> None:
 
 def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
                 source: Source, other_files, desc: str, show_progress: bool = True,
-                reap: dict | None = None, quants: dict[str, str] | None = None) -> Manifest:
+                reap: dict | None = None, quants: dict[str, str] | None = None,
+                checksums: dict[str, str] | None = None) -> Manifest:
     """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`,
     model/gguf_convert.py): the weights file, in which `fill(name, writer)` stores tensor `name`
     (quantised as `quantisation` says, or as `quants` does: a GGUF's imported blocks keep their
     kind), yielding the elements done per piece; then `other_files(dst)` (config, tokenizer...);
     the manifest last, with `reap` (the REAP record of a pruned model), as it marks the directory
-    complete. Returns the manifest. On any failure, SIGTERM included, what was written is
-    removed."""
+    complete; `checksums`, if the writer hashed what it wrote (write_manifest). Returns the
+    manifest. On any failure, SIGTERM included, what was written is removed."""
     dst = Path(dst)
     check_output_dir(dst)
     made_dir = not dst.exists()
@@ -161,7 +162,7 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     try:
         with _terminate_as_exception():
             return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
-                               show_progress, reap, quants)
+                               show_progress, reap, quants, checksums)
     except BaseException as e:
         _remove_output(dst, made_dir)
         if isinstance(e, OSError):
@@ -173,7 +174,8 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
 
 def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
                 source: Source, other_files, desc: str, show_progress: bool,
-                reap: dict | None, quants: dict[str, str] | None) -> Manifest:
+                reap: dict | None, quants: dict[str, str] | None,
+                checksums: dict[str, str] | None) -> Manifest:
     from tqdm import tqdm
 
     quants = quants or {name: quantisation(name, lm_head) for name in shapes}
@@ -194,16 +196,19 @@ def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     os.replace(partial, dst / WEIGHTS)
     other_files(dst)
     return write_manifest(dst, {name: (shape, quants[name]) for name, shape in shapes.items()},
-                          source, reap)
+                          source, reap, checksums=checksums)
 
 
 def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ...], str]],
-                   source: Source, reap: dict | None = None, weights: str = WEIGHTS) -> Manifest:
+                   source: Source, reap: dict | None = None, weights: str = WEIGHTS,
+                   checksums: dict[str, str] | None = None) -> Manifest:
     """Write `directory/fermijit.json` for the weights file `weights` already there: every writer
     of fermijit models (convert, REAP, GGUF import, synthetic models) calls this, so the format
     lives in one place. `tensors` maps each weight field path, in file order, to (shape, quant);
     their stored tensors (model/manifest.py `stored_specs`) must be in the file. The checksums are
-    of the bytes on disk, read back (what a later `verify` compares). Written last, by rename:
+    of the bytes on disk, read back (what a later `verify` compares), unless the writer hashed
+    the bytes it wrote (`checksums`, sha256 per entry as `checksum` orders them: synth, whose
+    256-expert file outgrows the page cache, so reading it back was 20.6 GB read from storage). Written last, by rename:
     a directory with a fermijit.json is complete."""
     directory = Path(directory)
     weights_file = SafetensorsFile(member(directory, weights, "write_manifest: weights"))
@@ -216,7 +221,8 @@ def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ..
                 raise FermijitError(f"{weights_file.path}: no {dtype} {list(stored_shape)} "
                                     f"tensor {stored} for the manifest")
         entry = TensorEntry(shape, quant, "")
-        entries[name] = dataclasses.replace(entry, checksum=checksum(weights_file, name, entry))
+        digest = checksums[name] if checksums else checksum(weights_file, name, entry)
+        entries[name] = dataclasses.replace(entry, checksum=digest)
     manifest = Manifest(FORMAT_VERSION, f"fermijit {__version__}", source, weights, entries, reap)
     partial = directory / (MANIFEST + PARTIAL_SUFFIX)
     partial.write_text(json.dumps(manifest.as_json(), indent=1) + "\n")

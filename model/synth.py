@@ -175,9 +175,9 @@ def _key(seed: int, name: str) -> np.uint64:
 
 # --- what each tensor holds ---------------------------------------------------------------------
 
-def _random(out, stored: str, lut: np.ndarray, seed: int, n: int, step: int):
-    """Tensor `stored` of n elements, each lut[16 random bits], written `step` at a time;
-    yields the elements done per piece."""
+def _random(out, stored: str, lut: np.ndarray, seed: int, n: int, step: int, digest):
+    """Tensor `stored` of n elements, each lut[16 random bits], written `step` at a time and
+    hashed into `digest`; yields the elements done per piece."""
     fill = _get_kernel()
     key = _key(seed, stored)
     buf = np.empty(min(n, step), lut.dtype)
@@ -185,11 +185,19 @@ def _random(out, stored: str, lut: np.ndarray, seed: int, n: int, step: int):
         m = min(step, n - i0)
         fill(buf[:m], key, i0, lut)
         out.write(stored, buf[:m].view(out.dtype_of(stored)), start=i0)
+        digest.update(buf[:m].view(np.uint8))
         yield m
 
 
-def _fill(name: str, shape: tuple[int, ...], quant: str, seed: int, out):
-    """Generate and write tensor `name`; yields its elements done per piece."""
+def _fill(name: str, shape: tuple[int, ...], quant: str, seed: int, out, checksums: dict):
+    """Generate and write tensor `name`; yields its elements done per piece. Its sha256 goes to
+    `checksums[name]` (the bytes in the manifest's order: qs, then d)."""
+    digest = hashlib.sha256()
+    yield from _fill_hashed(name, shape, quant, seed, out, digest)
+    checksums[name] = digest.hexdigest()
+
+
+def _fill_hashed(name: str, shape: tuple[int, ...], quant: str, seed: int, out, digest):
     field = name.rsplit(".", 1)[-1]
     K = shape[-1]
     n = int(np.prod(shape))
@@ -199,9 +207,9 @@ def _fill(name: str, shape: tuple[int, ...], quant: str, seed: int, out):
         step = CHUNK_BYTES // kind.qs_per_block                   # blocks per piece
         yield from (m * BLOCK // kind.qs_per_block for m in _random(
             out, name + ".qs", kind.lut_qs, seed, n_blocks * kind.qs_per_block,
-            step * kind.qs_per_block))
+            step * kind.qs_per_block, digest))
         for _ in _random(out, name + ".d", _scale_lut(GAIN / np.sqrt(K), kind), seed,
-                         n_blocks, step):
+                         n_blocks, step, digest):
             pass
         return
     if field in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm") \
@@ -216,9 +224,11 @@ def _fill(name: str, shape: tuple[int, ...], quant: str, seed: int, out):
     else:  # the embedding (rows of RMS 1, as the normed inputs), router, gates: N(0, GAIN^2/K)
         std = 1.0 if name == "embed_tokens" else GAIN / np.sqrt(K)
         lut = _normal_lut(std, np.float16 if quant == "f16" else np.float32)
-        yield from _random(out, name, lut, seed, n, CHUNK_BYTES // lut.itemsize)
+        yield from _random(out, name, lut, seed, n, CHUNK_BYTES // lut.itemsize, digest)
         return
-    out.write(name, values.astype(np.float16 if quant == "f16" else np.float32))
+    values = values.astype(np.float16 if quant == "f16" else np.float32)
+    out.write(name, values)
+    digest.update(values.view(np.uint8))
     yield n
 
 
@@ -289,13 +299,14 @@ def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
         write_tokenizer(out, cfg.vocab_size, eos)
 
     start = time.perf_counter()
+    checksums: dict[str, str] = {}  # filled as the tensors are written: no read-back pass
     convert.write_model(dst, shapes, "q8_0",
-                        lambda n, out: _fill(n, shapes[n], quants[n], seed, out),
+                        lambda n, out: _fill(n, shapes[n], quants[n], seed, out, checksums),
                         source=Source(path=f"synthetic:{name}",
                                       fingerprint=f"seed {seed}, {cfg.num_hidden_layers} layers",
                                       files=(), format="synthetic"),
                         other_files=other_files, desc=f"synth {name}",
-                        show_progress=show_progress)
+                        show_progress=show_progress, checksums=checksums)
     seconds = time.perf_counter() - start
     return Written(dst, (dst / convert.WEIGHTS).stat().st_size, seconds)
 

@@ -111,3 +111,14 @@ def test_bad_requests_are_errors(small, tmp_path):
         synth.synth("qwen9", tmp_path / "x")
     with pytest.raises(FermijitError, match="not empty"):
         synth.synth("qwen3.6-35b-a3b-reap128", small, layers=1, overrides=SMALL)
+
+
+def test_checksums_hashed_while_writing_match_the_file(small):
+    """synth hashes the bytes as it writes them (no read-back pass); `verify` reads them back."""
+    from fermijit.model import manifest
+
+    manifest.verify(small, show_progress=False)  # raises on any tensor whose bytes differ
+    stored = manifest.read_manifest(small)
+    weights = convert.SafetensorsFile(small / convert.WEIGHTS)
+    for name, entry in stored.tensors.items():
+        assert entry.checksum == manifest.checksum(weights, name, entry), name
