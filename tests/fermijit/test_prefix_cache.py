@@ -212,3 +212,25 @@ def test_prefill_passes_end_at_aligned_positions(loaded):
 def test_fingerprint_tells_models_apart(models):
     fps = {kind: model_fingerprint(d) for kind, d in models.items()}
     assert fps["fp32"] != fps["w4a8"] and fps["w4a8"] == model_fingerprint(models["w4a8"])
+
+
+def test_engine_generates_from_ids_through_its_cache(models, loaded):
+    """The API the CLI and the server use: one Engine, prompts as token ids, Settings."""
+    from fermijit.engine import Engine, Settings
+    from fermijit.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(models["w4a8"])
+    engine = Engine(loaded["w4a8"], tokenizer,
+                    PrefixCache("test", mem_bytes=2 ** 30, snapshot_every=EVERY))
+    settings = Settings(max_tokens=5, temperature=0.0)
+    prompt = np.arange(3, 23, dtype=np.int32)
+    seen = []
+    first, stats = engine.generate(prompt, settings, seen.append)
+    assert seen == first and stats.n_cached == 0
+    again, stats = engine.generate(prompt, settings, lambda t: None)
+    assert again == first and stats.n_cached == prompt.size
+    assert f"({prompt.size} from the cache)" in stats.summary()
+    off = Engine(loaded["w4a8"], tokenizer)
+    assert off.generate(prompt, settings, lambda t: None)[0] == first
+    with pytest.raises(FermijitError, match="the prompt is empty"):
+        engine.generate([], settings, lambda t: None)
