@@ -4,6 +4,7 @@ engine function and print; heavy imports (numba, pycuda, the model) happen insid
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,9 +26,23 @@ def cli(isa: str | None) -> None:
     cpu.select_isa(isa)
 
 
+def _select_numa(ctx, param, value):
+    from fermijit import numa
+
+    numa.select(value)
+    return value
+
+
+numa_option = click.option(
+    "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
+    callback=_select_numa, expose_value=False,
+    help="NUMA placement of the weight pages (default: interleave where there are several "
+         "nodes, else off).")
+
+
 @cli.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
 def info(threads: int | None) -> None:
     """CPU, SIMD features, kernel variants, threading, GPU and ptxas availability."""
     from fermijit import machine
@@ -44,7 +59,7 @@ def bench() -> None:
 @bench.command("kernels")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads for the all-threads columns (default: all cores).")
+              help="Numba threads for the all-threads columns (default: the physical cores).")
 @click.option("--gib", type=click.FloatRange(min=0.0625), default=1.0, show_default=True,
               help="Size of each cold weight set and of the bandwidth probe, in GiB.")
 def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
@@ -52,6 +67,22 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     from fermijit import bench_cpu
 
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
+
+
+@bench.command("isa")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (a full-size synthetic one: `synth`).")
+@click.option("--tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Prompt tokens through the whole model.")
+@click.option("--layer-tokens", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Tokens through the single layers in the prefill kernels' row.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) -> None:
+    """How far apart the ISA variants' outputs are: one layer of each kind against the float64
+    reference, and the whole model's logits, with a 1e-7 perturbation for scale."""
+    from fermijit import bench_isa as isa_bench
+
+    isa_bench.run(model_dir, tokens, layer_tokens, as_json)
 
 
 @bench.command("decode")
@@ -66,6 +97,7 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
               help="Greedy tokens to decode.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
+@numa_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
@@ -212,6 +244,20 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 
 
 @cli.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (from `convert`).")
+def verify(model_dir: Path) -> None:
+    """Check every tensor of a fermijit model against the checksum `convert` recorded (a
+    progress bar on stderr); exit 2 naming the first damaged tensor. Loading checks only the
+    manifest and the smallest tensors."""
+    from fermijit.model import manifest
+
+    n_tensors, nbytes = manifest.verify(model_dir)
+    click.echo(f"{model_dir}: {n_tensors} tensors, {nbytes / 2**20:.1f} MiB, all match their "
+               f"checksums")
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
@@ -229,10 +275,11 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the sampler.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
               help="Context length (default: prompt + max tokens, at most "
                    "max_position_embeddings).")
+@numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
@@ -246,8 +293,11 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat)
-    engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
-               settings)
+    from fermijit.model import files
+
+    text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
+            else files.check_text(prompt, "the prompt"))
+    engine.run(model_dir or engine.DEFAULT_MODEL, text, settings)
 
 
 @cli.command("eval")
@@ -261,7 +311,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                    "max_position_embeddings).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
+@numa_option
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
                  threads: int | None) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
@@ -273,16 +324,50 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
     evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
 
 
+def _open_missing_streams() -> None:
+    """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
+    diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
+    /dev/null instead."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode))
+
+
+def _fail(message: str) -> None:
+    # The first line only: a library message is one line, an OS or click one may not be.
+    try:
+        print(f"Error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr,
+              flush=True)
+    except OSError:
+        pass
+    try:
+        sys.stdout.flush()
+    except OSError:
+        # stdout is unwritable (/dev/full, a closed pipe): point it at /dev/null, so the
+        # interpreter's flush at exit neither fails nor prints a second error.
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    sys.exit(2)
+
+
 def main() -> None:
+    _open_missing_streams()
     try:
         cli.main(standalone_mode=False)
+        sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as e:
         # One line for every command, usage errors included (bad input: one line, exit 2).
-        click.echo(f"Error: {e.format_message()}", err=True)
-        sys.exit(2)
+        _fail(e.format_message())
     except FermijitError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
+        _fail(str(e))
+    except OSError as e:
+        # What the library does not name itself: stdout full (/dev/full) or closed, a disk
+        # that fails under a read. One line, as any bad environment.
+        where = f": {e.filename}" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}")
+    except MemoryError:
+        _fail("out of memory")

@@ -8,6 +8,7 @@ to stderr. Prefill runs on the CPU (the GPU path and the snapshot prefix cache c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import resource
@@ -130,6 +131,7 @@ def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=
     those too (`eval` does; on the default model a cold prefill of 512 tokens compiled 7 more
     kernels, 3.7 s, after the 2-token one)."""
     start = time.perf_counter()
+    model = kernel_sample(model)
     n_prefill = max(1, min(n_prefill, model.max_context - 1))  # and room for the decode step
     tokens = np.resize(prompt, n_prefill)
     state = model.new_state(n_prefill + 1)
@@ -140,18 +142,36 @@ def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=
     return time.perf_counter() - start
 
 
+def kernel_sample(model):
+    """`model` cut to its first layers up to one of each kind (GDN, attention): the same kernels
+    at a tenth of the work (4 of 40 layers), since layers of a kind differ only in their weights.
+    On the REAP-128 shape the whole-model warm-up read ~1.7 GB of weights and ran 40 layers'
+    prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
+    kinds = model.is_attention
+    n = max(kinds.index(kind) for kind in set(kinds)) + 1
+    if n == len(kinds):
+        return model
+    sample = copy.copy(model)
+    sample.layers, sample.is_attention = model.layers[:n], kinds[:n]
+    sample._decode_ws = None  # its own (the original's is made on its first decode)
+    return sample
+
+
 def sampling_settings(settings: Settings, generation_config: dict) -> tuple[float, int, float]:
     """(temperature, top_k, top_p): the flags, else the model's generation_config.json (do_sample
     false means greedy), else HF's defaults."""
     def pick(flag, key, default):
         value = generation_config.get(key)
-        return flag if flag is not None else value if isinstance(value, (int, float)) else default
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return flag if flag is not None else value if is_number else default
 
     temperature = pick(settings.temperature, "temperature", DEFAULT_TEMPERATURE)
     if settings.temperature is None and generation_config.get("do_sample") is False:
         temperature = 0.0
-    return (float(temperature), int(pick(settings.top_k, "top_k", DEFAULT_TOP_K)),
-            float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
+    top_k = pick(settings.top_k, "top_k", DEFAULT_TOP_K)
+    if not top_k >= 0:
+        raise FermijitError(f"top_k must be >= 0 (0 = all), got {top_k}")
+    return (float(temperature), int(top_k), float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
 
 
 def context_length(settings: Settings, n_prompt: int, max_context: int) -> int:
@@ -203,15 +223,20 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
 
     stream = tokenizer.stream()
 
+    def write(text: str) -> None:
+        try:
+            out.write(text.encode("utf-8"))
+            out.flush()
+        except OSError as e:  # stdout on /dev/full, a closed pipe (issue 11 case 8)
+            raise FermijitError(f"cannot write the generated text: {e.strerror}") from None
+
     def emit(token: int) -> None:
         text = stream.push(token)
         if text:
-            out.write(text.encode("utf-8"))
-            out.flush()
+            write(text)
 
     _, stats = generate(model, prompt, sampler, settings.max_tokens, context, tokenizer.eos_ids,
                         emit, progress_to=err)
-    out.write(stream.flush().encode("utf-8"))
-    out.flush()
+    write(stream.flush())
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)
     return stats

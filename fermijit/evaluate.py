@@ -94,12 +94,9 @@ def score(model, tokens: np.ndarray, context: int, on_scored=lambda n: None) -> 
 
 
 def read_text(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise FermijitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise FermijitError(f"{path}: cannot read ({e.strerror})") from None
+    from fermijit.model.files import read_text as read
+
+    text = read(path, str(path))
     if not text.strip():
         raise FermijitError(f"{path}: the text is empty")
     return text

@@ -56,28 +56,28 @@ def _check_kept(kept: np.ndarray, text) -> np.ndarray:
 
 
 def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
-                   show_progress: bool = False) -> dict:
+                   show_progress: bool = False) -> convert.Manifest:
     """Prune fermijit model `src` into `dst`; returns the manifest written."""
     src, dst = Path(src), Path(dst)
     cfg, _, manifest = convert.load_converted(src)
     text = cfg.text_config
     kept = _check_kept(kept, text)
-    lm_head = manifest["tensors"]["lm_head"]["quant"]
-    weights = SafetensorsFile(src / manifest.get("weights", convert.WEIGHTS))
+    lm_head = manifest.tensors["lm_head"].quant
+    weights = SafetensorsFile(src / manifest.weights)
     shapes, rows = {}, {}          # rows: the kept ids of a tensor whose first axis is experts
-    for name, entry in manifest["tensors"].items():
-        if entry["quant"] != convert.quantisation(name, lm_head):
-            raise FermijitError(f"{src}: {name} is {entry['quant']}, this fermijit stores it as "
+    for name, entry in manifest.tensors.items():
+        if entry.quant != convert.quantisation(name, lm_head):
+            raise FermijitError(f"{src}: {name} is {entry.quant}, this fermijit stores it as "
                                 f"{convert.quantisation(name, lm_head)}; convert it again")
-        shapes[name] = tuple(entry["shape"])
+        shapes[name] = tuple(entry.shape)
         layer, _, field = name.partition(".mlp.")
         if field in EXPERT_FIELDS:
             rows[name] = kept[int(layer.split(".")[1])]
             shapes[name] = (rows[name].size,) + shapes[name][1:]
 
     def fill(name: str, out: SafetensorsWriter):
-        for stored, _, _ in convert.stored_specs(name, tuple(manifest["tensors"][name]["shape"]),
-                                                 manifest["tensors"][name]["quant"]):
+        entry = manifest.tensors[name]
+        for stored, _, _ in convert.stored_specs(name, entry.shape, entry.quant):
             _copy_rows(out, stored, weights.raw(stored), rows.get(name))
         yield int(np.prod(shapes[name]))
 
@@ -90,9 +90,9 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
                                                     indent=2) + "\n")
 
     convert.check_output_dir(dst)
-    return convert.write_model(dst, shapes, lm_head, fill, manifest["source"], other_files,
+    return convert.write_model(dst, shapes, lm_head, fill, manifest.source, other_files,
                                "prune", show_progress,
-                               _record(record, src, kept, text.num_experts, manifest.get("reap")))
+                               _record(record, src, kept, text.num_experts, manifest.reap))
 
 
 def _record(record: dict, src: Path, kept: np.ndarray, n_experts: int, previous) -> dict:
@@ -215,7 +215,7 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
               "calibration": {**cal.as_dict(), "model": str(Path(calibrate_with).resolve())},
               "counts": cal.counts.tolist(), "saliency": cal.saliency.tolist()}
     if convert.is_fermijit_model(src):
-        record = prune_fermijit(src, dst, kept, record)["reap"]
+        record = prune_fermijit(src, dst, kept, record).reap
     else:
         record = prune_hf(src, dst, kept, record)
     print(f"wrote {dst}: {keep} of {text.num_experts} experts per layer kept by {criterion}, "

@@ -183,7 +183,7 @@ def test_a_pruned_hf_checkpoint_converts_to_the_pruned_fermijit_model(models, tm
     assert "model.language_model.layers.1.mlp.experts.2.down_proj.weight" in ckpt
     assert "model.language_model.layers.1.mlp.experts.3.down_proj.weight" not in ckpt
     manifest = convert.convert(tmp_path / "hf", tmp_path / "converted", show_progress=False)
-    assert manifest["reap"]["criterion"] == "random" and manifest["reap"]["kept"] == kept.tolist()
+    assert manifest.reap["criterion"] == "random" and manifest.reap["kept"] == kept.tolist()
     prune.prune_fermijit(models["fermijit"], tmp_path / "direct", kept, {"criterion": "random"})
     a = safetensors.numpy.load_file(tmp_path / "converted" / convert.WEIGHTS)
     b = safetensors.numpy.load_file(tmp_path / "direct" / convert.WEIGHTS)
