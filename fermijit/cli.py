@@ -15,6 +15,29 @@ from fermijit import FermijitError
 ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
 
 
+class ByteSize(click.ParamType):
+    """A number of bytes: 1000000, 512K, 64M, 2G (powers of 1024)."""
+
+    name = "size"
+    UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
+        try:
+            n = float(number)
+        except ValueError:
+            n = -1.0
+        if not n >= 0:
+            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
+        return int(n * self.UNITS[unit])
+
+
+SIZE = ByteSize()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
               help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
@@ -159,6 +182,67 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
                            ratios, context, max_tokens, seed, as_json)
 
 
+@bench.command("cache")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--tokens", type=click.IntRange(min=2), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot interval (default: the cache's, 256).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Repetitions (cases interleaved); the median is shown.")
+@click.option("--sweep", is_flag=True, help="Also time cold+snap and branched per snapshot "
+                                            "interval (64, 128, 256, 512).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None, repeat: int,
+                sweep: bool, threads: int | None, as_json: bool) -> None:
+    """Snapshot prefix cache: a prompt cold, repeated, extended by 32 tokens and branched at a
+    random point; time, speed-up against cold, snapshot bytes and count."""
+    from fermijit import bench_cache as bc
+    from fermijit import engine, prefix_cache
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bc.run(model_dir or engine.DEFAULT_MODEL, tokens,
+           snapshot_every or prefix_cache.SNAPSHOT_EVERY, repeat, sweep, as_json)
+
+
+@bench.command("prefill")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", default=None,
+              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
+                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@click.option("--tokens", type=click.IntRange(min=1), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
+                                              "512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--verbose", is_flag=True, help="Per-layer copy/compute/overlap and the profile.")
+@click.option("--project", "projection", type=click.Choice(["c2075"]), default=None,
+              help="Project the run onto this GPU (the cost model is printed).")
+@click.option("--sweep", default=None, help="Instead: CPU vs GPU prefill time at these prompt "
+                                            "lengths, e.g. 8,32,128 (the auto threshold).")
+def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
+                  gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
+                  projection: str | None, sweep: str | None) -> None:
+    """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
+    pageable expert streaming (GPU)."""
+    from fermijit import bench_prefill as bp
+
+    if sweep is not None:
+        try:
+            lengths = [int(n) for n in sweep.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"--sweep takes lengths like 8,32,128, got {sweep!r}")
+        bp.sweep(model_dir, synthetic, lengths)
+        return
+    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
@@ -182,7 +266,8 @@ def kernels_check(ptxas: Path | None, as_json: bool) -> None:
 @click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default="q8_0", show_default=True,
               help="Quantisation of the output head, the matrix most sensitive to error.")
 def convert(src: Path, dst: Path, lm_head: str) -> None:
-    """Convert the HF checkpoint directory SRC into a 4-bit fermijit model directory DST."""
+    """Convert SRC, an HF checkpoint directory or a GGUF file (llama.cpp's qwen35moe), into a
+    4-bit fermijit model directory DST."""
     # SRC is checked by the converter, not click.Path(exists=True): a usage error is 3 lines.
     from fermijit.model import convert as converter
 
@@ -260,9 +345,10 @@ def verify(model_dir: Path) -> None:
 @cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
-                   "(run unquantised in fp32, for reference runs). Default: the embedded model "
-                   "(fermijit/default_model, trained on the Python docs).")
+              help="A fermijit model directory (from `convert`), a GGUF file (converted once into "
+                   "the cache: $FERMIJIT_CACHE, else ~/.cache/fermijit), or an HF checkpoint "
+                   "directory (run unquantised in fp32, for reference runs). Default: the "
+                   "embedded model (fermijit/default_model, trained on the Python docs).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Most tokens to generate.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None,
@@ -282,28 +368,58 @@ def verify(model_dir: Path) -> None:
 @numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
+@click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
+                                               "cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="FERMIJIT_CACHE_DIR",
+              help="Keep prompt snapshots in this directory too, so later runs (and other "
+                   "processes) resume from them (env FERMIJIT_CACHE_DIR; never pruned).")
+@click.option("--cache-mem", type=SIZE, default=None,
+              help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot the state every this many prompt tokens (default: 256).")
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
-             context: int | None, chat: bool) -> None:
+             context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
+             cache_mem: int | None, snapshot_every: int | None, prefill: str,
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
-    of timings to stderr."""
-    from fermijit import engine
+    of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
+    (in this process, or in --cache-dir)."""
+    from fermijit import engine, prefix_cache
     from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed, context=context, is_chat=chat)
+                               top_p=top_p, seed=seed, context=context, is_chat=chat,
+                               prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
+                               verbose=verbose)
+    cache = prefix_cache.CacheSettings(
+        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
     from fermijit.model import files
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
-    engine.run(model_dir or engine.DEFAULT_MODEL, text, settings)
+    engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
+               cache_settings=cache)
 
 
 @cli.command("eval")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory (run W4A8) or an HF checkpoint directory (fp32). "
-                   "Default: the embedded model.")
+              help="A fermijit model directory (run W4A8), a GGUF file (converted once into the "
+                   "cache, then W4A8) or an HF checkpoint directory (fp32). Default: the "
+                   "embedded model.")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               required=True, help="UTF-8 text file to score.")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
@@ -313,15 +429,27 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
 @numa_option
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
-                 threads: int | None) -> None:
+                 threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+                 verbose: bool) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
     from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
-    evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
+    evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
+                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
 
 
 def _open_missing_streams() -> None:

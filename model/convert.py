@@ -34,13 +34,13 @@ import numpy as np
 
 from fermijit import FermijitError, __version__, numa
 from fermijit.model.config import ModelConfig, load_config
-from fermijit.model.files import member
+from fermijit.model.files import member, read_json
 from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
                                      TensorEntry, check_small_tensors, checksum, read_manifest,
                                      stored_specs)
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
-from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemble,
+from fermijit.model.weights import (QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
 
 WEIGHTS = "model.safetensors"
@@ -84,13 +84,18 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
 
 def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
             chunk_bytes: int = CHUNK_BYTES) -> Manifest:
-    """Convert; returns the manifest written to `dst/fermijit.json`. On any failure, SIGTERM
-    included, what was written is removed (a `.partial` file held the space of the model)."""
+    """Convert an HF checkpoint directory, or a GGUF file (model/gguf_convert.py); returns the
+    manifest written to `dst/fermijit.json`. On any failure, SIGTERM included, what was written
+    is removed (a `.partial` file held the space of the model)."""
     src, dst = Path(src), Path(dst)
     if lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
+    if src.is_file():
+        from fermijit.model import gguf_convert
+
+        return gguf_convert.convert(src, dst, lm_head, show_progress, chunk_bytes)
     if not src.is_dir():
-        raise FermijitError(f"no such model directory: {src}")
+        raise FermijitError(f"no such model directory or GGUF file: {src}")
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
@@ -106,7 +111,9 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
                     files=tuple(f.path.name for f in ckpt.files))
     return write_model(
         dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
-        lambda name, out: _stream(plans[name], quants[name], ckpt, out, chunk_bytes),
+        lambda name, out: stream(name, plans[name].shape, quants[name],
+                                 lambda lead, rows: plans[name].read(ckpt, lead, rows), out,
+                                 chunk_bytes),
         source, other_files=copy_files, desc="convert", show_progress=show_progress,
         reap=reap_record(src))
 
@@ -116,10 +123,7 @@ def reap_record(src: Path) -> dict | None:
     path = src / REAP_RECORD
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise FermijitError(f"{path}: unreadable REAP record") from None
+    return read_json(path)
 
 
 def check_output_dir(dst: Path) -> None:
@@ -139,13 +143,14 @@ def check_output_dir(dst: Path) -> None:
 
 def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
                 source: Source, other_files, desc: str, show_progress: bool = True,
-                reap: dict | None = None) -> Manifest:
-    """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`): the
-    weights file, in which `fill(name, writer)` stores tensor `name` (quantised as `quantisation`
-    says), yielding the elements done per piece; then `other_files(dst)` (config, tokenizer...);
-    the manifest last, with `reap` (a pruned model's REAP record), as it marks the directory
-    complete. Returns the manifest. On any failure, SIGTERM
-    included, what was written is removed."""
+                reap: dict | None = None, quants: dict[str, str] | None = None) -> Manifest:
+    """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`,
+    model/gguf_convert.py): the weights file, in which `fill(name, writer)` stores tensor `name`
+    (quantised as `quantisation` says, or as `quants` does: a GGUF's imported blocks keep their
+    kind), yielding the elements done per piece; then `other_files(dst)` (config, tokenizer...);
+    the manifest last, with `reap` (the REAP record of a pruned model), as it marks the directory
+    complete. Returns the manifest. On any failure, SIGTERM included, what was written is
+    removed."""
     dst = Path(dst)
     check_output_dir(dst)
     made_dir = not dst.exists()
@@ -156,7 +161,7 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     try:
         with _terminate_as_exception():
             return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
-                               show_progress, reap)
+                               show_progress, reap, quants)
     except BaseException as e:
         _remove_output(dst, made_dir)
         if isinstance(e, OSError):
@@ -168,10 +173,10 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
 
 def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
                 source: Source, other_files, desc: str, show_progress: bool,
-                reap: dict | None = None) -> Manifest:
+                reap: dict | None, quants: dict[str, str] | None) -> Manifest:
     from tqdm import tqdm
 
-    quants = {name: quantisation(name, lm_head) for name in shapes}
+    quants = quants or {name: quantisation(name, lm_head) for name in shapes}
     specs = {name: stored_specs(name, shape, quants[name]) for name, shape in shapes.items()}
     # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
     # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned. A layer's
@@ -275,33 +280,35 @@ def _remove_output(dst: Path, made_dir: bool) -> None:
             dst.rmdir()
 
 
-def _stream(plan: TensorPlan, quant: str, ckpt: Checkpoint, out: SafetensorsWriter,
-            chunk_bytes: int):
-    """Read, quantise and write `plan` in row chunks; yields the elements done per chunk."""
+def stream(name: str, shape: tuple[int, ...], quant: str, read, out: SafetensorsWriter,
+           chunk_bytes: int):
+    """Read, quantise and write one tensor in row chunks; `read(lead, rows)` gives fp32 rows
+    [n, cols] (or [n]) of expert `lead` (None for 1-D and 2-D tensors). Yields the elements
+    done per chunk."""
     from fermijit.ops import quant as q
 
-    rows, cols = (plan.shape[-2], plan.shape[-1]) if len(plan.shape) >= 2 else (plan.shape[0], 1)
-    leads = range(plan.shape[0]) if len(plan.shape) == 3 else [None]
+    rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[0], 1)
+    leads = range(shape[0]) if len(shape) == 3 else [None]
     step = max(1, chunk_bytes // (4 * cols))
     for e, lead in enumerate(leads):
         for r0 in range(0, rows, step):
-            x = plan.read(ckpt, lead, slice(r0, r0 + step))        # fp32 [n, cols] (or [n])
+            x = read(lead, slice(r0, r0 + step))        # fp32 [n, cols] (or [n])
             if not np.isfinite(x).all():  # issue 11: NaN weights ran to exit 0, garbage out
-                raise FermijitError(f"{ckpt.directory}: {plan.name} holds NaN or infinite "
-                                    f"values; refusing to convert it")
+                raise FermijitError(f"{name} holds NaN or infinite values; refusing to convert "
+                                    f"it")
             first_row = e * rows + r0
             if quant == "f32":
-                out.write(plan.name, x, start=first_row * cols)
+                out.write(name, x, start=first_row * cols)
             elif quant == "f16":
                 if np.abs(x).max(initial=0) > np.finfo(np.float16).max:
-                    raise FermijitError(f"{plan.name}: values beyond the fp16 range")
-                out.write(plan.name, x.astype(np.float16), start=first_row * cols)
+                    raise FermijitError(f"{name}: values beyond the fp16 range")
+                out.write(name, x.astype(np.float16), start=first_row * cols)
             else:
                 qs, d = q.quantize_q4_0_cpu(x) if quant == "q4_0" else q.quantize_q8_0(x)
                 if not np.isfinite(d).all():
-                    raise FermijitError(f"{plan.name}: block scales beyond the fp16 range")
-                out.write(plan.name + ".qs", qs, start=first_row * qs.shape[-1])
-                out.write(plan.name + ".d", d, start=first_row * d.shape[-1])
+                    raise FermijitError(f"{name}: block scales beyond the fp16 range")
+                out.write(name + ".qs", qs, start=first_row * qs.shape[-1])
+                out.write(name + ".d", d, start=first_row * d.shape[-1])
             yield x.size
 
 

@@ -27,8 +27,8 @@ from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
-from fermijit.ops import (attention, conv1d, embedding, gated_delta, l2norm, matvec, moe,
-                          rmsnorm, rope, router)
+from fermijit.ops import (attention, conv1d, embedding, gated_delta, gdn_step, l2norm, matvec,
+                          moe, rmsnorm, rope, router)
 
 # Tokens per prefill pass: the GEMMs are batched over this many tokens while the workspace stays
 # bounded: 103 MiB for the real model at 512 (1.1 MiB at T = 1, most of it the logits).
@@ -265,19 +265,28 @@ class Model:
     # --- the two entry points -------------------------------------------------------------------
 
     def prefill(self, tokens, state: State, all_logits: bool = False,
-                on_block=None) -> np.ndarray:
+                on_block=None, align: int | None = None) -> np.ndarray:
         """Logits [V] of the last of `tokens` [T] (all of them, [T, V], with `all_logits`), which
         follow the `state.position` tokens seen; updates `state`. `on_block(n)` is called after
-        each pass of n tokens (progress for long prompts)."""
+        each pass of n tokens (progress for long prompts). With `align`, passes also end where
+        `state.position` is a multiple of it, so that `on_block` sees the state there (the
+        snapshot cache's positions)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 1 or tokens.size == 0:
             raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
                                 f"{list(tokens.shape)}")
+        if align is not None and align < 1:
+            raise FermijitError(f"prefill: align must be at least 1, got {align}")
         self._check_room(state, tokens.size)
         logits = []
         ws = None
-        for t0 in range(0, tokens.size, PREFILL_BLOCK):
-            block = tokens[t0:t0 + PREFILL_BLOCK]
+        t0 = 0
+        while t0 < tokens.size:
+            n = min(PREFILL_BLOCK, tokens.size - t0)
+            if align is not None:
+                n = min(n, align - state.position % align)
+            block = tokens[t0:t0 + n]
+            t0 += n
             if ws is None or ws.tokens.size != block.size:
                 ws = Workspace(self, block.size)
             ws.tokens[:] = block
@@ -376,6 +385,15 @@ class Model:
         else:
             linear(ws.xn, w.in_proj_b, ws.b)                         # fp32 [Hv, H]: gates
             linear(ws.xn, w.in_proj_a, ws.a)
+        if ws.gdn_in is not None and self.is_quantized:
+            # Decode: every step from the conv to the quantised output in one call (ops/gdn_step)
+            if ws.act_gdn is None:
+                ws.act_gdn = matvec.quantize_act(ws.go.reshape(1, -1))
+            gdn_step.cpu(ws.mixed, ws.z, ws.a, ws.b, w.conv1d, s.conv, w.A_log, w.dt_bias,
+                         w.norm, self.eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
+                         ws.beta, ws.go, ws.act_gdn)
+            linear(ws.go.reshape(T, -1), w.out_proj, ws.y, ws.act_gdn)
+            return
         conv1d.cpu(ws.mixed, w.conv1d, s.conv, out=ws.mixed)         # causal conv + SiLU
         np.copyto(ws.gq, ws.mixed[:, :Hk * dk].reshape(T, Hk, dk))
         np.copyto(ws.gk, ws.mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk))

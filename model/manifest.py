@@ -53,6 +53,9 @@ class Source:
     path: str
     fingerprint: str
     files: tuple[str, ...]
+    format: str = "safetensors"              # or "gguf", "synthetic"
+    imported_blocks: tuple[str, ...] = ()    # GGUF: tensors whose blocks were copied bit for bit
+    requantised: dict[str, str] = dataclasses.field(default_factory=dict)  # GGUF: name -> type
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ def _check_kept(kept: np.ndarray, text) -> np.ndarray:
 
 
 def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
-                   show_progress: bool = False) -> convert.Manifest:
+                   show_progress: bool = False) -> "convert.Manifest":
     """Prune fermijit model `src` into `dst`; returns the manifest written."""
     src, dst = Path(src), Path(dst)
     cfg, _, manifest = convert.load_converted(src)
@@ -69,15 +69,15 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
         if entry.quant != convert.quantisation(name, lm_head):
             raise FermijitError(f"{src}: {name} is {entry.quant}, this fermijit stores it as "
                                 f"{convert.quantisation(name, lm_head)}; convert it again")
-        shapes[name] = tuple(entry.shape)
+        shapes[name] = entry.shape
         layer, _, field = name.partition(".mlp.")
         if field in EXPERT_FIELDS:
             rows[name] = kept[int(layer.split(".")[1])]
             shapes[name] = (rows[name].size,) + shapes[name][1:]
 
     def fill(name: str, out: SafetensorsWriter):
-        entry = manifest.tensors[name]
-        for stored, _, _ in convert.stored_specs(name, entry.shape, entry.quant):
+        for stored, _, _ in convert.stored_specs(name, manifest.tensors[name].shape,
+                                                 manifest.tensors[name].quant):
             _copy_rows(out, stored, weights.raw(stored), rows.get(name))
         yield int(np.prod(shapes[name]))
 
@@ -89,7 +89,6 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
         (out / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
                                                     indent=2) + "\n")
 
-    convert.check_output_dir(dst)
     return convert.write_model(dst, shapes, lm_head, fill, manifest.source, other_files,
                                "prune", show_progress,
                                _record(record, src, kept, text.num_experts, manifest.reap))

@@ -5,8 +5,9 @@ score matrices. Any number of tokens goes through `forward` with an explicit `St
 is one call and a decode step is another with one token; both return logits for every token.
 Quantised weights (`QuantTensor`) are dequantised, so the same code is the reference of the
 4-bit model; with `quantize_activations` their products also quantise the activations per
-32-block as the CPU kernels do (`W4A8`: ops.matvec's exact-integer reference), which makes it the
-spec of the W4A8 path to fp32 rounding.
+32-block (`W4A8`, `quantize_q8`: spelled out here, not imported from the kernels' module, so a
+rounding bug there cannot hide in its own spec), which makes it the spec of the W4A8 path to fp32
+rounding.
 
 Dimension legend: as model/weights.py; T tokens in this call, S cached positions.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from fermijit.model.config import FULL_ATTENTION, TextConfig
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, MoeWeights,
                                     QuantTensor, TextWeights)
-from fermijit.ops import matvec, quant
+from fermijit.ops import quant
 
 L2NORM_EPS = 1e-6  # inside the root, added to the sum of squares (MODEL.md §6.4)
 
@@ -75,11 +76,30 @@ def dense(w) -> np.ndarray:
     return np.asarray(w, dtype=np.float64)
 
 
+ACT_BLOCK = 32  # activations share one scale per 32 consecutive values of a token (DESIGN.md)
+
+
+def quantize_q8(x):
+    """x [..., K] as the W4A8 products see it: per 32-block, scale d = max|x| / 127 and
+    q = x / d rounded half away from zero, returned dequantised (q · d, float64).
+
+    fp32 arithmetic, dividing by multiplying with the fp32 reciprocal of d, as the kernels do:
+    anything else moves some values across a rounding boundary (one int8 off by one), a real
+    error at the tolerance the W4A8 tests hold (tests/model/test_forward.py)."""
+    xb = np.asarray(x, np.float32).reshape(*np.shape(x)[:-1], -1, ACT_BLOCK)
+    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    v = xb * inv
+    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))       # half away from zero
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(np.shape(x))
+
+
 def linear(x, w):
-    """x [..., in] · wᵀ, w [out, in]."""
+    """x [..., in] · wᵀ, w [out, in]. W4A8: the weights times the activations as quantised to
+    8 bits: the kernels' exact integer block sums, scaled, are this same sum in float64."""
     if isinstance(w, W4A8):
-        product = matvec.reference if w.kind == "q4_0" else matvec.q8_reference
-        return product(np.asarray(w.qs), np.asarray(w.d), x)
+        x = quantize_q8(x)
     return x @ dense(w).T
 
 

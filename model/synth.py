@@ -293,7 +293,7 @@ def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
                         lambda n, out: _fill(n, shapes[n], quants[n], seed, out),
                         source=Source(path=f"synthetic:{name}",
                                       fingerprint=f"seed {seed}, {cfg.num_hidden_layers} layers",
-                                      files=()),
+                                      files=(), format="synthetic"),
                         other_files=other_files, desc=f"synth {name}",
                         show_progress=show_progress)
     seconds = time.perf_counter() - start

@@ -29,6 +29,10 @@ CONTEXT = 24
 # fp32 forward vs the float64 reference, summed over 254 NLLs of ~5.8 nats: HF_INIT's fp32
 # logits are ~1e-6 off (tests/model/test_forward.py) and the errors average out; measured 1e-10.
 FP32_NLL_REL = 1e-6
+# The CLI's mean NLL against the float64 reference: fp32 rounding, averaged (W4A8 vs its spec:
+# logits 3e-7 apart, tests/model/test_forward.py, but over 254 tokens some activation crosses a
+# rounding boundary). Measured: q4 1.5e-6.
+CLI_NLL_REL = 1e-5
 # The same fp32 forward over other prefill piece sizes: numpy matmuls over other row counts;
 # measured 9e-11.
 PIECES_NLL_REL = 1e-8
@@ -49,9 +53,14 @@ def tokens_of(directory) -> np.ndarray:
 
 
 def reference_nll_sum(directory, tokens: np.ndarray, context: int) -> float:
-    """The spec: float64 model, a fresh state per window, log-softmax of every position."""
-    cfg = load_config(directory).text_config
-    model = Reference(cfg, load_text_weights(cfg, Checkpoint(directory), np.float64))
+    """The spec: float64 model (of a converted model: the W4A8 spec), a fresh state per window,
+    log-softmax of every position."""
+    if convert.is_fermijit_model(directory):
+        cfg, weights, _ = convert.load_converted(directory)
+        model = Reference(cfg.text_config, weights, quantize_activations=True)
+    else:
+        cfg = load_config(directory).text_config
+        model = Reference(cfg, load_text_weights(cfg, Checkpoint(directory), np.float64))
     total = 0.0
     for w0 in range(0, tokens.size - 1, context):
         window = tokens[w0:w0 + context + 1]
@@ -83,12 +92,15 @@ def test_fp32_score_is_the_reference_nll(models, context):
 
 
 def test_windows_are_scored_from_a_fresh_state(models):
-    """A window's first token has no context: a shorter window loses information."""
+    """Windows of 4 tokens, each from a fresh state: the reference scored the same way."""
     model, tokens = load_model(models["hf"])[1], tokens_of(models["hf"])
-    whole = evaluate.score(model, tokens, 256)
     short = evaluate.score(model, tokens, 4)
-    assert short.n_windows > whole.n_windows == 1
-    assert short.nll_sum != whole.nll_sum
+    assert short.n_windows == math.ceil((tokens.size - 1) / 4)
+    expected = reference_nll_sum(models["hf"], tokens, 4)
+    assert abs(short.nll_sum - expected) <= FP32_NLL_REL * expected, (short.nll_sum, expected)
+    # and told apart from one window's score (HF_INIT barely uses context: measured 6.6e-6 apart)
+    whole = reference_nll_sum(models["hf"], tokens, 256)
+    assert abs(expected - whole) > 5 * FP32_NLL_REL * expected
 
 
 def test_prefill_pieces_do_not_change_the_score(models, monkeypatch):
@@ -121,6 +133,9 @@ def test_json_is_the_engine_s_score(models, kind):
     # it than a process loading it from Numba's cache (fermijit/jit/cpu.py, FASTMATH), and on a
     # cold cache this test and its subprocess take different paths (seen: ~1e-7 relative).
     assert result["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-5)
+    # The figure itself, not only the engine's: the float64 reference (the W4A8 spec for q4).
+    golden = reference_nll_sum(models[kind], tokens_of(models[kind]), CONTEXT) / result["n_scored"]
+    assert result["mean_nll"] == pytest.approx(golden, rel=CLI_NLL_REL)
     assert result["perplexity"] == pytest.approx(math.exp(result["mean_nll"]), rel=1e-12)
     assert result["tok_per_s"] == pytest.approx(result["n_scored"] / result["elapsed_s"])
     kind_text = "4-bit fermijit, W4A8" if kind == "q4" else "unquantised"

@@ -19,24 +19,39 @@ from fermijit.model.reference import Reference
 from fermijit.model.state import State
 from tests.model import oracle, tiny
 from tests.model.conftest import LAYOUTS
-from tests.model.oracle import PROMPT, assert_rel, rel_error
+from tests.model.oracle import PROMPT, assert_rel, assert_rel_but_flips, rel_error
 
 MODELS = {m.name: m for m in oracle.MODELS}
 
-# (a) Issue 3: max|diff| / max|ref| <= 1e-4. Measured: ~1e-6 on both models (fp32 everywhere;
-# transformers uses the chunked GDN prefill, we the recurrence).
-FP32_VS_ORACLE = 1e-4
-# (b) Issue 3: W4A8 vs the float64 reference over the same 4-bit weights with activations
-# quantised per 32-block as the kernels do (Reference(quantize_activations=True)): only fp32
-# rounding differs, unless it moves an activation across a Q8 rounding boundary. Measured on
-# HF_INIT: 2.7e-7 (prompt), 2.2e-6 (decode).
-W4A8_VS_REFERENCE = 1e-3
-# (b) Issue 3: W4A8 vs transformers (4-bit weights, 8-bit activations). Measured on HF_INIT:
-# 1.05e-2 (prompt), 0.96e-2 (decode); of which the 8-bit activations alone 0.65e-2 (the float64
-# reference over the same 4-bit weights without them). Not asserted on UNIT, whose unit-scale
-# random matrices amplify the noise: measured 0.64 (prompt) and 0.88 (decode) off transformers,
-# and 3.5e-3 / 6.6e-3 off its own W4A8 reference (Q8 rounding flips, amplified).
-W4A8_VS_ORACLE = 5e-2
+# Tolerances, max|diff| / max|expected| (issue 12: each from the error measured, and each at
+# most a tenth of what removing any part of the model moves the logits: test_sensitivity.py).
+# (a) fp32 vs transformers' fp32: summation order, and transformers' chunked GDN prefill against
+# our recurrence. Measured (prompt, decode): UNIT 1.2e-6, 2.0e-6; HF_INIT 2.6e-7, 2.9e-7;
+# SENSITIVE 3.4e-6, 6.1e-7.
+FP32_VS_ORACLE = 2e-5
+# (b) W4A8 vs the float64 reference over the same 4-bit weights with activations quantised per
+# 32-block (Reference(quantize_activations=True), its own quantiser): fp32 rounding only.
+# Measured on HF_INIT: 3.0e-7 (prompt), 2.1e-7 (decode). Not asserted on SENSITIVE, where a
+# rounding flip (W4A8_FLIP below) persists through decode: measured 1.4e-5, 2.2e-3.
+W4A8_VS_REFERENCE = 1e-5
+# (b) W4A8 vs transformers as the W4A8 oracle (oracle.w4a8_activations) on SENSITIVE, whose
+# weights are on the 4-bit grid: the same arithmetic in fp32 on both sides. Measured: 1.35e-5
+# (prompt; 1.0e-6 before main's decode kernels of 17:00), decode: see W4A8_FLIP.
+W4A8_VS_W4A8_ORACLE = 2e-5
+# (b) The W4A8 comparisons above hold for most positions (oracle.assert_rel_but_flips); the
+# rest may be off by an 8-bit rounding flip: fp32 and float64 (or another fp32 order) put one
+# activation on either side of a rounding boundary, and one int8 differs by one. In the LM head's
+# input that moves every logit of its position (HF_INIT_LONG: 28 of 1100 positions, up to
+# 1.4e-3, tests/model/test_long_prompt.py); inside SENSITIVE it persists in the state through
+# the decode steps that follow: measured 5.45e-3 there after the decode kernels changed (main,
+# 17:00), where the same test measured 3.6e-7 before. So SENSITIVE's decode is held to this
+# bound at every position, still 11x under its smallest ablation (tests/model/ablation.py).
+W4A8_FLIP = 1e-2
+# (b) How far 4 bits move HF_INIT's logits from transformers' fp32 (random weights, not on the
+# grid): a bound on quantisation noise, not a correctness test (removing GDN or q/k norms moves
+# this model's logits less: tests/model/ablation.py). Measured: 1.05e-2 (prompt), 0.96e-2
+# (decode); 0.65e-2 of it the 8-bit activations alone.
+W4A8_NOISE = 1.5e-2
 # (c) Prefill batches tokens (GEMM tiles, numpy matmuls over T rows) where decode runs GEMVs:
 # the same sums in another order. fp32 path measured <= 1e-6.
 FP32_STATE_REL = 1e-5
@@ -138,24 +153,24 @@ def test_w4a8_matches_the_reference_over_the_same_weights(hf_init_w4a8, converte
     reference = Reference(cfg.text_config, weights, quantize_activations=True)
     ref_prompt, ref_decode = run_forced(reference, oracle.golden(tiny.HF_INIT).tokens)
     prompt, decode = runs["fused"]
-    assert_rel("prompt logits", ref_prompt, prompt, W4A8_VS_REFERENCE)
-    assert_rel("decode logits", ref_decode, decode, W4A8_VS_REFERENCE)
+    assert_rel_but_flips("prompt logits", ref_prompt, prompt, W4A8_VS_REFERENCE, W4A8_FLIP)
+    assert_rel_but_flips("decode logits", ref_decode, decode, W4A8_VS_REFERENCE, W4A8_FLIP)
 
 
-def test_w4a8_is_near_the_oracle(hf_init_w4a8):
+def test_w4a8_quantisation_noise_is_bounded(hf_init_w4a8):
     golden = oracle.golden(tiny.HF_INIT)
     prompt, decode = hf_init_w4a8[1]["fused"]
-    assert_rel("prompt logits", golden.prompt_logits, prompt, W4A8_VS_ORACLE)
-    assert_rel("decode logits", golden.decode_logits, decode, W4A8_VS_ORACLE)
+    assert_rel("prompt logits", golden.prompt_logits, prompt, W4A8_NOISE)
+    assert_rel("decode logits", golden.decode_logits, decode, W4A8_NOISE)
     # The 4-bit error must be there at all: without it the weights were not quantised.
     assert rel_error(golden.prompt_logits, prompt) > 1e-3, "4-bit weights yet fp32 accuracy?"
 
 
-def test_w4a8_is_near_the_live_oracle(live_oracle, hf_init_w4a8):
+def test_w4a8_quantisation_noise_against_the_live_oracle(live_oracle, hf_init_w4a8):
     live = live_oracle(tiny.HF_INIT, "fused")
     prompt, decode = run_forced_from(hf_init_w4a8, live.tokens)
-    assert_rel("prompt logits", live.prompt_logits, prompt, W4A8_VS_ORACLE)
-    assert_rel("decode logits", live.decode_logits, decode, W4A8_VS_ORACLE)
+    assert_rel("prompt logits", live.prompt_logits, prompt, W4A8_NOISE)
+    assert_rel("decode logits", live.decode_logits, decode, W4A8_NOISE)
 
 
 def run_forced_from(hf_init_w4a8, tokens):
@@ -163,6 +178,56 @@ def run_forced_from(hf_init_w4a8, tokens):
     np.testing.assert_array_equal(tokens, oracle.golden(tiny.HF_INIT).tokens,
                                   "transformers' greedy tokens moved: regenerate the golden files")
     return hf_init_w4a8[1]["fused"]
+
+
+@pytest.fixture(scope="module")
+def sensitive_w4a8(converted):
+    """SENSITIVE's W4A8 model: the converted weights are the checkpoint's, bit for bit."""
+    return load_model(converted(tiny.SENSITIVE))[1]
+
+
+def assert_matches_w4a8_oracle(model, expected: oracle.Outputs):
+    prompt, decode = run_forced(model, expected.tokens)
+    assert_rel_but_flips("prompt logits", expected.prompt_logits, prompt, W4A8_VS_W4A8_ORACLE,
+                         W4A8_FLIP)
+    assert_rel("decode logits", expected.decode_logits, decode, W4A8_FLIP)
+
+
+def test_w4a8_matches_the_w4a8_oracle(sensitive_w4a8):
+    assert_matches_w4a8_oracle(sensitive_w4a8, oracle.golden(tiny.SENSITIVE, w4a8=True))
+
+
+def test_w4a8_matches_the_live_w4a8_oracle(sensitive_w4a8, tiny_dir):
+    if not oracle.has_transformers():
+        pytest.skip("torch and transformers >= 5.24 are not importable: goldens stand in")
+    assert_matches_w4a8_oracle(sensitive_w4a8,
+                               oracle.live(tiny_dir(tiny.SENSITIVE), w4a8=True))
+
+
+def test_sensitive_weights_convert_losslessly(converted, tiny_dir):
+    """On the grid, the converter stores the checkpoint's values exactly: the W4A8 oracle runs
+    on the weights the engine runs on."""
+    from fermijit.model.config import load_config
+    from fermijit.model.reference import dense
+    from fermijit.model.safetensors_io import Checkpoint
+    from fermijit.model.weights import load_text_weights
+
+    cfg, quantised, _ = convert.load_converted(converted(tiny.SENSITIVE))
+    src = tiny_dir(tiny.SENSITIVE)
+    fp32 = load_text_weights(load_config(src).text_config, Checkpoint(src), np.float32)
+    for a, b in zip(leaves(quantised), leaves(fp32)):
+        np.testing.assert_array_equal(dense(a), dense(b))
+
+
+def leaves(tree):
+    if dataclasses.is_dataclass(tree) and not hasattr(tree, "qs"):
+        for f in dataclasses.fields(tree):
+            yield from leaves(getattr(tree, f.name))
+    elif isinstance(tree, tuple):
+        for t in tree:
+            yield from leaves(t)
+    else:
+        yield tree
 
 
 # --- (c) state: prefill(n) + decode(m) == prefill(n + m), across a snapshot ----------------------

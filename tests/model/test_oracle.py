@@ -17,9 +17,10 @@ from tests.model import oracle, tiny
 from tests.model.conftest import LAYOUTS
 from tests.model.oracle import PROMPT, assert_rel
 
-# Issue 3 (a): max|diff| / max|ref| <= 1e-4. transformers runs fp32 with the chunked GDN prefill,
-# which MODEL.md §8 measured at 1.5e-5 from the recurrent form; measured here: ~2e-6.
-ORACLE_REL = 1e-4
+# max|diff| / max|ref| (issue 3 (a) asked 1e-4; issue 12: from the error measured). transformers
+# runs fp32 with the chunked GDN prefill, which MODEL.md §8 measured at 1.5e-5 from the recurrent
+# form on the real model; measured here: ~2e-6 (UNIT, HF_INIT, SENSITIVE).
+ORACLE_REL = 2e-5
 # The same transformers on another machine or torch build: only fp32 summation order differs.
 GOLDEN_REL = 1e-5
 # float64 against float64 with a different grouping of the same sums.

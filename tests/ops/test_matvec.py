@@ -13,9 +13,12 @@ ISAS = [i for i in cpu.variants_up_to(cpu.selected_isa())]
 # multiply-add per block and of the final horizontal sum: a few ulps of the row's scale.
 RTOL = 1e-5
 # (rows, K, tokens): ragged rows (tails of the 4-row tile), K whose block count is not a whole
-# step for any ISA (tail blocks), and the GEMM's token tail.
+# step for any ISA (tail blocks; K384, K736 and K800 leave whole half-width and SSE steps after
+# the wide ones), and
+# the GEMM's token tail.
 SHAPES = {"R1-K32-T1": (1, 32, 1), "R5-K96-T1": (5, 96, 1), "R8-K512-T1": (8, 512, 1),
-          "R33-K1056-T1": (33, 1056, 1), "R7-K544-T5": (7, 544, 5), "R12-K2048-T9": (12, 2048, 9)}
+          "R33-K1056-T1": (33, 1056, 1), "R7-K544-T5": (7, 544, 5), "R12-K2048-T9": (12, 2048, 9),
+          "R9-K384-T6": (9, 384, 6), "R3-K736-T1": (3, 736, 1), "R4-K800-T3": (4, 800, 3)}
 
 
 def _weights(rng, rows, k):
@@ -103,6 +106,37 @@ def test_gathered_matches_reference(rng, isa, per_item, n_shared):
     matvec.gathered_cpu(qs, d, idx, x, out=out, shared=shared, isa=isa)
     expected = matvec.gathered_reference(qs, d, idx, x, shared=shared)
     assert_close("gathered", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("counts", [[5, 0, 9, 1, 0, 3], [0, 0, 0, 0, 0, 2], [1, 1, 1, 1, 1, 1]],
+                         ids=["ragged", "one-expert", "one-each"])
+def test_grouped_matches_reference(rng, isa, counts):
+    """Tokens grouped by expert, some experts empty, runs not whole token tiles; rows not whole
+    row tiles (37)."""
+    n_experts, rows, k = len(counts), 37, 416
+    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    x = rng.standard_normal((offsets[-1], k)).astype(np.float32)
+    out = poisoned((offsets[-1], rows))
+    assert matvec.grouped_cpu(qs, d, offsets, x, out=out, isa=isa) is out
+    expected = matvec.grouped_reference(qs, d, offsets, x)
+    assert_close("grouped", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+def test_grouped_bad_inputs(rng):
+    qs, d = _weights(rng, 8, 64)
+    qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    for bad in ([0, 2, 2], [1, 2, 3], [0, 3, 2], [0, 1]):
+        with pytest.raises(FermijitError, match="offsets"):
+            matvec.grouped_cpu(qs, d, np.array(bad, np.int64), x)
+    with pytest.raises(FermijitError, match="offsets has dtype int32"):
+        matvec.grouped_cpu(qs, d, np.array([0, 1, 3], np.int32), x)
+    with pytest.raises(FermijitError, match="inconsistent"):
+        matvec.grouped(qs, d.view(np.uint16), np.array([0, 1, 3], np.int64),
+                       matvec.quantize_act(x), np.empty((3, 5), np.float32))
 
 
 def test_read_only_inputs_are_accepted(rng):
@@ -203,3 +237,39 @@ def test_prepared_product_bad_inputs(rng):
         with pytest.raises(FermijitError, match="laid out for"):
             matvec.product(w, matvec.quantize_act(np.zeros(64, np.float32), ISAS[-1]),
                            np.empty(4, np.float32), isa=ISAS[0])
+
+
+# Issue 12, item 9: every ISA variant, those this CPU cannot run reported as skipped.
+ALL_ISAS = list(cpu.Isa)
+EXTREMES = {"w=-8, x=+127": (0, 127), "w=-8, x=-127": (0, -127), "w=+7, x=+127": (15, 127),
+            "w=+7, x=-127": (15, -127), "alternating": (None, None)}
+
+
+@pytest.mark.parametrize("case", EXTREMES)
+@pytest.mark.parametrize("isa", ALL_ISAS, ids=[i.label for i in ALL_ISAS])
+def test_extreme_inputs_do_not_saturate(isa, case):
+    """Nibbles all 0 or all 15 (weights -8 or +7) against activations all +-127, scales 1: each
+    output is an exact integer (|y| up to 8·127·K), which the 16-bit pmaddubsw stage and the
+    32-bit sums must carry without saturating, in the GEMV and in every GEMM tile position."""
+    if not cpu.supported(isa):
+        pytest.skip(f"{isa.label}: this CPU (or Numba's target) lacks "
+                    f"{', '.join(f for f in isa.features if f not in cpu.host_features())}")
+    rows, k, n_tok = 7, 2080, 5                      # row and token tails; 65 blocks: a tail block
+    nib, x_val = EXTREMES[case]
+    if nib is None:                                  # a row of each, against alternating signs
+        q = np.tile(np.array([0, 15], np.uint8).repeat(k // 2), (rows, 1))
+        x = np.tile(np.array([127, -127], np.float32), (n_tok, k // 2))
+        x[1::2] *= -1
+    else:
+        q = np.full((rows, k), nib, np.uint8)
+        x = np.full((n_tok, k), x_val, np.float32)
+    qb = q.reshape(rows, -1, 32)
+    qs = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(rows, k // 2)
+    d = np.ones((rows, k // 32), np.float16)
+    exact = (x.astype(np.int64) @ (q.astype(np.int64) - 8).T).astype(np.float32)   # [T, R]
+    for xs, expected in ((x[0], exact[0]), (x, exact)):
+        out = poisoned(expected.shape)
+        np.testing.assert_array_equal(matvec.cpu(qs, d, xs, out=out, isa=isa), expected)
+    q8 = np.where(q == 0, -128, 127).astype(np.int8)  # Q8_0's extremes, through the sign trick
+    exact8 = (x.astype(np.int64) @ q8.astype(np.int64).T).astype(np.float32)
+    np.testing.assert_array_equal(matvec.q8_cpu(q8, d, x, isa=isa), exact8)

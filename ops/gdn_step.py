@@ -1,0 +1,72 @@
+"""One decode token of the Gated DeltaNet mixer between its projections (MODEL.md §6.2-6.8), as
+one call: causal conv + SiLU over the mixed channels, the split into q | k | v, the L2 norms, the
+gates, the delta-rule step, the gated RMSNorm, and the output quantised for out_proj.
+
+Every stage is an existing op's kernel (ops.conv1d, l2norm, gated_delta, rmsnorm, matvec's
+activation quantiser), called in the same order from one compiled function, so the result is the
+ops' one by one, bit for bit (tests/ops/test_gdn_step.py), and decode pays one dispatch and one
+set of argument checks a layer instead of nine: ~60 us of Python per GDN layer on the default
+model's profile (`bench decode --profile`), ~2 ms a token on the 30 GDN layers of the real model.
+
+Letters: C conv channels (q Hk·dk | k Hk·dk | v Hv·dv), Kc taps, Hk/Hv key/value heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fermijit.jit.cpu import kernel
+from fermijit.ops import conv1d, gated_delta, l2norm, matvec, rmsnorm
+from fermijit.ops.matvec import Q8Act
+
+
+def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, state):
+    """The stages' references in order -> (o [1, Hv, dv] fp32, new conv state, new state); the
+    inputs are left untouched. mixed [1, C], z [1, Hv, dv], a/b [1, Hv]."""
+    Hv, dk, dv = state.shape
+    c, new_conv = conv1d.reference(mixed, conv_w, conv_state)
+    nk = (c.shape[1] - Hv * dv) // 2
+    q = l2norm.reference(c[:, :nk].reshape(1, -1, dk), l2_eps, 1 / np.sqrt(dk))
+    k = l2norm.reference(c[:, nk:2 * nk].reshape(1, -1, dk), l2_eps)
+    v = c[:, 2 * nk:].reshape(1, Hv, dv)
+    g, beta = gated_delta.gates_reference(a, b, A_log, dt_bias)
+    o, new_state = gated_delta.reference(q, k, v, g, beta, state)
+    return rmsnorm.gated_reference(o, z, norm_w, eps), new_conv, new_state
+
+
+@kernel
+def _step(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, q_scale,
+          recurrent, q, k, v, g, beta, o, xq, dx, xsum8, lanes, step_blocks, half_lanes):
+    conv1d._conv_step(mixed, conv_w, conv_state, mixed)
+    Hk, dk = q.shape[1], q.shape[2]
+    nk = Hk * dk
+    for i in range(nk):
+        q[0, i // dk, i % dk] = mixed[0, i]
+        k[0, i // dk, i % dk] = mixed[0, nk + i]
+    Hv, dv = v.shape[1], v.shape[2]
+    for i in range(Hv * dv):
+        v[0, i // dv, i % dv] = mixed[0, 2 * nk + i]
+    q2, k2 = q.reshape(Hk, dk), k.reshape(Hk, dk)
+    l2norm._l2norm_serial(q2, l2_eps, q_scale, q2)
+    l2norm._l2norm_serial(k2, l2_eps, 1.0, k2)
+    gated_delta._gates(a, b, A_log, dt_bias, g, beta)
+    gated_delta._recurrent(q, k, v, g, beta, recurrent, o)
+    o2, z2 = o.reshape(Hv, dv), z.reshape(Hv, dv)
+    rmsnorm._gated_serial(o2, z2, norm_w, eps, o2)
+    matvec._quantize_act_kernel(o.reshape(1, Hv * dv), xq, dx, xsum8, lanes, step_blocks,
+                                half_lanes)
+
+
+def cpu(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, recurrent,
+        q, k, v, g, beta, o, act: Q8Act) -> Q8Act:
+    """`reference` for decode, into preallocated buffers: o [1, Hv, dv] and its quantisation
+    `act` (a Q8Act of [1, Hv·dv]); conv_state and recurrent updated in place, mixed overwritten
+    (the conv's output). q, k [1, Hk, dk], v [1, Hv, dv], g, beta [1, Hv] are scratch. The
+    caller (model/forward.py's decode) made every buffer once, of the right shapes and dtypes:
+    only the kernel's signature checks them here."""
+    v_ = act.vec
+    half = matvec.simd.HALF_OF.get(v_.isa)
+    _step(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, float(eps), float(l2_eps),
+          float(1 / np.sqrt(q.shape[2])), recurrent, q, k, v, g, beta, o, act.xq, act.dx,
+          act.xsum8, v_.lanes, matvec.blocks_per_step(v_), half.lanes if half else 0)
+    return act
