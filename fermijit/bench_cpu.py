@@ -8,6 +8,7 @@ Everything is measured in one run and reported as ratios, because this class of 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import subprocess
 import sys
@@ -191,7 +192,19 @@ def _westmere_rows(n_threads: int, gib: float) -> list[Row]:
     return [row for row in rows if row.what.startswith("gemv")]
 
 
+# The bandwidth probe, the huge-page probe and a cold set are live at once.
+SETS_AT_ONCE = 3
+
+
 def run(as_json: bool, n_threads: int | None, gib: float) -> None:
+    from fermijit.model.state import available_nbytes
+
+    if not math.isfinite(gib):
+        raise FermijitError(f"--gib must be a finite number, got {gib}")
+    available = available_nbytes()
+    if SETS_AT_ONCE * gib * 2**30 > available:
+        raise FermijitError(f"--gib {gib:g} needs about {SETS_AT_ONCE * gib:g} GiB of memory, "
+                            f"{available / 2**30:.1f} GiB is available")
     n_all = cpu.configure_threads(n_threads)
     threads_list = sorted({1, n_all})
     nbytes = int(gib * 2 ** 30)

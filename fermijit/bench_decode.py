@@ -46,6 +46,14 @@ def memory_now() -> dict[str, int]:
     return out
 
 
+def page_ins() -> tuple[int, int]:
+    """(major page faults, bytes read from storage) of this process so far: what re-reading
+    evicted weight pages costs (/proc/self/stat field 12, /proc/self/io read_bytes)."""
+    majflt = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return majflt, int(io.get("read_bytes", 0))
+
+
 class MemoryWatch:
     """The largest anonymous and file-backed residency seen at the samples taken (the kernel
     keeps a peak only of their sum, VmHWM)."""
@@ -219,16 +227,19 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     bw_before = read_bandwidth_gbs()
     memory.sample()
 
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     _, model = load_model(model_dir)
     load_s = time.perf_counter() - start
+    load_cpu_s = time.process_time() - cpu0
     memory.sample()
     n_prompt, n_tokens = report["prompt_tokens"], report["decode_tokens"]
     if n_prompt + n_tokens + 1 + PROFILE_TOKENS > model.max_context:
         raise FermijitError(f"prompt plus tokens exceed the context of {model.max_context}")
     prompt = np.random.default_rng(0).integers(0, model.vocab_size, n_prompt).astype(np.int32)
     _progress(f"loaded in {load_s:.2f} s; warming up")
+    cpu0 = time.process_time()
     warm_s = engine.warm_up(model, prompt, n_prefill=min(WARM_UP_PREFILL, n_prompt))
+    warm_cpu_s = time.process_time() - cpu0
     memory.sample()
 
     _progress(f"prefill of {n_prompt} tokens")
@@ -239,11 +250,13 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     memory.sample()
 
     _progress(f"decode of {n_tokens} tokens")
-    times = []
+    times, cpu0, faults0 = [], time.process_time(), page_ins()
     for _ in range(n_tokens):
         start = time.perf_counter()
         token = int(np.argmax(model.decode(token, state)))
         times.append(time.perf_counter() - start)
+    decode_cpu_s = time.process_time() - cpu0
+    faults = [b - a for a, b in zip(faults0, page_ins())]
     memory.sample()
     peak = memory_now()["peak"]  # before anything else is allocated
 
@@ -269,7 +282,10 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     file_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     report.update({
         "model": str(model_dir), "model_file_bytes": file_bytes,
-        "load_s": load_s, "warm_up_s": warm_s, "ready_to_decode_s": load_s + warm_s,
+        # CPU seconds of the process (all threads): on a shared machine the wall times include
+        # waiting for a core; these do not.
+        "load_s": load_s, "load_cpu_s": load_cpu_s, "warm_up_s": warm_s,
+        "warm_up_cpu_s": warm_cpu_s, "decode_cpu_s": decode_cpu_s, "ready_to_decode_s": load_s + warm_s,
         "first_token_s": load_s + warm_s + prefill_s,
         "prefill_s": prefill_s, "prefill_tok_s": n_prompt / prefill_s,
         "prefill_gflops": prefill_gflops, "gemm_gflops": gemm,
@@ -279,6 +295,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         "experts_selected_per_layer": selected,
         "read_gbs": bw, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
         "decode_gbs": bytes_.total * tok_s / 1e9,
+        "decode_major_faults": faults[0], "decode_read_bytes": faults[1],
         "peak_rss": peak, "peak_anon": memory.anon, "peak_file": memory.file,
         "profile": profile_rows,
     })
@@ -300,8 +317,8 @@ def format_report(r: dict) -> str:
                      f"({s['bytes'] / gb / s['build_s']:.2f} GB/s)")
     lines += [
         f"cpu {r['cpu']}, isa {r['isa']}, {r['threads']} threads",
-        f"{'load':<28} {r['load_s']:9.2f} s",
-        f"{'kernel warm-up':<28} {r['warm_up_s']:9.2f} s",
+        f"{'load':<28} {r['load_s']:9.2f} s  (CPU {r['load_cpu_s']:.2f} s)",
+        f"{'kernel warm-up':<28} {r['warm_up_s']:9.2f} s  (CPU {r['warm_up_cpu_s']:.2f} s)",
         f"{'ready to decode':<28} {r['ready_to_decode_s']:9.2f} s",
         f"{'load to first token':<28} {r['first_token_s']:9.2f} s  (prefill included)",
         f"{'prefill':<28} {r['prefill_tok_s']:9.2f} tok/s  ({r['prompt_tokens']} tokens, "
@@ -311,7 +328,7 @@ def format_report(r: dict) -> str:
         f"(T x R x K {g['expert_shape']})",
         f"{'  prefill of GEMM':<28} {100 * r['prefill_of_gemm']:9.1f} %",
         f"{'decode':<28} {r['decode_tok_s']:9.2f} tok/s  ({r['decode_tokens']} tokens, median "
-        f"{r['decode_token_ms_median']:.1f} ms)",
+        f"{r['decode_token_ms_median']:.1f} ms; CPU {r['decode_cpu_s']:.2f} s)",
         f"{'weight bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
         f"experts {b['experts'] / gb:.3f}, lm head {b['lm_head'] / gb:.3f}, embedding row "
         f"{b['embedding']} B)",
@@ -319,6 +336,8 @@ def format_report(r: dict) -> str:
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",
         f"{'decode of ceiling':<28} {100 * r['of_ceiling']:9.1f} %",
+        f"{'decode page-ins':<28} {r['decode_major_faults']:9d}     "
+        f"({r['decode_read_bytes'] / gb:.2f} GB read from storage)",
         f"{'peak RSS':<28} {r['peak_rss'] / gib:9.2f} GiB  (anonymous {r['peak_anon'] / gib:.2f}, "
         f"file-backed {r['peak_file'] / gib:.2f})",
     ]

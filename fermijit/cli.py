@@ -4,6 +4,7 @@ engine function and print; heavy imports (numba, pycuda, the model) happen insid
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,29 @@ import click
 from fermijit import FermijitError
 
 ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
+
+
+class ByteSize(click.ParamType):
+    """A number of bytes: 1000000, 512K, 64M, 2G (powers of 1024)."""
+
+    name = "size"
+    UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B").removesuffix("I")
+        number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
+        try:
+            n = float(number)
+        except ValueError:
+            n = -1.0
+        if not n >= 0:
+            self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
+        return int(n * self.UNITS[unit])
+
+
+SIZE = ByteSize()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,9 +49,23 @@ def cli(isa: str | None) -> None:
     cpu.select_isa(isa)
 
 
+def _select_numa(ctx, param, value):
+    from fermijit import numa
+
+    numa.select(value)
+    return value
+
+
+numa_option = click.option(
+    "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
+    callback=_select_numa, expose_value=False,
+    help="NUMA placement of the weight pages (default: interleave where there are several "
+         "nodes, else off).")
+
+
 @cli.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
 def info(threads: int | None) -> None:
     """CPU, SIMD features, kernel variants, threading, GPU and ptxas availability."""
     from fermijit import machine
@@ -44,7 +82,7 @@ def bench() -> None:
 @bench.command("kernels")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads for the all-threads columns (default: all cores).")
+              help="Numba threads for the all-threads columns (default: the physical cores).")
 @click.option("--gib", type=click.FloatRange(min=0.0625), default=1.0, show_default=True,
               help="Size of each cold weight set and of the bandwidth probe, in GiB.")
 def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
@@ -52,6 +90,22 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     from fermijit import bench_cpu
 
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
+
+
+@bench.command("isa")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (a full-size synthetic one: `synth`).")
+@click.option("--tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Prompt tokens through the whole model.")
+@click.option("--layer-tokens", type=click.IntRange(min=2), default=8, show_default=True,
+              help="Tokens through the single layers in the prefill kernels' row.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) -> None:
+    """How far apart the ISA variants' outputs are: one layer of each kind against the float64
+    reference, and the whole model's logits, with a 1e-7 perturbation for scale."""
+    from fermijit import bench_isa as isa_bench
+
+    isa_bench.run(model_dir, tokens, layer_tokens, as_json)
 
 
 @bench.command("decode")
@@ -66,6 +120,7 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
               help="Greedy tokens to decode.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
+@numa_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
@@ -91,6 +146,103 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
 
+@bench.command("prune")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 calibration text.")
+@click.option("--heldout", "heldout_path",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="UTF-8 text to score, disjoint from --text.")
+@click.option("--keep", "keeps", type=click.IntRange(min=1), multiple=True,
+              help="Experts kept per layer (repeat for several counts).")
+@click.option("--ratio", "ratios", type=float, multiple=True,
+              help="Fraction of the experts pruned per layer, as well as or instead of --keep "
+                   "(repeat for several).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per calibration window.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Calibrate on at most this many tokens, spread over the text.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the random pruning.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
+                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int,
+                max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
+    """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
+    at random to the same expert count, next to the full model's."""
+    from fermijit import bench_prune as bench_prune_module
+    from fermijit import engine
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bench_prune_module.run(model_dir or engine.DEFAULT_MODEL, text_path, heldout_path, keeps,
+                           ratios, context, max_tokens, seed, as_json)
+
+
+@bench.command("cache")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory (default: the embedded model).")
+@click.option("--tokens", type=click.IntRange(min=2), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot interval (default: the cache's, 256).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Repetitions (cases interleaved); the median is shown.")
+@click.option("--sweep", is_flag=True, help="Also time cold+snap and branched per snapshot "
+                                            "interval (64, 128, 256, 512).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None, repeat: int,
+                sweep: bool, threads: int | None, as_json: bool) -> None:
+    """Snapshot prefix cache: a prompt cold, repeated, extended by 32 tokens and branched at a
+    random point; time, speed-up against cold, snapshot bytes and count."""
+    from fermijit import bench_cache as bc
+    from fermijit import engine, prefix_cache
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bc.run(model_dir or engine.DEFAULT_MODEL, tokens,
+           snapshot_every or prefix_cache.SNAPSHOT_EVERY, repeat, sweep, as_json)
+
+
+@bench.command("prefill")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", default=None,
+              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
+                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@click.option("--tokens", type=click.IntRange(min=1), default=947, show_default=True,
+              help="Prompt tokens (random ids).")
+@click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
+                                              "512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--verbose", is_flag=True, help="Per-layer copy/compute/overlap and the profile.")
+@click.option("--project", "projection", type=click.Choice(["c2075"]), default=None,
+              help="Project the run onto this GPU (the cost model is printed).")
+@click.option("--sweep", default=None, help="Instead: CPU vs GPU prefill time at these prompt "
+                                            "lengths, e.g. 8,32,128 (the auto threshold).")
+def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
+                  gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
+                  projection: str | None, sweep: str | None) -> None:
+    """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
+    pageable expert streaming (GPU)."""
+    from fermijit import bench_prefill as bp
+
+    if sweep is not None:
+        try:
+            lengths = [int(n) for n in sweep.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"--sweep takes lengths like 8,32,128, got {sweep!r}")
+        bp.sweep(model_dir, synthetic, lengths)
+        return
+    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
@@ -114,12 +266,51 @@ def kernels_check(ptxas: Path | None, as_json: bool) -> None:
 @click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default="q8_0", show_default=True,
               help="Quantisation of the output head, the matrix most sensitive to error.")
 def convert(src: Path, dst: Path, lm_head: str) -> None:
-    """Convert the HF checkpoint directory SRC into a 4-bit fermijit model directory DST."""
+    """Convert SRC, an HF checkpoint directory or a GGUF file (llama.cpp's qwen35moe), into a
+    4-bit fermijit model directory DST."""
     # SRC is checked by the converter, not click.Path(exists=True): a usage error is 3 lines.
     from fermijit.model import convert as converter
 
     manifest = converter.convert(src, dst, lm_head=lm_head)
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 calibration text (keep it apart from any text you "
+                                  "evaluate on).")
+@click.option("--keep", type=click.IntRange(min=1), default=None,
+              help="Experts kept per layer.")
+@click.option("--ratio", type=float, default=None,
+              help="Fraction of the experts pruned per layer, instead of --keep (0.5: half).")
+@click.option("--criterion", type=click.Choice(["reap", "frequency", "random"]), default="reap",
+              show_default=True, help="What ranks the experts: REAP saliency, the count of "
+                                      "tokens routed, or a seeded random order (baselines).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per calibration window, each run from a fresh state.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Calibrate on at most this many tokens, in windows spread over the text "
+                   "(default: all of it).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of --criterion random.")
+@click.option("--calibrate-with", type=click.Path(path_type=Path), default=None,
+              help="Run calibration on this model instead of SRC (e.g. the 4-bit conversion "
+                   "of an HF checkpoint too big to run in fp32); same layers and experts.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
+          criterion: str, context: int, max_tokens: int | None, seed: int,
+          calibrate_with: Path | None, threads: int | None) -> None:
+    """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
+    same kind; calibration runs the engine over --text."""
+    from fermijit.jit import cpu
+    from fermijit.model import prune as pruner
+
+    cpu.configure_threads(threads)
+    pruner.run(src, dst, text_path, keep, ratio, context, max_tokens, criterion, seed,
+               calibrate_with)
 
 
 @cli.command()
@@ -138,11 +329,26 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 
 
 @cli.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory (from `convert`).")
+def verify(model_dir: Path) -> None:
+    """Check every tensor of a fermijit model against the checksum `convert` recorded (a
+    progress bar on stderr); exit 2 naming the first damaged tensor. Loading checks only the
+    manifest and the smallest tensors."""
+    from fermijit.model import manifest
+
+    n_tensors, nbytes = manifest.verify(model_dir)
+    click.echo(f"{model_dir}: {n_tensors} tensors, {nbytes / 2**20:.1f} MiB, all match their "
+               f"checksums")
+
+
+@cli.command()
 @click.argument("prompt", required=False)
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory (from `convert`), or an HF checkpoint directory "
-                   "(run unquantised in fp32, for reference runs). Default: the embedded model "
-                   "(fermijit/default_model, trained on the Python docs).")
+              help="A fermijit model directory (from `convert`), a GGUF file (converted once into "
+                   "the cache: $FERMIJIT_CACHE, else ~/.cache/fermijit), or an HF checkpoint "
+                   "directory (run unquantised in fp32, for reference runs). Default: the "
+                   "embedded model (fermijit/default_model, trained on the Python docs).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Most tokens to generate.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=None,
@@ -155,31 +361,65 @@ def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the sampler.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
               help="Context length (default: prompt + max tokens, at most "
                    "max_position_embeddings).")
+@numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
+@click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
+                                               "cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="FERMIJIT_CACHE_DIR",
+              help="Keep prompt snapshots in this directory too, so later runs (and other "
+                   "processes) resume from them (env FERMIJIT_CACHE_DIR; never pruned).")
+@click.option("--cache-mem", type=SIZE, default=None,
+              help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
+@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+              help="Snapshot the state every this many prompt tokens (default: 256).")
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
-             context: int | None, chat: bool) -> None:
+             context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
+             cache_mem: int | None, snapshot_every: int | None, prefill: str,
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
-    of timings to stderr."""
-    from fermijit import engine
+    of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
+    (in this process, or in --cache-dir)."""
+    from fermijit import engine, prefix_cache
     from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed, context=context, is_chat=chat)
-    engine.run(model_dir or engine.DEFAULT_MODEL, sys.stdin.read() if prompt is None else prompt,
-               settings)
+                               top_p=top_p, seed=seed, context=context, is_chat=chat,
+                               prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
+                               verbose=verbose)
+    cache = prefix_cache.CacheSettings(
+        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+    from fermijit.model import files
+
+    text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
+            else files.check_text(prompt, "the prompt"))
+    engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
+               cache_settings=cache)
 
 
 @cli.command("eval")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory (run W4A8) or an HF checkpoint directory (fp32). "
-                   "Default: the embedded model.")
+              help="A fermijit model directory (run W4A8), a GGUF file (converted once into the "
+                   "cache, then W4A8) or an HF checkpoint directory (fp32). Default: the "
+                   "embedded model.")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               required=True, help="UTF-8 text file to score.")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
@@ -187,28 +427,75 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                    "max_position_embeddings).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+              help="Numba threads (default: the physical cores).")
+@numa_option
+@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
+              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
+                                      "from host memory; auto takes the GPU for long prompts.")
+@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
+                                              "(default: free memory less 512 MiB).")
+@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
+                                                 "e.g. 16G (default: half the RAM); past it a "
+                                                 "staging ring.")
+@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
-                 threads: int | None) -> None:
+                 threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+                 verbose: bool) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
     from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
-    evaluate.run(model_dir or engine.DEFAULT_MODEL, text_path, context, as_json)
+    evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
+                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
+
+
+def _open_missing_streams() -> None:
+    """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
+    diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
+    /dev/null instead."""
+    for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode))
+
+
+def _fail(message: str) -> None:
+    # The first line only: a library message is one line, an OS or click one may not be.
+    try:
+        print(f"Error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr,
+              flush=True)
+    except OSError:
+        pass
+    try:
+        sys.stdout.flush()
+    except OSError:
+        # stdout is unwritable (/dev/full, a closed pipe): point it at /dev/null, so the
+        # interpreter's flush at exit neither fails nor prints a second error.
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    sys.exit(2)
 
 
 def main() -> None:
+    _open_missing_streams()
     try:
         cli.main(standalone_mode=False)
+        sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(1)
     except click.ClickException as e:
         # One line for every command, usage errors included (bad input: one line, exit 2).
-        click.echo(f"Error: {e.format_message()}", err=True)
-        sys.exit(2)
+        _fail(e.format_message())
     except FermijitError as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(2)
+        _fail(str(e))
+    except OSError as e:
+        # What the library does not name itself: stdout full (/dev/full) or closed, a disk
+        # that fails under a read. One line, as any bad environment.
+        where = f": {e.filename}" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}")
+    except MemoryError:
+        _fail("out of memory")

@@ -1,13 +1,20 @@
 """The generate loop (DESIGN.md, Data flow of `generate`): tokenize, prefill the prompt, decode
 one token at a time, sample, detokenise and stream; timings and peak memory on the side.
 
-`generate` is the loop on token ids, for any caller; `run` is what `python -m fermijit generate`
-calls: load the model and tokenizer, settle the settings, stream text to stdout and the summary
-to stderr. Prefill runs on the CPU (the GPU path and the snapshot prefix cache come later).
+`generate` is the loop on token ids; `Engine` holds a model, its tokenizer's end ids and sampling
+defaults and its snapshot prefix cache (fermijit/prefix_cache.py), and is what any caller uses
+(`Engine.generate(prompt_ids, settings, on_token)`); `run` is what `python -m fermijit generate`
+calls: load an Engine, settle the settings, stream text to stdout and the summary to stderr.
+With a cache, the prompt resumes from its longest cached prefix and only the rest is prefilled;
+snapshots are taken every `snapshot_every` positions of the prefill, at the end of the prompt
+and at the end of the generation. The prompt is prefilled by a `hybrid` prefiller chosen
+once (`--prefill cpu|gpu|auto`: the GPU with experts streamed from host memory, or the CPU);
+decode runs on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import resource
@@ -48,11 +55,16 @@ class Settings:
     seed: int = 0
     context: int | None = None
     is_chat: bool = False
+    prefill: str = "cpu"          # --prefill cpu|gpu|auto (fermijit/hybrid.py)
+    gpu_mem: str | None = None    # --gpu-mem, e.g. "6G" (default: free less a margin)
+    pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
+    verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
 
 
 @dataclasses.dataclass
 class Stats:
     n_prompt: int = 0
+    n_cached: int | None = None  # prompt tokens restored from the cache; None without one
     prefill_s: float = 0.0
     n_generated: int = 0        # tokens streamed (the eos that stops is not one)
     n_decode_steps: int = 0     # forwards of one token
@@ -61,15 +73,20 @@ class Stats:
 
     @property
     def prefill_tok_per_s(self) -> float:
-        return self.n_prompt / self.prefill_s if self.prefill_s else float("nan")
+        """Tokens prefilled (not restored from the cache) per second."""
+        n_prefilled = self.n_prompt - (self.n_cached or 0)
+        return n_prefilled / self.prefill_s if self.prefill_s else float("nan")
 
     @property
     def decode_tok_per_s(self) -> float:
         return self.n_decode_steps / self.decode_s if self.decode_s else float("nan")
 
     def summary(self) -> str:
-        return (f"prompt {self.n_prompt} tokens; prefill {self.prefill_s:.3f} s "
-                f"({self.prefill_tok_per_s:.1f} tok/s); generated {self.n_generated} tokens, "
+        cached = "" if self.n_cached is None else f" ({self.n_cached} from the cache)"
+        rate = (f"{self.prefill_tok_per_s:.1f} tok/s" if self.n_cached != self.n_prompt
+                else "restored")
+        return (f"prompt {self.n_prompt} tokens{cached}; prefill {self.prefill_s:.3f} s "
+                f"({rate}); generated {self.n_generated} tokens, "
                 f"decode {self.decode_tok_per_s:.1f} tok/s ({self.stop.value}); "
                 f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
 
@@ -80,24 +97,18 @@ def peak_rss_bytes() -> int:
 
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
              eos_ids: frozenset[int], on_token: Callable[[int], None],
-             progress_to=None) -> tuple[list[int], Stats]:
-    """Prefill `prompt`, then sample and decode until an eos id, `max_tokens` or the end of the
-    context; `on_token` gets each generated token as it is made. Returns (tokens, stats). With
-    `progress_to` (a text stream), a prompt of several prefill passes shows a progress bar there."""
-    from fermijit.model.forward import PREFILL_BLOCK
-
+             progress_to=None, cache=None, prefiller=None) -> tuple[list[int], Stats]:
+    """Prefill `prompt` (through `prefiller`, default the CPU's), then sample and decode until an
+    eos id, `max_tokens` or the end of the context; `on_token` gets each generated token as it is
+    made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
+    passes shows a progress bar there. With `cache` (a prefix_cache.PrefixCache of this model),
+    the prompt resumes from its longest cached prefix, and the state is snapshotted on the way
+    and at the end."""
+    prompt = np.asarray(prompt, np.int32)
     stats = Stats(n_prompt=int(prompt.size))
-    state = model.new_state(context)
     start = time.perf_counter()
-    bar = None
-    if progress_to is not None and prompt.size > PREFILL_BLOCK:
-        bar = tqdm(total=int(prompt.size), desc="prefill", unit="tok", file=progress_to,
-                   leave=False)
-    try:
-        logits = model.prefill(prompt, state, on_block=None if bar is None else bar.update)
-    finally:
-        if bar is not None:
-            bar.close()
+    state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
+    stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
     tokens: list[int] = []
@@ -114,11 +125,69 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
         if state.position == context:
             stats.stop = Stop.CONTEXT
             break
-        token = sampler.sample(model.decode(token, state))
+        logits = model.decode(token, state)
+        token = sampler.sample(logits)
         stats.n_decode_steps += 1
     stats.decode_s = time.perf_counter() - start
     stats.n_generated = len(tokens)
+    if cache is not None and state.position > prompt.size:  # what was fed: the prompt and answer
+        fed = np.concatenate([prompt, np.asarray(tokens[:state.position - prompt.size],
+                                                 np.int32)])
+        cache.add(fed, state, logits)
     return tokens, stats
+
+
+def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None,
+            prefiller=None):
+    """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
+    `context`, the logits after it, and how many of its tokens were restored from `cache` (the
+    longest cached prefix; the rest is prefilled by `prefiller`, default the CPU's, snapshotted
+    on the way and at the end)."""
+    prompt = np.asarray(prompt, np.int32)
+    state, logits = (None, None) if cache is None else cache.restore(prompt, context)
+    if state is None:
+        state = model.new_state(context)
+    n_cached = state.position
+    if logits is None:
+        logits = _prefill_rest(model, prompt, state, cache, progress_to, prefiller)
+    return state, logits, n_cached
+
+
+def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
+                  prefiller=None) -> np.ndarray:
+    """Prefill what `state` has not seen of `prompt` (the logits after it); with a cache,
+    snapshots where a pass ends at a multiple of `snapshot_every` (passes are aligned to them)
+    or `snapshot_every` past the last one (a prefill that cannot align), and at the end."""
+    from fermijit.hybrid import CpuPrefiller
+    from fermijit.model.forward import PREFILL_BLOCK
+
+    prefiller = prefiller or CpuPrefiller(model)
+    rest = prompt[state.position:]
+    last = [state.position]
+    bar = None
+    if progress_to is not None and rest.size > PREFILL_BLOCK:
+        bar = tqdm(total=int(rest.size), desc="prefill", unit="tok", file=progress_to,
+                   leave=False)
+
+    def on_block(n: int) -> None:
+        if bar is not None:
+            bar.update(n)
+        if cache is None or state.position == prompt.size:
+            return
+        every = cache.snapshot_every
+        if state.position % every == 0 or state.position - last[0] >= every:
+            cache.add(prompt[:state.position], state)
+            last[0] = state.position
+
+    try:
+        logits = prefiller.prefill(rest, state, on_block=on_block,
+                                   align=None if cache is None else cache.snapshot_every)
+    finally:
+        if bar is not None:
+            bar.close()
+    if cache is not None:
+        cache.add(prompt, state, logits)
+    return logits
 
 
 def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=None) -> float:
@@ -130,6 +199,7 @@ def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=
     those too (`eval` does; on the default model a cold prefill of 512 tokens compiled 7 more
     kernels, 3.7 s, after the 2-token one)."""
     start = time.perf_counter()
+    model = kernel_sample(model)
     n_prefill = max(1, min(n_prefill, model.max_context - 1))  # and room for the decode step
     tokens = np.resize(prompt, n_prefill)
     state = model.new_state(n_prefill + 1)
@@ -140,18 +210,36 @@ def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=
     return time.perf_counter() - start
 
 
+def kernel_sample(model):
+    """`model` cut to its first layers up to one of each kind (GDN, attention): the same kernels
+    at a tenth of the work (4 of 40 layers), since layers of a kind differ only in their weights.
+    On the REAP-128 shape the whole-model warm-up read ~1.7 GB of weights and ran 40 layers'
+    prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
+    kinds = model.is_attention
+    n = max(kinds.index(kind) for kind in set(kinds)) + 1
+    if n == len(kinds):
+        return model
+    sample = copy.copy(model)
+    sample.layers, sample.is_attention = model.layers[:n], kinds[:n]
+    sample._decode_ws = None  # its own (the original's is made on its first decode)
+    return sample
+
+
 def sampling_settings(settings: Settings, generation_config: dict) -> tuple[float, int, float]:
     """(temperature, top_k, top_p): the flags, else the model's generation_config.json (do_sample
     false means greedy), else HF's defaults."""
     def pick(flag, key, default):
         value = generation_config.get(key)
-        return flag if flag is not None else value if isinstance(value, (int, float)) else default
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return flag if flag is not None else value if is_number else default
 
     temperature = pick(settings.temperature, "temperature", DEFAULT_TEMPERATURE)
     if settings.temperature is None and generation_config.get("do_sample") is False:
         temperature = 0.0
-    return (float(temperature), int(pick(settings.top_k, "top_k", DEFAULT_TOP_K)),
-            float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
+    top_k = pick(settings.top_k, "top_k", DEFAULT_TOP_K)
+    if not top_k >= 0:
+        raise FermijitError(f"top_k must be >= 0 (0 = all), got {top_k}")
+    return (float(temperature), int(top_k), float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
 
 
 def context_length(settings: Settings, n_prompt: int, max_context: int) -> int:
@@ -167,18 +255,66 @@ def context_length(settings: Settings, n_prompt: int, max_context: int) -> int:
     return context
 
 
-def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None) -> Stats:
+class Engine:
+    """A model ready to generate from token ids: its tokenizer (end ids, sampling defaults) and its
+    snapshot prefix cache (None: off). What the CLI and any other caller (the server) use."""
+
+    def __init__(self, model, tokenizer, cache=None, prefiller=None):
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.prefiller = prefiller  # fermijit/hybrid.py; None: the CPU's
+
+    @classmethod
+    def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
+             warn=None) -> "Engine":
+        """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
+        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr)."""
+        from fermijit import prefix_cache
+        from fermijit.model.forward import load_model
+        from fermijit.model.tokenizer import Tokenizer
+
+        cfg, model = load_model(model_dir, show_progress=show_progress)
+        tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
+        c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
+        cache = None
+        if c.is_enabled:
+            cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
+                                             c.mem_bytes, c.directory, c.snapshot_every,
+                                             check=model.check_state, warn=warn)
+        return cls(model, tokenizer, cache)
+
+    def sampler(self, settings: Settings):
+        """A sampler as `settings` and the model's generation_config.json say (checks them)."""
+        from fermijit.ops.sampling import Sampler
+
+        temperature, top_k, top_p = sampling_settings(settings, self.tokenizer.generation_config)
+        return Sampler(self.model.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=settings.seed)
+
+    def generate(self, prompt_ids, settings: Settings, on_token: Callable[[int], None],
+                 progress_to=None) -> tuple[list[int], Stats]:
+        """Continue the token ids `prompt_ids` as `settings` say; `on_token` gets each new one."""
+        prompt = np.asarray(prompt_ids, np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise FermijitError("the prompt is empty (no tokens)")
+        context = context_length(settings, int(prompt.size), self.model.max_context)
+        return generate(self.model, prompt, self.sampler(settings), settings.max_tokens, context,
+                        self.tokenizer.eos_ids, on_token, progress_to, self.cache,
+                        self.prefiller)
+
+
+def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
+        cache_settings=None) -> Stats:
     """`generate` for the CLI: the continuation streams to `out` (bytes, default stdout) as
     UTF-8, progress and the summary go to `err` (text, default stderr)."""
-    from fermijit.model.forward import load_model
-    from fermijit.model.tokenizer import Tokenizer
-    from fermijit.ops.sampling import Sampler
+    from fermijit import hybrid
 
+    hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
     out = out or sys.stdout.buffer
     err = err or sys.stderr
     start = time.perf_counter()
-    cfg, model = load_model(model_dir, show_progress=True)
-    tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
+    engine = Engine.load(model_dir, cache_settings, show_progress=True,
+                         warn=lambda line: print(line, file=err, flush=True))
+    model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 
     if settings.is_chat:
@@ -188,30 +324,35 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
         prompt = tokenizer.encode(prompt_text)
     if prompt.size == 0:
         raise FermijitError("the prompt is empty (no tokens)")
-    context = context_length(settings, int(prompt.size), model.max_context)
-    temperature, top_k, top_p = sampling_settings(settings, tokenizer.generation_config)
-
-    def new_sampler() -> Sampler:
-        return Sampler(model.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=settings.seed)
-
-    sampler = new_sampler()  # checks the settings before any output
+    context_length(settings, int(prompt.size), model.max_context)  # checked before any output
+    engine.sampler(settings)
     kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
-    warm_up_s = warm_up(model, prompt, sampler=new_sampler())  # a twin: warming draws from it
+    warm_up_s = warm_up(model, prompt, sampler=engine.sampler(settings))  # a twin: warming draws
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
+    engine.prefiller = prefiller = hybrid.make(model, settings.prefill, settings.gpu_mem,
+                                               settings.pin_budget, settings.verbose, err)
+    if settings.prefill != "cpu":
+        start = time.perf_counter()
+        if prefiller.prepare():
+            print(f"gpu prefill ready in {time.perf_counter() - start:.2f} s", file=err,
+                  flush=True)
 
     stream = tokenizer.stream()
+
+    def write(text: str) -> None:
+        try:
+            out.write(text.encode("utf-8"))
+            out.flush()
+        except OSError as e:  # stdout on /dev/full, a closed pipe (issue 11 case 8)
+            raise FermijitError(f"cannot write the generated text: {e.strerror}") from None
 
     def emit(token: int) -> None:
         text = stream.push(token)
         if text:
-            out.write(text.encode("utf-8"))
-            out.flush()
+            write(text)
 
-    _, stats = generate(model, prompt, sampler, settings.max_tokens, context, tokenizer.eos_ids,
-                        emit, progress_to=err)
-    out.write(stream.flush().encode("utf-8"))
-    out.flush()
+    _, stats = engine.generate(prompt, settings, emit, progress_to=err)
+    write(stream.flush())
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)
     return stats

@@ -70,11 +70,15 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_sum - z[np.arange(targets.size), targets]
 
 
-def score(model, tokens: np.ndarray, context: int, on_scored=lambda n: None) -> Score:
+def score(model, tokens: np.ndarray, context: int, on_scored=lambda n: None,
+          prefiller=None) -> Score:
     """Teacher-forced NLL of `tokens` [N] (N >= 2) in windows of `context`; `on_scored(n)` after
-    each piece of n predictions."""
+    each piece of n predictions. `prefiller` (fermijit/hybrid.py) runs the forwards (default:
+    the CPU's)."""
+    from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
 
+    prefiller = prefiller or CpuPrefiller(model)
     tokens = np.asarray(tokens, dtype=np.int32)
     if tokens.ndim != 1 or tokens.size < 2:
         raise FermijitError(f"scoring needs at least 2 tokens, got {tokens.size}")
@@ -86,7 +90,7 @@ def score(model, tokens: np.ndarray, context: int, on_scored=lambda n: None) -> 
         state = model.new_state(w1 - w0)
         for b0 in range(w0, w1, PREFILL_BLOCK):
             b1 = min(b0 + PREFILL_BLOCK, w1)
-            logits = model.prefill(inputs[b0:b1], state, all_logits=True)   # [b1 - b0, V]
+            logits = prefiller.prefill(inputs[b0:b1], state, all_logits=True)  # [b1 - b0, V]
             nll_sum += float(token_nll(logits, targets[b0:b1]).sum())
             on_scored(b1 - b0)
         n_windows += 1
@@ -94,28 +98,29 @@ def score(model, tokens: np.ndarray, context: int, on_scored=lambda n: None) -> 
 
 
 def read_text(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise FermijitError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise FermijitError(f"{path}: cannot read ({e.strerror})") from None
+    from fermijit.model.files import read_text as read
+
+    text = read(path, str(path))
     if not text.strip():
         raise FermijitError(f"{path}: the text is empty")
     return text
 
 
 def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
-        out=None, err=None) -> Score:
-    """`eval` for the CLI: the figures to `out` (a table, or JSON), progress to `err`."""
+        out=None, err=None, prefill: str = "cpu", gpu_mem: str | None = None,
+        pin_budget: str | None = None, verbose: bool = False) -> Score:
+    """`eval` for the CLI: the figures to `out` (a table, or JSON), progress to `err`; `prefill`,
+    `gpu_mem`, `pin_budget`, `verbose` choose the prefiller (fermijit/hybrid.py)."""
     from tqdm import tqdm
 
+    from fermijit import hybrid
     from fermijit.engine import warm_up
     from fermijit.model.forward import PREFILL_BLOCK, load_model
     from fermijit.model.tokenizer import Tokenizer
 
     out = out or sys.stdout
     err = err or sys.stderr
+    hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # a bad size fails before loading
     text = read_text(text_path)
     cfg, model = load_model(model_dir, show_progress=True)
     tokens = Tokenizer(model_dir, cfg.text_config.eos_token_id).encode(text)
@@ -130,9 +135,11 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
     print(f"loaded {model_dir} ({kind}); {text_path}: {tokens.size} tokens", file=err, flush=True)
     n_warm_up = min(context, tokens.size - 1, PREFILL_BLOCK)  # the shapes scoring will run
     print(f"kernels ready in {warm_up(model, tokens, n_warm_up):.2f} s", file=err, flush=True)
+    prefiller = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
+    prefiller.prepare()
     with tqdm(total=tokens.size - 1, desc="eval", unit="tok", file=err,
               delay=PROGRESS_DELAY_S) as bar:
-        result = score(model, tokens, context, bar.update)
+        result = score(model, tokens, context, bar.update, prefiller)
     if as_json:
         print(json.dumps({"model": str(model_dir), "text": str(text_path),
                           "is_quantized": model.is_quantized, **result.as_dict()}), file=out)

@@ -9,12 +9,13 @@ not know is an error naming it, so a config from another architecture (say qwen3
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import types
 import typing
 from pathlib import Path
 
 from fermijit import FermijitError
+from fermijit.model.files import read_json, short
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -135,13 +136,9 @@ def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FermijitError(f"no config file: {path}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FermijitError(f"{path}: not a readable JSON file ({e})") from None
-    return parse_config(raw, where=str(path))
+    return parse_config(read_json(path), where=str(path))
 
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
@@ -155,7 +152,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     if model_type != "qwen3_5_moe":
         if model_type is None:
             raise FermijitError(f"{where}: missing required field 'model_type'")
-        raise FermijitError(f"{where}: unsupported model_type {model_type!r} "
+        raise FermijitError(f"{where}: unsupported model_type {short(model_type)} "
                             f"(supported: qwen3_5_moe, qwen3_5_moe_text)")
     top = {k: v for k, v in raw.items() if k not in _BOOKKEEPING}
     if "text_config" not in top:
@@ -164,7 +161,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     vision_raw = top.pop("vision_config", None)
     vision = VisionConfig() if vision_raw is None else _parse_vision(vision_raw,
                                                                      f"{where}: vision_config")
-    return _build(ModelConfig, top, where, text_config=text, vision_config=vision)
+    return build(ModelConfig, top, where, text_config=text, vision_config=vision)
 
 
 def _parse_text(raw, where: str) -> TextConfig:
@@ -172,7 +169,7 @@ def _parse_text(raw, where: str) -> TextConfig:
         raise FermijitError(f"{where}: expected a JSON object")
     fields = {k: v for k, v in raw.items() if k not in _BOOKKEEPING}
     if fields.pop("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
-        raise FermijitError(f"{where}: unsupported model_type {raw['model_type']!r} "
+        raise FermijitError(f"{where}: unsupported model_type {short(raw['model_type'])} "
                             f"(expected qwen3_5_moe_text)")
     # Legacy top-level rope keys fill in what rope_parameters lacks (transformers' setdefault).
     legacy = {k: fields.pop(k) for k in ("rope_theta", "partial_rotary_factor") if k in fields}
@@ -180,8 +177,9 @@ def _parse_text(raw, where: str) -> TextConfig:
     rope_raw = {} if rope_raw is None else rope_raw
     if not isinstance(rope_raw, dict):
         raise FermijitError(f"{where}: rope_parameters must be an object")
-    rope = _build(RopeParameters, {**legacy, **rope_raw}, f"{where}: rope_parameters")
-    cfg = _build(TextConfig, fields, where, rope_parameters=rope)
+    rope = build(RopeParameters, {**legacy, **rope_raw}, f"{where}: rope_parameters")
+    cfg = build(TextConfig, fields, where, rope_parameters=rope)
+    _check_bounds(cfg, where)  # before anything is built from the numbers (1e9 layers: a hang)
     if "layer_types" not in fields:
         n = cfg.full_attention_interval
         types_ = tuple(FULL_ATTENTION if (i + 1) % n == 0 else LINEAR_ATTENTION
@@ -197,14 +195,14 @@ def _parse_vision(raw, where: str) -> VisionConfig:
     fields = {k: v for k, v in raw.items() if k not in _BOOKKEEPING}
     # The published file says "qwen3_5_moe" here; transformers rewrites it (MODEL.md §2).
     if fields.pop("model_type", "qwen3_5_moe_vision") not in ("qwen3_5_moe_vision", "qwen3_5_moe"):
-        raise FermijitError(f"{where}: unsupported model_type {raw['model_type']!r}")
+        raise FermijitError(f"{where}: unsupported model_type {short(raw['model_type'])}")
     rope = fields.pop("rope_parameters", None) or {}
     is_axial = isinstance(rope, dict) and rope.get("rope_type", "axial") == "axial"
     if not is_axial or set(rope) - {"rope_type", "rope_theta"}:
-        raise FermijitError(f"{where}: unsupported rope_parameters {json.dumps(rope)}")
+        raise FermijitError(f"{where}: unsupported rope_parameters {short(rope)}")
     if "rope_theta" in rope:
         fields["rope_theta"] = rope["rope_theta"]
-    return _build(VisionConfig, fields, where)
+    return build(VisionConfig, fields, where)
 
 
 _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -215,13 +213,29 @@ _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "full_attention_interval")
 
 
+# Far above the real model (40 layers, 256 experts, a 248320 vocabulary, 262144 positions), low
+# enough that nothing sized by them (a tuple per layer, a dict per tensor) can hang a load.
+MAX_LAYERS = 1024
+MAX_DIMENSION = 1 << 24
+
+
+def _check_bounds(c: TextConfig, where: str) -> None:
+    if c.num_hidden_layers > MAX_LAYERS:
+        raise FermijitError(f"{where}: num_hidden_layers {c.num_hidden_layers} is beyond "
+                            f"{MAX_LAYERS}")
+    for name in _POSITIVE:
+        value = getattr(c, name)
+        if not value > 0:
+            raise FermijitError(f"{where}: {name} must be positive, got {value}")
+        if isinstance(value, int) and value > MAX_DIMENSION:
+            raise FermijitError(f"{where}: {name} {value} is beyond {MAX_DIMENSION}")
+
+
 def _validate_text(c: TextConfig, where: str) -> None:
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise FermijitError(f"{where}: {what}")
 
-    for name in _POSITIVE:
-        need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
     need(len(c.layer_types) == c.num_hidden_layers,
          f"layer_types has {len(c.layer_types)} entries for {c.num_hidden_layers} layers")
     bad = [t for t in c.layer_types if t not in (LINEAR_ATTENTION, FULL_ATTENTION)]
@@ -242,26 +256,47 @@ def _validate_text(c: TextConfig, where: str) -> None:
     need(rope.rope_theta > 0, "rope_theta must be positive")
 
 
-def _build(cls, fields: dict, where: str, **fixed):
-    """`cls(**fields, **fixed)`, with each JSON value checked against the field's type."""
+def build(cls, fields: dict, where: str, **fixed):
+    """`cls(**fields, **fixed)`, with each JSON value checked against the field's type: the one
+    typed reader of config.json and fermijit.json. Unknown and missing fields are errors."""
+    if not isinstance(fields, dict):
+        raise FermijitError(f"{where}: expected an object, got {short(fields)}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
     kwargs = dict(fixed)
     for name, value in fields.items():
-        if name not in known or name in fixed:
-            raise FermijitError(f"{where}: unknown field {name!r}")
+        if name not in hints or name in fixed:
+            raise FermijitError(f"{where}: unknown field {repr(name)[:80]}")
         kwargs[name] = _coerce(value, hints[name], f"{where}: {name}")
+    for f in dataclasses.fields(cls):
+        if (f.name not in kwargs and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING):
+            raise FermijitError(f"{where}: missing required field {f.name!r}")
     return cls(**kwargs)
 
 
+
 def _coerce(value, hint, where: str):
-    """A JSON value as the Python type `hint` (int, float, bool, str, tuples, optionals)."""
+    """A JSON value as the Python type `hint`: int, float (finite), bool, str, a Literal of
+    strings, tuples, dict[str, ...], a dataclass (an object), optionals."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for option in options:
-        if option is type(None):
+        origin = typing.get_origin(option)
+        if option is object:  # any JSON value (the JSON reader has checked it)
+            return value
+        elif option is type(None):
             if value is None:
                 return None
-        elif typing.get_origin(option) is tuple:
+        elif dataclasses.is_dataclass(option):
+            if isinstance(value, dict):
+                return build(option, value, where)
+        elif origin is typing.Literal:
+            if value in typing.get_args(option) and isinstance(value, str):
+                return value
+        elif origin is dict:
+            if isinstance(value, dict):
+                item = typing.get_args(option)[1]
+                return {k: _coerce(v, item, f"{where}: {k}") for k, v in value.items()}
+        elif origin is tuple:
             if isinstance(value, list):
                 item = typing.get_args(option)[0]
                 return tuple(_coerce(v, item, where) for v in value)
@@ -272,13 +307,19 @@ def _coerce(value, hint, where: str):
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
         elif option is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value)):
                 return float(value)
         elif option is str:
             if isinstance(value, str):
                 return value
-    raise FermijitError(f"{where}: expected {_describe(hint)}, got {json.dumps(value)}")
+    raise FermijitError(f"{where}: expected {_describe(hint)}, got {short(value)}")
 
 
 def _describe(hint) -> str:
-    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(typing.get_args(hint))
+    if dataclasses.is_dataclass(hint):
+        return "an object"
+    text = str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return text.replace("float", "finite float")

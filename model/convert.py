@@ -20,25 +20,32 @@ whole in memory (a layer's experts are 2 GiB in fp32).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from fermijit import FermijitError, __version__
+from fermijit import FermijitError, __version__, numa
 from fermijit.model.config import ModelConfig, load_config
+from fermijit.model.files import member, read_json
+from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
+                                     TensorEntry, check_small_tensors, checksum, read_manifest,
+                                     stored_specs)
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
-from fermijit.model.weights import (QuantTensor, TensorPlan, TextWeights, assemble,
+from fermijit.model.weights import (QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
 
-FORMAT_VERSION = 1
-MANIFEST = "fermijit.json"
 WEIGHTS = "model.safetensors"
+PARTIAL_SUFFIX = ".partial"
+REAP_RECORD = "reap.json"  # beside a pruned HF checkpoint: its config.json takes no extra keys
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
                 "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
@@ -50,7 +57,6 @@ Q4_0_FIELDS = frozenset({"in_proj_qkv", "in_proj_z", "out_proj", "q_proj",
                          "k_proj", "v_proj", "o_proj", "experts_gate_up", "experts_down",
                          "shared_gate_up", "shared_down"})
 LM_HEAD_CHOICES = ("q8_0", "q4_0")
-BLOCK = 32
 CHUNK_BYTES = 64 << 20  # fp32 bytes per streamed piece: ~3x this is the converter's working set
 
 
@@ -61,18 +67,6 @@ def quantisation(name: str, lm_head: str) -> str:
     if name == "embed_tokens":
         return "f16"
     return "q4_0" if name.rsplit(".", 1)[-1] in Q4_0_FIELDS else "f32"
-
-
-def stored_specs(name: str, shape: tuple[int, ...], quant: str) -> list[tuple[str, str, tuple]]:
-    """The safetensors entries of one weight: `<name>.qs`, `<name>.d` or plain F32 `<name>`."""
-    if quant in ("f32", "f16"):
-        return [(name, quant.upper(), shape)]
-    lead, k = shape[:-1], shape[-1]
-    if k % BLOCK:
-        raise FermijitError(f"cannot quantise {name} {list(shape)}: its inner dimension is not a "
-                            f"multiple of {BLOCK}")
-    qs = (name + ".qs", "U8", lead + (k // 2,)) if quant == "q4_0" else (name + ".qs", "I8", shape)
-    return [qs, (name + ".d", "F16", lead + (k // BLOCK,))]
 
 
 def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
@@ -89,53 +83,107 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
 
 
 def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
-            chunk_bytes: int = CHUNK_BYTES) -> dict:
-    """Convert; returns the manifest written to `dst/fermijit.json`."""
+            chunk_bytes: int = CHUNK_BYTES) -> Manifest:
+    """Convert an HF checkpoint directory, or a GGUF file (model/gguf_convert.py); returns the
+    manifest written to `dst/fermijit.json`. On any failure, SIGTERM included, what was written
+    is removed (a `.partial` file held the space of the model)."""
     src, dst = Path(src), Path(dst)
     if lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
+    if src.is_file():
+        from fermijit.model import gguf_convert
+
+        return gguf_convert.convert(src, dst, lm_head, show_progress, chunk_bytes)
     if not src.is_dir():
-        raise FermijitError(f"no such model directory: {src}")
+        raise FermijitError(f"no such model directory or GGUF file: {src}")
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
+    _check_tokenizer(src)
     quants = {name: quantisation(name, lm_head) for name in plans}
-    check_output_dir(dst)
 
     def copy_files(out: Path) -> None:
         for file in COPIED_FILES:
             if (src / file).is_file():
                 shutil.copyfile(src / file, out / file)
 
+    source = Source(path=str(src.resolve()), fingerprint=source_fingerprint(src, ckpt),
+                    files=tuple(f.path.name for f in ckpt.files))
     return write_model(
         dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
-        lambda name, out: _stream(plans[name], quants[name], ckpt, out, chunk_bytes),
-        source={"path": str(src.resolve()), "fingerprint": source_fingerprint(src, ckpt),
-                "files": [f.path.name for f in ckpt.files]},
-        other_files=copy_files, desc="convert", show_progress=show_progress)
+        lambda name, out: stream(name, plans[name].shape, quants[name],
+                                 lambda lead, rows: plans[name].read(ckpt, lead, rows), out,
+                                 chunk_bytes),
+        source, other_files=copy_files, desc="convert", show_progress=show_progress,
+        reap=reap_record(src))
+
+
+def reap_record(src: Path) -> dict | None:
+    """The REAP record of an HF checkpoint pruned by fermijit (its REAP_RECORD file), else None."""
+    path = src / REAP_RECORD
+    if not path.is_file():
+        return None
+    return read_json(path)
 
 
 def check_output_dir(dst: Path) -> None:
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FermijitError(f"output directory {dst} exists and is not empty")
+    """A model is written into a new or empty directory only."""
+    try:
+        if dst.exists() and not dst.is_dir():
+            raise FermijitError(f"output directory {dst} is a file")
+        leftovers = sorted(p.name for p in dst.iterdir()) if dst.exists() else []
+    except OSError as e:  # under a regular file, or unreadable
+        raise FermijitError(f"output directory {dst}: {e.strerror}") from None
+    if leftovers:
+        partial = [n for n in leftovers if n.endswith(PARTIAL_SUFFIX)]
+        hint = (f" (it holds {', '.join(partial)}, left by a convert that was killed: remove "
+                f"the directory)" if partial else "")
+        raise FermijitError(f"output directory {dst} exists and is not empty{hint}")
 
 
 def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
-                source: dict, other_files, desc: str, show_progress: bool = True) -> dict:
-    """The one writer of a model directory (`convert` and `model/synth.py`): the weights file, in
-    which `fill(name, writer)` stores tensor `name` (quantised as `quantisation` says), yielding
-    the elements done per piece; then `other_files(dst)` (config, tokenizer...); the manifest
-    last, as it marks the directory complete. Returns the manifest."""
+                source: Source, other_files, desc: str, show_progress: bool = True,
+                reap: dict | None = None, quants: dict[str, str] | None = None) -> Manifest:
+    """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`,
+    model/gguf_convert.py): the weights file, in which `fill(name, writer)` stores tensor `name`
+    (quantised as `quantisation` says, or as `quants` does: a GGUF's imported blocks keep their
+    kind), yielding the elements done per piece; then `other_files(dst)` (config, tokenizer...);
+    the manifest last, with `reap` (the REAP record of a pruned model), as it marks the directory
+    complete. Returns the manifest. On any failure, SIGTERM included, what was written is
+    removed."""
+    dst = Path(dst)
+    check_output_dir(dst)
+    made_dir = not dst.exists()
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FermijitError(f"cannot create the output directory {dst}: {e.strerror}") from None
+    try:
+        with _terminate_as_exception():
+            return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
+                               show_progress, reap, quants)
+    except BaseException as e:
+        _remove_output(dst, made_dir)
+        if isinstance(e, OSError):
+            where = f" {e.filename}" if e.filename else ""
+            raise FermijitError(f"{desc} failed writing{where}: {e.strerror or e}; nothing "
+                                f"was left in {dst}") from None
+        raise
+
+
+def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
+                source: Source, other_files, desc: str, show_progress: bool,
+                reap: dict | None, quants: dict[str, str] | None) -> Manifest:
     from tqdm import tqdm
 
-    quants = {name: quantisation(name, lm_head) for name in shapes}
+    quants = quants or {name: quantisation(name, lm_head) for name in shapes}
     specs = {name: stored_specs(name, shape, quants[name]) for name, shape in shapes.items()}
-    dst.mkdir(parents=True, exist_ok=True)
     # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
-    # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned.
+    # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned. A layer's
+    # matrices that read one input stay back to back (decode reads them as one: model/forward.py).
     flat = [s for name in shapes for s in specs[name]]
     order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
-    partial = dst / (WEIGHTS + ".partial")
+    partial = dst / (WEIGHTS + PARTIAL_SUFFIX)
     total = sum(int(np.prod(shape)) for shape in shapes.values())
     with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
             tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
@@ -145,95 +193,165 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
                 bar.update(n_done)
     os.replace(partial, dst / WEIGHTS)
     other_files(dst)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "converter": f"fermijit {__version__}",
-        "source": source,
-        "weights": WEIGHTS,
-        "tensors": {name: {"shape": list(shape), "quant": quants[name]}
-                    for name, shape in shapes.items()},
-        "reap": None,  # no experts pruned
-    }
-    (dst / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: marks it complete
+    return write_manifest(dst, {name: (shape, quants[name]) for name, shape in shapes.items()},
+                          source, reap)
+
+
+def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ...], str]],
+                   source: Source, reap: dict | None = None, weights: str = WEIGHTS) -> Manifest:
+    """Write `directory/fermijit.json` for the weights file `weights` already there: every writer
+    of fermijit models (convert, REAP, GGUF import, synthetic models) calls this, so the format
+    lives in one place. `tensors` maps each weight field path, in file order, to (shape, quant);
+    their stored tensors (model/manifest.py `stored_specs`) must be in the file. The checksums are
+    of the bytes on disk, read back (what a later `verify` compares). Written last, by rename:
+    a directory with a fermijit.json is complete."""
+    directory = Path(directory)
+    weights_file = SafetensorsFile(member(directory, weights, "write_manifest: weights"))
+    entries = {}
+    for name, (shape, quant) in tensors.items():
+        shape = tuple(int(n) for n in shape)
+        for stored, dtype, stored_shape in stored_specs(name, shape, quant):
+            info = weights_file.tensors.get(stored)
+            if info is None or (info.dtype, info.shape) != (dtype, stored_shape):
+                raise FermijitError(f"{weights_file.path}: no {dtype} {list(stored_shape)} "
+                                    f"tensor {stored} for the manifest")
+        entry = TensorEntry(shape, quant, "")
+        entries[name] = dataclasses.replace(entry, checksum=checksum(weights_file, name, entry))
+    manifest = Manifest(FORMAT_VERSION, f"fermijit {__version__}", source, weights, entries, reap)
+    partial = directory / (MANIFEST + PARTIAL_SUFFIX)
+    partial.write_text(json.dumps(manifest.as_json(), indent=1) + "\n")
+    os.replace(partial, directory / MANIFEST)
     return manifest
 
 
-def describe(manifest: dict) -> str:
+def describe(manifest: Manifest) -> str:
     """One line for the CLI: what was written."""
-    kinds = [t["quant"] for t in manifest["tensors"].values()]
+    kinds = [t.quant for t in manifest.tensors.values()]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("q4_0", "q8_0", "f16", "f32")
                        if k in kinds)
-    return f"{len(kinds)} tensors ({counts}), lm_head {manifest['tensors']['lm_head']['quant']}"
+    return f"{len(kinds)} tensors ({counts}), lm_head {manifest.tensors['lm_head'].quant}"
 
 
-def _stream(plan: TensorPlan, quant: str, ckpt: Checkpoint, out: SafetensorsWriter,
-            chunk_bytes: int):
-    """Read, quantise and write `plan` in row chunks; yields the elements done per chunk."""
+def _check_tokenizer(src: Path) -> None:
+    """A tokenizer that does not load fails here, not at the first `generate` (issue 11 case
+    14); a missing one is said on stderr (the weights alone still convert)."""
+    path = src / "tokenizer.json"
+    if not path.exists():
+        print(f"warning: {src} has no tokenizer.json; generate and eval need one beside the "
+              f"converted weights", file=sys.stderr)
+        return
+    from fermijit.model.tokenizer import Tokenizer
+
+    Tokenizer(src)  # tokenizer.json, tokenizer_config.json, generation_config.json
+
+
+class Terminated(FermijitError):
+    """SIGTERM during a convert, raised so that its cleanup runs."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception():
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield  # someone else (a test runner, an embedding program) owns SIGTERM
+        return
+
+    def handler(signum, frame):
+        raise Terminated("convert: terminated (SIGTERM)")
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: no handler, and no cleanup on SIGTERM
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _remove_output(dst: Path, made_dir: bool) -> None:
+    """Remove what convert wrote into `dst` (it was empty or absent before)."""
+    for name in (WEIGHTS + PARTIAL_SUFFIX, WEIGHTS, MANIFEST + PARTIAL_SUFFIX, MANIFEST,
+                 *COPIED_FILES):
+        with contextlib.suppress(OSError):
+            (dst / name).unlink()
+    if made_dir:
+        with contextlib.suppress(OSError):
+            dst.rmdir()
+
+
+def stream(name: str, shape: tuple[int, ...], quant: str, read, out: SafetensorsWriter,
+           chunk_bytes: int):
+    """Read, quantise and write one tensor in row chunks; `read(lead, rows)` gives fp32 rows
+    [n, cols] (or [n]) of expert `lead` (None for 1-D and 2-D tensors). Yields the elements
+    done per chunk."""
     from fermijit.ops import quant as q
 
-    rows, cols = (plan.shape[-2], plan.shape[-1]) if len(plan.shape) >= 2 else (plan.shape[0], 1)
-    leads = range(plan.shape[0]) if len(plan.shape) == 3 else [None]
+    rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[0], 1)
+    leads = range(shape[0]) if len(shape) == 3 else [None]
     step = max(1, chunk_bytes // (4 * cols))
     for e, lead in enumerate(leads):
         for r0 in range(0, rows, step):
-            x = plan.read(ckpt, lead, slice(r0, r0 + step))        # fp32 [n, cols] (or [n])
+            x = read(lead, slice(r0, r0 + step))        # fp32 [n, cols] (or [n])
+            if not np.isfinite(x).all():  # issue 11: NaN weights ran to exit 0, garbage out
+                raise FermijitError(f"{name} holds NaN or infinite values; refusing to convert "
+                                    f"it")
             first_row = e * rows + r0
             if quant == "f32":
-                out.write(plan.name, x, start=first_row * cols)
+                out.write(name, x, start=first_row * cols)
             elif quant == "f16":
                 if np.abs(x).max(initial=0) > np.finfo(np.float16).max:
-                    raise FermijitError(f"{plan.name}: values beyond the fp16 range")
-                out.write(plan.name, x.astype(np.float16), start=first_row * cols)
+                    raise FermijitError(f"{name}: values beyond the fp16 range")
+                out.write(name, x.astype(np.float16), start=first_row * cols)
             else:
                 qs, d = q.quantize_q4_0_cpu(x) if quant == "q4_0" else q.quantize_q8_0(x)
-                out.write(plan.name + ".qs", qs, start=first_row * qs.shape[-1])
-                out.write(plan.name + ".d", d, start=first_row * d.shape[-1])
+                if not np.isfinite(d).all():
+                    raise FermijitError(f"{name}: block scales beyond the fp16 range")
+                out.write(name + ".qs", qs, start=first_row * qs.shape[-1])
+                out.write(name + ".d", d, start=first_row * d.shape[-1])
             yield x.size
 
 
 def is_fermijit_model(directory: str | Path) -> bool:
-    return (Path(directory) / MANIFEST).is_file()
+    return (Path(directory) / MANIFEST).exists()
 
 
-def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, dict]:
-    """A converted model: (config, weights as memmap views, manifest). Nothing is copied."""
+def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Manifest]:
+    """A converted model: (config, weights as memmap views, manifest). Nothing is copied. The
+    manifest is checked against config.json and the weights file's header, and the smallest
+    tensors against their checksums (`verify` checks them all)."""
     directory = Path(directory)
     path = directory / MANIFEST
-    if not path.is_file():
+    if not path.exists():
         raise FermijitError(f"{directory}: not a fermijit model (no {MANIFEST}; convert it first)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        version, tensors = manifest["format_version"], manifest["tensors"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise FermijitError(f"{path}: unreadable manifest") from None
-    if version != FORMAT_VERSION:
-        raise FermijitError(f"{path}: format version {version}, this fermijit reads "
-                            f"{FORMAT_VERSION}; convert the model again")
+    manifest = read_manifest(directory)
     cfg = load_config(directory)
     expected = text_weight_shapes(cfg.text_config)
     for name, shape in expected.items():
-        if name not in tensors:
+        if name not in manifest.tensors:
             raise FermijitError(f"{path}: missing tensor {name}")
-        if tuple(tensors[name]["shape"]) != shape:
-            raise FermijitError(f"{path}: tensor {name} has shape {tensors[name]['shape']}, "
-                                f"config.json implies {list(shape)}")
-    weights_file = SafetensorsFile(directory / manifest.get("weights", WEIGHTS))
+        if manifest.tensors[name].shape != shape:
+            raise FermijitError(f"{path}: tensor {name} has shape "
+                                f"{list(manifest.tensors[name].shape)}, config.json implies "
+                                f"{list(shape)}")
+    extra = sorted(set(manifest.tensors) - set(expected))
+    if extra:
+        raise FermijitError(f"{path}: tensor {extra[0]} is not in a model of this config.json")
+    weights_file = SafetensorsFile(directory / manifest.weights)
+    numa.apply([weights_file.mapped()])  # --numa: where the weights' pages go
     arrays = {}
-    for name, entry in tensors.items():
-        for stored, dtype, shape in stored_specs(name, tuple(entry["shape"]), entry["quant"]):
+    for name, entry in manifest.tensors.items():
+        for stored, dtype, shape in stored_specs(name, entry.shape, entry.quant):
             info = weights_file.tensors.get(stored)
             if info is None:
                 raise FermijitError(f"{weights_file.path}: missing tensor {stored}")
             if info.dtype != dtype or info.shape != shape:
                 raise FermijitError(f"{weights_file.path}: tensor {stored} is {info.dtype} "
                                     f"{list(info.shape)}, expected {dtype} {list(shape)}")
-        if entry["quant"] in ("f32", "f16"):
+        if entry.quant in ("f32", "f16"):
             arrays[name] = weights_file.raw(name)
         else:
-            arrays[name] = QuantTensor(entry["quant"], weights_file.raw(name + ".qs"),
+            arrays[name] = QuantTensor(entry.quant, weights_file.raw(name + ".qs"),
                                        weights_file.raw(name + ".d"))
-    try:
-        weights = assemble(cfg.text_config, arrays)
-    except KeyError as e:
-        raise FermijitError(f"{path}: no tensor {e.args[0]} for this config") from None
-    return cfg, weights, manifest
+    check_small_tensors(weights_file, manifest)
+    return cfg, assemble(cfg.text_config, arrays), manifest

@@ -229,6 +229,9 @@ class Model:
         self.lm_head = _matrix(weights.lm_head)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
         self._decode_ws: Workspace | None = None
+        # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
+        # each MoE's input and routing; one attribute test per layer otherwise.
+        self.moe_observer = None
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -262,19 +265,28 @@ class Model:
     # --- the two entry points -------------------------------------------------------------------
 
     def prefill(self, tokens, state: State, all_logits: bool = False,
-                on_block=None) -> np.ndarray:
+                on_block=None, align: int | None = None) -> np.ndarray:
         """Logits [V] of the last of `tokens` [T] (all of them, [T, V], with `all_logits`), which
         follow the `state.position` tokens seen; updates `state`. `on_block(n)` is called after
-        each pass of n tokens (progress for long prompts)."""
+        each pass of n tokens (progress for long prompts). With `align`, passes also end where
+        `state.position` is a multiple of it, so that `on_block` sees the state there (the
+        snapshot cache's positions)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 1 or tokens.size == 0:
             raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
                                 f"{list(tokens.shape)}")
+        if align is not None and align < 1:
+            raise FermijitError(f"prefill: align must be at least 1, got {align}")
         self._check_room(state, tokens.size)
         logits = []
         ws = None
-        for t0 in range(0, tokens.size, PREFILL_BLOCK):
-            block = tokens[t0:t0 + PREFILL_BLOCK]
+        t0 = 0
+        while t0 < tokens.size:
+            n = min(PREFILL_BLOCK, tokens.size - t0)
+            if align is not None:
+                n = min(n, align - state.position % align)
+            block = tokens[t0:t0 + n]
+            t0 += n
             if ws is None or ws.tokens.size != block.size:
                 ws = Workspace(self, block.size)
             ws.tokens[:] = block
@@ -391,6 +403,8 @@ class Model:
         ws.xn -> ws.y."""
         np.matmul(ws.xn, w.router.T, out=ws.router_logits)            # [T, E]
         router.cpu(ws.router_logits, self.top_k, out=(ws.ids, ws.weights))
+        if self.moe_observer is not None:
+            self.moe_observer(w, ws.xn, ws.ids, ws.weights)
         if isinstance(w.experts, moe.MoeWeights):
             moe.cpu(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y, scratch=ws.moe_scratch)
         else:

@@ -10,6 +10,7 @@ by a 16-bit shift (bf16 is the top half of an fp32).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -17,10 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.model.files import (guard_mapping, member, open_regular, parse_json, read_json,
+                                  short)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MAX_HEADER_NBYTES = 100 * 1024 * 1024  # the safetensors package's own limit
+# Beyond any real tensor; numpy refuses dims past 2**63 (an OverflowError) even in empty arrays.
+MAX_NDIM, MAX_DIM = 16, 1 << 48
 DATA_ALIGN = 64  # we pad our headers so data, and each 16-byte-multiple tensor, is aligned
 
 # safetensors dtype -> numpy storage dtype (BF16 as its bit pattern).
@@ -59,8 +64,8 @@ class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            file_nbytes = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            with open_regular(self.path) as f:
+                file_nbytes = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 if len(head) < 8:
                     self._bad("shorter than the 8-byte header length")
@@ -71,16 +76,25 @@ class SafetensorsFile:
                 header_bytes = f.read(header_nbytes)
         except OSError as e:
             raise FermijitError(f"cannot read {self.path}: {e.strerror}") from None
-        try:
-            header = json.loads(header_bytes.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            self._bad("header is not valid JSON")
+        header = parse_json(header_bytes, f"{self.path}: corrupt safetensors file: header")
         if not isinstance(header, dict):
             self._bad("header is not a JSON object")
         self.data_start = 8 + header_nbytes
         self.data_nbytes = file_nbytes - self.data_start
         self.metadata = header.pop("__metadata__", None) or {}
+        if not (isinstance(self.metadata, dict)
+                and all(isinstance(v, str) for v in self.metadata.values())):
+            self._bad(f"__metadata__ is not an object of strings: {short(self.metadata)}")
         self.tensors = {name: self._info(name, entry) for name, entry in header.items()}
+        # Byte ranges in order, none overlapping: a tensor aliasing another's bytes is corruption
+        # (issue 11: overlapping ranges ran to exit 0 with changed output). Duplicate names were
+        # refused by the JSON reader.
+        end, last = 0, None
+        for info in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end)):
+            if info.begin < end:
+                self._bad(f"{info.name} (bytes {info.begin}-{info.end}) overlaps {last.name} "
+                          f"(bytes {last.begin}-{last.end})")
+            end, last = info.end, info
         self._data = None
 
     def _bad(self, why: str):
@@ -89,27 +103,34 @@ class SafetensorsFile:
     def _info(self, name: str, entry) -> TensorInfo:
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            ok = (dtype in STORAGE and all(isinstance(n, int) and n >= 0 for n in shape)
-                  and isinstance(begin, int) and isinstance(end, int))
+            ok = (isinstance(dtype, str) and dtype in STORAGE
+                  and len(shape) <= MAX_NDIM and all(type(n) is int and 0 <= n < MAX_DIM
+                                                     for n in shape)
+                  and type(begin) is int and type(end) is int)
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
-            self._bad(f"bad header entry for {name!r}: {json.dumps(entry)}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * STORAGE[dtype].itemsize
+            self._bad(f"bad header entry for {name!r}: {short(entry)}")
+        nbytes = math.prod(shape) * STORAGE[dtype].itemsize  # Python ints: no wrap-around
         if end - begin != nbytes or begin < 0:
             self._bad(f"{name}: data_offsets {[begin, end]} do not hold {dtype} {list(shape)}")
         if end > self.data_nbytes:
             self._bad(f"{name} ends at byte {end} of {self.data_nbytes} (truncated?)")
         return TensorInfo(name, dtype, shape, begin, end)
 
-    def raw(self, name: str) -> np.ndarray:
-        """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
-        info = self.tensors[name]
+    def mapped(self) -> np.ndarray:
+        """The data region as one read-only uint8 map (made on first use)."""
         if self._data is None:
+            guard_mapping(self.path)
             self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start,
                                    shape=(self.data_nbytes,)) if self.data_nbytes else \
                 np.zeros(0, np.uint8)
-        return self._data[info.begin:info.end].view(STORAGE[info.dtype]).reshape(info.shape)
+        return self._data
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
+        info = self.tensors[name]
+        return self.mapped()[info.begin:info.end].view(STORAGE[info.dtype]).reshape(info.shape)
 
 
 class Checkpoint:
@@ -120,21 +141,23 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise FermijitError(f"no such model directory: {self.directory}")
         index = self.directory / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-                shard_names = sorted(set(weight_map.values()))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-                    AttributeError):
-                raise FermijitError(f"{index}: not a safetensors index (no weight_map)") from None
-        elif (self.directory / SINGLE_NAME).is_file():
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not (isinstance(weight_map, dict)
+                    and all(isinstance(v, str) for v in weight_map.values())):
+                raise FermijitError(f"{index}: not a safetensors index (weight_map is not an "
+                                    f"object of file names)")
+            shard_names = sorted(set(weight_map.values()))
+            for shard in shard_names:  # names checked before anything is opened
+                member(self.directory, shard, f"{index}: weight_map")
+        elif (self.directory / SINGLE_NAME).exists():
             weight_map, shard_names = None, [SINGLE_NAME]
         else:
             raise FermijitError(f"{self.directory}: no {SINGLE_NAME} or {INDEX_NAME}")
         self.files = []
         self._where: dict[str, SafetensorsFile] = {}
         for shard in shard_names:
-            if not (self.directory / shard).is_file():
+            if not (self.directory / shard).exists():
                 raise FermijitError(f"{self.directory / shard}: shard named in the index is missing")
             f = SafetensorsFile(self.directory / shard)
             self.files.append(f)
@@ -188,7 +211,7 @@ class SafetensorsWriter:
         for name, dtype, shape in specs:
             if dtype not in STORAGE or name in self._infos or name == "__metadata__":
                 raise FermijitError(f"{self.path}: bad tensor spec {name!r} {dtype}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * STORAGE[dtype].itemsize
+            nbytes = math.prod(shape) * STORAGE[dtype].itemsize
             self._infos[name] = TensorInfo(name, dtype, tuple(shape), offset, offset + nbytes)
             header[name] = {"dtype": dtype, "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}

@@ -13,6 +13,8 @@ Dimension legend: as model/weights.py; S the context length.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import zipfile
 from pathlib import Path
 
@@ -112,10 +114,47 @@ def _resized(cache: np.ndarray, context: int, position: int) -> np.ndarray:
     return out
 
 
+def available_nbytes() -> int:
+    """Memory this process can still get: MemAvailable, less where a cgroup limit is lower."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def state_nbytes(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
+                 conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int]) -> int:
+    """Bytes of a `new_state` (fp32), computed in Python integers before anything is made."""
+    n_attention = sum(layer_kinds)
+    per_gdn = math.prod(conv_shape) + math.prod(recurrent_shape)
+    return 4 * (n_attention * 2 * context * math.prod(kv_shape)
+                + (len(layer_kinds) - n_attention) * per_gdn)
+
+
 def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
               conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int]) -> State:
     """Zeros: `layer_kinds[i]` is True for an attention layer; kv_shape (Hkv, D), conv_shape
-    (C, Kc-1), recurrent_shape (Hv, dk, dv)."""
+    (C, Kc-1), recurrent_shape (Hv, dk, dv). A state larger than the memory available is a
+    FermijitError saying what it needs, before any allocation (issue 11 case 7: the zeros are
+    allocated lazily, so an over-large cache failed later, or was killed)."""
+    nbytes = state_nbytes(layer_kinds, context, kv_shape, conv_shape, recurrent_shape)
+    available = available_nbytes()
+    if nbytes > available:
+        raise FermijitError(f"a context of {context} tokens needs {nbytes / 2**30:.2f} GiB for "
+                            f"the KV cache and recurrent state, {available / 2**30:.2f} GiB of "
+                            f"memory is available: use a smaller --ctx")
     hkv, d = kv_shape
     layers: list[KvCache | GdnState] = [
         KvCache(np.zeros((hkv, context, d), np.float32), np.zeros((hkv, context, d), np.float32))

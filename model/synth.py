@@ -34,6 +34,7 @@ from fermijit import FermijitError
 from fermijit.jit import cpu
 from fermijit.model import convert
 from fermijit.model.config import parse_config
+from fermijit.model.manifest import Source
 from fermijit.model.weights import text_weight_shapes
 
 # The published text_config of Qwen3.6-35B-A3B (tests/model/data/qwen3.6-35b-a3b.config.json;
@@ -278,7 +279,6 @@ def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
     raw = config_for(name, layers, overrides)
     cfg = parse_config(raw).text_config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
-    convert.check_output_dir(dst)
     shapes = text_weight_shapes(cfg)
     quants = {n: convert.quantisation(n, "q8_0") for n in shapes}
 
@@ -291,7 +291,9 @@ def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
     start = time.perf_counter()
     convert.write_model(dst, shapes, "q8_0",
                         lambda n, out: _fill(n, shapes[n], quants[n], seed, out),
-                        source={"synthetic": name, "seed": seed, "layers": cfg.num_hidden_layers},
+                        source=Source(path=f"synthetic:{name}",
+                                      fingerprint=f"seed {seed}, {cfg.num_hidden_layers} layers",
+                                      files=(), format="synthetic"),
                         other_files=other_files, desc=f"synth {name}",
                         show_progress=show_progress)
     seconds = time.perf_counter() - start

@@ -10,24 +10,25 @@ completes it arrives (the scheme of HF text-generation-inference's `decode_token
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.model.files import MAX_JSON_BYTES, open_regular, read_bytes, read_json
+
+# Chat templates render in milliseconds; a loop that does not end, or output past the size of
+# any context (262144 tokens is ~1 MB of text), is a broken or hostile template (issue 11 case 11).
+TEMPLATE_TIMEOUT_S = 2.0
+MAX_TEMPLATE_OUTPUT = 4 << 20
+# Address space a render may add: `~` (string concatenation) cannot be intercepted by the
+# sandbox, and a doubling loop reaches gigabytes before a timer fires between two steps.
+TEMPLATE_MEMORY_NBYTES = 1 << 30
 
 INCOMPLETE = "\ufffd"  # what a cut multi-byte character decodes to
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FermijitError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(raw, dict):
-        raise FermijitError(f"{path}: expected a JSON object")
-    return raw
 
 
 def _token_text(value) -> str | None:
@@ -52,19 +53,21 @@ class Tokenizer:
 
         directory = Path(directory)
         path = directory / "tokenizer.json"
-        if not path.is_file():
+        if not path.exists():
             raise FermijitError(f"{directory}: no tokenizer.json")
+        open_regular(path).close()
         try:
             self._tok = HfTokenizer.from_file(str(path))
         except Exception as e:  # the library raises its own untyped exceptions
-            raise FermijitError(f"{path}: not a readable tokenizer ({e})") from None
+            message = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise FermijitError(f"{path}: not a readable tokenizer ({message})") from None
         cfg_path = directory / "tokenizer_config.json"
-        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        cfg = read_json(cfg_path) if cfg_path.exists() else {}
         self.chat_template = self._find_template(directory, cfg)
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         gen_path = directory / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else {}
+        gen = read_json(gen_path) if gen_path.exists() else {}
         self.generation_config = gen
         eos = _ids(gen.get("eos_token_id"), str(gen_path)) or _ids(config_eos, "config.json")
         self.eos_ids = frozenset(eos)
@@ -77,8 +80,13 @@ class Tokenizer:
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        if template is None and (directory / "chat_template.jinja").is_file():
-            template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+        jinja_path = directory / "chat_template.jinja"
+        if template is None and jinja_path.exists():
+            try:
+                template = read_bytes(jinja_path, MAX_JSON_BYTES, "template").decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FermijitError(f"{jinja_path}: not UTF-8 ({e.reason} at byte {e.start})") \
+                    from None
         return template if isinstance(template, str) else None
 
     @property
@@ -87,6 +95,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         """int32 [T]. Special tokens written in `text` (e.g. from a chat template) are matched."""
+        if not isinstance(text, str):
+            raise FermijitError(f"the text to encode is a {type(text).__name__}, not a str")
         return np.array(self._tok.encode(text, add_special_tokens=add_special_tokens).ids,
                         dtype=np.int32)
 
@@ -100,7 +110,6 @@ class Tokenizer:
             raise FermijitError("--chat: the model has no chat template (tokenizer_config.json "
                                 "chat_template or chat_template.jinja)")
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -109,20 +118,132 @@ class Tokenizer:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                              extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            with _time_limit(TEMPLATE_TIMEOUT_S):
+                pieces, n_chars = [], 0
+                for piece in env.from_string(self.chat_template).generate(
+                        messages=messages, add_generation_prompt=add_generation_prompt,
+                        bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                    n_chars += len(piece)
+                    if n_chars > MAX_TEMPLATE_OUTPUT:
+                        raise _TemplateLimit(f"output past {MAX_TEMPLATE_OUTPUT >> 20} MiB")
+                    pieces.append(piece)
+                return "".join(pieces)
         except jinja2.exceptions.TemplateError as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FermijitError(f"chat template: {message}") from None
+        except _TemplateLimit as e:
             raise FermijitError(f"chat template: {e}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                RecursionError, MemoryError) as e:
+            # A template can raise any Python error ({{ 1/0 }}): it is the model's fault.
+            raise FermijitError(f"chat template: {type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
     def stream(self) -> "StreamDecoder":
         return StreamDecoder(self)
+
+
+class _TemplateLimit(Exception):
+    pass
+
+
+def _bounded_sandbox_class():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """jinja2's sandbox, with `*` and `**` (and calls with a huge count: str.center,
+        ljust, zfill) unable to build one giant value in a single step, where no timer can
+        interrupt them: `'a' * 2000000000` took a minute to fail."""
+
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                n = right if isinstance(right, int) else left if isinstance(left, int) else 1
+                other = left if n is right else right
+                if isinstance(other, (str, list, tuple)) and len(other) * n > MAX_TEMPLATE_OUTPUT:
+                    raise _TemplateLimit("a repetition past the output limit")
+            elif operator == "+" and isinstance(left, (str, list, tuple)) and \
+                    isinstance(right, type(left)) and len(left) + len(right) > MAX_TEMPLATE_OUTPUT:
+                raise _TemplateLimit("a concatenation past the output limit")
+            elif operator == "**" and isinstance(right, int) and right > 1024:
+                raise _TemplateLimit(f"an exponent of {right}")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, int) and a > MAX_TEMPLATE_OUTPUT:
+                    raise _TemplateLimit(f"a call with the count {a}")
+            return super().call(__context, __obj, *args, **kwargs)
+
+    return BoundedSandbox
+
+
+class _LazyBoundedSandbox:
+    """The sandbox class, made on first use (jinja2 imported only for --chat)."""
+
+    def __call__(self, **kwargs):
+        return _bounded_sandbox_class()(**kwargs)
+
+
+_BoundedSandbox = _LazyBoundedSandbox()
+
+
+def _address_space_nbytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _time_limit:
+    """Raise _TemplateLimit after `seconds` (SIGALRM: the main thread only; elsewhere the output
+    and repetition limits still hold), and cap the address space the render may add (a failed
+    allocation is a MemoryError)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.armed = threading.current_thread() is threading.main_thread()
+        self.previous_limit = None
+
+    def _expired(self, signum, frame):
+        raise _TemplateLimit(f"rendering took more than {self.seconds:g} s")
+
+    def __enter__(self):
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        import resource
+
+        used = _address_space_nbytes()
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if used is not None:
+            cap = used + TEMPLATE_MEMORY_NBYTES
+            if (hard == resource.RLIM_INFINITY or cap <= hard) and (
+                    soft == resource.RLIM_INFINITY or cap < soft):
+                resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+                self.previous_limit = (soft, hard)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous_limit is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, self.previous_limit)
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+        return False
 
 
 class StreamDecoder:

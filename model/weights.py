@@ -161,7 +161,7 @@ def text_weight_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
 
 def plan_text_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan]:
     """Every text-model tensor, in file order (embedding, layers, norm, lm_head), checked."""
-    prefix = _text_prefix(ckpt)
+    prefix = text_prefix(ckpt)
     shapes = text_weight_shapes(cfg)
     plans: list[TensorPlan] = []
 
@@ -230,7 +230,7 @@ def _expert_plans(ckpt: Checkpoint, m: str, s: str, E: int, I: int, H: int) -> l
             TensorPlan(m + "experts_down", (E, H, I), tuple(down))]
 
 
-def _text_prefix(ckpt: Checkpoint) -> str:
+def text_prefix(ckpt: Checkpoint) -> str:
     for prefix in ("model.language_model.", "model."):
         if prefix + "embed_tokens.weight" in ckpt:
             return prefix

@@ -52,6 +52,10 @@ GEMV_TILE = (1, 1)
 # memory operand (8 fewer instructions of 60 per 4-block step in the Westmere code).
 X_ALIGN = 16
 GEMM_TILE = (2, 4)
+# GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
+# of activations, both held in L2 (1-2 MiB), instead of every row group reading all T tokens.
+PANEL_BYTES = 1 << 17
+TOKEN_BYTES = 1 << 17
 
 
 def blocks_per_step(v: Vec) -> int:
@@ -64,7 +68,9 @@ class Q8Act:
 
     Within each step of `blocks_per_step` blocks, register j holds blocks j·lanes..j·lanes+lanes-1:
     first the low halves (elements 0..15) of those blocks, then the high halves, matching the
-    nibble split of the weights. Blocks after the last whole step keep the natural order.
+    nibble split of the weights. After the last whole step, whole steps of the half width
+    (simd.HALF_OF, AVX-512 only) are laid out the same way for its lanes; the blocks after those
+    keep the natural order (SSE's step layout, then single blocks).
     """
 
     xq: np.ndarray     # [T, K] int8, in the layout above
@@ -119,11 +125,13 @@ def reference(qs, d, x):
 
 # No fast-math: the rounding must be the reference's, bit for bit.
 @kernel(fastmath=False)
-def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks):
+def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
     n_tok, k = x.shape
     nb = k // 32
     whole = nb // step_blocks * step_blocks
     reg = 16 * lanes
+    half_step = 4 * half_lanes
+    half_end = whole + ((nb - whole) // half_step * half_step if half_lanes else 0)
     for t in range(n_tok):
         for b in range(nb):
             amax = np.float32(0.0)
@@ -135,6 +143,10 @@ def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks):
                 w = b % step_blocks
                 lo = (b - w) * 32 + (w // lanes) * 2 * reg + (w % lanes) * 16
                 hi = lo + reg
+            elif b < half_end:
+                w = (b - whole) % half_step
+                lo = (b - w) * 32 + (w // half_lanes) * 32 * half_lanes + (w % half_lanes) * 16
+                hi = lo + 16 * half_lanes
             else:
                 lo = b * 32
                 hi = lo + 16
@@ -174,7 +186,9 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
     elif out.xq.shape != x2.shape:  # the rest was checked when `out` was made
         raise FermijitError(f"quantize_act: out holds {list(out.xq.shape)}, x is "
                             f"{list(x2.shape)}")
-    _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v))
+    half = simd.HALF_OF.get(v.isa)
+    _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v),
+                         half.lanes if half else 0)
     return out
 
 
@@ -239,7 +253,6 @@ def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
 def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
     """An intrinsic computing out[o0+t, r0+r] from activations t0+t, for r < n_rows, t < n_tok."""
     bps = blocks_per_step(v)
-    w = v.nbytes
 
     @intrinsic
     def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0, o0):
@@ -265,54 +278,74 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
             dx_row = [at(dx_a.data, t, builder.mul(nb, c(4))) for t in toks]
             xs_row = [at(xs_a.data, t, builder.mul(nb, c(4))) for t in toks]
 
-            facc = vec(F32, bps)
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
-                    for _ in range(n_tok)] for _ in range(n_rows)]
+            qs_ahead = c(PREFETCH_BYTES)
+            d_ahead = c(PREFETCH_BYTES * 2 // fmt.block_bytes)
+
+            def steps(sv: Vec, first_block, n_steps):
+                """n_steps steps of blocks_per_step(sv) blocks from `first_block` at sv's width,
+                into per-(row, token) accumulators of that width, which it returns."""
+                sbps, sw = blocks_per_step(sv), sv.nbytes
+                facc = vec(F32, sbps)
+                acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
+                        for _ in range(n_tok)] for _ in range(n_rows)]
+                step_bytes = sbps * fmt.block_bytes
+                with cgutils.for_range(builder, n_steps) as loop:
+                    b0 = builder.add(first_block, builder.mul(loop.index, c(sbps)))
+                    qs_off = builder.mul(b0, c(fmt.block_bytes))
+                    d_off = builder.mul(b0, c(2))
+                    x_off = builder.mul(b0, c(32))
+                    f_off = builder.mul(b0, c(4))
+                    units, scales = [], []
+                    for i in range(n_rows):
+                        for line in range(0, step_bytes, 64):
+                            simd.prefetch(builder, qs_row[i],
+                                          builder.add(builder.add(qs_off, qs_ahead), c(line)))
+                        # The scales are a second stream, as far ahead in rows: a row's scales
+                        # are a cache line or two that the hardware prefetcher alone fetched late.
+                        simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
+                        units.append(_load_units(fmt, sv, builder, qs_row[i], qs_off,
+                                                 VECTORS_PER_STEP))
+                        scales.append(simd.fp16_to_f32(
+                            sv, builder, simd.load(builder, d_row[i], d_off, vec(I16, sbps))))
+                    for t in range(n_tok):
+                        xs = [simd.load(builder, xq_row[t], builder.add(x_off, c(j * sw)),
+                                        vec(I8, sw), X_ALIGN)
+                              for j in range(2 * VECTORS_PER_STEP)]
+                        dxv = simd.load(builder, dx_row[t], f_off, facc)
+                        if fmt.is_offset:
+                            corr = simd.load(builder, xs_row[t], f_off, vec(I32, sbps))
+                        for i in range(n_rows):
+                            parts = [_unit_sums(fmt, sv, builder, u, xs[2 * j], xs[2 * j + 1])
+                                     for j, u in enumerate(units[i])]
+                            isum = simd.block_sums(sv, builder, parts)
+                            if fmt.is_offset:
+                                isum = builder.sub(isum, corr)
+                            scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
+                                                  scales[i])
+                            builder.store(builder.fadd(builder.load(acc[i][t]), scaled),
+                                          acc[i][t])
+                return acc
+
+            n_steps = builder.udiv(nb, c(bps))
+            accs = [steps(v, c(0), n_steps)]
+            whole = builder.mul(n_steps, c(bps))
+            half = simd.HALF_OF.get(v.isa) if v.nbytes > simd.AVX512VNNI_256.nbytes else None
+            if half is not None:  # whole half-width steps next, laid out so by Q8Act
+                n_half = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(half)))
+                accs.append(steps(half, whole, n_half))
+                whole = builder.add(whole, builder.mul(n_half, c(blocks_per_step(half))))
+            if v.nbytes > SSE.nbytes:
+                # The rest in natural order (Q8Act), which is SSE's step layout: whole SSE steps
+                # there, so small K (the default model's 96-512) is not all one-block steps.
+                n_sse = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(SSE)))
+                accs.append(steps(SSE, whole, n_sse))
+                whole = builder.add(whole, builder.mul(n_sse, c(blocks_per_step(SSE))))
             tail = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
                      for _ in range(n_tok)] for _ in range(n_rows)]
 
-            step_bytes = bps * fmt.block_bytes
-            qs_ahead = c(PREFETCH_BYTES)
-            d_ahead = c(PREFETCH_BYTES * 2 // fmt.block_bytes)
-            n_steps = builder.udiv(nb, c(bps))
-            with cgutils.for_range(builder, n_steps) as loop:
-                s = loop.index
-                qs_off = builder.mul(s, c(step_bytes))
-                d_off = builder.mul(s, c(bps * 2))
-                x_off = builder.mul(s, c(bps * 32))
-                f_off = builder.mul(s, c(bps * 4))
-                units, scales = [], []
-                for i in range(n_rows):
-                    for line in range(0, step_bytes, 64):
-                        simd.prefetch(builder, qs_row[i],
-                                      builder.add(builder.add(qs_off, qs_ahead), c(line)))
-                    # The scales are a second stream, as far ahead in rows: a row's scales are
-                    # a cache line or two that the hardware prefetcher alone fetched late.
-                    simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
-                    units.append(_load_units(fmt, v, builder, qs_row[i], qs_off,
-                                             VECTORS_PER_STEP))
-                    scales.append(simd.fp16_to_f32(
-                        v, builder, simd.load(builder, d_row[i], d_off, vec(I16, bps))))
-                for t in range(n_tok):
-                    xs = [simd.load(builder, xq_row[t], builder.add(x_off, c(j * w)), vec(I8, w),
-                                    X_ALIGN)
-                          for j in range(2 * VECTORS_PER_STEP)]
-                    dxv = simd.load(builder, dx_row[t], f_off, facc)
-                    if fmt.is_offset:
-                        corr = simd.load(builder, xs_row[t], f_off, vec(I32, bps))
-                    for i in range(n_rows):
-                        parts = [_unit_sums(fmt, v, builder, u, xs[2 * j], xs[2 * j + 1])
-                                 for j, u in enumerate(units[i])]
-                        isum = simd.block_sums(v, builder, parts)
-                        if fmt.is_offset:
-                            isum = builder.sub(isum, corr)
-                        scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
-                                              scales[i])
-                        builder.store(builder.fadd(builder.load(acc[i][t]), scaled), acc[i][t])
-
             # Blocks past the last whole step: one block, at SSE width, at a time.
-            with cgutils.for_range(builder, builder.sub(nb, builder.mul(n_steps, c(bps)))) as lp:
-                b = builder.add(builder.mul(n_steps, c(bps)), lp.index)
+            with cgutils.for_range(builder, builder.sub(nb, whole)) as lp:
+                b = builder.add(whole, lp.index)
                 for i in range(n_rows):
                     (unit,) = _load_units(fmt, SSE, builder, qs_row[i],
                                           builder.mul(b, c(fmt.block_bytes)), 1)
@@ -338,8 +371,9 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
 
             for i in range(n_rows):
                 for t in range(n_tok):
-                    y = builder.fadd(simd.hsum(builder, builder.load(acc[i][t])),
-                                     builder.load(tail[i][t]))
+                    y = builder.load(tail[i][t])
+                    for acc in accs:
+                        y = builder.fadd(simd.hsum(builder, builder.load(acc[i][t])), y)
                     out_row = builder.add(o0v, c(t))
                     index = builder.add(builder.mul(out_row, out_cols), rows[i])
                     builder.store(y, builder.bitcast(at(out_a.data, index, c(4)),
@@ -371,19 +405,28 @@ def _warm(typingctx, a, row):
 
 
 def _product_share(thread, n_threads, args):
-    """One thread's run of row groups (a static split: each thread streams one run of memory)."""
+    """One thread's run of row groups (a static split: each thread streams one run of memory),
+    cut into panels of rows times blocks of tokens that stay in L2 (PANEL_BYTES, TOKEN_BYTES).
+    One token (the GEMV) is one block: rows in order, as before."""
     qs, d, xq, dx, xsum8, out = args
     row_groups = qs.shape[0] // ROWS
-    n_tok = xq.shape[0]
+    n_tok, k = xq.shape
     tok_whole = n_tok // TOKS * TOKS
+    tok_block = max(1, TOKEN_BYTES // (k * TOKS)) * TOKS
+    panel = max(1, PANEL_BYTES // (ROWS * qs.shape[1]))
     first = thread * row_groups // n_threads
+    last = (thread + 1) * row_groups // n_threads
     _warm(qs, first * ROWS)
     _warm(d, first * ROWS)
-    for g in range(first, (thread + 1) * row_groups // n_threads):
-        for t in range(0, tok_whole, TOKS):
-            tile(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
-        for t in range(tok_whole, n_tok):
-            rows_by_1(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
+    for g0 in range(first, last, panel):
+        g1 = min(g0 + panel, last)
+        for t0 in range(0, tok_whole, tok_block):
+            for g in range(g0, g1):
+                for t in range(t0, min(t0 + tok_block, tok_whole), TOKS):
+                    tile(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
+        for g in range(g0, g1):
+            for t in range(tok_whole, n_tok):
+                rows_by_1(qs, d, xq, dx, xsum8, out, g * ROWS, t, t)
 
 
 def _product_body(qs, d, xq, dx, xsum8, out):
@@ -449,7 +492,48 @@ def _gathered_body(qs, d, idx, sqs, sd, xq, dx, xsum8, out):
             one_by_1(w, s, xq, dx, xsum8, out, r, 0 if shared_x else i, i)
 
 
-_SHARES = {_product_body: _product_share, _gathered_body: _gathered_share}
+def _grouped_share(thread, n_threads, args):
+    """Jobs (expert, row group), in order, each worth its expert's tokens: every thread takes the
+    jobs that start in its equal share of the work (routing leaves experts unevenly loaded)."""
+    qs, d, offsets, xq, dx, xsum8, out = args
+    n_experts = qs.shape[0]
+    row_groups = qs.shape[1] // ROWS
+    total = offsets[n_experts] * row_groups
+    lo = thread * total // n_threads
+    hi = (thread + 1) * total // n_threads
+    done = 0
+    for e in range(n_experts):
+        t0, t1 = offsets[e], offsets[e + 1]
+        n = t1 - t0
+        if n == 0:
+            continue
+        # Job g starts at done + g·n: this thread's are those starting in [lo, hi).
+        g_first = max(0, (lo - done + n - 1) // n)
+        g_end = min(row_groups, (hi - done + n - 1) // n)
+        tok_whole = t0 + n // TOKS * TOKS
+        if g_first < g_end:
+            _warm(qs[e], g_first * ROWS)
+            _warm(d[e], g_first * ROWS)
+        for g in range(g_first, g_end):
+            for t in range(t0, tok_whole, TOKS):
+                tile(qs[e], d[e], xq, dx, xsum8, out, g * ROWS, t, t)
+            for t in range(tok_whole, t1):
+                rows_by_1(qs[e], d[e], xq, dx, xsum8, out, g * ROWS, t, t)
+        done += n * row_groups
+
+
+def _grouped_body(qs, d, offsets, xq, dx, xsum8, out):
+    """out[o_e:o_e+1] = x[o_e:o_e+1] · W[e]ᵀ for every expert e (o = offsets): the MoE prefill's
+    experts in one parallel launch per projection, tokens sorted by expert."""
+    fork((qs, d, offsets, xq, dx, xsum8, out))
+    for e in range(qs.shape[0]):
+        for r in range(qs.shape[1] // ROWS * ROWS, qs.shape[1]):
+            for t in range(offsets[e], offsets[e + 1]):
+                one_by_1(qs[e], d[e], xq, dx, xsum8, out, r, t, t)
+
+
+_SHARES = {_product_body: _product_share, _gathered_body: _gathered_share,
+           _grouped_body: _grouped_share}
 
 
 def _array(dtype, ndim, readonly=False):
@@ -465,6 +549,8 @@ _SIGNATURES = {
     _gathered_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
                                 _array(types.int32, 1, True), _array(types.uint8, 3, True),
                                 _array(types.uint16, 3, True), *_ACT, _array(types.float32, 2))],
+    _grouped_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
+                               _array(types.int64, 1, True), *_ACT, _array(types.float32, 2))],
 }
 _products: dict = {}
 
@@ -664,6 +750,43 @@ def gathered(qs, d_bits, idx, act: Q8Act, out, shared=None):
                             f"{list(getattr(out, 'shape', []))}: inconsistent")
     _call("matvec.gathered", _product(act.vec.isa, GEMV_TILE, _gathered_body), qs, d_bits, idx,
           sqs, sd_bits, act.xq, act.dx, act.xsum8, out)
+    return out
+
+
+def grouped_reference(qs, d, offsets, x):
+    """out[offsets[e]:offsets[e+1]] = W[e] · x[offsets[e]:offsets[e+1]] (rows of x grouped by
+    expert); qs [E, R, K/2], offsets [E+1] -> [n, R]."""
+    parts = [np.zeros((0, d.shape[1]))]
+    parts += [reference(qs[e], d[e], x[offsets[e]:offsets[e + 1]]).reshape(-1, d.shape[1])
+              for e in range(qs.shape[0]) if offsets[e + 1] > offsets[e]]
+    return np.concatenate(parts)
+
+
+def grouped_cpu(qs, d, offsets, x, out=None, *, isa: Isa | None = None):
+    """`grouped_reference` in one parallel launch; x float32 [n, K] or a Q8Act; out [n, R]."""
+    isa = isa or selected_isa()
+    rows, nb = _check_weights("matvec.grouped", qs, d, ndim=3)
+    act = _as_act("matvec.grouped", x, nb, isa)
+    return grouped(qs, d.view(np.uint16), offsets, act,
+                   output("matvec.grouped", out, (act.xq.shape[0], rows)))
+
+
+def grouped(qs, d_bits, offsets, act: Q8Act, out):
+    """`grouped_cpu` for checked weights (MoeWeights): offsets int64 [E+1], from 0 to the
+    number of activation rows, non-decreasing; d as its uint16 bits."""
+    n_act, k = act.xq.shape
+    n_experts, rows = qs.shape[:2]
+    check_array("matvec.grouped", "offsets", offsets, np.int64, (n_experts + 1,))
+    if offsets[0] != 0 or offsets[-1] != n_act or np.any(offsets[1:] < offsets[:-1]):
+        raise FermijitError(f"matvec.grouped: offsets must rise from 0 to the {n_act} activation "
+                            f"rows, got [{offsets[0]}, ..., {offsets[-1]}]")
+    if (k != 2 * qs.shape[-1] or getattr(out, "shape", None) != (n_act, rows)
+            or d_bits.shape != (n_experts, rows, k // BLOCK)):
+        raise FermijitError(f"matvec.grouped: weights {list(qs.shape)} (bytes) with scales "
+                            f"{list(d_bits.shape)}, x of {k} inputs, out "
+                            f"{list(getattr(out, 'shape', []))}: inconsistent")
+    _call("matvec.grouped", _product(act.vec.isa, GEMM_TILE, _grouped_body), qs, d_bits, offsets,
+          act.xq, act.dx, act.xsum8, out)
     return out
 
 

@@ -10,7 +10,8 @@ tensor of its own ([1, ...]), so it is "the routed op with E = 1" (ops.expert_ma
 
 `reference` is the fp32-activation spec (ops.expert_matmul.reference, twice). `cpu` is W4A8:
 decode (T = 1) runs each projection of all selected experts as one gathered launch
-(matvec.gathered); CPU prefill (T > 1) runs one batched GEMM per expert over its tokens.
+(matvec.gathered); CPU prefill (T > 1) sorts the tokens by expert once (a counting sort) and runs
+each projection of all experts as one grouped GEMM launch (matvec.grouped).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
@@ -74,12 +76,16 @@ def reference(x, ids, weights, w: MoeWeights):
 
 # --- cpu ----------------------------------------------------------------------------------------
 
-@kernel
-def _swiglu(gu, h):  # gu [n, 2I] -> h [n, I]
+def _swiglu_body(gu, h):  # gu [n, 2I] -> h [n, I]
     n_inter = h.shape[1]
-    for i in range(h.shape[0]):
+    for i in prange(h.shape[0]):
         for j in range(n_inter):
             h[i, j] = mathf.silu(gu[i, j]) * gu[i, n_inter + j]
+
+
+# One body twice: decode's few rows on one thread, prefill's rows on all threads.
+_swiglu = kernel(_swiglu_body)
+_swiglu_rows = kernel(parallel=True, variant="parallel")(_swiglu_body)
 
 
 @kernel
@@ -189,23 +195,65 @@ def _decode(x, ids, weights, w, out, s: Scratch):
     _combine(routed, weights[0], shared, x[0], w.shared_gate, out[0])
 
 
-def _expert_ffn(gate_up_qs, gate_up_d, down_qs, down_d, act: Q8Act):
-    """One expert's SwiGLU over the tokens of `act` (batched GEMMs) -> [n, H]."""
-    gu = matvec.cpu(gate_up_qs, gate_up_d, act)
-    h = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
-    _swiglu(gu, h)
-    return matvec.cpu(down_qs, down_d, matvec.quantize_act(h))
+@kernel
+def _sort_slots(ids, n_experts, rows, slot_pos, offsets):
+    """Counting sort of the slots (token t, choice j) by expert, stable: rows [S] the token of each
+    sorted slot, slot_pos [T, k] where slot (t, j) went, offsets [E+1] each expert's run."""
+    n_tok, top_k = ids.shape
+    offsets[:] = 0
+    for t in range(n_tok):
+        for j in range(top_k):
+            offsets[ids[t, j] + 1] += 1
+    for e in range(n_experts):
+        offsets[e + 1] += offsets[e]
+    fill = offsets[:n_experts].copy()
+    for t in range(n_tok):
+        for j in range(top_k):
+            e = ids[t, j]
+            slot_pos[t, j] = fill[e]
+            rows[fill[e]] = t
+            fill[e] += 1
+
+
+@kernel(parallel=True)
+def _combine_rows(routed, slot_pos, weights, shared, gate, y):
+    """y[t] = gate[t]·shared[t] + Σ_j weights[t, j]·routed[slot_pos[t, j]]: a gather per token,
+    so the threads never write one row."""
+    for t in prange(y.shape[0]):
+        for c in range(y.shape[1]):
+            acc = gate[t] * shared[t, c]
+            for j in range(weights.shape[1]):
+                acc += weights[t, j] * routed[slot_pos[t, j], c]
+            y[t, c] = acc
+
+
+def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets):
+    """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection)."""
+    n = act.xq.shape[0]
+    gu = matvec.grouped(qs_gate_up, d_gate_up, offsets, act, np.empty((n, qs_gate_up.shape[1]),
+                                                                          np.float32))
+    h = np.empty((n, gu.shape[1] // 2), np.float32)
+    _swiglu_rows(gu, h)
+    return matvec.grouped(qs_down, d_down, offsets, matvec.quantize_act(h),
+                          np.empty((n, qs_down.shape[1]), np.float32))
 
 
 def _prefill(x, ids, weights, w, out):
+    """The tokens sorted by expert once; each projection of every expert (and of the shared one,
+    as E = 1) one launch; the weighted sum a gather per token."""
+    n_tok, top_k = ids.shape
+    n_experts = w.gate_up_qs.shape[0]
+    rows = np.empty(n_tok * top_k, np.int64)
+    slot_pos = np.empty((n_tok, top_k), np.int64)
+    offsets = np.empty(n_experts + 1, np.int64)
+    _sort_slots(ids, n_experts, rows, slot_pos, offsets)
     act = matvec.quantize_act(x)
-    y = out
-    shared = _expert_ffn(*(a[0] for a in w.shared), act)
-    y[...] = _shared_gate(x, w.shared_gate)[:, None].astype(np.float32) * shared
-    for e in np.unique(ids):
-        t, k = np.nonzero(ids == e)
-        y[t] += weights[t, k, None] * _expert_ffn(w.gate_up_qs[e], w.gate_up_d[e],
-                                                   w.down_qs[e], w.down_d[e], act.rows(t))
+    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets)
+    shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
+                  np.array([0, n_tok], np.int64))
+    gate = _shared_gate(x, w.shared_gate).astype(np.float32)
+    _combine_rows(routed, slot_pos, weights, shared, gate, out)
 
 
 def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None):

@@ -197,7 +197,9 @@ class Sampler:
             raise FermijitError(f"sampling: vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.temperature = float(temperature)
-        self.top_k = int(top_k)
+        # Past the vocabulary, top-k keeps everything: clamped, so --top-k 2**64 or top_k 1e30
+        # in generation_config.json cannot overflow the kernel's int64 (issue 11 case 6).
+        self.top_k = min(int(top_k), vocab_size)
         self.top_p = float(top_p)
         self.rng = np.random.default_rng(seed)
         self._heap = np.empty(heap_size(vocab_size, self.top_k), np.int32)

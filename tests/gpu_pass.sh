@@ -14,7 +14,7 @@ nvidia-smi -L >"$out/device.txt" 2>&1
 python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
 echo "kernels check rc=$?"
 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_*_gpu.py tests/fermijit/test_ptx*.py \
-  tests/ops/test_embedding.py >"$out/gpu-tests.log" 2>&1
+  tests/ops/test_embedding.py tests/fermijit/test_hybrid*.py >"$out/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"
 # The largest max|e - a| / max|e| per quantity over all tested shapes (tests/gpu.py report_error).
 grep -h "^rel err " "$out/gpu-tests.log" | sed 's/^rel err //' \
@@ -22,9 +22,11 @@ grep -h "^rel err " "$out/gpu-tests.log" | sed 's/^rel err //' \
   | sort >"$out/errors.txt"
 python3 -m fermijit bench gpu >"$out/bench.txt" 2>&1
 echo "bench rc=$?"
+python3 -m fermijit bench prefill --model fermijit/default_model >"$out/bench-prefill.txt" 2>&1
+echo "bench prefill rc=$?"
 grep -E "passed|failed|error" "$out/gpu-tests.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" | head -20
 tail -3 "$out/kernels-check.txt"
 echo "max relative errors (max|e-a|/max|e|) over the tested shapes:"
 cat "$out/errors.txt"
-cat "$out/bench.txt"
+cat "$out/bench.txt" "$out/bench-prefill.txt"

@@ -10,7 +10,10 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import os
 import re
+import sys
+import tempfile
 from pathlib import Path
 
 import llvmlite.binding as llvm
@@ -112,14 +115,39 @@ def variants_up_to(isa: Isa) -> list[Isa]:
     return list(PREFERENCE[PREFERENCE.index(isa):])
 
 
+def physical_cores() -> int:
+    """The cores this process may run on, SMT siblings counted once (each CPU's
+    topology/thread_siblings_list); every allowed CPU where the topology cannot be read."""
+    allowed = os.sched_getaffinity(0)
+    cores = set()
+    for n in allowed:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{n}/topology/thread_siblings_list")
+                      .read_text().strip())
+        except OSError:
+            return len(allowed)
+    return len(cores)
+
+
+_threads_chosen = False
+
+
 def configure_threads(n_threads: int | None) -> int:
-    """Prefer the omp layer (4x lower call overhead than workqueue: notes, section 5)."""
+    """Set Numba's thread count: `n_threads`, or by default the physical cores (an SMT sibling
+    shares its core's load ports and caches: decode is bound by memory, prefill by those units).
+    A later None keeps what was chosen. Prefers the omp layer (4x lower call overhead than
+    workqueue: notes, section 5)."""
+    global _threads_chosen
     numba_config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
     if n_threads is not None:
         if not 1 <= n_threads <= numba_config.NUMBA_NUM_THREADS:
             raise FermijitError(
                 f"--threads must be between 1 and {numba_config.NUMBA_NUM_THREADS}")
         numba.set_num_threads(n_threads)
+        _threads_chosen = True
+    elif not _threads_chosen:
+        numba.set_num_threads(max(1, min(physical_cores(), numba_config.NUMBA_NUM_THREADS)))
+        _threads_chosen = True
     return numba.get_num_threads()
 
 
@@ -156,6 +184,62 @@ class _SourceKeyedCache(FunctionCache):
 
     def _index_key(self, sig, codegen):
         return super()._index_key(sig, codegen) + self._extra_key
+
+
+_cache_note_said = False
+
+
+def _say_once(message: str) -> None:
+    global _cache_note_said
+    if not _cache_note_said:
+        _cache_note_said = True
+        print(f"fermijit: {message}", file=sys.stderr)
+
+
+def _private_dir(path: Path) -> bool:
+    """`path` made (or found) as a directory of ours alone: cached kernels are code to run, so a
+    folder another user could write to is not one to load them from."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return False
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def _source_keyed_cache(body, extra: tuple) -> "_SourceKeyedCache | None":
+    """Numba's cache needs a writable place: the package's __pycache__, NUMBA_CACHE_DIR or the
+    user's cache folder. A read-only install with no writable HOME has none, and every model
+    command died at import (issue 11 case 5). Then fall back to a private folder in the temp
+    directory, and failing that run uncached (compiling every run); said once on stderr."""
+    try:
+        return _SourceKeyedCache(body, extra)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        pass
+    if not numba_config.CACHE_DIR:
+        for folder in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                       / "fermijit",
+                       Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"):
+            try:
+                is_ok = _private_dir(folder)
+            except RuntimeError:  # Path.home() without HOME or a passwd entry
+                continue
+            if is_ok:
+                numba_config.CACHE_DIR = str(folder)
+                break
+        try:
+            cache = _SourceKeyedCache(body, extra)
+            _say_once(f"kernels are cached in {numba_config.CACHE_DIR} (the package folder "
+                      f"and Numba's user cache are not writable)")
+            return cache
+        except RuntimeError:
+            pass
+    _say_once("no writable folder for Numba's cache: kernels are compiled on every run "
+              "(set NUMBA_CACHE_DIR to a writable folder)")
+    return None
 
 
 def bind(fn, name: str = "", **bindings):
@@ -205,7 +289,9 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
                                 nogil=True)(body)
         folder = Path(fn.__code__.co_filename).resolve().parent
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
-        dispatcher._cache = _SourceKeyedCache(body, extra)
+        cache = _source_keyed_cache(body, extra)
+        if cache is not None:
+            dispatcher._cache = cache
         for sig in signatures:
             dispatcher.compile(sig)
         if signatures:

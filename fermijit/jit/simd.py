@@ -50,6 +50,12 @@ AVX2 = Vec(Isa.AVX2, 32, "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd",
 AVX512VNNI = Vec(Isa.AVX512VNNI, 64, "llvm.x86.avx512.pmaddubs.w.512",
                  "llvm.x86.avx512.pmaddw.d.512", None, "llvm.x86.avx512.vpdpbusd.512", True)
 VEC_OF = {v.isa: v for v in (SSE, AVX2, AVX512VNNI)}
+# AVX-512 VNNI on 256-bit registers (AVX512VL): the half-width steps of a kernel whose wide steps
+# leave whole 8-block runs (K = 384 is none of 16-block steps but one of these and one of SSE's).
+AVX512VNNI_256 = Vec(Isa.AVX512VNNI, 32, "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd",
+                     "llvm.x86.avx2.phadd.d", "llvm.x86.avx512.vpdpbusd.256", True)
+# The width a kernel steps at between its full-width steps and SSE's, where there is one.
+HALF_OF = {AVX512VNNI.isa: AVX512VNNI_256}
 
 
 def _call(builder, name: str, ret: ir.Type, args: list):

@@ -30,6 +30,8 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     for key in ("load_s", "warm_up_s", "prefill_tok_s", "decode_tok_s", "read_gbs",
                 "ceiling_tok_s", "peak_rss", "peak_anon", "peak_file", "prefill_gflops"):
         assert r[key] > 0, key
+    for key in ("decode_major_faults", "decode_read_bytes"):
+        assert r[key] >= 0, key
     assert r["threads"] == 1 and r["prompt_tokens"] == 8 and r["decode_tokens"] == 3
     assert r["experts_selected_per_layer"] == [TOP_K] * 4
     assert r["ready_to_decode_s"] == pytest.approx(r["load_s"] + r["warm_up_s"])
@@ -67,3 +69,20 @@ def test_table_and_bad_input(report, capsys, monkeypatch):
         assert label in out, label
     with pytest.raises(FermijitError, match="one of --model"):
         bench_decode.run(None, None, 4, 2, None, as_json=False, profile=False)
+
+
+def test_synthetic_is_built_into_a_temporary_directory(capsys, monkeypatch):
+    """--synthetic NAME without --model: built (here shrunk), measured, removed afterwards."""
+    real = synth.synth
+    made = []
+
+    def small_synth(name, dst, **kwargs):
+        made.append(dst)
+        return real(name, dst, layers=4, overrides=SMALL, show_progress=False)
+
+    monkeypatch.setattr(synth, "synth", small_synth)
+    monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
+    r = bench_decode.run(None, "qwen3.6-35b-a3b-reap128", 4, 2, 1, as_json=False, profile=False)
+    assert r["synthetic"]["name"] == "qwen3.6-35b-a3b-reap128" and r["synthetic"]["build_s"] > 0
+    assert "built in" in capsys.readouterr().out
+    assert len(made) == 1 and not made[0].exists()

@@ -162,7 +162,7 @@ MODEL_CASES = {
                       "expected [4]",
     "dtype-mismatch": "tensor model.language_model.layers.1.linear_attn.dt_bias has dtype I32",
     "truncated": "corrupt safetensors file",
-    "corrupt-header": "corrupt safetensors file: header is not valid JSON",
+    "corrupt-header": "corrupt safetensors file: header: not UTF-8",
     "q4-truncated": "corrupt safetensors file",
     "q4-no-tokenizer": "no tokenizer.json",
     "q4-manifest-shape": "tensor layers.2.mlp.experts_down has shape [16, 128, 32], config.json "

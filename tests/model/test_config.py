@@ -92,6 +92,11 @@ def mutated(path: tuple, value) -> dict:
     (("text_config", "num_key_value_heads"), 3, "multiple of num_key_value_heads"),
     (("text_config", "num_experts_per_tok"), 300, "num_experts_per_tok exceeds"),
     (("text_config", "hidden_act"), "gelu", "unsupported hidden_act"),
+    # issue 11 cases 1 and 10: non-finite floats; sizes bounded before anything is built
+    (("text_config", "rms_norm_eps"), float("inf"), "Infinity is not a number JSON allows"),
+    (("text_config", "rope_parameters", "rope_theta"), float("nan"), "NaN is not a number"),
+    (("text_config", "num_hidden_layers"), 10 ** 9, "num_hidden_layers 1000000000 is beyond"),
+    (("text_config", "vocab_size"), 2 ** 40, "vocab_size 1099511627776 is beyond"),
 ])
 def test_bad_config(tmp_path, path, value, message):
     file = tmp_path / "config.json"
@@ -101,11 +106,29 @@ def test_bad_config(tmp_path, path, value, message):
     assert str(file) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_non_finite_floats_are_type_errors():
+    """From a dict (not through the JSON reader) too: a float field must be finite."""
+    with pytest.raises(FermijitError, match="rms_norm_eps: expected finite float, got Infinity"):
+        parse_config(mutated(("text_config", "rms_norm_eps"), float("inf")))
+
+
+def test_a_billion_layers_fail_fast(tmp_path):
+    """Without layer_types, num_hidden_layers 1e9 built a billion-entry tuple first (a hang)."""
+    import time
+
+    raw = mutated(("text_config", "layer_types"), KeyError)
+    raw["text_config"]["num_hidden_layers"] = 10 ** 9
+    start = time.perf_counter()
+    with pytest.raises(FermijitError, match="num_hidden_layers 1000000000 is beyond 1024"):
+        parse_config(raw)
+    assert time.perf_counter() - start < 5  # a bound no loaded CI machine reaches: it was hours
+
+
 def test_unreadable_config(tmp_path):
     with pytest.raises(FermijitError, match="no config file"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(FermijitError, match="not a readable JSON file"):
+    with pytest.raises(FermijitError, match="not valid JSON"):
         load_config(tmp_path)
 
 

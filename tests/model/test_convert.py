@@ -4,8 +4,11 @@ input through the CLI (one line on stderr, exit code 2)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import textwrap
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,7 +120,7 @@ def test_loader_and_both_layouts_agree(converted, tmp_path):
     convert.convert(fused, tmp_path / "fused-out", lm_head="q4_0", show_progress=False)
     cfg, w, _ = convert.load_converted(dst)
     _, w4, manifest = convert.load_converted(tmp_path / "fused-out")
-    assert manifest["tensors"]["lm_head"]["quant"] == "q4_0" and w4.lm_head.kind == "q4_0"
+    assert manifest.tensors["lm_head"].quant == "q4_0" and w4.lm_head.kind == "q4_0"
     gate_up, gate_up4 = w.layers[1].mlp.experts_gate_up, w4.layers[1].mlp.experts_gate_up
     assert isinstance(gate_up, QuantTensor) and isinstance(gate_up.qs, np.memmap)
     np.testing.assert_array_equal(gate_up.qs, gate_up4.qs)
@@ -219,3 +222,107 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
     assert code == 2 and "exists and is not empty" in err and err.count("\n") == 1
     code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "x", "--lm-head", "f16")
     assert code == 2 and "f16" in err
+
+
+# --- issue 11: faults while converting ---------------------------------------------------------
+
+def one_error_line(err: str) -> bool:
+    """The error is stderr's last line and its only one (the progress bar may precede it)."""
+    lines = err.splitlines()
+    return [x for x in lines if x.startswith("Error")] == lines[-1:] and "Traceback" not in err
+
+def test_non_finite_source_is_refused(tmp_path, monkeypatch, capsys):
+    """Case 1: a NaN weight converted silently and ran to exit 0 with changed output."""
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    w = tiny.random_weights()
+    w["model.language_model.layers.2.mlp.experts.down_proj"][3, 5, 7] = np.inf
+    save_file(src / "model.safetensors", w)
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    assert code == 2 and one_error_line(err)
+    assert "layers.2.mlp.experts_down holds NaN or infinite values" in err, err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_disk_full_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """Case 8: ENOSPC was a traceback, and the .partial file kept holding the space."""
+    import errno
+
+    from fermijit.model import safetensors_io
+
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    real_write, calls = safetensors_io.SafetensorsWriter.write, []
+
+    def write(self, name, array, start=0):
+        calls.append(name)
+        if len(calls) == 20:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real_write(self, name, array, start)
+
+    monkeypatch.setattr(safetensors_io.SafetensorsWriter, "write", write)
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    assert code == 2 and one_error_line(err), err
+    assert "No space left on device" in err and "model.safetensors.partial" in err
+    assert not (tmp_path / "dst").exists()
+    (tmp_path / "empty").mkdir()  # a directory the user made stays, emptied
+    calls.clear()
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "empty")
+    assert code == 2 and list((tmp_path / "empty").iterdir()) == []
+
+
+def test_sigterm_removes_the_partial_output(tmp_path):
+    """Case 8: SIGTERM mid-convert left model.safetensors.partial behind."""
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from fermijit.model import convert
+        from fermijit.cli import main
+        real = convert.stream
+        def stream(*args):
+            for i, n in enumerate(real(*args)):
+                if args[0] == "layers.1.mlp.experts_gate_up":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield n
+        convert.stream = stream
+        sys.argv = ["fermijit", "convert", {str(src)!r}, {str(tmp_path / "dst")!r}]
+        main()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == "Error: convert: terminated (SIGTERM)", r.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_leftovers_are_named(tmp_path, monkeypatch, capsys):
+    """A convert killed by SIGKILL leaves its .partial: the next one says what it is."""
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "model.safetensors.partial").write_bytes(b"x")
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    assert code == 2 and "it holds model.safetensors.partial, left by a convert" in err
+
+
+@pytest.mark.parametrize("case, message", [
+    ("under-a-file", "Not a directory"),
+    ("unwritable-parent", "cannot create the output directory"),
+    ("corrupt-tokenizer", "tokenizer.json: not a readable tokenizer"),
+])
+def test_destination_and_tokenizer_faults(tmp_path, monkeypatch, capsys, case, message):
+    """Cases 8 and 14: NotADirectoryError, PermissionError; a corrupt tokenizer copied silently."""
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    dst = tmp_path / "dst"
+    if case == "under-a-file":
+        (tmp_path / "file").write_text("x")
+        dst = tmp_path / "file" / "dst"
+    elif case == "unwritable-parent":
+        dst = Path("/proc/fermijit-test/dst")  # not creatable, even by root
+    else:
+        (src / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
+    code, err = run_cli(monkeypatch, capsys, "convert", src, dst)
+    assert code == 2 and one_error_line(err) and message in err, err
+
+
+def test_missing_tokenizer_is_said(tmp_path, monkeypatch, capsys):
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    (src / "tokenizer.json").unlink()
+    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    assert code == 0 and "has no tokenizer.json" in err

@@ -147,7 +147,7 @@ def test_training_lowers_the_loss_and_saves_a_loadable_checkpoint(data_dir, tmp_
     np.testing.assert_array_equal(weights.layers[0].mlp.experts_gate_up, gate_up)
 
     manifest = convert(out, tmp_path / "fermijit", show_progress=False)
-    assert manifest["tensors"]["lm_head"]["quant"] == "q8_0"
+    assert manifest.tensors["lm_head"].quant == "q8_0"
     _, converted, _ = load_converted(tmp_path / "fermijit")
     assert converted.layers[3].mixer.q_proj.shape == (2 * 2 * 32, 64)
     nbytes = (tmp_path / "fermijit" / "model.safetensors").stat().st_size

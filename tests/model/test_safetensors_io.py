@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -115,12 +116,21 @@ def header_file(path, header: bytes, data: bytes = b"") -> None:
 @pytest.mark.parametrize("case, message", [
     ("short", "shorter than the 8-byte header length"),
     ("huge-header", "header length"),
-    ("not-json", "header is not valid JSON"),
+    ("not-json", "header: not valid JSON"),
     ("not-object", "header is not a JSON object"),
     ("bad-entry", "bad header entry for 'a'"),
     ("bad-dtype", "bad header entry for 'a'"),
     ("wrong-size", "do not hold F32"),
     ("truncated", "truncated"),
+    # issue 11 case 1: aliased bytes, duplicate names; case 3: hostile JSON; case 9: big shapes
+    ("overlap", "b \\(bytes 0-16\\) overlaps a"),
+    ("partial-overlap", "b \\(bytes 8-24\\) overlaps a"),
+    ("duplicate-key", "the key 'a' appears twice"),
+    ("nan-literal", "NaN is not a number JSON allows"),
+    ("deep", "nested"),
+    ("huge-int", "an integer of 5000 digits"),
+    ("shape-over-2^63", "bad header entry for 'a'"),
+    ("shape-wraps-2^64", "do not hold F32"),
 ])
 def test_corrupt_file_is_named(tmp_path, case, message):
     path = tmp_path / "model.safetensors"
@@ -140,6 +150,23 @@ def test_corrupt_file_is_named(tmp_path, case, message):
     elif case == "wrong-size":
         header_file(path, json.dumps({"a": {**entry, "data_offsets": [0, 12]}}).encode(),
                     bytes(16))
+    elif case in ("overlap", "partial-overlap"):
+        begin = 0 if case == "overlap" else 8
+        b = {**entry, "data_offsets": [begin, begin + 16]}
+        header_file(path, json.dumps({"a": entry, "b": b}).encode(), bytes(32))
+    elif case == "duplicate-key":
+        header_file(path, b'{"a": %s, "a": %s}' % ((json.dumps(entry).encode(),) * 2), bytes(16))
+    elif case == "nan-literal":
+        header_file(path, b'{"__metadata__": {"x": NaN}}')
+    elif case == "deep":
+        header_file(path, b"[" * 100000 + b"]" * 100000)
+    elif case == "huge-int":
+        header_file(path, b'{"a": {"dtype": "F32", "shape": [%s]}}' % (b"9" * 5000))
+    elif case == "shape-over-2^63":
+        header_file(path, json.dumps({"a": {**entry, "shape": [2 ** 63, 0]}}).encode())
+    elif case == "shape-wraps-2^64":  # 2**62 * 4 elements of 4 bytes wrapped to 0 in int64
+        header_file(path, json.dumps({"a": {**entry, "shape": [2 ** 31, 2 ** 31],
+                                            "data_offsets": [0, 0]}}).encode())
     else:
         header_file(path, json.dumps({"a": entry}).encode(), bytes(10))
     with pytest.raises(FermijitError, match=message) as e:
@@ -158,4 +185,20 @@ def test_bad_directories(tmp_path, rng):
         Checkpoint(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(FermijitError, match="not a safetensors index"):
+        Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/x", ".."])
+def test_index_names_only_bare_files(tmp_path, shard):
+    """Issue 11 case 13: a shard name leading out of the directory is refused before any open."""
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(FermijitError, match="is not a bare file name") as e:
+        Checkpoint(tmp_path)
+    assert "root:" not in str(e.value)
+
+
+def test_a_fifo_is_not_opened(tmp_path):
+    """Issue 11 case 12: a FIFO in place of a weights file would block for ever."""
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(FermijitError, match="not a regular file"):
         Checkpoint(tmp_path)

@@ -49,7 +49,7 @@ def test_small_model_loads_and_runs(small):
     assert model.is_quantized and cfg.text_config.num_experts == 128
     manifest = json.loads((small / convert.MANIFEST).read_text())
     assert manifest["tensors"]["lm_head"]["quant"] == "q8_0"  # convert's default
-    assert manifest["source"]["synthetic"] == "qwen3.6-35b-a3b-reap128"
+    assert manifest["source"]["path"] == "synthetic:qwen3.6-35b-a3b-reap128"
     state = model.new_state(16)
     logits = model.prefill(np.arange(10, 20), state)
     for _ in range(3):

@@ -70,6 +70,28 @@ def test_chat_template_sources_and_errors(model_dir):
         tok.render_chat([{"role": "user", "content": "a"}] * 2)
 
 
+@pytest.mark.parametrize("template, message", [
+    ("{{ 1/0 }}", "chat template: ZeroDivisionError: division by zero"),
+    ("{{ messages.x.y }}", "chat template:"),
+    ("{{ 'a' * 2000000000 }}", "a repetition past the output limit"),
+    ("{{ 'a'.center(2000000000) }}", "a call with the count 2000000000"),
+    ("{{ 2 ** 100000000 }}", "an exponent of 100000000"),
+    ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "output past 4 MiB"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "rendering took more than 2 s"),
+    ("{% set ns = namespace(x='a') %}{% for i in range(64) %}{% set ns.x = ns.x ~ ns.x %}"
+     "{% endfor %}{{ ns.x }}", "chat template:"),
+])
+def test_hostile_chat_template_is_one_line(model_dir, template, message):
+    """Issue 11 cases 6 and 11: any Python error, and bounded time, output and memory."""
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": template}))
+    with pytest.raises(FermijitError, match=message) as e:
+        Tokenizer(model_dir).render_chat([{"role": "user", "content": "a"}])
+    assert "\n" not in str(e.value)
+
+
 def test_missing_or_bad_files(tmp_path):
     with pytest.raises(FermijitError, match="no tokenizer.json"):
         Tokenizer(tmp_path)

@@ -369,12 +369,13 @@ def write_tokenizer(directory: str | Path) -> None:
 
 
 def write_checkpoint(directory: str | Path, expert_layout: str = "fused", dtype: str = "F32",
-                     n_shards: int = 1, seed: int = 0, model: Model = UNIT) -> Path:
+                     n_shards: int = 1, seed: int = 0, model: Model = UNIT,
+                     weights: dict[str, np.ndarray] | None = None) -> Path:
     """A checkpoint directory (config.json, generation_config.json, tokenizer files,
-    safetensors); returns it."""
+    safetensors); returns it. `weights` (fused hub names, fp32) replace the random ones."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    w = random_weights(seed, model)
+    w = random_weights(seed, model) if weights is None else weights
     if expert_layout == "split":
         w = split_experts(w)
     elif expert_layout != "fused":

@@ -13,9 +13,12 @@ ISAS = [i for i in cpu.variants_up_to(cpu.selected_isa())]
 # multiply-add per block and of the final horizontal sum: a few ulps of the row's scale.
 RTOL = 1e-5
 # (rows, K, tokens): ragged rows (tails of the 4-row tile), K whose block count is not a whole
-# step for any ISA (tail blocks), and the GEMM's token tail.
+# step for any ISA (tail blocks; K384, K736 and K800 leave whole half-width and SSE steps after
+# the wide ones), and
+# the GEMM's token tail.
 SHAPES = {"R1-K32-T1": (1, 32, 1), "R5-K96-T1": (5, 96, 1), "R8-K512-T1": (8, 512, 1),
-          "R33-K1056-T1": (33, 1056, 1), "R7-K544-T5": (7, 544, 5), "R12-K2048-T9": (12, 2048, 9)}
+          "R33-K1056-T1": (33, 1056, 1), "R7-K544-T5": (7, 544, 5), "R12-K2048-T9": (12, 2048, 9),
+          "R9-K384-T6": (9, 384, 6), "R3-K736-T1": (3, 736, 1), "R4-K800-T3": (4, 800, 3)}
 
 
 def _weights(rng, rows, k):
@@ -103,6 +106,37 @@ def test_gathered_matches_reference(rng, isa, per_item, n_shared):
     matvec.gathered_cpu(qs, d, idx, x, out=out, shared=shared, isa=isa)
     expected = matvec.gathered_reference(qs, d, idx, x, shared=shared)
     assert_close("gathered", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("counts", [[5, 0, 9, 1, 0, 3], [0, 0, 0, 0, 0, 2], [1, 1, 1, 1, 1, 1]],
+                         ids=["ragged", "one-expert", "one-each"])
+def test_grouped_matches_reference(rng, isa, counts):
+    """Tokens grouped by expert, some experts empty, runs not whole token tiles; rows not whole
+    row tiles (37)."""
+    n_experts, rows, k = len(counts), 37, 416
+    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    x = rng.standard_normal((offsets[-1], k)).astype(np.float32)
+    out = poisoned((offsets[-1], rows))
+    assert matvec.grouped_cpu(qs, d, offsets, x, out=out, isa=isa) is out
+    expected = matvec.grouped_reference(qs, d, offsets, x)
+    assert_close("grouped", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+def test_grouped_bad_inputs(rng):
+    qs, d = _weights(rng, 8, 64)
+    qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    for bad in ([0, 2, 2], [1, 2, 3], [0, 3, 2], [0, 1]):
+        with pytest.raises(FermijitError, match="offsets"):
+            matvec.grouped_cpu(qs, d, np.array(bad, np.int64), x)
+    with pytest.raises(FermijitError, match="offsets has dtype int32"):
+        matvec.grouped_cpu(qs, d, np.array([0, 1, 3], np.int32), x)
+    with pytest.raises(FermijitError, match="inconsistent"):
+        matvec.grouped(qs, d.view(np.uint16), np.array([0, 1, 3], np.int64),
+                       matvec.quantize_act(x), np.empty((3, 5), np.float32))
 
 
 def test_read_only_inputs_are_accepted(rng):

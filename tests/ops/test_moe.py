@@ -55,7 +55,8 @@ def _w4a8_reference(x, ids, weights, w):
 # Decode with Is = I runs the shared expert inside the routed experts' launches; Is != I apart.
 SHAPES = {"T1-E8-H64-I32": (1, 8, 64, 32, 64, 2), "T1-E16-H256-I128": (1, 16, 256, 128, 96, 4),
           "T1-E16-H128-I64-shared-fused": (1, 16, 128, 64, 64, 4),
-          "T7-E8-H64-I32": (7, 8, 64, 32, 32, 3), "T20-E12-H128-I64": (20, 12, 128, 64, 64, 2)}
+          "T7-E8-H64-I32": (7, 8, 64, 32, 32, 3), "T20-E12-H128-I64": (20, 12, 128, 64, 64, 2),
+          "T45-E16-H384-I96": (45, 16, 384, 96, 256, 2)}
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())

@@ -1,0 +1,85 @@
+"""`python -m fermijit bench prune`: what pruning costs in held-out perplexity (issue 15 item 4).
+
+The model is calibrated once on `--text`, then pruned to the same expert count by each criterion
+of model/reap.py (REAP saliency, routed-token frequency, seeded random), and the full model and
+each pruned one score `--heldout` as `eval` does (windows of 512 from a fresh state, W4A8).
+Keep the two texts disjoint: e.g. the default corpus' train split for calibration and its held-out
+split (or tests/model/data/heldout_sample.txt, one held-out document) for scoring.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from fermijit import FermijitError
+
+
+def _nbytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, ...],
+        ratios: tuple[float, ...], context: int, max_tokens: int | None, seed: int,
+        as_json: bool) -> list[dict]:
+    """Rows for the full model, then per expert count (each of `keeps`, and each of `ratios`
+    pruned) each criterion's; calibration runs once."""
+    from tqdm import tqdm
+
+    from fermijit.evaluate import DEFAULT_CONTEXT, read_text, score
+    from fermijit.model import convert, prune, reap
+    from fermijit.model.forward import load_model
+    from fermijit.model.tokenizer import Tokenizer
+
+    if not convert.is_fermijit_model(model_dir):
+        raise FermijitError(f"{model_dir}: bench prune takes a fermijit model (convert it first)")
+    if not keeps and not ratios:
+        raise FermijitError("give --keep or --ratio (either may be repeated)")
+    cfg, model = load_model(model_dir)
+    text = cfg.text_config
+    keeps = set(keeps) | {reap.keep_for_ratio(r, text.num_experts, text.num_experts_per_tok)
+                          for r in ratios}
+    for keep in keeps:
+        reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
+    reap.check_context(context, model.max_context)
+    tokenizer = Tokenizer(model_dir, text.eos_token_id)
+    calibration = tokenizer.encode(read_text(text_path))
+    heldout = tokenizer.encode(read_text(heldout_path))
+    eval_context = min(DEFAULT_CONTEXT, model.max_context)
+    n_cal = reap.windows(calibration.size, context, max_tokens).size * context
+    with tqdm(total=n_cal, desc="calibrate", unit="tok", file=sys.stderr) as bar:
+        cal = reap.calibrate(model, calibration, context, str(text_path), max_tokens, bar.update)
+
+    def evaluate(directory: Path, label: str) -> float:
+        _, m = load_model(directory)
+        with tqdm(total=heldout.size - 1, desc=f"eval {label}", unit="tok",
+                  file=sys.stderr) as bar:
+            return score(m, heldout, eval_context, bar.update).perplexity
+
+    full = evaluate(model_dir, "full")
+    rows = [{"model": "full", "experts": text.num_experts, "perplexity": full,
+             "change": 0.0, "weights_nbytes": _nbytes(model_dir)}]
+    with tempfile.TemporaryDirectory() as tmp:
+        for keep in sorted(keeps, reverse=True):
+            for criterion in reap.CRITERIA:
+                dst = Path(tmp) / f"{criterion}-{keep}"
+                kept = reap.choose(cal.scores(criterion, seed), keep)
+                prune.prune_fermijit(model_dir, dst, kept, {"criterion": criterion,
+                                                            "calibration": cal.as_dict()})
+                ppl = evaluate(dst, f"{criterion} {keep}")
+                rows.append({"model": criterion, "experts": keep, "perplexity": ppl,
+                             "change": ppl / full - 1, "weights_nbytes": _nbytes(dst)})
+    info = {"model": str(model_dir), "calibration": cal.as_dict(), "heldout": str(heldout_path),
+            "heldout_tokens": int(heldout.size), "eval_context": eval_context, "seed": seed}
+    if as_json:
+        print(json.dumps({**info, "rows": rows}))
+    else:
+        print(f"calibration: {cal.n_tokens} tokens of {text_path} ({cal.n_windows} windows of "
+              f"{context}); held-out: {heldout.size} tokens of {heldout_path}")
+        print(f"{'model':<10} {'experts':>7} {'perplexity':>10} {'change':>8} {'size MB':>8}")
+        for r in rows:
+            print(f"{r['model']:<10} {r['experts']:>7} {r['perplexity']:>10.3f} "
+                  f"{r['change']:>+8.2%} {r['weights_nbytes'] / 1e6:>8.2f}")
+    return rows

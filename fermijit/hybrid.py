@@ -1,0 +1,301 @@
+"""Which device prefills a prompt, and how the GPU prefill fits its memory (issue 10).
+
+A `Prefiller` is chosen once per run (`make`) and called once per prompt:
+`prefill(tokens, state, on_block=None, all_logits=False) -> logits`, updating `state` as
+`Model.prefill` does, so decode continues on the CPU from it (and a prefix cache can wrap it).
+
+  cpu   Model.prefill (W4A8 GEMMs on the CPU).
+  gpu   fermijit/gpu_prefill.py: dense weights resident on the GPU, routed experts streamed from
+        page-locked host memory (fermijit/expert_stream.py), the state handed back to the host.
+  auto  gpu for prompts of at least AUTO_MIN_TOKENS tokens, cpu for shorter ones.
+
+The GPU path falls back to the CPU, with one line on stderr, whenever it cannot run: no pycuda,
+no device, a model it cannot take, a driver error or too little GPU memory. It reads the host
+state and writes it back only when the whole pass has succeeded, so a failed attempt leaves the
+state as it was and the CPU prefill starts from it.
+
+Memory plan (`plan`): resident dense weights + one layer's expert buffer + KV caches and GDN
+states + one pass's activations must fit `--gpu-mem`; when the whole prompt's activations do not,
+the prompt runs in chunks of the largest size that fits (said on stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+
+import numpy as np
+
+from fermijit import FermijitError
+
+MIB, GIB = 1 << 20, 1 << 30
+GPU_MEM_MARGIN = 512 * MIB  # default --gpu-mem is free memory less this (pool rounding, context)
+POOL_SLACK = 1.25           # pycuda's memory pool rounds each allocation up by at most a quarter
+MIN_CHUNK = 64              # tokens: the GEMM tile height; below it a chunk wastes its tiles
+PIN_FRACTION = 0.5          # default --pin-budget: this share of the host's RAM
+# auto: prompts at least this long prefill on the GPU. The crossover measured on the H200
+# machine (bench prefill --sweep, best of 3): the default model, CPU 15.7 / GPU 18.8 ms at 16
+# tokens, 23.0 / 18.6 ms at 32; the REAP-128 shape's GPU prefill is already 11x faster at 8
+# tokens (0.25 against 2.74 s), so the small model's crossover is the one that binds.
+AUTO_MIN_TOKENS = 32
+MODES = ("cpu", "gpu", "auto")
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """'6G', '512M', '1.5GiB', '4096' (bytes) -> bytes; None stays None."""
+    if text is None or isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text), re.I)
+    if not match:
+        raise FermijitError(f"not a size: {text!r} (e.g. 6G, 512M, 1.5GiB)")
+    scale = 1 << (10 * " kmgt".index(match.group(2).lower() or " "))
+    return int(float(match.group(1)) * scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one prompt runs on the GPU (bytes)."""
+
+    n_tokens: int
+    chunk: int                # tokens per pass
+    budget: int               # --gpu-mem
+    resident: int             # dense weights, final norm, LM head (when Q4_0)
+    expert_buffer: int        # two layers' routed experts (all E each, the routed ones filled)
+    streamed_per_layer: int   # bytes of all E experts of a layer: the most a layer copies
+    states: int               # KV caches for the prompt's positions, GDN states
+    activations: int          # one pass of `chunk` tokens, with the pool's rounding
+    source: str               # pinned | ring (expert_stream.SOURCES)
+    pinned: int               # page-locked host bytes
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.expert_buffer + self.states + self.activations
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n_tokens // self.chunk)
+
+    def describe(self) -> str:
+        mib = lambda n: f"{n / MIB:,.1f} MiB"  # noqa: E731
+        return "\n".join([
+            f"gpu prefill plan: {self.n_tokens} tokens in {self.n_chunks} pass(es) of "
+            f"<= {self.chunk}; budget {mib(self.budget)}, planned {mib(self.total)}",
+            f"  resident dense weights   {mib(self.resident)}",
+            f"  expert buffers (2 lay.)  {mib(self.expert_buffer)}",
+            f"  streamed per layer       <= {mib(self.streamed_per_layer)} (routed experts only)",
+            f"  KV caches + GDN states   {mib(self.states)}",
+            f"  activations per pass     {mib(self.activations)}",
+            f"  experts from             {self.source} host memory ({mib(self.pinned)} "
+            f"page-locked)"])
+
+
+def ring_slot_bytes(pin_budget: int) -> int:
+    """Staging slots of the ring within `pin_budget`: at most RING_SLOT_BYTES, at least 1 MiB."""
+    from fermijit import expert_stream
+
+    return max(MIB, min(expert_stream.RING_SLOT_BYTES, pin_budget // expert_stream.RING_SLOTS))
+
+
+def default_pin_budget() -> int:
+    return int(PIN_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
+         all_logits: bool = False) -> Plan:
+    """The memory plan of a prefill of `n_tokens` after `start` positions; FermijitError when
+    even a pass of MIN_CHUNK tokens does not fit `budget`. Needs no GPU."""
+    from fermijit import expert_stream, gpu_layout
+
+    resident = sum(a.nbytes for layer in gpu_layout.dense_arrays(model) for a in layer.values())
+    resident += model.norm.nbytes
+    resident += gpu_layout.head_bytes(model)
+    layout = expert_stream.Layout.of(model.layers[0].experts)
+    states = gpu_layout.state_bytes(model, start + n_tokens)
+    fixed = resident + 2 * layout.layer_bytes + states  # the expert buffer pair
+
+    def activations(t: int) -> int:
+        logits = 4 * model.vocab_size * (t if all_logits else 1)
+        return int(POOL_SLACK * (gpu_layout.activation_bytes(model, t) + logits))
+
+    chunk = n_tokens  # else the largest multiple of MIN_CHUNK that fits
+    if fixed + activations(chunk) > budget:
+        chunk = max(MIN_CHUNK, (n_tokens - 1) // MIN_CHUNK * MIN_CHUNK)
+        while fixed + activations(chunk) > budget and chunk > MIN_CHUNK:
+            chunk -= MIN_CHUNK
+    if fixed + activations(chunk) > budget:
+        raise FermijitError(f"the GPU prefill needs {(fixed + activations(chunk)) / MIB:,.0f} "
+                            f"MiB of GPU memory, the budget is {budget / MIB:,.0f} MiB")
+    pool = layout.layer_bytes * len(model.layers)
+    source = "pinned" if pool <= pin_budget else "ring"
+    pinned = pool if source == "pinned" else expert_stream.RING_SLOTS * ring_slot_bytes(pin_budget)
+    return Plan(n_tokens, chunk, budget, resident, 2 * layout.layer_bytes, layout.layer_bytes,
+                states, activations(chunk), source, pinned)
+
+
+class CpuPrefiller:
+    name = "cpu"
+
+    def __init__(self, model):
+        self.model = model
+
+    def prepare(self) -> bool:
+        """Nothing to set up: `engine.warm_up` compiles the CPU kernels."""
+        return True
+
+    def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
+                align: int | None = None) -> np.ndarray:
+        """Model.prefill: passes end at multiples of `align` (the prefix cache snapshots there)."""
+        return self.model.prefill(tokens, state, all_logits=all_logits, on_block=on_block,
+                                  align=align)
+
+
+class GpuPrefiller:
+    """The GPU prefill; falls back to `cpu` (one line on `err`) when the GPU cannot do it, and
+    stays on the CPU after a driver error."""
+
+    name = "gpu"
+
+    def __init__(self, model, gpu_mem: int | None = None, pin_budget: int | None = None,
+                 verbose: bool = False, err=None, source: str | None = None):
+        self.model = model
+        self.cpu = CpuPrefiller(model)
+        self.gpu_mem, self.pin_budget = gpu_mem, pin_budget
+        self.verbose, self.err = verbose, err or sys.stderr
+        self.source = source          # None: as the plan says (pinned within --pin-budget)
+        self.device = None            # gpu_prefill.DeviceModel, made by prepare()
+        self.broken: str | None = None
+        self.last_plan: Plan | None = None
+        self.last_pass = None
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    def _fall_back(self, reason: str) -> None:
+        self.broken = reason
+        self._say(f"gpu prefill unavailable, prefilling on the CPU: {reason}")
+
+    def budget(self) -> int:
+        from fermijit.jit import gpu
+
+        if self.gpu_mem is not None:
+            return self.gpu_mem
+        free, _ = gpu.memory()
+        return max(0, free - GPU_MEM_MARGIN)
+
+    def prepare(self) -> bool:
+        """Upload the dense weights, page-lock the experts, load the kernels (a two-token pass on
+        a throwaway state); False (said once) when the GPU cannot be used."""
+        if self.broken is not None:
+            return False
+        if self.device is not None:
+            return True
+        try:
+            self._prepare()
+            return True
+        except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
+            self._fall_back(_reason(e))
+            return False
+
+    def _prepare(self) -> None:
+        from fermijit import gpu_prefill
+        from fermijit.jit import gpu
+
+        reason = gpu.unavailable_reason()
+        if reason is not None:
+            raise FermijitError(f"no GPU: {reason}")
+        budget = self.gpu_mem = self.budget()  # free memory now, before our own allocations
+        pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
+        first = plan(self.model, 2, 0, budget, pin_budget)  # checks the model and the budget
+        self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
+                                              ring_slot_bytes(pin_budget))
+        warm = self.model.new_state(2)
+        self.run(np.zeros(2, np.int32), warm)
+
+    def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
+                align: int | None = None) -> np.ndarray:
+        """One pass over the whole prompt (unless it is chunked for memory): `align` is not
+        followed, so the prefix cache snapshots a GPU prefill at its end only."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if not self.prepare():
+            return self.cpu.prefill(tokens, state, on_block, all_logits, align)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
+                                f"{list(tokens.shape)}")
+        if tokens.min() < 0 or tokens.max() >= self.model.vocab_size:
+            raise FermijitError(f"token ids must be in [0, {self.model.vocab_size}), got "
+                                f"[{tokens.min()}, {tokens.max()}]")
+        self.model._check_room(state, tokens.size)
+        try:
+            return self.run(tokens, state, all_logits, on_block)
+        except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
+            self._fall_back(_reason(e))
+            self.device = None
+            return self.cpu.prefill(tokens, state, on_block, all_logits)
+
+    def run(self, tokens, state, all_logits: bool = False, on_block=None,
+            time_layers: bool = False, profile: bool = False):
+        """The GPU prefill itself, no fallback (`prefill` checks the input and falls back);
+        `time_layers` and `profile` keep CUDA events for `bench prefill` in `last_pass`."""
+        from fermijit import gpu_prefill
+
+        pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
+        p = plan(self.model, tokens.size, state.position, self.budget(), pin_budget, all_logits)
+        self.last_plan = p
+        if self.verbose and tokens.size > 2:
+            self._say(p.describe())
+        if p.n_chunks > 1:
+            self._say(f"gpu prefill: activations of {tokens.size} tokens exceed --gpu-mem; "
+                      f"{p.n_chunks} passes of <= {p.chunk} tokens")
+        start = state.position
+        states = gpu_prefill.upload_states(state, start + tokens.size)
+        logits = []
+        for t0 in range(0, tokens.size, p.chunk):
+            block = tokens[t0:t0 + p.chunk]
+            run = gpu_prefill.Pass(self.device, states, block.size, start + t0)
+            run.marks = [] if profile else None
+            run.run(block, time_layers)
+            if all_logits or t0 + p.chunk >= tokens.size:
+                logits.append(run.logits(all_logits))
+            if on_block is not None:
+                on_block(block.size)
+            self.last_pass = run
+        gpu_prefill.hand_off(states, state, start + tokens.size)
+        return np.concatenate(logits) if all_logits else logits[-1]
+
+
+class AutoPrefiller:
+    """gpu for prompts of at least `min_tokens`, cpu below."""
+
+    name = "auto"
+
+    def __init__(self, gpu: GpuPrefiller, min_tokens: int = AUTO_MIN_TOKENS):
+        self.gpu, self.cpu, self.min_tokens = gpu, gpu.cpu, min_tokens
+
+    def prepare(self) -> bool:
+        return self.gpu.prepare()
+
+    def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
+                align: int | None = None) -> np.ndarray:
+        chosen = self.gpu if np.size(tokens) >= self.min_tokens else self.cpu
+        return chosen.prefill(tokens, state, on_block, all_logits, align)
+
+
+def make(model, mode: str = "cpu", gpu_mem=None, pin_budget=None, verbose: bool = False,
+         err=None):
+    """The prefiller `mode` asks for (--prefill, --gpu-mem, --pin-budget, --verbose)."""
+    if mode not in MODES:
+        raise FermijitError(f"--prefill must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "cpu":
+        return CpuPrefiller(model)
+    gpu = GpuPrefiller(model, parse_bytes(gpu_mem), parse_bytes(pin_budget), verbose, err)
+    return gpu if mode == "gpu" else AutoPrefiller(gpu)
+
+
+def _reason(e: Exception) -> str:
+    """One line for any failure of the GPU path."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, FermijitError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

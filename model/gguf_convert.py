@@ -1,0 +1,166 @@
+"""A GGUF file to a fermijit model directory (model/gguf_io.py reads it; convert.py's writer writes
+it), and the cache that lets `generate` and `eval` take `--model FILE.gguf`.
+
+Why convert into a cache rather than load the GGUF directly: GGUF's Q4_0 is an array of 18-byte
+blocks, fermijit's kernels read structure-of-arrays qs/d; a direct load would repack every matrix
+in memory on every start (the real model's experts are ~18 GB, beyond the RAM fermijit targets)
+and dequantise-and-requantise K-quants each time (minutes). Converted once, later runs
+memory-map the result at no cost, as any converted model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model import convert as fj
+from fermijit.model.manifest import Source
+from fermijit.model.gguf_io import (MOE_MATRICES, Field, GgufFile, plan_fields, read_blocks,
+                                    read_config, read_float)
+
+
+def storage(field: Field, g: GgufFile, target: str) -> tuple[str, bool]:
+    """(the quant fermijit stores the field in, whether its blocks are imported bit for bit).
+    Q4_0/Q8_0 GGUF blocks are kept where fermijit stores a quantised matrix and its kernels read
+    that kind; otherwise the values are read as floats and stored as `convert` would."""
+    from gguf import GGMLQuantizationType as T
+
+    kinds = {t.tensor_type for t in field.tensors(g)}
+    whole_blocks = field.col_perm is None or field.col_head % fj.BLOCK == 0
+    if target in ("q4_0", "q8_0") and len(kinds) == 1 and whole_blocks:
+        kind = kinds.pop()
+        if kind == T.Q4_0:
+            return "q4_0", True
+        if kind == T.Q8_0 and field.name.rsplit(".", 1)[-1] not in MOE_MATRICES:
+            return "q8_0", True
+    return target, False
+
+
+def _is_float(t) -> bool:
+    from gguf import GGMLQuantizationType as T
+
+    return t.tensor_type in (T.F32, T.F16, T.BF16)
+
+
+def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = True,
+            chunk_bytes: int = fj.CHUNK_BYTES) -> dict:
+    """A GGUF file to a fermijit model directory; returns the manifest."""
+    from fermijit.model.gguf_tokenizer import tokenizer_files
+
+    g = GgufFile(src)
+    raw_config, cfg = read_config(g)
+    fields = plan_fields(cfg.text_config, g)          # every tensor checked before any write
+    files = tokenizer_files(g)
+    quants, imported, requantised = {}, set(), {}
+    for name, field in fields.items():
+        quants[name], is_import = storage(field, g, fj.quantisation(name, lm_head))
+        fj.stored_specs(name, field.shape, quants[name])  # quantisable: checked before any write
+        if is_import:
+            imported.add(name)
+        elif quants[name] != "f32":
+            for t in field.tensors(g):
+                if not _is_float(t):
+                    requantised[t.name] = (t.tensor_type.name, int(t.n_bytes))
+    fj.check_output_dir(dst)
+    if requantised:
+        kinds = sorted({kind for kind, _ in requantised.values()})
+        mib = sum(n for _, n in requantised.values()) / 2**20
+        n = len(requantised)
+        print(f"warning: {src.name}: {n} tensor{'s' if n > 1 else ''} ({mib:.1f} MiB of "
+              f"{', '.join(kinds)}) dequantised and requantised to fermijit's Q4_0/Q8_0/F16 "
+              f"(its kernels read Q4_0 and Q8_0 blocks only; MoE experts Q4_0 only)",
+              file=sys.stderr)
+
+    def fill(name: str, out):
+        field = fields[name]
+        if name in imported:
+            return _write_blocks(field, g, quants[name], out, chunk_bytes)
+        return fj.stream(name, field.shape, quants[name],
+                         lambda lead, rows: _read_float(field, g, lead, rows), out, chunk_bytes)
+
+    def other_files(out: Path) -> None:
+        (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
+        for file, text in files.items():
+            (out / file).write_text(text, encoding="utf-8")
+
+    source = Source(path=str(Path(src).resolve()), fingerprint=g.fingerprint(),
+                    files=(Path(src).name,), format="gguf",
+                    imported_blocks=tuple(sorted(imported)),
+                    requantised={name: kind for name, (kind, _) in requantised.items()})
+    return fj.write_model(dst, {name: f.shape for name, f in fields.items()}, lm_head, fill,
+                          source, other_files, desc="convert", show_progress=show_progress,
+                          quants=quants)
+
+
+def _read_float(field: Field, g: GgufFile, lead, rows) -> np.ndarray:
+    try:
+        return read_float(field, g, lead, rows)
+    except NotImplementedError as e:  # gguf has no dequantiser for this type
+        raise FermijitError(f"{g.path}: {field.sources}: {e}") from None
+
+
+def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int):
+    """Copy a field's Q4_0/Q8_0 blocks in row chunks; yields the elements done per chunk."""
+    rows, cols = field.shape[-2], field.shape[-1]
+    leads = range(field.shape[0]) if len(field.shape) == 3 else [None]
+    step = max(1, chunk_bytes // (4 * cols))
+    for e, lead in enumerate(leads):
+        for r0 in range(0, rows, step):
+            qs, d = read_blocks(field, g, lead, slice(r0, r0 + step), quant)
+            first_row = e * rows + r0
+            out.write(field.name + ".qs", qs, start=first_row * qs.shape[-1])
+            out.write(field.name + ".d", d, start=first_row * d.shape[-1])
+            yield qs.shape[0] * cols
+
+
+def cached(path: str | Path, lm_head: str = "q8_0") -> Path:
+    """The fermijit model directory of a GGUF file, converted on first use into the cache
+    ($FERMIJIT_CACHE, else $XDG_CACHE_HOME/fermijit, else ~/.cache/fermijit), under gguf/ by
+    name and fingerprint (metadata and tensor table), so a changed file converts again."""
+    import os
+    import shutil
+
+    path = Path(path)
+    g = GgufFile(path)
+    base = os.environ.get("FERMIJIT_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fermijit"
+    root = Path(base) / "gguf"
+    dst = root / f"{path.stem}-{g.fingerprint()[:16]}-{lm_head}"
+    if fj.is_fermijit_model(dst):
+        return dst
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{dst.name}.{os.getpid()}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    print(f"converting {path} into {dst} (once)", file=sys.stderr, flush=True)
+    try:
+        convert(path, partial, lm_head)
+        shutil.rmtree(dst, ignore_errors=True)  # an earlier, interrupted conversion
+        os.replace(partial, dst)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return dst
+
+
+def model_directory(path: str | Path) -> Path:
+    """What `--model` names: a GGUF file (converted into the cache once), else the directory."""
+    path = Path(path)
+    return cached(path) if path.is_file() else path
+
+
+def load_float_weights(path: str | Path):
+    """(ModelConfig, TextWeights in fp32, in memory): a GGUF's values unquantised, for reference
+    runs of small models (as forward.load_model runs an HF checkpoint)."""
+    from fermijit.model.weights import assemble
+
+    g = GgufFile(path)
+    _, cfg = read_config(g)
+    arrays = {}
+    for name, field in plan_fields(cfg.text_config, g).items():
+        leads = range(field.shape[0]) if len(field.shape) == 3 else [None]
+        parts = [_read_float(field, g, lead, slice(None)) for lead in leads]
+        arrays[name] = np.stack(parts) if len(field.shape) == 3 else parts[0]
+    return cfg, assemble(cfg.text_config, arrays)

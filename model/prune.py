@@ -1,0 +1,222 @@
+"""Writing a pruned model (issue 15): the experts model/reap.py chose, the router's rows with them.
+
+Both kinds of model directory are pruned the same way, per layer i and kept ids kept[i] (ascending,
+so the remaining experts keep their order):
+    router [E, H] -> router[kept[i]],  experts [E, ...] -> experts[kept[i]],  num_experts -> keep
+* a fermijit model: the Q4_0 `.qs`/`.d` bytes of the kept experts are copied as they are (no
+  requantisation), written through model/convert.write_model; `fermijit.json` carries the REAP
+  record (kept ids per layer, counts, saliencies, calibration source and token count).
+* an HF checkpoint: every tensor copied in its own dtype, the fused `experts.*_proj` [E, ...]
+  sliced, split `experts.{e}.*` renumbered 0..keep-1, one output file per input shard (and the
+  index); the record goes to `reap.json` (config.json takes no unknown keys), which `convert`
+  carries into the fermijit manifest. The MTP head (`mtp.*`) is dropped and
+  mtp_num_hidden_layers set to 0: its experts are not calibrated (fermijit never runs it).
+Experts are copied one at a time: memory stays at one expert's tensor (4 MiB in the real model).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model import convert
+from fermijit.model.config import load_config
+from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
+                                           SafetensorsWriter)
+
+# Fields of a fermijit model whose first dimension is the expert: layers.{i}.mlp.<field>
+EXPERT_FIELDS = ("gate", "experts_gate_up", "experts_down")
+
+
+def pruned_config(config: dict, keep: int) -> dict:
+    """config.json with num_experts = keep (in text_config when composite) and no MTP head."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    text["num_experts"] = keep
+    if text.get("mtp_num_hidden_layers"):
+        text["mtp_num_hidden_layers"] = 0
+    return config
+
+
+def _check_kept(kept: np.ndarray, text) -> np.ndarray:
+    """`kept` as int64 [L, keep], each row ascending ids of `text`'s (TextConfig) experts."""
+    n_layers, n_experts = text.num_hidden_layers, text.num_experts
+    kept = np.asarray(kept, dtype=np.int64)
+    if (kept.ndim != 2 or kept.shape[0] != n_layers or kept.shape[1] < text.num_experts_per_tok
+            or kept.min() < 0 or kept.max() >= n_experts
+            or not (np.diff(kept, axis=1) > 0).all()):
+        raise FermijitError(f"kept experts must be [{n_layers} layers, keep >= "
+                            f"{text.num_experts_per_tok}] ascending ids in [0, {n_experts})")
+    return kept
+
+
+def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
+                   show_progress: bool = False) -> "convert.Manifest":
+    """Prune fermijit model `src` into `dst`; returns the manifest written."""
+    src, dst = Path(src), Path(dst)
+    cfg, _, manifest = convert.load_converted(src)
+    text = cfg.text_config
+    kept = _check_kept(kept, text)
+    lm_head = manifest.tensors["lm_head"].quant
+    weights = SafetensorsFile(src / manifest.weights)
+    shapes, rows = {}, {}          # rows: the kept ids of a tensor whose first axis is experts
+    for name, entry in manifest.tensors.items():
+        if entry.quant != convert.quantisation(name, lm_head):
+            raise FermijitError(f"{src}: {name} is {entry.quant}, this fermijit stores it as "
+                                f"{convert.quantisation(name, lm_head)}; convert it again")
+        shapes[name] = entry.shape
+        layer, _, field = name.partition(".mlp.")
+        if field in EXPERT_FIELDS:
+            rows[name] = kept[int(layer.split(".")[1])]
+            shapes[name] = (rows[name].size,) + shapes[name][1:]
+
+    def fill(name: str, out: SafetensorsWriter):
+        for stored, _, _ in convert.stored_specs(name, manifest.tensors[name].shape,
+                                                 manifest.tensors[name].quant):
+            _copy_rows(out, stored, weights.raw(stored), rows.get(name))
+        yield int(np.prod(shapes[name]))
+
+    def other_files(out: Path) -> None:
+        for file in convert.COPIED_FILES:
+            if (src / file).is_file():
+                shutil.copyfile(src / file, out / file)
+        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        (out / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
+                                                    indent=2) + "\n")
+
+    return convert.write_model(dst, shapes, lm_head, fill, manifest.source, other_files,
+                               "prune", show_progress,
+                               _record(record, src, kept, text.num_experts, manifest.reap))
+
+
+def _record(record: dict, src: Path, kept: np.ndarray, n_experts: int, previous) -> dict:
+    """The REAP record: `record` (criterion, calibration ...) plus the kept ids, where from and
+    the record of `src` if it was pruned before (its ids number src's source's experts)."""
+    return {**record, "n_experts": n_experts, "keep": int(kept.shape[1]), "kept": kept.tolist(),
+            "pruned_from": str(src.resolve()), "previous": previous}
+
+
+def _copy_rows(out: SafetensorsWriter, name: str, view: np.ndarray, ids) -> None:
+    """Tensor `name` <- view (ids None), or view[ids] one leading row at a time."""
+    if ids is None:
+        out.write(name, view)
+        return
+    for j, e in enumerate(ids):
+        out.write(name, view[e], start=j * view[e].size)
+
+
+def _hf_expert_pattern(ckpt: Checkpoint) -> re.Pattern:
+    from fermijit.model.weights import text_prefix
+
+    p = re.escape(text_prefix(ckpt))
+    # layer | fused or router tensor | split expert id, rest of its name
+    return re.compile(rf"{p}layers\.(\d+)\.mlp\.(?:(gate\.weight|experts\.gate_up_proj|"
+                      rf"experts\.down_proj)|experts\.(\d+)\.(.+))$")
+
+
+def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
+    """Prune HF checkpoint directory `src` into `dst` (a pruned HF checkpoint); returns the REAP
+    record written beside it."""
+    from fermijit.model.weights import plan_text_weights
+
+    src, dst = Path(src), Path(dst)
+    cfg = load_config(src)
+    ckpt = Checkpoint(src)
+    plan_text_weights(cfg.text_config, ckpt)       # a bad checkpoint fails before any write
+    text = cfg.text_config
+    kept = _check_kept(kept, text)
+    expert = _hf_expert_pattern(ckpt)
+    convert.check_output_dir(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map, total_nbytes = {}, 0
+    for f in ckpt.files:
+        plan = []                                   # (name out, name in, kept ids or None)
+        for name in f.tensors:
+            if name.startswith("mtp."):
+                continue
+            m = expert.match(name)
+            if m is None:
+                plan.append((name, name, None))
+            elif m[2] is not None:                  # router rows or fused experts
+                plan.append((name, name, kept[int(m[1])]))
+            elif int(m[3]) in kept[int(m[1])]:      # split: renumbered in kept order
+                j = int(np.searchsorted(kept[int(m[1])], int(m[3])))
+                plan.append((name[:m.start(3)] + f"{j}." + m[4], name, None))
+        specs = []
+        for out_name, name, ids in plan:
+            info = f.tensors[name]
+            shape = info.shape if ids is None else (ids.size,) + info.shape[1:]
+            specs.append((out_name, info.dtype, shape))
+            nbytes = info.end - info.begin
+            total_nbytes += nbytes if ids is None else nbytes // info.shape[0] * ids.size
+            weight_map[out_name] = f.path.name
+        with SafetensorsWriter(dst / f.path.name, specs, f.metadata or {"format": "pt"}) as out:
+            for out_name, name, ids in plan:
+                _copy_rows(out, out_name, f.raw(name), ids)
+    if (src / INDEX_NAME).is_file():
+        (dst / INDEX_NAME).write_text(json.dumps(
+            {"metadata": {"total_size": total_nbytes}, "weight_map": weight_map}, indent=2) + "\n")
+    for path in sorted(src.iterdir()):              # tokenizer, templates, licences ...
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
+                INDEX_NAME, "config.json", convert.REAP_RECORD, convert.MANIFEST):
+            shutil.copyfile(path, dst / path.name)
+    record = _record(record, src, kept, text.num_experts, convert.reap_record(src))
+    (dst / convert.REAP_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    (dst / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
+                                                indent=2) + "\n")
+    return record
+
+
+def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
+        context: int, max_tokens: int | None, criterion: str, seed: int,
+        calibrate_with: Path | None = None, err=None) -> dict:
+    """`prune` for the CLI: calibrate on `text_path` with `calibrate_with` (default `src`: a
+    fermijit model runs W4A8, an HF checkpoint fp32), choose, write `dst` as `src`'s kind;
+    progress and a summary to `err`. Returns the REAP record."""
+    import sys
+
+    from tqdm import tqdm
+
+    from fermijit.evaluate import read_text
+    from fermijit.model import reap
+    from fermijit.model.forward import load_model
+    from fermijit.model.tokenizer import Tokenizer
+
+    err = err or sys.stderr
+    if (keep is None) == (ratio is None):
+        raise FermijitError("give one of --keep and --ratio")
+    if criterion not in reap.CRITERIA:
+        raise FermijitError(f"--criterion must be one of {', '.join(reap.CRITERIA)}")
+    convert.check_output_dir(dst)
+    text = load_config(src).text_config
+    keep = (reap.keep_for_ratio(ratio, text.num_experts, text.num_experts_per_tok)
+            if keep is None else keep)
+    reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
+    calibrate_with = calibrate_with or src
+    cfg, model = load_model(calibrate_with, show_progress=True)
+    if (len(model.layers), model.n_experts) != (text.num_hidden_layers, text.num_experts):
+        raise FermijitError(f"{calibrate_with} has {len(model.layers)} layers of "
+                            f"{model.n_experts} experts, {src} {text.num_hidden_layers} of "
+                            f"{text.num_experts}")
+    reap.check_context(context, model.max_context)
+    tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id).encode(read_text(text_path))
+    n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
+    with tqdm(total=n_tokens, desc="calibrate", unit="tok", file=err) as bar:
+        cal = reap.calibrate(model, tokens, context, str(text_path), max_tokens, bar.update)
+    kept = reap.choose(cal.scores(criterion, seed), keep)
+    record = {"criterion": criterion, **({"seed": seed} if criterion == "random" else {}),
+              "calibration": {**cal.as_dict(), "model": str(Path(calibrate_with).resolve())},
+              "counts": cal.counts.tolist(), "saliency": cal.saliency.tolist()}
+    if convert.is_fermijit_model(src):
+        record = prune_fermijit(src, dst, kept, record).reap
+    else:
+        record = prune_hf(src, dst, kept, record)
+    print(f"wrote {dst}: {keep} of {text.num_experts} experts per layer kept by {criterion}, "
+          f"calibrated on {cal.n_tokens} tokens of {text_path}", file=err)
+    return record

@@ -1,0 +1,163 @@
+"""REAP expert pruning (Router-weighted Expert Activation Pruning, issue 15): calibration and the
+choice of the experts kept. model/prune.py writes the pruned model.
+
+Calibration runs the engine's prefill over windows of a text. At each MoE layer (through
+`Model.moe_observer`), for expert j and the tokens X_j the router sends to it:
+    count_j    = |X_j|
+    saliency_j = (1 / |X_j|) · Σ_{x ∈ X_j} g_j(x) · ‖E_j(x)‖₂            (0 when X_j is empty)
+g_j(x) the renormalised router weight (ops.router), E_j(x) the expert's SwiGLU output without the
+weight (ops.moe), computed here with the engine's ops: W4A8 for a fermijit model, fp32 for an HF
+checkpoint. Pruning to `keep` experts per layer keeps the `keep` highest scores (ties to the lower
+id), in their original order. The score is the saliency (REAP), or for comparison the count
+(frequency) or a seeded random number.
+
+`reference` is the numpy spec of one layer's statistics from its MoE inputs.
+Dimensions: L layers, E experts, k experts per token, T tokens, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.ops import matvec, moe, router
+
+CRITERIA = ("reap", "frequency", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    counts: np.ndarray    # [L, E] int64: tokens routed to each expert
+    saliency: np.ndarray  # [L, E] float64: REAP saliency, 0 where never routed
+    source: str           # what text it came from
+    n_tokens: int         # tokens run through the model
+    n_windows: int
+    context: int          # tokens per window
+
+    def scores(self, criterion: str, seed: int = 0) -> np.ndarray:
+        """[L, E]: higher is kept first."""
+        if criterion == "reap":
+            return self.saliency
+        if criterion == "frequency":
+            return self.counts.astype(np.float64)
+        if criterion == "random":
+            return np.random.default_rng(seed).random(self.counts.shape)
+        raise FermijitError(f"unknown pruning criterion {criterion!r}: one of "
+                            f"{', '.join(CRITERIA)}")
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "n_tokens": self.n_tokens, "n_windows": self.n_windows,
+                "context": self.context}
+
+
+def check_keep(keep: int, n_experts: int, top_k: int) -> None:
+    if not isinstance(keep, (int, np.integer)) or not top_k <= keep <= n_experts:
+        raise FermijitError(f"--keep must be between the {top_k} experts each token uses "
+                            f"(num_experts_per_tok) and the model's {n_experts}, got {keep}")
+
+
+def keep_for_ratio(ratio: float, n_experts: int, top_k: int) -> int:
+    """Experts kept when pruning the fraction `ratio` of them (rounded to the nearest)."""
+    if not 0 <= ratio < 1:
+        raise FermijitError(f"--ratio is the fraction of experts pruned, in [0, 1), got {ratio}")
+    keep = int(round(n_experts * (1 - ratio)))
+    check_keep(keep, n_experts, top_k)
+    return keep
+
+
+def choose(scores: np.ndarray, keep: int) -> np.ndarray:
+    """[L, keep] int64: per layer the ids of the `keep` highest scores (ties to the lower id),
+    ascending."""
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :keep]
+    return np.sort(best, axis=1)
+
+
+def expert_output(experts, e: int, x: np.ndarray) -> np.ndarray:
+    """E_e(x) [n, H] for x [n, H] fp32: expert e's SwiGLU as the engine's MoE computes it."""
+    from fermijit.model.forward import silu
+
+    if isinstance(experts, moe.MoeWeights):  # W4A8, as ops.moe's prefill
+        gu = matvec.cpu(experts.gate_up_qs[e], experts.gate_up_d[e], x)
+        g, u = np.split(gu, 2, axis=1)
+        return matvec.cpu(experts.down_qs[e], experts.down_d[e], silu(g) * u)
+    g, u = np.split(x @ experts.gate_up[e].T, 2, axis=1)          # fp32 (forward.DenseExperts)
+    return (silu(g) * u) @ experts.down[e].T
+
+
+class Collector:
+    """The MoE observer: per layer and expert, the routed count and Σ g·‖E(x)‖."""
+
+    def __init__(self, model):
+        self._layer_of = {id(w): i for i, w in enumerate(model.layers)}
+        shape = (len(model.layers), model.n_experts)
+        self.counts = np.zeros(shape, np.int64)
+        self.weighted_norms = np.zeros(shape, np.float64)
+
+    def __call__(self, layer, x, ids, weights) -> None:
+        i = self._layer_of[id(layer)]
+        for e in np.unique(ids):
+            t, k = np.nonzero(ids == e)                      # a token picks an expert once
+            y = expert_output(layer.experts, int(e), x[t])
+            norms = np.linalg.norm(y.astype(np.float64), axis=1)
+            self.counts[i, e] += t.size
+            self.weighted_norms[i, e] += float(weights[t, k].astype(np.float64) @ norms)
+
+    def saliency(self) -> np.ndarray:
+        return np.divide(self.weighted_norms, self.counts, out=np.zeros_like(self.weighted_norms),
+                         where=self.counts > 0)
+
+
+def check_context(context: int, max_context: int) -> None:
+    if not 1 <= context <= max_context:
+        raise FermijitError(f"--ctx must be between 1 and {max_context} "
+                            f"(max_position_embeddings), got {context}")
+
+
+def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.ndarray:
+    """Start offsets of the calibration windows: whole windows of `context` tokens, at most
+    `max_tokens` tokens in all, spread evenly over the text (the default corpus' documents are in
+    path order: the first windows alone would see one part of the docs)."""
+    n_whole = n_tokens // context
+    if n_whole == 0:
+        raise FermijitError(f"the calibration text has {n_tokens} tokens, fewer than one window "
+                            f"of {context} (--ctx)")
+    n = n_whole if max_tokens is None else min(n_whole, max(1, max_tokens // context))
+    return np.round(np.linspace(0, n_whole - 1, n)).astype(np.int64) * context
+
+
+def calibrate(model, tokens, context: int, source: str, max_tokens: int | None = None,
+              on_tokens=lambda n: None) -> Calibration:
+    """Statistics of `model` (forward.Model) over `tokens` [N], each window from a fresh state;
+    `on_tokens(n)` after each prefill pass of n tokens (progress)."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    check_context(context, model.max_context)
+    starts = windows(tokens.size, context, max_tokens)
+    collector = Collector(model)
+    model.moe_observer = collector
+    try:
+        for s in starts:
+            model.prefill(tokens[s:s + context], model.new_state(context), on_block=on_tokens)
+    finally:
+        model.moe_observer = None
+    return Calibration(collector.counts, collector.saliency(), source, int(starts.size * context),
+                       int(starts.size), context)
+
+
+def reference(x, router_w, gate_up, down, top_k):
+    """One layer's (counts [E] int64, saliency [E] float64) from its MoE inputs x [T, H] fp32, the
+    router [E, H] and the experts gate_up [E, 2I, H], down [E, H, I] as model/reference.py takes
+    them (fp32, or QuantTensor: W4A8 for the engine's activation rounding); float64 after
+    routing."""
+    from fermijit.model.reference import expert, swiglu
+
+    n_experts = router_w.shape[0]
+    ids, weights = router.reference(x.astype(np.float32) @ router_w.T, top_k)  # the engine's logits
+    counts, sums = np.zeros(n_experts, np.int64), np.zeros(n_experts)
+    for t in range(x.shape[0]):
+        for e, g in zip(ids[t], weights[t].astype(np.float64)):
+            y = swiglu(x[t:t + 1].astype(np.float64), expert(gate_up, e), expert(down, e))[0]
+            counts[e] += 1
+            sums[e] += g * np.linalg.norm(y)
+    return counts, np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)

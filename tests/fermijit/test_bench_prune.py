@@ -1,0 +1,56 @@
+"""`bench prune` (issue 15 item 4) on the tiny model with planted never-routed experts: REAP and
+frequency pruning find them, so their perplexity is the full model's; every row is reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fermijit.model import convert
+from tests.model import tiny
+from tests.model.test_convert import run_cli
+from tests.model.test_reap import PRUNED_VS_FULL, calibration_text, planted_weights
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-prune")
+    src = tiny.write_checkpoint(root / "hf", "fused", "F32", weights=planted_weights())
+    convert.convert(src, root / "fermijit", show_progress=False)
+    return root / "fermijit"
+
+
+def test_bench_prune_reports_every_criterion(planted, tmp_path, monkeypatch, capsys):
+    text = calibration_text(tmp_path)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("A tiny model reads a held-out text: the fox and the dog sat on a log.")
+    monkeypatch.setattr("sys.argv", ["fermijit", "bench", "prune", "--model", str(planted),
+                                     "--text", str(text), "--heldout", str(heldout), "--keep",
+                                     "6", "--ratio", "0.5", "--ctx", "32", "--max-tokens",
+                                     "128", "--json"])
+    from fermijit import cli
+    cli.main()
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["model"], r["experts"]) for r in report["rows"]] == [
+        ("full", 8), ("reap", 6), ("frequency", 6), ("random", 6), ("reap", 4),
+        ("frequency", 4), ("random", 4)]
+    rows = {r["model"]: r for r in report["rows"] if r["experts"] in (6, 8)}
+    assert report["calibration"]["n_tokens"] == 128 and report["heldout_tokens"] > 10
+    full = rows["full"]
+    for name in ("reap", "frequency"):
+        assert abs(rows[name]["perplexity"] / full["perplexity"] - 1) <= PRUNED_VS_FULL
+    for name in ("reap", "frequency", "random"):
+        assert rows[name]["experts"] == 6 and rows[name]["weights_nbytes"] < full["weights_nbytes"]
+        assert rows[name]["change"] == pytest.approx(rows[name]["perplexity"] / full["perplexity"]
+                                                     - 1)
+
+
+def test_bench_prune_needs_a_fermijit_model(tmp_path, monkeypatch, capsys):
+    src = tiny.write_checkpoint(tmp_path / "hf", "fused", "F32")
+    text = calibration_text(tmp_path)
+    code, err = run_cli(monkeypatch, capsys, "bench", "prune", "--model", src, "--text", text,
+                        "--heldout", text, "--keep", "4")
+    assert code == 2 and "takes a fermijit model" in err and err.count("\n") == 1
+    code, err = run_cli(monkeypatch, capsys, "bench", "prune", "--text", text, "--heldout", text)
+    assert code == 2 and "give --keep or --ratio" in err and err.count("\n") == 1
