@@ -208,8 +208,8 @@ def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ..
     their stored tensors (model/manifest.py `stored_specs`) must be in the file. The checksums are
     of the bytes on disk, read back (what a later `verify` compares), unless the writer hashed
     the bytes it wrote (`checksums`, sha256 per entry as `checksum` orders them: synth, whose
-    256-expert file outgrows the page cache, so reading it back was 20.6 GB read from storage). Written last, by rename:
-    a directory with a fermijit.json is complete."""
+    256-expert file outgrows the page cache, so reading it back was 20.6 GB read from storage).
+    Written last, by rename: a directory with a fermijit.json is complete."""
     directory = Path(directory)
     weights_file = SafetensorsFile(member(directory, weights, "write_manifest: weights"))
     entries = {}
