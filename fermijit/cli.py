@@ -63,6 +63,25 @@ numa_option = click.option(
          "nodes, else off).")
 
 
+def prefill_options(command):
+    """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate and eval."""
+    for option in reversed((
+            click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]),
+                         default="cpu", show_default=True,
+                         help="Where the prompt is prefilled: the GPU streams the experts from "
+                              "host memory; auto takes the GPU for long prompts."),
+            click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, "
+                                                         "e.g. 6G (default: free memory less "
+                                                         "512 MiB)."),
+            click.option("--pin-budget", default=None,
+                         help="Page-locked host memory for the experts, e.g. 16G (default: half "
+                              "the RAM); past it a staging ring."),
+            click.option("--verbose", is_flag=True,
+                         help="Print the GPU prefill's memory plan on stderr."))):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
@@ -378,15 +397,7 @@ def verify(model_dir: Path) -> None:
               help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
 @click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
               help="Snapshot the state every this many prompt tokens (default: 256).")
-@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
-              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
-                                      "from host memory; auto takes the GPU for long prompts.")
-@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
-                                              "(default: free memory less 512 MiB).")
-@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
-                                                 "e.g. 16G (default: half the RAM); past it a "
-                                                 "staging ring.")
-@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
+@prefill_options
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
@@ -429,15 +440,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
 @numa_option
-@click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]), default="cpu",
-              show_default=True, help="Where the prompt is prefilled: the GPU streams the experts "
-                                      "from host memory; auto takes the GPU for long prompts.")
-@click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, e.g. 6G "
-                                              "(default: free memory less 512 MiB).")
-@click.option("--pin-budget", default=None, help="Page-locked host memory for the experts, "
-                                                 "e.g. 16G (default: half the RAM); past it a "
-                                                 "staging ring.")
-@click.option("--verbose", is_flag=True, help="Print the GPU prefill's memory plan on stderr.")
+@prefill_options
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
                  threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
                  verbose: bool) -> None:

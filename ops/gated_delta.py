@@ -124,9 +124,9 @@ def _recurrent(q, k, v, g, beta, state, o):
                     S[i, j] = alpha * S[i, j] + k_i * delta[j]
 
 
-def cpu(q, k, v, g, beta, state, out=None):
-    """fp32 `reference`, updating `state` in place; returns (o, state)."""
-    op = "gated_delta"
+def check_cpu_inputs(op, q, k, v, g, beta, state, out):
+    """The checks of a CPU delta-rule kernel's arguments (this recurrence and the chunked form);
+    returns the output buffer [T, Hv, dv]."""
     T, Hv, dv = check_array(op, "v", v, np.float32, ndim=3).shape
     Hk, dk = check_array(op, "q", q, np.float32, (T, None, None)).shape[1:]
     check_array(op, "k", k, np.float32, (T, Hk, dk))
@@ -137,7 +137,12 @@ def cpu(q, k, v, g, beta, state, out=None):
         raise FermijitError(f"{op}: {Hv} value heads is not a multiple of {Hk} key heads")
     if not state.flags.writeable:
         raise FermijitError(f"{op}: state is read-only")
-    o = output(op, out, (T, Hv, dv))
+    return output(op, out, (T, Hv, dv))
+
+
+def cpu(q, k, v, g, beta, state, out=None):
+    """fp32 `reference`, updating `state` in place; returns (o, state)."""
+    o = check_cpu_inputs("gated_delta", q, k, v, g, beta, state, out)
     _recurrent(q, k, v, g, beta, state, o)
     return o, state
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from fermijit import FermijitError
-from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import kernel
 
 CHUNK = 64  # MODEL.md §6, as the GPU (gated_delta.GPU_CHUNK) and transformers
@@ -202,17 +200,8 @@ def cpu(q, k, v, g, beta, state, out=None):
     """`gated_delta.reference`'s result by the chunked form (C = CHUNK), fp32, updating `state`
     in place: q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv]; state [Hv, dk, dv] ->
     (o [T, Hv, dv], state)."""
-    op = "gated_delta_chunk"
-    T, Hv, dv = check_array(op, "v", v, np.float32, ndim=3).shape
-    Hk, dk = check_array(op, "q", q, np.float32, (T, None, None)).shape[1:]
-    check_array(op, "k", k, np.float32, (T, Hk, dk))
-    check_array(op, "g", g, np.float32, (T, Hv))
-    check_array(op, "beta", beta, np.float32, (T, Hv))
-    check_array(op, "state", state, np.float32, (Hv, dk, dv))
-    if Hk == 0 or Hv % Hk:
-        raise FermijitError(f"{op}: {Hv} value heads is not a multiple of {Hk} key heads")
-    if not state.flags.writeable:
-        raise FermijitError(f"{op}: state is read-only")
-    o = output(op, out, (T, Hv, dv))
+    from fermijit.ops.gated_delta import check_cpu_inputs
+
+    o = check_cpu_inputs("gated_delta_chunk", q, k, v, g, beta, state, out)
     _chunked(q, k, v, g, beta, state, o, CHUNK)
     return o, state
