@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from fermijit import cli
 from fermijit.engine import DEFAULT_MODEL
+from tests.cli import run_cli
 
 GREEDY = ("--max-tokens", "6", "--temperature", "0", "--threads", "1")
 
@@ -33,17 +33,6 @@ def assert_one_line(code, err, message):
     lines = err.splitlines()
     assert "Traceback" not in err and [x for x in lines if x.startswith("Error")] == lines[-1:], err
     assert message in lines[-1], err
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["fermijit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_closed_stderr_keeps_stdout_the_generated_text():

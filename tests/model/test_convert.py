@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from fermijit import cli
 from fermijit.model import convert
 from fermijit.model.config import load_config
 from fermijit.model.reference import Reference
@@ -22,6 +21,7 @@ from fermijit.model.safetensors_io import Checkpoint, SafetensorsFile, save_file
 from fermijit.model.weights import QuantTensor, assemble, plan_text_weights
 from fermijit.ops import quant
 from tests.model import tiny
+from tests.cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +170,6 @@ def test_peak_memory_is_bounded_by_the_chunk(tmp_path):
     assert peak < largest / 2, f"peak {peak} B"
 
 
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["fermijit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
 def bad_source(tmp_path, case):
     src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
     if case == "missing-dir":
@@ -207,7 +197,7 @@ def bad_source(tmp_path, case):
 ])
 def test_bad_input_through_the_cli(tmp_path, monkeypatch, capsys, case, message):
     src = bad_source(tmp_path, case)
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("Error: ") and message in err, err
     assert not (tmp_path / "dst" / convert.MANIFEST).exists()
@@ -215,12 +205,12 @@ def test_bad_input_through_the_cli(tmp_path, monkeypatch, capsys, case, message)
 
 def test_cli_converts_and_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
     src = tiny.write_checkpoint(tmp_path / "src", "fused", "F16")
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst", "--lm-head", "q4_0")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst", "--lm-head", "q4_0")
     assert code == 0, err
     assert "wrote" in err and convert.is_fermijit_model(tmp_path / "dst")
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 2 and "exists and is not empty" in err and err.count("\n") == 1
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "x", "--lm-head", "f16")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "x", "--lm-head", "f16")
     assert code == 2 and "f16" in err
 
 
@@ -237,7 +227,7 @@ def test_non_finite_source_is_refused(tmp_path, monkeypatch, capsys):
     w = tiny.random_weights()
     w["model.language_model.layers.2.mlp.experts.down_proj"][3, 5, 7] = np.inf
     save_file(src / "model.safetensors", w)
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 2 and one_error_line(err)
     assert "layers.2.mlp.experts_down holds NaN or infinite values" in err, err
     assert not (tmp_path / "dst").exists()
@@ -259,13 +249,13 @@ def test_disk_full_leaves_nothing(tmp_path, monkeypatch, capsys):
         return real_write(self, name, array, start)
 
     monkeypatch.setattr(safetensors_io.SafetensorsWriter, "write", write)
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 2 and one_error_line(err), err
     assert "No space left on device" in err and "model.safetensors.partial" in err
     assert not (tmp_path / "dst").exists()
     (tmp_path / "empty").mkdir()  # a directory the user made stays, emptied
     calls.clear()
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "empty")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "empty")
     assert code == 2 and list((tmp_path / "empty").iterdir()) == []
 
 
@@ -297,7 +287,7 @@ def test_leftovers_are_named(tmp_path, monkeypatch, capsys):
     src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "model.safetensors.partial").write_bytes(b"x")
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 2 and "it holds model.safetensors.partial, left by a convert" in err
 
 
@@ -317,12 +307,12 @@ def test_destination_and_tokenizer_faults(tmp_path, monkeypatch, capsys, case, m
         dst = Path("/proc/fermijit-test/dst")  # not creatable, even by root
     else:
         (src / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
-    code, err = run_cli(monkeypatch, capsys, "convert", src, dst)
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, dst)
     assert code == 2 and one_error_line(err) and message in err, err
 
 
 def test_missing_tokenizer_is_said(tmp_path, monkeypatch, capsys):
     src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
     (src / "tokenizer.json").unlink()
-    code, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 0 and "has no tokenizer.json" in err

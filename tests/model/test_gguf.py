@@ -19,6 +19,7 @@ from fermijit.model.safetensors_io import SafetensorsFile
 from fermijit.model.tokenizer import Tokenizer
 from tests.model import gguf_data
 from tests.numerics import assert_close
+from tests.cli import run_cli
 
 pytest.importorskip("gguf")
 
@@ -131,18 +132,6 @@ def test_malformed_gguf_is_a_one_line_error(tmp_path):
         gguf_io.GgufFile(unknown)
 
 
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str]:
-    from fermijit import cli
-
-    monkeypatch.setattr(sys, "argv", ["fermijit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("verb", ["convert", "generate", "eval"])
 def test_cli_refuses_a_malformed_gguf_in_one_line(verb, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "cache"))
@@ -153,7 +142,7 @@ def test_cli_refuses_a_malformed_gguf_in_one_line(verb, tmp_path, monkeypatch, c
         args = {"convert": ["convert", path, tmp_path / "out"],
                 "generate": ["generate", "--model", path, "hi"],
                 "eval": ["eval", "--model", path, "--text", text]}[verb]
-        code, err = run_cli(monkeypatch, capsys, *args)
+        code, _, err = run_cli(monkeypatch, capsys, *args)
         assert code == 2, (what, err)
         assert err.count("\n") == 1 and err.startswith("Error: "), (what, err)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from fermijit.engine import DEFAULT_MODEL
 from fermijit.model import convert, manifest
 from fermijit.model.safetensors_io import SafetensorsFile
 from tests.model import tiny
+from tests.cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +38,6 @@ def edit(directory, change) -> None:
     raw = json.loads(path.read_text())
     change(raw)
     path.write_text(json.dumps(raw))
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["fermijit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def entry(raw, name="layers.0.input_layernorm"):
