@@ -9,7 +9,7 @@ import pytest
 
 from fermijit.model import convert
 from tests.model import tiny
-from tests.model.test_convert import run_cli
+from tests.cli import run_cli
 from tests.model.test_reap import PRUNED_VS_FULL, calibration_text, planted_weights
 
 
@@ -49,8 +49,8 @@ def test_bench_prune_reports_every_criterion(planted, tmp_path, monkeypatch, cap
 def test_bench_prune_needs_a_fermijit_model(tmp_path, monkeypatch, capsys):
     src = tiny.write_checkpoint(tmp_path / "hf", "fused", "F32")
     text = calibration_text(tmp_path)
-    code, err = run_cli(monkeypatch, capsys, "bench", "prune", "--model", src, "--text", text,
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "prune", "--model", src, "--text", text,
                         "--heldout", text, "--keep", "4")
     assert code == 2 and "takes a fermijit model" in err and err.count("\n") == 1
-    code, err = run_cli(monkeypatch, capsys, "bench", "prune", "--text", text, "--heldout", text)
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "prune", "--text", text, "--heldout", text)
     assert code == 2 and "give --keep or --ratio" in err and err.count("\n") == 1

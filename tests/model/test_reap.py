@@ -18,7 +18,7 @@ from fermijit.model.safetensors_io import Checkpoint
 from fermijit.model.weights import load_text_weights
 from tests.model import tiny
 from tests.model.oracle import assert_rel
-from tests.model.test_convert import run_cli
+from tests.cli import run_cli
 
 N_EXPERTS, TOP_K = 8, 2                                   # tiny.UNIT
 # Per layer, the experts whose router row is zero. The other rows hold two pairs (r, -r): for any
@@ -149,7 +149,7 @@ def calibration_text(tmp_path, n_sentences=160):
 
 def test_cli_prunes_a_fermijit_model_with_its_record(models, tmp_path, monkeypatch, capsys):
     src, dst = models["fermijit"], tmp_path / "pruned"
-    code, err = run_cli(monkeypatch, capsys, "prune", src, dst, "--text",
+    code, _, err = run_cli(monkeypatch, capsys, "prune", src, dst, "--text",
                         calibration_text(tmp_path), "--ratio", "0.25", "--ctx", CONTEXT,
                         "--max-tokens", 4 * CONTEXT)
     assert code == 0, err
@@ -203,7 +203,7 @@ def test_a_pruned_hf_checkpoint_converts_to_the_pruned_fermijit_model(models, tm
 ])
 def test_bad_arguments_are_one_line(models, tmp_path, monkeypatch, capsys, args, message):
     dst = tmp_path / "pruned"
-    code, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], dst, "--text",
+    code, _, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], dst, "--text",
                         calibration_text(tmp_path, n_sentences=1), *args)
     assert code == 2 and err.startswith("Error: ") and err.count("\n") == 1, err
     assert message in err, err
@@ -215,11 +215,11 @@ def test_refuses_a_non_empty_output_and_a_mismatched_calibration_model(models, t
     text = calibration_text(tmp_path)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    code, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "full",
+    code, _, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "full",
                         "--text", text, "--keep", "4")
     assert code == 2 and "exists and is not empty" in err and err.count("\n") == 1
     other = tiny.write_checkpoint(tmp_path / "other", model=tiny.HF_INIT)
-    code, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "out",
+    code, _, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "out",
                         "--text", text, "--keep", "4", "--calibrate-with", other)
     assert code == 2 and "experts" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
