@@ -265,3 +265,30 @@ def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None
     else:
         _prefill(x, ids, weights, w, y)
     return y
+
+
+def batched(x, ids, weights, w: MoeWeights, out=None):
+    """`cpu` for B sequences' decode tokens (x [B, H]), each row bit for bit `cpu` on that row
+    alone (model/batch.py): the experts as prefill's grouped launches (slots sorted by expert),
+    whose GEMM tile accumulates each (row, token) as decode's GEMV tile does; the shared expert
+    as one more grouped launch; the weighted sum by decode's own `_combine`, row by row (prefill's
+    gate is a numpy float64 dot, whose summation order is BLAS's)."""
+    _check(x, ids, weights, w)
+    y = output("moe", out, x.shape)
+    n_seq, top_k = ids.shape
+    n_experts = w.gate_up_qs.shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):  # _check skips one token's
+        raise FermijitError(f"moe: expert index out of range [0, {n_experts})")
+    rows = np.empty(n_seq * top_k, np.int64)
+    slot_pos = np.empty((n_seq, top_k), np.int64)
+    offsets = np.empty(n_experts + 1, np.int64)
+    _sort_slots(ids, n_experts, rows, slot_pos, offsets)
+    act = matvec.quantize_act(x)
+    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets)
+    shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
+                  np.array([0, n_seq], np.int64))
+    per_seq = routed[slot_pos]                                          # [B, k, H]
+    for b in range(n_seq):
+        _combine(per_seq[b], weights[b], shared[b], x[b], w.shared_gate, y[b])
+    return y
