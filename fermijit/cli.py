@@ -82,6 +82,36 @@ def prefill_options(command):
     return command
 
 
+def cache_options(command):
+    """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/prefix_cache.py), for
+    generate and serve."""
+    for option in reversed((
+            click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no "
+                                                          "snapshot prefix cache."),
+            click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+                         default=None, envvar="FERMIJIT_CACHE_DIR",
+                         help="Keep prompt snapshots in this directory too, so later runs (and "
+                              "other processes) resume from them (env FERMIJIT_CACHE_DIR; never "
+                              "pruned)."),
+            click.option("--cache-mem", type=SIZE, default=None,
+                         help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: "
+                              "1/8 of RAM)."),
+            click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+                         help="Snapshot the state every this many prompt tokens (default: "
+                              "256)."))):
+        command = option(command)
+    return command
+
+
+def _cache_settings(no_cache: bool, cache_dir: Path | None, cache_mem: int | None,
+                    snapshot_every: int | None):
+    from fermijit import prefix_cache
+
+    return prefix_cache.CacheSettings(
+        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+
+
 @cli.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
@@ -387,16 +417,7 @@ def verify(model_dir: Path) -> None:
 @numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
-@click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
-                                               "cache.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar="FERMIJIT_CACHE_DIR",
-              help="Keep prompt snapshots in this directory too, so later runs (and other "
-                   "processes) resume from them (env FERMIJIT_CACHE_DIR; never pruned).")
-@click.option("--cache-mem", type=SIZE, default=None,
-              help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
-@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
-              help="Snapshot the state every this many prompt tokens (default: 256).")
+@cache_options
 @prefill_options
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
@@ -406,7 +427,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
-    from fermijit import engine, prefix_cache
+    from fermijit import engine
     from fermijit.jit import cpu
     from fermijit.model.gguf_convert import model_directory
 
@@ -415,15 +436,55 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
                                verbose=verbose)
-    cache = prefix_cache.CacheSettings(
-        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
-        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+    cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
     from fermijit.model import files
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
     engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
                cache_settings=cache)
+
+
+@cli.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory, a GGUF file (converted once into the cache) or "
+                   "an HF checkpoint directory (fp32, unbatched). Default: the embedded model.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port.")
+@click.option("--api-key", default=None, envvar="FERMIJIT_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1 (env FERMIJIT_API_KEY).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences decoded together in one step.")
+@click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests waiting to join the batch; past it 503.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@numa_option
+@cache_options
+@prefill_options
+def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
+          queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
+          cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
+          pin_budget: str | None, verbose: bool) -> None:
+    """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
+    as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
+    together; a chat's next turn resumes from the snapshot prefix cache."""
+    from fermijit import engine
+    from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
+    from fermijit.server import run
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise FermijitError("serve needs the server extra: pip install 'fermijit[server]'") \
+            from None
+    cpu.configure_threads(threads)
+    run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
+              queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
+              prefill, gpu_mem, pin_budget, verbose)
 
 
 @cli.command("eval")

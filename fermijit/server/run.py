@@ -1,0 +1,70 @@
+"""`python -m fermijit serve`: load the engine, compile the kernels (single and batched decode),
+start the scheduler, run uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fermijit import FermijitError
+
+
+def warm_up(engine, max_batch: int) -> None:
+    """Compile (or load) every kernel a request meets: prefill, decode, sampling and the batched
+    step at 1 and 2 sequences (grouped launches differ from 1 row on), on throwaway states."""
+    from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
+    from fermijit.model.batch import decode_batch
+
+    model = engine.model
+    engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
+    if model.is_quantized and all(w.joined_in is not None for w in model.layers):
+        sample = kernel_sample(model)
+        for n in sorted({1, min(2, max_batch)}):
+            states = [sample.new_state(2) for _ in range(n)]
+            decode_batch(sample, np.zeros(n, np.int32), states)
+
+
+def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
+          queue_size: int, cache_settings, prefill: str = "cpu", gpu_mem: str | None = None,
+          pin_budget: str | None = None, verbose: bool = False) -> None:
+    import uvicorn
+
+    from fermijit import hybrid
+    from fermijit.engine import Engine
+    from fermijit.server.app import make_app
+    from fermijit.server.scheduler import Scheduler
+
+    hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # bad: before loading
+    err = sys.stderr
+    start = time.perf_counter()
+    engine = Engine.load(model_dir, cache_settings, show_progress=True,
+                         warn=lambda line: print(line, file=err, flush=True))
+    warm_up(engine, max_batch)
+    engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
+    if prefill != "cpu":
+        engine.prefiller.prepare()
+    scheduler = Scheduler(engine, max_batch, queue_size)
+    print(f"loaded {model_dir} and its kernels in {time.perf_counter() - start:.1f} s; serving "
+          f"on http://{host}:{port}/v1 (batch {max_batch}, queue {queue_size}"
+          f"{', API key required' if api_key else ''})", file=err, flush=True)
+    scheduler.start()
+    try:
+        config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key), host=host,
+                                port=port, log_level="warning", timeout_graceful_shutdown=2)
+        server = uvicorn.Server(config)
+        try:
+            server.run()
+        except OSError as e:
+            raise FermijitError(f"cannot serve on {host}:{port}: {e.strerror}") from None
+        if not server.started:
+            raise FermijitError(f"cannot serve on {host}:{port} (see above)")
+    finally:
+        scheduler.stop()
+
+
+def model_name(model_dir: Path) -> str:
+    """The id /v1/models lists: the model directory's name."""
+    return Path(model_dir).resolve().name
