@@ -184,6 +184,42 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
     bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
 
 
+@bench.command("serve")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory or GGUF file (default: the embedded model).")
+@click.option("--synthetic", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]),
+              default=None, help="Build this synthetic model into a temporary directory first "
+                                 "(when no --model is given).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Random prompt tokens per stream.")
+@click.option("--tokens", type=click.IntRange(min=2), default=32, show_default=True,
+              help="Tokens generated per stream.")
+@click.option("--chat-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Tokens of the chat's first message (what the cache saves on the second "
+                   "turn).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Second turns timed with and without the cache (medians).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@numa_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
+                chat_tokens: int, repeat: int, threads: int | None, as_json: bool) -> None:
+    """The server through HTTP: time to first token and aggregate decode tok/s at 1, 2, 4 and 8
+    concurrent streams; a chat's second turn with and without the prefix cache."""
+    from fermijit import bench_serve as bench_serve_module
+    from fermijit import engine
+    from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
+
+    cpu.configure_threads(threads)
+    if model_dir is None and synthetic is None:
+        model_dir = engine.DEFAULT_MODEL
+    bench_serve_module.run(None if model_dir is None else model_directory(model_dir),
+                           synthetic if model_dir is None else None, prompt_tokens, tokens,
+                           chat_tokens, repeat, as_json)
+
+
 @bench.command("gpu")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--tokens", type=click.IntRange(min=1), default=1024, show_default=True,

@@ -54,6 +54,7 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever (benchmarks)
     emit: Callable[[object], None] = print
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -173,11 +174,12 @@ def parse(body, is_chat: bool) -> Job:
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
+    ignore_eos = _field(body, "ignore_eos", bool, False)
     return Job(is_chat=is_chat, prompt=prompt, max_tokens=max_tokens,
                temperature=None if temperature is None else float(temperature),
                top_p=None if top_p is None else float(top_p), top_k=top_k,
                seed=secrets.randbits(63) if seed is None else abs(seed), stop=tuple(stop),
-               stream=stream, include_usage=include_usage)
+               stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
 
 
 # --- responses ----------------------------------------------------------------------------------

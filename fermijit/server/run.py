@@ -3,7 +3,9 @@ start the scheduler, run uvicorn until interrupted."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,3 +70,34 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
 def model_name(model_dir: Path) -> str:
     """The id /v1/models lists: the model directory's name."""
     return Path(model_dir).resolve().name
+
+
+class ServerThread:
+    """uvicorn serving `app` on a thread, on 127.0.0.1 and a port the OS picks (bound here, so no
+    race for it): for the tests and `bench serve`."""
+
+    def __init__(self, app, start_timeout_s: float = 30):
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="fermijit-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise FermijitError("the HTTP server did not start")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()

@@ -218,7 +218,7 @@ class Scheduler:
 
     def _accept(self, s: Sequence, token: int, logits: np.ndarray) -> None:
         """`token`, sampled from `logits` (after everything `s.state` has seen): stream it or end."""
-        if token in self.engine.tokenizer.eos_ids:
+        if token in self.engine.tokenizer.eos_ids and not s.job.ignore_eos:
             return self._finish(s, "stop", logits)
         s.generated.append(token)
         s.token = token
