@@ -12,6 +12,7 @@ import json
 import time
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -131,7 +132,11 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
         return JSONResponse({"status": "ok", "active": len(scheduler.active),
                              "waiting": scheduler.waiting.qsize()})
 
-    return Starlette(routes=[
+    async def not_found(request: Request, exc: HTTPException):
+        return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                f"{exc.detail}", code="not_found"))
+
+    return Starlette(exception_handlers={404: not_found, 405: not_found}, routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -32,10 +32,11 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
-def context_overflow(n_prompt: int, max_tokens: int | None, max_context: int) -> ApiError:
+def context_overflow(n_prompt: int, max_tokens: int | None, max_context: int,
+                     is_chat: bool) -> ApiError:
     asked = f" plus {max_tokens} to generate" if max_tokens is not None else ""
     return ApiError(400, f"This model's maximum context length is {max_context} tokens; the "
-                         f"prompt has {n_prompt}{asked}.", "messages",
+                         f"prompt has {n_prompt}{asked}.", "messages" if is_chat else "prompt",
                     "context_length_exceeded")
 
 

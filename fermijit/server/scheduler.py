@@ -177,7 +177,7 @@ class Scheduler:
             raise ApiError(400, "the prompt is empty (no tokens)", "prompt")
         if n_prompt >= max_context or (job.max_tokens is not None
                                        and n_prompt + job.max_tokens > max_context):
-            raise protocol.context_overflow(n_prompt, job.max_tokens, max_context)
+            raise protocol.context_overflow(n_prompt, job.max_tokens, max_context, job.is_chat)
         max_tokens = job.max_tokens or min(max_context - n_prompt, DEFAULT_MAX_TOKENS)
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
@@ -204,12 +204,13 @@ class Scheduler:
         self.active = live
         if not live:
             return
-        if model.is_quantized and all(w.joined_in is not None for w in model.layers):
+        if len(live) > 1 and model.is_quantized and all(w.joined_in is not None
+                                                        for w in model.layers):
             ws = self._workspaces.get(len(live))
             if ws is None:
                 ws = self._workspaces[len(live)] = BatchWorkspace(model, len(live))
             logits = decode_batch(model, [s.token for s in live], [s.state for s in live], ws)
-        else:  # an fp32 checkpoint: one sequence at a time
+        else:  # one sequence, or an fp32 checkpoint: decode's own path (the same bits)
             logits = np.stack([model.decode(s.token, s.state) for s in live])
         self.n_steps += 1
         for s, row in zip(live, logits):

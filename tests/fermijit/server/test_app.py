@@ -155,6 +155,12 @@ def test_context_overflow_is_400(client):
         client.completions.create(model="m", prompt="word " * 5000, max_tokens=1)
 
 
+def test_unknown_routes_are_openai_errors(server):
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, f"{server[0]}{path}")
+        assert r.status_code == status and r.json()["error"]["message"]
+
+
 def test_body_over_the_limit_is_413(server):
     from fermijit.server.app import MAX_BODY_BYTES
 
