@@ -40,6 +40,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     from fermijit.server.scheduler import Scheduler
 
     hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # bad: before loading
+    sock = listen(host, port)  # a port in use: before loading too
     err = sys.stderr
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
@@ -50,21 +51,32 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         engine.prefiller.prepare()
     scheduler = Scheduler(engine, max_batch, queue_size)
     print(f"loaded {model_dir} and its kernels in {time.perf_counter() - start:.1f} s; serving "
-          f"on http://{host}:{port}/v1 (batch {max_batch}, queue {queue_size}"
+          f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
     try:
-        config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key), host=host,
-                                port=port, log_level="warning", timeout_graceful_shutdown=2)
-        server = uvicorn.Server(config)
+        config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key),
+                                log_level="warning", timeout_graceful_shutdown=2)
         try:
-            server.run()
-        except OSError as e:
-            raise FermijitError(f"cannot serve on {host}:{port}: {e.strerror}") from None
-        if not server.started:
-            raise FermijitError(f"cannot serve on {host}:{port} (see above)")
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
+            print("stopped", file=err, flush=True)
     finally:
         scheduler.stop()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: any free port), or a one-line FermijitError; uvicorn's own
+    binding logs and exits on failure."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise FermijitError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def model_name(model_dir: Path) -> str:
@@ -79,8 +91,7 @@ class ServerThread:
     def __init__(self, app, start_timeout_s: float = 30):
         import uvicorn
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                     timeout_graceful_shutdown=1))
