@@ -218,7 +218,7 @@ class Scheduler:
         self.active = [s for s in live if not s.is_done]
 
     def _accept(self, s: Sequence, token: int, logits: np.ndarray) -> None:
-        """`token`, sampled from `logits` (after everything `s.state` has seen): stream it or end."""
+        """`token`, sampled from `logits` (after all `s.state` has seen): stream it or end."""
         if token in self.engine.tokenizer.eos_ids and not s.job.ignore_eos:
             return self._finish(s, "stop", logits)
         s.generated.append(token)
