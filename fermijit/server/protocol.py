@@ -2,8 +2,9 @@
 responses and chunks built from its results, errors as OpenAI's error JSON
 ({"error": {"message", "type", "param", "code"}}) with their HTTP status.
 
-Only n = 1 is served; unknown fields are ignored (clients send defaults such as
-`frequency_penalty`), known ones are checked strictly: a wrong type is a 400, never a guess.
+Only n = 1 is served. Fields that would change the answer but are not implemented (penalties,
+logprobs, tools, ...) are a 400 unless absent or at their neutral value; other unknown fields
+(`user`, `metadata`) are ignored; known ones are checked strictly: a wrong type is a 400.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import time
 from collections.abc import Callable
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Fields that would change the answer and are not implemented: a 400 unless absent or neutral
+# (clients send some at their defaults), never silently ignored.
+UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
+               "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+               "tool_choice": ("none",), "best_of": (1,), "echo": (False,), "suffix": ("",),
+               "response_format": ({"type": "text"},)}
 MAX_SEED = 2 ** 63 - 1
 
 
@@ -155,6 +162,11 @@ def parse(body, is_chat: bool) -> Job:
     """A request body (decoded JSON) -> a Job, or ApiError(400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for name, neutral in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+            raise ApiError(400, f"'{name}' is not supported by this server (got {value!r})",
+                           name, "unsupported_parameter")
     _field(body, "model", str)
     n = _field(body, "n", int, 1)
     if n != 1:

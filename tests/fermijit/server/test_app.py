@@ -128,6 +128,9 @@ BAD_BODIES = {
     "stream a string": b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
     "n is 2": b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
     "not utf-8": b'{"messages": [{"role": "user", "content": "\xff"}]}',
+    "a penalty": b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
+    "logprobs": b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}',
+    "tools": b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}',
 }
 
 
@@ -139,6 +142,13 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(server, client, body)
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert _greedy(client, max_tokens=1).choices[0].text
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=1, frequency_penalty=0, presence_penalty=0.0,
+                                       logprobs=False, user="someone")
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_bad_completion_prompts_are_400(server):
