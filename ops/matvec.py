@@ -8,11 +8,11 @@ token and block with an fp32 scale dx (DESIGN.md, Numerics); `quantize_act` lays
 kernel (`Q8Act`).
 
 One tile body, emitted in LLVM IR from fermijit.jit.simd, serves every ISA and both shapes: the
-decode GEMV (a tile of 1 row x 1 token, prefetching its weight stream) and the CPU-prefill GEMM
-(a tile of rows x tokens: each weight vector is loaded and split into nibbles once and multiplied
-by several tokens, so weights come from memory once per tile of tokens rather than once per
-token). Each launch forks one OpenMP team (fermijit.jit.omp) and each thread takes one contiguous
-run of rows: a single sequential stream of memory per thread.
+decode GEMV (a tile of 1 row x 1 token, prefetching its weight stream) and a GEMM whose every
+token's row is the GEMV's bit for bit (a tile of rows x tokens: `like_gemv`, for batched decode).
+CPU prefill's GEMM is ops.gemm (rows in the lanes: 2-5x this tile's rate). Each launch forks
+one OpenMP team (fermijit.jit.omp) and each thread takes one contiguous run of rows: a single
+sequential stream of memory per thread.
 
 The inner step takes 4 registers of weight bytes (4·lanes blocks): unsigned nibbles times signed
 activations with pmaddubsw+pmaddwd (or vpdpbusd), a phaddd tree to one i32 per block, minus 8·Σxq
@@ -35,6 +35,7 @@ from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, bind, kernel, selected_isa, supported
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
+from fermijit.ops import gemm
 from fermijit.ops.quant import BLOCK
 
 VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
@@ -51,6 +52,7 @@ GEMV_TILE = (1, 1)
 # from a 16-byte aligned buffer each is aligned: legacy SSE can then fold them into pmaddubsw's
 # memory operand (8 fewer instructions of 60 per 4-block step in the Westmere code).
 X_ALIGN = 16
+# The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm.
 GEMM_TILE = (2, 4)
 # GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
 # of activations, both held in L2 (1-2 MiB), instead of every row group reading all T tokens.
@@ -632,10 +634,14 @@ class Q4Matrix:
         return cls(qs, d.view(np.uint16))
 
 
-def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None) -> np.ndarray:
+def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
+            like_gemv: bool = False) -> np.ndarray:
     """`cpu` for prepared weights and activations into `out` ([R] for one token, or [T, R]):
     decode's path, with only the checks that depend on this call (~0.5 us of Python). The kernel
-    is the ISA the activations are laid out for; `isa`, if given, must be that one."""
+    is the ISA the activations are laid out for; `isa`, if given, must be that one.
+
+    Several tokens run the prefill GEMM (ops.gemm), which rounds in another order than the GEMV;
+    `like_gemv` runs this module's tile instead, each token's row bit for bit the GEMV's."""
     act_isa = act.vec.isa
     if isa is not None and act_isa is not isa:
         raise FermijitError(f"matvec: activations are laid out for {act_isa.label}, "
@@ -649,6 +655,10 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None)
     if shape != (n_tok, rows) and (n_tok != 1 or shape != (rows,)):
         raise FermijitError(f"matvec: out has shape {list(shape or [])}, expected [{n_tok}, "
                             f"{rows}] (or [{rows}] for one token)")
+    if n_tok > 1 and not like_gemv:
+        _call("matvec", gemm.product_kernel(act_isa), qs, w.d_bits, xq, act.dx, act.xsum8,
+              gemm.x_offsets(act_isa, k // BLOCK), out)
+        return out
     kernels = _gemm_gemv.get(act_isa) or _gemm_gemv.setdefault(
         act_isa, (_product(act_isa, GEMM_TILE), _product(act_isa, GEMV_TILE)))
     _call("matvec", kernels[n_tok == 1], qs, w.d_bits, xq, act.dx, act.xsum8, out)
@@ -771,9 +781,10 @@ def grouped_cpu(qs, d, offsets, x, out=None, *, isa: Isa | None = None):
                    output("matvec.grouped", out, (act.xq.shape[0], rows)))
 
 
-def grouped(qs, d_bits, offsets, act: Q8Act, out):
+def grouped(qs, d_bits, offsets, act: Q8Act, out, *, like_gemv: bool = False):
     """`grouped_cpu` for checked weights (MoeWeights): offsets int64 [E+1], from 0 to the
-    number of activation rows, non-decreasing; d as its uint16 bits."""
+    number of activation rows, non-decreasing; d as its uint16 bits. The prefill GEMM
+    (ops.gemm), or with `like_gemv` this module's tile (each row bit for bit the GEMV's)."""
     n_act, k = act.xq.shape
     n_experts, rows = qs.shape[:2]
     check_array("matvec.grouped", "offsets", offsets, np.int64, (n_experts + 1,))
@@ -785,8 +796,13 @@ def grouped(qs, d_bits, offsets, act: Q8Act, out):
         raise FermijitError(f"matvec.grouped: weights {list(qs.shape)} (bytes) with scales "
                             f"{list(d_bits.shape)}, x of {k} inputs, out "
                             f"{list(getattr(out, 'shape', []))}: inconsistent")
-    _call("matvec.grouped", _product(act.vec.isa, GEMM_TILE, _grouped_body), qs, d_bits, offsets,
-          act.xq, act.dx, act.xsum8, out)
+    isa = act.vec.isa
+    if like_gemv:
+        _call("matvec.grouped", _product(isa, GEMM_TILE, _grouped_body), qs, d_bits, offsets,
+              act.xq, act.dx, act.xsum8, out)
+    else:
+        _call("matvec.grouped", gemm.grouped_kernel(isa), qs, d_bits, offsets, act.xq, act.dx,
+              act.xsum8, gemm.x_offsets(isa, k // BLOCK), out)
     return out
 
 
@@ -807,7 +823,8 @@ def simd_variant(isa: Isa) -> str:
     v = simd.VEC_OF[isa]
     ops = "vpdpbusd" if v.dpbusd else "pmaddubsw+pmaddwd"
     return (f"{isa.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} blocks/step, "
-            f"tiles {GEMV_TILE[0]}x{GEMV_TILE[1]} (GEMV) and {GEMM_TILE[0]}x{GEMM_TILE[1]} (GEMM)")
+            f"tile {GEMV_TILE[0]}x{GEMV_TILE[1]} (GEMV); prefill GEMM {gemm.rows_per_group(isa)} "
+            f"rows in the lanes x {gemm.TILE_TOKENS[isa]} tokens")
 
 
 def warm_up() -> None:
