@@ -146,7 +146,7 @@ def cpu(q, k, v, g, beta, state, out=None):
     t_inv = np.empty(a.shape, f32)
     _unit_lower_inverse(a.reshape(-1, C, C), t_inv.reshape(-1, C, C))       # (I + L)⁻¹
     u = t_inv @ (bc[..., None] * vc)                                         # U = A⁻¹ diag(β) V
-    w = t_inv @ ((bc * np.exp(gamma))[..., None] * kc)                       # W = A⁻¹ diag(βe^γ) K
+    w = t_inv @ ((bc * np.exp(gamma))[..., None] * kc)  # W = A⁻¹ diag(βe^γ) K
     qk = (qc @ kt) * decay                                                   # [Hv, N, C, C]
     q_in = qc * np.exp(gamma)[..., None]
     last = gamma[..., -1]                                                    # [Hv, N]
