@@ -39,7 +39,10 @@ from fermijit.ops.quant import BLOCK
 
 # Tokens per tile: the D-row group's 8 weight registers are loaded once per block and used for
 # this many tokens, each with an fp32 accumulator register (AVX-512: 8 + 8 of 32 registers).
-TILE_TOKENS = {Isa.AVX512VNNI: 8, Isa.AVX2: 4, Isa.SSSE3: 2}
+# Measured, 1 thread (GFLOP/s at 2048x2048x512, 1024x2048x32, 768x384x512): AVX-512 4: 301, 617,
+# 685; 8: 340, 631, 691; 12: 289, 516, 643. AVX2 2: 370, 368, 334; 4: 326, 98, 315; 8: 400, 402,
+# 378 (spills to L1 cost less than reloading the group's registers). SSSE3 2-8 alike (127-141).
+TILE_TOKENS = {Isa.AVX512VNNI: 8, Isa.AVX2: 8, Isa.SSSE3: 2}
 # A thread packs this many bytes of weight groups at a time (held in L2 with a block of tokens).
 PANEL_BYTES = 1 << 17
 # Tokens' activations read per panel pass: a block of this many bytes stays in L2 while the
@@ -150,6 +153,35 @@ def _make_pack(v: Vec):
     return pack
 
 
+@intrinsic
+def prefetch_rows(typingctx, qs, d, r0, r1):
+    """Prefetch rows r0..r1-1 (clamped to the matrix) of Q4_0 weights and their scales into L2
+    (prefetcht1): the next group's, issued before this group's tiles run, so the pack that
+    follows finds them there instead of waiting on 16 row streams from memory."""
+    sig = types.none(qs, d, r0, r1)
+
+    def codegen(context, builder, sig, args):
+        c = lambda n: ir.Constant(I64, n)  # noqa: E731
+        for arr_ty, arr_val in ((sig.args[0], args[0]), (sig.args[1], args[1])):
+            a = _data(context, builder, arr_ty, arr_val)
+            n_all, cols = cgutils.unpack_tuple(builder, a.shape, 2)
+            item = context.get_abi_sizeof(context.get_data_type(arr_ty.dtype))
+            row_bytes = builder.mul(cols, c(item))
+            hi = builder.select(builder.icmp_signed(">", args[3], n_all), n_all, args[3])
+            start = builder.mul(args[2], row_bytes)
+            n_lines = builder.sdiv(builder.sub(builder.mul(hi, row_bytes), start), c(64))
+            with cgutils.for_range(builder, n_lines) as loop:
+                p = simd.byte_ptr(builder, a.data, builder.add(start, builder.mul(loop.index,
+                                                                                  c(64))))
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                    ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+                builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2),
+                                  ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _make_tile(v: Vec, n_tok: int):
     """tile(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0): out[t0+t, r0+i] for
     t < n_tok, i < n_valid (<= D), from packed group g and activation rows t0+t."""
@@ -237,11 +269,19 @@ def _panel_groups(nb):
 
 
 def _run_group(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t_first, t_end):
-    """Packed group g over tokens t_first..t_end-1: whole tiles, then one token at a time."""
+    """Packed group g over tokens t_first..t_end-1: whole tiles, then the rest in tiles of half
+    and a quarter of that and single tokens (an expert's tokens are rarely whole tiles; one token
+    at a time reloads the group's registers per token)."""
     t = t_first
     while t + TOKS <= t_end:
         tile(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
         t += TOKS
+    if t + HALF <= t_end:
+        tile_half(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        t += HALF
+    if t + QUARTER <= t_end:
+        tile_quarter(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        t += QUARTER
     while t < t_end:
         tile1(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
         t += 1
@@ -267,6 +307,8 @@ def _product_share(thread, n_threads, args):
         g1 = min(g0 + panel, last)
         for g in range(g0, g1):
             pack(qs, d, g * ROWS, bq, bs, g - g0)
+        if g1 < last:
+            prefetch_rows(qs, d, g1 * ROWS, min(g1 + panel, last) * ROWS)
         for t0 in range(0, n_tok, tok_block):
             t1 = min(t0 + tok_block, n_tok)
             for g in range(g0, g1):
@@ -303,6 +345,10 @@ def _grouped_share(thread, n_threads, args):
         g_end = min(groups, (hi - done + n - 1) // n)
         for g in range(g_first, g_end):
             pack(qs[e], d[e], g * ROWS, bq, bs, 0)
+            if g + 1 < g_end:
+                prefetch_rows(qs[e], d[e], (g + 1) * ROWS, (g + 2) * ROWS)
+            elif g_end == groups and e + 1 < n_experts:  # the next expert's first group
+                prefetch_rows(qs[e + 1], d[e + 1], 0, ROWS)
             _run_group(bq, bs, 0, xq, dx, xsum8, xoff, out, g * ROWS,
                        min(ROWS, n_rows - g * ROWS), t0, t1)
         done += n * groups
@@ -339,8 +385,11 @@ def gemm_kernel(isa: Isa, body, n_tok: int | None = None):
         v = simd.VEC_OF[isa]
         threads = "omp" if omp.available() else "serial"
         variant = f"gemm-{isa.label}-{n_tok}-{threads}"
-        helpers = dict(ROWS=v.nbytes // 4, TOKS=n_tok, tile=_make_tile(v, n_tok),
-                       tile1=_make_tile(v, 1))
+        half, quarter = max(1, n_tok // 2), max(1, n_tok // 4)
+        tiles = {n: _make_tile(v, n) for n in {n_tok, half, quarter, 1}}
+        helpers = dict(ROWS=v.nbytes // 4, TOKS=n_tok, HALF=half, QUARTER=quarter,
+                       tile=tiles[n_tok], tile_half=tiles[half], tile_quarter=tiles[quarter],
+                       tile1=tiles[1])
         run_group = kernel(_run_group, fastmath=False, variant=variant, **helpers)
         bound = dict(helpers, pack=_make_pack(v), _run_group=run_group,
                      _panel_groups=kernel(_panel_groups, fastmath=False, variant=variant,

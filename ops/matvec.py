@@ -90,11 +90,21 @@ class Q8Act:
         if k % BLOCK or self.xq.ctypes.data % X_ALIGN:
             raise FermijitError(f"Q8Act: xq must be whole {BLOCK}-blocks, {X_ALIGN}-byte aligned")
 
-    def rows(self, t: np.ndarray) -> "Q8Act":
-        """The activations of tokens `t` (a copy, aligned as the kernels want)."""
-        xq = _aligned_empty((len(t), self.xq.shape[1]), np.int8)
-        np.take(self.xq, t, axis=0, out=xq)
-        return Q8Act(xq, self.dx[t], self.xsum8[t], self.vec)
+    def rows(self, t: np.ndarray, out: "Q8Act | None" = None) -> "Q8Act":
+        """The activations of tokens `t` (a copy, aligned as the kernels want), into `out` (a
+        Q8Act of len(t) rows of this layout) if given."""
+        if out is None:
+            out = Q8Act(_aligned_empty((len(t), self.xq.shape[1]), np.int8),
+                        np.empty((len(t), self.dx.shape[1]), np.float32),
+                        np.empty((len(t), self.dx.shape[1]), np.int32), self.vec)
+        elif out.vec is not self.vec or out.xq.shape != (len(t), self.xq.shape[1]):
+            raise FermijitError(f"Q8Act.rows: out holds {list(out.xq.shape)} for "
+                                f"{out.vec.isa.label}, need {[len(t), self.xq.shape[1]]} for "
+                                f"{self.vec.isa.label}")
+        np.take(self.xq, t, axis=0, out=out.xq)
+        np.take(self.dx, t, axis=0, out=out.dx)
+        np.take(self.xsum8, t, axis=0, out=out.xsum8)
+        return out
 
 
 # --- reference ----------------------------------------------------------------------------------

@@ -79,8 +79,10 @@ def reference(x, ids, weights, w: MoeWeights):
 def _swiglu_body(gu, h):  # gu [n, 2I] -> h [n, I]
     n_inter = h.shape[1]
     for i in prange(h.shape[0]):
+        # Row views: with 2-D indices LLVM left this loop scalar (4 ns per element at full size).
+        g, u, h_i = gu[i, :n_inter], gu[i, n_inter:], h[i]
         for j in range(n_inter):
-            h[i, j] = mathf.silu(gu[i, j]) * gu[i, n_inter + j]
+            h_i[j] = mathf.silu(g[j]) * u[j]
 
 
 # One body twice: decode's few rows on one thread, prefill's rows on all threads.
@@ -105,7 +107,8 @@ def _combine(routed, weights, shared, x, w_sg, y):
 
 @dataclass
 class Scratch:
-    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing.
+    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing (and
+    the last prefill pass's, `prefill`, made by that pass).
 
     When the shared expert has the routed experts' shapes (I = Is, as in Qwen3.6-35B-A3B), it
     rides in the routed experts' launches as row k of gu, h and out: two launches a layer, not
@@ -122,6 +125,7 @@ class Scratch:
     act_x: Q8Act | None = None  # made by the first call, reused after
     act_h: Q8Act | None = None
     act_sh: Q8Act | None = None
+    prefill: "PrefillBuffers | None" = None  # the last prefill pass's, reused by the next
 
     @classmethod
     def make(cls, w: MoeWeights, top_k: int) -> "Scratch":
@@ -216,44 +220,86 @@ def _sort_slots(ids, n_experts, rows, slot_pos, offsets):
 
 
 @kernel(parallel=True)
-def _combine_rows(routed, slot_pos, weights, shared, gate, y):
-    """y[t] = gate[t]·shared[t] + Σ_j weights[t, j]·routed[slot_pos[t, j]]: a gather per token,
-    so the threads never write one row."""
+def _combine_rows(routed, slot_pos, weights, shared, x, w_sg, y):
+    """y[t] = σ(w_sg · x[t])·shared[t] + Σ_j weights[t, j]·routed[slot_pos[t, j]]: a gather per
+    token, so the threads never write one row; the gate's dot product in float64 as `reference`
+    (numpy's float64 product of all of x was 6 ms a layer at full size). y may be x."""
     for t in prange(y.shape[0]):
-        for c in range(y.shape[1]):
-            acc = gate[t] * shared[t, c]
-            for j in range(weights.shape[1]):
-                acc += weights[t, j] * routed[slot_pos[t, j], c]
-            y[t, c] = acc
+        x_t, y_t, sh_t = x[t], y[t], shared[t]
+        dot = 0.0
+        for c in range(x_t.size):
+            dot += np.float64(x_t[c]) * np.float64(w_sg[c])
+        gate = np.float32(1.0 / (1.0 + np.exp(-dot)))
+        for c in range(y_t.size):
+            y_t[c] = gate * sh_t[c]
+        for j in range(weights.shape[1]):
+            w_j, r_j = weights[t, j], routed[slot_pos[t, j]]
+            for c in range(y_t.size):
+                y_t[c] += w_j * r_j[c]
 
 
-def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets):
-    """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection)."""
-    n = act.xq.shape[0]
-    gu = matvec.grouped(qs_gate_up, d_gate_up, offsets, act, np.empty((n, qs_gate_up.shape[1]),
-                                                                          np.float32))
-    h = np.empty((n, gu.shape[1] // 2), np.float32)
-    _swiglu_rows(gu, h)
-    return matvec.grouped(qs_down, d_down, offsets, matvec.quantize_act(h),
-                          np.empty((n, qs_down.shape[1]), np.float32))
+@dataclass
+class FfnBuffers:
+    """One SwiGLU pass's buffers over n activation rows: reused by every layer of a prefill pass
+    (fresh ones cost a page fault per 4 KiB: ~3 ms per 32 MB at full size)."""
+
+    gu: np.ndarray               # [n, 2I]
+    h: np.ndarray                # [n, I]
+    out: np.ndarray              # [n, H]
+    act_h: Q8Act | None = None   # made by the first pass
+
+    @classmethod
+    def make(cls, n: int, qs_gate_up, qs_down) -> "FfnBuffers":
+        f = np.float32
+        two_i = qs_gate_up.shape[1]
+        return cls(np.empty((n, two_i), f), np.empty((n, two_i // 2), f),
+                   np.empty((n, qs_down.shape[1]), f))
 
 
-def _prefill(x, ids, weights, w, out):
+def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets,
+         buffers: FfnBuffers | None = None, *, like_gemv: bool = False):
+    """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection);
+    `like_gemv`: each row bit for bit decode's (matvec.grouped)."""
+    b = buffers or FfnBuffers.make(act.xq.shape[0], qs_gate_up, qs_down)
+    matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv)
+    _swiglu_rows(b.gu, b.h)
+    b.act_h = matvec.quantize_act(b.h, out=b.act_h)
+    return matvec.grouped(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
+
+
+@dataclass
+class PrefillBuffers:
+    """A prefill pass's MoE buffers for T tokens (Scratch.prefill keeps one set)."""
+
+    n_tok: int
+    rows: np.ndarray        # [T·k] the token of each slot sorted by expert
+    slot_pos: np.ndarray    # [T, k]
+    offsets: np.ndarray     # [E+1]
+    routed: FfnBuffers
+    shared: FfnBuffers
+    act_x: Q8Act | None = None
+    act_rows: Q8Act | None = None
+
+    @classmethod
+    def make(cls, w: MoeWeights, n_tok: int, top_k: int) -> "PrefillBuffers":
+        return cls(n_tok, np.empty(n_tok * top_k, np.int64), np.empty((n_tok, top_k), np.int64),
+                   np.empty(w.gate_up_qs.shape[0] + 1, np.int64),
+                   FfnBuffers.make(n_tok * top_k, w.gate_up_qs, w.down_qs),
+                   FfnBuffers.make(n_tok, w.shared_gate_up_qs, w.shared_down_qs))
+
+
+def _prefill(x, ids, weights, w, out, b: PrefillBuffers):
     """The tokens sorted by expert once; each projection of every expert (and of the shared one,
     as E = 1) one launch; the weighted sum a gather per token."""
-    n_tok, top_k = ids.shape
-    n_experts = w.gate_up_qs.shape[0]
-    rows = np.empty(n_tok * top_k, np.int64)
-    slot_pos = np.empty((n_tok, top_k), np.int64)
-    offsets = np.empty(n_experts + 1, np.int64)
-    _sort_slots(ids, n_experts, rows, slot_pos, offsets)
-    act = matvec.quantize_act(x)
+    n_tok = ids.shape[0]
+    _sort_slots(ids, w.gate_up_qs.shape[0], b.rows, b.slot_pos, b.offsets)
+    b.act_x = act = matvec.quantize_act(x, out=b.act_x)
+    b.act_rows = act.rows(b.rows, out=b.act_rows)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets)
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, b.act_rows, b.offsets, b.routed)
     shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
-                  np.array([0, n_tok], np.int64))
-    gate = _shared_gate(x, w.shared_gate).astype(np.float32)
-    _combine_rows(routed, slot_pos, weights, shared, gate, out)
+                  np.array([0, n_tok], np.int64), b.shared)
+    _combine_rows(routed, b.slot_pos, weights, shared, x, w.shared_gate, out)
 
 
 def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None):
@@ -263,5 +309,11 @@ def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None
     if x.shape[0] == 1:
         _decode(x, ids, weights, w, y, scratch or Scratch.make(w, ids.shape[1]))
     else:
-        _prefill(x, ids, weights, w, y)
+        n_tok, top_k = ids.shape
+        b = scratch.prefill if scratch is not None else None
+        if b is None or b.n_tok != n_tok or b.slot_pos.shape[1] != top_k:
+            b = PrefillBuffers.make(w, n_tok, top_k)
+            if scratch is not None:
+                scratch.prefill = b
+        _prefill(x, ids, weights, w, y, b)
     return y

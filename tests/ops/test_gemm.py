@@ -90,3 +90,18 @@ def test_like_gemv_gives_the_gemv_bits(rng):
     g = matvec.grouped(qs2, d2, offsets, matvec.quantize_act(x), poisoned((n_tok, rows)),
                        like_gemv=True)
     np.testing.assert_array_equal(g, y)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_grouped_every_tail(rng, isa):
+    """Experts with 0-15 tokens: every remainder of a tile (half, quarter and single-token
+    tiles), rows not whole groups."""
+    counts = [7, 15, 6, 3, 0, 1, 8, 12, 5, 2, 14, 9, 4, 11, 13, 10]
+    n_experts, rows, k = len(counts), 37, 96
+    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    x = rng.standard_normal((offsets[-1], k)).astype(np.float32)
+    out = matvec.grouped_cpu(qs, d, offsets, x, out=poisoned((offsets[-1], rows)), isa=isa)
+    expected = matvec.grouped_reference(qs, d, offsets, x)
+    assert_close("grouped", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
