@@ -127,16 +127,18 @@ def _layer(w) -> Layer:
                  _host(w.mlp.gate), _experts(w.mlp), joined_in, gates_in)
 
 
-def linear(x, w, out, act=None):
+def linear(x, w, out, act=None, *, like_gemv: bool = False):
     """out [T, R] = x [T, K] · wᵀ. Q4_0: W4A8 GEMM/GEMV on `act` (x quantised once for all the
-    matrices reading it) or x; Q8_0 (the LM head option): x quantised here; fp32: numpy."""
+    matrices reading it) or x; Q8_0 (the LM head option): x quantised here; fp32: numpy.
+    `like_gemv`: Q4_0 rows of several tokens each bit for bit the GEMV's (matvec.product)."""
     if isinstance(w, matvec.Q4Matrix):
-        return matvec.product(w, matvec.quantize_act(x) if act is None else act, out)
+        return matvec.product(w, matvec.quantize_act(x) if act is None else act, out,
+                              like_gemv=like_gemv)
     if not isinstance(w, QuantTensor):
         return np.matmul(x, w.T, out=out)
     if w.kind == "q8_0":
         return matvec.q8_cpu(w.qs, w.d, x, out=out)
-    return matvec.cpu(w.qs, w.d, x if act is None else act, out=out)
+    return matvec.cpu(w.qs, w.d, x if act is None else act, out=out, like_gemv=like_gemv)
 
 
 def silu(x):

@@ -678,11 +678,12 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
 _gemm_gemv: dict = {}  # Isa -> its (GEMM, GEMV) kernels: product's lookup per call
 
 
-def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
+def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
     """W4A8 GEMV (x [K]) or GEMM (x [T, K]) -> fp32 [R] or [T, R].
 
     x may be float32 (quantised here) or a Q8Act from `quantize_act` (reused across the matrices
-    that read the same input, as decode does). `isa` defaults to the process's choice.
+    that read the same input, as decode does). `isa` defaults to the process's choice;
+    `like_gemv` as for `product`.
     """
     isa = isa or selected_isa()
     w = Q4Matrix.of(qs, d)
@@ -692,7 +693,7 @@ def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
                                 else out is not None and out.ndim == 1)
     y = output("matvec", out, (d.shape[0],) if is_vector else (n_tok, d.shape[0]))
-    return product(w, act, y, isa=isa)
+    return product(w, act, y, isa=isa, like_gemv=like_gemv)
 
 
 def q8_reference(qs, d, x):

@@ -256,13 +256,13 @@ class FfnBuffers:
                    np.empty((n, qs_down.shape[1]), f))
 
 
-def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets,
+def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_swiglu_rows,
          buffers: FfnBuffers | None = None, *, like_gemv: bool = False):
     """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection);
     `like_gemv`: each row bit for bit decode's (matvec.grouped)."""
     b = buffers or FfnBuffers.make(act.xq.shape[0], qs_gate_up, qs_down)
     matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv)
-    _swiglu_rows(b.gu, b.h)
+    swiglu(b.gu, b.h)
     b.act_h = matvec.quantize_act(b.h, out=b.act_h)
     return matvec.grouped(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
 
@@ -296,9 +296,10 @@ def _prefill(x, ids, weights, w, out, b: PrefillBuffers):
     b.act_x = act = matvec.quantize_act(x, out=b.act_x)
     b.act_rows = act.rows(b.rows, out=b.act_rows)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, b.act_rows, b.offsets, b.routed)
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, b.act_rows, b.offsets,
+                  buffers=b.routed)
     shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
-                  np.array([0, n_tok], np.int64), b.shared)
+                  np.array([0, n_tok], np.int64), buffers=b.shared)
     _combine_rows(routed, b.slot_pos, weights, shared, x, w.shared_gate, out)
 
 
