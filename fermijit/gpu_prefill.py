@@ -53,8 +53,21 @@ class DeviceModel:
                                                ring_slot_bytes)
         self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
+        self.readback = gpu.copy_stream()  # device-to-host routing reads (Pass.read_routing)
+        self._host: dict[str, np.ndarray] = {}
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
                                + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
+
+
+    def host_buffer(self, name: str, nbytes: int) -> np.ndarray:
+        """A page-locked host buffer of at least `nbytes`, kept for the next pass (page-locking
+        is slow: a few ms)."""
+        from fermijit.jit import gpu
+
+        buf = self._host.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._host[name] = gpu.pinned(max(nbytes, 64 << 10))
+        return buf
 
 
 @dataclasses.dataclass
@@ -68,7 +81,8 @@ class LayerTiming:
 class Pass:
     """The device buffers of one prefill over `n_tokens` after `start` positions."""
 
-    def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int):
+    def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int,
+                 observe: bool = False):
         from fermijit.jit import gpu
 
         m = dev.model
@@ -88,7 +102,7 @@ class Pass:
         op = "gpu prefill"
         self.rows = gpu.to_device(op, "rows", rows, np.int32)
         self.tiles = gpu.to_device(op, "tiles", tiles, np.int32)
-        self.ones = gpu.to_device(op, "ones", np.ones(T, np.float32), np.float32)
+        self.ones = gpu.to_device(op, "ones", np.ones(T * m.top_k, np.float32), np.float32)
         self.n_tiles = len(tiles)
         self.positions = np.arange(start, start + T, dtype=np.int64)
         self.timings: list[LayerTiming] = []
@@ -101,6 +115,15 @@ class Pass:
         self.on_device: dict[int, tuple] = {}  # layer -> (experts copied, events, first event)
         self.marks: list | None = None       # (layer, category, event) in order, when profiling
         self.layer = -1
+        self.routed = gpu.event()            # after the router: the readback waits for it
+        S = T * m.top_k                      # slots; a tile per 64 of them, plus a partial one
+        self.slot_rows, self.slot_weights = e((S,), np.int32), e((S,))  # per expert at most
+        self.slot_tiles = e((-(-S // expert_matmul.TILE_ROWS) + m.n_experts, 4), np.int32)
+        self.host_s: dict[str, float] = {}   # host seconds per routing step (bench --verbose)
+        self.observing = observe             # REAP calibration (`observe`)
+        self.observed: list[tuple] = []
+        if observe:
+            self.identity = gpu.to_device(op, "slots", np.arange(S, dtype=np.int32), np.int32)
 
     def mark(self, category: str) -> None:
         """Profiling: the kernels launched since the previous mark were `category`."""
@@ -204,8 +227,41 @@ class Pass:
             events = events + [streamer.copy(layer, missing, base)]
         self.on_device[layer] = (had | missing, events, start)
 
+    def read_routing(self):
+        """Layer i's ids and weights, and the prediction's ids, to the host: on the readback
+        stream after the router's event, so the legacy stream goes on with the shared expert
+        meanwhile (a plain .get() would wait for it too)."""
+        from fermijit.jit import gpu
+
+        cuda, dev = gpu.driver(), self.dev
+        dev.readback.wait_for_event(self.routed)
+        out = []
+        for name, a in (("ids", self.ids), ("weights", self.weights),
+                        ("predicted", self.ids_next if self.prediction is not None else None)):
+            if a is None:
+                out.append(None)
+                continue
+            host = dev.host_buffer(name, a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
+            cuda.memcpy_dtoh_async(host, a.gpudata, dev.readback)
+            out.append(host)
+        dev.readback.synchronize()
+        return [None if a is None else a.copy() for a in out]
+
+    def upload_routing(self, rows, slot_weights, tiles) -> None:
+        """The sorted slots into the pass's buffers: synchronous copies from pageable memory
+        (small, so the driver sends them inline; an async copy from page-locked memory queued
+        behind the expert prefetch on the copy engine: 175 ms of routing against 46, hybrid.md)."""
+        from fermijit.jit import gpu
+
+        cuda = gpu.driver()
+        for dst, a in ((self.slot_rows, rows), (self.slot_weights, slot_weights),
+                       (self.slot_tiles, tiles)):
+            cuda.memcpy_htod(dst.gpudata, np.ascontiguousarray(a))
+
     def moe(self, i: int, w) -> None:
         """x += shared(xn) + routed(xn); the routed experts' copies as the module says."""
+        import time
+
         from fermijit.jit import gpu
 
         m, dev, E = self.m, self.dev, self.m.n_experts
@@ -213,30 +269,10 @@ class Pass:
         router.gpu(self.logits_r, m.top_k, out=(self.ids, self.weights))
         self.prediction = None
         self.predict(i + 1, self.xn)
+        self.routed.record()
         self.mark("small ops")
-        # Synchronous reads and writes of the routing. Measured on the H200 (REAP-128, 947
-        # tokens): through page-locked buffers and async copies instead, with the host's sort
-        # under the shared expert, the routing took 175 ms of the GPU's time against 46 here and
-        # the prefill 0.335 s against 0.333 (256 experts: 0.533 against 0.406 s).
-        with gpu.check("reading the routing back"):
-            ids, weights = self.ids.get(), self.weights.get()
-            predicted = None if self.prediction is None else self.ids_next.get()
-        needed = np.bincount(ids.reshape(-1), minlength=E) > 0
-        copied = dev.streamer.bytes_copied
-        self.fetch(i, needed)                                  # what the prediction missed
-        late = dev.streamer.bytes_copied - copied
-        if predicted is not None:
-            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
-        rows, slot_weights, tiles = route_slots(ids, weights, E)
-        op = "gpu prefill"
-        rows, slot_weights, tiles_dev = (gpu.to_device(op, name, a, a.dtype) for name, a in (
-            ("rows", rows), ("slot weights", slot_weights), ("tiles", tiles)))
-        on_device, events, copy_start = self.on_device.pop(i)
-        self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
-                                 "bytes": int(on_device.sum()) * dev.streamer.layout.expert_bytes,
-                                 "late_bytes": late,
-                                 "unused_experts": int((on_device & ~needed).sum())})
-        self.mark("routing (host)")
+        # The shared expert does not depend on the routing: launched first, it runs while the
+        # host reads the routing back and sorts it.
         f32_gemm.gpu(self.xn, w["shared_gate"], "sigmoid", out=self.shared_w)
         shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
         expert_matmul.gate_up_gpu(self.xn, shared, w["shared_gate_up_qs"],
@@ -244,6 +280,31 @@ class Pass:
         expert_matmul.down_gpu(self.h_shared, shared, w["shared_down_qs"], w["shared_down_d"],
                                self.x)
         self.mark("shared expert")
+        t0 = time.perf_counter()
+        with gpu.check("reading the routing back"):
+            ids, weights, predicted = self.read_routing()
+        t1 = time.perf_counter()
+        needed = np.bincount(ids.reshape(-1), minlength=E) > 0
+        copied = dev.streamer.bytes_copied
+        self.fetch(i, needed)                                  # what the prediction missed
+        late = dev.streamer.bytes_copied - copied
+        if predicted is not None:
+            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
+        t2 = time.perf_counter()
+        rows, slot_weights, tiles = route_slots(ids, weights, E)
+        t3 = time.perf_counter()
+        with gpu.check("sending the routing in"):
+            self.upload_routing(rows, slot_weights, tiles)
+        t4 = time.perf_counter()
+        for key, dt in (("read", t1 - t0), ("fetch", t2 - t1), ("sort", t3 - t2),
+                        ("upload", t4 - t3)):
+            self.host_s[key] = self.host_s.get(key, 0.0) + dt
+        on_device, events, copy_start = self.on_device.pop(i)
+        self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
+                                 "bytes": int(on_device.sum()) * dev.streamer.layout.expert_bytes,
+                                 "late_bytes": late,
+                                 "unused_experts": int((on_device & ~needed).sum())})
+        self.mark("routing (host)")
         with gpu.check(f"waiting for the experts of layer {i}"):
             for done in events:
                 done.synchronize()
@@ -254,11 +315,35 @@ class Pass:
         inter, hidden, n_tiles = self.h.shape[1], m.hidden, len(tiles)
         gpu.kernel("q4_gemm", MODE="expert_gate_up")(
             (-(-inter // expert_matmul.GATE_UP_TILE_COLS), n_tiles), (256,),
-            self.xn, gu_qs, gu_d, self.h, tiles_dev, rows, None, 0, inter, hidden)
+            self.xn, gu_qs, gu_d, self.h, self.slot_tiles, self.slot_rows, None, 0, inter, hidden)
+        if self.observing:
+            self.observe(i, ids, slot_weights, (dn_qs, dn_d), n_tiles)
         gpu.kernel("q4_gemm", MODE="expert_down")(
             (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
-            self.h, dn_qs, dn_d, self.x, tiles_dev, rows, slot_weights, 0, hidden, inter)
+            self.h, dn_qs, dn_d, self.x, self.slot_tiles, self.slot_rows, self.slot_weights, 0,
+            hidden, inter)
         self.mark("expert gemm")
+
+    def observe(self, i: int, ids, slot_weights, down, n_tiles: int) -> None:
+        """REAP calibration (model/reap.py, issue 15): each slot's expert output E_j(x) without
+        the routing weight (the down GEMM into a zeroed [S, H] buffer, slot s to row s, weight
+        1), its L2 norm in float64 on the host; kept in `observed` as (layer, expert of each
+        slot, its weight, the norm) until the pass has succeeded."""
+        from fermijit.jit import gpu
+
+        S, hidden, inter = ids.size, self.m.hidden, self.h.shape[1]
+        y = gpu.empty((S, hidden))
+        with gpu.check("clearing the expert outputs"):
+            gpu.driver().memset_d32(y.gpudata, 0, S * hidden)
+        gpu.kernel("q4_gemm", MODE="expert_down")(
+            (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
+            self.h, down[0], down[1], y, self.slot_tiles, self.identity, self.ones, 0, hidden,
+            inter)
+        with gpu.check("reading the expert outputs back"):
+            norms = np.linalg.norm(y.get().astype(np.float64), axis=1)
+        experts = np.repeat(np.arange(self.m.n_experts),
+                            np.bincount(ids.reshape(-1), minlength=self.m.n_experts))
+        self.observed.append((i, experts, slot_weights.astype(np.float64), norms))
 
     def run(self, tokens: np.ndarray, time_layers: bool = False) -> None:
         """Every layer over `tokens` [T] int32; x holds the last hidden states after."""

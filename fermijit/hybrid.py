@@ -168,6 +168,10 @@ class GpuPrefiller:
         self.broken: str | None = None
         self.last_plan: Plan | None = None
         self.last_pass = None
+        # REAP calibration (model/reap.py): called as observer(layer, experts, weights, norms)
+        # per layer of each pass, once the whole prefill has succeeded (so a fallback to the CPU
+        # never counts a token twice).
+        self.observer = None
 
     def _say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -211,7 +215,11 @@ class GpuPrefiller:
         self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
                                               ring_slot_bytes(pin_budget))
         warm = self.model.new_state(2)
-        self.run(np.zeros(2, np.int32), warm)
+        observer, self.observer = self.observer, None     # the warm-up pass is not calibration
+        try:
+            self.run(np.zeros(2, np.int32), warm)
+        finally:
+            self.observer = observer
 
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
@@ -250,10 +258,11 @@ class GpuPrefiller:
                       f"{p.n_chunks} passes of <= {p.chunk} tokens")
         start = state.position
         states = gpu_prefill.upload_states(state, start + tokens.size)
-        logits = []
+        logits, observed = [], []
         for t0 in range(0, tokens.size, p.chunk):
             block = tokens[t0:t0 + p.chunk]
-            run = gpu_prefill.Pass(self.device, states, block.size, start + t0)
+            run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
+                                   observe=self.observer is not None)
             run.marks = [] if profile else None
             run.run(block, time_layers)
             if all_logits or t0 + p.chunk >= tokens.size:
@@ -261,7 +270,10 @@ class GpuPrefiller:
             if on_block is not None:
                 on_block(block.size)
             self.last_pass = run
+            observed += run.observed
         gpu_prefill.hand_off(states, state, start + tokens.size)
+        for layer, experts, weights, norms in observed:
+            self.observer(layer, experts, weights, norms)
         return np.concatenate(logits) if all_logits else logits[-1]
 
 
