@@ -243,6 +243,7 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
                    pf.last_plan), "pinned_bytes": pf.device.streamer.pinned_bytes}
         stats = pf.last_pass.layer_stats
         row["host_s"] = dict(pf.last_pass.host_s)    # the last timed run's routing steps
+        row["phases_s"] = dict(pf.last_phases)       # ... and its phases
         row["unused_experts"] = sum(s["unused_experts"] for s in stats)
         row["late_bytes"] = sum(s["late_bytes"] for s in stats)
         if key == "planned":
@@ -345,6 +346,8 @@ def print_report(r: dict, verbose: bool, out) -> None:
         for i, row in enumerate(p["layers"]):
             print(f"  {i:>3} {row['compute_ms']:>8.2f} {row['copy_ms']:>8.2f} "
                   f"{row['overlap_ms']:>8.2f}", file=out)
+        print("phases of the last timed run (host s): " + ", ".join(
+            f"{k} {v:.4f}" for k, v in p["phases_s"].items()), file=out)
         print("host routing steps of the last timed run (s): " + ", ".join(
             f"{k} {v:.4f}" for k, v in p["host_s"].items()), file=out)
         print("profile (serialised run, s; GFLOP; GB):", file=out)

@@ -404,31 +404,63 @@ class Pass:
 
 
 def upload_states(state: State, n_positions: int) -> list:
-    """The host state on the device: KV caches with room for `n_positions`, GDN states."""
+    """The host state on the device: KV caches with room for `n_positions` holding the
+    state's positions, GDN states. A state at position 0 is the empty one (Model.new_state):
+    its device copy is cleared, not sent (~100 MB for the full-size shapes)."""
     from fermijit.jit import gpu
 
-    op, states = "gpu prefill", []
-    for s in state.layers:
-        if isinstance(s, KvCache):
-            k, v = (np.ascontiguousarray(a[:, :n_positions]) for a in (s.k, s.v))
-            states.append(KvCache(gpu.to_device(op, "k cache", k, np.float32),
-                                  gpu.to_device(op, "v cache", v, np.float32)))
-        else:
-            states.append(GdnState(gpu.to_device(op, "conv state", s.conv, np.float32),
-                                   gpu.to_device(op, "recurrent state", s.recurrent, np.float32)))
+    cuda, states, held = gpu.driver(), [], state.position
+    with gpu.check("sending the state in"):
+        for s in state.layers:
+            if isinstance(s, KvCache):
+                pair = []
+                for a in (s.k, s.v):
+                    heads, _, dim = a.shape
+                    dev = gpu.empty((heads, n_positions, dim))
+                    for h in range(heads if held else 0):
+                        cuda.memcpy_htod(int(dev.gpudata) + h * n_positions * dim * F32,
+                                         np.ascontiguousarray(a[h, :held]))
+                    pair.append(dev)
+                states.append(KvCache(*pair))
+            elif held:
+                states.append(GdnState(*(gpu.to_device("gpu prefill", "gdn state", a, np.float32)
+                                         for a in (s.conv, s.recurrent))))
+            else:
+                pair = [gpu.empty(a.shape) for a in (s.conv, s.recurrent)]
+                for dev in pair:
+                    cuda.memset_d32(dev.gpudata, 0, dev.size)
+                states.append(GdnState(*pair))
     return states
 
 
-def hand_off(states: list, state: State, end: int) -> None:
-    """The device caches and states into the host `State`, which then holds `end` positions.
-    Everything is read back before the host state changes, so a failure leaves it as it was."""
+def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
+    """The device caches (the positions from the host state's to `end`) and states into the
+    host `State`, which then holds `end` positions. Everything is read back (into one
+    page-locked buffer: DMA at the link's rate) before the host state changes, so a failure
+    leaves it as it was."""
     from fermijit.jit import gpu
 
-    with gpu.check("copying the state back"):
-        host = [[a.get() for a in vars(s).values()] for s in states]
-    for s, arrays in zip(state.layers, host):
+    cuda, start = gpu.driver(), state.position
+    pieces = []  # (host array to fill, device address, bytes)
+    for d, s in zip(states, state.layers):
         if isinstance(s, KvCache):
-            s.k[:, :end], s.v[:, :end] = (a[:, :end] for a in arrays)
+            for a, host in ((d.k, s.k), (d.v, s.v)):
+                heads, positions, dim = a.shape
+                for h in range(heads):
+                    pieces.append((host[h, start:end], int(a.gpudata)
+                                   + (h * positions + start) * dim * F32, (end - start) * dim * F32))
         else:
-            s.conv[...], s.recurrent[...] = arrays
+            pieces += [(host, int(a.gpudata), a.nbytes) for a, host in ((d.conv, s.conv),
+                                                                       (d.recurrent, s.recurrent))]
+    buf = dev.host_buffer("state", sum(n for _, _, n in pieces))
+    with gpu.check("copying the state back"):
+        at = 0
+        for _, address, n in pieces:
+            cuda.memcpy_dtoh_async(buf[at:at + n], address, dev.readback)
+            at += n
+        dev.readback.synchronize()
+    at = 0
+    for host, _, n in pieces:
+        host[...] = buf[at:at + n].view(np.float32).reshape(host.shape)
+        at += n
     state.position = end

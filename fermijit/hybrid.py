@@ -246,7 +246,16 @@ class GpuPrefiller:
             time_layers: bool = False, profile: bool = False):
         """The GPU prefill itself, no fallback (`prefill` checks the input and falls back);
         `time_layers` and `profile` keep CUDA events for `bench prefill` in `last_pass`."""
+        import time
+
         from fermijit import gpu_prefill
+
+        clock = [time.perf_counter()]
+        phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
+
+        def phase(name: str) -> None:
+            clock.append(time.perf_counter())
+            phases[name] = phases.get(name, 0.0) + clock[-1] - clock[-2]
 
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
         p = plan(self.model, tokens.size, state.position, self.budget(), pin_budget, all_logits)
@@ -257,21 +266,27 @@ class GpuPrefiller:
             self._say(f"gpu prefill: activations of {tokens.size} tokens exceed --gpu-mem; "
                       f"{p.n_chunks} passes of <= {p.chunk} tokens")
         start = state.position
+        phase("plan")
         states = gpu_prefill.upload_states(state, start + tokens.size)
+        phase("state in")
         logits, observed = [], []
         for t0 in range(0, tokens.size, p.chunk):
             block = tokens[t0:t0 + p.chunk]
             run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
                                    observe=self.observer is not None)
             run.marks = [] if profile else None
+            phase("pass buffers")
             run.run(block, time_layers)
+            phase("layers")
             if all_logits or t0 + p.chunk >= tokens.size:
                 logits.append(run.logits(all_logits))
+            phase("logits")
             if on_block is not None:
                 on_block(block.size)
             self.last_pass = run
             observed += run.observed
-        gpu_prefill.hand_off(states, state, start + tokens.size)
+        gpu_prefill.hand_off(self.device, states, state, start + tokens.size)
+        phase("state out")
         for layer, experts, weights, norms in observed:
             self.observer(layer, experts, weights, norms)
         return np.concatenate(logits) if all_logits else logits[-1]
