@@ -137,12 +137,14 @@ class Pass:
     # --- one layer ------------------------------------------------------------------------------
 
     def add_projection(self, src, qs, d) -> None:
-        """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1, its k
-        split when the grid alone would leave the GPU part idle."""
-        blocks = -(-self.m.hidden // expert_matmul.DOWN_TILE_COLS) * self.n_tiles
-        expert_matmul.down_gpu(src, expert_matmul.Routing(self.rows, self.ones, self.tiles,
-                                                          self.n_tiles),
-                               qs, d, self.x, expert_matmul.k_parts_for(blocks, src.shape[1]))
+        """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1. (Its
+        k split over grid z, to fill the H200's block slots that 16 x 15 blocks leave idle, was
+        measured no faster: 0.2835 s against 0.2906 median, notes/gpuprefill.md.)"""
+        from fermijit.jit import gpu
+
+        gpu.kernel("q4_gemm", MODE="expert_down")(
+            (-(-self.m.hidden // expert_matmul.DOWN_TILE_COLS), self.n_tiles), (256,),
+            src, qs, d, self.x, self.tiles, self.rows, self.ones, 0, self.m.hidden, src.shape[1])
 
     def gdn(self, w, s: GdnState) -> None:
         from fermijit.jit import gpu

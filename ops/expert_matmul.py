@@ -120,35 +120,18 @@ def gate_up_gpu(x, routing: Routing, gate_up_qs, gate_up_d, h) -> None:
         x, gate_up_qs, gate_up_d, h, routing.tiles, routing.rows, None, 0, n_inter, hidden)
 
 
-def down_gpu(h, routing: Routing, down_qs, down_d, y, k_parts: int = 1) -> None:
-    """y[rows] += slot_weights * (h Wd^T) per expert; y must hold zeros (or a sum to add to).
-    `k_parts` blocks share each output tile, each over a part of the reduction (`k_parts_for`)."""
+def down_gpu(h, routing: Routing, down_qs, down_d, y) -> None:
+    """y[rows] += slot_weights * (h Wd^T) per expert; y must hold zeros (or a sum to add to)."""
     from fermijit.jit import gpu as g
 
     n_inter, hidden = h.shape[1], y.shape[1]
-    if n_inter // BLOCK % k_parts:
-        raise FermijitError(f"expert_matmul: k_parts {k_parts} does not divide the "
-                            f"{n_inter // BLOCK} blocks of k")
     g.kernel("q4_gemm", MODE="expert_down")(
-        (-(-hidden // DOWN_TILE_COLS), routing.n_tiles, k_parts), (256,),
+        (-(-hidden // DOWN_TILE_COLS), routing.n_tiles), (256,),
         h, down_qs, down_d, y, routing.tiles, routing.rows, routing.slot_weights, 0, hidden,
         n_inter)
 
 
-def k_parts_for(blocks: int, k: int) -> int:
-    """Parts to split the k of a scatter-add GEMM of `blocks` blocks into: doubled while the grid
-    still fits the blocks the GPU holds at once (multiprocessors x blocks of 256 threads at 63
-    registers: 4 on the H200, 2 on Fermi) and the parts divide k's blocks. The output
-    projections' 16 x 15 blocks (947 tokens) filled 45% of the H200's 528 slots."""
-    from fermijit.jit import gpu as g
-
-    parts, slots = 1, g.resident_blocks(256, 64)
-    while blocks * parts * 2 <= slots and (k // BLOCK) % (parts * 2) == 0:
-        parts *= 2
-    return parts
-
-
-def gpu(x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, out=None, k_parts: int = 1):
+def gpu(x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, out=None):
     """As `reference`; arrays numpy or on the device (see fermijit.jit.gpu). The slots are sorted
     on the host (`route`), so device `ids` and `weights` are copied back first."""
     from fermijit.jit import gpu as g
@@ -169,5 +152,5 @@ def gpu(x, ids, weights, gate_up_qs, gate_up_d, down_qs, down_d, out=None, k_par
                 g.to_device(op, "gate_up_qs", gate_up_qs, np.uint8),
                 g.to_device(op, "gate_up_d", gate_up_d, np.float16), h)
     down_gpu(h, routing, g.to_device(op, "down_qs", down_qs, np.uint8),
-             g.to_device(op, "down_d", down_d, np.float16), y, k_parts)
+             g.to_device(op, "down_d", down_d, np.float16), y)
     return g.result(op, y, out, on_device)

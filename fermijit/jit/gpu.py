@@ -303,19 +303,6 @@ def pinned(nbytes: int) -> np.ndarray:
         return cuda.pagelocked_empty(int(nbytes), np.uint8)
 
 
-@functools.lru_cache(maxsize=None)
-def resident_blocks(threads: int, registers: int) -> int:
-    """Blocks of `threads` threads at `registers` registers each that the device holds at once:
-    multiprocessors x how many fit one's register file (the limit of the 63-register GEMMs)."""
-    cuda = driver()
-    a = cuda.device_attribute
-    with check("querying the device"):
-        dev = cuda.Context.get_device()
-        sms = dev.get_attribute(a.MULTIPROCESSOR_COUNT)
-        regs = dev.get_attribute(a.MAX_REGISTERS_PER_MULTIPROCESSOR)
-    return sms * max(1, regs // (threads * registers))
-
-
 def memory() -> tuple[int, int]:
     """(free, total) bytes of device memory."""
     cuda = driver()

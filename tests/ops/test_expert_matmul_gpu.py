@@ -53,24 +53,6 @@ def test_gpu_matches_reference(rng, shape):
 
 
 @needs_gpu
-@pytest.mark.parametrize("shape, k_parts", [(SHAPES["T63-H96-I96-E8-K3"], 3),
-                                            (SHAPES["T130-H160-I64-E4-K2"], 2),
-                                            ((70, 130, 256, 3, 2), 8)])
-def test_split_k_matches_reference(rng, shape, k_parts):
-    """The down GEMM's k in parts (grid z), the partial sums meeting in the scatter-add."""
-    args = make_inputs(rng, *shape)
-    expected = expert_matmul.reference(*args)
-    check_result(expected, expert_matmul.gpu(*args, k_parts=k_parts))
-
-
-def test_split_k_must_divide_ks_blocks(rng):
-    args = make_inputs(rng, *SHAPES["T63-H96-I96-E8-K3"])
-    with pytest.raises(FermijitError, match="k_parts 2 does not divide the 3 blocks"):
-        expert_matmul.down_gpu(np.zeros((3, 96), np.float32), None, args[5], args[6],
-                               np.zeros((63, 96), np.float32), 2)
-
-
-@needs_gpu
 def test_device_arrays_stay_on_device(rng):
     from fermijit.jit import gpu
 
