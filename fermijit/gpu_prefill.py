@@ -290,8 +290,6 @@ class Pass:
         copied = dev.streamer.bytes_copied
         self.fetch(i, needed)                                  # what the prediction missed
         late = dev.streamer.bytes_copied - copied
-        if predicted is not None:
-            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
         t2 = time.perf_counter()
         rows, slot_weights, tiles = route_slots(ids, weights, E)
         t3 = time.perf_counter()
@@ -324,6 +322,14 @@ class Pass:
             (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
             self.h, dn_qs, dn_d, self.x, self.slot_tiles, self.slot_rows, self.slot_weights, 0,
             hidden, inter)
+        # The prediction's copies for layer i+1 go after these launches, off the path from the
+        # routing to the GEMMs (its buffer's last reader, layer i-1's GEMMs, ran before the
+        # router whose routing was read). They have layer i's GEMMs and layer i+1's mixer to run
+        # under.
+        if predicted is not None:
+            t5 = time.perf_counter()
+            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
+            self.host_s["prefetch"] = self.host_s.get("prefetch", 0.0) + time.perf_counter() - t5
         self.mark("expert gemm")
 
     def observe(self, i: int, ids, slot_weights, down, n_tiles: int) -> None:
