@@ -36,6 +36,9 @@ from fermijit.ops import (attention, conv1d, embedding, expert_matmul, f32_gemm,
                           l2norm, matmul, rmsnorm, rope, router)
 
 
+PAGE = 4096  # bytes, the host's smallest page (touch_pages)
+
+
 class DeviceModel:
     """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
 
@@ -82,7 +85,7 @@ class Pass:
     """The device buffers of one prefill over `n_tokens` after `start` positions."""
 
     def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int,
-                 observe: bool = False):
+                 observe: bool = False, touch: list | None = None):
         from fermijit.jit import gpu
 
         m = dev.model
@@ -120,6 +123,7 @@ class Pass:
         self.slot_rows, self.slot_weights = e((S,), np.int32), e((S,))  # per expert at most
         self.slot_tiles = e((-(-S // expert_matmul.TILE_ROWS) + m.n_experts, 4), np.int32)
         self.host_s: dict[str, float] = {}   # host seconds per routing step (bench --verbose)
+        self.touch = touch or [[] for _ in m.layers]  # per layer: host arrays (touch_pages)
         self.observing = observe             # REAP calibration (`observe`)
         self.observed: list[tuple] = []
         if observe:
@@ -283,6 +287,10 @@ class Pass:
                                self.x)
         self.mark("shared expert")
         t0 = time.perf_counter()
+        for a in self.touch[i]:              # the host would only wait for the routing
+            touch_pages(a)
+        self.host_s["touch"] = self.host_s.get("touch", 0.0) + time.perf_counter() - t0
+        t0 = time.perf_counter()
         with gpu.check("reading the routing back"):
             ids, weights, predicted = self.read_routing()
         t1 = time.perf_counter()
@@ -441,6 +449,22 @@ def upload_states(state: State, n_positions: int) -> list:
     return states
 
 
+def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
+    """Per layer, the host arrays the hand-off writes (contiguous): each head's KV rows from
+    the state's position to `end`, the GDN conv and recurrent states."""
+    start = state.position
+    return [[a[h, start:end] for a in (s.k, s.v) for h in range(a.shape[0])]
+            if isinstance(s, KvCache) else [s.conv, s.recurrent] for s in state.layers]
+
+
+def touch_pages(a: np.ndarray) -> None:
+    """Write one byte a page of the contiguous `a` with its own value: the first-touch page
+    faults of a fresh host state (~100 MB at full size) are taken while the host waits for the
+    GPU in a pass, not in the hand-off; the contents do not change."""
+    b = a.reshape(-1).view(np.uint8)
+    b[::PAGE] = b[::PAGE]
+
+
 def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
     """The device caches (the positions from the host state's to `end`) and states into the
     host `State`, which then holds `end` positions. Everything is read back (into one
@@ -449,26 +473,24 @@ def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
     from fermijit.jit import gpu
 
     cuda, start = gpu.driver(), state.position
-    pieces = []  # (host array to fill, device address, bytes)
-    for d, s in zip(states, state.layers):
-        if isinstance(s, KvCache):
-            for a, host in ((d.k, s.k), (d.v, s.v)):
-                heads, positions, dim = a.shape
-                for h in range(heads):
-                    pieces.append((host[h, start:end], int(a.gpudata)
-                                   + (h * positions + start) * dim * F32, (end - start) * dim * F32))
+    pieces = []  # (host array to fill, device address), in handed_arrays' order
+    for d, host in zip(states, handed_arrays(state, end)):
+        if isinstance(d, KvCache):
+            heads, positions, dim = d.k.shape
+            sources = [int(x.gpudata) + (h * positions + start) * dim * F32
+                       for x in (d.k, d.v) for h in range(heads)]
         else:
-            pieces += [(host, int(a.gpudata), a.nbytes) for a, host in ((d.conv, s.conv),
-                                                                       (d.recurrent, s.recurrent))]
-    buf = dev.host_buffer("state", sum(n for _, _, n in pieces))
+            sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
+        pieces += zip(host, sources)
+    buf = dev.host_buffer("state", sum(a.nbytes for a, _ in pieces))
     with gpu.check("copying the state back"):
         at = 0
-        for _, address, n in pieces:
-            cuda.memcpy_dtoh_async(buf[at:at + n], address, dev.readback)
-            at += n
+        for a, address in pieces:
+            cuda.memcpy_dtoh_async(buf[at:at + a.nbytes], address, dev.readback)
+            at += a.nbytes
         dev.readback.synchronize()
     at = 0
-    for host, _, n in pieces:
-        host[...] = buf[at:at + n].view(np.float32).reshape(host.shape)
-        at += n
+    for a, _ in pieces:
+        a[...] = buf[at:at + a.nbytes].view(np.float32).reshape(a.shape)
+        at += a.nbytes
     state.position = end

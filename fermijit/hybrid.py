@@ -272,13 +272,16 @@ class GpuPrefiller:
         logits, observed = [], []
         for t0 in range(0, tokens.size, p.chunk):
             block = tokens[t0:t0 + p.chunk]
+            last = t0 + p.chunk >= tokens.size
             run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
-                                   observe=self.observer is not None)
+                                   self.observer is not None,
+                                   gpu_prefill.handed_arrays(state, start + tokens.size)
+                                   if last else None)
             run.marks = [] if profile else None
             phase("pass buffers")
             run.run(block, time_layers)
             phase("layers")
-            if all_logits or t0 + p.chunk >= tokens.size:
+            if all_logits or last:
                 logits.append(run.logits(all_logits))
             phase("logits")
             if on_block is not None:
