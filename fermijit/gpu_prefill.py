@@ -36,9 +36,6 @@ from fermijit.ops import (attention, conv1d, embedding, expert_matmul, f32_gemm,
                           l2norm, matmul, rmsnorm, rope, router)
 
 
-PAGE = 4096  # bytes, the host's smallest page (touch_pages)
-
-
 class DeviceModel:
     """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
 
@@ -85,7 +82,7 @@ class Pass:
     """The device buffers of one prefill over `n_tokens` after `start` positions."""
 
     def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int,
-                 observe: bool = False, touch: list | None = None):
+                 observe: bool = False):
         from fermijit.jit import gpu
 
         m = dev.model
@@ -123,7 +120,6 @@ class Pass:
         self.slot_rows, self.slot_weights = e((S,), np.int32), e((S,))  # per expert at most
         self.slot_tiles = e((-(-S // expert_matmul.TILE_ROWS) + m.n_experts, 4), np.int32)
         self.host_s: dict[str, float] = {}   # host seconds per routing step (bench --verbose)
-        self.touch = touch or [[] for _ in m.layers]  # per layer: host arrays (touch_pages)
         self.observing = observe             # REAP calibration (`observe`)
         self.observed: list[tuple] = []
         if observe:
@@ -286,10 +282,6 @@ class Pass:
         expert_matmul.down_gpu(self.h_shared, shared, w["shared_down_qs"], w["shared_down_d"],
                                self.x)
         self.mark("shared expert")
-        t0 = time.perf_counter()
-        for a in self.touch[i]:              # the host would only wait for the routing
-            touch_pages(a)
-        self.host_s["touch"] = self.host_s.get("touch", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         with gpu.check("reading the routing back"):
             ids, weights, predicted = self.read_routing()
@@ -455,14 +447,6 @@ def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
     start = state.position
     return [[a[h, start:end] for a in (s.k, s.v) for h in range(a.shape[0])]
             if isinstance(s, KvCache) else [s.conv, s.recurrent] for s in state.layers]
-
-
-def touch_pages(a: np.ndarray) -> None:
-    """Write one byte a page of the contiguous `a` with its own value: the first-touch page
-    faults of a fresh host state (~100 MB at full size) are taken while the host waits for the
-    GPU in a pass, not in the hand-off; the contents do not change."""
-    b = a.reshape(-1).view(np.uint8)
-    b[::PAGE] = b[::PAGE]
 
 
 def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:

@@ -274,9 +274,7 @@ class GpuPrefiller:
             block = tokens[t0:t0 + p.chunk]
             last = t0 + p.chunk >= tokens.size
             run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
-                                   self.observer is not None,
-                                   gpu_prefill.handed_arrays(state, start + tokens.size)
-                                   if last else None)
+                                   observe=self.observer is not None)
             run.marks = [] if profile else None
             phase("pass buffers")
             run.run(block, time_layers)

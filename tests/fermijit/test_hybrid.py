@@ -245,22 +245,14 @@ def test_bad_prefill_flags_are_one_line(q4_model, flag):
 PROMPT_TEXT = "the cat sat"
 
 
-def test_touching_a_states_pages_changes_nothing(default_model):
+def test_handed_arrays_are_what_the_hand_off_writes(default_model):
     state = default_model.new_state(300)
-    rng = np.random.default_rng(0)
-    for s in state.layers:
-        for a in vars(s).values():
-            a[...] = rng.standard_normal(a.shape)
     state.position = 7
-    before = [a.copy() for s in state.layers for a in vars(s).values()]
-    for arrays in gpu_prefill.handed_arrays(state, 300):
-        for a in arrays:
-            assert a.flags.c_contiguous
-            gpu_prefill.touch_pages(a)
-    for a, b in zip(before, [a for s in state.layers for a in vars(s).values()]):
-        np.testing.assert_array_equal(a, b)
     for s, arrays in zip(state.layers, gpu_prefill.handed_arrays(state, 300)):
+        assert all(a.flags.c_contiguous for a in arrays)
         if isinstance(s, KvCache):                  # each head's rows from the position on
             assert [a.shape for a in arrays] == [(300 - 7, s.k.shape[2])] * 2 * s.k.shape[0]
+            assert all(np.shares_memory(a, s.k if n < s.k.shape[0] else s.v)
+                       for n, a in enumerate(arrays))
         else:
             assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent
