@@ -251,7 +251,7 @@ class GpuPrefiller:
         `time_layers` and `profile` keep CUDA events for `bench prefill` in `last_pass`."""
         import time
 
-        from fermijit import gpu_prefill
+        from fermijit import gpu_prefill, gpu_state
 
         clock = [time.perf_counter()]
         phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
@@ -271,7 +271,7 @@ class GpuPrefiller:
                       f"{p.n_chunks} passes of <= {p.chunk} tokens")
         start = state.position
         phase("plan")
-        states = gpu_prefill.upload_states(state, start + tokens.size)
+        states = gpu_state.upload_states(state, start + tokens.size)
         phase("state in")
         logits, observed = [], []
         for t0 in range(0, tokens.size, p.chunk):
@@ -290,7 +290,7 @@ class GpuPrefiller:
                 on_block(block.size)
             self.last_pass = run
             observed += run.observed
-        gpu_prefill.hand_off(self.device, states, state, start + tokens.size)
+        gpu_state.hand_off(self.device, states, state, start + tokens.size)
         phase("state out")
         for layer, experts, weights, norms in observed:
             self.observer(layer, experts, weights, norms)

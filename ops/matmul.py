@@ -5,9 +5,10 @@ arrays (qs uint8 [N, K/2], d float16 [N, K/32]); y [T, N] fp32.
 
 `reference` is the spec: fp32 activations times the dequantised weights (DESIGN.md, Numerics:
 prefill keeps activations in fp32). `gpu` is that, in PTX (kernels_ptx/q4_gemm.ptx, dense mode:
-64 x 128 tiles, weights dequantised in registers; one token: q4_gemv.ptx, a warp per output). `cpu` is the CPU prefill's batched W4A8 GEMM
-(ops.matvec: activations quantised per 32-block to int8), so it matches `reference` to the
-precision of 8-bit activations (~1e-2 relative), and ops.matvec.reference exactly.
+64 x 128 tiles, weights dequantised in registers; one token: q4_gemv.ptx, a warp per output).
+`cpu` is the CPU prefill's batched W4A8 GEMM (ops.matvec: activations quantised per 32-block to
+int8), so it matches `reference` to the precision of 8-bit activations (~1e-2 relative), and
+ops.matvec.reference exactly.
 """
 
 from __future__ import annotations
