@@ -319,9 +319,11 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
                    "of an HF checkpoint too big to run in fp32); same layers and experts.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: all cores).")
+@prefill_options
 def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
           criterion: str, context: int, max_tokens: int | None, seed: int,
-          calibrate_with: Path | None, threads: int | None) -> None:
+          calibrate_with: Path | None, threads: int | None, prefill: str, gpu_mem: str | None,
+          pin_budget: str | None, verbose: bool) -> None:
     """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
     same kind; calibration runs the engine over --text."""
     from fermijit.jit import cpu
@@ -329,7 +331,8 @@ def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float 
 
     cpu.configure_threads(threads)
     pruner.run(src, dst, text_path, keep, ratio, context, max_tokens, criterion, seed,
-               calibrate_with)
+               calibrate_with, prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
+               verbose=verbose)
 
 
 @cli.command()
