@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +135,11 @@ def open_image(path: str | Path):
     if not path.is_file():
         raise FermijitError(f"image {path}: no such file")
     try:
-        with PILImage.open(path) as im:
+        with warnings.catch_warnings():
+            # Pillow warns past 89 M pixels: the bound below speaks instead, in one line
+            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+            im = PILImage.open(path)
+        with im:
             width, height = im.size
             if width * height > MAX_SOURCE_PIXELS:
                 raise FermijitError(f"image {path}: {width}x{height} pixels is beyond the "
