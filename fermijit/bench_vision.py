@@ -5,7 +5,7 @@ with random weights made in memory, stored f16 as a converted model stores them 
 synthetic images of the given sizes (448x448 and 1024x768 by default) preprocessed as the real
 processor does (model/image.py: 448x448 -> 28x28 patches -> 196 tokens; 1024x768 -> 64x48 ->
 768). Per size: preprocessing and the tower on the CPU (numpy fp32 matmuls), and on the GPU
-where one is usable, with the tower's GFLOP and the rate reached.
+where one is usable (model/vision_gpu.py), with the tower's GFLOP and the rate reached.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ def measure(cfg: VisionConfig, sizes, repeat: int, use_gpu: bool | None) -> list
     tower = VisionTower(cfg, random_weights(cfg))
     settings = mi.ImageSettings(cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size)
     gpu_tower = None
+    if use_gpu is not False:
+        from fermijit.model import vision_gpu
+
+        gpu_tower = vision_gpu.make(tower) if vision_gpu.usable() else None
+    warm = mi.preprocess(synthetic_image(8, 8), settings)  # compiles and loads every kernel
+    tower.encode([warm])
+    if gpu_tower is not None:
+        gpu_tower.encode([warm])
     rows = []
     for width, height in sizes:
         im = synthetic_image(width, height)

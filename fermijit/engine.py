@@ -303,19 +303,25 @@ class Engine:
         `encode` replaces the tower's CPU encode (the GPU's: model/vision_gpu.py)."""
         from fermijit.model import image, multimodal
 
-        if self.config is None or self.directory is None:
-            raise FermijitError("this engine was made without its model directory: no images")
-        if self._tower is None and images:
-            self._tower = multimodal.load_tower(self.directory, self.config)
-            if self._tower is None:
-                raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
-                                    f"tensors): it cannot take images")
+        tower = self.vision_tower() if images else None
         settings = image.image_settings(self.directory, self.config.vision_config)
         processed = [image.preprocess(im if not isinstance(im, (str, Path))
                                       else image.open_image(im), settings)
                      if not isinstance(im, image.Image) else im for im in images]
-        return multimodal.prepare(self.tokenizer, messages, processed, self._tower, self.config,
-                                  encode)
+        return multimodal.prepare(self.tokenizer, messages, processed, tower, self.config, encode)
+
+    def vision_tower(self):
+        """The model's vision tower (model/vision.py), loaded on first use."""
+        from fermijit.model import multimodal
+
+        if self.config is None or self.directory is None:
+            raise FermijitError("this engine was made without its model directory: no images")
+        if self._tower is None:
+            self._tower = multimodal.load_tower(self.directory, self.config)
+            if self._tower is None:
+                raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
+                                    f"tensors): it cannot take images")
+        return self._tower
 
     def sampler(self, settings: Settings):
         """A sampler as `settings` and the model's generation_config.json say (checks them)."""
@@ -361,10 +367,16 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
 
     if pictures:
         start = time.perf_counter()
+        encode, where = None, "CPU"
+        if settings.prefill != "cpu":  # --prefill gpu|auto: the tower on the GPU where usable
+            from fermijit.model import vision_gpu
+
+            if vision_gpu.usable():
+                encode, where = vision_gpu.make(engine.vision_tower()).encode, "GPU"
         content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt_text}]
-        prompt = engine.image_prompt([{"role": "user", "content": content}], pictures)
+        prompt = engine.image_prompt([{"role": "user", "content": content}], pictures, encode)
         print(f"{len(pictures)} image(s), {prompt.rows.size} image tokens: vision tower "
-              f"{time.perf_counter() - start:.2f} s", file=err, flush=True)
+              f"({where}) {time.perf_counter() - start:.2f} s", file=err, flush=True)
     elif settings.is_chat:
         prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt_text}]),
                                   add_special_tokens=False)

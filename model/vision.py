@@ -26,7 +26,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.model.config import VisionConfig
 from fermijit.model.image import Image
-from fermijit.ops import gelu, widen
+from fermijit.ops import gelu, layer_norm, vision_attention, widen
 
 LAYER_NORM_EPS = 1e-6          # every LayerNorm of the tower (blocks and merger)
 BLOCK_FIELDS = ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias",
@@ -148,38 +148,6 @@ def rotary_tables(grid, merge: int, head_dim: int, theta: float):
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
-def layer_norm(x, weight, bias, eps=LAYER_NORM_EPS):
-    """LayerNorm over the last axis, with bias, fp32 (statistics in fp64)."""
-    x64 = x.astype(np.float64)
-    mean = x64.mean(axis=-1, keepdims=True)
-    var = ((x64 - mean) ** 2).mean(axis=-1, keepdims=True)
-    y = (x64 - mean) / np.sqrt(var + eps)
-    return (y * np.asarray(weight, np.float64) + np.asarray(bias, np.float64)).astype(np.float32)
-
-
-def rotate(x, cos, sin):
-    """x [N, Hd, d] -> x·cos + rotate_half(x)·sin, cos/sin [N, d]."""
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-def attention(q, k, v):
-    """Bidirectional softmax attention per head: q, k, v [N, Hd, d] -> [N, Hd·d] fp32."""
-    n, heads, d = q.shape
-    out = np.empty((heads, n, d), np.float32)
-    # heads first, contiguous: a strided [N, d] operand took numpy's slow matmul path (5 GFLOP/s)
-    q, k, v = (np.ascontiguousarray(a.transpose(1, 0, 2)) for a in (q, k, v))
-    q *= np.float32(d ** -0.5)
-    for h in range(heads):  # one head's [N, N] scores at a time (37 MiB at 1024x768)
-        s = q[h] @ k[h].T
-        s -= s.max(axis=1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=1, keepdims=True)
-        np.matmul(s, v[h], out=out[h])
-    return np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(n, heads * d)
-
-
 class VisionTower:
     """The tower of one model: its config and weights (see the module docstring)."""
 
@@ -231,18 +199,18 @@ class VisionTower:
             x = self.block(x, f"blocks.{b}.", cos, sin)
         return self.merger(x)
 
+    def norm(self, x, name: str) -> np.ndarray:
+        return layer_norm.cpu(x, self.w(name + ".weight"), self.w(name + ".bias"),
+                              LAYER_NORM_EPS)
+
     def block(self, x, p: str, cos, sin) -> np.ndarray:
-        n = x.shape[0]
-        h = layer_norm(x, self.w(p + "norm1.weight"), self.w(p + "norm1.bias"))
-        qkv = self.linear(h, p + "attn.qkv").reshape(n, 3, self.heads, self.head_dim)
-        q, k = rotate(qkv[:, 0], cos, sin), rotate(qkv[:, 1], cos, sin)
-        x = x + self.linear(attention(q, k, np.ascontiguousarray(qkv[:, 2])), p + "attn.proj")
-        h = layer_norm(x, self.w(p + "norm2.weight"), self.w(p + "norm2.bias"))
-        h = gelu.cpu(self.linear(h, p + "mlp.linear_fc1"), self.act)
+        qkv = self.linear(self.norm(x, p + "norm1"), p + "attn.qkv")
+        x = x + self.linear(vision_attention.cpu(qkv, cos, sin, self.heads), p + "attn.proj")
+        h = gelu.cpu(self.linear(self.norm(x, p + "norm2"), p + "mlp.linear_fc1"), self.act)
         return x + self.linear(h, p + "mlp.linear_fc2")
 
     def merger(self, x) -> np.ndarray:
-        h = layer_norm(x, self.w("merger.norm.weight"), self.w("merger.norm.bias"))
+        h = self.norm(x, "merger.norm")
         h = h.reshape(-1, h.shape[1] * self.merge ** 2)               # [N/M, M·D]
         h = gelu.cpu(self.linear(h, "merger.linear_fc1"), "exact")
         return self.linear(h, "merger.linear_fc2")

@@ -50,7 +50,7 @@ def test_generate_with_images(monkeypatch, capsys, setup, kind, n_images):
     code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", setup[kind], PROMPT,
                              *args, *FLAGS)
     assert code == 0, err
-    assert f"{n_images} image(s)" in err and "vision tower" in err
+    assert f"{n_images} image(s)" in err and "vision tower (CPU)" in err
     assert out == expected(setup[kind], images)
 
 
