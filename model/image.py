@@ -35,6 +35,7 @@ from fermijit.model.files import read_json
 # warns at 89 M and raises at twice that): its RGB array alone is then 400 MiB. What reaches
 # the tower is bounded again by max_pixels.
 MAX_SOURCE_PIXELS = 1 << 27
+MAX_DATA_URI_CHARS = 64 << 20  # base64 of a 48 MiB file: far past any real photo
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses beyond this
 # The real model's processor (preprocessor_config.json of Qwen3.5/3.6): 256² to 4096² pixels.
 DEFAULT_MIN_PIXELS = 65536
@@ -128,32 +129,60 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int,
 
 def open_image(path: str | Path):
     """A decoded RGB PIL image from `path`, or one line saying what is wrong with the file."""
-    from PIL import Image as PILImage
-    from PIL import UnidentifiedImageError
-
     path = Path(path)
     if not path.is_file():
         raise FermijitError(f"image {path}: no such file")
     try:
+        with open(path, "rb") as f:
+            return decode(f, f"image {path}")
+    except OSError as e:
+        raise FermijitError(f"image {path}: {e.strerror}") from None
+
+
+def from_data_uri(uri: str, label: str = "image"):
+    """A decoded RGB PIL image from a `data:image/...;base64,...` URI (OpenAI `image_url`
+    content parts), with `open_image`'s checks."""
+    import base64
+    import binascii
+    import io
+
+    head, comma, body = uri.partition(",")
+    if not (head.startswith("data:") and head.endswith(";base64") and comma):
+        raise FermijitError(f"{label}: expected a data:<type>;base64,<data> URI")
+    if len(body) > MAX_DATA_URI_CHARS:
+        raise FermijitError(f"{label}: the data URI is longer than {MAX_DATA_URI_CHARS} characters")
+    try:
+        data = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError):
+        raise FermijitError(f"{label}: the data URI is not valid base64") from None
+    return decode(io.BytesIO(data), label)
+
+
+def decode(f, label: str):
+    """The RGB PIL image in the file object `f` (`label` names it in errors)."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    try:
         with warnings.catch_warnings():
             # Pillow warns past 89 M pixels: the bound below speaks instead, in one line
             warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
-            im = PILImage.open(path)
+            im = PILImage.open(f)
         with im:
             width, height = im.size
             if width * height > MAX_SOURCE_PIXELS:
-                raise FermijitError(f"image {path}: {width}x{height} pixels is beyond the "
+                raise FermijitError(f"{label}: {width}x{height} pixels is beyond the "
                                     f"{MAX_SOURCE_PIXELS} this reads (a decompression bomb?)")
             if width < 1 or height < 1:
-                raise FermijitError(f"image {path}: empty ({width}x{height})")
+                raise FermijitError(f"{label}: empty ({width}x{height})")
             im.load()
             return to_rgb(im)
     except UnidentifiedImageError:
-        raise FermijitError(f"image {path}: not an image file Pillow can read") from None
+        raise FermijitError(f"{label}: not an image file Pillow can read") from None
     except PILImage.DecompressionBombError as e:
-        raise FermijitError(f"image {path}: {e}") from None
+        raise FermijitError(f"{label}: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:  # truncated data, bad chunks, unreadable
-        raise FermijitError(f"image {path}: cannot decode it ({e})") from None
+        raise FermijitError(f"{label}: cannot decode it ({e})") from None
 
 
 def to_rgb(im):

@@ -112,3 +112,23 @@ def test_text_model_with_an_image_is_one_line(monkeypatch, capsys, setup):
     assert_one_line_error(*run_cli(monkeypatch, capsys, "generate", "--model", setup["text"],
                                    PROMPT, "--image", setup["images"][0], *FLAGS),
                           "has no vision tower")
+
+
+def test_data_uri_images(setup):
+    """What the server gets (OpenAI image_url parts): the same image as from the file; bad URIs
+    are one FermijitError line."""
+    import base64
+
+    from fermijit import FermijitError
+    from fermijit.model import image
+
+    path = setup["images"][0]
+    uri = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    a, b = image.from_data_uri(uri), image.open_image(path)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for bad, message in (("http://example.com/x.png", "expected a data:"),
+                         ("data:image/png;base64,@@@", "not valid base64"),
+                         ("data:image/png;base64," + base64.b64encode(b"GIF89a").decode(),
+                          "cannot decode|not an image")):
+        with pytest.raises(FermijitError, match=message):
+            image.from_data_uri(bad)
