@@ -101,7 +101,11 @@ def run(sizes, depth: int | None, repeat: int, as_json: bool, use_gpu: bool | No
     if as_json:
         print(json.dumps({"depth": cfg.depth, "hidden": cfg.hidden_size, "images": rows},
                          indent=1))
-        return
+    else:
+        print_table(cfg, rows, repeat)
+
+
+def print_table(cfg: VisionConfig, rows: list[dict], repeat: int) -> None:
     print(f"vision tower: depth {cfg.depth}, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
           f"MLP {cfg.intermediate_size}, out {cfg.out_hidden_size}; random f16 weights; "
           f"median of {repeat}")
