@@ -12,9 +12,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
   || { echo "install failed"; cat "$out/install.log"; exit 1; }
 nvidia-smi -L
-python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_vision_gpu.py >"$out/vision-gpu-tests.log" 2>&1
+timeout 240 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_vision_gpu.py >"$out/vision-gpu-tests.log" 2>&1
 echo "vision gpu tests rc=$?"
-python3 -m fermijit bench vision --repeat 2 >"$out/bench-vision.txt" 2>&1
+timeout 200 python3 -m fermijit bench vision --repeat 2 >"$out/bench-vision.txt" 2>&1
 echo "bench vision rc=$?"
 python3 - "$out" >"$out/generate.log" 2>&1 <<'PY'
 import sys
@@ -24,7 +24,7 @@ root = Path(sys.argv[1])
 vo.write_model(root / "vlm")
 vo.images()[0].save(root / "image.png")
 PY
-python3 -m fermijit generate --model "$out/vlm" --image "$out/image.png" --prefill gpu \
+timeout 120 python3 -m fermijit generate --model "$out/vlm" --image "$out/image.png" --prefill gpu \
   --temperature 0 --max-tokens 8 "the cat" >>"$out/generate.log" 2>&1
 echo "generate --image --prefill gpu rc=$?"
 rm -rf "$out/vlm" "$out/image.png"
