@@ -169,6 +169,10 @@ class Workspace:
         self.offsets = np.arange(T, dtype=np.int64)
         C, Cq = model.conv_dim, Hq * 2 * D
         self.positions = np.empty(T, np.int64)
+        # A prompt with images (model/multimodal.py): the image tokens' rows and embeddings
+        # replacing theirs, and the [3, T] MRoPE positions; None for text.
+        self.embeds: tuple[np.ndarray, np.ndarray] | None = None
+        self.mrope: np.ndarray | None = None
         self.tokens = np.empty(T, np.int32)
         self.x = np.empty((T, H), f)             # the residual stream
         self.xn = np.empty((T, H), f)            # its norm: a sublayer's input
@@ -219,6 +223,7 @@ class Model:
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
         self.theta = cfg.rope_parameters.rope_theta
+        self.mrope_section = cfg.rope_parameters.mrope_section
         self.n_key_heads, self.n_value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv_dim, self.conv_taps = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
@@ -326,7 +331,9 @@ class Model:
                                 f"[{tokens.min()}, {tokens.max()}]")
         start = state.position
         embedding.cpu(tokens, self.embed, out=ws.x)                    # not scaled
-        np.add(ws.offsets, start, out=ws.positions)
+        if ws.embeds is not None:                                      # image tokens
+            ws.x[ws.embeds[0]] = ws.embeds[1]
+        np.add(ws.offsets, start + state.rope_delta, out=ws.positions)  # delta: after images
         for w, s in zip(self.layers, state.layers):
             rmsnorm.cpu(ws.x, w.input_norm, self.eps, out=ws.xn)
             if isinstance(s, KvCache):
@@ -363,8 +370,13 @@ class Model:
         np.copyto(ws.gate, qg[..., D:])
         rmsnorm.cpu(ws.q, w.q_norm, self.eps, out=ws.q)              # per head, before RoPE
         rmsnorm.cpu(ws.k, w.k_norm, self.eps, out=ws.k)
-        rope.cpu(ws.q, ws.positions, self.rotary_dim, self.theta, out=ws.q)
-        rope.cpu(ws.k, ws.positions, self.rotary_dim, self.theta, out=ws.k)
+        if ws.mrope is None:
+            rope.cpu(ws.q, ws.positions, self.rotary_dim, self.theta, out=ws.q)
+            rope.cpu(ws.k, ws.positions, self.rotary_dim, self.theta, out=ws.k)
+        else:
+            for x in (ws.q, ws.k):
+                rope.mrope_cpu(x, ws.mrope, self.rotary_dim, self.theta, self.mrope_section,
+                               out=x)
         cache.k[:, start:start + T] = ws.k.transpose(1, 0, 2)        # [Hkv, S, D]
         cache.v[:, start:start + T] = ws.v.transpose(1, 0, 2)
         attention.cpu(ws.q, cache.k, cache.v, ws.gate, start, out=ws.o)  # o ⊙ σ(gate)
