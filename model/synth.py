@@ -11,7 +11,9 @@ per block by +-25 %. The LM head is Q8_0 (`convert`'s default), the embedding fp
 
 Every block is a pure function of (seed, tensor name, block index) through splitmix64, generated
 by a parallel Numba kernel and written in chunks of CHUNK_BYTES: no tensor is whole in memory,
-and the bytes do not depend on the chunking or the thread count.
+and the bytes do not depend on the chunking or the thread count. A worker thread writes and hashes
+each chunk while the kernel fills the next (both release the GIL), so synth costs about what
+writing the bytes costs.
 
 The tokenizer is byte-level: ids 0-255 are the bytes (any text encodes), the config's bos/eos id
 is `<|endoftext|>`, and every other id is a filler token that decodes to " t<id>".
@@ -20,6 +22,7 @@ is `<|endoftext|>`, and every other id is a filler token that decodes to " t<id>
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import json
@@ -180,13 +183,27 @@ def _random(out, stored: str, lut: np.ndarray, seed: int, n: int, step: int, dig
     hashed into `digest`; yields the elements done per piece."""
     fill = _get_kernel()
     key = _key(seed, stored)
-    buf = np.empty(min(n, step), lut.dtype)
-    for i0 in range(0, n, step):
-        m = min(step, n - i0)
-        fill(buf[:m], key, i0, lut)
-        out.write(stored, buf[:m].view(out.dtype_of(stored)), start=i0)
-        digest.update(buf[:m].view(np.uint8))
-        yield m
+    bufs = [np.empty(min(n, step), lut.dtype) for _ in range(2)]
+    dtype = out.dtype_of(stored)
+
+    def write(piece, i0):
+        out.write(stored, piece.view(dtype), start=i0)
+
+    # pwrite and sha256 release the GIL, as the fill kernel does: piece i is written and hashed
+    # (one worker each, so the hash sees pieces in order) while piece i + 1 is filled.
+    with ThreadPoolExecutor(1) as writer, ThreadPoolExecutor(1) as hasher:
+        pending = []
+        for k, i0 in enumerate(range(0, n, step)):
+            m = min(step, n - i0)
+            piece = bufs[k % 2][:m]
+            fill(piece, key, i0, lut)
+            for job in pending:
+                job.result()  # the other buffer is free again
+            pending = [writer.submit(write, piece, i0),
+                       hasher.submit(digest.update, piece.view(np.uint8))]
+            yield m
+        for job in pending:
+            job.result()
 
 
 def _fill(name: str, shape: tuple[int, ...], quant: str, seed: int, out, checksums: dict):
