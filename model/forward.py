@@ -252,9 +252,11 @@ class Model:
         self.norm = _host(weights.norm)
         self.lm_head = _matrix(weights.lm_head)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
-        # Decode a token as a few fused kernels a layer (_decode_fused) when the weights are
-        # Q4_0; otherwise (and for tests, set False) the ops one by one, as prefill.
-        self.fused_decode = self.is_quantized
+        # Decode a token as a few fused kernels a layer (_decode_fused) when the mixers' matrices
+        # are Q4_0 (a GGUF import may keep one Q8_0); otherwise (and for tests, set False) the ops
+        # one by one, as prefill.
+        self.fused_decode = self.is_quantized and not any(
+            isinstance(m, QuantTensor) for w in self.layers for m in vars(w.mixer).values())
         self._decode_ws: Workspace | None = None
         # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
         # each MoE's input and routing; one attribute test per layer otherwise.
