@@ -11,8 +11,8 @@ h // (Hv/Hk)). Letters: Hv value heads, N chunks, C chunk length, dk key dim, dv
   q, k [Hv, N, C, dk]; v, u, v_new [Hv, N, C, dv]; g, beta, gamma [Hv, N, C];
   state [Hv, dk, dv]; h [Hv, N, dk, dv] (the state at the start of each chunk).
 
-`cpu` runs every stage in Numba, one value head per thread and its chunks in order, on the
-token-major arrays of `gated_delta.cpu` (same signature and result; issue 9).
+`cpu` runs the stages as batched fp32 matrix products, every value head at once and the chunks in
+order, on the token-major arrays of `gated_delta.cpu` (same signature and result; issue 9).
 A last chunk shorter than C is taken as it is: the chunk equations hold for any length, and the
 padding they would add changes nothing.
 """
@@ -92,108 +92,34 @@ def chunk_output(q, k, v_new, h, gamma):
 
 
 # --- CPU ----------------------------------------------------------------------------------------
-
-# The loops below index rows through views (`u_r = u[r]`): with 2-D indices LLVM left the inner
-# loops scalar (the conv1d prefill loop measured 5.6 against 1.3 ns per element).
-
-@kernel
-def _dot(a, b):
-    acc = np.float32(0)
-    for i in range(a.size):
-        acc += a[i] * b[i]
-    return acc
-
-
-@kernel
-def _axpy(alpha, x, y):  # y += alpha x
-    for i in range(y.size):
-        y[i] += alpha * x[i]
-
-
-@kernel
-def _wy_representation(k, v, beta, gamma, a, w, u):
-    """The chunk's W [n, dk] and U [n, dv] by forward substitution through the unit lower
-    triangular A (a: its strictly lower part, [n, n] scratch); k [n, dk], v [n, dv] views."""
-    n = k.shape[0]
-    for r in range(n):
-        a_r = a[r]
-        for s in range(r):
-            a_r[s] = beta[r] * _dot(k[r], k[s]) * np.exp(gamma[r] - gamma[s])
-    for r in range(n):
-        u_r, w_r, v_r, k_r = u[r], w[r], v[r], k[r]
-        b = beta[r]
-        bg = b * np.exp(gamma[r])
-        for j in range(u_r.size):
-            u_r[j] = b * v_r[j]
-        for i in range(w_r.size):
-            w_r[i] = bg * k_r[i]
-        for s in range(r):
-            _axpy(-a[r, s], u[s], u_r)
-            _axpy(-a[r, s], w[s], w_r)
-
-
-@kernel
-def _chunk_step(q, k, u, w, gamma, S, o):
-    """One chunk against the state S [dk, dv] at its start: u <- V' = U - W S; o [n, dv] =
-    (Q e^gamma) S + (Q K^T Gamma) V'; then S <- e^{gamma_n} S + (K e^{gamma_n - gamma})^T V'."""
-    n, dk = k.shape
-    for r in range(n):
-        u_r, o_r, w_r, q_r = u[r], o[r], w[r], q[r]
-        eg = np.exp(gamma[r])
-        o_r[:] = 0
-        for i in range(dk):
-            S_i = S[i]
-            _axpy(-w_r[i], S_i, u_r)
-            _axpy(q_r[i] * eg, S_i, o_r)
-    for r in range(n):
-        o_r, q_r = o[r], q[r]
-        for s in range(r + 1):
-            _axpy(_dot(q_r, k[s]) * np.exp(gamma[r] - gamma[s]), u[s], o_r)
-    last = gamma[n - 1]
-    decay = np.exp(last)
-    for i in range(dk):
-        S_i = S[i]
-        for j in range(S_i.size):
-            S_i[j] *= decay
-    for s in range(n):
-        k_s, u_s = k[s], u[s]
-        f = np.exp(last - gamma[s])
-        for i in range(dk):
-            _axpy(k_s[i] * f, u_s, S[i])
+# The stages above as batched fp32 matrix products (numpy's matmul, as the model's other fp32
+# products: model/forward.py), every value head at once: the chunks' own terms (K Kᵀ, Q Kᵀ, the
+# WY solve) for all chunks in one call each, then per chunk in order the three products with the
+# state. At full size (32 value heads, dk = dv = 128) the state products are 64x128x128 per head:
+# BLAS-shaped, where the token loop sweeps each head's 64 KiB state twice per token.
 
 
 @kernel(parallel=True)
-def _chunked(q, k, v, g, beta, state, o, chunk):
-    """Per value head (one per thread), its chunks in order: each chunk's rows gathered from the
-    token-major inputs, the stages, the outputs scattered back."""
-    T, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
-    group = Hv // Hk
-    for h in prange(Hv):
-        hk = h // group
-        qc = np.empty((chunk, dk), np.float32)
-        kc = np.empty((chunk, dk), np.float32)
-        vc = np.empty((chunk, dv), np.float32)
-        oc = np.empty((chunk, dv), np.float32)
-        w = np.empty((chunk, dk), np.float32)
-        u = np.empty((chunk, dv), np.float32)
-        a = np.empty((chunk, chunk), np.float32)
-        bc = np.empty(chunk, np.float32)
-        gamma = np.empty(chunk, np.float32)
-        for t0 in range(0, T, chunk):
-            n = min(chunk, T - t0)
-            total = np.float32(0)
-            for r in range(n):
-                qc[r] = q[t0 + r, hk]
-                kc[r] = k[t0 + r, hk]
-                vc[r] = v[t0 + r, h]
-                bc[r] = beta[t0 + r, h]
-                total += g[t0 + r, h]
-                gamma[r] = total
-            _wy_representation(kc[:n], vc[:n], bc[:n], gamma[:n], a, w[:n], u[:n])
-            _chunk_step(qc[:n], kc[:n], u[:n], w[:n], gamma[:n], state[h], oc[:n])
-            for r in range(n):
-                o[t0 + r, h] = oc[r]
+def _unit_lower_inverse(a, out):
+    """out[m] = (I + L[m])⁻¹ for the strictly lower L[m] = a[m] ([M, C, C], upper part ignored),
+    by forward substitution row by row: row r = e_r - Σ_{s<r} L[r, s] · row s."""
+    n_mat, C = a.shape[0], a.shape[1]
+    for m in prange(n_mat):
+        t = out[m]
+        for r in range(C):
+            t_r, a_r = t[r], a[m, r]
+            t_r[:] = 0
+            t_r[r] = 1
+            for s in range(r):
+                f = a_r[s]
+                t_s = t[s]
+                for j in range(s + 1):  # row s is zero past column s
+                    t_r[j] -= f * t_s[j]
+
+
+def _per_value_head(x, group):
+    """[Hk, ...] -> [Hv, ...]: value head h reads key head h // group (a view when group = 1)."""
+    return x if group == 1 else np.repeat(x, group, axis=0)
 
 
 def cpu(q, k, v, g, beta, state, out=None):
@@ -203,5 +129,34 @@ def cpu(q, k, v, g, beta, state, out=None):
     from fermijit.ops.gated_delta import check_cpu_inputs
 
     o = check_cpu_inputs("gated_delta_chunk", q, k, v, g, beta, state, out)
-    _chunked(q, k, v, g, beta, state, o, CHUNK)
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1:]
+    if T == 0:
+        return o, state
+    group = Hv // Hk
+    C = min(CHUNK, T)
+    f32 = np.float32
+    qc = _per_value_head(to_chunks(q, C), group)                             # [Hv, N, C, dk]
+    kc = _per_value_head(to_chunks(k, C), group)
+    vc, gc, bc = to_chunks(v, C), to_chunks(g, C), to_chunks(beta, C)        # zero-padded
+    gamma = chunk_cumsum(gc)                                                 # [Hv, N, C]
+    decay = decay_mask(gamma).astype(f32)                                    # Gamma, [Hv, N, C, C]
+    kt = np.swapaxes(kc, -1, -2)
+    a = np.ascontiguousarray(bc[..., :, None] * (kc @ kt) * decay)          # its lower part: L
+    t_inv = np.empty(a.shape, f32)
+    _unit_lower_inverse(a.reshape(-1, C, C), t_inv.reshape(-1, C, C))       # (I + L)⁻¹
+    u = t_inv @ (bc[..., None] * vc)                                         # U = A⁻¹ diag(β) V
+    w = t_inv @ ((bc * np.exp(gamma))[..., None] * kc)  # W = A⁻¹ diag(βe^γ) K
+    qk = (qc @ kt) * decay                                                   # [Hv, N, C, C]
+    q_in = qc * np.exp(gamma)[..., None]
+    last = gamma[..., -1]                                                    # [Hv, N]
+    k_out = kc * np.exp(last[..., None] - gamma)[..., None]                  # K e^{γ_C - γ}
+    oc = np.empty_like(vc)
+    S = state
+    for n in range(gc.shape[1]):
+        v_new = u[:, n] - w[:, n] @ S                                        # V' = U - W S
+        oc[:, n] = q_in[:, n] @ S + qk[:, n] @ v_new
+        S *= np.exp(last[:, n])[:, None, None]
+        S += np.swapaxes(k_out[:, n], -1, -2) @ v_new
+    o[:] = from_chunks(oc, T)
     return o, state

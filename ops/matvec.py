@@ -8,11 +8,11 @@ token and block with an fp32 scale dx (DESIGN.md, Numerics); `quantize_act` lays
 kernel (`Q8Act`).
 
 One tile body, emitted in LLVM IR from fermijit.jit.simd, serves every ISA and both shapes: the
-decode GEMV (a tile of 1 row x 1 token, prefetching its weight stream) and the CPU-prefill GEMM
-(a tile of rows x tokens: each weight vector is loaded and split into nibbles once and multiplied
-by several tokens, so weights come from memory once per tile of tokens rather than once per
-token). Each launch forks one OpenMP team (fermijit.jit.omp) and each thread takes one contiguous
-run of rows: a single sequential stream of memory per thread.
+decode GEMV (a tile of 1 row x 1 token, prefetching its weight stream) and a GEMM whose every
+token's row is the GEMV's bit for bit (a tile of rows x tokens: `like_gemv`, for batched decode).
+CPU prefill's GEMM is ops.gemm (rows in the lanes: 2-5x this tile's rate). Each launch forks
+one OpenMP team (fermijit.jit.omp) and each thread takes one contiguous run of rows: a single
+sequential stream of memory per thread.
 
 The inner step takes 4 registers of weight bytes (4·lanes blocks): unsigned nibbles times signed
 activations with pmaddubsw+pmaddwd (or vpdpbusd), a phaddd tree to one i32 per block, minus 8·Σxq
@@ -35,6 +35,7 @@ from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, bind, kernel, selected_isa, supported
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
+from fermijit.ops import gemm
 from fermijit.ops.quant import BLOCK
 
 VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
@@ -51,6 +52,7 @@ GEMV_TILE = (1, 1)
 # from a 16-byte aligned buffer each is aligned: legacy SSE can then fold them into pmaddubsw's
 # memory operand (8 fewer instructions of 60 per 4-block step in the Westmere code).
 X_ALIGN = 16
+# The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm.
 GEMM_TILE = (2, 4)
 # GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
 # of activations, both held in L2 (1-2 MiB), instead of every row group reading all T tokens.
@@ -88,11 +90,21 @@ class Q8Act:
         if k % BLOCK or self.xq.ctypes.data % X_ALIGN:
             raise FermijitError(f"Q8Act: xq must be whole {BLOCK}-blocks, {X_ALIGN}-byte aligned")
 
-    def rows(self, t: np.ndarray) -> "Q8Act":
-        """The activations of tokens `t` (a copy, aligned as the kernels want)."""
-        xq = _aligned_empty((len(t), self.xq.shape[1]), np.int8)
-        np.take(self.xq, t, axis=0, out=xq)
-        return Q8Act(xq, self.dx[t], self.xsum8[t], self.vec)
+    def rows(self, t: np.ndarray, out: "Q8Act | None" = None) -> "Q8Act":
+        """The activations of tokens `t` (a copy, aligned as the kernels want), into `out` (a
+        Q8Act of len(t) rows of this layout) if given."""
+        if out is None:
+            out = Q8Act(_aligned_empty((len(t), self.xq.shape[1]), np.int8),
+                        np.empty((len(t), self.dx.shape[1]), np.float32),
+                        np.empty((len(t), self.dx.shape[1]), np.int32), self.vec)
+        elif out.vec is not self.vec or out.xq.shape != (len(t), self.xq.shape[1]):
+            raise FermijitError(f"Q8Act.rows: out holds {list(out.xq.shape)} for "
+                                f"{out.vec.isa.label}, need {[len(t), self.xq.shape[1]]} for "
+                                f"{self.vec.isa.label}")
+        np.take(self.xq, t, axis=0, out=out.xq)
+        np.take(self.dx, t, axis=0, out=out.dx)
+        np.take(self.xsum8, t, axis=0, out=out.xsum8)
+        return out
 
 
 # --- reference ----------------------------------------------------------------------------------
@@ -123,6 +135,28 @@ def reference(qs, d, x):
 
 # --- activation quantisation --------------------------------------------------------------------
 
+@kernel(fastmath={"nnan", "nsz", "reassoc"})
+def _block_amax(xb):
+    """max |x| of one block. A maximum is exact in any order, so fast-math may vectorise it
+    (without, LLVM kept a 32-step dependent chain)."""
+    amax = np.float32(0.0)
+    for j in range(xb.size):
+        amax = max(amax, abs(xb[j]))
+    return amax
+
+
+@kernel(fastmath=False)
+def _round_half(xb, inv, dst):
+    """dst = round-half-away(xb · inv) as int8; returns the sum (contiguous: vectorisable)."""
+    total = 0
+    for j in range(xb.size):
+        v = xb[j] * inv
+        q = np.int32(v + np.float32(0.5)) if v >= 0 else np.int32(v - np.float32(0.5))
+        total += q
+        dst[j] = q
+    return total
+
+
 # No fast-math: the rounding must be the reference's, bit for bit.
 @kernel(fastmath=False)
 def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
@@ -133,10 +167,10 @@ def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
     half_step = 4 * half_lanes
     half_end = whole + ((nb - whole) // half_step * half_step if half_lanes else 0)
     for t in range(n_tok):
+        x_t, xq_t = x[t], xq[t]
         for b in range(nb):
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, b * 32 + j]))
+            xb = x_t[b * 32:b * 32 + 32]
+            amax = _block_amax(xb)
             db = amax / np.float32(127.0)
             inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
             if b < whole:
@@ -150,12 +184,9 @@ def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
             else:
                 lo = b * 32
                 hi = lo + 16
-            total = 0
-            for j in range(32):
-                v = x[t, b * 32 + j] * inv
-                q = np.int32(v + np.float32(0.5)) if v >= 0 else np.int32(v - np.float32(0.5))
-                total += q
-                xq[t, (lo + j) if j < 16 else (hi + j - 16)] = q
+            # The two halves go to two places (the layout above): two contiguous runs.
+            total = (_round_half(xb[:16], inv, xq_t[lo:lo + 16])
+                     + _round_half(xb[16:], inv, xq_t[hi:hi + 16]))
             dx[t, b] = db
             xsum8[t, b] = 8 * total
 
@@ -555,25 +586,40 @@ _SIGNATURES = {
 _products: dict = {}
 
 
+def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format) -> tuple[str, dict]:
+    """The variant name and tile intrinsics of a kernel for an ISA, tile shape and format."""
+    if not supported(isa):  # compiling it here could abort the process (pitfall 5)
+        raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
+    v = simd.VEC_OF[isa]
+    n_rows, n_tok = shape
+    tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
+                 rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
+    threads = "omp" if omp.available() else "serial"
+    return f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}", tiles
+
+
 def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
     """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
     code is ever compiled for a Westmere target: pitfall 5)."""
     key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
     if key not in _products:
-        if not supported(isa):  # compiling it here could abort the process (pitfall 5)
-            raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
-        v = simd.VEC_OF[isa]
-        n_rows, n_tok = shape
+        variant, tiles = _tiles(isa, shape, fmt)
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
-        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
-                     rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
-        threads = "omp" if omp.available() else "serial"
-        variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
         _products[key] = kernel(
             body, fastmath=False, variant=variant, signatures=_SIGNATURES[body],
             fork=omp.fork(bind(_SHARES[body], variant, **tiles)), **tiles)
     return _products[key]
+
+
+def gathered_fork(isa: Isa):
+    """(variant name, the fork intrinsic of a gathered decode launch) for a kernel of another
+    op to call as `fork((qs, d_bits, idx, sqs, sd_bits, xq, dx, xsum8, out))`: the launch of
+    `gathered` (GEMV tiles, whole rows only) inside that kernel, with no dispatch of its own.
+    Indices must be in range: nothing checks them there."""
+    variant, tiles = _tiles(isa, GEMV_TILE, Q4_0)
+    variant += "-inner"  # its own symbols beside the gathered kernel's (jit.cpu.bind)
+    return variant, omp.fork(bind(_gathered_share, variant, **tiles))
 
 
 def _call(op: str, kernel_, *args):
@@ -632,10 +678,14 @@ class Q4Matrix:
         return cls(qs, d.view(np.uint16))
 
 
-def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None) -> np.ndarray:
+def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
+            like_gemv: bool = False) -> np.ndarray:
     """`cpu` for prepared weights and activations into `out` ([R] for one token, or [T, R]):
     decode's path, with only the checks that depend on this call (~0.5 us of Python). The kernel
-    is the ISA the activations are laid out for; `isa`, if given, must be that one."""
+    is the ISA the activations are laid out for; `isa`, if given, must be that one.
+
+    Several tokens run the prefill GEMM (ops.gemm), which rounds in another order than the GEMV;
+    `like_gemv` runs this module's tile instead, each token's row bit for bit the GEMV's."""
     act_isa = act.vec.isa
     if isa is not None and act_isa is not isa:
         raise FermijitError(f"matvec: activations are laid out for {act_isa.label}, "
@@ -649,6 +699,10 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None)
     if shape != (n_tok, rows) and (n_tok != 1 or shape != (rows,)):
         raise FermijitError(f"matvec: out has shape {list(shape or [])}, expected [{n_tok}, "
                             f"{rows}] (or [{rows}] for one token)")
+    if n_tok > 1 and not like_gemv:
+        _call("matvec", gemm.product_kernel(act_isa), qs, w.d_bits, xq, act.dx, act.xsum8,
+              gemm.x_offsets(act_isa, k // BLOCK), out)
+        return out
     kernels = _gemm_gemv.get(act_isa) or _gemm_gemv.setdefault(
         act_isa, (_product(act_isa, GEMM_TILE), _product(act_isa, GEMV_TILE)))
     _call("matvec", kernels[n_tok == 1], qs, w.d_bits, xq, act.dx, act.xsum8, out)
@@ -658,11 +712,12 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None)
 _gemm_gemv: dict = {}  # Isa -> its (GEMM, GEMV) kernels: product's lookup per call
 
 
-def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
+def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
     """W4A8 GEMV (x [K]) or GEMM (x [T, K]) -> fp32 [R] or [T, R].
 
     x may be float32 (quantised here) or a Q8Act from `quantize_act` (reused across the matrices
-    that read the same input, as decode does). `isa` defaults to the process's choice.
+    that read the same input, as decode does). `isa` defaults to the process's choice;
+    `like_gemv` as for `product`.
     """
     isa = isa or selected_isa()
     w = Q4Matrix.of(qs, d)
@@ -672,7 +727,7 @@ def cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
                                 else out is not None and out.ndim == 1)
     y = output("matvec", out, (d.shape[0],) if is_vector else (n_tok, d.shape[0]))
-    return product(w, act, y, isa=isa)
+    return product(w, act, y, isa=isa, like_gemv=like_gemv)
 
 
 def q8_reference(qs, d, x):
@@ -771,9 +826,10 @@ def grouped_cpu(qs, d, offsets, x, out=None, *, isa: Isa | None = None):
                    output("matvec.grouped", out, (act.xq.shape[0], rows)))
 
 
-def grouped(qs, d_bits, offsets, act: Q8Act, out):
+def grouped(qs, d_bits, offsets, act: Q8Act, out, *, like_gemv: bool = False):
     """`grouped_cpu` for checked weights (MoeWeights): offsets int64 [E+1], from 0 to the
-    number of activation rows, non-decreasing; d as its uint16 bits."""
+    number of activation rows, non-decreasing; d as its uint16 bits. The prefill GEMM
+    (ops.gemm), or with `like_gemv` this module's tile (each row bit for bit the GEMV's)."""
     n_act, k = act.xq.shape
     n_experts, rows = qs.shape[:2]
     check_array("matvec.grouped", "offsets", offsets, np.int64, (n_experts + 1,))
@@ -785,8 +841,13 @@ def grouped(qs, d_bits, offsets, act: Q8Act, out):
         raise FermijitError(f"matvec.grouped: weights {list(qs.shape)} (bytes) with scales "
                             f"{list(d_bits.shape)}, x of {k} inputs, out "
                             f"{list(getattr(out, 'shape', []))}: inconsistent")
-    _call("matvec.grouped", _product(act.vec.isa, GEMM_TILE, _grouped_body), qs, d_bits, offsets,
-          act.xq, act.dx, act.xsum8, out)
+    isa = act.vec.isa
+    if like_gemv:
+        _call("matvec.grouped", _product(isa, GEMM_TILE, _grouped_body), qs, d_bits, offsets,
+              act.xq, act.dx, act.xsum8, out)
+    else:
+        _call("matvec.grouped", gemm.grouped_kernel(isa), qs, d_bits, offsets, act.xq, act.dx,
+              act.xsum8, gemm.x_offsets(isa, k // BLOCK), out)
     return out
 
 
@@ -807,7 +868,8 @@ def simd_variant(isa: Isa) -> str:
     v = simd.VEC_OF[isa]
     ops = "vpdpbusd" if v.dpbusd else "pmaddubsw+pmaddwd"
     return (f"{isa.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} blocks/step, "
-            f"tiles {GEMV_TILE[0]}x{GEMV_TILE[1]} (GEMV) and {GEMM_TILE[0]}x{GEMM_TILE[1]} (GEMM)")
+            f"tile {GEMV_TILE[0]}x{GEMV_TILE[1]} (GEMV); prefill GEMM {gemm.rows_per_group(isa)} "
+            f"rows in the lanes x {gemm.TILE_TOKENS[isa]} tokens")
 
 
 def warm_up() -> None:

@@ -79,13 +79,17 @@ def reference(x, ids, weights, w: MoeWeights):
 def _swiglu_body(gu, h):  # gu [n, 2I] -> h [n, I]
     n_inter = h.shape[1]
     for i in prange(h.shape[0]):
+        # Row views: with 2-D indices LLVM left this loop scalar (4 ns per element at full size).
+        g, u, h_i = gu[i, :n_inter], gu[i, n_inter:], h[i]
         for j in range(n_inter):
-            h[i, j] = mathf.silu(gu[i, j]) * gu[i, n_inter + j]
+            h_i[j] = mathf.silu(g[j]) * u[j]
 
 
 # One body twice: decode's few rows on one thread, prefill's rows on all threads.
 _swiglu = kernel(_swiglu_body)
 _swiglu_rows = kernel(parallel=True, variant="parallel")(_swiglu_body)
+
+
 
 
 @kernel
@@ -105,7 +109,8 @@ def _combine(routed, weights, shared, x, w_sg, y):
 
 @dataclass
 class Scratch:
-    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing.
+    """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing (and
+    the last prefill pass's, `prefill`, made by that pass).
 
     When the shared expert has the routed experts' shapes (I = Is, as in Qwen3.6-35B-A3B), it
     rides in the routed experts' launches as row k of gu, h and out: two launches a layer, not
@@ -122,6 +127,7 @@ class Scratch:
     act_x: Q8Act | None = None  # made by the first call, reused after
     act_h: Q8Act | None = None
     act_sh: Q8Act | None = None
+    prefill: "PrefillBuffers | None" = None  # the last prefill pass's, reused by the next
 
     @classmethod
     def make(cls, w: MoeWeights, top_k: int) -> "Scratch":
@@ -133,6 +139,33 @@ class Scratch:
         return cls(np.empty((n, h2), f), np.empty((n, h2 // 2), f), np.empty((n, i2), f),
                    np.empty((1, s2), f), np.empty((1, s2 // 2), f), np.empty((1, i2), f),
                    np.zeros(1, np.int32), is_fused)
+
+
+def _fused_body(x, xq, dx, xsum8, ids, weights, gu_qs, gu_bits, sgu_qs, sgu_bits, dn_qs,
+                dn_bits, sdn_qs, sdn_bits, w_sg, gu, h, hq, hdx, hxsum8, routed, out, lanes,
+                step_blocks, half_lanes):
+    """A decode token's MoE with the shared expert riding in the routed launches (Scratch): the
+    two gathered launches (matvec.gathered_fork), the SwiGLU, its quantisation and the
+    combination, in one dispatch: decode paid ~27 us of Python and dispatch a layer for them as
+    four calls (`bench decode --profile`, 8 full-size layers)."""
+    idx = ids[0]
+    fork((gu_qs, gu_bits, idx, sgu_qs, sgu_bits, xq, dx, xsum8, gu))
+    _swiglu(gu, h)
+    matvec._quantize_act_kernel(h, hq, hdx, hxsum8, lanes, step_blocks, half_lanes)
+    fork((dn_qs, dn_bits, idx, sdn_qs, sdn_bits, hq, hdx, hxsum8, routed))
+    k = idx.size
+    _combine(routed[:k], weights[0], routed[k], x[0], w_sg, out[0])
+
+
+_fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code for Westmere)
+
+
+def _fused_kernel(isa):
+    if isa not in _fused_kernels:
+        variant, fork_ = matvec.gathered_fork(isa)
+        # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
+        _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant, fork=fork_)
+    return _fused_kernels[isa]
 
 
 def _check_weights(w: MoeWeights) -> None:
@@ -156,8 +189,8 @@ def _check_weights(w: MoeWeights) -> None:
 
 
 def _check(x, ids, weights, w: MoeWeights):
-    """Per call: the activations and the routing (the weights were checked when made). Expert
-    indices are checked where they are used: by the gathered kernel in decode, here for prefill."""
+    """Per call: the activations and the routing (the weights were checked when made). `decode`
+    (model/forward.py's, with the router's own indices) checks nothing."""
     check_array("moe", "x", x, np.float32, ndim=2)
     n_tok, hidden = x.shape
     check_array("moe", "ids", ids, np.int32, (n_tok, None))
@@ -165,34 +198,40 @@ def _check(x, ids, weights, w: MoeWeights):
     if hidden != w.shared_gate.shape[0]:
         raise FermijitError(f"moe: x has {hidden} features, the weights {w.shared_gate.shape[0]}")
     n_experts = w.gate_up_d.shape[0]
-    if n_tok > 1 and ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
         raise FermijitError(f"moe: expert index out of range [0, {n_experts})")
 
 
 def _decode(x, ids, weights, w, out, s: Scratch):
-    s.act_x = act = matvec.quantize_act(x[0], out=s.act_x)
+    s.act_x = matvec.quantize_act(x[0], out=s.act_x)
+    decode(x, s.act_x, ids, weights, w, out, s)
+
+
+def decode(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
+    """`cpu` for one token with x [1, H] already quantised (`act`), into `out` [1, H], with no
+    checks of its own: model/forward.py's decode made every buffer once (`Scratch.make`)."""
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    k = ids.shape[1]
     # moe's checks cover the weights: the prepared launches check only what each call adds.
     if s.is_fused:
-        matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu,
-                        shared=(w.shared_gate_up_qs, shared_gu_bits))
-        _swiglu(s.gu, s.h)
-        s.act_h = matvec.quantize_act(s.h, out=s.act_h)
-        matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed,
-                        shared=(w.shared_down_qs, shared_down_bits))
-        routed, shared = s.routed[:k], s.routed[k]
-    else:
-        matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
-        matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
-        _swiglu(s.gu, s.h)
-        _swiglu(s.shared_gu, s.shared_h)
-        s.act_h = matvec.quantize_act(s.h, out=s.act_h)
-        s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
-        matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
-        matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
-        routed, shared = s.routed, s.shared[0]
-    _combine(routed, weights[0], shared, x[0], w.shared_gate, out[0])
+        if s.act_h is None or s.act_h.vec is not act.vec:
+            s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+        v, h = act.vec, s.act_h
+        half = matvec.simd.HALF_OF.get(v.isa)
+        _fused_kernel(v.isa)(x, act.xq, act.dx, act.xsum8, ids, weights, w.gate_up_qs, gu_bits,
+                             w.shared_gate_up_qs, shared_gu_bits, w.down_qs, down_bits,
+                             w.shared_down_qs, shared_down_bits, w.shared_gate, s.gu, s.h, h.xq,
+                             h.dx, h.xsum8, s.routed, out, v.lanes, matvec.blocks_per_step(v),
+                             half.lanes if half else 0)
+        return
+    matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
+    matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
+    _swiglu(s.gu, s.h)
+    _swiglu(s.shared_gu, s.shared_h)
+    s.act_h = matvec.quantize_act(s.h, out=s.act_h)
+    s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
+    matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
+    matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
+    _combine(s.routed, weights[0], s.shared[0], x[0], w.shared_gate, out[0])
 
 
 @kernel
@@ -216,44 +255,87 @@ def _sort_slots(ids, n_experts, rows, slot_pos, offsets):
 
 
 @kernel(parallel=True)
-def _combine_rows(routed, slot_pos, weights, shared, gate, y):
-    """y[t] = gate[t]·shared[t] + Σ_j weights[t, j]·routed[slot_pos[t, j]]: a gather per token,
-    so the threads never write one row."""
+def _combine_rows(routed, slot_pos, weights, shared, x, w_sg, y):
+    """y[t] = σ(w_sg · x[t])·shared[t] + Σ_j weights[t, j]·routed[slot_pos[t, j]]: a gather per
+    token, so the threads never write one row; the gate's dot product in float64 as `reference`
+    (numpy's float64 product of all of x was 6 ms a layer at full size). y may be x."""
     for t in prange(y.shape[0]):
-        for c in range(y.shape[1]):
-            acc = gate[t] * shared[t, c]
-            for j in range(weights.shape[1]):
-                acc += weights[t, j] * routed[slot_pos[t, j], c]
-            y[t, c] = acc
+        x_t, y_t, sh_t = x[t], y[t], shared[t]
+        dot = 0.0
+        for c in range(x_t.size):
+            dot += np.float64(x_t[c]) * np.float64(w_sg[c])
+        gate = np.float32(1.0 / (1.0 + np.exp(-dot)))
+        for c in range(y_t.size):
+            y_t[c] = gate * sh_t[c]
+        for j in range(weights.shape[1]):
+            w_j, r_j = weights[t, j], routed[slot_pos[t, j]]
+            for c in range(y_t.size):
+                y_t[c] += w_j * r_j[c]
 
 
-def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_swiglu_rows):
-    """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection)."""
-    n = act.xq.shape[0]
-    gu = matvec.grouped(qs_gate_up, d_gate_up, offsets, act, np.empty((n, qs_gate_up.shape[1]),
-                                                                          np.float32))
-    h = np.empty((n, gu.shape[1] // 2), np.float32)
-    swiglu(gu, h)
-    return matvec.grouped(qs_down, d_down, offsets, matvec.quantize_act(h),
-                          np.empty((n, qs_down.shape[1]), np.float32))
+@dataclass
+class FfnBuffers:
+    """One SwiGLU pass's buffers over n activation rows: reused by every layer of a prefill pass
+    (fresh ones cost a page fault per 4 KiB: ~3 ms per 32 MB at full size)."""
+
+    gu: np.ndarray               # [n, 2I]
+    h: np.ndarray                # [n, I]
+    out: np.ndarray              # [n, H]
+    act_h: Q8Act | None = None   # made by the first pass
+
+    @classmethod
+    def make(cls, n: int, qs_gate_up, qs_down) -> "FfnBuffers":
+        f = np.float32
+        two_i = qs_gate_up.shape[1]
+        return cls(np.empty((n, two_i), f), np.empty((n, two_i // 2), f),
+                   np.empty((n, qs_down.shape[1]), f))
 
 
-def _prefill(x, ids, weights, w, out):
+def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_swiglu_rows,
+         buffers: FfnBuffers | None = None, *, like_gemv: bool = False):
+    """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection);
+    `like_gemv`: each row bit for bit decode's (matvec.grouped)."""
+    b = buffers or FfnBuffers.make(act.xq.shape[0], qs_gate_up, qs_down)
+    matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv)
+    swiglu(b.gu, b.h)
+    b.act_h = matvec.quantize_act(b.h, out=b.act_h)
+    return matvec.grouped(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
+
+
+@dataclass
+class PrefillBuffers:
+    """A prefill pass's MoE buffers for T tokens (Scratch.prefill keeps one set)."""
+
+    n_tok: int
+    rows: np.ndarray        # [T·k] the token of each slot sorted by expert
+    slot_pos: np.ndarray    # [T, k]
+    offsets: np.ndarray     # [E+1]
+    routed: FfnBuffers
+    shared: FfnBuffers
+    act_x: Q8Act | None = None
+    act_rows: Q8Act | None = None
+
+    @classmethod
+    def make(cls, w: MoeWeights, n_tok: int, top_k: int) -> "PrefillBuffers":
+        return cls(n_tok, np.empty(n_tok * top_k, np.int64), np.empty((n_tok, top_k), np.int64),
+                   np.empty(w.gate_up_qs.shape[0] + 1, np.int64),
+                   FfnBuffers.make(n_tok * top_k, w.gate_up_qs, w.down_qs),
+                   FfnBuffers.make(n_tok, w.shared_gate_up_qs, w.shared_down_qs))
+
+
+def _prefill(x, ids, weights, w, out, b: PrefillBuffers):
     """The tokens sorted by expert once; each projection of every expert (and of the shared one,
     as E = 1) one launch; the weighted sum a gather per token."""
-    n_tok, top_k = ids.shape
-    n_experts = w.gate_up_qs.shape[0]
-    rows = np.empty(n_tok * top_k, np.int64)
-    slot_pos = np.empty((n_tok, top_k), np.int64)
-    offsets = np.empty(n_experts + 1, np.int64)
-    _sort_slots(ids, n_experts, rows, slot_pos, offsets)
-    act = matvec.quantize_act(x)
+    n_tok = ids.shape[0]
+    _sort_slots(ids, w.gate_up_qs.shape[0], b.rows, b.slot_pos, b.offsets)
+    b.act_x = act = matvec.quantize_act(x, out=b.act_x)
+    b.act_rows = act.rows(b.rows, out=b.act_rows)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets)
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, b.act_rows, b.offsets,
+                  buffers=b.routed)
     shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
-                  np.array([0, n_tok], np.int64))
-    gate = _shared_gate(x, w.shared_gate).astype(np.float32)
-    _combine_rows(routed, slot_pos, weights, shared, gate, out)
+                  np.array([0, n_tok], np.int64), buffers=b.shared)
+    _combine_rows(routed, b.slot_pos, weights, shared, x, w.shared_gate, out)
 
 
 def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None):
@@ -263,14 +345,20 @@ def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None
     if x.shape[0] == 1:
         _decode(x, ids, weights, w, y, scratch or Scratch.make(w, ids.shape[1]))
     else:
-        _prefill(x, ids, weights, w, y)
+        n_tok, top_k = ids.shape
+        b = scratch.prefill if scratch is not None else None
+        if b is None or b.n_tok != n_tok or b.slot_pos.shape[1] != top_k:
+            b = PrefillBuffers.make(w, n_tok, top_k)
+            if scratch is not None:
+                scratch.prefill = b
+        _prefill(x, ids, weights, w, y, b)
     return y
 
 
 def batched(x, ids, weights, w: MoeWeights, out=None):
     """`cpu` for B sequences' decode tokens (x [B, H]), each row bit for bit `cpu` on that row
-    alone (model/batch.py): the experts as prefill's grouped launches (slots sorted by expert),
-    whose GEMM tile accumulates each (row, token) as decode's GEMV tile does; the shared expert
+    alone (model/batch.py): the experts as grouped launches (slots sorted by expert) with the
+    `like_gemv` tile, which accumulates each (row, token) as decode's GEMV does; the shared expert
     as one more grouped launch; the weighted sum by decode's own `_combine`, row by row (prefill's
     gate is a numpy float64 dot, whose summation order is BLAS's)."""
     _check(x, ids, weights, w)
@@ -287,9 +375,10 @@ def batched(x, ids, weights, w: MoeWeights, out=None):
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     # SwiGLU on one thread, as decode: a parallel launch's wake-up cost more than B·k rows of it
     # (0.42 ms a call on the default model, 4 sequences, a busy 2-core machine).
-    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets, _swiglu)
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets, _swiglu,
+                  like_gemv=True)
     shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
-                  np.array([0, n_seq], np.int64), _swiglu)
+                  np.array([0, n_seq], np.int64), _swiglu, like_gemv=True)
     per_seq = routed[slot_pos]                                          # [B, k, H]
     for b in range(n_seq):
         _combine(per_seq[b], weights[b], shared[b], x[b], w.shared_gate, y[b])

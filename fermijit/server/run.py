@@ -18,11 +18,11 @@ def warm_up(engine, max_batch: int) -> None:
     """Compile (or load) every kernel a request meets: prefill, decode, sampling and the batched
     step at 1 and 2 sequences (grouped launches differ from 1 row on), on throwaway states."""
     from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
-    from fermijit.model.batch import decode_batch
+    from fermijit.model.batch import can_batch, decode_batch
 
     model = engine.model
     engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
-    if model.is_quantized and all(w.joined_in is not None for w in model.layers):
+    if can_batch(model):
         sample = kernel_sample(model)
         for n in sorted({1, min(2, max_batch)}):
             states = [sample.new_state(2) for _ in range(n)]

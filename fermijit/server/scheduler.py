@@ -191,7 +191,7 @@ class Scheduler:
         return seq
 
     def _step(self) -> None:
-        from fermijit.model.batch import BatchWorkspace, decode_batch
+        from fermijit.model.batch import BatchWorkspace, can_batch, decode_batch
 
         model = self.engine.model
         live = []
@@ -204,13 +204,12 @@ class Scheduler:
         self.active = live
         if not live:
             return
-        if len(live) > 1 and model.is_quantized and all(w.joined_in is not None
-                                                        for w in model.layers):
+        if len(live) > 1 and can_batch(model):
             ws = self._workspaces.get(len(live))
             if ws is None:
                 ws = self._workspaces[len(live)] = BatchWorkspace(model, len(live))
             logits = decode_batch(model, [s.token for s in live], [s.state for s in live], ws)
-        else:  # one sequence, or an fp32 checkpoint: decode's own path (the same bits)
+        else:  # one sequence, or a model decode_batch does not take: decode itself
             logits = np.stack([model.decode(s.token, s.state) for s in live])
         self.n_steps += 1
         for s, row in zip(live, logits):

@@ -1,0 +1,412 @@
+"""The CPU-prefill W4A8 GEMM (T > 1): rows in the vector lanes, tokens in registers.
+
+The GEMV tile (ops.matvec) puts blocks in the lanes: per (row, token) and 16 blocks it pays 8
+multiply-adds and ~15 more instructions to reduce the lanes to one sum per block and scale it.
+Here one register holds one dword (4 weights) of each of D rows (D = register bytes / 4: 16 for
+AVX-512, 8 for AVX2, 4 for SSE), so a block's integer sum for D rows is 8 multiply-adds of those
+registers by the token's activation dwords broadcast, with no reduction at all; its scale is one
+multiply (dW of D rows times the token's dx) and one fused multiply-add into D fp32 sums, which
+are the output row's D values: stored as they are. Per (D rows, token, block): 8 multiply-adds
+(vpdpbusd, or pmaddubsw and a pmaddwd per block) and 4 other instructions.
+
+Q4_0 stores a row's block as 16 contiguous bytes, so a panel of D-row groups is first packed
+("transposed") into a thread's scratch: per group and block 8 registers, 4 of low nibbles and 4 of
+high nibbles (dword j of every row), and D fp32 scales. The packing is paid once per group per
+launch and reused over all the tokens (of the expert, in the MoE).
+
+Activations are Q8Act's, whatever its ISA layout: each block's two 16-byte halves are found at
+offsets precomputed per layout (`_x_offsets`). The offset form is as in ops.matvec: unsigned
+nibbles times signed activations, minus 8·Σxq per block in integers (exact), then
+y += (isum · (dW·dx)). Every output element is computed by the same instructions whatever the
+thread count or token tiling (lanes never mix rows, the token loop never mixes tokens).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fermijit.jit import omp, simd
+from fermijit import FermijitError
+from fermijit.jit.cpu import Isa, bind, kernel, supported
+from fermijit.jit.simd import F32, I8, I16, I32, I64, Vec, vec
+from fermijit.ops.quant import BLOCK
+
+# Tokens per tile: the D-row group's 8 weight registers are loaded once per block and used for
+# this many tokens, each with an fp32 accumulator register (AVX-512: 8 + 8 of 32 registers).
+# Measured, 1 thread (GFLOP/s at 2048x2048x512, 1024x2048x32, 768x384x512): AVX-512 4: 301, 617,
+# 685; 8: 340, 631, 691; 12: 289, 516, 643. AVX2 2: 370, 368, 334; 4: 326, 98, 315; 8: 400, 402,
+# 378 (spills to L1 cost less than reloading the group's registers). SSSE3 2-8 alike (127-141).
+TILE_TOKENS = {Isa.AVX512VNNI: 8, Isa.AVX2: 8, Isa.SSSE3: 2}
+# A thread packs this many bytes of weight groups at a time (held in L2 with a block of tokens).
+PANEL_BYTES = 1 << 17
+# Tokens' activations read per panel pass: a block of this many bytes stays in L2 while the
+# panel's groups run over it.
+TOKEN_BYTES = 1 << 17
+UNITS = 8   # registers per group and block: dwords 0..3 of the low nibbles, then of the high
+
+
+def rows_per_group(isa: Isa) -> int:
+    return simd.VEC_OF[isa].nbytes // 4
+
+
+@lru_cache(maxsize=None)
+def x_offsets(isa: Isa, nb: int) -> np.ndarray:
+    """[nb, 2] int64: byte offsets in a Q8Act token row of each block's elements 0..15 and
+    16..31 (ops.matvec's layout: the full-width steps, then half-width steps, then natural)."""
+    from fermijit.ops.matvec import blocks_per_step  # matvec imports this module
+    v = simd.VEC_OF[isa]
+    half = simd.HALF_OF.get(isa)
+    step = blocks_per_step(v)
+    whole = nb // step * step
+    reg = 16 * v.lanes
+    half_step = 4 * half.lanes if half else 0
+    half_end = whole + ((nb - whole) // half_step * half_step if half else 0)
+    offs = np.empty((nb, 2), np.int64)
+    for b in range(nb):
+        if b < whole:
+            w = b % step
+            lo = (b - w) * 32 + (w // v.lanes) * 2 * reg + (w % v.lanes) * 16
+            hi = lo + reg
+        elif b < half_end:
+            w = (b - whole) % half_step
+            lo = (b - w) * 32 + (w // half.lanes) * 32 * half.lanes + (w % half.lanes) * 16
+            hi = lo + 16 * half.lanes
+        else:
+            lo = b * 32
+            hi = lo + 16
+        offs[b] = lo, hi
+    offs.flags.writeable = False
+    return offs
+
+
+def _data(context, builder, ty, val):
+    return context.make_array(ty)(context, builder, val)
+
+
+def _make_pack(v: Vec):
+    """pack(qs, d, r0, bq, bs, g): rows r0..r0+D-1 (clamped to the last row: lanes past the end
+    are computed and never stored) of Q4_0 weights into group g of the scratch: bq [.., nb, 8, D]
+    dwords of nibbles, bs [.., nb, D] fp32 scales."""
+    n_rows = v.nbytes // 4
+
+    @intrinsic
+    def pack(typingctx, qs, d, r0, bq, bs, g):
+        sig = types.none(qs, d, r0, bq, bs, g)
+
+        def codegen(context, builder, sig, args):
+            qs_a, d_a, bq_a, bs_a = (_data(context, builder, sig.args[i], args[i])
+                                     for i in (0, 1, 3, 4))
+            r0v, gv = args[2], args[5]
+            c = lambda n: ir.Constant(I64, n)  # noqa: E731
+            n_all, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)
+            _, nb = cgutils.unpack_tuple(builder, d_a.shape, 2)
+            last = builder.sub(n_all, c(1))
+            rows = []
+            for i in range(n_rows):
+                r = builder.add(r0v, c(i))
+                rows.append(builder.select(builder.icmp_signed(">", r, last), last, r))
+            qs_row = [simd.byte_ptr(builder, qs_a.data, builder.mul(r, qs_stride)) for r in rows]
+            d_row = [simd.byte_ptr(builder, d_a.data, builder.mul(r, builder.mul(nb, c(2))))
+                     for r in rows]
+            q_base = builder.mul(builder.mul(gv, nb), c(UNITS * v.nbytes))
+            s_base = builder.mul(builder.mul(gv, nb), c(4 * n_rows))
+            v4 = vec(I32, 4)
+            vq = vec(I32, n_rows)
+            lo_mask = ir.Constant(vq, [0x0F0F0F0F] * n_rows)
+            four = ir.Constant(vq, [4] * n_rows)
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                parts = [simd.load(builder, p, builder.mul(b, c(BLOCK // 2)), v4) for p in qs_row]
+                while len(parts) > 1:  # concatenate pairwise into one [D x 4] vector
+                    n = 2 * parts[0].type.count
+                    parts = [builder.shuffle_vector(parts[i], parts[i + 1],
+                                                    ir.Constant(vec(I32, n), list(range(n))))
+                             for i in range(0, len(parts), 2)]
+                whole = parts[0]
+                dst = builder.add(q_base, builder.mul(b, c(UNITS * v.nbytes)))
+                for j in range(4):
+                    dword = builder.shuffle_vector(whole, whole, ir.Constant(
+                        vec(I32, n_rows), [4 * i + j for i in range(n_rows)]))
+                    for half, val in ((0, builder.and_(dword, lo_mask)),
+                                      (4, builder.and_(builder.lshr(dword, four), lo_mask))):
+                        off = builder.add(dst, c((j + half) * v.nbytes))
+                        builder.store(val, builder.bitcast(simd.byte_ptr(builder, bq_a.data, off),
+                                                           vq.as_pointer()), align=1)
+                h = ir.Constant(vec(I16, n_rows), None)
+                for i, p in enumerate(d_row):
+                    h = builder.insert_element(h, simd.load_scalar(builder, p, builder.mul(b, c(2)),
+                                                                   I16), ir.Constant(I32, i))
+                s = simd.fp16_to_f32(v, builder, h)
+                off = builder.add(s_base, builder.mul(b, c(4 * n_rows)))
+                builder.store(s, builder.bitcast(simd.byte_ptr(builder, bs_a.data, off),
+                                                 vec(F32, n_rows).as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return pack
+
+
+@intrinsic
+def prefetch_rows(typingctx, qs, d, r0, r1):
+    """Prefetch rows r0..r1-1 (clamped to the matrix) of Q4_0 weights and their scales into L2
+    (prefetcht1): the next group's, issued before this group's tiles run, so the pack that
+    follows finds them there instead of waiting on 16 row streams from memory."""
+    sig = types.none(qs, d, r0, r1)
+
+    def codegen(context, builder, sig, args):
+        c = lambda n: ir.Constant(I64, n)  # noqa: E731
+        for arr_ty, arr_val in ((sig.args[0], args[0]), (sig.args[1], args[1])):
+            a = _data(context, builder, arr_ty, arr_val)
+            n_all, cols = cgutils.unpack_tuple(builder, a.shape, 2)
+            item = context.get_abi_sizeof(context.get_data_type(arr_ty.dtype))
+            row_bytes = builder.mul(cols, c(item))
+            hi = builder.select(builder.icmp_signed(">", args[3], n_all), n_all, args[3])
+            start = builder.mul(args[2], row_bytes)
+            n_lines = builder.sdiv(builder.sub(builder.mul(hi, row_bytes), start), c(64))
+            with cgutils.for_range(builder, n_lines) as loop:
+                p = simd.byte_ptr(builder, a.data, builder.add(start, builder.mul(loop.index,
+                                                                                  c(64))))
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                    ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+                builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2),
+                                  ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_tile(v: Vec, n_tok: int):
+    """tile(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0): out[t0+t, r0+i] for
+    t < n_tok, i < n_valid (<= D), from packed group g and activation rows t0+t."""
+    n_rows = v.nbytes // 4
+    has_fma = v.isa is not Isa.SSSE3
+
+    @intrinsic
+    def tile(typingctx, bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0):
+        sig = types.none(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0)
+
+        def codegen(context, builder, sig, args):
+            bq_a, bs_a, xq_a, dx_a, xs_a, xo_a, out_a = (
+                _data(context, builder, sig.args[i], args[i]) for i in (0, 1, 3, 4, 5, 6, 7))
+            gv, r0v, n_valid, t0v = args[2], args[8], args[9], args[10]
+            c = lambda n: ir.Constant(I64, n)  # noqa: E731
+            _, nb = cgutils.unpack_tuple(builder, dx_a.shape, 2)
+            _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
+            vi, vf = vec(I32, n_rows), vec(F32, n_rows)
+            q_base = simd.byte_ptr(builder, bq_a.data,
+                                   builder.mul(builder.mul(gv, nb), c(UNITS * v.nbytes)))
+            s_base = simd.byte_ptr(builder, bs_a.data,
+                                   builder.mul(builder.mul(gv, nb), c(4 * n_rows)))
+            toks = [builder.add(t0v, c(t)) for t in range(n_tok)]
+            xq_row = [simd.byte_ptr(builder, xq_a.data, builder.mul(t, builder.mul(nb, c(32))))
+                      for t in toks]
+            dx_row = [simd.byte_ptr(builder, dx_a.data, builder.mul(t, builder.mul(nb, c(4))))
+                      for t in toks]
+            xs_row = [simd.byte_ptr(builder, xs_a.data, builder.mul(t, builder.mul(nb, c(4))))
+                      for t in toks]
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in toks]
+            fma = (cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{n_rows}f32")
+                if has_fma else None)
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                units = [simd.load(builder, q_base, builder.add(
+                    builder.mul(b, c(UNITS * v.nbytes)), c(j * v.nbytes)), vec(I8, v.nbytes))
+                    for j in range(UNITS)]
+                dw = simd.load(builder, s_base, builder.mul(b, c(4 * n_rows)), vf)
+                offs = simd.load(builder, xo_a.data, builder.mul(b, c(16)), vec(I64, 2))
+                x_off = [builder.extract_element(offs, ir.Constant(I32, h)) for h in range(2)]
+                for t in range(n_tok):
+                    xs = [simd.splat(builder, simd.load_scalar(
+                        builder, xq_row[t], builder.add(x_off[j // 4], c(4 * (j % 4))), I32),
+                        n_rows) for j in range(UNITS)]
+                    pairs = [(u, builder.bitcast(x, vec(I8, v.nbytes))) for u, x in zip(units, xs)]
+                    isum = simd.dot_u8s8(v, builder, pairs)
+                    corr = simd.load_scalar(builder, xs_row[t], builder.mul(b, c(4)), I32)
+                    isum = builder.sub(isum, simd.splat(builder, corr, n_rows))
+                    dxs = simd.load_scalar(builder, dx_row[t], builder.mul(b, c(4)), F32)
+                    scale = builder.fmul(dw, simd.splat(builder, dxs, n_rows))
+                    f = builder.sitofp(isum, vf)
+                    old = builder.load(acc[t])
+                    new = (builder.call(fma, [f, scale, old]) if has_fma
+                           else builder.fadd(old, builder.fmul(f, scale)))
+                    builder.store(new, acc[t])
+            full = builder.icmp_signed("==", n_valid, c(n_rows))
+            for t in range(n_tok):
+                start = builder.add(builder.mul(toks[t], out_cols), r0v)
+                dst = simd.byte_ptr(builder, out_a.data, builder.mul(start, c(4)))
+                y = builder.load(acc[t])
+                with builder.if_else(full) as (then, otherwise):
+                    with then:
+                        builder.store(y, builder.bitcast(dst, vf.as_pointer()), align=4)
+                    with otherwise:
+                        slot = cgutils.alloca_once(builder, vf)
+                        builder.store(y, slot)
+                        lane = builder.bitcast(slot, F32.as_pointer())
+                        with cgutils.for_range(builder, n_valid) as lp:
+                            builder.store(builder.load(builder.gep(lane, [lp.index])),
+                                          builder.bitcast(simd.byte_ptr(
+                                              builder, dst, builder.mul(lp.index, c(4))),
+                                              F32.as_pointer()))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+# --- launches -----------------------------------------------------------------------------------
+
+def _panel_groups(nb):
+    return max(1, PANEL_BYTES // (nb * UNITS * 4 * ROWS))
+
+
+def _run_group(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t_first, t_end):
+    """Packed group g over tokens t_first..t_end-1: whole tiles, then the rest in tiles of half
+    and a quarter of that and single tokens (an expert's tokens are rarely whole tiles; one token
+    at a time reloads the group's registers per token)."""
+    t = t_first
+    while t + TOKS <= t_end:
+        tile(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        t += TOKS
+    if t + HALF <= t_end:
+        tile_half(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        t += HALF
+    if t + QUARTER <= t_end:
+        tile_quarter(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        t += QUARTER
+    while t < t_end:
+        tile1(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        t += 1
+
+
+def _product_share(thread, n_threads, args):
+    """One thread's run of row groups, in panels packed once, each meeting blocks of tokens that
+    stay in L2 with it."""
+    qs, d, xq, dx, xsum8, xoff, out = args
+    n_rows = qs.shape[0]
+    nb = d.shape[1]
+    groups = (n_rows + ROWS - 1) // ROWS
+    first = thread * groups // n_threads
+    last = (thread + 1) * groups // n_threads
+    if first == last:
+        return
+    panel = _panel_groups(nb)
+    bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
+    bs = np.empty(panel * nb * ROWS, np.float32)
+    n_tok = xq.shape[0]
+    tok_block = max(TOKS, TOKEN_BYTES // (nb * 32) // TOKS * TOKS)
+    for g0 in range(first, last, panel):
+        g1 = min(g0 + panel, last)
+        for g in range(g0, g1):
+            pack(qs, d, g * ROWS, bq, bs, g - g0)
+        if g1 < last:
+            prefetch_rows(qs, d, g1 * ROWS, min(g1 + panel, last) * ROWS)
+        for t0 in range(0, n_tok, tok_block):
+            t1 = min(t0 + tok_block, n_tok)
+            for g in range(g0, g1):
+                _run_group(bq, bs, g - g0, xq, dx, xsum8, xoff, out, g * ROWS,
+                           min(ROWS, n_rows - g * ROWS), t0, t1)
+
+
+def _product_body(qs, d, xq, dx, xsum8, xoff, out):
+    fork((qs, d, xq, dx, xsum8, xoff, out))
+
+
+def _grouped_share(thread, n_threads, args):
+    """Jobs (expert, row group), in order, each worth its expert's tokens: every thread takes the
+    jobs that start in its equal share of the work (routing leaves experts unevenly loaded)."""
+    qs, d, offsets, xq, dx, xsum8, xoff, out = args
+    n_experts, n_rows = qs.shape[0], qs.shape[1]
+    nb = d.shape[2]
+    groups = (n_rows + ROWS - 1) // ROWS
+    total = offsets[n_experts] * groups
+    lo = thread * total // n_threads
+    hi = (thread + 1) * total // n_threads
+    if lo == hi:
+        return
+    bq = np.empty(nb * UNITS * 4 * ROWS, np.uint8)
+    bs = np.empty(nb * ROWS, np.float32)
+    done = 0
+    for e in range(n_experts):
+        t0, t1 = offsets[e], offsets[e + 1]
+        n = t1 - t0
+        if n == 0:
+            continue
+        # Job g starts at done + g·n: this thread's are those starting in [lo, hi).
+        g_first = max(0, (lo - done + n - 1) // n)
+        g_end = min(groups, (hi - done + n - 1) // n)
+        for g in range(g_first, g_end):
+            pack(qs[e], d[e], g * ROWS, bq, bs, 0)
+            if g + 1 < g_end:
+                prefetch_rows(qs[e], d[e], (g + 1) * ROWS, (g + 2) * ROWS)
+            elif g_end == groups and e + 1 < n_experts:  # the next expert's first group
+                prefetch_rows(qs[e + 1], d[e + 1], 0, ROWS)
+            _run_group(bq, bs, 0, xq, dx, xsum8, xoff, out, g * ROWS,
+                       min(ROWS, n_rows - g * ROWS), t0, t1)
+        done += n * groups
+
+
+def _grouped_body(qs, d, offsets, xq, dx, xsum8, xoff, out):
+    fork((qs, d, offsets, xq, dx, xsum8, xoff, out))
+
+
+def _array(dtype, ndim, readonly=False):
+    return types.Array(dtype, ndim, "C", readonly=readonly)
+
+
+_ACT = (_array(types.int8, 2, True), _array(types.float32, 2, True), _array(types.int32, 2, True),
+        _array(types.int64, 2, True))
+_SIGNATURES = {
+    _product_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
+                               _array(types.float32, 2))],
+    _grouped_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
+                               _array(types.int64, 1, True), *_ACT, _array(types.float32, 2))],
+}
+_SHARES = {_product_body: _product_share, _grouped_body: _grouped_share}
+_kernels: dict = {}
+
+
+def gemm_kernel(isa: Isa, body, n_tok: int | None = None):
+    """The launch `body` (product or grouped) for `isa` and tiles of `n_tok` tokens (default
+    TILE_TOKENS), made on first use (so no AVX2 code is compiled for a Westmere target)."""
+    n_tok = n_tok or TILE_TOKENS[isa]
+    key = (body.__name__, isa, n_tok)
+    if key not in _kernels:
+        if not supported(isa):  # compiling it here could abort the process (pitfall 5)
+            raise FermijitError(f"gemm: this CPU or Numba target cannot run {isa.label}")
+        v = simd.VEC_OF[isa]
+        threads = "omp" if omp.available() else "serial"
+        variant = f"gemm-{isa.label}-{n_tok}-{threads}"
+        half, quarter = max(1, n_tok // 2), max(1, n_tok // 4)
+        tiles = {n: _make_tile(v, n) for n in {n_tok, half, quarter, 1}}
+        helpers = dict(ROWS=v.nbytes // 4, TOKS=n_tok, HALF=half, QUARTER=quarter,
+                       tile=tiles[n_tok], tile_half=tiles[half], tile_quarter=tiles[quarter],
+                       tile1=tiles[1])
+        run_group = kernel(_run_group, fastmath=False, variant=variant, **helpers)
+        bound = dict(helpers, pack=_make_pack(v), _run_group=run_group,
+                     _panel_groups=kernel(_panel_groups, fastmath=False, variant=variant,
+                                          ROWS=helpers["ROWS"]))
+        _kernels[key] = kernel(body, fastmath=False, variant=variant,
+                               signatures=_SIGNATURES[body],
+                               fork=omp.fork(bind(_SHARES[body], variant, **bound)))
+    return _kernels[key]
+
+
+def product_kernel(isa: Isa):
+    """out [T, R] = x · Wᵀ: (qs, d_bits, xq, dx, xsum8, x_offsets, out)."""
+    return _kernels.get((_product_body.__name__, isa, TILE_TOKENS[isa])) or gemm_kernel(
+        isa, _product_body)
+
+
+def grouped_kernel(isa: Isa):
+    """matvec.grouped's launch: (qs, d_bits, offsets, xq, dx, xsum8, x_offsets, out)."""
+    return _kernels.get((_grouped_body.__name__, isa, TILE_TOKENS[isa])) or gemm_kernel(
+        isa, _grouped_body)

@@ -1,0 +1,107 @@
+"""The prefill W4A8 GEMM (ops.gemm): every ISA this CPU runs against the exact-integer reference,
+its activation offsets, and results that do not depend on threads or token tiling."""
+
+import numba
+import numpy as np
+import pytest
+
+from fermijit.jit import cpu
+from fermijit.ops import gemm, matvec, quant
+from tests.numerics import assert_close, poisoned
+
+ISAS = [i for i in cpu.variants_up_to(cpu.selected_isa())]
+# Exact integer block sums; fp32 rounding of one multiply and one (fused) multiply-add per block
+# and row: a few ulps of the row's scale, as the GEMV.
+RTOL = 1e-5
+# (rows, K, tokens): a partial row group for every ISA (37, 5), K of 3 blocks and K past several
+# panels of groups (2048: 70 rows are 2 panels at AVX-512 and AVX2 widths), tokens past whole
+# tiles and past one block of tokens (70 at K = 2048), K = 416 and 800 with whole wide steps
+# and a natural-order tail in Q8Act's layout.
+SHAPES = {"R37-K96-T11": (37, 96, 11), "R5-K64-T2": (5, 64, 2), "R16-K416-T8": (16, 416, 8),
+          "R70-K2048-T19": (70, 2048, 19), "R20-K2048-T70": (20, 2048, 70),
+          "R24-K800-T3": (24, 800, 3)}
+
+
+def _weights(rng, rows, k):
+    w = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.01, 2)
+    return quant.quantize_q4_0(w)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_matches_reference(rng, isa, shape):
+    rows, k, n_tok = shape
+    qs, d = _weights(rng, rows, k)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    out = matvec.product(matvec.Q4Matrix.of(qs, d), matvec.quantize_act(x, isa),
+                         poisoned((n_tok, rows)))
+    expected = matvec.reference(qs, d, x)
+    assert_close(f"gemm[{isa.label}]", expected, out, atol=RTOL * np.abs(expected).max(),
+                 rtol=RTOL)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_x_offsets_find_each_block_in_the_layout(rng, isa):
+    """The bytes at a block's two offsets are its elements 0..15 and 16..31, for K covering the
+    wide steps, half-width steps (AVX-512) and the natural-order tail."""
+    k = 32 * 29
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    act = matvec.quantize_act(x, isa)
+    natural, _ = matvec._quantize_act_reference(x)
+    offs = gemm.x_offsets(isa, k // 32)
+    got = np.stack([np.concatenate([act.xq[0, lo:lo + 16], act.xq[0, hi:hi + 16]])
+                    for lo, hi in offs])
+    np.testing.assert_array_equal(got, natural[0])
+
+
+def test_same_bits_whatever_threads_and_tokens(rng):
+    """Rows never mix in a lane and tokens never mix in a tile: 1 and 2 threads, and a prefix of
+    the tokens alone (other tiles, other tails), give the same bits."""
+    rows, k, n_tok = 70, 512, 21
+    qs, d = _weights(rng, rows, k)
+    w = matvec.Q4Matrix.of(qs, d)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    act = matvec.quantize_act(x)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = matvec.product(w, act, poisoned((n_tok, rows)))
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = matvec.product(w, act, poisoned((n_tok, rows)))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(one, two)
+    part = matvec.product(w, matvec.quantize_act(x[:5]), poisoned((5, rows)))
+    np.testing.assert_array_equal(one[:5], part)
+
+
+def test_like_gemv_gives_the_gemv_bits(rng):
+    """`like_gemv` (batched decode's choice): each token's row is the GEMV's, bit for bit."""
+    rows, k, n_tok = 12, 1024, 6
+    qs, d = _weights(rng, rows, k)
+    w = matvec.Q4Matrix.of(qs, d)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    y = matvec.product(w, matvec.quantize_act(x), poisoned((n_tok, rows)), like_gemv=True)
+    for t in range(n_tok):
+        np.testing.assert_array_equal(
+            y[t], matvec.product(w, matvec.quantize_act(x[t]), poisoned(rows)))
+    offsets = np.array([0, 4, n_tok], np.int64)
+    qs2, d2 = np.stack([qs, qs]), np.stack([d, d]).view(np.uint16)
+    g = matvec.grouped(qs2, d2, offsets, matvec.quantize_act(x), poisoned((n_tok, rows)),
+                       like_gemv=True)
+    np.testing.assert_array_equal(g, y)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_grouped_every_tail(rng, isa):
+    """Experts with 0-15 tokens: every remainder of a tile (half, quarter and single-token
+    tiles), rows not whole groups."""
+    counts = [7, 15, 6, 3, 0, 1, 8, 12, 5, 2, 14, 9, 4, 11, 13, 10]
+    n_experts, rows, k = len(counts), 37, 96
+    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    x = rng.standard_normal((offsets[-1], k)).astype(np.float32)
+    out = matvec.grouped_cpu(qs, d, offsets, x, out=poisoned((offsets[-1], rows)), isa=isa)
+    expected = matvec.grouped_reference(qs, d, offsets, x)
+    assert_close("grouped", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
