@@ -118,17 +118,15 @@ def token_bytes(model, selected: list[int]) -> TokenBytes:
 def watch_routing(model, token: int, state) -> list[int]:
     """Decode `token` with the MoE watched: distinct experts selected per layer."""
     selected = []
-    moe = model.moe
 
-    def watched(w, ws):
-        moe(w, ws)
-        selected.append(int(np.unique(ws.ids).size))
+    def watched(w, xn, ids, weights):
+        selected.append(int(np.unique(ids).size))
 
-    model.moe = watched  # an instance attribute shadows the method for this token only
+    model.moe_observer = watched
     try:
         model.decode(token, state)
     finally:
-        del model.moe
+        model.moe_observer = None
     return selected
 
 

@@ -242,6 +242,8 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
                "prepare_s": prepare_s, "device_bytes_used": used, "plan": dataclasses.asdict(
                    pf.last_plan), "pinned_bytes": pf.device.streamer.pinned_bytes}
         stats = pf.last_pass.layer_stats
+        row["host_s"] = dict(pf.last_pass.host_s)    # the last timed run's routing steps
+        row["phases_s"] = dict(pf.last_phases)       # ... and its phases
         row["unused_experts"] = sum(s["unused_experts"] for s in stats)
         row["late_bytes"] = sum(s["late_bytes"] for s in stats)
         if key == "planned":
@@ -344,6 +346,10 @@ def print_report(r: dict, verbose: bool, out) -> None:
         for i, row in enumerate(p["layers"]):
             print(f"  {i:>3} {row['compute_ms']:>8.2f} {row['copy_ms']:>8.2f} "
                   f"{row['overlap_ms']:>8.2f}", file=out)
+        print("phases of the last timed run (host s): " + ", ".join(
+            f"{k} {v:.4f}" for k, v in p["phases_s"].items()), file=out)
+        print("host routing steps of the last timed run (s): " + ", ".join(
+            f"{k} {v:.4f}" for k, v in p["host_s"].items()), file=out)
         print("profile (serialised run, s; GFLOP; GB):", file=out)
         for cat, s in p["profile"].items():
             print(f"  {cat:<24}{s:>9.4f}{p['flops'].get(cat, 0) / 1e9:>10.1f}"

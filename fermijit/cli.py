@@ -165,6 +165,35 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
 
+@bench.command("vision")
+@click.option("--size", "sizes", multiple=True, default=None,
+              help="Image size WIDTHxHEIGHT (repeatable; default 448x448 and 1024x768).")
+@click.option("--depth", type=click.IntRange(min=1), default=None,
+              help="Tower blocks (default: the real 27).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs per image; the median is shown.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads: int | None,
+                 as_json: bool) -> None:
+    """Seconds per image through the full-size vision tower (random weights), CPU and GPU."""
+    from fermijit import bench_vision as bv
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    parsed = []
+    for size in sizes:
+        try:
+            width, height = (int(n) for n in size.lower().split("x"))
+        except ValueError:
+            raise click.BadParameter(f"--size takes WIDTHxHEIGHT, got {size!r}")
+        if not (0 < width <= 16384 and 0 < height <= 16384):
+            raise click.BadParameter(f"--size {size}: sides must be in [1, 16384]")
+        parsed.append((width, height))
+    bv.run(parsed, depth, repeat, as_json, None)
+
+
 @bench.command("prune")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (default: the embedded model).")
@@ -319,9 +348,11 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
                    "of an HF checkpoint too big to run in fp32); same layers and experts.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: all cores).")
+@prefill_options
 def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
           criterion: str, context: int, max_tokens: int | None, seed: int,
-          calibrate_with: Path | None, threads: int | None) -> None:
+          calibrate_with: Path | None, threads: int | None, prefill: str, gpu_mem: str | None,
+          pin_budget: str | None, verbose: bool) -> None:
     """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
     same kind; calibration runs the engine over --text."""
     from fermijit.jit import cpu
@@ -329,7 +360,8 @@ def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float 
 
     cpu.configure_threads(threads)
     pruner.run(src, dst, text_path, keep, ratio, context, max_tokens, criterion, seed,
-               calibrate_with)
+               calibrate_with, prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
+               verbose=verbose)
 
 
 @cli.command()
@@ -397,12 +429,15 @@ def verify(model_dir: Path) -> None:
               help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
 @click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
               help="Snapshot the state every this many prompt tokens (default: 256).")
+@click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
+              help="An image file for the user turn, before the text (repeatable; implies "
+                   "--chat; the model needs its vision tower).")
 @prefill_options
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
-             cache_mem: int | None, snapshot_every: int | None, prefill: str,
-             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+             cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
+             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -414,7 +449,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
-                               verbose=verbose)
+                               verbose=verbose, images=images)
     cache = prefix_cache.CacheSettings(
         is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
         snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)

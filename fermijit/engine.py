@@ -59,6 +59,7 @@ class Settings:
     gpu_mem: str | None = None    # --gpu-mem, e.g. "6G" (default: free less a margin)
     pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
+    images: tuple = ()            # --image paths: in the user turn, before the text (chat)
 
 
 @dataclasses.dataclass
@@ -103,11 +104,19 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
     passes shows a progress bar there. With `cache` (a prefix_cache.PrefixCache of this model),
     the prompt resumes from its longest cached prefix, and the state is snapshotted on the way
-    and at the end."""
-    prompt = np.asarray(prompt, np.int32)
+    and at the end. `prompt` may be a model/multimodal.py Prompt (with images): prefilled on the
+    CPU, without the cache (an image's placeholder ids do not say which image it was)."""
+    from fermijit.model import multimodal
+
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
-    state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
+    if isinstance(prompt, multimodal.Prompt):
+        state, cache, n_cached = model.new_state(context), None, 0
+        logits = multimodal.prefill(model, prompt, state)
+        prompt = prompt.ids
+    else:
+        prompt = np.asarray(prompt, np.int32)
+        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
@@ -259,9 +268,14 @@ class Engine:
     """A model ready to generate from token ids: its tokenizer (end ids, sampling defaults) and its
     snapshot prefix cache (None: off). What the CLI and any other caller (the server) use."""
 
-    def __init__(self, model, tokenizer, cache=None, prefiller=None):
+    def __init__(self, model, tokenizer, cache=None, prefiller=None, config=None,
+                 directory: Path | None = None):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.prefiller = prefiller  # fermijit/hybrid.py; None: the CPU's
+        # For images (model/multimodal.py): the whole config.json, and where the tower's
+        # weights and preprocessor_config.json are; the tower is loaded on first use.
+        self.config, self.directory = config, directory
+        self._tower = None
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
@@ -280,7 +294,34 @@ class Engine:
             cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
                                              c.mem_bytes, c.directory, c.snapshot_every,
                                              check=model.check_state, warn=warn)
-        return cls(model, tokenizer, cache)
+        return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))
+
+    def image_prompt(self, messages: list[dict], images: list, encode=None):
+        """A model/multimodal.py Prompt (what `generate` takes) from chat `messages` whose
+        content may hold {"type": "image"} or {"type": "image_url"} parts, and `images` for them
+        in order: paths or PIL images (the server decodes its data: URIs into PIL images).
+        `encode` replaces the tower's CPU encode (the GPU's: model/vision_gpu.py)."""
+        from fermijit.model import image, multimodal
+
+        tower = self.vision_tower() if images else None
+        settings = image.image_settings(self.directory, self.config.vision_config)
+        processed = [image.preprocess(im if not isinstance(im, (str, Path))
+                                      else image.open_image(im), settings)
+                     if not isinstance(im, image.Image) else im for im in images]
+        return multimodal.prepare(self.tokenizer, messages, processed, tower, self.config, encode)
+
+    def vision_tower(self):
+        """The model's vision tower (model/vision.py), loaded on first use."""
+        from fermijit.model import multimodal
+
+        if self.config is None or self.directory is None:
+            raise FermijitError("this engine was made without its model directory: no images")
+        if self._tower is None:
+            self._tower = multimodal.load_tower(self.directory, self.config)
+            if self._tower is None:
+                raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
+                                    f"tensors): it cannot take images")
+        return self._tower
 
     def sampler(self, settings: Settings):
         """A sampler as `settings` and the model's generation_config.json say (checks them)."""
@@ -292,9 +333,13 @@ class Engine:
 
     def generate(self, prompt_ids, settings: Settings, on_token: Callable[[int], None],
                  progress_to=None) -> tuple[list[int], Stats]:
-        """Continue the token ids `prompt_ids` as `settings` say; `on_token` gets each new one."""
-        prompt = np.asarray(prompt_ids, np.int32)
-        if prompt.ndim != 1 or prompt.size == 0:
+        """Continue the token ids `prompt_ids` (or an `image_prompt`) as `settings` say;
+        `on_token` gets each new one."""
+        from fermijit.model.multimodal import Prompt
+
+        prompt = prompt_ids if isinstance(prompt_ids, Prompt) else np.asarray(prompt_ids, np.int32)
+        ids = prompt.ids if isinstance(prompt, Prompt) else prompt
+        if ids.ndim != 1 or ids.size == 0:
             raise FermijitError("the prompt is empty (no tokens)")
         context = context_length(settings, int(prompt.size), self.model.max_context)
         return generate(self.model, prompt, self.sampler(settings), settings.max_tokens, context,
@@ -311,13 +356,28 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
     out = out or sys.stdout.buffer
     err = err or sys.stderr
+    from fermijit.model import image
+
+    pictures = [image.open_image(path) for path in settings.images]  # bad files: before loading
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
                          warn=lambda line: print(line, file=err, flush=True))
     model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 
-    if settings.is_chat:
+    if pictures:
+        start = time.perf_counter()
+        encode, where = None, "CPU"
+        if settings.prefill != "cpu":  # --prefill gpu|auto: the tower on the GPU where usable
+            from fermijit.model import vision_gpu
+
+            if vision_gpu.usable():
+                encode, where = vision_gpu.make(engine.vision_tower()).encode, "GPU"
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt_text}]
+        prompt = engine.image_prompt([{"role": "user", "content": content}], pictures, encode)
+        print(f"{len(pictures)} image(s), {prompt.rows.size} image tokens: vision tower "
+              f"({where}) {time.perf_counter() - start:.2f} s", file=err, flush=True)
+    elif settings.is_chat:
         prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt_text}]),
                                   add_special_tokens=False)
     else:
@@ -328,7 +388,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     engine.sampler(settings)
     kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
-    warm_up_s = warm_up(model, prompt, sampler=engine.sampler(settings))  # a twin: warming draws
+    warm_up_s = warm_up(model, getattr(prompt, "ids", prompt), sampler=engine.sampler(settings))  # a twin: warming draws
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
     engine.prefiller = prefiller = hybrid.make(model, settings.prefill, settings.gpu_mem,
                                                settings.pin_budget, settings.verbose, err)

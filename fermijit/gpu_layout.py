@@ -143,7 +143,9 @@ def route_slots(ids: np.ndarray, weights: np.ndarray, n_experts: int):
     """expert_matmul.route's arrays, vectorised: (rows int32 [S] the token of each slot in
     expert order, slot weights fp32 [S], tiles int32 [n, 4] as expert_matmul.sort_slots)."""
     flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
+    # A stable sort of 16-bit keys is numpy's radix sort: 0.09 ms against 0.54 for int32 keys
+    # (7,576 slots, REAP-128 at 947 tokens), on the routing's host path once per layer.
+    order = np.argsort(flat.astype(np.int16) if n_experts <= 1 << 15 else flat, kind="stable")
     counts = np.bincount(flat, minlength=n_experts)
     ends = np.cumsum(counts)
     per_expert = -(-counts // expert_matmul.TILE_ROWS)                   # tiles per expert

@@ -1,6 +1,6 @@
 """The GPU prefill (issue 10): the forward of model/forward.py over a whole prompt on the GPU, the
 dense weights resident, the routed experts streamed from host memory (fermijit/expert_stream.py),
-and the state handed to the CPU `State` for decode.
+and the state handed to the CPU `State` for decode (fermijit/gpu_state.py).
 
 Per layer, on the legacy stream (the ops' launches):
     xn = rmsnorm(x);  x += mixer(xn)           (GDN or attention; the output projection adds into
@@ -26,12 +26,13 @@ model/reference.py over the same 4-bit weights, not the CPU's W4A8.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
 from fermijit.gpu_layout import F32, dense_arrays, head_arrays, route_slots
 from fermijit.model.forward import L2NORM_EPS, Model
-from fermijit.model.state import GdnState, KvCache, State
+from fermijit.model.state import GdnState, KvCache
 from fermijit.ops import (attention, conv1d, embedding, expert_matmul, f32_gemm, gated_delta,
                           l2norm, matmul, rmsnorm, rope, router)
 
@@ -53,8 +54,21 @@ class DeviceModel:
                                                ring_slot_bytes)
         self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
+        self.readback = gpu.copy_stream()  # device-to-host routing reads (Pass.read_routing)
+        self._host: dict[str, np.ndarray] = {}
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
                                + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
+
+
+    def host_buffer(self, name: str, nbytes: int) -> np.ndarray:
+        """A page-locked host buffer of at least `nbytes`, kept for the next pass (page-locking
+        is slow: a few ms)."""
+        from fermijit.jit import gpu
+
+        buf = self._host.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._host[name] = gpu.pinned(max(nbytes, 64 << 10))
+        return buf
 
 
 @dataclasses.dataclass
@@ -68,7 +82,8 @@ class LayerTiming:
 class Pass:
     """The device buffers of one prefill over `n_tokens` after `start` positions."""
 
-    def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int):
+    def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int,
+                 observe: bool = False):
         from fermijit.jit import gpu
 
         m = dev.model
@@ -88,7 +103,7 @@ class Pass:
         op = "gpu prefill"
         self.rows = gpu.to_device(op, "rows", rows, np.int32)
         self.tiles = gpu.to_device(op, "tiles", tiles, np.int32)
-        self.ones = gpu.to_device(op, "ones", np.ones(T, np.float32), np.float32)
+        self.ones = gpu.to_device(op, "ones", np.ones(T * m.top_k, np.float32), np.float32)
         self.n_tiles = len(tiles)
         self.positions = np.arange(start, start + T, dtype=np.int64)
         self.timings: list[LayerTiming] = []
@@ -101,6 +116,15 @@ class Pass:
         self.on_device: dict[int, tuple] = {}  # layer -> (experts copied, events, first event)
         self.marks: list | None = None       # (layer, category, event) in order, when profiling
         self.layer = -1
+        self.routed = gpu.event()            # after the router: the readback waits for it
+        S = T * m.top_k                      # slots; a tile per 64 of them, plus a partial one
+        self.slot_rows, self.slot_weights = e((S,), np.int32), e((S,))  # per expert at most
+        self.slot_tiles = e((-(-S // expert_matmul.TILE_ROWS) + m.n_experts, 4), np.int32)
+        self.host_s: dict[str, float] = {}   # host seconds per routing step (bench --verbose)
+        self.observing = observe             # REAP calibration (`observe`)
+        self.observed: list[tuple] = []
+        if observe:
+            self.identity = gpu.to_device(op, "slots", np.arange(S, dtype=np.int32), np.int32)
 
     def mark(self, category: str) -> None:
         """Profiling: the kernels launched since the previous mark were `category`."""
@@ -114,7 +138,9 @@ class Pass:
     # --- one layer ------------------------------------------------------------------------------
 
     def add_projection(self, src, qs, d) -> None:
-        """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1."""
+        """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1. (Its
+        k split over grid z, to fill the H200's block slots that 16 x 15 blocks leave idle, was
+        measured no faster: 0.2835 s against 0.2906 median, notes/gpuprefill.md.)"""
         from fermijit.jit import gpu
 
         gpu.kernel("q4_gemm", MODE="expert_down")(
@@ -204,6 +230,37 @@ class Pass:
             events = events + [streamer.copy(layer, missing, base)]
         self.on_device[layer] = (had | missing, events, start)
 
+    def read_routing(self):
+        """Layer i's ids and weights, and the prediction's ids, to the host: on the readback
+        stream after the router's event, so the legacy stream goes on with the shared expert
+        meanwhile (a plain .get() would wait for it too)."""
+        from fermijit.jit import gpu
+
+        cuda, dev = gpu.driver(), self.dev
+        dev.readback.wait_for_event(self.routed)
+        out = []
+        for name, a in (("ids", self.ids), ("weights", self.weights),
+                        ("predicted", self.ids_next if self.prediction is not None else None)):
+            if a is None:
+                out.append(None)
+                continue
+            host = dev.host_buffer(name, a.nbytes).view(a.dtype)[:a.size].reshape(a.shape)
+            cuda.memcpy_dtoh_async(host, a.gpudata, dev.readback)
+            out.append(host)
+        dev.readback.synchronize()
+        return [None if a is None else a.copy() for a in out]
+
+    def upload_routing(self, rows, slot_weights, tiles) -> None:
+        """The sorted slots into the pass's buffers: synchronous copies from pageable memory
+        (small, so the driver sends them inline; an async copy from page-locked memory queued
+        behind the expert prefetch on the copy engine: 175 ms of routing against 46, hybrid.md)."""
+        from fermijit.jit import gpu
+
+        cuda = gpu.driver()
+        for dst, a in ((self.slot_rows, rows), (self.slot_weights, slot_weights),
+                       (self.slot_tiles, tiles)):
+            cuda.memcpy_htod(dst.gpudata, np.ascontiguousarray(a))
+
     def moe(self, i: int, w) -> None:
         """x += shared(xn) + routed(xn); the routed experts' copies as the module says."""
         from fermijit.jit import gpu
@@ -213,30 +270,10 @@ class Pass:
         router.gpu(self.logits_r, m.top_k, out=(self.ids, self.weights))
         self.prediction = None
         self.predict(i + 1, self.xn)
+        self.routed.record()
         self.mark("small ops")
-        # Synchronous reads and writes of the routing. Measured on the H200 (REAP-128, 947
-        # tokens): through page-locked buffers and async copies instead, with the host's sort
-        # under the shared expert, the routing took 175 ms of the GPU's time against 46 here and
-        # the prefill 0.335 s against 0.333 (256 experts: 0.533 against 0.406 s).
-        with gpu.check("reading the routing back"):
-            ids, weights = self.ids.get(), self.weights.get()
-            predicted = None if self.prediction is None else self.ids_next.get()
-        needed = np.bincount(ids.reshape(-1), minlength=E) > 0
-        copied = dev.streamer.bytes_copied
-        self.fetch(i, needed)                                  # what the prediction missed
-        late = dev.streamer.bytes_copied - copied
-        if predicted is not None:
-            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
-        rows, slot_weights, tiles = route_slots(ids, weights, E)
-        op = "gpu prefill"
-        rows, slot_weights, tiles_dev = (gpu.to_device(op, name, a, a.dtype) for name, a in (
-            ("rows", rows), ("slot weights", slot_weights), ("tiles", tiles)))
-        on_device, events, copy_start = self.on_device.pop(i)
-        self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
-                                 "bytes": int(on_device.sum()) * dev.streamer.layout.expert_bytes,
-                                 "late_bytes": late,
-                                 "unused_experts": int((on_device & ~needed).sum())})
-        self.mark("routing (host)")
+        # The shared expert does not depend on the routing: launched first, it runs while the
+        # host reads the routing back and sorts it.
         f32_gemm.gpu(self.xn, w["shared_gate"], "sigmoid", out=self.shared_w)
         shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
         expert_matmul.gate_up_gpu(self.xn, shared, w["shared_gate_up_qs"],
@@ -244,6 +281,29 @@ class Pass:
         expert_matmul.down_gpu(self.h_shared, shared, w["shared_down_qs"], w["shared_down_d"],
                                self.x)
         self.mark("shared expert")
+        t0 = time.perf_counter()
+        with gpu.check("reading the routing back"):
+            ids, weights, predicted = self.read_routing()
+        t1 = time.perf_counter()
+        needed = np.bincount(ids.reshape(-1), minlength=E) > 0
+        copied = dev.streamer.bytes_copied
+        self.fetch(i, needed)                                  # what the prediction missed
+        late = dev.streamer.bytes_copied - copied
+        t2 = time.perf_counter()
+        rows, slot_weights, tiles = route_slots(ids, weights, E)
+        t3 = time.perf_counter()
+        with gpu.check("sending the routing in"):
+            self.upload_routing(rows, slot_weights, tiles)
+        t4 = time.perf_counter()
+        for key, dt in (("read", t1 - t0), ("fetch", t2 - t1), ("sort", t3 - t2),
+                        ("upload", t4 - t3)):
+            self.host_s[key] = self.host_s.get(key, 0.0) + dt
+        on_device, events, copy_start = self.on_device.pop(i)
+        self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
+                                 "bytes": int(on_device.sum()) * dev.streamer.layout.expert_bytes,
+                                 "late_bytes": late,
+                                 "unused_experts": int((on_device & ~needed).sum())})
+        self.mark("routing (host)")
         with gpu.check(f"waiting for the experts of layer {i}"):
             for done in events:
                 done.synchronize()
@@ -254,11 +314,43 @@ class Pass:
         inter, hidden, n_tiles = self.h.shape[1], m.hidden, len(tiles)
         gpu.kernel("q4_gemm", MODE="expert_gate_up")(
             (-(-inter // expert_matmul.GATE_UP_TILE_COLS), n_tiles), (256,),
-            self.xn, gu_qs, gu_d, self.h, tiles_dev, rows, None, 0, inter, hidden)
+            self.xn, gu_qs, gu_d, self.h, self.slot_tiles, self.slot_rows, None, 0, inter, hidden)
+        if self.observing:
+            self.observe(i, ids, slot_weights, (dn_qs, dn_d), n_tiles)
         gpu.kernel("q4_gemm", MODE="expert_down")(
             (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
-            self.h, dn_qs, dn_d, self.x, tiles_dev, rows, slot_weights, 0, hidden, inter)
+            self.h, dn_qs, dn_d, self.x, self.slot_tiles, self.slot_rows, self.slot_weights, 0,
+            hidden, inter)
+        # The prediction's copies for layer i+1 go after these launches, off the path from the
+        # routing to the GEMMs (its buffer's last reader, layer i-1's GEMMs, ran before the
+        # router whose routing was read). They have layer i's GEMMs and layer i+1's mixer to run
+        # under.
+        if predicted is not None:
+            t5 = time.perf_counter()
+            self.fetch(i + 1, np.bincount(predicted.reshape(-1), minlength=E) > 0)
+            self.host_s["prefetch"] = self.host_s.get("prefetch", 0.0) + time.perf_counter() - t5
         self.mark("expert gemm")
+
+    def observe(self, i: int, ids, slot_weights, down, n_tiles: int) -> None:
+        """REAP calibration (model/reap.py, issue 15): each slot's expert output E_j(x) without
+        the routing weight (the down GEMM into a zeroed [S, H] buffer, slot s to row s, weight
+        1), its L2 norm in float64 on the host; kept in `observed` as (layer, expert of each
+        slot, its weight, the norm) until the pass has succeeded."""
+        from fermijit.jit import gpu
+
+        S, hidden, inter = ids.size, self.m.hidden, self.h.shape[1]
+        y = gpu.empty((S, hidden))
+        with gpu.check("clearing the expert outputs"):
+            gpu.driver().memset_d32(y.gpudata, 0, S * hidden)
+        gpu.kernel("q4_gemm", MODE="expert_down")(
+            (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
+            self.h, down[0], down[1], y, self.slot_tiles, self.identity, self.ones, 0, hidden,
+            inter)
+        with gpu.check("reading the expert outputs back"):
+            norms = np.linalg.norm(y.get().astype(np.float64), axis=1)
+        experts = np.repeat(np.arange(self.m.n_experts),
+                            np.bincount(ids.reshape(-1), minlength=self.m.n_experts))
+        self.observed.append((i, experts, slot_weights.astype(np.float64), norms))
 
     def run(self, tokens: np.ndarray, time_layers: bool = False) -> None:
         """Every layer over `tokens` [T] int32; x holds the last hidden states after."""
@@ -316,34 +408,3 @@ class Pass:
             out = hi + lo + np.float32(8) * bias
         self.mark("lm head")
         return out if all_logits else out[0]
-
-
-def upload_states(state: State, n_positions: int) -> list:
-    """The host state on the device: KV caches with room for `n_positions`, GDN states."""
-    from fermijit.jit import gpu
-
-    op, states = "gpu prefill", []
-    for s in state.layers:
-        if isinstance(s, KvCache):
-            k, v = (np.ascontiguousarray(a[:, :n_positions]) for a in (s.k, s.v))
-            states.append(KvCache(gpu.to_device(op, "k cache", k, np.float32),
-                                  gpu.to_device(op, "v cache", v, np.float32)))
-        else:
-            states.append(GdnState(gpu.to_device(op, "conv state", s.conv, np.float32),
-                                   gpu.to_device(op, "recurrent state", s.recurrent, np.float32)))
-    return states
-
-
-def hand_off(states: list, state: State, end: int) -> None:
-    """The device caches and states into the host `State`, which then holds `end` positions.
-    Everything is read back before the host state changes, so a failure leaves it as it was."""
-    from fermijit.jit import gpu
-
-    with gpu.check("copying the state back"):
-        host = [[a.get() for a in vars(s).values()] for s in states]
-    for s, arrays in zip(state.layers, host):
-        if isinstance(s, KvCache):
-            s.k[:, :end], s.v[:, :end] = (a[:, :end] for a in arrays)
-        else:
-            s.conv[...], s.recurrent[...] = arrays
-    state.position = end

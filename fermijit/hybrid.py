@@ -103,14 +103,17 @@ def default_pin_budget() -> int:
 
 
 def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
-         all_logits: bool = False) -> Plan:
+         all_logits: bool = False, resident: int | None = None) -> Plan:
     """The memory plan of a prefill of `n_tokens` after `start` positions; FermijitError when
-    even a pass of MIN_CHUNK tokens does not fit `budget`. Needs no GPU."""
+    even a pass of MIN_CHUNK tokens does not fit `budget`. Needs no GPU. `resident`: the dense
+    weights' bytes when known (DeviceModel.resident_bytes; counting them builds the joined
+    arrays again: 4 ms a prefill at full size, measured on the H200's host)."""
     from fermijit import expert_stream, gpu_layout
 
-    resident = sum(a.nbytes for layer in gpu_layout.dense_arrays(model) for a in layer.values())
-    resident += model.norm.nbytes
-    resident += gpu_layout.head_bytes(model)
+    if resident is None:
+        resident = sum(a.nbytes for layer in gpu_layout.dense_arrays(model)
+                       for a in layer.values())
+        resident += model.norm.nbytes + gpu_layout.head_bytes(model)
     layout = expert_stream.Layout.of(model.layers[0].experts)
     states = gpu_layout.state_bytes(model, start + n_tokens)
     fixed = resident + 2 * layout.layer_bytes + states  # the expert buffer pair
@@ -168,6 +171,10 @@ class GpuPrefiller:
         self.broken: str | None = None
         self.last_plan: Plan | None = None
         self.last_pass = None
+        # REAP calibration (model/reap.py): called as observer(layer, experts, weights, norms)
+        # per layer of each pass, once the whole prefill has succeeded (so a fallback to the CPU
+        # never counts a token twice).
+        self.observer = None
 
     def _say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -211,7 +218,11 @@ class GpuPrefiller:
         self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
                                               ring_slot_bytes(pin_budget))
         warm = self.model.new_state(2)
-        self.run(np.zeros(2, np.int32), warm)
+        observer, self.observer = self.observer, None     # the warm-up pass is not calibration
+        try:
+            self.run(np.zeros(2, np.int32), warm)
+        finally:
+            self.observer = observer
 
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
@@ -238,10 +249,20 @@ class GpuPrefiller:
             time_layers: bool = False, profile: bool = False):
         """The GPU prefill itself, no fallback (`prefill` checks the input and falls back);
         `time_layers` and `profile` keep CUDA events for `bench prefill` in `last_pass`."""
-        from fermijit import gpu_prefill
+        import time
+
+        from fermijit import gpu_prefill, gpu_state
+
+        clock = [time.perf_counter()]
+        phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
+
+        def phase(name: str) -> None:
+            clock.append(time.perf_counter())
+            phases[name] = phases.get(name, 0.0) + clock[-1] - clock[-2]
 
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
-        p = plan(self.model, tokens.size, state.position, self.budget(), pin_budget, all_logits)
+        p = plan(self.model, tokens.size, state.position, self.budget(), pin_budget, all_logits,
+                 self.device.resident_bytes)
         self.last_plan = p
         if self.verbose and tokens.size > 2:
             self._say(p.describe())
@@ -249,19 +270,30 @@ class GpuPrefiller:
             self._say(f"gpu prefill: activations of {tokens.size} tokens exceed --gpu-mem; "
                       f"{p.n_chunks} passes of <= {p.chunk} tokens")
         start = state.position
-        states = gpu_prefill.upload_states(state, start + tokens.size)
-        logits = []
+        phase("plan")
+        states = gpu_state.upload_states(state, start + tokens.size)
+        phase("state in")
+        logits, observed = [], []
         for t0 in range(0, tokens.size, p.chunk):
             block = tokens[t0:t0 + p.chunk]
-            run = gpu_prefill.Pass(self.device, states, block.size, start + t0)
+            last = t0 + p.chunk >= tokens.size
+            run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
+                                   observe=self.observer is not None)
             run.marks = [] if profile else None
+            phase("pass buffers")
             run.run(block, time_layers)
-            if all_logits or t0 + p.chunk >= tokens.size:
+            phase("layers")
+            if all_logits or last:
                 logits.append(run.logits(all_logits))
+            phase("logits")
             if on_block is not None:
                 on_block(block.size)
             self.last_pass = run
-        gpu_prefill.hand_off(states, state, start + tokens.size)
+            observed += run.observed
+        gpu_state.hand_off(self.device, states, state, start + tokens.size)
+        phase("state out")
+        for layer, experts, weights, norms in observed:
+            self.observer(layer, experts, weights, norms)
         return np.concatenate(logits) if all_logits else logits[-1]
 
 

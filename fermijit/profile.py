@@ -16,8 +16,8 @@ import types
 
 import numpy as np
 
-OP_MODULES = ("embedding", "rmsnorm", "attention", "conv1d", "gated_delta", "gdn_step", "l2norm",
-              "matvec", "moe", "rope", "router")
+OP_MODULES = ("embedding", "rmsnorm", "attention", "attention_step", "conv1d", "gated_delta",
+              "gdn_step", "l2norm", "matvec", "moe", "residual_step", "rope", "router")
 GLUE = "forward glue (Python, numpy copies and adds)"
 DISPATCH_SAMPLES = 20000
 

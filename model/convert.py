@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError, __version__, numa
+from fermijit.model import vision
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.files import member, read_json
 from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
@@ -66,6 +67,8 @@ def quantisation(name: str, lm_head: str) -> str:
         return lm_head
     if name == "embed_tokens":
         return "f16"
+    if name.startswith("visual."):  # the vision tower: matrices f16, norms and biases f32
+        return "f32" if name.endswith("bias") or ".norm" in name else "f16"
     return "q4_0" if name.rsplit(".", 1)[-1] in Q4_0_FIELDS else "f32"
 
 
@@ -99,6 +102,7 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
+    plans.update(vision.plan_weights(cfg, ckpt))     # the tower's, when the checkpoint has one
     _check_tokenizer(src)
     quants = {name: quantisation(name, lm_head) for name in plans}
 
@@ -340,7 +344,8 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
             raise FermijitError(f"{path}: tensor {name} has shape "
                                 f"{list(manifest.tensors[name].shape)}, config.json implies "
                                 f"{list(shape)}")
-    extra = sorted(set(manifest.tensors) - set(expected))
+    extra = sorted(n for n in set(manifest.tensors) - set(expected)
+                   if not n.startswith("visual."))  # the tower: model/multimodal.py loads it
     if extra:
         raise FermijitError(f"{path}: tensor {extra[0]} is not in a model of this config.json")
     weights_file = SafetensorsFile(directory / manifest.weights)

@@ -27,8 +27,8 @@ from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
-from fermijit.ops import (attention, conv1d, embedding, gated_delta, gdn_step, l2norm, matvec,
-                          moe, rmsnorm, rope, router)
+from fermijit.ops import (attention, attention_step, conv1d, embedding, gated_delta, gdn_step,
+                          l2norm, matvec, moe, residual_step, rmsnorm, rope, router)
 
 # Tokens per prefill pass: the GEMMs are batched over this many tokens while the workspace stays
 # bounded: 103 MiB for the real model at 512 (1.1 MiB at T = 1, most of it the logits).
@@ -121,6 +121,7 @@ def _layer(w) -> Layer:
     if isinstance(mixer, GatedDeltaNetWeights):
         joined_in = _joined([mixer.in_proj_qkv, mixer.in_proj_z])
         gates_in = np.concatenate([mixer.in_proj_b, mixer.in_proj_a])   # 2 x [Hv, H]: small
+        gates_in.flags.writeable = False  # as the mapped weights: one kernel signature for both
     else:
         joined_in, gates_in = _joined([mixer.q_proj, mixer.k_proj, mixer.v_proj]), None
     return Layer(_host(w.input_layernorm), mixer, _host(w.post_attention_layernorm),
@@ -137,7 +138,7 @@ def linear(x, w, out, act=None, *, like_gemv: bool = False):
     if not isinstance(w, QuantTensor):
         return np.matmul(x, w.T, out=out)
     if w.kind == "q8_0":
-        return matvec.q8_cpu(w.qs, w.d, x, out=out)
+        return matvec.q8_cpu(w.qs, w.d, x if act is None else act, out=out)
     return matvec.cpu(w.qs, w.d, x if act is None else act, out=out, like_gemv=like_gemv)
 
 
@@ -169,6 +170,10 @@ class Workspace:
         self.offsets = np.arange(T, dtype=np.int64)
         C, Cq = model.conv_dim, Hq * 2 * D
         self.positions = np.empty(T, np.int64)
+        # A prompt with images (model/multimodal.py): the image tokens' rows and embeddings
+        # replacing theirs, and the [3, T] MRoPE positions; None for text.
+        self.embeds: tuple[np.ndarray, np.ndarray] | None = None
+        self.mrope: np.ndarray | None = None
         self.tokens = np.empty(T, np.int32)
         self.x = np.empty((T, H), f)             # the residual stream
         self.xn = np.empty((T, H), f)            # its norm: a sublayer's input
@@ -209,6 +214,22 @@ class Workspace:
         self.moe_scratch = (moe.Scratch.make(experts, model.top_k)
                             if isinstance(experts, moe.MoeWeights) else None)
         self.logits = np.empty((1, model.vocab_size), f) if T == 1 else None
+        if T == 1 and model.is_quantized:
+            self._fused_decode_buffers(model)
+
+    def _fused_decode_buffers(self, model: "Model") -> None:
+        """What Model._decode_fused adds: every Q8Act made now, attention's split scratch."""
+        f, H = np.float32, model.hidden
+        quantized = lambda n: matvec.quantize_act(np.zeros((1, n), f))  # noqa: E731
+        self.act = quantized(H)
+        self.act_attn = quantized(self.o.size)
+        self.act_gdn = quantized(self.go.size)
+        splits = attention_step.max_splits(model.n_kv_heads)
+        self.m = np.empty((splits, 1, model.n_heads), f)
+        self.l = np.empty((splits, 1, model.n_heads), f)
+        self.no_product = np.empty((0, H), f)
+        self.no_product.flags.writeable = False
+        self.no_p = np.empty((1, 0), f)
 
 
 class Model:
@@ -220,6 +241,7 @@ class Model:
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
         self.theta = cfg.rope_parameters.rope_theta
+        self.mrope_section = cfg.rope_parameters.mrope_section
         self.n_key_heads, self.n_value_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv_dim, self.conv_taps = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
@@ -231,6 +253,11 @@ class Model:
         self.norm = _host(weights.norm)
         self.lm_head = _matrix(weights.lm_head)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
+        # Decode a token as a few fused kernels a layer (_decode_fused) when the mixers' matrices
+        # are Q4_0 (a GGUF import may keep one Q8_0); otherwise (and for tests, set False) the ops
+        # one by one, as prefill.
+        self.fused_decode = self.is_quantized and not any(
+            isinstance(m, QuantTensor) for w in self.layers for m in vars(w.mixer).values())
         self._decode_ws: Workspace | None = None
         # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
         # each MoE's input and routing; one attribute test per layer otherwise.
@@ -306,12 +333,64 @@ class Model:
     def decode(self, token: int, state: State) -> np.ndarray:
         """Logits [V] after `token`; a view of a buffer the next call overwrites."""
         self._check_room(state, 1)
+        if not 0 <= token < self.vocab_size:
+            raise FermijitError(f"token ids must be in [0, {self.vocab_size}), got {token}")
         if self._decode_ws is None:
             self._decode_ws = Workspace(self, 1)
         ws = self._decode_ws
         ws.tokens[0] = token
+        if self.fused_decode:
+            return self._decode_fused(state, ws)
         self.forward(ws.tokens, state, ws)
         return self.logits(ws.x, ws.logits)[0]
+
+    def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
+        """`forward` and `logits` for one token of a Q4_0 model, in ~9 kernel calls a layer and no
+        per-call checks (every buffer was made once, by Workspace): the residual add, norm,
+        quantisation and fp32 gates or router of each sublayer's input in one call
+        (ops.residual_step), the mixers' steps between their projections in one call each
+        (ops.gdn_step, ops.attention_step), the MoE in four. Python and dispatch were 11 % of a
+        full-size token op by op."""
+        embedding.cpu(ws.tokens, self.embed, out=ws.x)
+        ws.positions[0] = state.position + state.rope_delta  # delta: after images
+        eps, y = self.eps, None                                     # y: the sublayer output
+        for w, s in zip(self.layers, state.layers):
+            mixer = w.mixer
+            if isinstance(s, KvCache):
+                residual_step.cpu(ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product,
+                                  ws.no_p)
+                if w.joined_in is not None:
+                    matvec.product(w.joined_in, ws.act, ws.attn_in)  # q | k | v
+                else:                                               # views of attn_in
+                    matvec.product(mixer.q_proj, ws.act, ws.qg)
+                    matvec.product(mixer.k_proj, ws.act, ws.k.reshape(1, -1))
+                    matvec.product(mixer.v_proj, ws.act, ws.v.reshape(1, -1))
+                attention_step.cpu(ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions,
+                                   self.rotary_dim, self.theta, s.k, s.v, ws.q, ws.gate, ws.o,
+                                   ws.m, ws.l, ws.act_attn)
+                matvec.product(mixer.o_proj, ws.act_attn, ws.y)
+            else:
+                residual_step.cpu(ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in,
+                                  ws.gates_in)                      # b | a
+                if w.joined_in is not None:
+                    matvec.product(w.joined_in, ws.act, ws.gdn_in)  # qkv | z
+                else:                                               # views of gdn_in
+                    matvec.product(mixer.in_proj_qkv, ws.act, ws.mixed)
+                    matvec.product(mixer.in_proj_z, ws.act, ws.z.reshape(1, -1))
+                gdn_step.cpu(ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log,
+                             mixer.dt_bias, mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq,
+                             ws.gk, ws.gv, ws.g, ws.beta, ws.go, ws.act_gdn)
+                matvec.product(mixer.out_proj, ws.act_gdn, ws.y)
+            y = ws.y
+            residual_step.cpu(ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router,
+                              ws.router_logits, ws.ids, ws.weights)
+            if self.moe_observer is not None:
+                self.moe_observer(w, ws.xn, ws.ids, ws.weights)
+            moe.decode(ws.xn, ws.act, ws.ids, ws.weights, w.experts, ws.y, ws.moe_scratch)
+        state.position += 1
+        residual_step.cpu(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)
+        linear(ws.xn, self.lm_head, ws.logits, ws.act)
+        return ws.logits[0]
 
     def _check_room(self, state: State, n_tokens: int) -> None:
         if state.position + n_tokens > state.context:
@@ -322,12 +401,12 @@ class Model:
 
     def forward(self, tokens, state: State, ws: Workspace) -> None:
         """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T."""
-        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
-            raise FermijitError(f"token ids must be in [0, {self.vocab_size}), got "
-                                f"[{tokens.min()}, {tokens.max()}]")
+        self._check_token(tokens)
         start = state.position
         embedding.cpu(tokens, self.embed, out=ws.x)                    # not scaled
-        np.add(ws.offsets, start, out=ws.positions)
+        if ws.embeds is not None:                                      # image tokens
+            ws.x[ws.embeds[0]] = ws.embeds[1]
+        np.add(ws.offsets, start + state.rope_delta, out=ws.positions)  # delta: after images
         for w, s in zip(self.layers, state.layers):
             rmsnorm.cpu(ws.x, w.input_norm, self.eps, out=ws.xn)
             if isinstance(s, KvCache):
@@ -339,6 +418,11 @@ class Model:
             self.moe(w, ws)
             ws.x += ws.y                                               # x = h + moe(norm(h))
         state.position += tokens.size
+
+    def _check_token(self, tokens) -> None:
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise FermijitError(f"token ids must be in [0, {self.vocab_size}), got "
+                                f"[{tokens.min()}, {tokens.max()}]")
 
     def logits(self, x, out) -> np.ndarray:
         """out [T, V] = lm_head · rmsnorm(x) for x [T, H]."""
@@ -364,8 +448,13 @@ class Model:
         np.copyto(ws.gate, qg[..., D:])
         rmsnorm.cpu(ws.q, w.q_norm, self.eps, out=ws.q)              # per head, before RoPE
         rmsnorm.cpu(ws.k, w.k_norm, self.eps, out=ws.k)
-        rope.cpu(ws.q, ws.positions, self.rotary_dim, self.theta, out=ws.q)
-        rope.cpu(ws.k, ws.positions, self.rotary_dim, self.theta, out=ws.k)
+        if ws.mrope is None:
+            rope.cpu(ws.q, ws.positions, self.rotary_dim, self.theta, out=ws.q)
+            rope.cpu(ws.k, ws.positions, self.rotary_dim, self.theta, out=ws.k)
+        else:
+            for x in (ws.q, ws.k):
+                rope.mrope_cpu(x, ws.mrope, self.rotary_dim, self.theta, self.mrope_section,
+                               out=x)
         cache.k[:, start:start + T] = ws.k.transpose(1, 0, 2)        # [Hkv, S, D]
         cache.v[:, start:start + T] = ws.v.transpose(1, 0, 2)
         attention.cpu(ws.q, cache.k, cache.v, ws.gate, start, out=ws.o)  # o ⊙ σ(gate)

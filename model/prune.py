@@ -175,14 +175,18 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
 
 def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
         context: int, max_tokens: int | None, criterion: str, seed: int,
-        calibrate_with: Path | None = None, err=None) -> dict:
+        calibrate_with: Path | None = None, err=None, prefill: str = "cpu",
+        gpu_mem: str | None = None, pin_budget: str | None = None,
+        verbose: bool = False) -> dict:
     """`prune` for the CLI: calibrate on `text_path` with `calibrate_with` (default `src`: a
-    fermijit model runs W4A8, an HF checkpoint fp32), choose, write `dst` as `src`'s kind;
-    progress and a summary to `err`. Returns the REAP record."""
+    fermijit model runs W4A8, an HF checkpoint fp32) through the `prefill` prefiller
+    (cpu|gpu|auto, fermijit/hybrid.py: the GPU's activations are fp32), choose, write `dst` as
+    `src`'s kind; progress and a summary to `err`. Returns the REAP record."""
     import sys
 
     from tqdm import tqdm
 
+    from fermijit import hybrid
     from fermijit.evaluate import read_text
     from fermijit.model import reap
     from fermijit.model.forward import load_model
@@ -207,8 +211,12 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
     reap.check_context(context, model.max_context)
     tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id).encode(read_text(text_path))
     n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
+    prefiller = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
+    if prefill != "cpu" and prefiller.prepare():
+        print(f"calibrating through the GPU prefill ({prefill}; fp32 activations)", file=err)
     with tqdm(total=n_tokens, desc="calibrate", unit="tok", file=err) as bar:
-        cal = reap.calibrate(model, tokens, context, str(text_path), max_tokens, bar.update)
+        cal = reap.calibrate(model, tokens, context, str(text_path), max_tokens, bar.update,
+                             prefiller)
     kept = reap.choose(cal.scores(criterion, seed), keep)
     record = {"criterion": criterion, **({"seed": seed} if criterion == "random" else {}),
               "calibration": {**cal.as_dict(), "model": str(Path(calibrate_with).resolve())},

@@ -96,6 +96,7 @@ class Collector:
         self.weighted_norms = np.zeros(shape, np.float64)
 
     def __call__(self, layer, x, ids, weights) -> None:
+        """Model.moe_observer: the CPU forward's layer, its MoE input x [T, H], routing."""
         i = self._layer_of[id(layer)]
         for e in np.unique(ids):
             t, k = np.nonzero(ids == e)                      # a token picks an expert once
@@ -103,6 +104,13 @@ class Collector:
             norms = np.linalg.norm(y.astype(np.float64), axis=1)
             self.counts[i, e] += t.size
             self.weighted_norms[i, e] += float(weights[t, k].astype(np.float64) @ norms)
+
+    def add_slots(self, i: int, experts, weights, norms) -> None:
+        """The GPU prefill's observer (hybrid.GpuPrefiller.observer): layer i's routed slots, the
+        expert of each, its routing weight and ‖E(x)‖₂ (fp32 activations: gpu_prefill.observe)."""
+        n = self.counts.shape[1]
+        self.counts[i] += np.bincount(experts, minlength=n)
+        self.weighted_norms[i] += np.bincount(experts, weights * norms, minlength=n)
 
     def saliency(self) -> np.ndarray:
         return np.divide(self.weighted_norms, self.counts, out=np.zeros_like(self.weighted_norms),
@@ -128,19 +136,32 @@ def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.nd
 
 
 def calibrate(model, tokens, context: int, source: str, max_tokens: int | None = None,
-              on_tokens=lambda n: None) -> Calibration:
+              on_tokens=lambda n: None, prefiller=None) -> Calibration:
     """Statistics of `model` (forward.Model) over `tokens` [N], each window from a fresh state;
-    `on_tokens(n)` after each prefill pass of n tokens (progress)."""
+    `on_tokens(n)` after each prefill pass of n tokens (progress). `prefiller` (fermijit/hybrid.py,
+    default the CPU forward): a GPU prefill observes its own MoE steps (fp32 activations, so its
+    statistics follow the float64 reference, where the CPU's follow W4A8); whatever falls back
+    to the CPU is observed there."""
     tokens = np.asarray(tokens, dtype=np.int32)
     check_context(context, model.max_context)
     starts = windows(tokens.size, context, max_tokens)
     collector = Collector(model)
+    gpu = getattr(prefiller, "gpu", prefiller)                # auto's GPU side, or gpu itself
+    observed_on_gpu = hasattr(gpu, "observer") and gpu.prepare()
     model.moe_observer = collector
+    if observed_on_gpu:
+        gpu.observer = collector.add_slots
     try:
         for s in starts:
-            model.prefill(tokens[s:s + context], model.new_state(context), on_block=on_tokens)
+            window = tokens[s:s + context]
+            if prefiller is None:
+                model.prefill(window, model.new_state(context), on_block=on_tokens)
+            else:
+                prefiller.prefill(window, model.new_state(context), on_block=on_tokens)
     finally:
         model.moe_observer = None
+        if observed_on_gpu:
+            gpu.observer = None
     return Calibration(collector.counts, collector.saliency(), source, int(starts.size * context),
                        int(starts.size), context)
 

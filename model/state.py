@@ -41,6 +41,9 @@ class GdnState:
 class State:
     position: int                     # tokens seen; the next token's position
     layers: list[KvCache | GdnState]  # one per layer
+    # RoPE position minus `position` from here on: negative after images, whose tokens take
+    # fewer positions than their count (model/multimodal.py); 0 for text.
+    rope_delta: int = 0
 
     @property
     def context(self) -> int:
@@ -64,11 +67,12 @@ class State:
                 layers.append(KvCache(*(_resized(a, context, self.position) for a in (s.k, s.v))))
             else:
                 layers.append(GdnState(s.conv.copy(), s.recurrent.copy()))
-        return State(self.position, layers)
+        return State(self.position, layers, self.rope_delta)
 
     def save(self, path: str | Path) -> None:
         """An .npz file (uncompressed: the recurrent state is noise-like fp32)."""
-        arrays = {"format_version": np.int64(STATE_FORMAT), "position": np.int64(self.position)}
+        arrays = {"format_version": np.int64(STATE_FORMAT), "position": np.int64(self.position),
+                  "rope_delta": np.int64(self.rope_delta)}
         for i, s in enumerate(self.layers):
             if isinstance(s, KvCache):
                 arrays[f"{i}.k"] = s.k[:, :self.position]
@@ -104,7 +108,7 @@ class State:
                 layers.append(GdnState(np.ascontiguousarray(arrays[f"{i}.conv"], np.float32),
                                        np.ascontiguousarray(arrays[f"{i}.recurrent"], np.float32)))
             i += 1
-        return cls(position, layers)
+        return cls(position, layers, int(arrays.get("rope_delta", 0)))
 
 
 def _resized(cache: np.ndarray, context: int, position: int) -> np.ndarray:

@@ -57,9 +57,9 @@ def _n_splits(n_items: int, n_keys: int) -> int:
     return max(1, min(wanted, n_keys // SPLIT_MIN_KEYS))
 
 
-@kernel(parallel=True)
-def _attend(q, k, v, start, acc, m, l):
-    """Unnormalised partial attention of each (query, kv head, key range) item, for the G query
+@kernel
+def _attend_item(q, k, v, start, acc, m, l, item):
+    """Unnormalised partial attention of one (query, kv head, key range) item, for the G query
     heads sharing the kv head, so each key and value row is read once per item:
     acc [n_split, T, Hq, D] = sum_s e^(score - m) v_s, m [n_split, T, Hq] the running max of the
     scores and l the sum of e^(score - m). An empty key range leaves m = -inf, l = 0, acc = 0."""
@@ -68,75 +68,100 @@ def _attend(q, k, v, start, acc, m, l):
     G = Hq // Hkv
     span = (start + T + n_split - 1) // n_split
     scale = np.float32(1 / np.sqrt(D))
-    for item in prange(T * Hkv * n_split):
-        split = item % n_split
-        hkv = (item // n_split) % Hkv
-        # Pairs (t, T-1-t) are adjacent, so every contiguous run of items has the same causal
-        # work: numba's prange hands each thread a contiguous run.
-        rank = item // (n_split * Hkv)
-        t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
-        j0 = split * span
-        j1 = min(start + t + 1, j0 + span)
-        h0 = hkv * G
-        a = acc[split, t, h0:h0 + G]                                  # [G, D]
-        m_t = m[split, t, h0:h0 + G]                                  # [G]
-        l_t = l[split, t, h0:h0 + G]
-        a[:] = 0
-        m_t[:] = -np.inf
-        l_t[:] = 0
-        p = np.empty((G, BLOCK), dtype=np.float32)                    # scores, then weights
-        for jb in range(j0, j1, BLOCK):
-            n = min(BLOCK, j1 - jb)
-            for j in range(n):
-                for g in range(G):
-                    s = np.float32(0)
-                    for d in range(D):
-                        s += q[t, h0 + g, d] * k[hkv, jb + j, d]
-                    p[g, j] = s * scale
+    split = item % n_split
+    hkv = (item // n_split) % Hkv
+    # Pairs (t, T-1-t) are adjacent, so every contiguous run of items has the same causal
+    # work: numba's prange hands each thread a contiguous run.
+    rank = item // (n_split * Hkv)
+    t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
+    j0 = split * span
+    j1 = min(start + t + 1, j0 + span)
+    h0 = hkv * G
+    a = acc[split, t, h0:h0 + G]                                      # [G, D]
+    m_t = m[split, t, h0:h0 + G]                                      # [G]
+    l_t = l[split, t, h0:h0 + G]
+    a[:] = 0
+    m_t[:] = -np.inf
+    l_t[:] = 0
+    p = np.empty((G, BLOCK), dtype=np.float32)                        # scores, then weights
+    for jb in range(j0, j1, BLOCK):
+        n = min(BLOCK, j1 - jb)
+        for j in range(n):
             for g in range(G):
-                m_new = m_t[g]
-                for j in range(n):
-                    m_new = max(m_new, p[g, j])
-                rescale = np.exp(m_t[g] - m_new)
-                total = np.float32(0)
-                for j in range(n):
-                    p[g, j] = mathf.exp(p[g, j] - m_new)
-                    total += p[g, j]
-                l_t[g] = l_t[g] * rescale + total
-                m_t[g] = m_new
-                if rescale != 1:
-                    for d in range(D):
-                        a[g, d] *= rescale
+                s = np.float32(0)
+                for d in range(D):
+                    s += q[t, h0 + g, d] * k[hkv, jb + j, d]
+                p[g, j] = s * scale
+        for g in range(G):
+            m_new = m_t[g]
             for j in range(n):
-                for g in range(G):
-                    w = p[g, j]
-                    for d in range(D):
-                        a[g, d] += w * v[hkv, jb + j, d]
+                m_new = max(m_new, p[g, j])
+            rescale = np.exp(m_t[g] - m_new)
+            total = np.float32(0)
+            for j in range(n):
+                p[g, j] = mathf.exp(p[g, j] - m_new)
+                total += p[g, j]
+            l_t[g] = l_t[g] * rescale + total
+            m_t[g] = m_new
+            if rescale != 1:
+                for d in range(D):
+                    a[g, d] *= rescale
+        for j in range(n):
+            for g in range(G):
+                w = p[g, j]
+                for d in range(D):
+                    a[g, d] += w * v[hkv, jb + j, d]
+
+
+@kernel(parallel=True)
+def _attend(q, k, v, start, acc, m, l):
+    """Every item (_attend_item) of T queries over the threads."""
+    n_split, T = acc.shape[:2]
+    for item in prange(T * k.shape[0] * n_split):
+        _attend_item(q, k, v, start, acc, m, l, item)
+
+
+def attend_share(thread, n_threads, args):
+    """A thread's run of items, for a kernel that forks (jit.omp) rather than calls the prange
+    `_attend` (a prange launch from inside another compiled function cost several times the
+    work on 2 threads: ops/gated_delta.py's recurrent_share)."""
+    q, k, v, start, acc, m, l = args
+    n_items = acc.shape[0] * acc.shape[1] * k.shape[0]
+    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
+        _attend_item(q, k, v, start, acc, m, l, item)
+
+
+@kernel
+def _combine_head(acc, m, l, gate, o, th):
+    """o[t, h] for th = t·Hq + h: the key ranges' partial sums, each rescaled to the common max,
+    / l · sigmoid(gate). `acc` may be `o` itself (one key range): each element is read before
+    it is written."""
+    n_split, T, Hq, D = acc.shape
+    t = th // Hq
+    h = th % Hq
+    m_max = m[0, t, h]
+    for s in range(1, n_split):
+        m_max = max(m_max, m[s, t, h])
+    total = np.float32(0)
+    for s in range(n_split):
+        total += np.exp(m[s, t, h] - m_max) * l[s, t, h]
+    w = np.exp(m[0, t, h] - m_max) / total
+    for d in range(D):
+        o[t, h, d] = w * acc[0, t, h, d]
+    for s in range(1, n_split):
+        w = np.exp(m[s, t, h] - m_max) / total
+        for d in range(D):
+            o[t, h, d] += w * acc[s, t, h, d]
+    for d in range(D):
+        o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
 
 
 @kernel(parallel=True)
 def _combine(acc, m, l, gate, o):
-    """o = (sum over key ranges of acc, each rescaled to the common max) / l * sigmoid(gate).
-    `acc` may be `o` itself (one key range): each element is read before it is written."""
-    n_split, T, Hq, D = acc.shape
+    """Every (query, head) of o (_combine_head) over the threads."""
+    _, T, Hq, _ = acc.shape
     for th in prange(T * Hq):
-        t = th // Hq
-        h = th % Hq
-        m_max = m[0, t, h]
-        for s in range(1, n_split):
-            m_max = max(m_max, m[s, t, h])
-        total = np.float32(0)
-        for s in range(n_split):
-            total += np.exp(m[s, t, h] - m_max) * l[s, t, h]
-        w = np.exp(m[0, t, h] - m_max) / total
-        for d in range(D):
-            o[t, h, d] = w * acc[0, t, h, d]
-        for s in range(1, n_split):
-            w = np.exp(m[s, t, h] - m_max) / total
-            for d in range(D):
-                o[t, h, d] += w * acc[s, t, h, d]
-        for d in range(D):
-            o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
+        _combine_head(acc, m, l, gate, o, th)
 
 
 def cpu(q, k, v, gate, start, out=None):

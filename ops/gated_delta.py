@@ -89,39 +89,54 @@ def gates_cpu(a, b, A_log, dt_bias, out=None):
     return g, beta
 
 
-@kernel(parallel=True)
-def _recurrent(q, k, v, g, beta, state, o):
-    """One thread per value head, the tokens in order. Per token, two sweeps of the head's
-    64 KiB state: one reads S^T k and S^T q together, one writes S <- alpha S + k delta^T. The
-    output needs no third sweep: o = S_new^T q = alpha S^T q + (k.q) delta."""
+@kernel
+def _recurrent_head(q, k, v, g, beta, state, o, delta, h):
+    """Value head h over the tokens in order. Per token, two sweeps of the head's 64 KiB state:
+    one reads S^T k and S^T q together, one writes S <- alpha S + k delta^T. The output needs no
+    third sweep: o = S_new^T q = alpha S^T q + (k.q) delta. delta [dv] is scratch."""
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
-    group = Hv // Hk
+    hk = h // (Hv // Hk)
+    S = state[h]                                                            # [dk, dv]
+    for t in range(T):
+        alpha = np.exp(g[t, h])
+        o_t = o[t, h]
+        delta[:] = 0
+        o_t[:] = 0
+        kq = np.float32(0)
+        for i in range(dk):
+            k_i = k[t, hk, i]
+            q_i = q[t, hk, i]
+            kq += k_i * q_i
+            for j in range(dv):
+                delta[j] += S[i, j] * k_i                                   # S^T k
+                o_t[j] += S[i, j] * q_i                                     # S^T q
+        for j in range(dv):
+            delta[j] = beta[t, h] * (v[t, h, j] - alpha * delta[j])
+            o_t[j] = alpha * o_t[j] + kq * delta[j]
+        for i in range(dk):
+            k_i = k[t, hk, i]
+            for j in range(dv):
+                S[i, j] = alpha * S[i, j] + k_i * delta[j]
+
+
+@kernel(parallel=True)
+def _recurrent(q, k, v, g, beta, state, o):
+    """One thread per value head (_recurrent_head)."""
+    Hv, dv = v.shape[1], v.shape[2]
     deltas = np.empty((Hv, dv), dtype=np.float32)
     for h in prange(Hv):
-        hk = h // group
-        S = state[h]                                                        # [dk, dv]
-        delta = deltas[h]
-        for t in range(T):
-            alpha = np.exp(g[t, h])
-            o_t = o[t, h]
-            delta[:] = 0
-            o_t[:] = 0
-            kq = np.float32(0)
-            for i in range(dk):
-                k_i = k[t, hk, i]
-                q_i = q[t, hk, i]
-                kq += k_i * q_i
-                for j in range(dv):
-                    delta[j] += S[i, j] * k_i                               # S^T k
-                    o_t[j] += S[i, j] * q_i                                 # S^T q
-            for j in range(dv):
-                delta[j] = beta[t, h] * (v[t, h, j] - alpha * delta[j])
-                o_t[j] = alpha * o_t[j] + kq * delta[j]
-            for i in range(dk):
-                k_i = k[t, hk, i]
-                for j in range(dv):
-                    S[i, j] = alpha * S[i, j] + k_i * delta[j]
+        _recurrent_head(q, k, v, g, beta, state, o, deltas[h], h)
+
+
+def recurrent_share(thread, n_threads, args):
+    """A thread's run of value heads, for a kernel that forks (jit.omp) rather than calls the
+    prange `_recurrent`: from inside another compiled function, a prange launch cost ~3x the
+    heads' work on 2 threads (419 vs 131 us a full-size layer, /work/notes/decode.md)."""
+    q, k, v, g, beta, state, o, deltas = args
+    Hv = v.shape[1]
+    for h in range(thread * Hv // n_threads, (thread + 1) * Hv // n_threads):
+        _recurrent_head(q, k, v, g, beta, state, o, deltas[h], h)
 
 
 def check_cpu_inputs(op, q, k, v, g, beta, state, out):

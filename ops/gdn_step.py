@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fermijit.jit.cpu import kernel
+from fermijit.jit import omp
+from fermijit.jit.cpu import bind, kernel
 from fermijit.ops import conv1d, gated_delta, l2norm, matvec, rmsnorm
 from fermijit.ops.matvec import Q8Act
 
@@ -34,9 +35,8 @@ def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l
     return rmsnorm.gated_reference(o, z, norm_w, eps), new_conv, new_state
 
 
-@kernel
-def _step(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, q_scale,
-          recurrent, q, k, v, g, beta, o, xq, dx, xsum8, lanes, step_blocks, half_lanes):
+def _step_body(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, q_scale,
+               recurrent, q, k, v, g, beta, o, xq, dx, xsum8, lanes, step_blocks, half_lanes):
     conv1d._conv_step(mixed, conv_w, conv_state, mixed)
     Hk, dk = q.shape[1], q.shape[2]
     nk = Hk * dk
@@ -50,11 +50,23 @@ def _step(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_ep
     l2norm._l2norm_serial(q2, l2_eps, q_scale, q2)
     l2norm._l2norm_serial(k2, l2_eps, 1.0, k2)
     gated_delta._gates(a, b, A_log, dt_bias, g, beta)
-    gated_delta._recurrent(q, k, v, g, beta, recurrent, o)
+    deltas = np.empty((Hv, dv), np.float32)
+    fork((q, k, v, g, beta, recurrent, o, deltas))          # the heads over the threads
     o2, z2 = o.reshape(Hv, dv), z.reshape(Hv, dv)
     rmsnorm._gated_serial(o2, z2, norm_w, eps, o2)
     matvec._quantize_act_kernel(o.reshape(1, Hv * dv), xq, dx, xsum8, lanes, step_blocks,
                                 half_lanes)
+
+
+_steps: list = []  # made on first use (it starts the OpenMP threads)
+
+
+def _step_kernel():
+    if not _steps:
+        variant = "omp" if omp.available() else "serial"
+        _steps.append(kernel(_step_body, variant=variant,
+                             fork=omp.fork(bind(gated_delta.recurrent_share, variant))))
+    return _steps[0]
 
 
 def cpu(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, recurrent,
@@ -66,7 +78,9 @@ def cpu(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps,
     only the kernel's signature checks them here."""
     v_ = act.vec
     half = matvec.simd.HALF_OF.get(v_.isa)
-    _step(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, float(eps), float(l2_eps),
-          float(1 / np.sqrt(q.shape[2])), recurrent, q, k, v, g, beta, o, act.xq, act.dx,
-          act.xsum8, v_.lanes, matvec.blocks_per_step(v_), half.lanes if half else 0)
+    _step_kernel()(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, float(eps),
+                   float(l2_eps), float(1 / np.sqrt(q.shape[2])), recurrent, q, k, v, g, beta, o,
+                   act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
+                   half.lanes if half else 0)
     return act
+

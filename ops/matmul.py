@@ -5,9 +5,10 @@ arrays (qs uint8 [N, K/2], d float16 [N, K/32]); y [T, N] fp32.
 
 `reference` is the spec: fp32 activations times the dequantised weights (DESIGN.md, Numerics:
 prefill keeps activations in fp32). `gpu` is that, in PTX (kernels_ptx/q4_gemm.ptx, dense mode:
-64 x 128 tiles, weights dequantised in registers). `cpu` is the CPU prefill's batched W4A8 GEMM
-(ops.matvec: activations quantised per 32-block to int8), so it matches `reference` to the
-precision of 8-bit activations (~1e-2 relative), and ops.matvec.reference exactly.
+64 x 128 tiles, weights dequantised in registers; one token: q4_gemv.ptx, a warp per output).
+`cpu` is the CPU prefill's batched W4A8 GEMM (ops.matvec: activations quantised per 32-block to
+int8), so it matches `reference` to the precision of 8-bit activations (~1e-2 relative), and
+ops.matvec.reference exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fermijit.ops import matvec
 from fermijit.ops.quant import BLOCK, dequantize_q4_0
 
 TILE_ROWS, TILE_COLS = 64, 128  # tokens x outputs per GPU block (kernels_ptx/q4_gemm.ptx)
+GEMV_ROWS = 8                   # outputs per GPU block of one token (kernels_ptx/q4_gemv.ptx)
 
 
 def reference(x, qs, d):
@@ -46,7 +48,11 @@ def gpu(x, qs, d, out=None):
     if k % BLOCK:
         g.check_array(op, "x", x, np.float32, (n_tokens, k // BLOCK * BLOCK))  # names the shape
     y = g.output(op, out, (n_tokens, n))
-    if n_tokens and n:
+    if n_tokens == 1 and 0 < n <= GEMV_ROWS * g.FERMI_MAX_GRID[0]:
+        g.kernel("q4_gemv")(
+            (-(-n // GEMV_ROWS),), (256,), g.to_device(op, "x", x, np.float32),
+            g.to_device(op, "qs", qs, np.uint8), g.to_device(op, "d", d, np.float16), y, n, k)
+    elif n_tokens and n:
         g.kernel("q4_gemm", MODE="dense")(
             (-(-n // TILE_COLS), -(-n_tokens // TILE_ROWS)), (256,),
             g.to_device(op, "x", x, np.float32), g.to_device(op, "qs", qs, np.uint8),

@@ -586,25 +586,40 @@ _SIGNATURES = {
 _products: dict = {}
 
 
+def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format) -> tuple[str, dict]:
+    """The variant name and tile intrinsics of a kernel for an ISA, tile shape and format."""
+    if not supported(isa):  # compiling it here could abort the process (pitfall 5)
+        raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
+    v = simd.VEC_OF[isa]
+    n_rows, n_tok = shape
+    tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
+                 rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
+    threads = "omp" if omp.available() else "serial"
+    return f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}", tiles
+
+
 def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
     """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
     code is ever compiled for a Westmere target: pitfall 5)."""
     key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
     if key not in _products:
-        if not supported(isa):  # compiling it here could abort the process (pitfall 5)
-            raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
-        v = simd.VEC_OF[isa]
-        n_rows, n_tok = shape
+        variant, tiles = _tiles(isa, shape, fmt)
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
-        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
-                     rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
-        threads = "omp" if omp.available() else "serial"
-        variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
         _products[key] = kernel(
             body, fastmath=False, variant=variant, signatures=_SIGNATURES[body],
             fork=omp.fork(bind(_SHARES[body], variant, **tiles)), **tiles)
     return _products[key]
+
+
+def gathered_fork(isa: Isa):
+    """(variant name, the fork intrinsic of a gathered decode launch) for a kernel of another
+    op to call as `fork((qs, d_bits, idx, sqs, sd_bits, xq, dx, xsum8, out))`: the launch of
+    `gathered` (GEMV tiles, whole rows only) inside that kernel, with no dispatch of its own.
+    Indices must be in range: nothing checks them there."""
+    variant, tiles = _tiles(isa, GEMV_TILE, Q4_0)
+    variant += "-inner"  # its own symbols beside the gathered kernel's (jit.cpu.bind)
+    return variant, omp.fork(bind(_gathered_share, variant, **tiles))
 
 
 def _call(op: str, kernel_, *args):

@@ -90,6 +90,8 @@ _swiglu = kernel(_swiglu_body)
 _swiglu_rows = kernel(parallel=True, variant="parallel")(_swiglu_body)
 
 
+
+
 @kernel
 def _combine(routed, weights, shared, x, w_sg, y):
     """y = Σ_k weights[k] · routed[k] + σ(w_sg · x) · shared; routed [k, H], shared [H]. The gate's
@@ -139,6 +141,33 @@ class Scratch:
                    np.zeros(1, np.int32), is_fused)
 
 
+def _fused_body(x, xq, dx, xsum8, ids, weights, gu_qs, gu_bits, sgu_qs, sgu_bits, dn_qs,
+                dn_bits, sdn_qs, sdn_bits, w_sg, gu, h, hq, hdx, hxsum8, routed, out, lanes,
+                step_blocks, half_lanes):
+    """A decode token's MoE with the shared expert riding in the routed launches (Scratch): the
+    two gathered launches (matvec.gathered_fork), the SwiGLU, its quantisation and the
+    combination, in one dispatch: decode paid ~27 us of Python and dispatch a layer for them as
+    four calls (`bench decode --profile`, 8 full-size layers)."""
+    idx = ids[0]
+    fork((gu_qs, gu_bits, idx, sgu_qs, sgu_bits, xq, dx, xsum8, gu))
+    _swiglu(gu, h)
+    matvec._quantize_act_kernel(h, hq, hdx, hxsum8, lanes, step_blocks, half_lanes)
+    fork((dn_qs, dn_bits, idx, sdn_qs, sdn_bits, hq, hdx, hxsum8, routed))
+    k = idx.size
+    _combine(routed[:k], weights[0], routed[k], x[0], w_sg, out[0])
+
+
+_fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code for Westmere)
+
+
+def _fused_kernel(isa):
+    if isa not in _fused_kernels:
+        variant, fork_ = matvec.gathered_fork(isa)
+        # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
+        _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant, fork=fork_)
+    return _fused_kernels[isa]
+
+
 def _check_weights(w: MoeWeights) -> None:
     """Every tensor's dtype, layout and shape, once (MoeWeights.__post_init__): decode reads the
     same weights every token."""
@@ -160,8 +189,8 @@ def _check_weights(w: MoeWeights) -> None:
 
 
 def _check(x, ids, weights, w: MoeWeights):
-    """Per call: the activations and the routing (the weights were checked when made). Expert
-    indices are checked where they are used: by the gathered kernel in decode, here for prefill."""
+    """Per call: the activations and the routing (the weights were checked when made). `decode`
+    (model/forward.py's, with the router's own indices) checks nothing."""
     check_array("moe", "x", x, np.float32, ndim=2)
     n_tok, hidden = x.shape
     check_array("moe", "ids", ids, np.int32, (n_tok, None))
@@ -169,34 +198,40 @@ def _check(x, ids, weights, w: MoeWeights):
     if hidden != w.shared_gate.shape[0]:
         raise FermijitError(f"moe: x has {hidden} features, the weights {w.shared_gate.shape[0]}")
     n_experts = w.gate_up_d.shape[0]
-    if n_tok > 1 and ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
         raise FermijitError(f"moe: expert index out of range [0, {n_experts})")
 
 
 def _decode(x, ids, weights, w, out, s: Scratch):
-    s.act_x = act = matvec.quantize_act(x[0], out=s.act_x)
+    s.act_x = matvec.quantize_act(x[0], out=s.act_x)
+    decode(x, s.act_x, ids, weights, w, out, s)
+
+
+def decode(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
+    """`cpu` for one token with x [1, H] already quantised (`act`), into `out` [1, H], with no
+    checks of its own: model/forward.py's decode made every buffer once (`Scratch.make`)."""
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    k = ids.shape[1]
     # moe's checks cover the weights: the prepared launches check only what each call adds.
     if s.is_fused:
-        matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu,
-                        shared=(w.shared_gate_up_qs, shared_gu_bits))
-        _swiglu(s.gu, s.h)
-        s.act_h = matvec.quantize_act(s.h, out=s.act_h)
-        matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed,
-                        shared=(w.shared_down_qs, shared_down_bits))
-        routed, shared = s.routed[:k], s.routed[k]
-    else:
-        matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
-        matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
-        _swiglu(s.gu, s.h)
-        _swiglu(s.shared_gu, s.shared_h)
-        s.act_h = matvec.quantize_act(s.h, out=s.act_h)
-        s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
-        matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
-        matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
-        routed, shared = s.routed, s.shared[0]
-    _combine(routed, weights[0], shared, x[0], w.shared_gate, out[0])
+        if s.act_h is None or s.act_h.vec is not act.vec:
+            s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+        v, h = act.vec, s.act_h
+        half = matvec.simd.HALF_OF.get(v.isa)
+        _fused_kernel(v.isa)(x, act.xq, act.dx, act.xsum8, ids, weights, w.gate_up_qs, gu_bits,
+                             w.shared_gate_up_qs, shared_gu_bits, w.down_qs, down_bits,
+                             w.shared_down_qs, shared_down_bits, w.shared_gate, s.gu, s.h, h.xq,
+                             h.dx, h.xsum8, s.routed, out, v.lanes, matvec.blocks_per_step(v),
+                             half.lanes if half else 0)
+        return
+    matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
+    matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
+    _swiglu(s.gu, s.h)
+    _swiglu(s.shared_gu, s.shared_h)
+    s.act_h = matvec.quantize_act(s.h, out=s.act_h)
+    s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
+    matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
+    matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
+    _combine(s.routed, weights[0], s.shared[0], x[0], w.shared_gate, out[0])
 
 
 @kernel

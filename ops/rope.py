@@ -95,6 +95,53 @@ def cpu(x, positions, rotary_dim, theta, out=None):
     return out
 
 
+# --- interleaved MRoPE: a prompt with images (MODEL.md §5.4) --------------------------------
+
+def mrope_axes(rotary_dim: int, section) -> np.ndarray:
+    """[R/2] the axis (0 T, 1 H, 2 W) whose position frequency j takes: H at j = 1, 4, ... below
+    3·section[1], W at j = 2, 5, ... below 3·section[2], T elsewhere (transformers' interleave)."""
+    axes = np.zeros(rotary_dim // 2, np.int64)
+    for axis in (1, 2):
+        axes[axis:3 * section[axis]:3] = axis
+    return axes
+
+
+def mrope_reference(x, positions, rotary_dim, theta, section):
+    """x [T, H, D] fp32, positions int64 [3, T] (T, H, W rows) -> y [T, H, D] fp32."""
+    half = rotary_dim // 2
+    inv = theta ** (-2.0 * np.arange(half) / rotary_dim)
+    per_freq = positions[mrope_axes(rotary_dim, section)].T                # [T, R/2]
+    angle = per_freq.astype(np.float64)[:, None, :] * inv                  # [T, 1, R/2]
+    y = x.astype(np.float64)
+    a, b = y[..., :half].copy(), y[..., half:rotary_dim].copy()
+    y[..., :half] = a * np.cos(angle) - b * np.sin(angle)
+    y[..., half:rotary_dim] = b * np.cos(angle) + a * np.sin(angle)
+    return y.astype(np.float32)
+
+
+def mrope_cpu(x, positions, rotary_dim, theta, section, out=None):
+    """As `mrope_reference`, angles in fp64 and the rotation in fp32 as `cpu` (numpy: it runs on
+    the prefill of a prompt with images only). `out=x` rotates in place."""
+    op = "mrope"
+    check_array(op, "x", x, np.float32, ndim=3)
+    n_tokens, _, d = x.shape
+    check_array(op, "positions", positions, np.int64, (3, n_tokens))
+    _check_rotation(op, rotary_dim, theta, d)
+    if len(section) != 3 or min(section) < 0:
+        raise FermijitError(f"{op}: mrope_section needs 3 counts, got {list(section)}")
+    out = output(op, out, x.shape)
+    half = rotary_dim // 2
+    angle = positions[mrope_axes(rotary_dim, section)].T.astype(np.float64) * _inv_freq(
+        int(rotary_dim), float(theta))
+    c, s = (f(angle).astype(np.float32)[:, None, :] for f in (np.cos, np.sin))  # [T, 1, R/2]
+    a, b = x[..., :half].copy(), x[..., half:rotary_dim].copy()
+    out[..., :half] = a * c - b * s
+    out[..., half:rotary_dim] = b * c + a * s
+    if out is not x:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
+
+
 # --- GPU (kernels_ptx/rope.ptx: one token per block; cos/sin made here in fp64, as `cpu`) ------
 
 @functools.lru_cache(maxsize=8)

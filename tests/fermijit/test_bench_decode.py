@@ -50,12 +50,13 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     assert r["bytes_per_token"]["total"] == expected
 
     rows = {row["op"]: row for row in r["profile"]}
-    assert {"matvec.product", "moe.cpu", "rmsnorm.cpu", "token"} <= set(rows)
+    assert {"matvec.product", "moe.decode", "residual_step.cpu", "token"} <= set(rows)
     token = rows.pop("token")
     assert sum(row["ms"] for row in rows.values()) == pytest.approx(token["ms"], rel=1e-6)
     for row in rows.values():
         assert row["kernel_ms"] >= 0 and row["kernel_ms"] <= row["ms"] + 1e-9, row
-    assert rows["moe.cpu"]["calls"] == 4 and rows["matvec.product"]["kernel_ms"] > 0
+    assert rows["moe.decode"]["calls"] == 4 and rows["matvec.product"]["kernel_ms"] > 0
+    assert rows["residual_step.cpu"]["calls"] == 2 * 4 + 1  # each sublayer's input, the head's
 
 
 def test_table_and_bad_input(report, capsys, monkeypatch):

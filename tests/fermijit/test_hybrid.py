@@ -7,9 +7,10 @@ import io
 import numpy as np
 import pytest
 
-from fermijit import FermijitError, engine, gpu_layout, gpu_prefill, hybrid
+from fermijit import FermijitError, engine, gpu_layout, gpu_prefill, gpu_state, hybrid
 from fermijit.jit import gpu
 from fermijit.model.forward import load_model
+from fermijit.model.state import KvCache
 from tests.fermijit.hybrid_models import empty_full_size
 
 GIB = 1 << 30
@@ -133,7 +134,7 @@ def test_a_failure_during_the_pass_leaves_the_state_to_the_cpu(default_model, mo
     def fails(*args):
         raise MemoryError("device out of memory")
 
-    monkeypatch.setattr(gpu_prefill, "upload_states", fails)
+    monkeypatch.setattr(gpu_state, "upload_states", fails)
     tokens = np.arange(5, 50, dtype=np.int32)
     state = default_model.new_state(60)
     default_model.prefill(tokens[:7], state)     # a state part way, as a prefix cache gives
@@ -242,3 +243,16 @@ def test_bad_prefill_flags_are_one_line(q4_model, flag):
 
 
 PROMPT_TEXT = "the cat sat"
+
+
+def test_handed_arrays_are_what_the_hand_off_writes(default_model):
+    state = default_model.new_state(300)
+    state.position = 7
+    for s, arrays in zip(state.layers, gpu_state.handed_arrays(state, 300)):
+        assert all(a.flags.c_contiguous for a in arrays)
+        if isinstance(s, KvCache):                  # each head's rows from the position on
+            assert [a.shape for a in arrays] == [(300 - 7, s.k.shape[2])] * 2 * s.k.shape[0]
+            assert all(np.shares_memory(a, s.k if n < s.k.shape[0] else s.v)
+                       for n, a in enumerate(arrays))
+        else:
+            assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent

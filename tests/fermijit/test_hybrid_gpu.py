@@ -32,14 +32,16 @@ GPU_VS_W4A8 = 5e-2
 # Two GPU runs of the same tokens differ only in the order of the experts' atomic adds.
 GPU_VS_GPU = 1e-5
 N_PROMPT, N_GREEDY = 150, 32
-# Greedy tokens after a GPU prefill that equal the all-CPU run's (issue 10 asks for 32). The CPU
-# prefills in W4A8, so its state is ~1% off the fp32 one the GPU hands over, and a near tie in
-# decode can go either way: measured 32 of 32 on both models before main's CPU numerics changes
-# (fast exp/sigmoid, joined projections) merged at cebb1d4; after them the default model's run
-# from this prompt differs at token 2 (the reference's state decoded on the CPU gives the same
-# as the GPU's: 314, 200, 313, 269 against the CPU's 314, 269, 200, 313), the tiny model's
-# still 32. The hand-off itself is checked exactly above, against the reference's state.
-SAME_AS_CPU = {"default": 1, "tiny-e128": N_GREEDY}
+# Greedy tokens after a GPU prefill that equal the all-CPU run's (issue 10 asks for 32). The GPU
+# prefills with fp32 activations, the CPU in W4A8 (8-bit activations): two specifications, and a
+# near tie in decode can go either way. On the default model from this prompt they part at step 1
+# (notes/gpuprefill.md, item 3): all-CPU 314, 269, 200 with 269 ahead of 200 by 0.014 logits; the
+# GPU's state decoded on the CPU 314, 200, 313 with 200 ahead by 0.059. Each path equals its
+# float64 reference end to end (W4A8: 269 by 0.017; fp32 activations: 200 by 0.046), so neither is
+# a bug. The tiny model must match all 32; where the default model parts, both paths' top two
+# logits must be within NEAR_TIE there.
+NEAR_TIE = 0.1
+SAME_AS_CPU = {"default": 0, "tiny-e128": N_GREEDY}
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +99,14 @@ def from_reference(model, ref_state):
     return state
 
 
-def greedy(model, logits, state, n=N_GREEDY):
+def greedy(model, logits, state, n=N_GREEDY, margins=None):
+    """n greedy tokens; `margins` (a list) gets each step's top-1 minus top-2 logit."""
     tokens = []
     for _ in range(n):
         tokens.append(int(np.argmax(logits)))
+        if margins is not None:
+            top = np.sort(logits)[-2:]
+            margins.append(float(top[1] - top[0]))
         logits = model.decode(tokens[-1], state)
     return tokens
 
@@ -127,7 +133,8 @@ def test_logits_hand_off_and_greedy_tokens(models, loaded, name):
         for ours, spec in pairs:
             report_error(f"handed-off state ({name})", spec, ours)
             assert_rel(f"layer {i} state", spec, ours, GPU_VS_REFERENCE)
-    ours = greedy(model, logits, state)
+    our_margins, cpu_margins = [], []
+    ours = greedy(model, logits, state, margins=our_margins)
     # Decoded on the CPU from the reference's own state: what the hand-off should give.
     spec = greedy(model, expected.astype(np.float32), from_reference(model, ref_state))
     assert ours == spec
@@ -135,10 +142,14 @@ def test_logits_hand_off_and_greedy_tokens(models, loaded, name):
     cpu_logits = model.prefill(tokens, cpu_state)
     print(f"rel err gpu vs w4a8 logits ({name}): {rel_error(cpu_logits, logits):.3g}")
     assert_rel("gpu vs cpu logits", cpu_logits, logits, GPU_VS_W4A8)
-    cpu = greedy(model, cpu_logits, cpu_state)
+    cpu = greedy(model, cpu_logits, cpu_state, margins=cpu_margins)
     same = next((n for n, (a, b) in enumerate(zip(ours, cpu)) if a != b), N_GREEDY)
     print(f"greedy tokens identical to the all-CPU run ({name}): {same} of {N_GREEDY}")
     assert same >= SAME_AS_CPU[name]
+    if same < N_GREEDY:                      # parted only at a near tie of both paths
+        print(f"  at step {same}: margins {our_margins[same]:.4f} (gpu prefill), "
+              f"{cpu_margins[same]:.4f} (all-CPU)")
+        assert max(our_margins[same], cpu_margins[same]) < NEAR_TIE
 
 
 def test_chunked_passes_equal_one_pass(loaded):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from fermijit.model import convert
+from fermijit.model import convert, vision
 from fermijit.model.config import load_config
 from fermijit.model.reference import Reference
 from fermijit.model.safetensors_io import Checkpoint, SafetensorsFile, save_file
@@ -66,7 +66,9 @@ def assert_stored_bytes_are_the_quantisation(src, dst):
     ckpt = Checkpoint(src)
     stored = safetensors.numpy.load_file(dst / convert.WEIGHTS)  # read by the package, not by us
     manifest = json.loads((dst / convert.MANIFEST).read_text())
-    plans = plan_text_weights(load_config(src).text_config, ckpt)
+    cfg = load_config(src)
+    plans = {**plan_text_weights(cfg.text_config, ckpt), **vision.plan_weights(cfg, ckpt)}
+    assert any(name.startswith("visual.") for name in plans)  # the tower is kept
     assert set(manifest["tensors"]) == set(plans)
     seen = set()
     for name, plan in plans.items():
@@ -87,6 +89,8 @@ def assert_stored_bytes_are_the_quantisation(src, dst):
     assert kinds["layers.0.mlp.experts_gate_up"] == "q4_0" and kinds["lm_head"] == "q8_0"
     assert kinds["layers.0.mlp.gate"] == "f32" and kinds["layers.0.linear_attn.A_log"] == "f32"
     assert kinds["embed_tokens"] == "f16"
+    assert kinds["visual.blocks.0.attn.qkv.weight"] == "f16"
+    assert kinds["visual.blocks.0.attn.qkv.bias"] == kinds["visual.merger.norm.weight"] == "f32"
 
 
 def test_layout_of_the_file(converted):

@@ -73,8 +73,10 @@ def test_f32_gguf_converts_to_fermijits_own_conversion(hf_dir, converted):
     within an ulp, and the W4A8 logits equal."""
     ours, theirs = converted(hf_dir), converted(gguf_data.F32)
     a, b = SafetensorsFile(ours / convert.WEIGHTS), SafetensorsFile(theirs / convert.WEIGHTS)
-    assert set(a.tensors) == set(b.tensors)
-    for name in a.tensors:
+    # A GGUF holds no vision tower (llama.cpp keeps it in a separate mmproj file).
+    names = {n for n in a.tensors if not n.startswith("visual.")}
+    assert names == set(b.tensors)
+    for name in names:
         x, y = np.asarray(a.raw(name)), np.asarray(b.raw(name))
         if x.dtype == np.float32:
             assert_close(name, x, y, atol=NORM_ULP * 2, rtol=0)

@@ -245,3 +245,42 @@ def test_kept_ids_are_checked(models, tmp_path):
         with pytest.raises(FermijitError, match="kept experts must be"):
             prune.prune_hf(models["hf-fused"], tmp_path / "y", kept, {})
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_calibration_through_a_gpu_prefiller_without_a_gpu_is_the_cpus(models, monkeypatch):
+    """Issue 15 item 1: where the GPU prefill cannot run, calibration falls back to the CPU
+    forward (one line on stderr) and counts every token once; the GPU runs themselves:
+    tests/model/test_reap_gpu.py."""
+    import io
+
+    from fermijit import hybrid
+    from fermijit.jit import gpu
+
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: "pycuda is not installed (test)")
+    _, model = load_model(models["fermijit"])
+    cpu = reap.calibrate(model, TOKENS, CONTEXT, "random tokens")
+    for mode in ("gpu", "auto"):
+        err = io.StringIO()
+        cal = reap.calibrate(model, TOKENS, CONTEXT, "random tokens",
+                             prefiller=hybrid.make(model, mode, err=err))
+        np.testing.assert_array_equal(cal.counts, cpu.counts)
+        np.testing.assert_array_equal(cal.saliency, cpu.saliency)
+        lines = err.getvalue().splitlines()
+        assert len(lines) == 1 and "prefilling on the CPU" in lines[0], lines
+
+
+def test_cli_prune_with_gpu_prefill_falls_back_on_one_line(models, tmp_path, monkeypatch, capsys):
+    from fermijit.jit import gpu
+
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: "pycuda is not installed (test)")
+    code, _, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "p",
+                           "--text", calibration_text(tmp_path), "--keep", 6, "--ctx", CONTEXT,
+                           "--max-tokens", 2 * CONTEXT, "--prefill", "gpu")
+    assert code == 0, err
+    assert err.count("prefilling on the CPU") == 1, err
+    record = json.loads((tmp_path / "p" / convert.MANIFEST).read_text())["reap"]
+    np.testing.assert_array_equal(record["kept"], LIVE)
+    code, _, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "q",
+                           "--text", calibration_text(tmp_path), "--keep", 6, "--prefill", "gpu",
+                           "--gpu-mem", "lots")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err

@@ -128,6 +128,7 @@ class Model:
     # fp16: converting then loses nothing, and W4A8 differs from fp32 by the 8-bit activations
     # alone, which a tight tolerance can hold.
     on_grid: bool = False
+    vision_config: dict = dataclasses.field(default_factory=lambda: VISION_CONFIG)
 
 
 UNIT = Model("unit", TEXT_CONFIG, None, 1.0, 2.0, 0.2)
@@ -174,6 +175,13 @@ REAL_SHAPES = Model("real-shapes", {
     "max_position_embeddings": 4224,
 }, weight_std=0.02, embed_std=1.0, router_gain=1.0, norm_offset_std=0.1, on_grid=True)
 
+# SENSITIVE with a tower whose output fits its hidden size, two blocks, a 6×6 position grid (so
+# the interpolation resamples both up and down): the oracle of prompts with images
+# (tests/model/vision_oracle.py).
+VISION = dataclasses.replace(SENSITIVE, name="vision", vision_config={
+    **VISION_CONFIG, "depth": 2, "out_hidden_size": SENSITIVE.text_config["hidden_size"],
+    "num_position_embeddings": 36})
+
 
 def config_dict(model: Model = UNIT) -> dict:
     """config.json, laid out as the published Qwen3.6-35B-A3B file."""
@@ -181,7 +189,7 @@ def config_dict(model: Model = UNIT) -> dict:
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "model_type": "qwen3_5_moe",
         "text_config": model.text_config,
-        "vision_config": VISION_CONFIG,
+        "vision_config": model.vision_config,
         "image_token_id": 310,
         "video_token_id": 311,
         "vision_start_token_id": 312,
@@ -193,7 +201,7 @@ def config_dict(model: Model = UNIT) -> dict:
 
 def random_weights(seed: int = 0, model: Model = UNIT) -> dict[str, np.ndarray]:
     """fp32 tensors under the hub names (fused experts), at `model`'s scales."""
-    t, v = model.text_config, VISION_CONFIG
+    t, v = model.text_config, model.vision_config
     rng = np.random.default_rng(seed)
     H, V, E = t["hidden_size"], t["vocab_size"], t["num_experts"]
     I, Is = t["moe_intermediate_size"], t["shared_expert_intermediate_size"]

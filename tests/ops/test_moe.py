@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from fermijit import FermijitError
+from fermijit.jit import cpu
 from fermijit.ops import matvec, moe, quant
 from tests.numerics import assert_close, poisoned
 
@@ -97,3 +98,31 @@ def test_bad_inputs(rng):
     with pytest.raises(FermijitError, match="inconsistent weight shapes"):
         moe.cpu(rng.standard_normal((1, 96)).astype(np.float32), ids * 0, weights,
                 moe.MoeWeights(*w.routed, *w.shared, np.zeros(96, np.float32)))
+
+
+ISAS = cpu.variants_up_to(cpu.selected_isa())
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_fused_decode_equals_its_launches_one_by_one(rng, isa):
+    """The one-dispatch decode (shared expert riding, I = Is) is bit for bit the gathered
+    launches, the SwiGLU, the quantisation and the combination called one by one."""
+    n_experts, hidden, inter, top_k = 16, 160, 96, 4
+    w = _weights(rng, n_experts, hidden, inter, inter)
+    ids, weights = _routing(rng, 1, n_experts, top_k)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    act = matvec.quantize_act(x, isa)
+    scratch = moe.Scratch.make(w, top_k)
+    assert scratch.is_fused
+    out = poisoned((1, hidden))
+    moe.decode(x, act, ids, weights, w, out, scratch)
+    gu_bits, sgu_bits, dn_bits, sdn_bits = w.d_bits
+    gu = matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, poisoned((top_k + 1, 2 * inter)),
+                         shared=(w.shared_gate_up_qs, sgu_bits))
+    h = poisoned((top_k + 1, inter))
+    moe._swiglu(gu, h)
+    routed = matvec.gathered(w.down_qs, dn_bits, ids[0], matvec.quantize_act(h, isa),
+                             poisoned((top_k + 1, hidden)), shared=(w.shared_down_qs, sdn_bits))
+    want = poisoned((1, hidden))
+    moe._combine(routed[:top_k], weights[0], routed[top_k], x[0], w.shared_gate, want[0])
+    assert np.array_equal(out, want)

@@ -106,3 +106,31 @@ def test_bad_inputs():
     with pytest.raises(FermijitError, match="overlaps"):
         big = np.zeros((5, 2, 16), np.float32)
         rope.cpu(big[:4], positions, 8, 1e4, out=big[1:])
+
+
+# --- interleaved MRoPE (prompts with images) ---------------------------------------------------
+
+def test_mrope_axes_of_the_real_model():
+    """MODEL.md §5.4: "THW" repeated, the W axis only below j = 30, so j = 30 is T, 31 is H."""
+    axes = rope.mrope_axes(64, (11, 11, 10))
+    assert "".join("THW"[a] for a in axes) == "THW" * 10 + "TH"
+
+
+@pytest.mark.parametrize("case", [(9, 3, 32, 8, (2, 1, 1)), (40, 2, 256, 64, (11, 11, 10))],
+                         ids=["tiny", "real"])
+def test_mrope(rng, case):
+    n_tokens, n_heads, d, rotary_dim, section = case
+    x = (3 * rng.standard_normal((n_tokens, n_heads, d))).astype(np.float32)
+    positions = rng.integers(0, 5000, (3, n_tokens)).astype(np.int64)
+    out = poisoned(x.shape)
+    rope.mrope_cpu(x, positions, rotary_dim, MODEL_THETA, section, out=out)
+    assert_close("mrope", rope.mrope_reference(x, positions, rotary_dim, MODEL_THETA, section),
+                 out, ATOL, RTOL)
+    same = np.tile(positions[0], (3, 1))  # T = H = W: plain 1-D RoPE
+    assert_close("mrope of text", rope.cpu(x, positions[0], rotary_dim, MODEL_THETA),
+                 rope.mrope_cpu(x, same, rotary_dim, MODEL_THETA, section), ATOL, RTOL)
+    y = x.copy()
+    rope.mrope_cpu(y, positions, rotary_dim, MODEL_THETA, section, out=y)
+    assert_close("in place", out, y, 0, 0)
+    with pytest.raises(FermijitError, match="positions"):
+        rope.mrope_cpu(x, positions[:2], rotary_dim, MODEL_THETA, section)

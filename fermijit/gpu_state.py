@@ -1,0 +1,97 @@
+"""The GPU prefill's state on the device and back (issue 10 item 3): the host `State`'s KV caches
+and GDN states sent in before a prefill (fermijit/gpu_prefill.py) and handed back after it, for
+the CPU's decode."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fermijit.gpu_layout import F32
+from fermijit.model.state import GdnState, KvCache, State
+
+if TYPE_CHECKING:
+    from fermijit.gpu_prefill import DeviceModel
+
+# Threads copying the handed-off state into the host `State` (~100 MB at full size, 24 ms on
+# one thread of the H200's host).
+COPY_THREADS = 4
+
+
+def upload_states(state: State, n_positions: int) -> list:
+    """The host state on the device: KV caches with room for `n_positions` holding the
+    state's positions, GDN states. A state at position 0 is the empty one (Model.new_state):
+    its device copy is cleared, not sent (~100 MB for the full-size shapes)."""
+    from fermijit.jit import gpu
+
+    cuda, states, held = gpu.driver(), [], state.position
+    with gpu.check("sending the state in"):
+        for s in state.layers:
+            if isinstance(s, KvCache):
+                pair = []
+                for a in (s.k, s.v):
+                    heads, _, dim = a.shape
+                    dev = gpu.empty((heads, n_positions, dim))
+                    for h in range(heads if held else 0):
+                        cuda.memcpy_htod(int(dev.gpudata) + h * n_positions * dim * F32,
+                                         np.ascontiguousarray(a[h, :held]))
+                    pair.append(dev)
+                states.append(KvCache(*pair))
+            elif held:
+                states.append(GdnState(*(gpu.to_device("gpu prefill", "gdn state", a, np.float32)
+                                         for a in (s.conv, s.recurrent))))
+            else:
+                pair = [gpu.empty(a.shape) for a in (s.conv, s.recurrent)]
+                for dev in pair:
+                    cuda.memset_d32(dev.gpudata, 0, dev.size)
+                states.append(GdnState(*pair))
+    return states
+
+
+def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
+    """Per layer, the host arrays the hand-off writes (contiguous): each head's KV rows from
+    the state's position to `end`, the GDN conv and recurrent states."""
+    start = state.position
+    return [[a[h, start:end] for a in (s.k, s.v) for h in range(a.shape[0])]
+            if isinstance(s, KvCache) else [s.conv, s.recurrent] for s in state.layers]
+
+
+def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
+    """The device caches (the positions from the host state's to `end`) and states into the
+    host `State`, which then holds `end` positions. Everything is read back (into one
+    page-locked buffer: DMA at the link's rate) before the host state changes, so a failure
+    leaves it as it was."""
+    from fermijit.jit import gpu
+
+    cuda, start = gpu.driver(), state.position
+    pieces = []  # (host array to fill, device address), in handed_arrays' order
+    for d, host in zip(states, handed_arrays(state, end)):
+        if isinstance(d, KvCache):
+            heads, positions, dim = d.k.shape
+            sources = [int(x.gpudata) + (h * positions + start) * dim * F32
+                       for x in (d.k, d.v) for h in range(heads)]
+        else:
+            sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
+        pieces += zip(host, sources)
+    buf = dev.host_buffer("state", sum(a.nbytes for a, _ in pieces))
+    with gpu.check("copying the state back"):
+        at = 0
+        for a, address in pieces:
+            cuda.memcpy_dtoh_async(buf[at:at + a.nbytes], address, dev.readback)
+            at += a.nbytes
+        dev.readback.synchronize()
+    starts = np.cumsum([0] + [a.nbytes for a, _ in pieces])
+
+    def fill(n: int) -> None:
+        a = pieces[n][0]
+        a[...] = buf[starts[n]:starts[n + 1]].view(np.float32).reshape(a.shape)
+
+    if COPY_THREADS > 1:                # numpy's copies release the GIL
+        with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:
+            list(pool.map(fill, range(len(pieces))))
+    else:
+        for n in range(len(pieces)):
+            fill(n)
+    state.position = end

@@ -1,0 +1,106 @@
+"""One decode token of the gated attention mixer between its projections (MODEL.md §5), as one
+call: the query/gate split, the per-head q and k RMSNorms, RoPE on both, the new key and value
+into the cache, attention over the cache with the sigmoid output gate, and the output quantised
+for o_proj.
+
+Every stage is an existing op's kernel (ops.rmsnorm, rope, attention, matvec's activation
+quantiser), called in the same order from one compiled function, so the result is the ops' one by
+one, bit for bit (tests/ops/test_attention_step.py), and decode pays one dispatch and no
+argument checks instead of ~9 calls (~120 us of Python an attention layer on the profile of the
+full-size model, 1.2 ms a token over its 10 attention layers).
+
+Letters: Hq query heads, Hkv kv heads, D head dim, S cache positions, R rotary dims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fermijit.jit import omp
+from fermijit.jit.cpu import bind, kernel
+from fermijit.ops import attention, matvec, rmsnorm, rope
+from fermijit.ops.matvec import Q8Act
+
+
+def reference(qkv, q_norm, k_norm, eps, position, rotary_dim, theta, cache_k, cache_v):
+    """The stages' references in order -> (o [1, Hq, D] gated, new cache_k, new cache_v); the
+    inputs are left untouched. qkv [1, Hq·2D + 2·Hkv·D]: per head query | gate, then k, then v;
+    cache_k, cache_v [Hkv, S, D] hold positions < `position`."""
+    Hkv, _, D = cache_k.shape
+    Hq = (qkv.shape[1] - 2 * Hkv * D) // (2 * D)
+    qg = qkv[:, :Hq * 2 * D].reshape(1, Hq, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = qkv[:, Hq * 2 * D:Hq * 2 * D + Hkv * D].reshape(1, Hkv, D)
+    v = qkv[:, Hq * 2 * D + Hkv * D:].reshape(1, Hkv, D)
+    pos = np.array([position], np.int64)
+    q = rope.reference(rmsnorm.reference(q, q_norm, eps), pos, rotary_dim, theta)
+    k = rope.reference(rmsnorm.reference(k, k_norm, eps), pos, rotary_dim, theta)
+    new_k, new_v = cache_k.copy(), cache_v.copy()
+    new_k[:, position] = k[0]
+    new_v[:, position] = v[0]
+    return attention.reference(q, new_k, new_v, gate, position), new_k, new_v
+
+
+def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, n_split, q, gate, o,
+          m, l, xq, dx, xsum8, lanes, step_blocks, half_lanes):
+    _, Hq, D = q.shape
+    Hkv = cache_k.shape[0]
+    start = positions[0]
+    for h in range(Hq):
+        for d in range(D):
+            q[0, h, d] = qkv[0, h * 2 * D + d]
+            gate[0, h, d] = qkv[0, h * 2 * D + D + d]
+    k = qkv[0, Hq * 2 * D:Hq * 2 * D + Hkv * D].reshape(1, Hkv, D)
+    v = qkv[0, Hq * 2 * D + Hkv * D:].reshape(1, Hkv, D)
+    q2, k2 = q.reshape(Hq, D), k.reshape(Hkv, D)
+    rmsnorm._rmsnorm_serial(q2, q_norm, eps, q2)               # per head, before RoPE
+    rmsnorm._rmsnorm_serial(k2, k_norm, eps, k2)
+    rope._rope_serial(q, positions, inv_freq, q, True)
+    rope._rope_serial(k, positions, inv_freq, k, True)
+    for h in range(Hkv):
+        for d in range(D):
+            cache_k[h, start, d] = k[0, h, d]
+            cache_v[h, start, d] = v[0, h, d]
+    if n_split == 1:
+        acc = o.reshape(1, 1, Hq, D)                           # accumulate in place
+    else:
+        acc = np.empty((n_split, 1, Hq, D), np.float32)
+    m_, l_ = m[:n_split], l[:n_split]
+    fork((q, cache_k, cache_v, start, acc, m_, l_))          # the items over the threads
+    for th in range(Hq):
+        attention._combine_head(acc, m_, l_, gate, o, th)
+    matvec._quantize_act_kernel(o.reshape(1, Hq * D), xq, dx, xsum8, lanes, step_blocks,
+                                half_lanes)
+
+
+_steps: list = []  # made on first use (it starts the OpenMP threads)
+
+
+def _step_kernel():
+    if not _steps:
+        variant = "omp" if omp.available() else "serial"
+        _steps.append(kernel(_step_body, variant=variant,
+                             fork=omp.fork(bind(attention.attend_share, variant))))
+    return _steps[0]
+
+
+def max_splits(n_kv_heads: int) -> int:
+    """The most key ranges decode attention splits a kv head into (the rows of m and l)."""
+    return attention._n_splits(n_kv_heads, 1 << 62)
+
+
+def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
+        m, l, act: Q8Act) -> Q8Act:
+    """`reference` for decode, into preallocated buffers: the token at positions[0] (int64 [1]);
+    qkv [1, ...] is overwritten (k's norm and rotation, in place); the cache gets its key and
+    value; o [1, Hq, D] and its quantisation `act` (a Q8Act of [1, Hq·D]). q, gate [1, Hq, D]
+    and m, l [max_splits(Hkv), 1, Hq] are scratch. The caller (model/forward.py's decode) made
+    every buffer once, of the right shapes and dtypes: only the kernel's signature checks them."""
+    v_ = act.vec
+    half = matvec.simd.HALF_OF.get(v_.isa)
+    n_split = attention._n_splits(cache_k.shape[0], int(positions[0]) + 1)
+    _step_kernel()(qkv, q_norm, k_norm, float(eps), positions,
+                   rope._inv_freq(int(rotary_dim), float(theta)), cache_k, cache_v, n_split, q,
+                   gate, o, m, l, act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
+                   half.lanes if half else 0)
+    return act

@@ -1,0 +1,97 @@
+"""The step before each sublayer of a decode token (MODEL.md §4), as one call:
+
+    x += y                            the previous sublayer's output into the residual (optional)
+    xn = rmsnorm(x, norm_w)           the sublayer's input
+    act = quantise(xn)                for the W4A8 projections that read it
+    p = W · xn                        an fp32 product of the input (R rows; R = 0: none)
+    ids, weights = router(p, k)       with k > 0: p are router logits, routed here
+
+One product per sublayer kind reads its input in fp32: the GDN mixer's gates [b; a] [2Hv, H] and
+the MoE router [E, H] (1 MB a layer at full size). Both were numpy matmuls between the kernels,
+with the add, the norm and the quantisation as separate calls: ~50 us of Python and dispatch a
+layer (`bench decode --profile`), 2 ms a token of the real model's 40 layers.
+
+The norm, the quantisation and the routing are the ops' own kernels, so those outputs are bit for
+bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
+test_residual_step.py). The product's rows are split over the threads of one OpenMP fork; each
+row's sum is computed the same way whatever the thread count (deterministic), in fp32 with the
+kernels' reassociation (vectorised), so it differs from numpy's matmul in the last bits.
+
+Letters: H hidden, R product rows, k experts per token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fermijit.jit import omp
+from fermijit.jit.cpu import bind, kernel
+from fermijit.ops import matvec, rmsnorm, router
+from fermijit.ops.matvec import Q8Act
+
+
+def reference(x, y, norm_w, eps, w, top_k=0):
+    """x, y [1, H] fp32 (y None: no add), w [R, H] fp32 -> (new x, xn, p [1, R]) with p the
+    float64 product, or (new x, xn, (ids, weights)) with top_k > 0."""
+    x = x if y is None else (x + y).astype(np.float32)
+    xn = rmsnorm.reference(x, norm_w, eps)
+    p = xn.astype(np.float64) @ w.astype(np.float64).T
+    return x, xn, (router.reference(p.astype(np.float32), top_k) if top_k else p)
+
+
+@kernel
+def _dot_rows(w, x, out, r0, r1):
+    """out[0, r] = w[r] · x[0] for r0 <= r < r1 (fp32, reassociated: vectorised)."""
+    for r in range(r0, r1):
+        acc = np.float32(0.0)
+        for j in range(x.shape[1]):
+            acc += w[r, j] * x[0, j]
+        out[0, r] = acc
+
+
+def _product_share(thread, n_threads, args):
+    w, x, out = args
+    rows = w.shape[0]
+    _dot_rows(w, x, out, thread * rows // n_threads, (thread + 1) * rows // n_threads)
+
+
+def _step_body(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes,
+               w, p, ids, weights):
+    if add:
+        for j in range(x.shape[1]):
+            x[0, j] = x[0, j] + y[0, j]
+    rmsnorm._rmsnorm_serial(x, norm_w, eps, xn)
+    matvec._quantize_act_kernel(xn, xq, dx, xsum8, lanes, step_blocks, half_lanes)
+    if w.shape[0]:
+        fork((w, xn, p))
+        if ids.shape[1]:
+            router._route_tokens(p, ids, weights)
+
+
+_steps: list = []  # made on first use (it starts the OpenMP threads)
+
+
+def _step_kernel():
+    if not _steps:
+        variant = "omp" if omp.available() else "serial"
+        _steps.append(kernel(_step_body, variant=variant,
+                             fork=omp.fork(bind(_product_share, variant))))
+    return _steps[0]
+
+
+NO_IDS = np.empty((1, 0), np.int32)
+NO_WEIGHTS = np.empty((1, 0), np.float32)
+
+
+def cpu(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS):
+    """`reference` into preallocated buffers, for decode: x [1, H] updated in place (with y
+    None, left as it is), xn [1, H], act a Q8Act of [1, H], p [1, R] the product (R = 0 with
+    w [0, H]: none); with ids, weights [1, k], k > 0, p are routed into them. The caller (model/
+    forward.py's decode) made every buffer once, of the right shapes and dtypes: only the
+    kernel's signature checks them here."""
+    v = act.vec
+    half = matvec.simd.HALF_OF.get(v.isa)
+    _step_kernel()(x, x if y is None else y, y is not None, norm_w, float(eps), xn, act.xq,
+                   act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
+                   half.lanes if half else 0, w, p, ids, weights)
+    return act

@@ -1,0 +1,61 @@
+"""The fused attention decode step: bit for bit the ops it chains, called one by one, and close
+to the composition of their references."""
+
+import numpy as np
+import pytest
+
+from fermijit.jit import cpu
+from fermijit.ops import attention, attention_step, matvec, rmsnorm, rope
+from tests.numerics import assert_close, poisoned
+
+ISAS = cpu.variants_up_to(cpu.selected_isa())
+EPS, THETA = 1e-6, 1e7
+RTOL = 1e-5  # fp32 kernels vs float64 references (each op's own test holds it to its own bound)
+
+CASES = {  # Hq, Hkv, D, rotary dims, position (>= 512: the keys are split over ranges)
+    "Hq4-Hkv2-D64-pos0": (4, 2, 64, 32, 0),
+    "Hq6-Hkv3-D32-pos9": (6, 3, 32, 32, 9),
+    "Hq4-Hkv2-D64-pos700": (4, 2, 64, 16, 700),
+}
+
+
+def _ops_one_by_one(qkv, qn, kn, pos, R, ck, cv, Hq, Hkv, D, isa):
+    qg = qkv[:, :Hq * 2 * D].reshape(1, Hq, 2 * D)
+    q, gate = np.ascontiguousarray(qg[..., :D]), np.ascontiguousarray(qg[..., D:])
+    k = qkv[:, Hq * 2 * D:(Hq * 2 + Hkv) * D].reshape(1, Hkv, D)
+    v = qkv[:, (Hq * 2 + Hkv) * D:].reshape(1, Hkv, D)
+    positions = np.array([pos], np.int64)
+    rmsnorm.cpu(q, qn, EPS, out=q)
+    rmsnorm.cpu(k, kn, EPS, out=k)
+    rope.cpu(q, positions, R, THETA, out=q)
+    rope.cpu(k, positions, R, THETA, out=k)
+    ck[:, pos], cv[:, pos] = k[0], v[0]
+    o = attention.cpu(q, ck, cv, gate, pos)
+    return o, matvec.quantize_act(o.reshape(1, -1), isa)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_equals_the_ops_one_by_one_and_the_references(rng, case, isa):
+    Hq, Hkv, D, R, pos = case
+    f = np.float32
+    qkv = rng.standard_normal((1, (Hq * 2 + Hkv * 2) * D)).astype(f)
+    qn, kn = (0.3 * rng.standard_normal((2, D))).astype(f)
+    ck, cv = rng.standard_normal((2, Hkv, pos + 3, D)).astype(f)
+    o, act = _ops_one_by_one(qkv.copy(), qn, kn, pos, R, ck_ops := ck.copy(), cv_ops := cv.copy(),
+                             Hq, Hkv, D, isa)
+    f_ck, f_cv = ck.copy(), cv.copy()
+    splits = attention_step.max_splits(Hkv)
+    f_o = poisoned((1, Hq, D))
+    f_act = matvec.quantize_act(np.zeros((1, Hq * D), f), isa)
+    attention_step.cpu(qkv.copy(), qn, kn, EPS, np.array([pos], np.int64), R, THETA, f_ck, f_cv,
+                       poisoned((1, Hq, D)), poisoned((1, Hq, D)), f_o,
+                       poisoned((splits, 1, Hq)), poisoned((splits, 1, Hq)), f_act)
+    for name, want, got in (("o", o, f_o), ("cache k", ck_ops, f_ck), ("cache v", cv_ops, f_cv),
+                            ("xq", act.xq, f_act.xq), ("dx", act.dx, f_act.dx),
+                            ("xsum8", act.xsum8, f_act.xsum8)):
+        assert np.array_equal(want, got), name
+    ref_o, ref_k, ref_v = attention_step.reference(qkv, qn, kn, EPS, pos, R, THETA, ck, cv)
+    assert_close("o", ref_o, f_o, RTOL * np.abs(ref_o).max(), RTOL)
+    assert_close("cache k", ref_k, f_ck, RTOL * np.abs(ref_k).max(), RTOL)
+    assert_close("cache v", ref_v, f_cv, 0, 0)
