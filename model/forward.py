@@ -210,8 +210,9 @@ class Workspace:
         self.ids = np.empty((T, model.top_k), np.int32)
         self.weights = np.empty((T, model.top_k), f)
         experts = model.layers[0].experts
+        # Decode's buffers, and a prefill pass's (made by its first layer, reused by the rest).
         self.moe_scratch = (moe.Scratch.make(experts, model.top_k)
-                            if T == 1 and isinstance(experts, moe.MoeWeights) else None)
+                            if isinstance(experts, moe.MoeWeights) else None)
         self.logits = np.empty((1, model.vocab_size), f) if T == 1 else None
         if T == 1 and model.is_quantized:
             self._fused_decode_buffers(model)

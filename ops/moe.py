@@ -315,6 +315,14 @@ class PrefillBuffers:
     act_x: Q8Act | None = None
     act_rows: Q8Act | None = None
 
+    def fits(self, w: MoeWeights, n_tok: int, top_k: int) -> bool:
+        """Made for this pass size and these weights' shapes (layers may differ: pruned)."""
+        return (self.n_tok == n_tok and self.slot_pos.shape[1] == top_k
+                and self.offsets.size == w.gate_up_qs.shape[0] + 1
+                and self.routed.gu.shape[1] == w.gate_up_qs.shape[1]
+                and self.routed.out.shape[1] == w.down_qs.shape[1]
+                and self.shared.gu.shape[1] == w.shared_gate_up_qs.shape[1])
+
     @classmethod
     def make(cls, w: MoeWeights, n_tok: int, top_k: int) -> "PrefillBuffers":
         return cls(n_tok, np.empty(n_tok * top_k, np.int64), np.empty((n_tok, top_k), np.int64),
@@ -347,7 +355,7 @@ def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None
     else:
         n_tok, top_k = ids.shape
         b = scratch.prefill if scratch is not None else None
-        if b is None or b.n_tok != n_tok or b.slot_pos.shape[1] != top_k:
+        if b is None or not b.fits(w, n_tok, top_k):
             b = PrefillBuffers.make(w, n_tok, top_k)
             if scratch is not None:
                 scratch.prefill = b
