@@ -388,11 +388,15 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     engine.sampler(settings)
     kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
-    warm_up_s = warm_up(model, getattr(prompt, "ids", prompt), sampler=engine.sampler(settings))  # a twin: warming draws
+    ids = getattr(prompt, "ids", prompt)  # a multimodal.Prompt's, or the ids themselves
+    warm_up_s = warm_up(model, ids, sampler=engine.sampler(settings))  # a twin: warming draws
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
-    engine.prefiller = prefiller = hybrid.make(model, settings.prefill, settings.gpu_mem,
-                                               settings.pin_budget, settings.verbose, err)
-    if settings.prefill != "cpu":
+    # A prompt with images is prefilled on the CPU (engine.generate): no GPU prefill to set up,
+    # nor its weights to take GPU memory beside the vision tower's.
+    engine.prefiller = prefiller = hybrid.make(model, "cpu" if pictures else settings.prefill,
+                                               settings.gpu_mem, settings.pin_budget,
+                                               settings.verbose, err)
+    if settings.prefill != "cpu" and not pictures:
         start = time.perf_counter()
         if prefiller.prepare():
             print(f"gpu prefill ready in {time.perf_counter() - start:.2f} s", file=err,

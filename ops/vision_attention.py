@@ -2,7 +2,7 @@
 qkv, the 2-D rotary on q and k, bidirectional softmax attention within the image, the heads
 merged.
 
-    q, k, v = split(qkv [N, 3·Hd·d]);  q, k = rope(q), rope(k)     rope: x·cos + rotate_half(x)·sin
+    q, k, v = split(qkv [N, 3·Hd·d]);  q, k = rope(q), rope(k)   (x·cos + rotate_half(x)·sin)
     o_h = softmax(q_h k_hᵀ / √d) v_h                                per head, all N keys
     out [N, Hd·d] = concat_h o_h
 

@@ -132,3 +132,16 @@ def test_data_uri_images(setup):
                           "cannot decode|not an image")):
         with pytest.raises(FermijitError, match=message):
             image.from_data_uri(bad)
+
+
+def test_images_with_prefill_auto(monkeypatch, capsys, setup):
+    """--prefill gpu|auto puts the tower on the GPU where one is usable (tests/gpu_vision.sh);
+    the prompt itself is prefilled on the CPU, so no GPU prefill is set up for it."""
+    from fermijit.model import vision_gpu
+
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", setup["hf"], PROMPT,
+                             "--image", setup["images"][0], "--prefill", "auto", *FLAGS)
+    assert code == 0, err
+    assert "gpu prefill" not in err
+    assert f"vision tower ({'GPU' if vision_gpu.usable() else 'CPU'})" in err
+    assert out == expected(setup["hf"], setup["images"][:1])

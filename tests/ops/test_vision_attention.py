@@ -12,7 +12,8 @@ from tests.numerics import assert_close
 
 # fp32 products over d = 72 and N keys against fp64: ~1e-6 of the outputs (|o| ~ 1).
 ATOL, RTOL = 2e-5, 1e-5
-CASES = {"tiny": ((1, 4, 6), 2, 16), "real-head": ((1, 6, 10), 2, 72), "one-block": ((1, 2, 2), 1, 8)}
+CASES = {"tiny": ((1, 4, 6), 2, 16), "real-head": ((1, 6, 10), 2, 72),
+         "one-block": ((1, 2, 2), 1, 8)}
 
 
 def inputs(rng, grid, heads, d):
