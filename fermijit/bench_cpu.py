@@ -32,8 +32,10 @@ GEMV_SHAPES = ((2048, 2048), (512, 2048), (4096, 2048))  # rows x K
 HOT_SHAPE = (2048, 2048)
 HOT_WALKS = 20
 LAUNCHES = 2000
-GEMM_TOKENS = 512
-GEMM_SHAPE = (2048, 2048)
+# Prefill GEMMs, tokens x rows x K: dense projections over a 512-token pass, one reap128 expert's
+# gate_up and down over its ~32 tokens, the default model's small K (shared expert, experts).
+GEMM_SHAPES = ((512, 2048, 2048), (512, 8192, 2048), (32, 1024, 2048), (32, 2048, 512),
+               (512, 768, 384), (64, 384, 96), (128, 512, 256))
 REPEATS = 3  # best of: the least disturbed pass
 PAIRS = 7    # bandwidth pass + GEMV walk pairs per shape and variant
 PREFETCH_BYTES = 2048  # the read probe streams one long run: 1-2 KB ahead was best (notes §5)
@@ -305,18 +307,18 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
                         float(np.median(ratios))))
     rows += hot_rows
 
-    r, k = GEMM_SHAPE
-    qs = rng.integers(0, 256, (r, k // 2), dtype=np.uint8)
-    d = rng.uniform(0.001, 0.01, (r, k // quant.BLOCK)).astype(np.float16)
-    x = rng.standard_normal((GEMM_TOKENS, k)).astype(np.float32)
-    y = np.empty((GEMM_TOKENS, r), np.float32)
-    for isa in isas:
-        _progress(f"gemm {isa.label}")
-        act = matvec.quantize_act(x, isa)
-        matvec.cpu(qs, d, act, out=y, isa=isa)
-        secs = _best_seconds(lambda: matvec.cpu(qs, d, act, out=y, isa=isa))
-        rows.append(Row(f"gemm {GEMM_TOKENS}x{r}x{k}", isa.label, n_all,
-                        2 * GEMM_TOKENS * r * k / secs / 1e9, "GFLOP/s"))
+    for n_tok, r, k in GEMM_SHAPES:
+        qs = rng.integers(0, 256, (r, k // 2), dtype=np.uint8)
+        d = rng.uniform(0.001, 0.01, (r, k // quant.BLOCK)).astype(np.float16)
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        y = np.empty((n_tok, r), np.float32)
+        for isa in isas:
+            _progress(f"gemm {n_tok}x{r}x{k} {isa.label}")
+            act = matvec.quantize_act(x, isa)
+            matvec.cpu(qs, d, act, out=y, isa=isa)
+            secs = _best_seconds(lambda: matvec.cpu(qs, d, act, out=y, isa=isa))
+            rows.append(Row(f"gemm {n_tok}x{r}x{k}", isa.label, n_all,
+                            2 * n_tok * r * k / secs / 1e9, "GFLOP/s"))
 
     if cpu.target_cpu_name() != cpu.WESTMERE:
         rows += _westmere_rows(n_all, gib)

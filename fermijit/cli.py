@@ -82,6 +82,36 @@ def prefill_options(command):
     return command
 
 
+def cache_options(command):
+    """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/prefix_cache.py), for
+    generate and serve."""
+    for option in reversed((
+            click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no "
+                                                          "snapshot prefix cache."),
+            click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+                         default=None, envvar="FERMIJIT_CACHE_DIR",
+                         help="Keep prompt snapshots in this directory too, so later runs (and "
+                              "other processes) resume from them (env FERMIJIT_CACHE_DIR; never "
+                              "pruned)."),
+            click.option("--cache-mem", type=SIZE, default=None,
+                         help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: "
+                              "1/8 of RAM)."),
+            click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
+                         help="Snapshot the state every this many prompt tokens (default: "
+                              "256)."))):
+        command = option(command)
+    return command
+
+
+def _cache_settings(no_cache: bool, cache_dir: Path | None, cache_mem: int | None,
+                    snapshot_every: int | None):
+    from fermijit import prefix_cache
+
+    return prefix_cache.CacheSettings(
+        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+
+
 @cli.command()
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
@@ -152,6 +182,42 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
     if model_dir is not None:
         synthetic = None
     bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
+
+
+@bench.command("serve")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory or GGUF file (default: the embedded model).")
+@click.option("--synthetic", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]),
+              default=None, help="Build this synthetic model into a temporary directory first "
+                                 "(when no --model is given).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Random prompt tokens per stream.")
+@click.option("--tokens", type=click.IntRange(min=2), default=32, show_default=True,
+              help="Tokens generated per stream.")
+@click.option("--chat-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Tokens of the chat's first message (what the cache saves on the second "
+                   "turn).")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Second turns timed with and without the cache (medians).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@numa_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
+                chat_tokens: int, repeat: int, threads: int | None, as_json: bool) -> None:
+    """The server through HTTP: time to first token and aggregate decode tok/s at 1, 2, 4 and 8
+    concurrent streams; a chat's second turn with and without the prefix cache."""
+    from fermijit import bench_serve as bench_serve_module
+    from fermijit import engine
+    from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
+
+    cpu.configure_threads(threads)
+    if model_dir is None and synthetic is None:
+        model_dir = engine.DEFAULT_MODEL
+    bench_serve_module.run(None if model_dir is None else model_directory(model_dir),
+                           synthetic if model_dir is None else None, prompt_tokens, tokens,
+                           chat_tokens, repeat, as_json)
 
 
 @bench.command("gpu")
@@ -419,16 +485,7 @@ def verify(model_dir: Path) -> None:
 @numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")
-@click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no snapshot prefix "
-                                               "cache.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              envvar="FERMIJIT_CACHE_DIR",
-              help="Keep prompt snapshots in this directory too, so later runs (and other "
-                   "processes) resume from them (env FERMIJIT_CACHE_DIR; never pruned).")
-@click.option("--cache-mem", type=SIZE, default=None,
-              help="Most memory the snapshot cache holds, e.g. 512M, 2G (default: 1/8 of RAM).")
-@click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
-              help="Snapshot the state every this many prompt tokens (default: 256).")
+@cache_options
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
               help="An image file for the user turn, before the text (repeatable; implies "
                    "--chat; the model needs its vision tower).")
@@ -441,7 +498,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
-    from fermijit import engine, prefix_cache
+    from fermijit import engine
     from fermijit.jit import cpu
     from fermijit.model.gguf_convert import model_directory
 
@@ -450,15 +507,55 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
                                verbose=verbose, images=images)
-    cache = prefix_cache.CacheSettings(
-        is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
-        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+    cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
     from fermijit.model import files
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
     engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
                cache_settings=cache)
+
+
+@cli.command()
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory, a GGUF file (converted once into the cache) or "
+                   "an HF checkpoint directory (fp32, unbatched). Default: the embedded model.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port.")
+@click.option("--api-key", default=None, envvar="FERMIJIT_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1 (env FERMIJIT_API_KEY).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences decoded together in one step.")
+@click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests waiting to join the batch; past it 503.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@numa_option
+@cache_options
+@prefill_options
+def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
+          queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
+          cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
+          pin_budget: str | None, verbose: bool) -> None:
+    """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
+    as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
+    together; a chat's next turn resumes from the snapshot prefix cache."""
+    from fermijit import engine
+    from fermijit.jit import cpu
+    from fermijit.model.gguf_convert import model_directory
+    from fermijit.server import run
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise FermijitError("serve needs the server extra: pip install 'fermijit[server]'") \
+            from None
+    cpu.configure_threads(threads)
+    run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
+              queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
+              prefill, gpu_mem, pin_budget, verbose)
 
 
 @cli.command("eval")

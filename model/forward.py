@@ -130,8 +130,9 @@ def _layer(w) -> Layer:
 
 def linear(x, w, out, act=None, *, like_gemv: bool = False):
     """out [T, R] = x [T, K] · wᵀ. Q4_0: W4A8 GEMM/GEMV on `act` (x quantised once for all the
-    matrices reading it) or x; Q8_0 (the LM head option): x quantised here; fp32: numpy.
-    `like_gemv`: Q4_0 rows of several tokens each bit for bit the GEMV's (matvec.product)."""
+    matrices reading it) or x; Q8_0 (the LM head option, some GGUF imports): `act` or x quantised
+    here; fp32: numpy. `like_gemv`: Q4_0 rows of several tokens each bit for bit the GEMV's
+    (matvec.product)."""
     if isinstance(w, matvec.Q4Matrix):
         return matvec.product(w, matvec.quantize_act(x) if act is None else act, out,
                               like_gemv=like_gemv)
@@ -210,8 +211,9 @@ class Workspace:
         self.ids = np.empty((T, model.top_k), np.int32)
         self.weights = np.empty((T, model.top_k), f)
         experts = model.layers[0].experts
+        # Decode's buffers, and a prefill pass's (made by its first layer, reused by the rest).
         self.moe_scratch = (moe.Scratch.make(experts, model.top_k)
-                            if T == 1 and isinstance(experts, moe.MoeWeights) else None)
+                            if isinstance(experts, moe.MoeWeights) else None)
         self.logits = np.empty((1, model.vocab_size), f) if T == 1 else None
         if T == 1 and model.is_quantized:
             self._fused_decode_buffers(model)
@@ -359,25 +361,25 @@ class Model:
                 if w.joined_in is not None:
                     matvec.product(w.joined_in, ws.act, ws.attn_in)  # q | k | v
                 else:                                               # views of attn_in
-                    matvec.product(mixer.q_proj, ws.act, ws.qg)
-                    matvec.product(mixer.k_proj, ws.act, ws.k.reshape(1, -1))
-                    matvec.product(mixer.v_proj, ws.act, ws.v.reshape(1, -1))
+                    linear(ws.xn, mixer.q_proj, ws.qg, ws.act)
+                    linear(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act)
+                    linear(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act)
                 attention_step.cpu(ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions,
                                    self.rotary_dim, self.theta, s.k, s.v, ws.q, ws.gate, ws.o,
                                    ws.m, ws.l, ws.act_attn)
-                matvec.product(mixer.o_proj, ws.act_attn, ws.y)
+                linear(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
             else:
                 residual_step.cpu(ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in,
                                   ws.gates_in)                      # b | a
                 if w.joined_in is not None:
                     matvec.product(w.joined_in, ws.act, ws.gdn_in)  # qkv | z
                 else:                                               # views of gdn_in
-                    matvec.product(mixer.in_proj_qkv, ws.act, ws.mixed)
-                    matvec.product(mixer.in_proj_z, ws.act, ws.z.reshape(1, -1))
+                    linear(ws.xn, mixer.in_proj_qkv, ws.mixed, ws.act)
+                    linear(ws.xn, mixer.in_proj_z, ws.z.reshape(1, -1), ws.act)
                 gdn_step.cpu(ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log,
                              mixer.dt_bias, mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq,
                              ws.gk, ws.gv, ws.g, ws.beta, ws.go, ws.act_gdn)
-                matvec.product(mixer.out_proj, ws.act_gdn, ws.y)
+                linear(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn)
             y = ws.y
             residual_step.cpu(ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router,
                               ws.router_logits, ws.ids, ws.weights)

@@ -12,12 +12,12 @@ S cache length (the cache may be longer than the keys used), L = start + T keys 
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import mathf
-from fermijit.jit.cpu import kernel
+from fermijit.jit import omp
+from fermijit.jit.cpu import bind, kernel
 
 
 def reference(q, k, v, gate, start):
@@ -71,7 +71,7 @@ def _attend_item(q, k, v, start, acc, m, l, item):
     split = item % n_split
     hkv = (item // n_split) % Hkv
     # Pairs (t, T-1-t) are adjacent, so every contiguous run of items has the same causal
-    # work: numba's prange hands each thread a contiguous run.
+    # work: each thread takes a contiguous run of items (attend_share).
     rank = item // (n_split * Hkv)
     t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
     j0 = split * span
@@ -113,18 +113,11 @@ def _attend_item(q, k, v, start, acc, m, l, item):
                     a[g, d] += w * v[hkv, jb + j, d]
 
 
-@kernel(parallel=True)
-def _attend(q, k, v, start, acc, m, l):
-    """Every item (_attend_item) of T queries over the threads."""
-    n_split, T = acc.shape[:2]
-    for item in prange(T * k.shape[0] * n_split):
-        _attend_item(q, k, v, start, acc, m, l, item)
-
-
 def attend_share(thread, n_threads, args):
-    """A thread's run of items, for a kernel that forks (jit.omp) rather than calls the prange
-    `_attend` (a prange launch from inside another compiled function cost several times the
-    work on 2 threads: ops/gated_delta.py's recurrent_share)."""
+    """A thread's contiguous run of items (jit.omp.fork; also ops/attention_step.py's). A fork,
+    not a prange: called from inside another compiled function (attention_step), a prange
+    launch cost several times the work on 2 threads, and the parfors of this op took 5 s of a
+    first run's compiling."""
     q, k, v, start, acc, m, l = args
     n_items = acc.shape[0] * acc.shape[1] * k.shape[0]
     for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
@@ -156,12 +149,29 @@ def _combine_head(acc, m, l, gate, o, th):
         o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
 
 
-@kernel(parallel=True)
-def _combine(acc, m, l, gate, o):
-    """Every (query, head) of o (_combine_head) over the threads."""
-    _, T, Hq, _ = acc.shape
-    for th in prange(T * Hq):
+def _combine_share(thread, n_threads, args):
+    acc, m, l, gate, o = args
+    n = acc.shape[1] * acc.shape[2]
+    for th in range(thread * n // n_threads, (thread + 1) * n // n_threads):
         _combine_head(acc, m, l, gate, o, th)
+
+
+def _attention_body(q, k, v, start, acc, m, l, gate, o):
+    """Every item over the threads (one fork), then every (query, head) over them (another)."""
+    fork((q, k, v, start, acc, m, l))
+    fork_combine((acc, m, l, gate, o))
+
+
+_kernels: list = []  # made on first use (it starts the OpenMP threads)
+
+
+def _attention_kernel():
+    if not _kernels:
+        variant = "omp" if omp.available() else "serial"
+        _kernels.append(kernel(_attention_body, variant=variant,
+                               fork=omp.fork(bind(attend_share, variant)),
+                               fork_combine=omp.fork(bind(_combine_share, variant))))
+    return _kernels[0]
 
 
 def cpu(q, k, v, gate, start, out=None):
@@ -185,8 +195,7 @@ def cpu(q, k, v, gate, start, out=None):
         acc = np.empty((n_split, T, Hq, D), dtype=np.float32)
     m = np.empty((n_split, T, Hq), dtype=np.float32)
     l = np.empty((n_split, T, Hq), dtype=np.float32)
-    _attend(q, k, v, int(start), acc, m, l)
-    _combine(acc, m, l, gate, o)
+    _attention_kernel()(q, k, v, int(start), acc, m, l, gate, o)
     return o
 
 

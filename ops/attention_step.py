@@ -55,8 +55,9 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
     q2, k2 = q.reshape(Hq, D), k.reshape(Hkv, D)
     rmsnorm._rmsnorm_serial(q2, q_norm, eps, q2)               # per head, before RoPE
     rmsnorm._rmsnorm_serial(k2, k_norm, eps, k2)
-    rope._rope_serial(q, positions, inv_freq, q, True)
-    rope._rope_serial(k, positions, inv_freq, k, True)
+    in_place = Hq > 0  # True, as a run-time bool: a literal True compiled rope a second time
+    rope._rope_serial(q, positions, inv_freq, q, in_place)
+    rope._rope_serial(k, positions, inv_freq, k, in_place)
     for h in range(Hkv):
         for d in range(D):
             cache_k[h, start, d] = k[0, h, d]

@@ -13,11 +13,11 @@ Letters: T tokens, Hk key heads, Hv value heads, dk key dim, dv value dim.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
-from fermijit.jit.cpu import kernel
+from fermijit.jit import omp
+from fermijit.jit.cpu import bind, kernel
 from fermijit.ops import gated_delta_chunk as stages
 
 
@@ -120,23 +120,30 @@ def _recurrent_head(q, k, v, g, beta, state, o, delta, h):
                 S[i, j] = alpha * S[i, j] + k_i * delta[j]
 
 
-@kernel(parallel=True)
-def _recurrent(q, k, v, g, beta, state, o):
-    """One thread per value head (_recurrent_head)."""
-    Hv, dv = v.shape[1], v.shape[2]
-    deltas = np.empty((Hv, dv), dtype=np.float32)
-    for h in prange(Hv):
-        _recurrent_head(q, k, v, g, beta, state, o, deltas[h], h)
-
-
 def recurrent_share(thread, n_threads, args):
-    """A thread's run of value heads, for a kernel that forks (jit.omp) rather than calls the
-    prange `_recurrent`: from inside another compiled function, a prange launch cost ~3x the
-    heads' work on 2 threads (419 vs 131 us a full-size layer, /work/notes/decode.md)."""
+    """A thread's run of value heads (jit.omp.fork; also ops/gdn_step.py's): each head by one
+    thread, whatever the thread count. A fork, not a prange: called from inside another compiled
+    function (gdn_step), a prange launch cost ~3x the heads' work on 2 threads (419 vs 131 us a
+    full-size layer), and its parfor took 2.9 s of a first run's compiling."""
     q, k, v, g, beta, state, o, deltas = args
     Hv = v.shape[1]
     for h in range(thread * Hv // n_threads, (thread + 1) * Hv // n_threads):
         _recurrent_head(q, k, v, g, beta, state, o, deltas[h], h)
+
+
+def _recurrent_body(q, k, v, g, beta, state, o):
+    fork((q, k, v, g, beta, state, o, np.empty((v.shape[1], v.shape[2]), np.float32)))
+
+
+_recurrents: list = []  # made on first use (it starts the OpenMP threads)
+
+
+def _recurrent(*args):
+    if not _recurrents:
+        variant = "omp" if omp.available() else "serial"
+        _recurrents.append(kernel(_recurrent_body, variant=variant,
+                                  fork=omp.fork(bind(recurrent_share, variant))))
+    _recurrents[0](*args)
 
 
 def check_cpu_inputs(op, q, k, v, g, beta, state, out):

@@ -315,6 +315,14 @@ class PrefillBuffers:
     act_x: Q8Act | None = None
     act_rows: Q8Act | None = None
 
+    def fits(self, w: MoeWeights, n_tok: int, top_k: int) -> bool:
+        """Made for this pass size and these weights' shapes (layers may differ: pruned)."""
+        return (self.n_tok == n_tok and self.slot_pos.shape[1] == top_k
+                and self.offsets.size == w.gate_up_qs.shape[0] + 1
+                and self.routed.gu.shape[1] == w.gate_up_qs.shape[1]
+                and self.routed.out.shape[1] == w.down_qs.shape[1]
+                and self.shared.gu.shape[1] == w.shared_gate_up_qs.shape[1])
+
     @classmethod
     def make(cls, w: MoeWeights, n_tok: int, top_k: int) -> "PrefillBuffers":
         return cls(n_tok, np.empty(n_tok * top_k, np.int64), np.empty((n_tok, top_k), np.int64),
@@ -347,9 +355,39 @@ def cpu(x, ids, weights, w: MoeWeights, out=None, scratch: Scratch | None = None
     else:
         n_tok, top_k = ids.shape
         b = scratch.prefill if scratch is not None else None
-        if b is None or b.n_tok != n_tok or b.slot_pos.shape[1] != top_k:
+        if b is None or not b.fits(w, n_tok, top_k):
             b = PrefillBuffers.make(w, n_tok, top_k)
             if scratch is not None:
                 scratch.prefill = b
         _prefill(x, ids, weights, w, y, b)
+    return y
+
+
+def batched(x, ids, weights, w: MoeWeights, out=None):
+    """`cpu` for B sequences' decode tokens (x [B, H]), each row bit for bit `cpu` on that row
+    alone (model/batch.py): the experts as grouped launches (slots sorted by expert) with the
+    `like_gemv` tile, which accumulates each (row, token) as decode's GEMV does; the shared expert
+    as one more grouped launch; the weighted sum by decode's own `_combine`, row by row (prefill's
+    gate is a numpy float64 dot, whose summation order is BLAS's)."""
+    _check(x, ids, weights, w)
+    y = output("moe", out, x.shape)
+    n_seq, top_k = ids.shape
+    n_experts = w.gate_up_qs.shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):  # _check skips one token's
+        raise FermijitError(f"moe: expert index out of range [0, {n_experts})")
+    rows = np.empty(n_seq * top_k, np.int64)
+    slot_pos = np.empty((n_seq, top_k), np.int64)
+    offsets = np.empty(n_experts + 1, np.int64)
+    _sort_slots(ids, n_experts, rows, slot_pos, offsets)
+    act = matvec.quantize_act(x)
+    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
+    # SwiGLU on one thread, as decode: a parallel launch's wake-up cost more than B·k rows of it
+    # (0.42 ms a call on the default model, 4 sequences, a busy 2-core machine).
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act.rows(rows), offsets, _swiglu,
+                  like_gemv=True)
+    shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
+                  np.array([0, n_seq], np.int64), _swiglu, like_gemv=True)
+    per_seq = routed[slot_pos]                                          # [B, k, H]
+    for b in range(n_seq):
+        _combine(per_seq[b], weights[b], shared[b], x[b], w.shared_gate, y[b])
     return y

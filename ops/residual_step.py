@@ -13,9 +13,11 @@ layer (`bench decode --profile`), 2 ms a token of the real model's 40 layers.
 
 The norm, the quantisation and the routing are the ops' own kernels, so those outputs are bit for
 bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
-test_residual_step.py). The product's rows are split over the threads of one OpenMP fork; each
-row's sum is computed the same way whatever the thread count (deterministic), in fp32 with the
-kernels' reassociation (vectorised), so it differs from numpy's matmul in the last bits.
+test_residual_step.py). The product runs on the calling thread, in fp32 with the kernels'
+reassociation (vectorised), so it differs from numpy's matmul in the last bits and does not
+depend on the thread count. Not forked over the threads: a fork would save an estimated ~15 us
+of a 1 MB router on an idle machine (~0.7 ms a token), but on this shared 2-core VM under load
+every fork waited for its second thread (70 more forks a token: 0.84 ms a call at load 10).
 
 Letters: H hidden, R product rows, k experts per token.
 """
@@ -24,8 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fermijit.jit import omp
-from fermijit.jit.cpu import bind, kernel
+from fermijit.jit.cpu import kernel
 from fermijit.ops import matvec, rmsnorm, router
 from fermijit.ops.matvec import Q8Act
 
@@ -49,34 +50,18 @@ def _dot_rows(w, x, out, r0, r1):
         out[0, r] = acc
 
 
-def _product_share(thread, n_threads, args):
-    w, x, out = args
-    rows = w.shape[0]
-    _dot_rows(w, x, out, thread * rows // n_threads, (thread + 1) * rows // n_threads)
-
-
-def _step_body(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes,
-               w, p, ids, weights):
+@kernel
+def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes, w, p, ids,
+          weights):
     if add:
         for j in range(x.shape[1]):
             x[0, j] = x[0, j] + y[0, j]
     rmsnorm._rmsnorm_serial(x, norm_w, eps, xn)
     matvec._quantize_act_kernel(xn, xq, dx, xsum8, lanes, step_blocks, half_lanes)
     if w.shape[0]:
-        fork((w, xn, p))
+        _dot_rows(w, xn, p, 0, w.shape[0])
         if ids.shape[1]:
             router._route_tokens(p, ids, weights)
-
-
-_steps: list = []  # made on first use (it starts the OpenMP threads)
-
-
-def _step_kernel():
-    if not _steps:
-        variant = "omp" if omp.available() else "serial"
-        _steps.append(kernel(_step_body, variant=variant,
-                             fork=omp.fork(bind(_product_share, variant))))
-    return _steps[0]
 
 
 NO_IDS = np.empty((1, 0), np.int32)
@@ -91,7 +76,7 @@ def cpu(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS)
     kernel's signature checks them here."""
     v = act.vec
     half = matvec.simd.HALF_OF.get(v.isa)
-    _step_kernel()(x, x if y is None else y, y is not None, norm_w, float(eps), xn, act.xq,
-                   act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
-                   half.lanes if half else 0, w, p, ids, weights)
+    _step(x, x if y is None else y, y is not None, norm_w, float(eps), xn, act.xq, act.dx,
+          act.xsum8, v.lanes, matvec.blocks_per_step(v), half.lanes if half else 0, w, p, ids,
+          weights)
     return act

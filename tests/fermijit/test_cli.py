@@ -52,7 +52,7 @@ def test_bench_kernels_reports_every_shape_and_variant():
     """The smallest cold set: the report's structure, not its speeds (timed tests are noise)."""
     import json
 
-    from fermijit.bench_cpu import GEMV_SHAPES
+    from fermijit.bench_cpu import GEMM_SHAPES, GEMV_SHAPES
     from fermijit.jit import cpu
 
     r = fermijit("bench", "kernels", "--gib", "0.0625", "--json")
@@ -70,5 +70,8 @@ def test_bench_kernels_reports_every_shape_and_variant():
         for kind in (" hot", "gemv launch"):
             assert any(kind in what and v == variant for what, v in got), (kind, variant)
     assert any(what == "read bandwidth (best)" for what, _ in got)
+    for n_tok, rows_, k in GEMM_SHAPES:
+        for variant in variants[:-1] if "ssse3/wsm" in variants else variants:
+            assert (f"gemm {n_tok}x{rows_}x{k}", variant) in got
     for row in rows:
         assert row["value"] > 0 and (row["ratio"] is None or 0 < row["ratio"] < 10), row

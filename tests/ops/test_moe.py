@@ -100,6 +100,35 @@ def test_bad_inputs(rng):
                 moe.MoeWeights(*w.routed, *w.shared, np.zeros(96, np.float32)))
 
 
+BATCHED = {"B1-E8-H64-I32": (1, 8, 64, 32, 64, 2),
+           "B3-E16-H128-I64-shared-fused": (3, 16, 128, 64, 64, 4),
+           "B5-E12-H128-I64": (5, 12, 128, 64, 96, 3), "B8-E4-H64-I32": (8, 4, 64, 32, 32, 2)}
+
+
+@pytest.mark.parametrize("shape", BATCHED.values(), ids=BATCHED.keys())
+def test_batched_rows_are_decode_exactly(rng, shape):
+    """Batched decode (model/batch.py) needs each row bit for bit what decode gives that row."""
+    n_seq, n_experts, hidden, inter, shared_inter, top_k = shape
+    w = _weights(rng, n_experts, hidden, inter, shared_inter)
+    ids, weights = _routing(rng, n_seq, n_experts, top_k)
+    ids[-1] = ids[0]  # two rows on the same experts: runs of several tokens per expert
+    x = rng.standard_normal((n_seq, hidden)).astype(np.float32)
+    out = moe.batched(x, ids, weights, w, out=poisoned((n_seq, hidden)))
+    for b in range(n_seq):
+        one = moe.cpu(x[b:b + 1], ids[b:b + 1], weights[b:b + 1], w)
+        np.testing.assert_array_equal(out[b:b + 1], one, err_msg=f"row {b}")
+    exact = _w4a8_reference(x, ids, weights, w)
+    assert_close("moe batched vs w4a8 parts", exact, out, atol=RTOL * np.abs(exact).max(),
+                 rtol=RTOL)
+
+
+def test_batched_checks_expert_ids(rng):
+    w = _weights(rng, 4, 64, 32, 32)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    with pytest.raises(FermijitError, match="out of range"):
+        moe.batched(x, np.array([[0, 4]], np.int32), np.full((1, 2), 0.5, np.float32), w)
+
+
 ISAS = cpu.variants_up_to(cpu.selected_isa())
 
 

@@ -1,0 +1,159 @@
+"""Batched decode (issue 14 item 3): one forward step of B sequences, each one token after its
+own `State` (KV caches, GDN conv and recurrent state, position), for a server decoding several
+requests at once.
+
+What reads weights is batched over the B rows, so the weights stream from memory once a step, not
+B times: the mixers' projections as one W4A8 GEMM over B rows (matvec.product), the MoE's
+experts as one grouped GEMM per projection over the (sequence, expert) slots sorted by expert
+(ops.moe.batched). What reads a sequence's own state, or is fp32 and small, runs per sequence,
+through the same fused step kernels as `Model.decode` (model/forward.py `_decode_fused`): the
+residual add + norm + quantisation + fp32 gates or router (ops.residual_step), the attention step
+over its KV cache (ops.attention_step), the GDN step on its conv and recurrent state
+(ops.gdn_step).
+
+Row b of the logits is bit for bit `Model.decode(tokens[b], states[b])`
+(tests/model/test_batch.py): the products take the `like_gemv` tile, which accumulates each
+(row, token) exactly as the GEMV does; everything else is decode's own kernels on row b. So a
+request's tokens at temperature 0 do not depend on what else is in the batch.
+
+Dimension legend: as model/forward.py; B sequences in the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model.forward import L2NORM_EPS, Model, linear
+from fermijit.model.state import State
+from fermijit.ops import attention_step, embedding, gdn_step, matvec, moe, residual_step
+
+
+def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
+    """One Q8Act per row of `act`, each a view of it (so per-row kernels fill the batch's)."""
+    return [matvec.Q8Act(act.xq[b:b + 1], act.dx[b:b + 1], act.xsum8[b:b + 1], act.vec)
+            for b in range(act.xq.shape[0])]
+
+
+def can_batch(model: Model) -> bool:
+    """Whether `decode_batch` takes this model: decode's fused path, joined input projections."""
+    return model.fused_decode and all(w.joined_in is not None for w in model.layers)
+
+
+class BatchWorkspace:
+    """Every intermediate of one batched step of B sequences, made once per B."""
+
+    def __init__(self, model: Model, n_seqs: int):
+        f, B = np.float32, n_seqs
+        H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
+        Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
+        C, Cq = model.conv_dim, Hq * 2 * D
+        self.n_seqs = B
+        self.tokens = np.empty(B, np.int32)
+        self.positions = np.empty(B, np.int64)
+        self.x = np.empty((B, H), f)             # the residual stream
+        self.xn = np.empty((B, H), f)            # its norm: a sublayer's input
+        self.y = np.empty((B, H), f)             # a sublayer's output
+        self.act = matvec.quantize_act(self.xn)  # xn quantised, filled row by row
+        self.act_rows = _rows(self.act)
+        # attention: q (query D | gate D per head) | k | v; one sequence's step scratch
+        self.attn_in = np.empty((B, Cq + 2 * Hkv * D), f)
+        self.q = np.empty((1, Hq, D), f)
+        self.gate = np.empty((1, Hq, D), f)
+        self.o = np.empty((B, Hq, D), f)
+        self.act_attn = matvec.quantize_act(self.o.reshape(B, -1))
+        self.act_attn_rows = _rows(self.act_attn)
+        splits = attention_step.max_splits(Hkv)
+        self.m = np.empty((splits, 1, Hq), f)
+        self.l = np.empty((splits, 1, Hq), f)
+        # gated deltanet: qkv | z, b | a; one sequence's step scratch
+        self.gdn_in = np.empty((B, C + Hv * dv), f)
+        self.gates_in = np.empty((B, 2 * Hv), f)
+        self.gq = np.empty((1, Hk, dk), f)
+        self.gk = np.empty((1, Hk, dk), f)
+        self.gv = np.empty((1, Hv, dv), f)
+        self.g = np.empty((1, Hv), f)
+        self.beta = np.empty((1, Hv), f)
+        self.go = np.empty((B, Hv, dv), f)
+        self.act_gdn = matvec.quantize_act(self.go.reshape(B, -1))
+        self.act_gdn_rows = _rows(self.act_gdn)
+        # moe
+        self.router_logits = np.empty((B, model.n_experts), f)
+        self.ids = np.empty((B, model.top_k), np.int32)
+        self.weights = np.empty((B, model.top_k), f)
+        self.logits = np.empty((B, model.vocab_size), f)
+        self.no_product = np.empty((0, H), f)
+        self.no_product.flags.writeable = False
+        self.no_p = np.empty((1, 0), f)
+
+
+def decode_batch(model: Model, tokens, states: list[State],
+                 ws: BatchWorkspace | None = None) -> np.ndarray:
+    """Logits [B, V] after tokens[b] for each sequence b (`states[b]` advanced by one); row b is
+    `model.decode(tokens[b], states[b])` bit for bit. `ws` (a BatchWorkspace of B) avoids
+    allocating one per step; the result is a view of it."""
+    tokens = np.asarray(tokens, np.int32)
+    B = len(states)
+    if tokens.shape != (B,) or B == 0:
+        raise FermijitError(f"decode_batch: {tokens.size} tokens for {B} states (need one each, "
+                            f"at least one)")
+    if not can_batch(model):
+        raise FermijitError("decode_batch needs a 4-bit fermijit model with Q4_0 mixers and "
+                            "joined input projections (convert the model again)")
+    if len({id(s) for s in states}) != B:
+        raise FermijitError("decode_batch: a state appears twice")
+    for s in states:
+        model._check_room(s, 1)
+    model._check_token(tokens)
+    if ws is None or ws.n_seqs != B:
+        ws = BatchWorkspace(model, B)
+    ws.tokens[:] = tokens
+    ws.positions[:] = [s.position + s.rope_delta for s in states]  # delta: after images
+    embedding.cpu(ws.tokens, model.embed, out=ws.x)
+    eps, y = model.eps, None                                         # y: the sublayer output
+    for i, w in enumerate(model.layers):
+        mixer, layer_states = w.mixer, [s.layers[i] for s in states]
+        if model.is_attention[i]:
+            _residual(ws, y, w.input_norm, eps, ws.no_product, None)
+            linear(ws.xn, w.joined_in, ws.attn_in, ws.act, like_gemv=True)  # q | k | v
+            for b, cache in enumerate(layer_states):
+                attention_step.cpu(ws.attn_in[b:b + 1], mixer.q_norm, mixer.k_norm, eps,
+                                   ws.positions[b:b + 1], model.rotary_dim, model.theta,
+                                   cache.k, cache.v, ws.q, ws.gate, ws.o[b:b + 1], ws.m, ws.l,
+                                   ws.act_attn_rows[b])
+            linear(ws.o.reshape(B, -1), mixer.o_proj, ws.y, ws.act_attn, like_gemv=True)
+        else:
+            _residual(ws, y, w.input_norm, eps, w.gates_in, ws.gates_in)    # b | a
+            linear(ws.xn, w.joined_in, ws.gdn_in, ws.act, like_gemv=True)   # qkv | z
+            _gdn_steps(model, mixer, layer_states, ws)
+            linear(ws.go.reshape(B, -1), mixer.out_proj, ws.y, ws.act_gdn, like_gemv=True)
+        y = ws.y
+        _residual(ws, y, w.post_norm, eps, w.router, ws.router_logits, routed=True)
+        if model.moe_observer is not None:
+            model.moe_observer(w, ws.xn, ws.ids, ws.weights)
+        moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
+    for s in states:
+        s.position += 1
+    _residual(ws, y, model.norm, eps, ws.no_product, None)
+    return linear(ws.xn, model.lm_head, ws.logits, ws.act, like_gemv=True)
+
+
+def _residual(ws: BatchWorkspace, y, norm_w, eps, w, p, routed: bool = False) -> None:
+    """ops.residual_step row by row (decode's kernel: its fp32 product's bits are its own):
+    x += y, xn = rmsnorm(x), act = quantise(xn), p = w · xn (routed into ids, weights)."""
+    for b in range(ws.n_seqs):
+        rows = slice(b, b + 1)
+        extra = (ws.ids[rows], ws.weights[rows]) if routed else ()
+        residual_step.cpu(ws.x[rows], None if y is None else y[rows], norm_w, eps, ws.xn[rows],
+                          ws.act_rows[b], w, ws.no_p if p is None else p[rows], *extra)
+
+
+def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace) -> None:
+    C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
+    for b, s in enumerate(gdn_states):
+        row = ws.gdn_in[b:b + 1]
+        gdn_step.cpu(row[:, :C], row[:, C:].reshape(1, Hv, dv), ws.gates_in[b:b + 1, Hv:],
+                     ws.gates_in[b:b + 1, :Hv], mixer.conv1d, s.conv, mixer.A_log,
+                     mixer.dt_bias, mixer.norm, model.eps, L2NORM_EPS, s.recurrent, ws.gq,
+                     ws.gk, ws.gv, ws.g, ws.beta, ws.go[b:b + 1], ws.act_gdn_rows[b])
+

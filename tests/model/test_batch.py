@@ -1,0 +1,67 @@
+"""Batched decode (model/batch.py, issue 14 item 3) against B separate `Model.decode` calls: bit
+for bit, so that at temperature 0 a request's tokens do not depend on what else is in the batch
+(the server's load test compares them with sequential runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.engine import DEFAULT_MODEL
+from fermijit.model.batch import BatchWorkspace, decode_batch
+from fermijit.model.forward import load_model
+
+CONTEXT = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DEFAULT_MODEL)[1]
+
+
+def _prefilled(model, prompts):
+    """A state and the greedy next token per prompt."""
+    out = []
+    for p in prompts:
+        s = model.new_state(CONTEXT)
+        out.append((s, int(model.prefill(p, s).argmax())))
+    return out
+
+
+def test_rows_are_separate_decodes_exactly(model, rng):
+    # Ragged positions (3 to 30 tokens seen), a sequence joining and one leaving between steps.
+    prompts = [rng.integers(0, model.vocab_size, n) for n in (5, 17, 3, 30, 9)]
+    batched, single = _prefilled(model, prompts), _prefilled(model, prompts)
+    active = [0, 1, 2, 3]
+    for step in range(5):
+        if step == 2:
+            active = [1, 2, 3, 4]
+        tokens = [batched[i][1] for i in active]
+        ws = BatchWorkspace(model, len(active))
+        ws.logits[:] = np.nan
+        got = decode_batch(model, tokens, [batched[i][0] for i in active], ws)
+        for row, i in enumerate(active):
+            want = model.decode(single[i][1], single[i][0])
+            np.testing.assert_array_equal(got[row], want, err_msg=f"step {step}, sequence {i}")
+            token = int(want.argmax())
+            batched[i], single[i] = (batched[i][0], token), (single[i][0], token)
+    for (a, _), (b, _) in zip(batched, single):
+        assert a.position == b.position
+        for la, lb in zip(a.layers, b.layers):
+            for name in vars(la):
+                np.testing.assert_array_equal(getattr(la, name), getattr(lb, name))
+
+
+def test_bad_calls_are_refused(model):
+    s = model.new_state(2)
+    with pytest.raises(FermijitError, match="one each"):
+        decode_batch(model, [1, 2], [s])
+    with pytest.raises(FermijitError, match="twice"):
+        decode_batch(model, [1, 2], [s, s])
+    with pytest.raises(FermijitError, match="token ids"):
+        decode_batch(model, [model.vocab_size], [s])
+    decode_batch(model, [1], [s])
+    decode_batch(model, [1], [s])
+    with pytest.raises(FermijitError, match="context full"):
+        decode_batch(model, [1], [s])
