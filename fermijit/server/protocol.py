@@ -63,6 +63,7 @@ class Job:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever (benchmarks)
+    images: tuple[str, ...] = ()  # data: URIs of the chat's image parts, in order
     emit: Callable[[object], None] = print
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -112,7 +113,31 @@ def _field(body: dict, name: str, kind, default=None, check=None, what: str = ""
     return value
 
 
-def _messages(body: dict) -> list[dict]:
+def _parts(content: list, where: str, images: list[str]) -> str | list[dict]:
+    """Content parts: text, joined into one string; with images (OpenAI `image_url` parts holding
+    data: URIs, appended to `images`), the parts as model/multimodal.py renders them."""
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+            continue
+        url = part.get("image_url") if kind == "image_url" else None
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise ApiError(400, f"'{where}.content' parts must be text parts ({{\"type\": \"text\", "
+                                f"\"text\": ...}}) or image_url parts", f"{where}.content")
+        if not url.startswith("data:"):
+            raise ApiError(400, f"'{where}.content' images must be data: URIs (this server fetches "
+                                f"nothing)", f"{where}.content")
+        images.append(url)
+        parts.append({"type": "image"})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _messages(body: dict, images: list[str]) -> list[dict]:
     messages = _field(body, "messages", list)
     if not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
@@ -125,20 +150,12 @@ def _messages(body: dict) -> list[dict]:
             raise ApiError(400, f"'{where}.role' must be system, developer, user or assistant, "
                                 f"got {m['role']!r}", f"{where}.role")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            parts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise ApiError(400, f"'{where}.content' parts must be text parts "
-                                        f"({{\"type\": \"text\", \"text\": ...}})",
-                                   f"{where}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
+        if isinstance(content, list):
+            content = _parts(content, where, images)
         if content is None and m["role"] == "assistant":
             content = ""
-        if not isinstance(content, str):
-            raise ApiError(400, f"'{where}.content' must be a string or text parts",
+        if not isinstance(content, (str, list)):
+            raise ApiError(400, f"'{where}.content' must be a string or content parts",
                            f"{where}.content")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": content})
@@ -171,7 +188,8 @@ def parse(body, is_chat: bool) -> Job:
     n = _field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, f"only n = 1 is supported, got {n}", "n", "unsupported_value")
-    prompt = _messages(body) if is_chat else _prompt(body)
+    images: list[str] = []
+    prompt = _messages(body, images) if is_chat else _prompt(body)
     max_tokens = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, ">= 1")
     max_tokens = _field(body, "max_tokens", int, max_tokens, lambda v: v >= 1, ">= 1")
     temperature = _field(body, "temperature", (int, float), None, lambda v: 0 <= v <= 2,
@@ -192,7 +210,8 @@ def parse(body, is_chat: bool) -> Job:
                temperature=None if temperature is None else float(temperature),
                top_p=None if top_p is None else float(top_p), top_k=top_k,
                seed=secrets.randbits(63) if seed is None else abs(seed), stop=tuple(stop),
-               stream=stream, include_usage=include_usage, ignore_eos=ignore_eos)
+               stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
+               images=tuple(images))
 
 
 # --- responses ----------------------------------------------------------------------------------

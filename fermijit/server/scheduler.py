@@ -76,6 +76,7 @@ class Sequence:
     token: int = -1              # the last sampled token: the next to feed
     generated: list[int] = dataclasses.field(default_factory=list)
     is_done: bool = False
+    has_images: bool = False     # not snapshotted: image tokens' ids do not say which image
 
 
 class Scheduler:
@@ -167,11 +168,22 @@ class Scheduler:
                            "prompt")
         return ids.astype(np.int32)
 
+    def _image_prompt(self, job: Job):
+        """The chat with its images (model/multimodal.py Prompt); a bad image is a 400."""
+        from fermijit.model import image
+
+        try:
+            images = [image.from_data_uri(uri, f"image {k}") for k, uri in enumerate(job.images)]
+            return self.engine.image_prompt(job.prompt, images)
+        except FermijitError as e:
+            raise ApiError(400, str(e), "messages") from None
+
     def _start(self, job: Job) -> Sequence:
         from fermijit import engine as engine_module
 
         engine, model = self.engine, self.engine.model
-        prompt = self._tokens(job)
+        with_images = self._image_prompt(job) if job.images else None
+        prompt = self._tokens(job) if with_images is None else with_images.ids
         n_prompt, max_context = int(prompt.size), model.max_context
         if n_prompt == 0:
             raise ApiError(400, "the prompt is empty (no tokens)", "prompt")
@@ -182,10 +194,17 @@ class Scheduler:
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)
-        state, logits, n_cached = engine_module.prefill(model, prompt, n_prompt + max_tokens,
-                                                        engine.cache, None, engine.prefiller)
+        if with_images is None:
+            state, logits, n_cached = engine_module.prefill(model, prompt, n_prompt + max_tokens,
+                                                            engine.cache, None, engine.prefiller)
+        else:  # on the CPU, as generate --image, and without the cache
+            from fermijit.model import multimodal
+
+            state, n_cached = model.new_state(n_prompt + max_tokens), 0
+            logits = multimodal.prefill(model, with_images, state)
         seq = Sequence(job, prompt, n_cached, max_tokens, state, sampler,
-                       engine.tokenizer.stream(), StopMatcher(job.stop))
+                       engine.tokenizer.stream(), StopMatcher(job.stop),
+                       has_images=with_images is not None)
         job.emit(Started(n_prompt, n_cached))
         self._accept(seq, sampler.sample(logits), logits)
         return seq
@@ -239,7 +258,8 @@ class Scheduler:
         """End `s` (reason None: its client is gone) and snapshot what it fed the model."""
         s.is_done = True
         cache, n_prompt = self.engine.cache, int(s.prompt.size)
-        if cache is not None and s.state.position > n_prompt and logits is not None:
+        if (cache is not None and not s.has_images and s.state.position > n_prompt
+                and logits is not None):
             fed = np.concatenate([s.prompt, np.asarray(s.generated[:s.state.position - n_prompt],
                                                        np.int32)])
             cache.add(fed, s.state, logits)

@@ -131,6 +131,13 @@ BAD_BODIES = {
     "a penalty": b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}',
     "logprobs": b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}',
     "tools": b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}',
+    "image from the web": b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
+                          b'"image_url": {"url": "https://example.com/a.png"}}]}]}',
+    "image not base64": b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
+                        b'"image_url": {"url": "data:image/png;base64,@@@"}}]}]}',
+    "image on a text model": b'{"messages": [{"role": "user", "content": [{"type": "image_url", '
+                             b'"image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}',
+    "part of no kind": b'{"messages": [{"role": "user", "content": [{"type": "audio"}]}]}',
 }
 
 
