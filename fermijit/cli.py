@@ -56,6 +56,11 @@ def _select_numa(ctx, param, value):
     return value
 
 
+SYNTHETIC_NAMES = click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"])  # model/synth.py
+synthetic_option = click.option(
+    "--synthetic", type=SYNTHETIC_NAMES, default=None,
+    help="Build this synthetic model into a temporary directory first (when no --model is given).")
+
 numa_option = click.option(
     "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
     callback=_select_numa, expose_value=False,
@@ -160,9 +165,7 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
 @bench.command("decode")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory.")
-@click.option("--synthetic", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]),
-              default=None, help="Build this synthetic model into a temporary directory first "
-                                 "(when no --model is given).")
+@synthetic_option
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Random prompt tokens to prefill.")
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
@@ -187,9 +190,7 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
 @bench.command("serve")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory or GGUF file (default: the embedded model).")
-@click.option("--synthetic", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]),
-              default=None, help="Build this synthetic model into a temporary directory first "
-                                 "(when no --model is given).")
+@synthetic_option
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Random prompt tokens per stream.")
 @click.option("--tokens", type=click.IntRange(min=2), default=32, show_default=True,
@@ -431,7 +432,7 @@ def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float 
 
 
 @cli.command()
-@click.argument("name", type=click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"]))
+@click.argument("name", type=SYNTHETIC_NAMES)
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Decoder layers (default: the real 40).")

@@ -17,7 +17,7 @@ from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import mathf
 from fermijit.jit import omp
-from fermijit.jit.cpu import bind, kernel
+from fermijit.jit.cpu import kernel
 
 
 def reference(q, k, v, gate, start):
@@ -162,16 +162,8 @@ def _attention_body(q, k, v, start, acc, m, l, gate, o):
     fork_combine((acc, m, l, gate, o))
 
 
-_kernels: list = []  # made on first use (it starts the OpenMP threads)
-
-
-def _attention_kernel():
-    if not _kernels:
-        variant = "omp" if omp.available() else "serial"
-        _kernels.append(kernel(_attention_body, variant=variant,
-                               fork=omp.fork(bind(attend_share, variant)),
-                               fork_combine=omp.fork(bind(_combine_share, variant))))
-    return _kernels[0]
+_attention_kernel = omp.forking_kernel(_attention_body, fork=attend_share,
+                                       fork_combine=_combine_share)
 
 
 def cpu(q, k, v, gate, start, out=None):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit import omp
-from fermijit.jit.cpu import bind, kernel
 from fermijit.ops import attention, matvec, rmsnorm, rope
 from fermijit.ops.matvec import Q8Act
 
@@ -74,15 +73,7 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
                                 half_lanes)
 
 
-_steps: list = []  # made on first use (it starts the OpenMP threads)
-
-
-def _step_kernel():
-    if not _steps:
-        variant = "omp" if omp.available() else "serial"
-        _steps.append(kernel(_step_body, variant=variant,
-                             fork=omp.fork(bind(attention.attend_share, variant))))
-    return _steps[0]
+_step_kernel = omp.forking_kernel(_step_body, fork=attention.attend_share)
 
 
 def max_splits(n_kv_heads: int) -> int:

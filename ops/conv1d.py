@@ -16,7 +16,7 @@ from numba import prange
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import mathf, omp
-from fermijit.jit.cpu import bind, kernel
+from fermijit.jit.cpu import kernel
 
 # Channels per block: the block's taps (4 KiB) and state rows (3 KiB) stay in L1 while t advances.
 CHANNEL_BLOCK = 256
@@ -104,15 +104,7 @@ def _sequence_body(x, w_taps, state, out):
 
 
 _conv_step = kernel(_conv_tokens)
-_sequence: list = []  # the prefill kernel, made on first use (it starts the OpenMP threads)
-
-
-def _sequence_kernel():
-    if not _sequence:
-        variant = "omp" if omp.available() else "serial"
-        _sequence.append(kernel(_sequence_body, variant=variant,
-                                fork=omp.fork(bind(_sequence_share, variant))))
-    return _sequence[0]
+_sequence_kernel = omp.forking_kernel(_sequence_body, fork=_sequence_share)  # prefill's
 
 
 def cpu(x, w, state, out=None):

@@ -17,7 +17,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import omp
-from fermijit.jit.cpu import bind, kernel
+from fermijit.jit.cpu import kernel
 from fermijit.ops import gated_delta_chunk as stages
 
 
@@ -135,15 +135,11 @@ def _recurrent_body(q, k, v, g, beta, state, o):
     fork((q, k, v, g, beta, state, o, np.empty((v.shape[1], v.shape[2]), np.float32)))
 
 
-_recurrents: list = []  # made on first use (it starts the OpenMP threads)
+_recurrent_kernel = omp.forking_kernel(_recurrent_body, fork=recurrent_share)
 
 
 def _recurrent(*args):
-    if not _recurrents:
-        variant = "omp" if omp.available() else "serial"
-        _recurrents.append(kernel(_recurrent_body, variant=variant,
-                                  fork=omp.fork(bind(recurrent_share, variant))))
-    _recurrents[0](*args)
+    _recurrent_kernel()(*args)
 
 
 def check_cpu_inputs(op, q, k, v, g, beta, state, out):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit import omp
-from fermijit.jit.cpu import bind, kernel
 from fermijit.ops import conv1d, gated_delta, l2norm, matvec, rmsnorm
 from fermijit.ops.matvec import Q8Act
 
@@ -58,15 +57,7 @@ def _step_body(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, 
                                 half_lanes)
 
 
-_steps: list = []  # made on first use (it starts the OpenMP threads)
-
-
-def _step_kernel():
-    if not _steps:
-        variant = "omp" if omp.available() else "serial"
-        _steps.append(kernel(_step_body, variant=variant,
-                             fork=omp.fork(bind(gated_delta.recurrent_share, variant))))
-    return _steps[0]
+_step_kernel = omp.forking_kernel(_step_body, fork=gated_delta.recurrent_share)
 
 
 def cpu(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, recurrent,

@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from numba.np.ufunc import parallel as numba_parallel
 
 from fermijit import FermijitError
-from fermijit.jit.cpu import configure_threads
+from fermijit.jit.cpu import bind, configure_threads, kernel
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -126,3 +126,19 @@ def fork(share):
         return types.none(args), codegen
 
     return fork_
+
+
+def forking_kernel(body, **shares):
+    """A function returning `cpu.kernel(body)` whose globals named in `shares` are `fork`
+    intrinsics over those share functions (the omp variant where Numba's omp layer runs, else a
+    team of one), made on its first call: making it starts the OpenMP threads."""
+    made = []
+
+    def get():
+        if not made:
+            variant = "omp" if available() else "serial"
+            forks = {name: fork(bind(share, variant)) for name, share in shares.items()}
+            made.append(kernel(body, variant=variant, **forks))
+        return made[0]
+
+    return get
