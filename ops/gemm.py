@@ -34,6 +34,7 @@ from numba.extending import intrinsic
 from fermijit.jit import omp, simd
 from fermijit import FermijitError
 from fermijit.jit.cpu import Isa, bind, kernel, supported
+from fermijit.jit.omp import jobs_starting_in
 from fermijit.jit.simd import F32, I8, I16, I32, I64, Vec, vec
 from fermijit.ops.quant import BLOCK
 
@@ -340,9 +341,7 @@ def _grouped_share(thread, n_threads, args):
         n = t1 - t0
         if n == 0:
             continue
-        # Job g starts at done + g·n: this thread's are those starting in [lo, hi).
-        g_first = max(0, (lo - done + n - 1) // n)
-        g_end = min(groups, (hi - done + n - 1) // n)
+        g_first, g_end = jobs_starting_in(lo, hi, done, n, groups)
         for g in range(g_first, g_end):
             pack(qs[e], d[e], g * ROWS, bq, bs, 0)
             if g + 1 < g_end:

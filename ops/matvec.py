@@ -34,6 +34,7 @@ from fermijit import FermijitError
 from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, bind, kernel, selected_isa, supported
+from fermijit.jit.omp import jobs_starting_in
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops import gemm
 from fermijit.ops.quant import BLOCK
@@ -538,9 +539,7 @@ def _grouped_share(thread, n_threads, args):
         n = t1 - t0
         if n == 0:
             continue
-        # Job g starts at done + g·n: this thread's are those starting in [lo, hi).
-        g_first = max(0, (lo - done + n - 1) // n)
-        g_end = min(row_groups, (hi - done + n - 1) // n)
+        g_first, g_end = jobs_starting_in(lo, hi, done, n, row_groups)
         tok_whole = t0 + n // TOKS * TOKS
         if g_first < g_end:
             _warm(qs[e], g_first * ROWS)

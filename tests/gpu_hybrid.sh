@@ -8,11 +8,7 @@ set -u
 out=${1:?usage: tests/gpu_hybrid.sh OUTDIR [tests,default,sweep,reap128,ring128,full256]}
 steps=${2:-tests,default,reap128,full256}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-  .device-wheels/*.whl && export PYTHONPATH=/tmp/site \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-    >"$out/install.log" 2>&1 \
-  || { echo "install failed"; cat "$out/install.log"; exit 1; }
+source "$(dirname "$0")/gpu_install.sh"
 case ",$steps," in *,tests,*)
   timeout 300 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_f32_gemm_gpu.py \
     tests/fermijit/test_hybrid_gpu.py tests/fermijit/test_hybrid.py tests/model/test_reap_gpu.py \

@@ -6,10 +6,7 @@
 set -u
 out=${1:?usage: tests/gpu_pass.sh OUTDIR}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/*.whl \
-  && export PYTHONPATH=/tmp/site \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
-  || { echo "install failed"; cat "$out/install.log"; exit 1; }
+source "$(dirname "$0")/gpu_install.sh"
 nvidia-smi -L >"$out/device.txt" 2>&1
 python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
 echo "kernels check rc=$?"

@@ -7,10 +7,7 @@
 set -u
 out=${1:?usage: tests/gpu_vision.sh OUTDIR}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-wheels/*.whl \
-  && export PYTHONPATH=/tmp/site \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 \
-  || { echo "install failed"; cat "$out/install.log"; exit 1; }
+source "$(dirname "$0")/gpu_install.sh"
 nvidia-smi -L
 timeout 240 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_vision_gpu.py >"$out/vision-gpu-tests.log" 2>&1
 echo "vision gpu tests rc=$?"

@@ -142,3 +142,11 @@ def forking_kernel(body, **shares):
         return made[0]
 
     return get
+
+
+@kernel
+def jobs_starting_in(lo, hi, done, n, count):
+    """Of `count` jobs of weight n starting at done, done + n, ...: the range [first, end) of
+    those that start in [lo, hi), a thread's equal share of a launch's work when jobs weigh
+    differently (the grouped expert products of ops/matvec.py and ops/gemm.py)."""
+    return max(0, (lo - done + n - 1) // n), min(count, (hi - done + n - 1) // n)

@@ -8,6 +8,7 @@ import pytest
 from fermijit.jit import cpu
 from fermijit.ops import gemm, matvec, quant
 from tests.numerics import assert_close, poisoned
+from tests.ops.test_matvec import q4_weights
 
 ISAS = [i for i in cpu.variants_up_to(cpu.selected_isa())]
 # Exact integer block sums; fp32 rounding of one multiply and one (fused) multiply-add per block
@@ -22,16 +23,11 @@ SHAPES = {"R37-K96-T11": (37, 96, 11), "R5-K64-T2": (5, 64, 2), "R16-K416-T8": (
           "R24-K800-T3": (24, 800, 3)}
 
 
-def _weights(rng, rows, k):
-    w = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.01, 2)
-    return quant.quantize_q4_0(w)
-
-
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_matches_reference(rng, isa, shape):
     rows, k, n_tok = shape
-    qs, d = _weights(rng, rows, k)
+    qs, d = q4_weights(rng, rows, k)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     out = matvec.product(matvec.Q4Matrix.of(qs, d), matvec.quantize_act(x, isa),
                          poisoned((n_tok, rows)))
@@ -58,7 +54,7 @@ def test_same_bits_whatever_threads_and_tokens(rng):
     """Rows never mix in a lane and tokens never mix in a tile: 1 and 2 threads, and a prefix of
     the tokens alone (other tiles, other tails), give the same bits."""
     rows, k, n_tok = 70, 512, 21
-    qs, d = _weights(rng, rows, k)
+    qs, d = q4_weights(rng, rows, k)
     w = matvec.Q4Matrix.of(qs, d)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     act = matvec.quantize_act(x)
@@ -78,7 +74,7 @@ def test_same_bits_whatever_threads_and_tokens(rng):
 def test_like_gemv_gives_the_gemv_bits(rng):
     """`like_gemv` (batched decode's choice): each token's row is the GEMV's, bit for bit."""
     rows, k, n_tok = 12, 1024, 6
-    qs, d = _weights(rng, rows, k)
+    qs, d = q4_weights(rng, rows, k)
     w = matvec.Q4Matrix.of(qs, d)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     y = matvec.product(w, matvec.quantize_act(x), poisoned((n_tok, rows)), like_gemv=True)
@@ -98,7 +94,7 @@ def test_grouped_every_tail(rng, isa):
     tiles), rows not whole groups."""
     counts = [7, 15, 6, 3, 0, 1, 8, 12, 5, 2, 14, 9, 4, 11, 13, 10]
     n_experts, rows, k = len(counts), 37, 96
-    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = q4_weights(rng, n_experts * rows, k)
     qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     x = rng.standard_normal((offsets[-1], k)).astype(np.float32)

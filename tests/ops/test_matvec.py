@@ -21,7 +21,8 @@ SHAPES = {"R1-K32-T1": (1, 32, 1), "R5-K96-T1": (5, 96, 1), "R8-K512-T1": (8, 51
           "R9-K384-T6": (9, 384, 6), "R3-K736-T1": (3, 736, 1), "R4-K800-T3": (4, 800, 3)}
 
 
-def _weights(rng, rows, k):
+def q4_weights(rng, rows, k):
+    """Q4_0 (qs, d) of random weights at a random scale."""
     w = rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.01, 2)
     return quant.quantize_q4_0(w)
 
@@ -30,7 +31,7 @@ def _weights(rng, rows, k):
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_matches_reference(rng, isa, shape):
     rows, k, n_tok = shape
-    qs, d = _weights(rng, rows, k)
+    qs, d = q4_weights(rng, rows, k)
     x = rng.standard_normal((n_tok, k) if n_tok > 1 else k).astype(np.float32)
     out = poisoned((n_tok, rows) if n_tok > 1 else rows)
     y = matvec.cpu(qs, d, x, out=out, isa=isa)
@@ -53,7 +54,7 @@ def test_integer_block_sums_are_exact(rng):
 
 
 def test_prepared_activations_are_reused(rng):
-    qs, d = _weights(rng, 16, 256)
+    qs, d = q4_weights(rng, 16, 256)
     x = rng.standard_normal(256).astype(np.float32)
     act = matvec.quantize_act(x)
     out = poisoned(16)
@@ -63,7 +64,7 @@ def test_prepared_activations_are_reused(rng):
 
 def test_q4_tensor_close_to_float_product(rng):
     """Sanity of the whole W4A8 scheme: near the fp32 product of the dequantised weights."""
-    qs, d = _weights(rng, 64, 1024)
+    qs, d = q4_weights(rng, 64, 1024)
     x = rng.standard_normal(1024).astype(np.float32)
     exact = quant.dequantize_q4_0(qs, d) @ x
     # Q8 activations: relative error ~ 1/127/sqrt(3) per element, averaging over K.
@@ -71,7 +72,7 @@ def test_q4_tensor_close_to_float_product(rng):
 
 
 def test_bad_inputs(rng):
-    qs, d = _weights(rng, 4, 64)
+    qs, d = q4_weights(rng, 4, 64)
     x = rng.standard_normal(64).astype(np.float32)
     with pytest.raises(FermijitError, match="x has 32 inputs, weights have 64"):
         matvec.cpu(qs, d, x[:32])
@@ -96,7 +97,7 @@ def test_bad_inputs(rng):
 @pytest.mark.parametrize("n_shared", [0, 1, 2], ids=["routed", "1-always-on", "2-always-on"])
 def test_gathered_matches_reference(rng, isa, per_item, n_shared):
     n_experts, rows, k = 6, 37, 160
-    qs, d = _weights(rng, (n_experts + n_shared) * rows, k)
+    qs, d = q4_weights(rng, (n_experts + n_shared) * rows, k)
     qs, d = qs.reshape(n_experts + n_shared, rows, -1), d.reshape(n_experts + n_shared, rows, -1)
     (qs, sqs), (d, sd) = np.split(qs, [n_experts]), np.split(d, [n_experts])
     shared = (sqs, sd) if n_shared else None
@@ -115,7 +116,7 @@ def test_grouped_matches_reference(rng, isa, counts):
     """Tokens grouped by expert, some experts empty, runs not whole token tiles; rows not whole
     row tiles (37)."""
     n_experts, rows, k = len(counts), 37, 416
-    qs, d = _weights(rng, n_experts * rows, k)
+    qs, d = q4_weights(rng, n_experts * rows, k)
     qs, d = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     x = rng.standard_normal((offsets[-1], k)).astype(np.float32)
@@ -126,7 +127,7 @@ def test_grouped_matches_reference(rng, isa, counts):
 
 
 def test_grouped_bad_inputs(rng):
-    qs, d = _weights(rng, 8, 64)
+    qs, d = q4_weights(rng, 8, 64)
     qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     for bad in ([0, 2, 2], [1, 2, 3], [0, 3, 2], [0, 1]):
@@ -147,7 +148,7 @@ def test_read_only_inputs_are_accepted(rng):
         a.flags.writeable = False
         return a
 
-    qs, d = _weights(rng, 6, 64)
+    qs, d = q4_weights(rng, 6, 64)
     x = rng.standard_normal(64).astype(np.float32)
     act = matvec.quantize_act(x)
     act = matvec.Q8Act(frozen(act.xq), frozen(act.dx), frozen(act.xsum8), act.vec)
@@ -161,7 +162,7 @@ def test_read_only_inputs_are_accepted(rng):
 
 
 def test_gathered_bad_inputs(rng):
-    qs, d = _weights(rng, 8, 64)
+    qs, d = q4_weights(rng, 8, 64)
     qs, d = qs.reshape(2, 4, -1), d.reshape(2, 4, -1)
     x = rng.standard_normal(64).astype(np.float32)
     for bad in ([0, 2], [-1, 0]):  # checked in the kernel, before any thread reads
@@ -208,7 +209,7 @@ def test_activations_must_be_aligned(rng):
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
 def test_prepared_product_matches_reference(rng, isa):
-    qs, d = _weights(rng, 37, 544)
+    qs, d = q4_weights(rng, 37, 544)
     w = matvec.Q4Matrix.of(qs, d)
     for n_tok, out in ((1, poisoned(37)), (1, poisoned((1, 37))), (5, poisoned((5, 37)))):
         x = rng.standard_normal((n_tok, 544)).astype(np.float32)
@@ -218,7 +219,7 @@ def test_prepared_product_matches_reference(rng, isa):
 
 
 def test_prepared_product_bad_inputs(rng):
-    qs, d = _weights(rng, 4, 64)
+    qs, d = q4_weights(rng, 4, 64)
     with pytest.raises(FermijitError, match="qs has shape"):
         matvec.Q4Matrix.of(qs[:, :16].copy(), d)
     w = matvec.Q4Matrix.of(qs, d)
