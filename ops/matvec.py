@@ -110,7 +110,7 @@ class Q8Act:
 
 # --- reference ----------------------------------------------------------------------------------
 
-def _quantize_act_reference(x):
+def quantize_act_reference(x):
     """x [T, K] -> (xq int8 [T, nb, 32], dx float32 [T, nb]), the rounding the kernel uses."""
     xb = x.astype(np.float32).reshape(x.shape[0], -1, BLOCK)
     dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
@@ -124,7 +124,7 @@ def _quantize_act_reference(x):
 def reference(qs, d, x):
     """y = W4A8 product, exact integer block sums, float64 scaling. x [K] or [T, K]."""
     x2 = np.atleast_2d(x)
-    xq, dx = _quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
+    xq, dx = quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
     rows, nb = d.shape
     q = qs.reshape(rows, nb, BLOCK // 2)
     w = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64) - 8  # [R, nb, 32]
@@ -733,7 +733,7 @@ def q8_reference(qs, d, x):
     """The same product with Q8_0 weights (qs int8 [R, K], d float16 [R, nb]): the LM-head
     option. Exact integer block sums, float64 scaling."""
     x2 = np.atleast_2d(x)
-    xq, dx = _quantize_act_reference(x2)
+    xq, dx = quantize_act_reference(x2)
     rows, nb = d.shape
     isum = np.einsum("rbj,tbj->trb", qs.reshape(rows, nb, BLOCK).astype(np.int64),
                      xq.astype(np.int64))

@@ -167,7 +167,7 @@ def quantiser_truncates():
         return np.trunc(xb * inv[..., None]).astype(np.int8), dx
 
     matvec._quantize_act_kernel = truncating_kernel
-    matvec._quantize_act_reference = truncating_reference
+    matvec.quantize_act_reference = truncating_reference
 
 
 def layer_type_off_by_one():
