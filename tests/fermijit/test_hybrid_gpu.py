@@ -29,12 +29,28 @@ GPU_VS_REFERENCE = 1e-4
 # and the float64 W4A8 reference differ by fp32 rounding, except where a value computed in another
 # order lands on the other side of an 8-bit rounding boundary: one int8 off by one moves its
 # position's logits by up to ~1e-3 (tests/model/test_forward.py W4A8_FLIP, measured 1.4e-3 on
-# ~2.5% of positions). So: 1e-4 on most positions, W4A8_FLIP on all.
+# ~2.5% of positions). The tiny model: 1e-4 on most positions, W4A8_FLIP on all (measured on the
+# H200 against the all-CPU run: last position 9.3e-6, worst 1.9e-3).
 GPU_W4A8 = 1e-4
 W4A8_FLIP = 1e-2
-# The handed-off state against the all-CPU run's: fp32 rounding plus such flips, which a K head
-# of small norm amplifies through its RMSNorm.
-GPU_STATE_VS_CPU = 1e-2
+# The default (trained) model cascades such flips: each moves a value by 1/254 of its block's
+# largest, which flips more codes downstream, so by the last layer any two W4A8 computations that
+# differ in fp32 rounding differ by ~1e-2. Measured: the all-CPU run against itself with one ulp
+# added to every 1009th RMSNorm output, 8.4e-3 at the last position, 1.4e-2 at the worst; the
+# all-CPU run against the float64 W4A8 reference 5.5e-3 and 2.6e-2; the GPU against the all-CPU
+# run 6.4e-3 and 7.1e-3 (H200). So every position is held to the cascade's bound only.
+W4A8_CASCADE = 5e-2
+# The handed-off state against the all-CPU run's: fp32 rounding plus flips (measured on the tiny
+# model 1.5e-3 at most, in the attention caches), and the default model's cascade.
+GPU_STATE_VS_CPU = {"default": W4A8_CASCADE, "tiny-e128": 1e-2}
+# Greedy decode from the GPU's state must take the all-CPU run's token at every step whose margin
+# (top-1 minus top-2 logit) is above what the cascade moves the logits (~0.07 on the default model
+# at the prompt's end). Tokens closer than that are decided by fp32 rounding, not by the model:
+# the all-CPU run itself, with one ulp added to every n-th RMSNorm output (n = 97 ... 16001, 4
+# offsets each), took another token at step 1 of the default model's text prompt in 7 of 20
+# runs (margins 0.018-0.056; 32 of 32 in the other 13, no other step ever parted). The tiny
+# model's continuation has no such tie within the GPU's error: all 32 tokens must be the CPU's.
+NEAR_TIE = 0.1
 # Two GPU runs of the same tokens (fp32 activations) differ only in the order of the experts'
 # atomic adds.
 GPU_VS_GPU = 1e-5
@@ -109,6 +125,18 @@ def greedy(model, logits, state, n=N_GREEDY, margins=None):
     return tokens
 
 
+def forced(model, logits, state, tokens):
+    """Greedy decode fed `tokens` instead of its own (teacher forcing): its choice and its top-2
+    margin at each step, so that every step compares with the run that chose `tokens`."""
+    chosen, margins = [], []
+    for token in tokens:
+        chosen.append(int(np.argmax(logits)))
+        top = np.sort(logits)[-2:]
+        margins.append(float(top[1] - top[0]))
+        logits = model.decode(token, state)
+    return chosen, margins
+
+
 def handed_off_pairs(state, spec_state, transposed: bool):
     """(ours, spec) per state array up to N_PROMPT; `transposed`: spec is the reference's layout."""
     for s, r in zip(state.layers, spec_state.layers):
@@ -137,23 +165,35 @@ def test_w4a8_logits_hand_off_and_greedy_tokens_equal_the_cpus(models, loaded, n
     cpu_state = model.new_state(N_PROMPT + N_GREEDY)
     cpu_logits = model.prefill(tokens, cpu_state, all_logits=True)
     expected = reference.forward(tokens, reference.new_state())
-    for what, spec in (("all-CPU", cpu_logits), ("W4A8 reference", expected)):
+    # The LM head alone: the CPU's W4A8 head on the GPU's last hidden states.
+    head = model.logits(pf.last_pass.x.get(), np.empty_like(logits))
+    compared = (("all-CPU", cpu_logits), ("W4A8 reference", expected), ("CPU head", head))
+    for what, spec in compared:
         print(f"rel err gpu w4a8 vs {what} logits ({name}): last position "
               f"{rel_error(spec[-1], logits[-1]):.3g}, worst position {rel_error(spec, logits):.3g}")
-        assert_rel_but_flips(f"gpu vs {what} logits", spec, logits, GPU_W4A8, W4A8_FLIP)
+    for what, spec in compared:
+        if name == "default" and what != "CPU head":
+            assert_rel(f"gpu vs {what} logits", spec, logits, W4A8_CASCADE)
+        else:
+            assert_rel_but_flips(f"gpu vs {what} logits", spec, logits, GPU_W4A8, W4A8_FLIP)
     assert state.position == N_PROMPT
-    for i, (ours, cpu) in enumerate(handed_off_pairs(state, cpu_state, transposed=False)):
+    errors = []
+    for ours, cpu in handed_off_pairs(state, cpu_state, transposed=False):
         report_error(f"handed-off state vs all-CPU ({name})", cpu, ours)
-        assert_rel(f"state array {i}", cpu, ours, GPU_STATE_VS_CPU)
-    our_margins, cpu_margins = [], []
-    ours = greedy(model, logits[-1], state, margins=our_margins)
+        errors.append(rel_error(cpu, ours))
+    assert max(errors) <= GPU_STATE_VS_CPU[name], errors
+    cpu_margins = []
     cpu = greedy(model, cpu_logits[-1], cpu_state, margins=cpu_margins)
-    same = next((n for n, (a, b) in enumerate(zip(ours, cpu)) if a != b), N_GREEDY)
-    step = int(np.argmin(cpu_margins[:same + 1]))
-    print(f"greedy tokens identical to the all-CPU run ({name}): {same} of {N_GREEDY}; smallest "
-          f"top-2 margin up to there at step {step}: {cpu_margins[step]:.4f} all-CPU, "
-          f"{our_margins[step]:.4f} gpu prefill")
-    assert ours == cpu
+    ours, our_margins = forced(model, logits[-1], state, cpu)
+    differ = [n for n in range(N_GREEDY) if ours[n] != cpu[n]]
+    print(f"greedy tokens identical to the all-CPU run ({name}): "
+          f"{differ[0] if differ else N_GREEDY} of {N_GREEDY}; steps whose token differs, fed the "
+          f"CPU's tokens: {differ}; margins there (all-CPU, gpu prefill): "
+          f"{[(round(cpu_margins[n], 4), round(our_margins[n], 4)) for n in differ]}")
+    if name == "tiny-e128":
+        assert not differ
+    for n in differ:
+        assert max(cpu_margins[n], our_margins[n]) < NEAR_TIE, f"step {n} parted off a near tie"
 
 
 @pytest.mark.parametrize("name", ["default", "tiny-e128"])
@@ -168,6 +208,8 @@ def test_fp32_logits_hand_off_and_greedy_tokens_follow_the_reference(models, loa
     ref_state = reference.new_state()
     expected = reference.forward(tokens, ref_state)[-1]
     report_error(f"gpu prefill logits ({name})", expected, logits)
+    cpu_logits = model.prefill(tokens, model.new_state(N_PROMPT))
+    print(f"rel err gpu fp32 vs all-CPU logits ({name}): {rel_error(cpu_logits, logits):.3g}")
     assert_rel("gpu prefill logits", expected, logits, GPU_VS_REFERENCE)
     assert state.position == N_PROMPT
     for i, (ours, spec) in enumerate(handed_off_pairs(state, ref_state, transposed=True)):
