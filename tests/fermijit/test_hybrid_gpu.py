@@ -1,9 +1,11 @@
 """The GPU prefill end to end (issue 10 item 3), on the default model and a tiny model with 128
 experts. By default it rounds the GEMMs' inputs to 8 bits as the CPU does (gpu_prefill's
 numerics): every position's logits against the all-CPU run's and the float64 W4A8 reference's,
-the hand-off against the CPU's state, and 32 greedy tokens identical to the all-CPU run's. With
-fp32 activations: logits and hand-off against the float64 reference without activation rounding.
-Chunked passes, a continued state, every expert source and the all-logits form (eval) too."""
+the LM head alone, the hand-off against the CPU's state, and 32 greedy tokens against the all-CPU
+run's (all identical on the tiny model; on the default model every step but those whose margin
+fp32 rounding decides). With fp32 activations: logits and hand-off against the float64
+reference without activation rounding. Chunked passes, a continued state, every expert source
+and the all-logits form (eval) too."""
 
 import io
 from pathlib import Path
@@ -34,22 +36,28 @@ GPU_VS_REFERENCE = 1e-4
 GPU_W4A8 = 1e-4
 W4A8_FLIP = 1e-2
 # The default (trained) model cascades such flips: each moves a value by 1/254 of its block's
-# largest, which flips more codes downstream, so by the last layer any two W4A8 computations that
-# differ in fp32 rounding differ by ~1e-2. Measured: the all-CPU run against itself with one ulp
-# added to every 1009th RMSNorm output, 8.4e-3 at the last position, 1.4e-2 at the worst; the
-# all-CPU run against the float64 W4A8 reference 5.5e-3 and 2.6e-2; the GPU against the all-CPU
-# run 6.4e-3 and 7.1e-3 (H200). So every position is held to the cascade's bound only.
+# largest, which flips more codes downstream (on the CPU, 68 codes of layer 1's MoE input, 16,661
+# of 57,600 by layer 7), so by the last layer any two W4A8 computations that differ in fp32
+# rounding differ by ~1e-2. Measured: the all-CPU run against itself with one ulp added to every
+# n-th RMSNorm output (20 runs: n = 97 ... 16001, 4 offsets each) at most 1.1e-2 at the last
+# position, 2.4e-2 at the worst, 3.6e-2 in the state; the all-CPU run against the float64 W4A8
+# reference 5.5e-3 and 2.6e-2; the GPU (H200) against the all-CPU run 6.4e-3-7.9e-3 and
+# 7.1e-3-1.4e-2, against the reference 7.4e-3 and 2.7e-2, its state 2.5e-2. So the default
+# model's logits and state are held to the cascade's bounds only.
 W4A8_CASCADE = 5e-2
 # The handed-off state against the all-CPU run's: fp32 rounding plus flips (measured on the tiny
 # model 1.5e-3 at most, in the attention caches), and the default model's cascade.
-GPU_STATE_VS_CPU = {"default": W4A8_CASCADE, "tiny-e128": 1e-2}
+GPU_STATE_VS_CPU = {"default": 1e-1, "tiny-e128": 1e-2}
 # Greedy decode from the GPU's state must take the all-CPU run's token at every step whose margin
 # (top-1 minus top-2 logit) is above what the cascade moves the logits (~0.07 on the default model
 # at the prompt's end). Tokens closer than that are decided by fp32 rounding, not by the model:
 # the all-CPU run itself, with one ulp added to every n-th RMSNorm output (n = 97 ... 16001, 4
 # offsets each), took another token at step 1 of the default model's text prompt in 7 of 20
-# runs (margins 0.018-0.056; 32 of 32 in the other 13, no other step ever parted). The tiny
-# model's continuation has no such tie within the GPU's error: all 32 tokens must be the CPU's.
+# runs (margins 0.018-0.056; 32 of 32 in the other 13, no other step ever parted). The GPU's own
+# runs differ from each other there (the expert GEMMs' atomic adds, then the cascade: 1.7e-3 to
+# 5.6e-3 apart): on the H200 one took the CPU's token at step 1 (32 of 32), five the other (1 of
+# 32, margins 0.021-0.039). The tiny model's continuation has no such tie within the GPU's
+# error: all 32 tokens must be the CPU's.
 NEAR_TIE = 0.1
 # Two GPU runs of the same tokens (fp32 activations) differ only in the order of the experts'
 # atomic adds.
