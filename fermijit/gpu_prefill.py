@@ -24,9 +24,10 @@ as the CPU prefill rounds it (ops/act_quant.py: the same codes and scales, bit f
 the CPU's W4A8 products do: the mixers' input and output projections, the shared and routed
 experts' gate_up inputs and their down inputs after SwiGLU, the LM head's input. The router and
 the gates read fp32, as on the CPU. So the logits and the handed-off state follow the all-CPU
-path (and model/reference.py with quantised activations) to fp32 rounding, and greedy decode from
-them takes the CPU's tokens. With `w4a8=False` the activations stay fp32 (the logits then follow
-model/reference.py without activation rounding).
+path (and model/reference.py with quantised activations) to fp32 rounding, except where a value
+lands on the other side of an 8-bit rounding boundary; a trained model cascades such flips to
+~1e-2 (tests/fermijit/test_hybrid_gpu.py W4A8_CASCADE). With `w4a8=False` the activations stay
+fp32 (the logits then follow model/reference.py without activation rounding).
 """
 
 from __future__ import annotations

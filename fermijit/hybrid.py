@@ -164,7 +164,7 @@ class GpuPrefiller:
                  verbose: bool = False, err=None, source: str | None = None, w4a8: bool = True):
         self.model = model
         # The GEMMs' inputs rounded to 8 bits as the CPU prefill rounds them (gpu_prefill's
-        # numerics: the all-CPU run's logits and greedy tokens); False keeps them fp32.
+        # numerics: the all-CPU run's, to fp32 rounding and its 8-bit flips); False: fp32.
         self.w4a8 = w4a8
         self.cpu = CpuPrefiller(model)
         self.gpu_mem, self.pin_budget = gpu_mem, pin_budget
