@@ -29,6 +29,10 @@ LOCK_FILE = "fermijit-compile.lock"
 WAIT_S = 120.0
 POLL_S = 0.005
 
+# Called (no arguments) before a kernel is compiled for want of a cached one: how the warm-up
+# starts its helper processes on a first run only (fermijit/warm.py). Must not raise.
+on_miss = None
+
 _lock_fds: dict[str, int] = {}  # folder -> its lock file, open for the process's life: closing
 # any descriptor of a file drops every POSIX lock the process holds on it
 
@@ -102,7 +106,9 @@ class SourceKeyedCache(caching.FunctionCache):
         cres = super().load_overload(sig, target_context)
         args, _ = sigutils.normalize_signature(sig)
         if cres is not None and tuple(cres.signature.args) != tuple(args):
-            return None  # another signature's code (an index written by an older fermijit)
+            cres = None  # another signature's code (an index written by an older fermijit)
+        if cres is None and on_miss is not None:
+            on_miss()
         return cres
 
     def compile_lock_name(self, sig, codegen) -> str:
