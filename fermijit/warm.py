@@ -193,14 +193,15 @@ def helper_main() -> None:
     package, source, claims, n_prefill, isa, threads, *job_list = sys.argv[1:]
 
     def watch_stdin():
-        sys.stdin.buffer.read()
+        while os.read(0, 4096):  # the raw descriptor: a daemon thread blocked in sys.stdin's
+            pass                 # buffered reader aborts the interpreter's shutdown
         os._exit(0)
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     import fermijit
 
     if str(Path(fermijit.__file__).resolve()) != package:  # another install: other cache keys
-        return
+        os._exit(0)
     from fermijit.jit import cpu
     from fermijit.model.forward import load_model
 
@@ -214,5 +215,6 @@ def helper_main() -> None:
         except FileExistsError:
             continue
         except OSError:  # the claims folder is gone: the warm-up is over
-            return
+            os._exit(0)
         run_job(model, job, int(n_prefill))
+    os._exit(0)  # done: no interpreter teardown (OpenMP's threads, LLVM) to wait for
