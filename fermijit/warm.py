@@ -131,26 +131,25 @@ class Helpers:
             self.stop()
 
     def start(self) -> None:
+        import numba
+        from numba.core import config as numba_config
+
+        import fermijit
+        from fermijit.jit import cpu
+
         source = getattr(self.model, "source", None)
         job_list = jobs(self.model)
         n = min(count_workers(), len(job_list))
         if source is None or n == 0:
             return
-        from fermijit.jit import cpu
-
-        import fermijit
-        from numba.core import config as numba_config
-
         self.claims = tempfile.mkdtemp(prefix="fermijit-warm-")
         env = dict(os.environ)
-        if numba_config.CACHE_DIR:  # set here (jit.cpu's fallback folder): the same for helpers
+        if numba_config.CACHE_DIR:  # maybe set here (jit.cpu's fallback folder): theirs too
             env["NUMBA_CACHE_DIR"] = str(numba_config.CACHE_DIR)
-        import numba
-
         args = [sys.executable, "-c", "from fermijit.warm import helper_main; helper_main()",
                 str(Path(fermijit.__file__).resolve()), str(source), self.claims,
                 str(self.n_prefill), cpu.selected_isa().label, str(numba.get_num_threads()),
-                *reversed(job_list)]
+                *reversed(job_list)]  # the jobs this process meets last, first
         for _ in range(n):
             self.processes.append(subprocess.Popen(
                 args, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
