@@ -143,7 +143,9 @@ class Helpers:
         if source is None or n == 0:
             return
         self.claims = tempfile.mkdtemp(prefix="fermijit-warm-")
-        env = dict(os.environ)
+        # This process's import path (a script's folder is not the helper's sys.path[0]), so
+        # that helpers import this fermijit: another install has other cache keys.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         if numba_config.CACHE_DIR:  # maybe set here (jit.cpu's fallback folder): theirs too
             env["NUMBA_CACHE_DIR"] = str(numba_config.CACHE_DIR)
         args = [sys.executable, "-c", "from fermijit.warm import helper_main; helper_main()",
