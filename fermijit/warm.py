@@ -204,10 +204,11 @@ def helper_main() -> None:
     if str(Path(fermijit.__file__).resolve()) != package:  # another install: other cache keys
         os._exit(0)
     from fermijit.jit import cpu
+
+    cpu.select_isa(isa)  # before the ops are imported: ssse3 fixes Numba's target (pitfall 2)
+    cpu.configure_threads(int(threads))
     from fermijit.model.forward import load_model
 
-    cpu.select_isa(isa)
-    cpu.configure_threads(int(threads))
     _, model = load_model(source)
     model = kernel_sample(model)
     for job in job_list:

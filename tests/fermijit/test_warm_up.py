@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import fermijit
 from fermijit import engine, warm
+from fermijit.jit import cpu
 from fermijit.model import synth
 from fermijit.model.forward import load_model
 from tests.model.test_synth import SMALL
@@ -188,3 +191,17 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"  # a zombie has exited (its parent, killed, cannot reap it)
+
+
+@pytest.mark.parametrize("isa", [i.label for i in cpu.PREFERENCE if cpu.supported(i)])
+def test_a_helper_starts_for_every_isa(small_model, tmp_path, isa):
+    """A helper given no jobs: it must get as far as the model (`--isa ssse3` is refused once
+    anything has compiled, and importing the ops did compile)."""
+    (tmp_path / "claims").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", "from fermijit.warm import helper_main; "
+                          "helper_main()", str(Path(fermijit.__file__).resolve()),
+                          str(small_model), str(tmp_path / "claims"), "2", isa, "1"],
+                         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = p.stderr.read()  # stdin stays open: a closed one tells a helper to stop at once
+    assert p.wait(timeout=300) == 0, err[-2000:]
+    p.stdin.close()
