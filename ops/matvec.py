@@ -702,13 +702,14 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
         _call("matvec", gemm.product_kernel(act_isa), qs, w.d_bits, xq, act.dx, act.xsum8,
               gemm.x_offsets(act_isa, k // BLOCK), out)
         return out
-    kernels = _gemm_gemv.get(act_isa) or _gemm_gemv.setdefault(
-        act_isa, (_product(act_isa, GEMM_TILE), _product(act_isa, GEMV_TILE)))
-    _call("matvec", kernels[n_tok == 1], qs, w.d_bits, xq, act.dx, act.xsum8, out)
+    key = (act_isa, n_tok == 1)  # each made on first use: decode alone never needs the GEMM's
+    kernel_ = _gemm_gemv.get(key) or _gemm_gemv.setdefault(
+        key, _product(act_isa, GEMV_TILE if n_tok == 1 else GEMM_TILE))
+    _call("matvec", kernel_, qs, w.d_bits, xq, act.dx, act.xsum8, out)
     return out
 
 
-_gemm_gemv: dict = {}  # Isa -> its (GEMM, GEMV) kernels: product's lookup per call
+_gemm_gemv: dict = {}  # (Isa, one token?) -> the GEMV's or GEMM's kernel: product's lookup
 
 
 def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
