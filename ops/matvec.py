@@ -267,8 +267,23 @@ def _load_units(fmt: _Format, v: Vec, builder, ptr, off, count: int):
             halves = tuple(builder.shuffle_vector(a, b, ir.Constant(vec(I32, w), [
                 32 * i + 16 * h + e for i in range(v.lanes) for e in range(16)]))
                 for h in range(2))
-        units.append(tuple((simd.abs_i8(builder, q), q) for q in halves))
+        if v.dpbusd:  # w + 128 as unsigned bytes (the offset form; see _offset_shift)
+            units.append(tuple(builder.xor(q, ir.Constant(q.type, [0x80] * q.type.count))
+                               for q in halves))
+        else:
+            units.append(tuple((simd.abs_i8(builder, q), q) for q in halves))
     return units
+
+
+def _offset_shift(fmt: _Format, v: Vec) -> int | None:
+    """How the tile corrects a block's integer sum for unsigned weights w + offset: subtract
+    xsum8 (8·Σxq) shifted left by this, or nothing (None: the weights were multiplied signed).
+    Q4_0: q = w + 8, always. Q8_0 with VNNI: w + 128 (w xor 0x80) times x in vpdpbusd's exact i32
+    sums, less 128·Σxq: 2 instructions a register instead of the sign trick's |w| and sign(x, w)
+    (pmaddubsw's i16 pairs would saturate at 255·127·2, hence the sign trick without VNNI)."""
+    if fmt.is_offset:
+        return 0
+    return 4 if v.dpbusd else None
 
 
 def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
@@ -279,6 +294,8 @@ def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
         # Without VNNI stay in i16: block_sums' phaddw tree then needs one pmaddwd, not four.
         return (simd.dot_u8s8(v, builder, pairs) if v.dpbusd
                 else simd.dot_u8s8_i16(v, builder, pairs))
+    if v.dpbusd:
+        return simd.dot_u8s8(v, builder, [(unit[0], x_lo), (unit[1], x_hi)])
     # |w|·sign(x, w) = w·x; each half its own pmaddwd, since two halves of 8-bit products can
     # overflow i16 (2·2·128·127 > 32767).
     (a0, w0), (a1, w1) = unit
@@ -346,13 +363,16 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int, spread: bool = Fal
                                     vec(I8, sw), X_ALIGN)
                           for j in range(2 * VECTORS_PER_STEP)]
                     dxv = simd.load(builder, dx_row[t], f_off, facc)
-                    if fmt.is_offset:
+                    shift = _offset_shift(fmt, sv)
+                    if shift is not None:
                         corr = simd.load(builder, xs_row[t], f_off, vec(I32, sbps))
+                        if shift:
+                            corr = builder.shl(corr, ir.Constant(corr.type, [shift] * sbps))
                     for i in range(n_rows):
                         parts = [_unit_sums(fmt, sv, builder, u, xs[2 * j], xs[2 * j + 1])
                                  for j, u in enumerate(units[i])]
                         isum = simd.block_sums(sv, builder, parts)
-                        if fmt.is_offset:
+                        if shift is not None:
                             isum = builder.sub(isum, corr)
                         scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
                                               scales[i])
@@ -396,7 +416,7 @@ def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int, spread: bool = Fal
                     if part.type.element.width == 16:
                         part = simd.widen_i16(SSE, builder, part)
                     isum = simd.hsum(builder, part)
-                    if fmt.is_offset:
+                    if _offset_shift(fmt, SSE) is not None:  # Q4_0 (SSE's Q8_0: signed)
                         isum = builder.sub(isum, simd.load_scalar(
                             builder, xs_row[t], builder.mul(b, c(4)), I32))
                     dxs = simd.load_scalar(builder, dx_row[t], builder.mul(b, c(4)), F32)
