@@ -18,11 +18,12 @@ Dimension legend: as model/weights.py; T tokens in this pass.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 
-from fermijit import FermijitError
+from fermijit import FermijitError, blas
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
@@ -399,8 +400,15 @@ class Model:
     # --- the forward (MODEL.md §4) --------------------------------------------------------------
 
     def forward(self, tokens, state: State, ws: Workspace) -> None:
-        """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T."""
+        """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T.
+        With Q4_0 weights numpy's BLAS (the few fp32 products) stays at one thread meanwhile, out
+        of the kernels' way (fermijit/blas.py: a 2-thread prefill 2-3x faster on 2 cores); with
+        fp32 weights every product is numpy's, so its threads are the work."""
         self._check_token(tokens)
+        with blas.single_threaded() if self.is_quantized else contextlib.nullcontext():
+            self._forward(tokens, state, ws)
+
+    def _forward(self, tokens, state: State, ws: Workspace) -> None:
         start = state.position
         embedding.cpu(tokens, self.embed, out=ws.x)                    # not scaled
         if ws.embeds is not None:                                      # image tokens
