@@ -38,6 +38,7 @@ from fermijit.jit.omp import jobs_starting_in
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops import gemm
 from fermijit.ops.quant import BLOCK
+from fermijit.ops.quantize_rows import quantize_rows
 
 VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
 # Software prefetch distance in the weight stream. Rows are adjacent in memory, so with one row
@@ -218,6 +219,9 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
     elif out.xq.shape != x2.shape:  # the rest was checked when `out` was made
         raise FermijitError(f"quantize_act: out holds {list(out.xq.shape)}, x is "
                             f"{list(x2.shape)}")
+    if n_tok > 1:  # prefill: vectors and threads, the same bits (~4x: ops/quantize_rows.py)
+        quantize_rows(x2, out)
+        return out
     half = simd.HALF_OF.get(v.isa)
     _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v),
                          half.lanes if half else 0)
