@@ -129,14 +129,22 @@ class Dispatcher(CPUDispatcher):
         self.declared = tuple(signatures)
 
     def compile(self, sig):
+        called, _ = sigutils.normalize_signature(sig)
         if self.declared:
             sig = self._declared_for(sig)
         args, _ = sigutils.normalize_signature(sig)
         cache = self._cache
         if tuple(args) in self.overloads or not isinstance(cache, SourceKeyedCache):
-            return super().compile(sig)
-        with folder_lock(cache.folder, cache.compile_lock_name(sig, self.targetctx.codegen())):
             entry = super().compile(sig)
+        else:
+            with folder_lock(cache.folder, cache.compile_lock_name(sig, self.targetctx.codegen())):
+                entry = super().compile(sig)
+        if tuple(called) != tuple(args):
+            # While it may compile, Numba's dispatch takes exact argument types only: every call
+            # converting one (a writable array for a read-only one) came back here through Python
+            # (~150 us a GEMV). The declared code takes these types as they are (Numba's own
+            # conversions call it so): enter it under them too.
+            self._insert([a._code for a in called], entry, False)
         if self.declared and len(self.overloads) == len(self.declared):
             self.disable_compile()  # all there: Numba's own dispatch from now on
         return entry
