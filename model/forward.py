@@ -530,8 +530,10 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
     directory = Path(directory)
     if not directory.is_dir():
         raise FermijitError(f"no such model directory: {directory}")
+    source = None
     if convert.is_fermijit_model(directory):
         cfg, weights, _ = convert.load_converted(directory)
+        source = directory  # memory-mapped: cheap to load again (the warm-up's helpers)
     else:
         cfg = load_config(directory)
         fp32_nbytes = 4 * sum(int(np.prod(s)) for s in text_weight_shapes(cfg.text_config).values())
@@ -543,4 +545,6 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
                                 f"first (python -m fermijit convert)")
         weights = load_text_weights(cfg.text_config, Checkpoint(directory), np.float32,
                                     show_progress=show_progress)
-    return cfg, Model(cfg.text_config, weights)
+    model = Model(cfg.text_config, weights)
+    model.source = source
+    return cfg, model

@@ -46,10 +46,14 @@ VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
 # cold, 2 threads, this machine: 2 KB (one row at K=2048, the notes' best for a single long row)
 # 39 GB/s; 4, 8 and 16 KB 41-43 alike (512x2048: 33 -> 36).
 PREFETCH_BYTES = 4096
-# Rows x tokens. One row per tile for the GEMV: each thread then streams one sequential run of
-# memory; 4 interleaved row streams (sharing activation registers) measured 15% slower cold on 2
-# threads with AVX-512 (35 vs 41 GB/s at 2048x2048) and no faster hot on SSE.
-GEMV_TILE = (1, 1)
+# Rows a GEMV tile reads side by side, sharing its activation loads: each from its own
+# sequential run of the thread's rows (row r and r + n/2 of n), since interleaved adjacent rows
+# (r, r + 1) broke the hardware prefetcher's streams: cold 2048x2048 at 33-56 % of the read
+# probe against 78-87 % for one row. Same-run A/B, this machine (decode-scripts/s4/tileab.py):
+# AVX-512 1 thread hot 28 -> 37 GB/s, cold 78 -> 90-96 % of the probe (K 512: 72 -> 93 %);
+# 2 threads cold 87 -> 95 %; AVX2 cold 79 -> 104 %. Three streams were about as good, four
+# worse (86 %, 2 threads). SSE (16 registers) gained nothing: 1.
+GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 # Activation rows are K bytes (whole 32-blocks) and every load of them is at a multiple of 16, so
 # from a 16-byte aligned buffer each is aligned: legacy SSE can then fold them into pmaddubsw's
 # memory operand (8 fewer instructions of 60 per 4-block step in the Westmere code).
@@ -111,7 +115,7 @@ class Q8Act:
 
 # --- reference ----------------------------------------------------------------------------------
 
-def _quantize_act_reference(x):
+def quantize_act_reference(x):
     """x [T, K] -> (xq int8 [T, nb, 32], dx float32 [T, nb]), the rounding the kernel uses."""
     xb = x.astype(np.float32).reshape(x.shape[0], -1, BLOCK)
     dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
@@ -125,7 +129,7 @@ def _quantize_act_reference(x):
 def reference(qs, d, x):
     """y = W4A8 product, exact integer block sums, float64 scaling. x [K] or [T, K]."""
     x2 = np.atleast_2d(x)
-    xq, dx = _quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
+    xq, dx = quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
     rows, nb = d.shape
     q = qs.reshape(rows, nb, BLOCK // 2)
     w = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64) - 8  # [R, nb, 32]
@@ -267,8 +271,23 @@ def _load_units(fmt: _Format, v: Vec, builder, ptr, off, count: int):
             halves = tuple(builder.shuffle_vector(a, b, ir.Constant(vec(I32, w), [
                 32 * i + 16 * h + e for i in range(v.lanes) for e in range(16)]))
                 for h in range(2))
-        units.append(tuple((simd.abs_i8(builder, q), q) for q in halves))
+        if v.dpbusd:  # w + 128 as unsigned bytes (the offset form; see _offset_shift)
+            units.append(tuple(builder.xor(q, ir.Constant(q.type, [0x80] * q.type.count))
+                               for q in halves))
+        else:
+            units.append(tuple((simd.abs_i8(builder, q), q) for q in halves))
     return units
+
+
+def _offset_shift(fmt: _Format, v: Vec) -> int | None:
+    """How the tile corrects a block's integer sum for unsigned weights w + offset: subtract
+    xsum8 (8·Σxq) shifted left by this, or nothing (None: the weights were multiplied signed).
+    Q4_0: q = w + 8, always. Q8_0 with VNNI: w + 128 (w xor 0x80) times x in vpdpbusd's exact i32
+    sums, less 128·Σxq: 2 instructions a register instead of the sign trick's |w| and sign(x, w)
+    (pmaddubsw's i16 pairs would saturate at 255·127·2, hence the sign trick without VNNI)."""
+    if fmt.is_offset:
+        return 0
+    return 4 if v.dpbusd else None
 
 
 def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
@@ -279,6 +298,8 @@ def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
         # Without VNNI stay in i16: block_sums' phaddw tree then needs one pmaddwd, not four.
         return (simd.dot_u8s8(v, builder, pairs) if v.dpbusd
                 else simd.dot_u8s8_i16(v, builder, pairs))
+    if v.dpbusd:
+        return simd.dot_u8s8(v, builder, [(unit[0], x_lo), (unit[1], x_hi)])
     # |w|·sign(x, w) = w·x; each half its own pmaddwd, since two halves of 8-bit products can
     # overflow i16 (2·2·128·127 > 32767).
     (a0, w0), (a1, w1) = unit
@@ -286,138 +307,145 @@ def _unit_sums(fmt: _Format, v: Vec, builder, unit, x_lo, x_hi):
                        simd.dot_u8s8(v, builder, [(a1, simd.sign_i8(builder, x_hi, w1))]))
 
 
-def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int):
-    """An intrinsic computing out[o0+t, r0+r] from activations t0+t, for r < n_rows, t < n_tok."""
+def _make_tile(fmt: _Format, v: Vec, n_rows: int, n_tok: int, spread: bool = False):
+    """An intrinsic computing out[o0+t, r0+r] from activations t0+t, for r < n_rows, t < n_tok.
+    `spread`: rows r0 + r·gap instead (a last argument, gap), each its own sequential stream."""
     bps = blocks_per_step(v)
 
-    @intrinsic
-    def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0, o0):
-        sig = types.none(qs, d, xq, dx, xsum8, out, r0, t0, o0)
+    def codegen(context, builder, sig, args):
+        arr = [context.make_array(ty)(context, builder, val)
+               for ty, val in zip(sig.args[:6], args[:6])]
+        qs_a, d_a, xq_a, dx_a, xs_a, out_a = arr
+        r0v, t0v, o0v = args[6], args[7], args[8]
+        out_cols, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)  # out [T, R] or [R]
+        _, nb = cgutils.unpack_tuple(builder, d_a.shape, 2)
+        c = lambda n: ir.Constant(I64, n)  # noqa: E731
 
-        def codegen(context, builder, sig, args):
-            arr = [context.make_array(ty)(context, builder, val)
-                   for ty, val in zip(sig.args[:6], args[:6])]
-            qs_a, d_a, xq_a, dx_a, xs_a, out_a = arr
-            r0v, t0v, o0v = args[6], args[7], args[8]
-            out_cols, qs_stride = cgutils.unpack_tuple(builder, qs_a.shape, 2)  # out [T, R] or [R]
-            _, nb = cgutils.unpack_tuple(builder, d_a.shape, 2)
-            c = lambda n: ir.Constant(I64, n)  # noqa: E731
+        def at(base, index, stride_bytes):
+            return simd.byte_ptr(builder, base, builder.mul(index, stride_bytes))
 
-            def at(base, index, stride_bytes):
-                return simd.byte_ptr(builder, base, builder.mul(index, stride_bytes))
+        step_rows = args[9] if spread else c(1)
+        rows = [builder.add(r0v, builder.mul(step_rows, c(i))) for i in range(n_rows)]
+        toks = [builder.add(t0v, c(t)) for t in range(n_tok)]
+        qs_row = [at(qs_a.data, r, qs_stride) for r in rows]
+        d_row = [at(d_a.data, r, builder.mul(nb, c(2))) for r in rows]
+        xq_row = [at(xq_a.data, t, builder.mul(nb, c(32))) for t in toks]
+        dx_row = [at(dx_a.data, t, builder.mul(nb, c(4))) for t in toks]
+        xs_row = [at(xs_a.data, t, builder.mul(nb, c(4))) for t in toks]
 
-            rows = [builder.add(r0v, c(i)) for i in range(n_rows)]
-            toks = [builder.add(t0v, c(t)) for t in range(n_tok)]
-            qs_row = [at(qs_a.data, r, qs_stride) for r in rows]
-            d_row = [at(d_a.data, r, builder.mul(nb, c(2))) for r in rows]
-            xq_row = [at(xq_a.data, t, builder.mul(nb, c(32))) for t in toks]
-            dx_row = [at(dx_a.data, t, builder.mul(nb, c(4))) for t in toks]
-            xs_row = [at(xs_a.data, t, builder.mul(nb, c(4))) for t in toks]
+        qs_ahead = c(PREFETCH_BYTES)
+        d_ahead = c(PREFETCH_BYTES * 2 // fmt.block_bytes)
 
-            qs_ahead = c(PREFETCH_BYTES)
-            d_ahead = c(PREFETCH_BYTES * 2 // fmt.block_bytes)
-
-            def steps(sv: Vec, first_block, n_steps):
-                """n_steps steps of blocks_per_step(sv) blocks from `first_block` at sv's width,
-                into per-(row, token) accumulators of that width, which it returns."""
-                sbps, sw = blocks_per_step(sv), sv.nbytes
-                facc = vec(F32, sbps)
-                acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
-                        for _ in range(n_tok)] for _ in range(n_rows)]
-                step_bytes = sbps * fmt.block_bytes
-                with cgutils.for_range(builder, n_steps) as loop:
-                    b0 = builder.add(first_block, builder.mul(loop.index, c(sbps)))
-                    qs_off = builder.mul(b0, c(fmt.block_bytes))
-                    d_off = builder.mul(b0, c(2))
-                    x_off = builder.mul(b0, c(32))
-                    f_off = builder.mul(b0, c(4))
-                    units, scales = [], []
-                    for i in range(n_rows):
-                        for line in range(0, step_bytes, 64):
-                            simd.prefetch(builder, qs_row[i],
-                                          builder.add(builder.add(qs_off, qs_ahead), c(line)))
-                        # The scales are a second stream, as far ahead in rows: a row's scales
-                        # are a cache line or two that the hardware prefetcher alone fetched late.
-                        simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
-                        units.append(_load_units(fmt, sv, builder, qs_row[i], qs_off,
-                                                 VECTORS_PER_STEP))
-                        scales.append(simd.fp16_to_f32(
-                            sv, builder, simd.load(builder, d_row[i], d_off, vec(I16, sbps))))
-                    for t in range(n_tok):
-                        xs = [simd.load(builder, xq_row[t], builder.add(x_off, c(j * sw)),
-                                        vec(I8, sw), X_ALIGN)
-                              for j in range(2 * VECTORS_PER_STEP)]
-                        dxv = simd.load(builder, dx_row[t], f_off, facc)
-                        if fmt.is_offset:
-                            corr = simd.load(builder, xs_row[t], f_off, vec(I32, sbps))
-                        for i in range(n_rows):
-                            parts = [_unit_sums(fmt, sv, builder, u, xs[2 * j], xs[2 * j + 1])
-                                     for j, u in enumerate(units[i])]
-                            isum = simd.block_sums(sv, builder, parts)
-                            if fmt.is_offset:
-                                isum = builder.sub(isum, corr)
-                            scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
-                                                  scales[i])
-                            builder.store(builder.fadd(builder.load(acc[i][t]), scaled),
-                                          acc[i][t])
-                return acc
-
-            n_steps = builder.udiv(nb, c(bps))
-            accs = [steps(v, c(0), n_steps)]
-            whole = builder.mul(n_steps, c(bps))
-            half = simd.HALF_OF.get(v.isa) if v.nbytes > simd.AVX512VNNI_256.nbytes else None
-            if half is not None:  # whole half-width steps next, laid out so by Q8Act
-                n_half = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(half)))
-                accs.append(steps(half, whole, n_half))
-                whole = builder.add(whole, builder.mul(n_half, c(blocks_per_step(half))))
-            if v.nbytes > SSE.nbytes:
-                # The rest in natural order (Q8Act), which is SSE's step layout: whole SSE steps
-                # there, so small K (the default model's 96-512) is not all one-block steps.
-                n_sse = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(SSE)))
-                accs.append(steps(SSE, whole, n_sse))
-                whole = builder.add(whole, builder.mul(n_sse, c(blocks_per_step(SSE))))
-            tail = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
-                     for _ in range(n_tok)] for _ in range(n_rows)]
-
-            # Blocks past the last whole step: one block, at SSE width, at a time.
-            with cgutils.for_range(builder, builder.sub(nb, whole)) as lp:
-                b = builder.add(whole, lp.index)
+        def steps(sv: Vec, first_block, n_steps):
+            """n_steps steps of blocks_per_step(sv) blocks from `first_block` at sv's width,
+            into per-(row, token) accumulators of that width, which it returns."""
+            sbps, sw = blocks_per_step(sv), sv.nbytes
+            facc = vec(F32, sbps)
+            acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
+                    for _ in range(n_tok)] for _ in range(n_rows)]
+            step_bytes = sbps * fmt.block_bytes
+            with cgutils.for_range(builder, n_steps) as loop:
+                b0 = builder.add(first_block, builder.mul(loop.index, c(sbps)))
+                qs_off = builder.mul(b0, c(fmt.block_bytes))
+                d_off = builder.mul(b0, c(2))
+                x_off = builder.mul(b0, c(32))
+                f_off = builder.mul(b0, c(4))
+                units, scales = [], []
                 for i in range(n_rows):
-                    (unit,) = _load_units(fmt, SSE, builder, qs_row[i],
-                                          builder.mul(b, c(fmt.block_bytes)), 1)
-                    dw = simd.fp16_to_f32(SSE, builder, simd.load(
-                        builder, d_row[i], builder.mul(b, c(2)), vec(I16, 1)))
-                    dw = builder.extract_element(dw, ir.Constant(I32, 0))
-                    for t in range(n_tok):
-                        x_lo = simd.load(builder, xq_row[t], builder.mul(b, c(32)), vec(I8, 16),
-                                         X_ALIGN)
-                        x_hi = simd.load(builder, xq_row[t], builder.add(builder.mul(b, c(32)),
-                                                                         c(16)), vec(I8, 16),
-                                         X_ALIGN)
-                        part = _unit_sums(fmt, SSE, builder, unit, x_lo, x_hi)
-                        if part.type.element.width == 16:
-                            part = simd.widen_i16(SSE, builder, part)
-                        isum = simd.hsum(builder, part)
-                        if fmt.is_offset:
-                            isum = builder.sub(isum, simd.load_scalar(
-                                builder, xs_row[t], builder.mul(b, c(4)), I32))
-                        dxs = simd.load_scalar(builder, dx_row[t], builder.mul(b, c(4)), F32)
-                        term = builder.fmul(builder.fmul(builder.sitofp(isum, F32), dxs), dw)
-                        builder.store(builder.fadd(builder.load(tail[i][t]), term), tail[i][t])
-
-            for i in range(n_rows):
+                    for line in range(0, step_bytes, 64):
+                        simd.prefetch(builder, qs_row[i],
+                                      builder.add(builder.add(qs_off, qs_ahead), c(line)))
+                    # The scales are a second stream, as far ahead in rows: a row's scales
+                    # are a cache line or two that the hardware prefetcher alone fetched late.
+                    simd.prefetch(builder, d_row[i], builder.add(d_off, d_ahead))
+                    units.append(_load_units(fmt, sv, builder, qs_row[i], qs_off,
+                                             VECTORS_PER_STEP))
+                    scales.append(simd.fp16_to_f32(
+                        sv, builder, simd.load(builder, d_row[i], d_off, vec(I16, sbps))))
                 for t in range(n_tok):
-                    y = builder.load(tail[i][t])
-                    for acc in accs:
-                        y = builder.fadd(simd.hsum(builder, builder.load(acc[i][t])), y)
-                    out_row = builder.add(o0v, c(t))
-                    index = builder.add(builder.mul(out_row, out_cols), rows[i])
-                    builder.store(y, builder.bitcast(at(out_a.data, index, c(4)),
-                                                     F32.as_pointer()))
-            return context.get_dummy_value()
+                    xs = [simd.load(builder, xq_row[t], builder.add(x_off, c(j * sw)),
+                                    vec(I8, sw), X_ALIGN)
+                          for j in range(2 * VECTORS_PER_STEP)]
+                    dxv = simd.load(builder, dx_row[t], f_off, facc)
+                    shift = _offset_shift(fmt, sv)
+                    if shift is not None:
+                        corr = simd.load(builder, xs_row[t], f_off, vec(I32, sbps))
+                        if shift:
+                            corr = builder.shl(corr, ir.Constant(corr.type, [shift] * sbps))
+                    for i in range(n_rows):
+                        parts = [_unit_sums(fmt, sv, builder, u, xs[2 * j], xs[2 * j + 1])
+                                 for j, u in enumerate(units[i])]
+                        isum = simd.block_sums(sv, builder, parts)
+                        if shift is not None:
+                            isum = builder.sub(isum, corr)
+                        scaled = builder.fmul(builder.fmul(builder.sitofp(isum, facc), dxv),
+                                              scales[i])
+                        builder.store(builder.fadd(builder.load(acc[i][t]), scaled),
+                                      acc[i][t])
+            return acc
 
-        return sig, codegen
+        n_steps = builder.udiv(nb, c(bps))
+        accs = [steps(v, c(0), n_steps)]
+        whole = builder.mul(n_steps, c(bps))
+        half = simd.HALF_OF.get(v.isa) if v.nbytes > simd.AVX512VNNI_256.nbytes else None
+        if half is not None:  # whole half-width steps next, laid out so by Q8Act
+            n_half = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(half)))
+            accs.append(steps(half, whole, n_half))
+            whole = builder.add(whole, builder.mul(n_half, c(blocks_per_step(half))))
+        if v.nbytes > SSE.nbytes:
+            # The rest in natural order (Q8Act), which is SSE's step layout: whole SSE steps
+            # there, so small K (the default model's 96-512) is not all one-block steps.
+            n_sse = builder.udiv(builder.sub(nb, whole), c(blocks_per_step(SSE)))
+            accs.append(steps(SSE, whole, n_sse))
+            whole = builder.add(whole, builder.mul(n_sse, c(blocks_per_step(SSE))))
+        tail = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+                 for _ in range(n_tok)] for _ in range(n_rows)]
 
+        # Blocks past the last whole step: one block, at SSE width, at a time.
+        with cgutils.for_range(builder, builder.sub(nb, whole)) as lp:
+            b = builder.add(whole, lp.index)
+            for i in range(n_rows):
+                (unit,) = _load_units(fmt, SSE, builder, qs_row[i],
+                                      builder.mul(b, c(fmt.block_bytes)), 1)
+                dw = simd.fp16_to_f32(SSE, builder, simd.load(
+                    builder, d_row[i], builder.mul(b, c(2)), vec(I16, 1)))
+                dw = builder.extract_element(dw, ir.Constant(I32, 0))
+                for t in range(n_tok):
+                    x_lo = simd.load(builder, xq_row[t], builder.mul(b, c(32)), vec(I8, 16),
+                                     X_ALIGN)
+                    x_hi = simd.load(builder, xq_row[t], builder.add(builder.mul(b, c(32)),
+                                                                     c(16)), vec(I8, 16),
+                                     X_ALIGN)
+                    part = _unit_sums(fmt, SSE, builder, unit, x_lo, x_hi)
+                    if part.type.element.width == 16:
+                        part = simd.widen_i16(SSE, builder, part)
+                    isum = simd.hsum(builder, part)
+                    if _offset_shift(fmt, SSE) is not None:  # Q4_0 (SSE's Q8_0: signed)
+                        isum = builder.sub(isum, simd.load_scalar(
+                            builder, xs_row[t], builder.mul(b, c(4)), I32))
+                    dxs = simd.load_scalar(builder, dx_row[t], builder.mul(b, c(4)), F32)
+                    term = builder.fmul(builder.fmul(builder.sitofp(isum, F32), dxs), dw)
+                    builder.store(builder.fadd(builder.load(tail[i][t]), term), tail[i][t])
+
+        for i in range(n_rows):
+            for t in range(n_tok):
+                y = builder.load(tail[i][t])
+                for acc in accs:
+                    y = builder.fadd(simd.hsum(builder, builder.load(acc[i][t])), y)
+                out_row = builder.add(o0v, c(t))
+                index = builder.add(builder.mul(out_row, out_cols), rows[i])
+                builder.store(y, builder.bitcast(at(out_a.data, index, c(4)),
+                                                 F32.as_pointer()))
+        return context.get_dummy_value()
+
+    if spread:
+        @intrinsic
+        def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0, o0, gap):
+            return types.none(qs, d, xq, dx, xsum8, out, r0, t0, o0, gap), codegen
+    else:
+        @intrinsic
+        def tile(typingctx, qs, d, xq, dx, xsum8, out, r0, t0, o0):
+            return types.none(qs, d, xq, dx, xsum8, out, r0, t0, o0), codegen
     return tile
 
 
@@ -472,6 +500,29 @@ def _product_body(qs, d, xq, dx, xsum8, out):
             one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
 
 
+def _gemv_share(thread, n_threads, args):
+    """One thread's run of rows cut into ROWS equal runs read side by side (GEMV_STREAMS), the
+    rows left over one by one."""
+    qs, d, xq, dx, xsum8, out = args
+    n_rows = qs.shape[0]
+    first = thread * n_rows // n_threads
+    last = (thread + 1) * n_rows // n_threads
+    per = (last - first) // ROWS
+    for s in range(ROWS):
+        _warm(qs, first + s * per)
+        _warm(d, first + s * per)
+    for j in range(per):
+        spread_tile(qs, d, xq, dx, xsum8, out, first + j, 0, 0, per)
+    for r in range(first + per * ROWS, last):
+        one_by_1(qs, d, xq, dx, xsum8, out, r, 0, 0)
+
+
+def _gemv_body(qs, d, xq, dx, xsum8, out):
+    """The decode GEMV (one token): out [R] or [1, R]; every row is the tile's, bit for bit
+    the `like_gemv` GEMM's."""
+    fork((qs, d, xq, dx, xsum8, out))
+
+
 @kernel(fastmath=False)
 def _expert(qs, d, idx, sqs, sd, i):
     """Matrix i of a gathered launch: routed expert idx[i], then the always-on ones (sqs, sd)."""
@@ -480,33 +531,42 @@ def _expert(qs, d, idx, sqs, sd, i):
 
 
 def _gathered_share(thread, n_threads, args):
-    """One thread's run of (matrix, row group) jobs, matrix by matrix: a division-free inner loop
-    (a per-row job // row_groups cost ~14 % against a plain product on the same memory), and the
-    next matrix's first rows prefetched while the last ones of this one are read."""
+    """One thread's run of (matrix, row) jobs, matrix by matrix, each matrix's run read as ROWS
+    side-by-side streams (GEMV_STREAMS): a division-free inner loop (a per-row job // rows cost
+    ~14 % against a plain product on the same memory), and the next matrix's first rows
+    prefetched while the last ones of this one are read."""
     qs, d, idx, sqs, sd, xq, dx, xsum8, out = args
-    row_groups = qs.shape[1] // ROWS
-    first = thread * (idx.size + sqs.shape[0]) * row_groups // n_threads
-    last = (thread + 1) * (idx.size + sqs.shape[0]) * row_groups // n_threads
+    n_rows = qs.shape[1]
+    first = thread * (idx.size + sqs.shape[0]) * n_rows // n_threads
+    last = (thread + 1) * (idx.size + sqs.shape[0]) * n_rows // n_threads
     if first == last:
         return
     shared_x = xq.shape[0] == 1
-    # The row group from which the tile's own prefetch runs past the end of the matrix.
-    lead = max(0, row_groups - PREFETCH_BYTES // (ROWS * qs.shape[2]))
-    i = first // row_groups
+    ahead = PREFETCH_BYTES // qs.shape[2]  # rows the tile's own prefetch runs ahead
+    i = first // n_rows
     w, s = _expert(qs, d, idx, sqs, sd, i)
-    _warm(w, first % row_groups * ROWS)
-    _warm(s, first % row_groups * ROWS)
-    while i * row_groups < last:
-        g0 = max(first - i * row_groups, 0)
-        g1 = min(last - i * row_groups, row_groups)
-        has_next = (i + 1) * row_groups < last
+    g0 = first - i * n_rows
+    per = (min(last - i * n_rows, n_rows) - g0) // ROWS
+    for k in range(ROWS):
+        _warm(w, g0 + k * per)
+        _warm(s, g0 + k * per)
+    while i * n_rows < last:
+        g0 = max(first - i * n_rows, 0)
+        g1 = min(last - i * n_rows, n_rows)
+        per = (g1 - g0) // ROWS
+        has_next = (i + 1) * n_rows < last
         if has_next:
             w_next, s_next = _expert(qs, d, idx, sqs, sd, i + 1)
-        for g in range(g0, g1):
-            if g == lead and has_next:
-                _warm(w_next, 0)
-                _warm(s_next, 0)
-            tile(w, s, xq, dx, xsum8, out, g * ROWS, 0 if shared_x else i, i)
+            per_next = min(last - (i + 1) * n_rows, n_rows) // ROWS
+        t = 0 if shared_x else i
+        for j in range(per):
+            if j == max(0, per - ahead) and has_next:  # the last stream nears the end
+                for k in range(ROWS):
+                    _warm(w_next, k * per_next)
+                    _warm(s_next, k * per_next)
+            spread_tile(w, s, xq, dx, xsum8, out, g0 + j, t, i, per)
+        for r in range(g0 + per * ROWS, g1):
+            one_by_1(w, s, xq, dx, xsum8, out, r, t, i)
         i += 1
         if has_next:
             w, s = w_next, s_next
@@ -521,11 +581,6 @@ def _gathered_body(qs, d, idx, sqs, sd, xq, dx, xsum8, out):
         if idx[i] < 0 or idx[i] >= qs.shape[0]:
             raise IndexError("expert index out of range")
     fork((qs, d, idx, sqs, sd, xq, dx, xsum8, out))
-    shared_x = xq.shape[0] == 1
-    for i in range(idx.size + sqs.shape[0]):
-        w, s = _expert(qs, d, idx, sqs, sd, i)
-        for r in range(qs.shape[1] // ROWS * ROWS, qs.shape[1]):
-            one_by_1(w, s, xq, dx, xsum8, out, r, 0 if shared_x else i, i)
 
 
 def _grouped_share(thread, n_threads, args):
@@ -566,8 +621,8 @@ def _grouped_body(qs, d, offsets, xq, dx, xsum8, out):
                 one_by_1(qs[e], d[e], xq, dx, xsum8, out, r, t, t)
 
 
-_SHARES = {_product_body: _product_share, _gathered_body: _gathered_share,
-           _grouped_body: _grouped_share}
+_SHARES = {_product_body: _product_share, _gemv_body: _gemv_share,
+           _gathered_body: _gathered_share, _grouped_body: _grouped_share}
 
 
 def _array(dtype, ndim, readonly=False):
@@ -580,6 +635,8 @@ _ACT = (_array(types.int8, 2, True), _array(types.float32, 2, True), _array(type
 _SIGNATURES = {
     _product_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
                                _array(types.float32, n_out)) for n_out in (1, 2)],
+    _gemv_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
+                            _array(types.float32, n_out)) for n_out in (1, 2)],
     _gathered_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
                                 _array(types.int32, 1, True), _array(types.uint8, 3, True),
                                 _array(types.uint16, 3, True), *_ACT, _array(types.float32, 2))],
@@ -596,6 +653,7 @@ def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format) -> tuple[str, dict]:
     v = simd.VEC_OF[isa]
     n_rows, n_tok = shape
     tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
+                 spread_tile=_make_tile(fmt, v, n_rows, n_tok, True),
                  rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
     threads = "omp" if omp.available() else "serial"
     return f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}", tiles
@@ -615,12 +673,22 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
     return _products[key]
 
 
+def gemv_shape(isa: Isa) -> tuple[int, int]:
+    """The decode tile of `isa`: GEMV_STREAMS rows (read as separate streams) x 1 token."""
+    return GEMV_STREAMS[isa], 1
+
+
+def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
+    """The decode GEMV kernel: (qs, d_bits, xq, dx, xsum8, out [R] or [1, R])."""
+    return _product(isa, gemv_shape(isa), _gemv_body, fmt)
+
+
 def gathered_fork(isa: Isa):
     """(variant name, the fork intrinsic of a gathered decode launch) for a kernel of another
     op to call as `fork((qs, d_bits, idx, sqs, sd_bits, xq, dx, xsum8, out))`: the launch of
     `gathered` (GEMV tiles, whole rows only) inside that kernel, with no dispatch of its own.
     Indices must be in range: nothing checks them there."""
-    variant, tiles = _tiles(isa, GEMV_TILE, Q4_0)
+    variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
     variant += "-inner"  # its own symbols beside the gathered kernel's (jit.cpu.bind)
     return variant, omp.fork(bind(_gathered_share, variant, **tiles))
 
@@ -706,13 +774,14 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
         _call("matvec", gemm.product_kernel(act_isa), qs, w.d_bits, xq, act.dx, act.xsum8,
               gemm.x_offsets(act_isa, k // BLOCK), gemm.identity_rows(n_tok), out)
         return out
-    kernels = _gemm_gemv.get(act_isa) or _gemm_gemv.setdefault(
-        act_isa, (_product(act_isa, GEMM_TILE), _product(act_isa, GEMV_TILE)))
-    _call("matvec", kernels[n_tok == 1], qs, w.d_bits, xq, act.dx, act.xsum8, out)
+    key = (act_isa, n_tok == 1)  # each made on first use: decode alone never needs the GEMM's
+    kernel_ = _gemm_gemv.get(key) or _gemm_gemv.setdefault(
+        key, gemv_kernel(act_isa) if n_tok == 1 else _product(act_isa, GEMM_TILE))
+    _call("matvec", kernel_, qs, w.d_bits, xq, act.dx, act.xsum8, out)
     return out
 
 
-_gemm_gemv: dict = {}  # Isa -> its (GEMM, GEMV) kernels: product's lookup per call
+_gemm_gemv: dict = {}  # (Isa, one token?) -> the GEMV's or GEMM's kernel: product's lookup
 
 
 def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
@@ -737,7 +806,7 @@ def q8_reference(qs, d, x):
     """The same product with Q8_0 weights (qs int8 [R, K], d float16 [R, nb]): the LM-head
     option. Exact integer block sums, float64 scaling."""
     x2 = np.atleast_2d(x)
-    xq, dx = _quantize_act_reference(x2)
+    xq, dx = quantize_act_reference(x2)
     rows, nb = d.shape
     isum = np.einsum("rbj,tbj->trb", qs.reshape(rows, nb, BLOCK).astype(np.int64),
                      xq.astype(np.int64))
@@ -759,7 +828,10 @@ def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
                                 else out is not None and out.ndim == 1)
     y = output("matvec.q8", out, (rows,) if is_vector else (n_tok, rows))
-    _call("matvec.q8", _product(isa, GEMV_TILE, fmt=Q8_0), qs.view(np.uint8),
+    # Several tokens (eval's logits of every position): the tile of one row and one token,
+    # which reads the weights once for a panel of rows and all tokens (_product_share).
+    kernel_ = gemv_kernel(isa, Q8_0) if n_tok == 1 else _product(isa, (1, 1), fmt=Q8_0)
+    _call("matvec.q8", kernel_, qs.view(np.uint8),
           d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
     return y
 
@@ -806,7 +878,8 @@ def gathered(qs, d_bits, idx, act: Q8Act, out, shared=None):
                             f"{list(d_bits.shape)}, shared {list(sqs.shape)} with "
                             f"{list(sd_bits.shape)}, x of {k} inputs, out "
                             f"{list(getattr(out, 'shape', []))}: inconsistent")
-    _call("matvec.gathered", _product(act.vec.isa, GEMV_TILE, _gathered_body), qs, d_bits, idx,
+    isa = act.vec.isa
+    _call("matvec.gathered", _product(isa, gemv_shape(isa), _gathered_body), qs, d_bits, idx,
           sqs, sd_bits, act.xq, act.dx, act.xsum8, out)
     return out
 
@@ -881,11 +954,11 @@ def simd_variant(isa: Isa) -> str:
     v = simd.VEC_OF[isa]
     ops = "vpdpbusd" if v.dpbusd else "pmaddubsw+pmaddwd"
     return (f"{isa.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} blocks/step, "
-            f"tile {GEMV_TILE[0]}x{GEMV_TILE[1]} (GEMV); prefill GEMM {gemm.rows_per_group(isa)} "
-            f"rows in the lanes x {gemm.TILE_TOKENS[isa]} tokens")
+            f"{GEMV_STREAMS[isa]} row stream(s) a tile (GEMV); prefill GEMM "
+            f"{gemm.rows_per_group(isa)} rows in the lanes x {gemm.TILE_TOKENS[isa]} tokens")
 
 
 def warm_up() -> None:
     """One tiny product, so the kernel is compiled (or loaded) and the threads are started."""
-    qs, d = np.zeros((GEMV_TILE[0], BLOCK // 2), np.uint8), np.zeros((GEMV_TILE[0], 1), np.float16)
+    qs, d = np.zeros((2, BLOCK // 2), np.uint8), np.zeros((2, 1), np.float16)
     cpu(qs, d, np.zeros(BLOCK, np.float32))

@@ -27,8 +27,8 @@ CHECK = textwrap.dedent("""
     q8s, q8d = quant.quantize_q8_0(rng.standard_normal((9, 1056)).astype(np.float32))
     y += (matvec.q8_cpu(q8s, q8d, x[0], isa=isa),)
     ref += (matvec.q8_reference(q8s, q8d, x[0]),)
-    kernels = [matvec._product(isa, shape) for shape in (matvec.GEMV_TILE, matvec.GEMM_TILE)]
-    kernels.append(matvec._product(isa, matvec.GEMV_TILE, fmt=matvec.Q8_0))
+    kernels = [matvec.gemv_kernel(isa), matvec._product(isa, matvec.GEMM_TILE)]
+    kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
@@ -46,8 +46,8 @@ NEGATIVE = textwrap.dedent("""
     qs, d = quant.quantize_q4_0(np.ones((8, 512), np.float32))
     x = np.ones(512, np.float32)
     act = matvec.quantize_act(x, Isa.AVX2)
-    matvec._product(Isa.AVX2, matvec.GEMV_TILE)(qs, d.view(np.uint16), act.xq, act.dx,
-                                                act.xsum8, np.empty((1, 8), np.float32))
+    matvec.gemv_kernel(Isa.AVX2)(qs, d.view(np.uint16), act.xq, act.dx, act.xsum8,
+                                 np.empty((1, 8), np.float32))
     print("ran AVX2 code")
 """)
 

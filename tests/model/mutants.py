@@ -176,7 +176,7 @@ def quantiser_truncates():
         act.xsum8[...] = 8 * q.astype(np.int32).sum(axis=-1)
 
     matvec._quantize_act_kernel = truncating_kernel
-    matvec._quantize_act_reference = truncating_reference
+    matvec.quantize_act_reference = truncating_reference
     matvec.quantize_rows = truncating_rows
 
 

@@ -44,7 +44,7 @@ def test_x_offsets_find_each_block_in_the_layout(rng, isa):
     k = 32 * 29
     x = rng.standard_normal((1, k)).astype(np.float32)
     act = matvec.quantize_act(x, isa)
-    natural, _ = matvec._quantize_act_reference(x)
+    natural, _ = matvec.quantize_act_reference(x)
     offs = gemm.x_offsets(isa, k // 32)
     got = np.stack([np.concatenate([act.xq[0, lo:lo + 16], act.xq[0, hi:hi + 16]])
                     for lo, hi in offs])

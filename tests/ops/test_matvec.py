@@ -1,10 +1,12 @@
 """W4A8 GEMV/GEMM: every ISA variant this CPU runs against the exact-integer reference."""
 
+import numba
 import numpy as np
 import pytest
 
 from fermijit import FermijitError
 from fermijit.jit import cpu
+from fermijit.jit.cpu import configure_threads
 from fermijit.ops import matvec, quant
 from tests.numerics import assert_close, poisoned
 
@@ -274,3 +276,43 @@ def test_extreme_inputs_do_not_saturate(isa, case):
     q8 = np.where(q == 0, -128, 127).astype(np.int8)  # Q8_0's extremes, through the sign trick
     exact8 = (x.astype(np.int64) @ q8.astype(np.int64).T).astype(np.float32)
     np.testing.assert_array_equal(matvec.q8_cpu(q8, d, x, isa=isa), exact8)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 66], ids=lambda r: f"R{r}")
+def test_gemv_streams_equal_the_one_row_tile(rng, isa, rows):
+    """The decode GEMV reads each thread's rows as GEMV_STREAMS side-by-side runs (rows left
+    over one by one): every row bit for bit the one-row tile's, at 1 and 2 threads, Q4_0 and
+    Q8_0, and the gathered launch's matrices each bit for bit its own GEMV."""
+    k = 1056                                                # 33 blocks: every step width
+    qs, d = q4_weights(rng, rows, k)
+    q8s, q8d = quant.quantize_q8_0(rng.standard_normal((rows, k)).astype(np.float32))
+    act = matvec.quantize_act(rng.standard_normal(k).astype(np.float32), isa)
+    one_row = {fmt: matvec._product(isa, (1, 1), fmt=fmt) for fmt in (matvec.Q4_0, matvec.Q8_0)}
+    expected = {}
+    for fmt, (w, s) in ((matvec.Q4_0, (qs, d)), (matvec.Q8_0, (q8s.view(np.uint8), q8d))):
+        expected[fmt] = poisoned(rows)
+        one_row[fmt](w, s.view(np.uint16), act.xq, act.dx, act.xsum8, expected[fmt])
+    gathered_qs = np.stack([qs, qs[::-1].copy(), qs])
+    gathered_d = np.stack([d, d[::-1].copy(), d])
+    idx = np.array([1, 0], np.int32)
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            configure_threads(n)
+            out = poisoned(rows)
+            matvec.product(matvec.Q4Matrix.of(qs, d), act, out)
+            np.testing.assert_array_equal(out, expected[matvec.Q4_0])
+            q8_out = matvec.q8_cpu(q8s, q8d, act, out=poisoned(rows), isa=isa)
+            np.testing.assert_array_equal(q8_out, expected[matvec.Q8_0])
+            out = poisoned((3, rows))
+            matvec.gathered_cpu(gathered_qs, gathered_d, idx, act, out=out,
+                                shared=(gathered_qs[2:], gathered_d[2:]), isa=isa)
+            reversed_rows = poisoned(rows)
+            one_row[matvec.Q4_0](gathered_qs[1], gathered_d[1].view(np.uint16), act.xq, act.dx,
+                                 act.xsum8, reversed_rows)
+            for got, want in zip(out, (reversed_rows, expected[matvec.Q4_0],
+                                       expected[matvec.Q4_0])):
+                np.testing.assert_array_equal(got, want)
+    finally:
+        configure_threads(before)

@@ -48,7 +48,7 @@ def test_equals_decode_kernel_row_by_row_and_reference(rng, isa, shape):
         np.testing.assert_array_equal(act.xq[t], one.xq[0])
         np.testing.assert_array_equal(act.dx[t], one.dx[0])
         np.testing.assert_array_equal(act.xsum8[t], one.xsum8[0])
-    natural, dx = matvec._quantize_act_reference(x)            # [T, nb, 32], [T, nb]
+    natural, dx = matvec.quantize_act_reference(x)            # [T, nb, 32], [T, nb]
     offs = gemm.x_offsets(isa, k // 32)
     got = np.stack([np.concatenate([act.xq[:, lo:lo + 16], act.xq[:, hi:hi + 16]], axis=1)
                     for lo, hi in offs], axis=1)
