@@ -1,4 +1,4 @@
-"""numpy's OpenBLAS at one thread inside the quantised forward (fermijit/blas.py), restored after."""
+"""numpy's OpenBLAS at one thread inside the quantised forward (fermijit/blas.py), then restored."""
 
 from __future__ import annotations
 
