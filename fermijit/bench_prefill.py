@@ -48,7 +48,7 @@ C2075 = Device("Tesla C2075 (Fermi)", 1030.0, 144.0, 6.0)
 PROJECTIONS = {"c2075": C2075}
 # Categories bounded by memory traffic (no GEMM): projected through their achieved share of the
 # measured device bandwidth; the rest through their achieved share of the FMA ceiling.
-MEMORY_BOUND = ("small ops", "embedding")
+MEMORY_BOUND = ("small ops", "embedding", "act quant")
 HOST = ("routing (host)", "copy wait")
 
 
@@ -102,28 +102,32 @@ def flops(model, n_tokens: int, start: int, layer_stats: list[dict]) -> dict[str
 
 def memory_bytes(model, n_tokens: int, layer_stats: list[dict]) -> dict[str, float]:
     """Device memory traffic by category, approximately: weights read once per pass (4.5 bits a
-    weight), activations read and written once per kernel (fp32)."""
+    weight), activations read and written once per kernel (fp32); "act quant" is the 8-bit
+    rounding of every GEMM input (gpu_prefill.Pass.rounded) when the run has it."""
     m, T, q4 = model, n_tokens, 18 / 32
     H, D, Hq, Hkv = m.hidden, m.head_dim, m.n_heads, m.n_kv_heads
     Hv, dv = m.n_value_heads, m.value_dim
     experts = m.layers[0].experts
     inter, shared_inter = experts.down_qs.shape[2] * 2, experts.shared_down_qs.shape[2] * 2
     out = dict.fromkeys(("dense gemm", "gated delta", "attention", "shared expert",
-                         "expert gemm", "small ops", "embedding", "lm head"), 0.0)
+                         "expert gemm", "small ops", "embedding", "lm head", "act quant"), 0.0)
     for is_attention, stats in zip(m.is_attention, layer_stats):
         if is_attention:
             rows = Hq * 2 * D + 2 * Hkv * D
             out["dense gemm"] += q4 * H * (rows + Hq * D) + 4 * T * (2 * H + rows + Hq * D)
             out["attention"] += 4 * T * (4 * Hq * D + 2 * Hkv * D)
             out["small ops"] += 4 * T * (6 * Hq * D + 4 * Hkv * D)
+            out["act quant"] += 8 * T * Hq * D
         else:
             rows = m.conv_dim + Hv * dv
             out["dense gemm"] += q4 * H * (rows + Hv * dv) + 4 * T * (2 * H + rows + Hv * dv)
             out["gated delta"] += 4 * T * (m.conv_dim + 2 * Hv * dv) + 4 * Hv * m.key_dim * dv
             out["small ops"] += 4 * T * (6 * m.conv_dim + 6 * Hv * dv)
+            out["act quant"] += 8 * T * Hv * dv
         out["small ops"] += 4 * T * (6 * H + 2 * m.n_experts)
         out["shared expert"] += q4 * 3 * shared_inter * H + 4 * T * (3 * H + 4 * shared_inter)
         out["expert gemm"] += (stats["bytes"] + 4 * stats["slots"] * (2 * H + 2 * inter))
+        out["act quant"] += 8 * (T * (2 * H + shared_inter) + stats["slots"] * inter)
     out["embedding"] = 4 * T * H
     out["lm head"] = m.lm_head.qs.nbytes * (9 / 8)
     return out

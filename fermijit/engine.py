@@ -14,7 +14,6 @@ decode runs on the CPU.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
 import resource
@@ -27,12 +26,13 @@ import numpy as np
 from tqdm import tqdm
 
 from fermijit import FermijitError
+# The warm-up lives in fermijit/warm.py; callers know it as engine.warm_up.
+from fermijit.warm import WARM_UP_TOKENS, kernel_sample, warm_up  # noqa: F401
 
 # HF GenerationConfig's defaults, used where the model's generation_config.json says nothing.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 50
 DEFAULT_TOP_P = 1.0
-WARM_UP_TOKENS = 2  # a prefill of two tokens and a decode step compile or load every kernel
 # The embedded model (issue 4), package data: what `generate` and `eval` run without --model.
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -197,41 +197,6 @@ def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
     if cache is not None:
         cache.add(prompt, state, logits)
     return logits
-
-
-def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=None) -> float:
-    """Compile (or load from Numba's cache) every kernel of prefill, decode and `sampler` on a
-    throwaway state, so that the timings measure the model, not the JIT; returns the seconds it
-    took. `sampler` is a twin of the real one, as sampling draws from its generator (its compile
-    was 1.4 s of a cold run's "prefill"). Some ops switch to a parallel kernel past a size (e.g.
-    ops/rope.py PARALLEL_MIN_ELEMENTS): `n_prefill` as long as the prefills to come compiles
-    those too (`eval` does; on the default model a cold prefill of 512 tokens compiled 7 more
-    kernels, 3.7 s, after the 2-token one)."""
-    start = time.perf_counter()
-    model = kernel_sample(model)
-    n_prefill = max(1, min(n_prefill, model.max_context - 1))  # and room for the decode step
-    tokens = np.resize(prompt, n_prefill)
-    state = model.new_state(n_prefill + 1)
-    logits = model.prefill(tokens, state)
-    if sampler is not None:
-        sampler.sample(logits)
-    model.decode(int(tokens[-1]), state)
-    return time.perf_counter() - start
-
-
-def kernel_sample(model):
-    """`model` cut to its first layers up to one of each kind (GDN, attention): the same kernels
-    at a tenth of the work (4 of 40 layers), since layers of a kind differ only in their weights.
-    On the REAP-128 shape the whole-model warm-up read ~1.7 GB of weights and ran 40 layers'
-    prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
-    kinds = model.is_attention
-    n = max(kinds.index(kind) for kind in set(kinds)) + 1
-    if n == len(kinds):
-        return model
-    sample = copy.copy(model)
-    sample.layers, sample.is_attention = model.layers[:n], kinds[:n]
-    sample._decode_ws = None  # its own (the original's is made on its first decode)
-    return sample
 
 
 def sampling_settings(settings: Settings, generation_config: dict) -> tuple[float, int, float]:

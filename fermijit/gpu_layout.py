@@ -112,13 +112,13 @@ def head_bytes(model: Model) -> int:
 
 def activation_bytes(model: Model, n_tokens: int) -> int:
     """Device bytes of one pass's intermediates over `n_tokens` (what `Workspace` holds, plus the
-    GDN chunk scratch and the routed slots)."""
+    GDN chunk scratch, the routed slots and xn rounded to 8 bits)."""
     H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
     Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
     experts = model.layers[0].experts
     inter = experts.down_qs.shape[2] * 2
     shared_inter = experts.shared_down_qs.shape[2] * 2
-    per_token = (3 * H + 4 * Hq * D + 2 * Hkv * D + 2 * model.conv_dim + 2 * Hv * dv
+    per_token = (4 * H + 4 * Hq * D + 2 * Hkv * D + 2 * model.conv_dim + 2 * Hv * dv
                  + 2 * Hk * dk + 2 * Hv * dv + 4 * Hv + model.n_experts
                  + model.top_k * (2 + inter + 2) + shared_inter + 3)
     chunks = -(-n_tokens // gated_delta.GPU_CHUNK)

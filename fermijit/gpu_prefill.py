@@ -19,8 +19,15 @@ the real routing needs and the prediction missed is copied after routing, before
 long prompt every expert is routed (947 tokens x 8 of 128: each expert unused with probability
 (120/128)^947 ~ 1e-27 under uniform routing), so the prediction is then exact.
 
-Numerics: activations stay fp32 (DESIGN.md: prefill keeps them in fp32), so the logits follow
-model/reference.py over the same 4-bit weights, not the CPU's W4A8.
+Numerics (issue 10 item 3): by default every GEMM input is rounded to Q8_0 per 32-block exactly
+as the CPU prefill rounds it (ops/act_quant.py: the same codes and scales, bit for bit) wherever
+the CPU's W4A8 products do: the mixers' input and output projections, the shared and routed
+experts' gate_up inputs and their down inputs after SwiGLU, the LM head's input. The router and
+the gates read fp32, as on the CPU. So the logits and the handed-off state follow the all-CPU
+path (and model/reference.py with quantised activations) to fp32 rounding, except where a value
+lands on the other side of an 8-bit rounding boundary; a trained model cascades such flips to
+~1e-2 (tests/fermijit/test_hybrid_gpu.py W4A8_CASCADE). With `w4a8=False` the activations stay
+fp32 (the logits then follow model/reference.py without activation rounding).
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ import numpy as np
 from fermijit.gpu_layout import F32, dense_arrays, head_arrays, route_slots
 from fermijit.model.forward import L2NORM_EPS, Model
 from fermijit.model.state import GdnState, KvCache
-from fermijit.ops import (attention, conv1d, embedding, expert_matmul, f32_gemm, gated_delta,
-                          l2norm, matmul, rmsnorm, rope, router)
+from fermijit.ops import (act_quant, attention, conv1d, embedding, expert_matmul, f32_gemm,
+                          gated_delta, l2norm, matmul, rmsnorm, rope, router)
 
 
 class DeviceModel:
@@ -83,7 +90,7 @@ class Pass:
     """The device buffers of one prefill over `n_tokens` after `start` positions."""
 
     def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int,
-                 observe: bool = False):
+                 observe: bool = False, w4a8: bool = True):
         from fermijit.jit import gpu
 
         m = dev.model
@@ -91,6 +98,8 @@ class Pass:
         T, H = n_tokens, m.hidden
         e = gpu.empty
         self.x, self.xn = e((T, H)), e((T, H))
+        self.w4a8 = w4a8
+        self.xq = e((T, H)) if w4a8 else self.xn   # xn as the projections read it (`rounded`)
         self.logits_r = e((T, m.n_experts))
         self.ids, self.weights = e((T, m.top_k), np.int32), e((T, m.top_k))
         inter = m.layers[0].experts.down_qs.shape[2] * 2
@@ -137,6 +146,16 @@ class Pass:
 
     # --- one layer ------------------------------------------------------------------------------
 
+    def rounded(self, a, out=None):
+        """`a` as a W4A8 product reads it (8 bits per 32-block, the CPU's rounding), into `out`
+        (default: in place); `a` itself with fp32 activations. Profiled as "act quant": the
+        caller marks what it launched before."""
+        if not self.w4a8:
+            return a
+        a = act_quant.gpu(a, out=a if out is None else out)
+        self.mark("act quant")
+        return a
+
     def add_projection(self, src, qs, d) -> None:
         """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1. (Its
         k split over grid z, to fill the H200's block slots that 16 x 15 blocks leave idle, was
@@ -153,8 +172,9 @@ class Pass:
         m, T = self.m, self.T
         Hk, Hv, dk, dv = m.n_key_heads, m.n_value_heads, m.key_dim, m.value_dim
         e = gpu.empty
-        mixed = matmul.gpu(self.xn, w["in_proj_qkv_qs"], w["in_proj_qkv_d"], out=e((T, m.conv_dim)))
-        z = matmul.gpu(self.xn, w["in_proj_z_qs"], w["in_proj_z_d"], out=e((T, Hv * dv)))
+        xq = self.rounded(self.xn, self.xq)
+        mixed = matmul.gpu(xq, w["in_proj_qkv_qs"], w["in_proj_qkv_d"], out=e((T, m.conv_dim)))
+        z = matmul.gpu(xq, w["in_proj_z_qs"], w["in_proj_z_d"], out=e((T, Hv * dv)))
         self.mark("dense gemm")
         g, beta = f32_gemm.gates_gpu(self.xn, w["w_ba"], w["A_log"], w["dt_bias"],
                                      out=(e((T, Hv)), e((T, Hv))))
@@ -174,7 +194,8 @@ class Pass:
         self.mark("gated delta")
         rmsnorm.gated_gpu(o, z.reshape(T, Hv, dv), w["norm"], m.eps, out=o)
         self.mark("small ops")
-        self.add_projection(o.reshape(T, Hv * dv), w["out_proj_qs"], w["out_proj_d"])
+        o = self.rounded(o.reshape(T, Hv * dv))
+        self.add_projection(o, w["out_proj_qs"], w["out_proj_d"])
         self.mark("dense gemm")
 
     def attention(self, w, cache: KvCache) -> None:
@@ -183,9 +204,10 @@ class Pass:
         m, T, D = self.m, self.T, self.m.head_dim
         Hq, Hkv = m.n_heads, m.n_kv_heads
         e = gpu.empty
-        qg = matmul.gpu(self.xn, w["q_proj_qs"], w["q_proj_d"], out=e((T, Hq * 2 * D)))
-        k = matmul.gpu(self.xn, w["k_proj_qs"], w["k_proj_d"], out=e((T, Hkv * D)))
-        v = matmul.gpu(self.xn, w["v_proj_qs"], w["v_proj_d"], out=e((T, Hkv * D)))
+        xq = self.rounded(self.xn, self.xq)
+        qg = matmul.gpu(xq, w["q_proj_qs"], w["q_proj_d"], out=e((T, Hq * 2 * D)))
+        k = matmul.gpu(xq, w["k_proj_qs"], w["k_proj_d"], out=e((T, Hkv * D)))
+        v = matmul.gpu(xq, w["v_proj_qs"], w["v_proj_d"], out=e((T, Hkv * D)))
         self.mark("dense gemm")
         q, gate = e((T, Hq, D)), e((T, Hq, D))
         for part, at in ((q, 0), (gate, D * F32)):
@@ -203,7 +225,8 @@ class Pass:
         self.mark("small ops")
         o = attention.gpu(q, cache.k, cache.v, gate, self.start, out=e((T, Hq, D)))
         self.mark("attention")
-        self.add_projection(o.reshape(T, Hq * D), w["o_proj_qs"], w["o_proj_d"])
+        o = self.rounded(o.reshape(T, Hq * D))
+        self.add_projection(o, w["o_proj_qs"], w["o_proj_d"])
         self.mark("dense gemm")
 
     def predict(self, layer: int, xn) -> None:
@@ -274,12 +297,14 @@ class Pass:
         self.mark("small ops")
         # The shared expert does not depend on the routing: launched first, it runs while the
         # host reads the routing back and sorts it.
+        xq = self.rounded(self.xn, self.xq)              # the experts' input; router and gates fp32
         f32_gemm.gpu(self.xn, w["shared_gate"], "sigmoid", out=self.shared_w)
         shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
-        expert_matmul.gate_up_gpu(self.xn, shared, w["shared_gate_up_qs"],
+        expert_matmul.gate_up_gpu(xq, shared, w["shared_gate_up_qs"],
                                   w["shared_gate_up_d"], self.h_shared)
-        expert_matmul.down_gpu(self.h_shared, shared, w["shared_down_qs"], w["shared_down_d"],
-                               self.x)
+        self.mark("shared expert")
+        expert_matmul.down_gpu(self.rounded(self.h_shared), shared, w["shared_down_qs"],
+                               w["shared_down_d"], self.x)
         self.mark("shared expert")
         t0 = time.perf_counter()
         with gpu.check("reading the routing back"):
@@ -314,7 +339,9 @@ class Pass:
         inter, hidden, n_tiles = self.h.shape[1], m.hidden, len(tiles)
         gpu.kernel("q4_gemm", MODE="expert_gate_up")(
             (-(-inter // expert_matmul.GATE_UP_TILE_COLS), n_tiles), (256,),
-            self.xn, gu_qs, gu_d, self.h, self.slot_tiles, self.slot_rows, None, 0, inter, hidden)
+            xq, gu_qs, gu_d, self.h, self.slot_tiles, self.slot_rows, None, 0, inter, hidden)
+        self.mark("expert gemm")
+        self.rounded(self.h)
         if self.observing:
             self.observe(i, ids, slot_weights, (dn_qs, dn_d), n_tiles)
         gpu.kernel("q4_gemm", MODE="expert_down")(
@@ -394,6 +421,8 @@ class Pass:
         self.layer = len(m.layers)
         x = self.x if all_logits else self.x[self.T - 1:self.T]
         xn = rmsnorm.gpu(x, self.dev.norm, m.eps, out=gpu.empty(x.shape))
+        self.mark("small ops")
+        xn = self.rounded(xn)
         head = self.dev.head
         if "qs" in head:
             with gpu.check("reading the logits back"):

@@ -161,8 +161,11 @@ class GpuPrefiller:
     name = "gpu"
 
     def __init__(self, model, gpu_mem: int | None = None, pin_budget: int | None = None,
-                 verbose: bool = False, err=None, source: str | None = None):
+                 verbose: bool = False, err=None, source: str | None = None, w4a8: bool = True):
         self.model = model
+        # The GEMMs' inputs rounded to 8 bits as the CPU prefill rounds them (gpu_prefill's
+        # numerics: the all-CPU run's, to fp32 rounding and its 8-bit flips); False: fp32.
+        self.w4a8 = w4a8
         self.cpu = CpuPrefiller(model)
         self.gpu_mem, self.pin_budget = gpu_mem, pin_budget
         self.verbose, self.err = verbose, err or sys.stderr
@@ -278,7 +281,7 @@ class GpuPrefiller:
             block = tokens[t0:t0 + p.chunk]
             last = t0 + p.chunk >= tokens.size
             run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
-                                   observe=self.observer is not None)
+                                   observe=self.observer is not None, w4a8=self.w4a8)
             run.marks = [] if profile else None
             phase("pass buffers")
             run.run(block, time_layers)

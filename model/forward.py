@@ -18,11 +18,12 @@ Dimension legend: as model/weights.py; T tokens in this pass.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 
-from fermijit import FermijitError
+from fermijit import FermijitError, blas
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
@@ -399,8 +400,15 @@ class Model:
     # --- the forward (MODEL.md §4) --------------------------------------------------------------
 
     def forward(self, tokens, state: State, ws: Workspace) -> None:
-        """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T."""
+        """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T.
+        With Q4_0 weights numpy's BLAS (the few fp32 products) stays at one thread meanwhile, out
+        of the kernels' way (fermijit/blas.py: a 2-thread prefill 2-3x faster on 2 cores); with
+        fp32 weights every product is numpy's, so its threads are the work."""
         self._check_token(tokens)
+        with blas.single_threaded() if self.is_quantized else contextlib.nullcontext():
+            self._forward(tokens, state, ws)
+
+    def _forward(self, tokens, state: State, ws: Workspace) -> None:
         start = state.position
         embedding.cpu(tokens, self.embed, out=ws.x)                    # not scaled
         if ws.embeds is not None:                                      # image tokens
@@ -464,7 +472,7 @@ class Model:
     def gated_deltanet(self, w: GatedDeltaNetWeights, joined, gates_in, s,
                        ws: Workspace) -> None:
         """Gated DeltaNet (MODEL.md §6): ws.xn -> ws.y; conv and recurrent state updated."""
-        T, Hk, dk = ws.tokens.size, self.n_key_heads, self.key_dim
+        T, dk = ws.tokens.size, self.key_dim
         ws.act = act = self._quantized_input(ws.xn, ws.act)
         if joined is not None and ws.gdn_in is not None:
             linear(ws.xn, joined, ws.gdn_in, act)                    # qkv | z in one launch
@@ -486,11 +494,8 @@ class Model:
             linear(ws.go.reshape(T, -1), w.out_proj, ws.y, ws.act_gdn)
             return
         conv1d.cpu(ws.mixed, w.conv1d, s.conv, out=ws.mixed)         # causal conv + SiLU
-        np.copyto(ws.gq, ws.mixed[:, :Hk * dk].reshape(T, Hk, dk))
-        np.copyto(ws.gk, ws.mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk))
-        np.copyto(ws.gv, ws.mixed[:, 2 * Hk * dk:].reshape(ws.gv.shape))
-        l2norm.cpu(ws.gq, L2NORM_EPS, 1 / np.sqrt(dk), out=ws.gq)    # q / |q| / sqrt(dk)
-        l2norm.cpu(ws.gk, L2NORM_EPS, out=ws.gk)
+        # q / |q| / sqrt(dk), k / |k|, v: out of the conv's rows in one pass
+        l2norm.split_cpu(ws.mixed, L2NORM_EPS, 1 / np.sqrt(dk), ws.gq, ws.gk, ws.gv)
         gated_delta.gates_cpu(ws.a, ws.b, w.A_log, w.dt_bias, out=(ws.g, ws.beta))
         gated_delta.cpu(ws.gq, ws.gk, ws.gv, ws.g, ws.beta, s.recurrent, out=ws.go)
         rmsnorm.gated_cpu(ws.go, ws.z, w.norm, self.eps, out=ws.go)  # norm, then silu(z) gate
@@ -525,8 +530,10 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
     directory = Path(directory)
     if not directory.is_dir():
         raise FermijitError(f"no such model directory: {directory}")
+    source = None
     if convert.is_fermijit_model(directory):
         cfg, weights, _ = convert.load_converted(directory)
+        source = directory  # memory-mapped: cheap to load again (the warm-up's helpers)
     else:
         cfg = load_config(directory)
         fp32_nbytes = 4 * sum(int(np.prod(s)) for s in text_weight_shapes(cfg.text_config).values())
@@ -538,4 +545,6 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
                                 f"first (python -m fermijit convert)")
         weights = load_text_weights(cfg.text_config, Checkpoint(directory), np.float32,
                                     show_progress=show_progress)
-    return cfg, Model(cfg.text_config, weights)
+    model = Model(cfg.text_config, weights)
+    model.source = source
+    return cfg, model

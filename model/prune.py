@@ -213,7 +213,7 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
     n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
     prefiller = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
     if prefill != "cpu" and prefiller.prepare():
-        print(f"calibrating through the GPU prefill ({prefill}; fp32 activations)", file=err)
+        print(f"calibrating through the GPU prefill ({prefill})", file=err)
     with tqdm(total=n_tokens, desc="calibrate", unit="tok", file=err) as bar:
         cal = reap.calibrate(model, tokens, context, str(text_path), max_tokens, bar.update,
                              prefiller)

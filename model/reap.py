@@ -107,7 +107,7 @@ class Collector:
 
     def add_slots(self, i: int, experts, weights, norms) -> None:
         """The GPU prefill's observer (hybrid.GpuPrefiller.observer): layer i's routed slots, the
-        expert of each, its routing weight and ‖E(x)‖₂ (fp32 activations: gpu_prefill.observe)."""
+        expert of each, its routing weight and ‖E(x)‖₂ (gpu_prefill.observe)."""
         n = self.counts.shape[1]
         self.counts[i] += np.bincount(experts, minlength=n)
         self.weighted_norms[i] += np.bincount(experts, weights * norms, minlength=n)
@@ -139,9 +139,9 @@ def calibrate(model, tokens, context: int, source: str, max_tokens: int | None =
               on_tokens=lambda n: None, prefiller=None) -> Calibration:
     """Statistics of `model` (forward.Model) over `tokens` [N], each window from a fresh state;
     `on_tokens(n)` after each prefill pass of n tokens (progress). `prefiller` (fermijit/hybrid.py,
-    default the CPU forward): a GPU prefill observes its own MoE steps (fp32 activations, so its
-    statistics follow the float64 reference, where the CPU's follow W4A8); whatever falls back
-    to the CPU is observed there."""
+    default the CPU forward): a GPU prefill observes its own MoE steps (with the CPU's 8-bit
+    activation rounding, gpu_prefill's numerics); whatever falls back to the CPU is observed
+    there."""
     tokens = np.asarray(tokens, dtype=np.int32)
     check_context(context, model.max_context)
     starts = windows(tokens.size, context, max_tokens)

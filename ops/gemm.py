@@ -86,6 +86,14 @@ def x_offsets(isa: Isa, nb: int) -> np.ndarray:
     return offs
 
 
+@lru_cache(maxsize=None)
+def identity_rows(n: int) -> np.ndarray:
+    """xrows for a product whose row t reads activation row t (read-only, made once per n)."""
+    rows = np.arange(n, dtype=np.int64)
+    rows.flags.writeable = False
+    return rows
+
+
 def _data(context, builder, ty, val):
     return context.make_array(ty)(context, builder, val)
 
@@ -184,19 +192,20 @@ def prefetch_rows(typingctx, qs, d, r0, r1):
 
 
 def _make_tile(v: Vec, n_tok: int):
-    """tile(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0): out[t0+t, r0+i] for
-    t < n_tok, i < n_valid (<= D), from packed group g and activation rows t0+t."""
+    """tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0): out[t0+t, r0+i] for
+    t < n_tok, i < n_valid (<= D), from packed group g and activation rows xrows[t0+t] (the MoE's
+    slots read their tokens' rows in place: no gathered copy)."""
     n_rows = v.nbytes // 4
     has_fma = v.isa is not Isa.SSSE3
 
     @intrinsic
-    def tile(typingctx, bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0):
-        sig = types.none(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t0)
+    def tile(typingctx, bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0):
+        sig = types.none(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0)
 
         def codegen(context, builder, sig, args):
-            bq_a, bs_a, xq_a, dx_a, xs_a, xo_a, out_a = (
-                _data(context, builder, sig.args[i], args[i]) for i in (0, 1, 3, 4, 5, 6, 7))
-            gv, r0v, n_valid, t0v = args[2], args[8], args[9], args[10]
+            bq_a, bs_a, xq_a, dx_a, xs_a, xo_a, xr_a, out_a = (
+                _data(context, builder, sig.args[i], args[i]) for i in (0, 1, 3, 4, 5, 6, 7, 8))
+            gv, r0v, n_valid, t0v = args[2], args[9], args[10], args[11]
             c = lambda n: ir.Constant(I64, n)  # noqa: E731
             _, nb = cgutils.unpack_tuple(builder, dx_a.shape, 2)
             _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
@@ -206,12 +215,14 @@ def _make_tile(v: Vec, n_tok: int):
             s_base = simd.byte_ptr(builder, bs_a.data,
                                    builder.mul(builder.mul(gv, nb), c(4 * n_rows)))
             toks = [builder.add(t0v, c(t)) for t in range(n_tok)]
+            x_toks = [simd.load_scalar(builder, xr_a.data, builder.mul(t, c(8)), I64)
+                      for t in toks]
             xq_row = [simd.byte_ptr(builder, xq_a.data, builder.mul(t, builder.mul(nb, c(32))))
-                      for t in toks]
+                      for t in x_toks]
             dx_row = [simd.byte_ptr(builder, dx_a.data, builder.mul(t, builder.mul(nb, c(4))))
-                      for t in toks]
+                      for t in x_toks]
             xs_row = [simd.byte_ptr(builder, xs_a.data, builder.mul(t, builder.mul(nb, c(4))))
-                      for t in toks]
+                      for t in x_toks]
             acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in toks]
             fma = (cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{n_rows}f32")
@@ -269,29 +280,29 @@ def _panel_groups(nb):
     return max(1, PANEL_BYTES // (nb * UNITS * 4 * ROWS))
 
 
-def _run_group(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t_first, t_end):
+def _run_group(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t_first, t_end):
     """Packed group g over tokens t_first..t_end-1: whole tiles, then the rest in tiles of half
     and a quarter of that and single tokens (an expert's tokens are rarely whole tiles; one token
     at a time reloads the group's registers per token)."""
     t = t_first
     while t + TOKS <= t_end:
-        tile(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
         t += TOKS
     if t + HALF <= t_end:
-        tile_half(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        tile_half(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
         t += HALF
     if t + QUARTER <= t_end:
-        tile_quarter(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        tile_quarter(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
         t += QUARTER
     while t < t_end:
-        tile1(bq, bs, g, xq, dx, xsum8, xoff, out, r0, n_valid, t)
+        tile1(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
         t += 1
 
 
 def _product_share(thread, n_threads, args):
     """One thread's run of row groups, in panels packed once, each meeting blocks of tokens that
     stay in L2 with it."""
-    qs, d, xq, dx, xsum8, xoff, out = args
+    qs, d, xq, dx, xsum8, xoff, xrows, out = args
     n_rows = qs.shape[0]
     nb = d.shape[1]
     groups = (n_rows + ROWS - 1) // ROWS
@@ -302,7 +313,7 @@ def _product_share(thread, n_threads, args):
     panel = _panel_groups(nb)
     bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
     bs = np.empty(panel * nb * ROWS, np.float32)
-    n_tok = xq.shape[0]
+    n_tok = out.shape[0]
     tok_block = max(TOKS, TOKEN_BYTES // (nb * 32) // TOKS * TOKS)
     for g0 in range(first, last, panel):
         g1 = min(g0 + panel, last)
@@ -313,18 +324,18 @@ def _product_share(thread, n_threads, args):
         for t0 in range(0, n_tok, tok_block):
             t1 = min(t0 + tok_block, n_tok)
             for g in range(g0, g1):
-                _run_group(bq, bs, g - g0, xq, dx, xsum8, xoff, out, g * ROWS,
+                _run_group(bq, bs, g - g0, xq, dx, xsum8, xoff, xrows, out, g * ROWS,
                            min(ROWS, n_rows - g * ROWS), t0, t1)
 
 
-def _product_body(qs, d, xq, dx, xsum8, xoff, out):
-    fork((qs, d, xq, dx, xsum8, xoff, out))
+def _product_body(qs, d, xq, dx, xsum8, xoff, xrows, out):
+    fork((qs, d, xq, dx, xsum8, xoff, xrows, out))
 
 
 def _grouped_share(thread, n_threads, args):
     """Jobs (expert, row group), in order, each worth its expert's tokens: every thread takes the
     jobs that start in its equal share of the work (routing leaves experts unevenly loaded)."""
-    qs, d, offsets, xq, dx, xsum8, xoff, out = args
+    qs, d, offsets, xq, dx, xsum8, xoff, xrows, out = args
     n_experts, n_rows = qs.shape[0], qs.shape[1]
     nb = d.shape[2]
     groups = (n_rows + ROWS - 1) // ROWS
@@ -348,13 +359,13 @@ def _grouped_share(thread, n_threads, args):
                 prefetch_rows(qs[e], d[e], (g + 1) * ROWS, (g + 2) * ROWS)
             elif g_end == groups and e + 1 < n_experts:  # the next expert's first group
                 prefetch_rows(qs[e + 1], d[e + 1], 0, ROWS)
-            _run_group(bq, bs, 0, xq, dx, xsum8, xoff, out, g * ROWS,
+            _run_group(bq, bs, 0, xq, dx, xsum8, xoff, xrows, out, g * ROWS,
                        min(ROWS, n_rows - g * ROWS), t0, t1)
         done += n * groups
 
 
-def _grouped_body(qs, d, offsets, xq, dx, xsum8, xoff, out):
-    fork((qs, d, offsets, xq, dx, xsum8, xoff, out))
+def _grouped_body(qs, d, offsets, xq, dx, xsum8, xoff, xrows, out):
+    fork((qs, d, offsets, xq, dx, xsum8, xoff, xrows, out))
 
 
 def _array(dtype, ndim, readonly=False):
@@ -362,7 +373,7 @@ def _array(dtype, ndim, readonly=False):
 
 
 _ACT = (_array(types.int8, 2, True), _array(types.float32, 2, True), _array(types.int32, 2, True),
-        _array(types.int64, 2, True))
+        _array(types.int64, 2, True), _array(types.int64, 1, True))
 _SIGNATURES = {
     _product_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
                                _array(types.float32, 2))],
@@ -400,12 +411,13 @@ def gemm_kernel(isa: Isa, body, n_tok: int | None = None):
 
 
 def product_kernel(isa: Isa):
-    """out [T, R] = x · Wᵀ: (qs, d_bits, xq, dx, xsum8, x_offsets, out)."""
+    """out [T, R] = x · Wᵀ: (qs, d_bits, xq, dx, xsum8, x_offsets, identity_rows(T), out)."""
     return _kernels.get((_product_body.__name__, isa, TILE_TOKENS[isa])) or gemm_kernel(
         isa, _product_body)
 
 
 def grouped_kernel(isa: Isa):
-    """matvec.grouped's launch: (qs, d_bits, offsets, xq, dx, xsum8, x_offsets, out)."""
+    """matvec.grouped's launch: (qs, d_bits, offsets, xq, dx, xsum8, x_offsets, xrows, out):
+    slot s (row s of out) reads activation row xrows[s]."""
     return _kernels.get((_grouped_body.__name__, isa, TILE_TOKENS[isa])) or gemm_kernel(
         isa, _grouped_body)

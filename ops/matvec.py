@@ -38,6 +38,7 @@ from fermijit.jit.omp import jobs_starting_in
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops import gemm
 from fermijit.ops.quant import BLOCK
+from fermijit.ops.quantize_rows import quantize_rows
 
 VECTORS_PER_STEP = 4       # the phaddd tree reduces 4 registers at once
 # Software prefetch distance in the weight stream. Rows are adjacent in memory, so with one row
@@ -114,7 +115,7 @@ class Q8Act:
 
 # --- reference ----------------------------------------------------------------------------------
 
-def _quantize_act_reference(x):
+def quantize_act_reference(x):
     """x [T, K] -> (xq int8 [T, nb, 32], dx float32 [T, nb]), the rounding the kernel uses."""
     xb = x.astype(np.float32).reshape(x.shape[0], -1, BLOCK)
     dx = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
@@ -128,7 +129,7 @@ def _quantize_act_reference(x):
 def reference(qs, d, x):
     """y = W4A8 product, exact integer block sums, float64 scaling. x [K] or [T, K]."""
     x2 = np.atleast_2d(x)
-    xq, dx = _quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
+    xq, dx = quantize_act_reference(x2)                                  # [T, nb, 32], [T, nb]
     rows, nb = d.shape
     q = qs.reshape(rows, nb, BLOCK // 2)
     w = np.concatenate([q & 0x0F, q >> 4], axis=-1).astype(np.int64) - 8  # [R, nb, 32]
@@ -222,6 +223,9 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
     elif out.xq.shape != x2.shape:  # the rest was checked when `out` was made
         raise FermijitError(f"quantize_act: out holds {list(out.xq.shape)}, x is "
                             f"{list(x2.shape)}")
+    if n_tok > 1:  # prefill: vectors and threads, the same bits (~4x: ops/quantize_rows.py)
+        quantize_rows(x2, out)
+        return out
     half = simd.HALF_OF.get(v.isa)
     _quantize_act_kernel(x2, out.xq, out.dx, out.xsum8, v.lanes, blocks_per_step(v),
                          half.lanes if half else 0)
@@ -768,15 +772,16 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
                             f"{rows}] (or [{rows}] for one token)")
     if n_tok > 1 and not like_gemv:
         _call("matvec", gemm.product_kernel(act_isa), qs, w.d_bits, xq, act.dx, act.xsum8,
-              gemm.x_offsets(act_isa, k // BLOCK), out)
+              gemm.x_offsets(act_isa, k // BLOCK), gemm.identity_rows(n_tok), out)
         return out
-    kernels = _gemm_gemv.get(act_isa) or _gemm_gemv.setdefault(
-        act_isa, (_product(act_isa, GEMM_TILE), gemv_kernel(act_isa)))
-    _call("matvec", kernels[n_tok == 1], qs, w.d_bits, xq, act.dx, act.xsum8, out)
+    key = (act_isa, n_tok == 1)  # each made on first use: decode alone never needs the GEMM's
+    kernel_ = _gemm_gemv.get(key) or _gemm_gemv.setdefault(
+        key, gemv_kernel(act_isa) if n_tok == 1 else _product(act_isa, GEMM_TILE))
+    _call("matvec", kernel_, qs, w.d_bits, xq, act.dx, act.xsum8, out)
     return out
 
 
-_gemm_gemv: dict = {}  # Isa -> its (GEMM, GEMV) kernels: product's lookup per call
+_gemm_gemv: dict = {}  # (Isa, one token?) -> the GEMV's or GEMM's kernel: product's lookup
 
 
 def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
@@ -801,7 +806,7 @@ def q8_reference(qs, d, x):
     """The same product with Q8_0 weights (qs int8 [R, K], d float16 [R, nb]): the LM-head
     option. Exact integer block sums, float64 scaling."""
     x2 = np.atleast_2d(x)
-    xq, dx = _quantize_act_reference(x2)
+    xq, dx = quantize_act_reference(x2)
     rows, nb = d.shape
     isum = np.einsum("rbj,tbj->trb", qs.reshape(rows, nb, BLOCK).astype(np.int64),
                      xq.astype(np.int64))
@@ -897,13 +902,22 @@ def grouped_cpu(qs, d, offsets, x, out=None, *, isa: Isa | None = None):
                    output("matvec.grouped", out, (act.xq.shape[0], rows)))
 
 
-def grouped(qs, d_bits, offsets, act: Q8Act, out, *, like_gemv: bool = False):
+def grouped(qs, d_bits, offsets, act: Q8Act, out, *, like_gemv: bool = False,
+            x_rows: np.ndarray | None = None):
     """`grouped_cpu` for checked weights (MoeWeights): offsets int64 [E+1], from 0 to the
     number of activation rows, non-decreasing; d as its uint16 bits. The prefill GEMM
-    (ops.gemm), or with `like_gemv` this module's tile (each row bit for bit the GEMV's)."""
+    (ops.gemm), or with `like_gemv` this module's tile (each row bit for bit the GEMV's).
+    `x_rows` (int64, the prefill GEMM only): row s of the grouped input is act's row x_rows[s],
+    read in place (the MoE's slots sorted by expert, without a gathered copy)."""
     n_act, k = act.xq.shape
     n_experts, rows = qs.shape[:2]
     check_array("matvec.grouped", "offsets", offsets, np.int64, (n_experts + 1,))
+    if x_rows is not None:
+        check_array("matvec.grouped", "x_rows", x_rows, np.int64, ndim=1)
+        if like_gemv or (x_rows.size and (x_rows.min() < 0 or x_rows.max() >= n_act)):
+            raise FermijitError(f"matvec.grouped: x_rows must index the {n_act} activation rows "
+                                f"(the prefill GEMM only)")
+        n_act = x_rows.size
     if offsets[0] != 0 or offsets[-1] != n_act or np.any(offsets[1:] < offsets[:-1]):
         raise FermijitError(f"matvec.grouped: offsets must rise from 0 to the {n_act} activation "
                             f"rows, got [{offsets[0]}, ..., {offsets[-1]}]")
@@ -918,7 +932,8 @@ def grouped(qs, d_bits, offsets, act: Q8Act, out, *, like_gemv: bool = False):
               act.xq, act.dx, act.xsum8, out)
     else:
         _call("matvec.grouped", gemm.grouped_kernel(isa), qs, d_bits, offsets, act.xq, act.dx,
-              act.xsum8, gemm.x_offsets(isa, k // BLOCK), out)
+              act.xsum8, gemm.x_offsets(isa, k // BLOCK),
+              gemm.identity_rows(n_act) if x_rows is None else x_rows, out)
     return out
 
 

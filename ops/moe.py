@@ -292,11 +292,13 @@ class FfnBuffers:
 
 
 def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_swiglu_rows,
-         buffers: FfnBuffers | None = None, *, like_gemv: bool = False):
-    """SwiGLU experts over the rows of `act`, grouped by `offsets` (one launch per projection);
-    `like_gemv`: each row bit for bit decode's (matvec.grouped)."""
-    b = buffers or FfnBuffers.make(act.xq.shape[0], qs_gate_up, qs_down)
-    matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv)
+         buffers: FfnBuffers | None = None, *, like_gemv: bool = False, x_rows=None):
+    """SwiGLU experts over the rows of `act` (or its rows `x_rows`), grouped by `offsets` (one
+    launch per projection); `like_gemv`: each row bit for bit decode's (matvec.grouped)."""
+    n = act.xq.shape[0] if x_rows is None else x_rows.size
+    b = buffers or FfnBuffers.make(n, qs_gate_up, qs_down)
+    matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv,
+                   x_rows=x_rows)
     swiglu(b.gu, b.h)
     b.act_h = matvec.quantize_act(b.h, out=b.act_h)
     return matvec.grouped(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
@@ -313,7 +315,6 @@ class PrefillBuffers:
     routed: FfnBuffers
     shared: FfnBuffers
     act_x: Q8Act | None = None
-    act_rows: Q8Act | None = None
 
     def fits(self, w: MoeWeights, n_tok: int, top_k: int) -> bool:
         """Made for this pass size and these weights' shapes (layers may differ: pruned)."""
@@ -333,14 +334,14 @@ class PrefillBuffers:
 
 def _prefill(x, ids, weights, w, out, b: PrefillBuffers):
     """The tokens sorted by expert once; each projection of every expert (and of the shared one,
-    as E = 1) one launch; the weighted sum a gather per token."""
+    as E = 1) one launch, the routed gate_up reading each slot's token row in place; the
+    weighted sum a gather per token."""
     n_tok = ids.shape[0]
     _sort_slots(ids, w.gate_up_qs.shape[0], b.rows, b.slot_pos, b.offsets)
     b.act_x = act = matvec.quantize_act(x, out=b.act_x)
-    b.act_rows = act.rows(b.rows, out=b.act_rows)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, b.act_rows, b.offsets,
-                  buffers=b.routed)
+    routed = _ffn(w.gate_up_qs, gu_bits, w.down_qs, down_bits, act, b.offsets,
+                  buffers=b.routed, x_rows=b.rows)
     shared = _ffn(w.shared_gate_up_qs, shared_gu_bits, w.shared_down_qs, shared_down_bits, act,
                   np.array([0, n_tok], np.int64), buffers=b.shared)
     _combine_rows(routed, b.slot_pos, weights, shared, x, w.shared_gate, out)

@@ -20,9 +20,9 @@ import llvmlite.binding as llvm
 import numba
 from numba.core import config as numba_config
 from numba.core import registry
-from numba.core.caching import FunctionCache
 
 from fermijit import FermijitError
+from fermijit.jit.dispatch import Dispatcher, SourceKeyedCache
 
 
 class Isa(enum.Enum):
@@ -173,19 +173,6 @@ def _source_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-class _SourceKeyedCache(FunctionCache):
-    """Numba's cache notices edits to the kernel's own file only, not to the intrinsics or
-    helpers it calls in other modules (notes, pitfall 6). Adding a digest of the kernel's folder
-    and of fermijit/jit to the index key makes any such edit a cache miss."""
-
-    def __init__(self, py_func, extra_key: tuple):
-        super().__init__(py_func)
-        self._extra_key = extra_key
-
-    def _index_key(self, sig, codegen):
-        return super()._index_key(sig, codegen) + self._extra_key
-
-
 _cache_note_said = False
 
 
@@ -210,13 +197,13 @@ def _private_dir(path: Path) -> bool:
         return False
 
 
-def _source_keyed_cache(body, extra: tuple) -> "_SourceKeyedCache | None":
+def _source_keyed_cache(body, extra: tuple) -> "SourceKeyedCache | None":
     """Numba's cache needs a writable place: the package's __pycache__, NUMBA_CACHE_DIR or the
     user's cache folder. A read-only install with no writable HOME has none, and every model
     command died at import (issue 11 case 5). Then fall back to a private folder in the temp
     directory, and failing that run uncached (compiling every run); said once on stderr."""
     try:
-        return _SourceKeyedCache(body, extra)
+        return SourceKeyedCache(body, extra)
     except RuntimeError:  # "cannot cache function ...: no locator available"
         pass
     if not numba_config.CACHE_DIR:
@@ -231,7 +218,7 @@ def _source_keyed_cache(body, extra: tuple) -> "_SourceKeyedCache | None":
                 numba_config.CACHE_DIR = str(folder)
                 break
         try:
-            cache = _SourceKeyedCache(body, extra)
+            cache = SourceKeyedCache(body, extra)
             _say_once(f"kernels are cached in {numba_config.CACHE_DIR} (the package folder "
                       f"and Numba's user cache are not writable)")
             return cache
@@ -268,8 +255,8 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
            signatures=(), **bindings):
     """`numba.njit` with a source-keyed disk cache.
 
-    With `signatures`, those are compiled (or loaded) now and no others ever: a call with other
-    argument types is a TypeError from Numba's dispatch, before any code runs.
+    With `signatures`, those are compiled (or loaded) on their first use and no others ever: a
+    call with other argument types is a TypeError from Numba's dispatch, before any code runs.
 
     `bindings` replace globals of `fn`: this is how one kernel body becomes a variant per ISA
     (e.g. `row_dot=make_row_dot(Isa.AVX2)`) without closures, which Numba cannot cache. `variant`
@@ -285,17 +272,15 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
         if _kernel_flags.setdefault(name, flags) != flags:  # the same symbols, other code
             raise ValueError(f"{name} is a kernel already ({_kernel_flags[name]}): give this one "
                              f"a variant name of its own")
-        dispatcher = numba.njit(parallel=parallel, fastmath=fastmath, error_model="numpy",
-                                nogil=True)(body)
+        dispatcher = Dispatcher(py_func=body, locals={}, targetoptions=dict(
+            nopython=True, boundscheck=None, parallel=parallel, fastmath=fastmath,
+            error_model="numpy", nogil=True))
         folder = Path(fn.__code__.co_filename).resolve().parent
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
         cache = _source_keyed_cache(body, extra)
         if cache is not None:
             dispatcher._cache = cache
-        for sig in signatures:
-            dispatcher.compile(sig)
-        if signatures:
-            dispatcher.disable_compile()
+        dispatcher.declare(signatures)
         return dispatcher
 
     return wrap(fn) if fn is not None else wrap

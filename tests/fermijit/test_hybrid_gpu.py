@@ -1,8 +1,11 @@
 """The GPU prefill end to end (issue 10 item 3), on the default model and a tiny model with 128
-experts: last-position logits against the float64 reference over the same 4-bit weights, the
-hand-off to the CPU state against the reference's, 32 greedy tokens decoded on the CPU identical to
-those decoded from the reference's state, and how many equal the all-CPU (W4A8) run's.
-Chunked passes, a continued state, every expert source and the all-logits form (eval) too."""
+experts. By default it rounds the GEMMs' inputs to 8 bits as the CPU does (gpu_prefill's
+numerics): every position's logits against the all-CPU run's and the float64 W4A8 reference's,
+the LM head alone, the hand-off against the CPU's state, and 32 greedy tokens against the all-CPU
+run's (all identical on the tiny model; on the default model every step but those whose margin
+fp32 rounding decides). With fp32 activations: logits and hand-off against the float64
+reference without activation rounding. Chunked passes, a continued state, every expert source
+and the all-logits form (eval) too."""
 
 import io
 from pathlib import Path
@@ -17,31 +20,49 @@ from fermijit.model.reference import Reference
 from fermijit.model.state import KvCache
 from tests.fermijit.hybrid_models import tiny_e128
 from tests.gpu import MARKS, report_error
-from tests.model.oracle import assert_rel, rel_error
+from tests.model.oracle import assert_rel, assert_rel_but_flips, rel_error
 
 pytestmark = MARKS
 
-# Issue 10 item 3: the GPU keeps activations in fp32, so its logits follow the float64 reference
-# over the same 4-bit weights to fp32 rounding (<= 1e-4 of max|logit|).
+# Issue 10 item 3, fp32 activations: the logits follow the float64 reference over the same 4-bit
+# weights to fp32 rounding (<= 1e-4 of max|logit|).
 GPU_VS_REFERENCE = 1e-4
-# The CPU path quantises activations to 8 bits (W4A8): the two paths' logits differ by that
-# (measured on the default model 1.24e-2; HF_INIT 0.65e-2, tests/model/test_forward.py). The
-# handed-off state is checked against the reference's instead: W4A8 noise on a K head of small
-# norm, amplified by its RMSNorm, put single cache entries 9% apart (measured on the H200).
-GPU_VS_W4A8 = 5e-2
-# Two GPU runs of the same tokens differ only in the order of the experts' atomic adds.
+# W4A8 (the default): the same codes and scales as the CPU (ops/act_quant.py), so the GPU, the CPU
+# and the float64 W4A8 reference differ by fp32 rounding, except where a value computed in another
+# order lands on the other side of an 8-bit rounding boundary: one int8 off by one moves its
+# position's logits by up to ~1e-3 (tests/model/test_forward.py W4A8_FLIP, measured 1.4e-3 on
+# ~2.5% of positions). The tiny model: 1e-4 on most positions, W4A8_FLIP on all (measured on the
+# H200 against the all-CPU run: last position 9.3e-6, worst 1.9e-3).
+GPU_W4A8 = 1e-4
+W4A8_FLIP = 1e-2
+# The default (trained) model cascades such flips: each moves a value by 1/254 of its block's
+# largest, which flips more codes downstream (on the CPU, 68 codes of layer 1's MoE input, 16,661
+# of 57,600 by layer 7), so by the last layer any two W4A8 computations that differ in fp32
+# rounding differ by ~1e-2. Measured: the all-CPU run against itself with one ulp added to every
+# n-th RMSNorm output (20 runs: n = 97 ... 16001, 4 offsets each) at most 1.1e-2 at the last
+# position, 2.4e-2 at the worst, 3.6e-2 in the state; the all-CPU run against the float64 W4A8
+# reference 5.5e-3 and 2.6e-2; the GPU (H200) against the all-CPU run 6.4e-3-7.9e-3 and
+# 7.1e-3-1.4e-2, against the reference 7.4e-3 and 2.7e-2, its state 2.5e-2. So the default
+# model's logits and state are held to the cascade's bounds only.
+W4A8_CASCADE = 5e-2
+# The handed-off state against the all-CPU run's: fp32 rounding plus flips (measured on the tiny
+# model 1.5e-3 at most, in the attention caches), and the default model's cascade.
+GPU_STATE_VS_CPU = {"default": 1e-1, "tiny-e128": 1e-2}
+# Greedy decode from the GPU's state must take the all-CPU run's token at every step whose margin
+# (top-1 minus top-2 logit) is above what the cascade moves the logits (~0.07 on the default model
+# at the prompt's end). Tokens closer than that are decided by fp32 rounding, not by the model:
+# the all-CPU run itself, with one ulp added to every n-th RMSNorm output (n = 97 ... 16001, 4
+# offsets each), took another token at step 1 of the default model's text prompt in 7 of 20
+# runs (margins 0.018-0.056; 32 of 32 in the other 13, no other step ever parted). The GPU's own
+# runs differ from each other there (the expert GEMMs' atomic adds, then the cascade: 1.7e-3 to
+# 5.6e-3 apart): on the H200 one took the CPU's token at step 1 (32 of 32), five the other (1 of
+# 32, margins 0.021-0.039). The tiny model's continuation has no such tie within the GPU's
+# error: all 32 tokens must be the CPU's.
+NEAR_TIE = 0.1
+# Two GPU runs of the same tokens (fp32 activations) differ only in the order of the experts'
+# atomic adds.
 GPU_VS_GPU = 1e-5
 N_PROMPT, N_GREEDY = 150, 32
-# Greedy tokens after a GPU prefill that equal the all-CPU run's (issue 10 asks for 32). The GPU
-# prefills with fp32 activations, the CPU in W4A8 (8-bit activations): two specifications, and a
-# near tie in decode can go either way. On the default model from this prompt they part at step 1
-# (notes/gpuprefill.md, item 3): all-CPU 314, 269, 200 with 269 ahead of 200 by 0.014 logits; the
-# GPU's state decoded on the CPU 314, 200, 313 with 200 ahead by 0.059. Each path equals its
-# float64 reference end to end (W4A8: 269 by 0.017; fp32 activations: 200 by 0.046), so neither is
-# a bug. The tiny model must match all 32; where the default model parts, both paths' top two
-# logits must be within NEAR_TIE there.
-NEAR_TIE = 0.1
-SAME_AS_CPU = {"default": 0, "tiny-e128": N_GREEDY}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +78,8 @@ def loaded(models):
     def get(name):
         if name not in made:
             cfg, weights, _ = convert.load_converted(models[name])
-            made[name] = (load_model(models[name])[1], Reference(cfg.text_config, weights))
+            made[name] = (load_model(models[name])[1], Reference(cfg.text_config, weights),
+                          Reference(cfg.text_config, weights, quantize_activations=True))
         return made[name]
 
     return get
@@ -111,55 +133,112 @@ def greedy(model, logits, state, n=N_GREEDY, margins=None):
     return tokens
 
 
+def forced(model, logits, state, tokens):
+    """Greedy decode fed `tokens` instead of its own (teacher forcing): its choice and its top-2
+    margin at each step, so that every step compares with the run that chose `tokens`."""
+    chosen, margins = [], []
+    for token in tokens:
+        chosen.append(int(np.argmax(logits)))
+        top = np.sort(logits)[-2:]
+        margins.append(float(top[1] - top[0]))
+        logits = model.decode(token, state)
+    return chosen, margins
+
+
+def handed_off_pairs(state, spec_state, transposed: bool):
+    """(ours, spec) per state array up to N_PROMPT; `transposed`: spec is the reference's layout."""
+    for s, r in zip(state.layers, spec_state.layers):
+        if isinstance(s, KvCache):
+            t = (lambda a: a.transpose(1, 0, 2)) if transposed else (lambda a: a[:, :N_PROMPT])
+            yield s.k[:, :N_PROMPT], t(r.k)
+            yield s.v[:, :N_PROMPT], t(r.v)
+        else:
+            yield s.conv, r.conv.T if transposed else r.conv
+            yield s.recurrent, r.recurrent
+
+
+def name_prompt(models, model, name):
+    return text_prompt(models[name]) if name == "default" else prompt(model)
+
+
 @pytest.mark.parametrize("name", ["default", "tiny-e128"])
-def test_logits_hand_off_and_greedy_tokens(models, loaded, name):
-    model, reference = loaded(name)
-    tokens = text_prompt(models[name]) if name == "default" else prompt(model)
+def test_w4a8_logits_hand_off_and_greedy_tokens_equal_the_cpus(models, loaded, name):
+    """Issue 10 item 3: the GPU prefill (W4A8) then CPU decode gives the all-CPU run's tokens."""
+    model, _, reference = loaded(name)
+    tokens = name_prompt(models, model, name)
     pf, err = gpu_prefiller(model)
+    state = model.new_state(N_PROMPT + N_GREEDY)
+    logits = pf.prefill(tokens, state, all_logits=True)
+    assert pf.broken is None, err.getvalue()
+    cpu_state = model.new_state(N_PROMPT + N_GREEDY)
+    cpu_logits = model.prefill(tokens, cpu_state, all_logits=True)
+    expected = reference.forward(tokens, reference.new_state())
+    # The LM head alone: the CPU's W4A8 head on the GPU's last hidden states.
+    head = model.logits(pf.last_pass.x.get(), np.empty_like(logits))
+    compared = (("all-CPU", cpu_logits), ("W4A8 reference", expected), ("CPU head", head))
+    for what, spec in compared:
+        print(f"rel err gpu w4a8 vs {what} logits ({name}): last position "
+              f"{rel_error(spec[-1], logits[-1]):.3g}, worst position {rel_error(spec, logits):.3g}")
+    for what, spec in compared:
+        if name == "default" and what != "CPU head":
+            assert_rel(f"gpu vs {what} logits", spec, logits, W4A8_CASCADE)
+        else:
+            assert_rel_but_flips(f"gpu vs {what} logits", spec, logits, GPU_W4A8, W4A8_FLIP)
+    assert state.position == N_PROMPT
+    errors = []
+    for ours, cpu in handed_off_pairs(state, cpu_state, transposed=False):
+        report_error(f"handed-off state vs all-CPU ({name})", cpu, ours)
+        errors.append(rel_error(cpu, ours))
+    assert max(errors) <= GPU_STATE_VS_CPU[name], errors
+    cpu_margins = []
+    cpu = greedy(model, cpu_logits[-1], cpu_state, margins=cpu_margins)
+    ours, our_margins = forced(model, logits[-1], state, cpu)
+    differ = [n for n in range(N_GREEDY) if ours[n] != cpu[n]]
+    print(f"greedy tokens identical to the all-CPU run ({name}): "
+          f"{differ[0] if differ else N_GREEDY} of {N_GREEDY}; steps whose token differs, fed the "
+          f"CPU's tokens: {differ}; margins there (all-CPU, gpu prefill): "
+          f"{[(round(cpu_margins[n], 4), round(our_margins[n], 4)) for n in differ]}")
+    if name == "tiny-e128":
+        assert not differ
+    for n in differ:
+        assert max(cpu_margins[n], our_margins[n]) < NEAR_TIE, f"step {n} parted off a near tie"
+
+
+@pytest.mark.parametrize("name", ["default", "tiny-e128"])
+def test_fp32_logits_hand_off_and_greedy_tokens_follow_the_reference(models, loaded, name):
+    """fp32 activations: the float64 reference without activation rounding, to fp32 rounding."""
+    model, reference, _ = loaded(name)
+    tokens = name_prompt(models, model, name)
+    pf, err = gpu_prefiller(model, w4a8=False)
     state = model.new_state(N_PROMPT + N_GREEDY)
     logits = pf.prefill(tokens, state)
     assert pf.broken is None, err.getvalue()
     ref_state = reference.new_state()
     expected = reference.forward(tokens, ref_state)[-1]
     report_error(f"gpu prefill logits ({name})", expected, logits)
+    cpu_logits = model.prefill(tokens, model.new_state(N_PROMPT))
+    print(f"rel err gpu fp32 vs all-CPU logits ({name}): {rel_error(cpu_logits, logits):.3g}")
     assert_rel("gpu prefill logits", expected, logits, GPU_VS_REFERENCE)
     assert state.position == N_PROMPT
-    for i, (s, r) in enumerate(zip(state.layers, ref_state.layers)):   # the hand-off
-        if isinstance(s, KvCache):
-            pairs = ((s.k[:, :N_PROMPT], r.k.transpose(1, 0, 2)),
-                     (s.v[:, :N_PROMPT], r.v.transpose(1, 0, 2)))
-        else:
-            pairs = ((s.conv, r.conv.T), (s.recurrent, r.recurrent))
-        for ours, spec in pairs:
-            report_error(f"handed-off state ({name})", spec, ours)
-            assert_rel(f"layer {i} state", spec, ours, GPU_VS_REFERENCE)
-    our_margins, cpu_margins = [], []
-    ours = greedy(model, logits, state, margins=our_margins)
+    for i, (ours, spec) in enumerate(handed_off_pairs(state, ref_state, transposed=True)):
+        report_error(f"handed-off state ({name})", spec, ours)
+        assert_rel(f"state array {i}", spec, ours, GPU_VS_REFERENCE)
     # Decoded on the CPU from the reference's own state: what the hand-off should give.
-    spec = greedy(model, expected.astype(np.float32), from_reference(model, ref_state))
-    assert ours == spec
-    cpu_state = model.new_state(N_PROMPT + N_GREEDY)
-    cpu_logits = model.prefill(tokens, cpu_state)
-    print(f"rel err gpu vs w4a8 logits ({name}): {rel_error(cpu_logits, logits):.3g}")
-    assert_rel("gpu vs cpu logits", cpu_logits, logits, GPU_VS_W4A8)
-    cpu = greedy(model, cpu_logits, cpu_state, margins=cpu_margins)
-    same = next((n for n, (a, b) in enumerate(zip(ours, cpu)) if a != b), N_GREEDY)
-    print(f"greedy tokens identical to the all-CPU run ({name}): {same} of {N_GREEDY}")
-    assert same >= SAME_AS_CPU[name]
-    if same < N_GREEDY:                      # parted only at a near tie of both paths
-        print(f"  at step {same}: margins {our_margins[same]:.4f} (gpu prefill), "
-              f"{cpu_margins[same]:.4f} (all-CPU)")
-        assert max(our_margins[same], cpu_margins[same]) < NEAR_TIE
+    ours = greedy(model, logits, state)
+    assert ours == greedy(model, expected.astype(np.float32), from_reference(model, ref_state))
 
+
+# The mechanics below run with fp32 activations, where two ways of computing the same logits agree
+# to fp32 rounding everywhere (no 8-bit rounding flips), so a tight tolerance finds any slip.
 
 def test_chunked_passes_equal_one_pass(loaded):
-    model, _ = loaded("tiny-e128")
+    model, _, _ = loaded("tiny-e128")
     tokens = prompt(model, 200)
-    one, _ = gpu_prefiller(model)
+    one, _ = gpu_prefiller(model, w4a8=False)
     expected = one.prefill(tokens, model.new_state(200))
     plan = hybrid.plan(model, 200, 0, 1 << 40, 1 << 40)
     budget = plan.total - plan.activations // 2          # half the activations: chunks
-    chunked, err = gpu_prefiller(model, gpu_mem=budget)
+    chunked, err = gpu_prefiller(model, gpu_mem=budget, w4a8=False)
     logits = chunked.prefill(tokens, model.new_state(200))
     assert chunked.last_plan.n_chunks > 1 and "passes of" in err.getvalue()
     assert_rel("chunked logits", expected, logits, GPU_VS_GPU)
@@ -167,9 +246,9 @@ def test_chunked_passes_equal_one_pass(loaded):
 
 def test_a_state_continues(loaded):
     """Prefill in two calls (as after a restored prefix) equals one call."""
-    model, reference = loaded("default")
+    model, reference, _ = loaded("default")
     tokens = prompt(model, 120)
-    pf, _ = gpu_prefiller(model)
+    pf, _ = gpu_prefiller(model, w4a8=False)
     state = model.new_state(130)
     pf.prefill(tokens[:70], state)
     logits = pf.prefill(tokens[70:], state)
@@ -179,10 +258,10 @@ def test_a_state_continues(loaded):
 
 @pytest.mark.parametrize("source", ["ring", "pageable"])
 def test_expert_sources_agree(loaded, source):
-    model, _ = loaded("tiny-e128")
+    model, _, _ = loaded("tiny-e128")
     tokens = prompt(model, 90)
-    pinned, _ = gpu_prefiller(model, source="pinned")
-    other, _ = gpu_prefiller(model, source=source, pin_budget=3 << 20)  # ring: 1 MiB slots
+    pinned, _ = gpu_prefiller(model, source="pinned", w4a8=False)
+    other, _ = gpu_prefiller(model, source=source, pin_budget=3 << 20, w4a8=False)  # ring: 1 MiB
     a = pinned.prefill(tokens, model.new_state(90))
     b = other.prefill(tokens, model.new_state(90))
     assert other.device.streamer.source == source
@@ -192,7 +271,7 @@ def test_expert_sources_agree(loaded, source):
 def test_only_routed_or_predicted_experts_are_copied(loaded):
     """3 tokens route to at most 24 of 128 experts per layer; a layer's copies are those plus
     at most 24 predicted (gpu_prefill.Pass.predict), and every byte is accounted for."""
-    model, _ = loaded("tiny-e128")
+    model, _, _ = loaded("tiny-e128")
     pf, _ = gpu_prefiller(model)
     before = pf.device.streamer.bytes_copied
     pf.prefill(np.array([5, 6, 7], np.int32), model.new_state(3))
@@ -206,9 +285,9 @@ def test_only_routed_or_predicted_experts_are_copied(loaded):
 
 
 def test_all_logits_for_eval(loaded):
-    model, reference = loaded("default")
+    model, reference, _ = loaded("default")
     tokens = prompt(model, 80)
-    pf, _ = gpu_prefiller(model)
+    pf, _ = gpu_prefiller(model, w4a8=False)
     logits = pf.prefill(tokens, model.new_state(80), all_logits=True)
     expected = reference.forward(tokens, reference.new_state())
     assert logits.shape == expected.shape
@@ -216,7 +295,7 @@ def test_all_logits_for_eval(loaded):
 
 
 def test_too_little_gpu_memory_falls_back(loaded):
-    model, _ = loaded("default")
+    model, _, _ = loaded("default")
     err = io.StringIO()
     pf = hybrid.GpuPrefiller(model, gpu_mem=1 << 20, err=err)
     tokens = prompt(model, 40)

@@ -166,8 +166,18 @@ def quantiser_truncates():
             inv = np.where(dx != 0, np.float32(1) / dx, np.float32(0)).astype(np.float32)
         return np.trunc(xb * inv[..., None]).astype(np.int8), dx
 
+    def truncating_rows(x, act):  # prefill's quantiser (ops/quantize_rows.py), same layout
+        from fermijit.ops import gemm
+        q, d = truncating_reference(x)
+        for b, (lo, hi) in enumerate(gemm.x_offsets(act.vec.isa, q.shape[1])):
+            act.xq[:, lo:lo + 16] = q[:, b, :16]
+            act.xq[:, hi:hi + 16] = q[:, b, 16:]
+        act.dx[...] = d
+        act.xsum8[...] = 8 * q.astype(np.int32).sum(axis=-1)
+
     matvec._quantize_act_kernel = truncating_kernel
-    matvec._quantize_act_reference = truncating_reference
+    matvec.quantize_act_reference = truncating_reference
+    matvec.quantize_rows = truncating_rows
 
 
 def layer_type_off_by_one():

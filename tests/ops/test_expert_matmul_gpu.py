@@ -53,6 +53,24 @@ def test_gpu_matches_reference(rng, shape):
 
 
 @needs_gpu
+def test_gpu_partial_row_tiles(rng):
+    """Slots per expert around kernels_ptx/q4_gemm.ptx's 64-row tile and its half, as routing
+    makes them (about 59 per expert with 128 experts at 947 tokens, 30 with 256): experts of 32,
+    33 and 1 slots, and 65 and 69 (second tiles of 1 and 5 rows). The rows past a tile's end load
+    a clamped row and must never be stored."""
+    counts = np.array([32, 33, 65, 1, 69])
+    slots = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
+    half = slots.size // 2  # slot t and t + half differ in expert: 0-2 against 2-4, never 2 twice
+    ids = rng.permutation(np.stack([slots[:half], slots[half:]], axis=1))
+    assert (ids[:, 0] != ids[:, 1]).all()
+    args = list(make_inputs(rng, len(ids), 96, 64, counts.size, 2))
+    args[1] = ids
+    assert (np.bincount(ids.reshape(-1)) == counts).all()
+    check_result(expert_matmul.reference(*args),
+                 expert_matmul.gpu(*args, out=poisoned((len(ids), 96))))
+
+
+@needs_gpu
 def test_device_arrays_stay_on_device(rng):
     from fermijit.jit import gpu
 

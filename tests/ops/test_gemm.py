@@ -5,6 +5,7 @@ import numba
 import numpy as np
 import pytest
 
+from fermijit import FermijitError
 from fermijit.jit import cpu
 from fermijit.ops import gemm, matvec, quant
 from tests.numerics import assert_close, poisoned
@@ -43,7 +44,7 @@ def test_x_offsets_find_each_block_in_the_layout(rng, isa):
     k = 32 * 29
     x = rng.standard_normal((1, k)).astype(np.float32)
     act = matvec.quantize_act(x, isa)
-    natural, _ = matvec._quantize_act_reference(x)
+    natural, _ = matvec.quantize_act_reference(x)
     offs = gemm.x_offsets(isa, k // 32)
     got = np.stack([np.concatenate([act.xq[0, lo:lo + 16], act.xq[0, hi:hi + 16]])
                     for lo, hi in offs])
@@ -101,3 +102,29 @@ def test_grouped_every_tail(rng, isa):
     out = matvec.grouped_cpu(qs, d, offsets, x, out=poisoned((offsets[-1], rows)), isa=isa)
     expected = matvec.grouped_reference(qs, d, offsets, x)
     assert_close("grouped", expected, out, atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_grouped_reads_rows_in_place(rng, isa):
+    """x_rows: each slot reads its token's activation row where it is, the same bits as the
+    gathered copy (the MoE's slots sorted by expert: tokens repeated, out of order)."""
+    counts = [9, 0, 3, 17, 1]
+    n_experts, rows, k, n_tok = len(counts), 21, 384, 11
+    qs, d = q4_weights(rng, n_experts * rows, k)
+    qs, d_bits = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1).view(np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    x_rows = rng.integers(0, n_tok, offsets[-1]).astype(np.int64)
+    act = matvec.quantize_act(rng.standard_normal((n_tok, k)).astype(np.float32), isa)
+    in_place = matvec.grouped(qs, d_bits, offsets, act, poisoned((offsets[-1], rows)),
+                              x_rows=x_rows)
+    copied = matvec.grouped(qs, d_bits, offsets, act.rows(x_rows), poisoned((offsets[-1], rows)))
+    np.testing.assert_array_equal(in_place, copied)
+    past_end = x_rows.copy()
+    past_end[5] = n_tok
+    for bad in (x_rows[:-1], past_end, x_rows.astype(np.int32)):
+        with pytest.raises(FermijitError):
+            matvec.grouped(qs, d_bits, offsets, act, np.empty((offsets[-1], rows), np.float32),
+                           x_rows=bad)
+    with pytest.raises(FermijitError, match="prefill GEMM only"):
+        matvec.grouped(qs, d_bits, offsets, act, np.empty((offsets[-1], rows), np.float32),
+                       x_rows=x_rows, like_gemv=True)

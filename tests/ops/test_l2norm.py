@@ -63,3 +63,43 @@ def test_bad_inputs():
         l2norm.cpu(x, EPS, out=np.zeros((8, 4), np.float32))
     with pytest.raises(FermijitError, match="non-empty"):
         l2norm.cpu(np.zeros((3, 0), np.float32), EPS)
+
+
+# (T, Hk, dk, Hv, dv): one token, ragged heads, the default model's and the real head shapes;
+# the last ones are more rows than threads.
+SPLIT_SHAPES = {"T1-Hk2-dk16-Hv4-dv8": (1, 2, 16, 4, 8),
+                "T9-Hk3-dk60-Hv6-dv100": (9, 3, 60, 6, 100),
+                "T33-Hk4-dk64-Hv8-dv64": (33, 4, 64, 8, 64),
+                "T5-Hk16-dk128-Hv32-dv128": (5, 16, 128, 32, 128)}
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES.values(), ids=SPLIT_SHAPES.keys())
+def test_split_normalises_q_and_k_and_copies_v(rng, shape):
+    n_tok, hk, dk, hv, dv = shape
+    mixed = (rng.standard_normal((n_tok, 2 * hk * dk + hv * dv)) * 3).astype(np.float32)
+    mixed[0, :dk] = 0  # a zero head: eps keeps it zero
+    q, k, v = poisoned((n_tok, hk, dk)), poisoned((n_tok, hk, dk)), poisoned((n_tok, hv, dv))
+    before = mixed.copy()
+    got = l2norm.split_cpu(mixed, EPS, dk ** -0.5, q, k, v)
+    assert all(a is b for a, b in zip(got, (q, k, v)))
+    parts = np.split(mixed, [hk * dk, 2 * hk * dk], axis=1)
+    assert_close("q", l2norm.reference(parts[0].reshape(q.shape), EPS, dk ** -0.5), q, ATOL, RTOL)
+    assert_close("k", l2norm.reference(parts[1].reshape(k.shape), EPS), k, ATOL, RTOL)
+    np.testing.assert_array_equal(v, parts[2].reshape(v.shape))
+    np.testing.assert_array_equal(mixed, before)
+
+
+def test_split_bad_inputs():
+    mixed = np.zeros((3, 2 * 2 * 8 + 4 * 8), np.float32)
+    q, k, v = (np.zeros((3, 2, 8), np.float32), np.zeros((3, 2, 8), np.float32),
+               np.zeros((3, 4, 8), np.float32))
+    with pytest.raises(FermijitError, match="not q"):
+        l2norm.split_cpu(np.zeros((3, 56), np.float32), EPS, 1.0, q, k, v)
+    with pytest.raises(FermijitError, match="shape"):
+        l2norm.split_cpu(mixed, EPS, 1.0, q[:2], k, v)
+    with pytest.raises(FermijitError, match="dtype"):
+        l2norm.split_cpu(mixed.astype(np.float64), EPS, 1.0, q, k, v)
+    frozen = v.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(FermijitError, match="writeable"):
+        l2norm.split_cpu(mixed, EPS, 1.0, q, k, frozen)

@@ -1,0 +1,156 @@
+"""Numba's dispatcher and disk cache for fermijit's kernels, made safe to share between processes
+and lazier: what lets the warm-up compile in several processes at once (fermijit/warm.py).
+
+- A kernel's declared signatures are compiled on their first use, not all at its creation: the
+  GEMVs declared an output of one and of two dimensions and compiled both, 1.3 s of a first run
+  of the REAP-128 model for a signature decode never called (issue 9).
+- A compile holds a lock named by its cache key in the cache folder, so two processes that need
+  one kernel compile it once: the second waits, then loads it from the cache.
+- Numba's index update is a read-modify-write of one file per kernel: two processes saving two
+  signatures at once could both take data file 1, one index entry then naming the other's code.
+  Saves take a lock of their own, and write the data before the index names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import time
+
+from numba.core import caching, sigutils
+from numba.core.registry import CPUDispatcher
+
+LOCK_FILE = "fermijit-compile.lock"
+# The longest kernel compile measured is ~2.5 s (issue 9 profile, under load); a lock held far
+# longer belongs to a process that hangs (stopped, swapping): compile anyway, the saves stay safe.
+WAIT_S = 120.0
+POLL_S = 0.005
+
+# Called (no arguments) before a kernel is compiled for want of a cached one: how the warm-up
+# starts its helper processes on a first run only (fermijit/warm.py). Must not raise.
+on_miss = None
+
+_lock_fds: dict[str, int] = {}  # folder -> its lock file, open for the process's life: closing
+# any descriptor of a file drops every POSIX lock the process holds on it
+
+
+def _lock_byte(name: str) -> int:
+    """Where `name` locks in the folder's lock file: one byte each (a collision only serialises
+    two compiles, and the wait times out)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str, name: str, wait_s: float = WAIT_S):
+    """Hold `name` exclusively among the processes sharing `folder` (released when the process
+    dies, however it dies); yields whether it is held (False: the folder has no lock file to
+    take, or the wait timed out; the caller goes on unlocked)."""
+    fd = _lock_fds.get(folder)
+    if fd is None:
+        try:
+            fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield False
+            return
+        _lock_fds[folder] = fd
+    byte = _lock_byte(name)
+    deadline = time.monotonic() + wait_s
+    held = False
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte)
+            held = True
+            break
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+    try:
+        yield held
+    finally:
+        if held:
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, byte)
+
+
+class _LockedCacheFile(caching.IndexDataCacheFile):
+    def save(self, key, data):
+        with folder_lock(self._cache_path, "save " + self._index_name):
+            overloads = self._load_index()
+            data_name = overloads.get(key)
+            if data_name is None:
+                taken = set(overloads.values())
+                data_name = next(name for name in map(self._data_name, range(1, len(taken) + 2))
+                                 if name not in taken)
+            self._save_data(data_name, data)  # first: an index entry always names whole data
+            overloads[key] = data_name
+            self._save_index(overloads)
+
+
+class SourceKeyedCache(caching.FunctionCache):
+    """Numba's cache notices edits to the kernel's own file only, not to the intrinsics or
+    helpers it calls in other modules (notes, pitfall 6). Adding a digest of the kernel's folder
+    and of fermijit/jit to the index key makes any such edit a cache miss. Saves are locked."""
+
+    def __init__(self, py_func, extra_key: tuple):
+        super().__init__(py_func)
+        self._extra_key = extra_key
+        self._cache_file.__class__ = _LockedCacheFile
+
+    def _index_key(self, sig, codegen):
+        return super()._index_key(sig, codegen) + self._extra_key
+
+    def load_overload(self, sig, target_context):
+        cres = super().load_overload(sig, target_context)
+        args, _ = sigutils.normalize_signature(sig)
+        if cres is not None and tuple(cres.signature.args) != tuple(args):
+            cres = None  # another signature's code (an index written by an older fermijit)
+        if cres is None and on_miss is not None:
+            on_miss()
+        return cres
+
+    def compile_lock_name(self, sig, codegen) -> str:
+        return f"compile {self._cache_file._index_name} {self._index_key(sig, codegen)!r}"
+
+    @property
+    def folder(self) -> str:
+        return self._cache_path
+
+
+class Dispatcher(CPUDispatcher):
+    """A CPUDispatcher whose `declared` signatures (if any) are the only ones it compiles, each
+    on its first use, and whose compiles are locked among processes sharing its cache."""
+
+    declared: tuple = ()
+
+    def declare(self, signatures) -> None:
+        self.declared = tuple(signatures)
+
+    def compile(self, sig):
+        if self.declared:
+            sig = self._declared_for(sig)
+        args, _ = sigutils.normalize_signature(sig)
+        cache = self._cache
+        if tuple(args) in self.overloads or not isinstance(cache, SourceKeyedCache):
+            return super().compile(sig)
+        with folder_lock(cache.folder, cache.compile_lock_name(sig, self.targetctx.codegen())):
+            entry = super().compile(sig)
+        if self.declared and len(self.overloads) == len(self.declared):
+            self.disable_compile()  # all there: Numba's own dispatch from now on
+        return entry
+
+    def _declared_for(self, sig):
+        """The declared signature that arguments of types `sig` convert to (as Numba's dispatch
+        converts them to compiled ones); a TypeError, as Numba's, if none does."""
+        args, _ = sigutils.normalize_signature(sig)
+        for declared in self.declared:
+            if tuple(declared.args) == tuple(args):
+                return declared
+        match = self.typingctx.resolve_overload(self.py_func, list(self.declared), args, {},
+                                                allow_ambiguous=False)
+        if match is None:
+            raise TypeError("No matching definition for argument type(s) "
+                            + ", ".join(map(str, args)))
+        return match

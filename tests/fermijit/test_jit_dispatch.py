@@ -1,0 +1,131 @@
+"""jit/dispatch.py: declared signatures compiled on first use; compiles and cache saves shared
+safely between processes using one cache folder (the warm-up's helpers, two first runs at once)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from numba import types
+
+from fermijit.jit import dispatch
+from fermijit.jit.cpu import kernel
+
+
+def _scale(x, out):
+    for i in range(x.size):
+        out[i] = x[i] * 2
+
+
+_R = types.Array(types.float32, 1, "C", readonly=True)
+_SCALE = kernel(_scale, variant="dispatch-test", signatures=[
+    types.void(_R, types.Array(types.float32, 1, "C")),
+    types.void(types.Array(types.int32, 1, "C", readonly=True), types.Array(types.int32, 1, "C"))])
+
+
+def test_declared_signatures_compile_on_first_use_and_no_others():
+    x = np.arange(5, dtype=np.float32)          # writable: converts to the read-only declared
+    out = np.full(5, np.nan, np.float32)
+    _SCALE(x, out)
+    assert np.array_equal(out, 2 * x)
+    assert [tuple(sig) for sig in _SCALE.overloads] == [(_R, types.Array(types.float32, 1, "C"))]
+    with pytest.raises(TypeError, match="No matching definition"):
+        _SCALE(x.astype(np.float64), out.astype(np.float64))
+    assert len(_SCALE.overloads) == 1           # the refused call compiled nothing
+    xi, outi = np.arange(5, dtype=np.int32), np.zeros(5, np.int32)
+    _SCALE(xi, outi)
+    assert np.array_equal(outi, 2 * xi) and len(_SCALE.overloads) == 2
+    assert not _SCALE._can_compile              # all declared there: Numba's own dispatch
+    with pytest.raises(TypeError):
+        _SCALE(x.astype(np.float64), out.astype(np.float64))
+
+
+# A kernel with many signatures (the element type of its argument): two processes compile
+# disjoint halves of them at once into one cache folder, then a third loads them all.
+KERNELS = textwrap.dedent("""
+    from fermijit.jit.cpu import kernel
+
+    @kernel
+    def plus_one(x):
+        return x + 1
+""")
+TYPES = ["np.int8", "np.int16", "np.int32", "np.int64", "np.uint8", "np.uint16", "np.uint32",
+         "np.uint64", "np.float32", "np.float64"]
+COMPILE = """
+import sys, time
+import numpy as np
+from cachedpkg.kernels import plus_one as f
+while time.time() < float(sys.argv[1]):  # start together
+    time.sleep(0.001)
+for t in sys.argv[2:]:
+    assert f(eval(t)(3)) == 4
+print(sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))
+"""
+
+
+def _package(tmp_path):
+    pkg = tmp_path / "cachedpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kernels.py").write_text(KERNELS)
+    return dict(os.environ, PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+
+def _concurrently(env, *type_lists):
+    start = str(time.time() + 3)  # past both interpreters' start-up
+    procs = [subprocess.Popen([sys.executable, "-c", COMPILE, start, *types_], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for types_ in type_lists]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        results.append(tuple(map(int, out.split())))
+    return results
+
+
+def test_concurrent_saves_of_one_kernel_keep_every_signature(tmp_path):
+    """Numba's index update is a read-modify-write: unlocked, two processes saving at once took
+    the same data file, and an index entry could name the other signature's code."""
+    env = _package(tmp_path)
+    _concurrently(env, TYPES[::2], TYPES[1::2])
+    (hits, misses), = _concurrently(env, TYPES)
+    assert (hits, misses) == (len(TYPES), 0)  # each loaded, and each gave x + 1 (asserted)
+
+
+def test_a_kernel_needed_by_two_processes_at_once_compiles_once(tmp_path):
+    env = _package(tmp_path)
+    results = _concurrently(env, TYPES, TYPES)
+    assert sum(misses for _, misses in results) == len(TYPES), results
+    assert sum(hits for hits, _ in results) == len(TYPES), results
+
+
+HOLD = """
+import sys, time
+from fermijit.jit import dispatch
+with dispatch.folder_lock(sys.argv[1], "some kernel") as held:
+    print(held, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_lock_held_too_long_is_waited_for_a_bounded_time(tmp_path):
+    """A helper that hangs holding a compile's lock delays the warm-up; it cannot stop it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        start = time.monotonic()
+        with dispatch.folder_lock(str(tmp_path), "some kernel", wait_s=0.5) as held:
+            assert not held
+        assert 0.5 <= time.monotonic() - start < 5
+        with dispatch.folder_lock(str(tmp_path), "another kernel", wait_s=0.5) as held:
+            assert held
+    finally:
+        holder.kill()
+        holder.wait()
+    with dispatch.folder_lock(str(tmp_path), "some kernel", wait_s=5) as held:
+        assert held  # freed by the holder's death
