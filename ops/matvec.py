@@ -686,7 +686,7 @@ def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
 def gathered_fork(isa: Isa):
     """(variant name, the fork intrinsic of a gathered decode launch) for a kernel of another
     op to call as `fork((qs, d_bits, idx, sqs, sd_bits, xq, dx, xsum8, out))`: the launch of
-    `gathered` (GEMV tiles, whole rows only) inside that kernel, with no dispatch of its own.
+    `gathered` (GEMV tiles, every row) inside that kernel, with no dispatch of its own.
     Indices must be in range: nothing checks them there."""
     variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
     variant += "-inner"  # its own symbols beside the gathered kernel's (jit.cpu.bind)
