@@ -137,7 +137,7 @@ class Helpers:
         import fermijit
         from fermijit.jit import cpu
 
-        source = getattr(self.model, "source", None)
+        source = self.model.source
         job_list = jobs(self.model)
         n = min(count_workers(), len(job_list))
         if source is None or n == 0:

@@ -237,6 +237,9 @@ class Workspace:
 class Model:
     """The text model: the config's numbers, per-layer weights; the state is passed in and out."""
 
+    source = None  # the fermijit model directory it was memory-mapped from (load_model), if any:
+    # cheap to load again, which the warm-up's helper processes do (fermijit/warm.py)
+
     def __init__(self, cfg: TextConfig, weights: TextWeights):
         self.hidden, self.vocab_size = cfg.hidden_size, cfg.vocab_size
         self.eps = cfg.rms_norm_eps
@@ -533,7 +536,7 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
     source = None
     if convert.is_fermijit_model(directory):
         cfg, weights, _ = convert.load_converted(directory)
-        source = directory  # memory-mapped: cheap to load again (the warm-up's helpers)
+        source = directory
     else:
         cfg = load_config(directory)
         fp32_nbytes = 4 * sum(int(np.prod(s)) for s in text_weight_shapes(cfg.text_config).values())
