@@ -15,9 +15,10 @@ The norm, the quantisation and the routing are the ops' own kernels, so those ou
 bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
 test_residual_step.py). The product is ops.fp32_rows's, on the calling thread: each output the
 same bits as prefill's product of the same input row, whatever the thread count. Not forked over
-the threads: a fork would save an estimated ~15 us of a 1 MB router on an idle machine (~0.7 ms
-a token), but on this shared 2-core VM under load every fork waited for its second thread (70
-more forks a token: 0.84 ms a call at load 10).
+the threads: its rows forked over 2 threads (jit.omp.fork) saved 0.27 ms of a ~75 ms full-size
+token (residual_step.cpu 3.14 vs 3.41 ms a token, `bench decode --profile`, REAP-128, 2 threads,
+4 interleaved rounds, load 1.7-1.9: faster in 3 rounds of 4; tok/s within the noise), and under
+load every fork waits for its second thread (0.84 ms a call at load 10).
 
 Letters: H hidden, R product rows, k experts per token.
 """
