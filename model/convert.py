@@ -41,6 +41,7 @@ from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, 
                                      stored_specs)
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
+from fermijit.model.state import available_nbytes
 from fermijit.model.weights import (QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
 
@@ -326,6 +327,12 @@ def is_fermijit_model(directory: str | Path) -> bool:
     return (Path(directory) / MANIFEST).exists()
 
 
+# Weights are faulted in at load (SafetensorsFile.populate) when they take at most this share of
+# the memory the process can get; a larger file (the 19.7 GB 256-expert model on a 24 GiB machine)
+# would have its first pages evicted while its last are read, so it is left to fault on use.
+POPULATE_SHARE = 0.8
+
+
 def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Manifest]:
     """A converted model: (config, weights as memmap views, manifest). Nothing is copied. The
     manifest is checked against config.json and the weights file's header, and the smallest
@@ -349,7 +356,9 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
     if extra:
         raise FermijitError(f"{path}: tensor {extra[0]} is not in a model of this config.json")
     weights_file = SafetensorsFile(directory / manifest.weights)
-    numa.apply([weights_file.mapped()])  # --numa: where the weights' pages go
+    numa.apply([weights_file.mapped()])  # --numa: where the weights' pages go (before any is)
+    if weights_file.data_nbytes <= POPULATE_SHARE * available_nbytes():
+        weights_file.populate()
     arrays = {}
     for name, entry in manifest.tensors.items():
         for stored, dtype, shape in stored_specs(name, entry.shape, entry.quant):

@@ -11,7 +11,6 @@ Dimensions: T tokens, C channels (8192 = q 2048 | k 2048 | v 4096), K taps (4).
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
@@ -32,23 +31,31 @@ def reference(x, w, state):
     return y.astype(np.float32), np.ascontiguousarray(xx[n_tokens:].T, dtype=np.float32)
 
 
-def _conv_tokens(x, w, state, out):  # x, out [T, C]; w [C, K]; state [C, K-1]
-    # The decode step applied token after token, the state row as the sliding window. Blocks of
-    # channels keep their taps and state rows in L1 while t advances; rows of x stream in order.
-    n_tokens, n_channels = x.shape
+def _conv_one(x, w, state, out):  # x, out [1, C]; w [C, K]; state [C, K-1]
+    # Decode: one token. The taps per channel first, then SiLU over the row in its own loop,
+    # which vectorises (jit.mathf's exp): 71 -> ~15 us a full-size GDN layer (8192 channels);
+    # with SiLU inside the channel loop, the strided state kept it scalar at 9 ns a channel.
+    n_channels = x.shape[1]
     k = w.shape[1]
-    n_blocks = (n_channels + CHANNEL_BLOCK - 1) // CHANNEL_BLOCK
-    for b in prange(n_blocks):
-        for t in range(n_tokens):
-            for c in range(b * CHANNEL_BLOCK, min((b + 1) * CHANNEL_BLOCK, n_channels)):
-                xc = x[t, c]
-                acc = w[c, k - 1] * xc
-                for j in range(k - 1):
-                    acc += w[c, j] * state[c, j]
-                for j in range(k - 2):
-                    state[c, j] = state[c, j + 1]
-                state[c, k - 2] = xc
-                out[t, c] = mathf.silu(acc)
+    if k == 4:  # the model's taps, spelled out: the channel loop then vectorises too
+        for c in range(n_channels):
+            xc, s0, s1, s2 = x[0, c], state[c, 0], state[c, 1], state[c, 2]
+            out[0, c] = w[c, 3] * xc + w[c, 0] * s0 + w[c, 1] * s1 + w[c, 2] * s2
+            state[c, 0], state[c, 1], state[c, 2] = s1, s2, xc
+        for c in range(n_channels):
+            out[0, c] = mathf.silu(out[0, c])
+        return
+    for c in range(n_channels):
+        xc = x[0, c]
+        acc = w[c, k - 1] * xc
+        for j in range(k - 1):
+            acc += w[c, j] * state[c, j]
+        for j in range(k - 2):
+            state[c, j] = state[c, j + 1]
+        state[c, k - 2] = xc
+        out[0, c] = acc
+    for c in range(n_channels):
+        out[0, c] = mathf.silu(out[0, c])
 
 
 @kernel
@@ -103,7 +110,7 @@ def _sequence_body(x, w_taps, state, out):
     fork((x, w_taps, state, out))
 
 
-_conv_step = kernel(_conv_tokens)
+_conv_step = kernel(_conv_one)
 _sequence_kernel = omp.forking_kernel(_sequence_body, fork=_sequence_share)  # prefill's
 
 

@@ -38,26 +38,37 @@ def _step_body(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, 
                recurrent, q, k, v, g, beta, o, xq, dx, xsum8, lanes, step_blocks, half_lanes):
     conv1d._conv_step(mixed, conv_w, conv_state, mixed)
     Hk, dk = q.shape[1], q.shape[2]
-    nk = Hk * dk
-    for i in range(nk):
-        q[0, i // dk, i % dk] = mixed[0, i]
-        k[0, i // dk, i % dk] = mixed[0, nk + i]
     Hv, dv = v.shape[1], v.shape[2]
-    for i in range(Hv * dv):
-        v[0, i // dv, i % dv] = mixed[0, 2 * nk + i]
+    nk = Hk * dk
+    for h in range(Hk):  # row-major copies: an index divided per element cost ~100 us a layer
+        for i in range(dk):
+            q[0, h, i] = mixed[0, h * dk + i]
+            k[0, h, i] = mixed[0, nk + h * dk + i]
+    for h in range(Hv):
+        for i in range(dv):
+            v[0, h, i] = mixed[0, 2 * nk + h * dv + i]
     q2, k2 = q.reshape(Hk, dk), k.reshape(Hk, dk)
     l2norm._l2norm_serial(q2, l2_eps, q_scale, q2)
     l2norm._l2norm_serial(k2, l2_eps, 1.0, k2)
     gated_delta._gates(a, b, A_log, dt_bias, g, beta)
     deltas = np.empty((Hv, dv), np.float32)
-    fork((q, k, v, g, beta, recurrent, o, deltas))          # the heads over the threads
-    o2, z2 = o.reshape(Hv, dv), z.reshape(Hv, dv)
-    rmsnorm._gated_serial(o2, z2, norm_w, eps, o2)
+    fork((q, k, v, g, beta, recurrent, o, deltas, z, norm_w, eps))  # the heads over the threads
     matvec._quantize_act_kernel(o.reshape(1, Hv * dv), xq, dx, xsum8, lanes, step_blocks,
                                 half_lanes)
 
 
-_step_kernel = omp.forking_kernel(_step_body, fork=gated_delta.recurrent_share)
+def _heads_share(thread, n_threads, args):
+    # A thread's heads: the recurrence, then their gated RMSNorm while o is in L1 (one head at a
+    # time, so the same bits as the norm over all heads after the fork).
+    q, k, v, g, beta, recurrent, o, deltas, z, norm_w, eps = args
+    Hv = v.shape[1]
+    h0, h1 = thread * Hv // n_threads, (thread + 1) * Hv // n_threads  # gated_delta's split
+    for h in range(h0, h1):
+        gated_delta._recurrent_head(q, k, v, g, beta, recurrent, o, deltas[h], h)
+    rmsnorm._gated_serial(o[0, h0:h1], z[0, h0:h1], norm_w, eps, o[0, h0:h1])
+
+
+_step_kernel = omp.forking_kernel(_step_body, fork=_heads_share)
 
 
 def cpu(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, recurrent,

@@ -320,3 +320,15 @@ def test_missing_tokenizer_is_said(tmp_path, monkeypatch, capsys):
     (src / "tokenizer.json").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "dst")
     assert code == 0 and "has no tokenizer.json" in err
+
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_weights_are_faulted_in_at_load_when_they_fit(converted, monkeypatch, fits):
+    # A file too large for memory is left to fault on use (its pages would be evicted as read).
+    populated = []
+    monkeypatch.setattr(SafetensorsFile, "populate", lambda self: populated.append(self.path))
+    if not fits:
+        monkeypatch.setattr(convert, "available_nbytes", lambda: 1 << 16)
+    convert.load_converted(converted[1])
+    assert len(populated) == fits

@@ -14,6 +14,7 @@ ATOL, RTOL = 1e-6, 1e-6
 CASES = {  # (T, C, K); T1 is the decode kernel, the last is the threaded sequence kernel
     "T1-C8192-K4": (1, 8192, 4),
     "T1-C33-K2": (1, 33, 2),
+    "T1-C45-K3": (1, 45, 3),      # the decode kernel's general taps (K 4 is spelled out)
     "T7-C100-K4": (7, 100, 4),
     "T63-C60-K4": (63, 60, 4),
     "T2-C33-K4": (2, 33, 4),      # fewer tokens than state columns
@@ -41,8 +42,9 @@ def test_conv1d(rng, case):
     np.testing.assert_array_equal(state, expected_state)  # copied inputs: exact
 
 
-def test_in_place(rng):
-    x, w, state = make_inputs(rng, 7, 300, 4)
+@pytest.mark.parametrize("n_tokens", [1, 7])
+def test_in_place(rng, n_tokens):
+    x, w, state = make_inputs(rng, n_tokens, 300, 4)
     expected_y, expected_state = conv1d.reference(x, w, state)
     y, _ = conv1d.cpu(x, w, state, out=x)
     assert y is x
