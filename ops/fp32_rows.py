@@ -127,7 +127,7 @@ def _product(x, w, out):
 # xmm). AVX-512, 1 thread, [512, 2048] x [128, 2048] (tiles tried in one run, load 0.5): 4x2
 # 4.20 ms, 4x4 3.07-3.37, 3x6 2.89, 4x5 2.73, 5x4 2.66; numpy's OpenBLAS sgemm (FMA) 2.91.
 TILES = {Isa.AVX512VNNI: (5, 4), Isa.AVX2: (2, 2), Isa.SSSE3: (2, 1)}
-_kernels = {isa: kernel(_product, parallel=True, fastmath=False, variant=f"{isa.label}",
+_kernels = {isa: kernel(_product, parallel=True, fastmath=False, variant=isa.label,
                         full=_tile(*tile), TOK=tile[0], ROWS=tile[1])
             for isa, tile in TILES.items()}
 
