@@ -18,6 +18,7 @@ from fermijit.jit.checks import check_array, output
 from fermijit.jit import mathf
 from fermijit.jit import omp
 from fermijit.jit.cpu import kernel
+from fermijit.ops import fp32_rows
 
 
 def reference(q, k, v, gate, start):
@@ -49,6 +50,12 @@ SPLIT_MIN_KEYS = 256
 # key ranges and the order partial results are merged in, and so the bits of the output, are the
 # same whatever the thread count (issue 9 item 7: 1- and 2-thread runs diverged at 512 keys).
 SPLIT_ITEMS = 16
+
+
+# Keys per score tile: one query row against 4 key rows, 16-float accumulators (fp32_rows.tile):
+# 5 loads per 4 vector multiply-adds where the dot product over D reloaded both rows per key.
+SCORE_KEYS = 4
+score_tile = fp32_rows.tile(1, SCORE_KEYS)
 
 
 def _n_splits(n_items: int, n_keys: int) -> int:
@@ -84,14 +91,19 @@ def _attend_item(q, k, v, start, acc, m, l, item):
     m_t[:] = -np.inf
     l_t[:] = 0
     p = np.empty((G, BLOCK), dtype=np.float32)                        # scores, then weights
+    q_t, k_h = q[t], k[hkv]                                           # [Hq, D], [S, D]
     for jb in range(j0, j1, BLOCK):
         n = min(BLOCK, j1 - jb)
-        for j in range(n):
-            for g in range(G):
-                s = np.float32(0)
-                for d in range(D):
-                    s += q[t, h0 + g, d] * k[hkv, jb + j, d]
-                p[g, j] = s * scale
+        for g in range(G):  # q·k, 4 keys a tile sharing the query's loads (ops.fp32_rows)
+            j = 0
+            while j + SCORE_KEYS <= n:
+                score_tile(q_t, k_h, p, h0 + g, jb + j, g, j)
+                j += SCORE_KEYS
+            while j < n:
+                fp32_rows.one(q_t, k_h, p, h0 + g, jb + j, g, j)
+                j += 1
+            for j in range(n):
+                p[g, j] *= scale
         for g in range(G):
             m_new = m_t[g]
             for j in range(n):
