@@ -68,48 +68,50 @@ PV_VECTORS = 4
 
 
 @intrinsic
-def _weighted_rows(typingctx, p, v, a, g, j0, n):
-    """a[g] += Σ_{j < n} p[g, j] · v[j0 + j], the row's 16-float vectors held in registers over
-    the keys (PV_VECTORS at a time), then the leftover floats: one load of v per vector
-    multiply-add, where the loop it replaced loaded and stored a[g] for every key too (default
-    model's shape, 1 thread: attention 7.4 -> 5.4 ms; none at D = 256). 3e-7 from that loop's
-    bits (the kernel's reassociation)."""
-    sig = types.none(p, v, a, g, j0, n)
+def _weighted_rows(typingctx, p, v, a, j0, n):
+    """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
+    vectors of the rows (then single vectors, then leftover floats), each row's run held in
+    registers over the keys, the keys' run of v (n x 256 bytes) read from L1 by every row. The
+    loop it replaced loaded and stored a[g] for every key. 3e-7 from that loop's bits (the
+    kernel's reassociation)."""
+    sig = types.none(p, v, a, j0, n)
 
     def codegen(context, builder, sig, args):
         pa, va, aa = (context.make_array(sig.args[i])(context, builder, args[i])
                       for i in range(3))
-        gv, j0v, nv = args[3:6]
+        j0v, nv = args[3:5]
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        d = builder.extract_value(aa.shape, 1)
-        a_row = builder.mul(gv, builder.extract_value(aa.strides, 0))
-        p_row = builder.mul(gv, builder.extract_value(pa.strides, 0))
+        n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
         v_stride = builder.extract_value(va.strides, 0)
 
         def run(width, count, start):
             """`count` runs of `width` vectors (width 0: single floats) from float `start`."""
             lanes, n_vec = (LANES, width) if width else (1, 1)
             ty = vec(F32, LANES) if width else F32
-            step = lanes * n_vec
+            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
+                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
             with cgutils.for_range(builder, count) as run_loop:
-                col = builder.mul(builder.add(start, builder.mul(run_loop.index, c(step))), c(4))
+                col = builder.mul(builder.add(start, builder.mul(run_loop.index,
+                                                                 c(lanes * n_vec))), c(4))
                 offs = [builder.add(col, c(4 * lanes * u)) for u in range(n_vec)]
-                load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
-                    lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
-                accs = [cgutils.alloca_once_value(builder, load(aa.data, builder.add(a_row, o)))
-                        for o in offs]
-                with cgutils.for_range(builder, nv) as key:
-                    w = simd.load_scalar(builder, pa.data, builder.add(
-                        p_row, builder.mul(key.index, c(4))), F32)
-                    w = simd.splat(builder, w, LANES) if width else w
-                    v_row = builder.mul(builder.add(j0v, key.index), v_stride)
+                with cgutils.for_range(builder, n_rows) as row:
+                    a_row = builder.mul(row.index, builder.extract_value(aa.strides, 0))
+                    p_row = builder.mul(row.index, builder.extract_value(pa.strides, 0))
+                    accs = [cgutils.alloca_once_value(builder, load(aa.data, builder.add(a_row, o)))
+                            for o in offs]
+                    with cgutils.for_range(builder, nv) as key:
+                        w = simd.load_scalar(builder, pa.data, builder.add(
+                            p_row, builder.mul(key.index, c(4))), F32)
+                        w = simd.splat(builder, w, LANES) if width else w
+                        v_row = builder.mul(builder.add(j0v, key.index), v_stride)
+                        for acc, o in zip(accs, offs):
+                            x = load(va.data, builder.add(v_row, o))
+                            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)),
+                                          acc)
                     for acc, o in zip(accs, offs):
-                        x = load(va.data, builder.add(v_row, o))
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
-                for acc, o in zip(accs, offs):
-                    dst = simd.byte_ptr(builder, aa.data, builder.add(a_row, o))
-                    builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
-                                  align=4)
+                        dst = simd.byte_ptr(builder, aa.data, builder.add(a_row, o))
+                        builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
+                                      align=4)
 
         n_vec = builder.udiv(d, c(LANES))
         groups = builder.udiv(n_vec, c(PV_VECTORS))
@@ -141,9 +143,11 @@ def _attend_item(q, k, v, start, acc, m, l, item):
     span = (start + T + n_split - 1) // n_split
     scale = np.float32(1 / np.sqrt(D))
     split = item % n_split
+    # kv heads outermost, so a thread's run of items reads one head's keys and values (at full
+    # size 1 MB for 512 keys: L2), not both in turn. Pairs (t, T-1-t) are adjacent, so every
+    # contiguous run of items has the same causal work: each thread takes a contiguous run of
+    # items (attend_share).
     hkv = (item // n_split) % Hkv
-    # Pairs (t, T-1-t) are adjacent, so every contiguous run of items has the same causal
-    # work: each thread takes a contiguous run of items (attend_share).
     rank = item // (n_split * Hkv)
     t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
     j0 = split * span
@@ -159,14 +163,17 @@ def _attend_item(q, k, v, start, acc, m, l, item):
     q_t, k_h, v_h = q[t], k[hkv], v[hkv]                              # [Hq, D], [S, D]
     for jb in range(j0, j1, BLOCK):
         n = min(BLOCK, j1 - jb)
-        for g in range(G):  # q·k, 4 keys a tile sharing the query's loads (ops.fp32_rows)
-            j = 0
-            while j + SCORE_KEYS <= n:
+        # q·k: 4 keys a tile sharing the query's loads (ops.fp32_rows), every head of the group
+        # against those 4 keys (in L1) before the next ones
+        j = 0
+        while j + SCORE_KEYS <= n:
+            for g in range(G):
                 score_tile(q_t, k_h, p, h0 + g, jb + j, g, j)
-                j += SCORE_KEYS
-            while j < n:
+            j += SCORE_KEYS
+        for j in range(j, n):
+            for g in range(G):
                 fp32_rows.one(q_t, k_h, p, h0 + g, jb + j, g, j)
-                j += 1
+        for g in range(G):
             for j in range(n):
                 p[g, j] *= scale
         for g in range(G):
@@ -183,8 +190,7 @@ def _attend_item(q, k, v, start, acc, m, l, item):
             if rescale != 1:
                 for d in range(D):
                     a[g, d] *= rescale
-        for g in range(G):
-            _weighted_rows(p, v_h, a, g, jb, n)
+        _weighted_rows(p, v_h, a, jb, n)
 
 
 def attend_share(thread, n_threads, args):
