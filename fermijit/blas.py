@@ -1,7 +1,9 @@
 """numpy's BLAS at one thread while the CPU forward runs (issue 9 item 4).
 
-The forward's few fp32 products (router logits, the GDN gates: model/forward.py) go through
-numpy's OpenBLAS, whose worker threads busy-wait after each call for the next one. Between those
+The forward's few fp32 products (router logits, the GDN gates: model/forward.py) went through
+numpy's OpenBLAS, whose worker threads busy-wait after each call for the next one (they are
+ops/fp32_rows.py's kernel now; this keeps any numpy product a forward still makes out of the
+kernels' way). Between those
 calls the Numba kernels run on their own OpenMP team of the same size, so on a machine with as
 many cores as threads the spinning workers and the team take turns on the cores: a 512-token
 prefill of the default model on 2 threads ran at 1450-2070 tok/s with OpenBLAS at 2 threads and

@@ -28,8 +28,8 @@ from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
-from fermijit.ops import (attention, attention_step, conv1d, embedding, gated_delta, gdn_step,
-                          l2norm, matvec, moe, residual_step, rmsnorm, rope, router)
+from fermijit.ops import (attention, attention_step, conv1d, embedding, fp32_rows, gated_delta,
+                          gdn_step, l2norm, matvec, moe, residual_step, rmsnorm, rope, router)
 
 # Tokens per prefill pass: the GEMMs are batched over this many tokens while the workspace stays
 # bounded: 103 MiB for the real model at 512 (1.1 MiB at T = 1, most of it the logits).
@@ -482,11 +482,9 @@ class Model:
         else:
             linear(ws.xn, w.in_proj_qkv, ws.mixed, act)              # [T, C]
             linear(ws.xn, w.in_proj_z, ws.z.reshape(T, -1), act)
-        if ws.gdn_in is not None:
-            np.matmul(ws.xn, gates_in.T, out=ws.gates_in)            # b | a: fp32 [2Hv, H]
-        else:
-            linear(ws.xn, w.in_proj_b, ws.b)                         # fp32 [Hv, H]: gates
-            linear(ws.xn, w.in_proj_a, ws.a)
+        Hv = self.n_value_heads                                      # gates: fp32 [b; a]
+        fp32_rows.cpu(ws.xn, gates_in[:Hv], out=ws.b)                # [2Hv, H]: decode's bits
+        fp32_rows.cpu(ws.xn, gates_in[Hv:], out=ws.a)
         if ws.gdn_in is not None and self.is_quantized:
             # Decode: every step from the conv to the quantised output in one call (ops/gdn_step)
             if ws.act_gdn is None:
@@ -509,7 +507,7 @@ class Model:
     def moe(self, w: Layer, ws: Workspace) -> None:
         """Routed top-k SwiGLU experts plus the gated shared expert (MODEL.md §4):
         ws.xn -> ws.y."""
-        np.matmul(ws.xn, w.router.T, out=ws.router_logits)            # [T, E]
+        fp32_rows.cpu(ws.xn, w.router, out=ws.router_logits)          # [T, E]: decode's bits
         router.cpu(ws.router_logits, self.top_k, out=(ws.ids, ws.weights))
         if self.moe_observer is not None:
             self.moe_observer(w, ws.xn, ws.ids, ws.weights)

@@ -6,7 +6,7 @@ in the 4-bit model, read by every token of a prefill pass (MODEL.md §4, §6.3).
     gates    (g, beta) [T, Hv] from x · [w_b; w_a]ᵀ      ops.gated_delta's gates, fused
 
 Letters: T tokens, N outputs, K inputs (x [T, K], w [N, K] fp32), Hv value heads. The CPU path
-is numpy's matmul (model/forward.py), so only `reference` and `gpu` live here.
+is ops/fp32_rows.py (model/forward.py), so only `reference` and `gpu` live here.
 """
 
 from __future__ import annotations

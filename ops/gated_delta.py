@@ -17,8 +17,9 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import omp
-from fermijit.jit.cpu import kernel
+from fermijit.jit.cpu import kernel, selected_isa
 from fermijit.ops import gated_delta_chunk as stages
+from fermijit.ops import gated_delta_prefill
 
 
 def gates_reference(a, b, A_log, dt_bias):
@@ -159,9 +160,13 @@ def check_cpu_inputs(op, q, k, v, g, beta, state, out):
 
 
 def cpu(q, k, v, g, beta, state, out=None):
-    """fp32 `reference`, updating `state` in place; returns (o, state)."""
+    """fp32 `reference`, updating `state` in place; returns (o, state). Prompts (T > 1) run the
+    same recurrence in one sweep of the state per token (ops/gated_delta_prefill.py: its bits)."""
     o = check_cpu_inputs("gated_delta", q, k, v, g, beta, state, out)
-    _recurrent(q, k, v, g, beta, state, o)
+    if q.shape[0] > 1:
+        gated_delta_prefill.run(q, k, v, g, beta, state, o, selected_isa())
+    else:
+        _recurrent(q, k, v, g, beta, state, o)
     return o, state
 
 

@@ -13,11 +13,12 @@ layer (`bench decode --profile`), 2 ms a token of the real model's 40 layers.
 
 The norm, the quantisation and the routing are the ops' own kernels, so those outputs are bit for
 bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
-test_residual_step.py). The product runs on the calling thread, in fp32 with the kernels'
-reassociation (vectorised), so it differs from numpy's matmul in the last bits and does not
-depend on the thread count. Not forked over the threads: a fork would save an estimated ~15 us
-of a 1 MB router on an idle machine (~0.7 ms a token), but on this shared 2-core VM under load
-every fork waited for its second thread (70 more forks a token: 0.84 ms a call at load 10).
+test_residual_step.py). The product is ops.fp32_rows's, on the calling thread: each output the
+same bits as prefill's product of the same input row, whatever the thread count. Not forked over
+the threads: its rows forked over 2 threads (jit.omp.fork) saved 0.27 ms of a ~75 ms full-size
+token (residual_step.cpu 3.14 vs 3.41 ms a token, `bench decode --profile`, REAP-128, 2 threads,
+4 interleaved rounds, load 1.7-1.9: faster in 3 rounds of 4; tok/s within the noise), and under
+load every fork waits for its second thread (0.84 ms a call at load 10).
 
 Letters: H hidden, R product rows, k experts per token.
 """
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit.cpu import kernel
-from fermijit.ops import matvec, rmsnorm, router
+from fermijit.ops import fp32_rows, matvec, rmsnorm, router
 from fermijit.ops.matvec import Q8Act
 
 
@@ -41,16 +42,6 @@ def reference(x, y, norm_w, eps, w, top_k=0):
 
 
 @kernel
-def _dot_rows(w, x, out, r0, r1):
-    """out[0, r] = w[r] · x[0] for r0 <= r < r1 (fp32, reassociated: vectorised)."""
-    for r in range(r0, r1):
-        acc = np.float32(0.0)
-        for j in range(x.shape[1]):
-            acc += w[r, j] * x[0, j]
-        out[0, r] = acc
-
-
-@kernel
 def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes, w, p, ids,
           weights):
     if add:
@@ -59,7 +50,7 @@ def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_la
     rmsnorm._rmsnorm_serial(x, norm_w, eps, xn)
     matvec._quantize_act_kernel(xn, xq, dx, xsum8, lanes, step_blocks, half_lanes)
     if w.shape[0]:
-        _dot_rows(w, xn, p, 0, w.shape[0])
+        fp32_rows.rows_serial(xn, w, p)
         if ids.shape[1]:
             router._route_tokens(p, ids, weights)
 

@@ -60,12 +60,23 @@ def _rmsnorm_rows(x, w, eps, out):  # x, out [N, D]; w [D]
             out[r, i] = x[r, i] * inv * (np.float32(1.0) + w[i])
 
 
+# Rows per scratch row of the gated norm, whose rows are computed into scratch, then copied: one
+# loop reading o and z and writing `out` is not vectorised when out is o or z (forward.py and
+# gdn_step norm in place; LLVM's overlap check then takes the scalar copy, exp and all).
+# Measured, 1 thread, [512, 32, 128] in place: 5.3 -> 0.68 ns an element (0.67 out of place).
+GATED_CHUNK = 16
+
+
 def _gated_rows(o, z, w, eps, out):  # o, z, out [N, dv]; w [dv]
     n_rows, d = o.shape
-    for r in prange(n_rows):
-        inv = _inv_rms(o[r], eps)
-        for i in range(d):
-            out[r, i] = w[i] * (o[r, i] * inv) * mathf.silu(z[r, i])
+    for c in prange((n_rows + GATED_CHUNK - 1) // GATED_CHUNK):
+        row = np.empty(d, np.float32)
+        for r in range(c * GATED_CHUNK, min(n_rows, (c + 1) * GATED_CHUNK)):
+            inv = _inv_rms(o[r], eps)
+            for i in range(d):
+                row[i] = w[i] * (o[r, i] * inv) * mathf.silu(z[r, i])
+            for i in range(d):
+                out[r, i] = row[i]
 
 
 # One body each, compiled twice: the serial copy for decode-sized calls, the other on all threads.

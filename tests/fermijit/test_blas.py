@@ -8,6 +8,7 @@ import pytest
 from fermijit import blas
 from fermijit.engine import DEFAULT_MODEL
 from fermijit.model.forward import load_model
+from fermijit.ops import fp32_rows
 
 needs_openblas = pytest.mark.skipif(blas.threads() is None, reason="numpy's BLAS is not OpenBLAS")
 
@@ -37,16 +38,24 @@ def test_single_threaded_restores_the_count(two_blas_threads):
 
 @needs_openblas
 def test_quantised_prefill_runs_blas_on_one_thread(two_blas_threads, monkeypatch):
-    """Every fp32 product of the default model's prefill sees one BLAS thread."""
+    """The default model's prefill calls no numpy product (its fp32 products are ops.fp32_rows'),
+    and the forward's kernels run with OpenBLAS at one thread all the same."""
+    assert blas.threads() == 2
     _, model = load_model(DEFAULT_MODEL)
-    seen = []
-    matmul = np.matmul
+    matmuls, seen = [], []
+    matmul, product = np.matmul, fp32_rows.cpu
 
-    def spy(*args, **kwargs):
-        seen.append(blas.threads())
+    def spy_matmul(*args, **kwargs):
+        matmuls.append(blas.threads())
         return matmul(*args, **kwargs)
 
-    monkeypatch.setattr(np, "matmul", spy)
+    def spy_product(*args, **kwargs):
+        seen.append(blas.threads())
+        return product(*args, **kwargs)
+
+    monkeypatch.setattr(np, "matmul", spy_matmul)
+    monkeypatch.setattr(fp32_rows, "cpu", spy_product)
     model.prefill(np.arange(5, dtype=np.int32), model.new_state(8))
+    assert matmuls == []
     assert seen and set(seen) == {1}
     assert blas.threads() == 2

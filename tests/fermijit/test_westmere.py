@@ -18,7 +18,7 @@ CHECK = textwrap.dedent("""
     import numpy as np
     from fermijit.jit import cpu
     isa = cpu.select_isa(sys.argv[1])
-    from fermijit.ops import gemm, matvec, quant, quantize_rows
+    from fermijit.ops import fp32_rows, gemm, matvec, quant, quantize_rows
     rng = np.random.default_rng(7)
     qs, d = quant.quantize_q4_0(rng.standard_normal((13, 1056)).astype(np.float32))
     x = rng.standard_normal((3, 1056)).astype(np.float32)
@@ -27,10 +27,13 @@ CHECK = textwrap.dedent("""
     q8s, q8d = quant.quantize_q8_0(rng.standard_normal((9, 1056)).astype(np.float32))
     y += (matvec.q8_cpu(q8s, q8d, x[0], isa=isa),)
     ref += (matvec.q8_reference(q8s, q8d, x[0]),)
+    y += (fp32_rows.cpu(x, x[:2], isa=isa),)  # the router and gates' fp32 product
+    ref += (fp32_rows.reference(x, x[:2]),)
     kernels = [matvec.gemv_kernel(isa), matvec._product(isa, matvec.GEMM_TILE)]
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
+    kernels.append(fp32_rows._kernels[isa])
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
     err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, ref))
     print(json.dumps({"err": err, "cpu": cpu.target_cpu_name(),

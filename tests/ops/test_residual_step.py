@@ -8,7 +8,7 @@ import pytest
 
 from fermijit.jit import cpu
 from fermijit.jit.cpu import configure_threads
-from fermijit.ops import matvec, residual_step, rmsnorm, router
+from fermijit.ops import fp32_rows, matvec, residual_step, rmsnorm, router
 from tests.numerics import assert_close, poisoned
 
 ISAS = cpu.variants_up_to(cpu.selected_isa())
@@ -85,3 +85,13 @@ def test_product_is_the_same_for_any_thread_count(rng):
     for a, b in zip(*results):
         a, b = (a.xq, b.xq) if isinstance(a, matvec.Q8Act) else (a, b)
         assert np.array_equal(a, b)
+
+
+def test_product_is_prefills_for_the_same_row(rng):
+    """Decode's router logits are the bits prefill's product (ops.fp32_rows) gives that input row
+    among others."""
+    x, y, nw, w = _inputs(rng, 2048, 128)
+    xn, _, p, _, _ = _fused(x.copy(), y, nw, w, 0, ISAS[0])
+    rows = rng.standard_normal((9, 2048)).astype(np.float32)
+    rows[5] = xn[0]
+    assert np.array_equal(fp32_rows.cpu(rows, w)[5], p[0])

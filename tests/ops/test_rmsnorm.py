@@ -82,6 +82,20 @@ def test_gated(rng, shape):
     assert_close("gated rmsnorm", expected, y, GATED_ATOL, GATED_RTOL)
 
 
+@pytest.mark.parametrize("into", ["o", "z"])
+def test_gated_in_place(rng, into):
+    """out = o or z (the forward's and gdn_step's calls) as out of place, bit for bit; rows past
+    several scratch chunks (rmsnorm.GATED_CHUNK), a ragged last one."""
+    shape = (3 * rmsnorm.GATED_CHUNK + 5, 2, 40)
+    o, _ = _inputs(rng, shape)
+    z = (3 * rng.standard_normal(shape)).astype(np.float32)
+    w = rng.uniform(0.2, 2.0, shape[-1]).astype(np.float32)
+    want = rmsnorm.gated_cpu(o, z, w, EPS, out=poisoned(shape))
+    both = {"o": o.copy(), "z": z.copy()}
+    assert rmsnorm.gated_cpu(both["o"], both["z"], w, EPS, out=both[into]) is both[into]
+    assert np.array_equal(both[into], want)
+
+
 def test_gated_uses_plain_weight():
     # o of rms 1 and a huge gate (silu(z) = z): y = w * z.
     o = np.ones((1, 4), np.float32)

@@ -1,0 +1,143 @@
+"""The forward's fp32 products on the CPU: out [T, R] = x [T, K] · w [R, K]ᵀ, every output the same
+bits whatever T, the row it sits in and the thread count (MODEL.md §4, §6.3: the MoE router
+logits [T, E] and the GDN gates [b; a] [T, 2Hv] of a 4-bit model, whose weights stay fp32).
+
+Why a kernel of its own: numpy's OpenBLAS rounds a row of a product differently depending on how
+many rows it is given, so prefill passes of 300 tokens and one pass of 1100 gave router logits
+2.4e-6 apart, enough to flip 8-bit codes downstream (tests/model/test_long_prompt.py), and a
+prompt's logits in prefill were not decode's for the same input row. Here each output is one
+fixed sequence of fp32 operations: lane j of a 16-float accumulator sums x[16i + j]·w[16i + j]
+over i (a multiply, then an add: no FMA, no reassociation: the kernels are not fastmath), the 16
+lanes are added by halving (simd.hsum), then the K mod 16 leftover products one by one. A tile of
+tokens x rows shares its loads (`_tile`) but keeps an accumulator per output, so the tile shape,
+the ISA (a 16-float vector is 1 zmm, 2 ymm or 4 xmm) and the thread are free choices that never
+change a bit. Decode (ops/residual_step.py, T = 1) calls `rows_serial`; prefill `cpu`, its tiles
+over the threads.
+
+Letters: T tokens, R outputs (rows of w), K inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fermijit.jit import cpu as jit_cpu
+from fermijit.jit import simd
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import Isa, kernel
+from fermijit.jit.simd import F32, I64, vec
+
+LANES = 16  # floats per accumulator: part of every output's rounding, whatever the ISA
+
+
+def reference(x, w):
+    """x [T, K], w [R, K] fp32 -> x · wᵀ [T, R] in float64."""
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def _tile(n_tok: int, n_rows: int):
+    """An intrinsic tile(x, w, out, t0, r0): out[t0 + a, r0 + b] = x[t0 + a] · w[r0 + b] for
+    a < n_tok, b < n_rows, each summed as the module docstring says. Rows of unit stride
+    (C-contiguous arrays: checked by callers)."""
+
+    @intrinsic
+    def tile(typingctx, x, w, out, t0, r0):
+        sig = types.none(x, w, out, t0, r0)
+
+        def codegen(context, builder, sig, args):
+            xa, wa, oa = (context.make_array(sig.args[i])(context, builder, args[i])
+                          for i in range(3))
+            t0v, r0v = args[3], args[4]
+            c = lambda n: ir.Constant(I64, n)  # noqa: E731
+            vf = vec(F32, LANES)
+            k = builder.extract_value(xa.shape, 1)
+            row = lambda arr, i: builder.mul(i, builder.extract_value(arr.strides, 0))  # noqa
+            x_rows = [row(xa, builder.add(t0v, c(a))) for a in range(n_tok)]
+            w_rows = [row(wa, builder.add(r0v, c(b))) for b in range(n_rows)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                     for _ in range(n_rows)] for _ in range(n_tok)]
+            n_vec = builder.udiv(k, c(LANES))
+            with cgutils.for_range(builder, n_vec) as loop:
+                off = builder.mul(loop.index, c(LANES * 4))
+                xs = [simd.load(builder, xa.data, builder.add(r, off), vf) for r in x_rows]
+                ws = [simd.load(builder, wa.data, builder.add(r, off), vf) for r in w_rows]
+                for a in range(n_tok):
+                    for b in range(n_rows):
+                        acc = accs[a][b]
+                        builder.store(builder.fadd(builder.load(acc),
+                                                   builder.fmul(xs[a], ws[b])), acc)
+            sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(acc)))
+                     for acc in row_accs] for row_accs in accs]
+            with cgutils.for_range(builder, builder.sub(k, builder.mul(n_vec, c(LANES))),
+                                   ) as loop:
+                off = builder.mul(builder.add(builder.mul(n_vec, c(LANES)), loop.index), c(4))
+                xs = [simd.load_scalar(builder, xa.data, builder.add(r, off), F32)
+                      for r in x_rows]
+                ws = [simd.load_scalar(builder, wa.data, builder.add(r, off), F32)
+                      for r in w_rows]
+                for a in range(n_tok):
+                    for b in range(n_rows):
+                        s = sums[a][b]
+                        builder.store(builder.fadd(builder.load(s), builder.fmul(xs[a], ws[b])),
+                                      s)
+            o_row = builder.extract_value(oa.strides, 0)
+            for a in range(n_tok):
+                for b in range(n_rows):
+                    cell = builder.add(builder.mul(builder.add(t0v, c(a)), o_row),
+                                       builder.mul(builder.add(r0v, c(b)), c(4)))
+                    builder.store(builder.load(sums[a][b]), builder.bitcast(
+                        simd.byte_ptr(builder, oa.data, cell), F32.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_one = _tile(1, 1)
+
+
+@kernel(fastmath=False)
+def rows_serial(x, w, out):
+    """out [T, R] = x · wᵀ on the calling thread, one output at a time (decode: T = 1)."""
+    for t in range(x.shape[0]):
+        for r in range(w.shape[0]):
+            _one(x, w, out, t, r)
+
+
+def _product(x, w, out):
+    """The prefill body: tiles of TOK tokens x ROWS rows over the threads, token tiles outermost
+    (a thread's run of tiles reuses its tokens from L1 and w from L2: 1 MB at full size); the
+    edges one output at a time. `full`, TOK and ROWS are bound per ISA (TILES)."""
+    n_tok, n_rows = x.shape[0], w.shape[0]
+    n_t, n_r = n_tok // TOK, n_rows // ROWS
+    for job in prange(n_t * n_r):
+        full(x, w, out, job // n_r * TOK, job % n_r * ROWS)
+    for t in prange(n_tok):  # edges: the last tokens' every row, the others' leftover rows
+        for r in range(n_r * ROWS if t < n_t * TOK else 0, n_rows):
+            _one(x, w, out, t, r)
+
+
+# Tokens x rows per tile: as many 16-float accumulators as the ISA's registers hold beside the
+# tile's loads (AVX-512: 20 + 9 of 32 zmm; AVX2: 4 x 2 + 4 x 2 of 16 ymm; SSE: 2 x 4 + 3 x 4 of 16
+# xmm). AVX-512, 1 thread, [512, 2048] x [128, 2048] (tiles tried in one run, load 0.5): 4x2
+# 4.20 ms, 4x4 3.07-3.37, 3x6 2.89, 4x5 2.73, 5x4 2.66; numpy's OpenBLAS sgemm (FMA) 2.91.
+TILES = {Isa.AVX512VNNI: (5, 4), Isa.AVX2: (2, 2), Isa.SSSE3: (2, 1)}
+_kernels = {isa: kernel(_product, parallel=True, fastmath=False, variant=isa.label,
+                        full=_tile(*tile), TOK=tile[0], ROWS=tile[1])
+            for isa, tile in TILES.items()}
+
+
+def cpu(x, w, out=None, isa: Isa | None = None):
+    """out [T, R] = x [T, K] · w [R, K]ᵀ, fp32, C-contiguous; `isa` picks the tile (the process's
+    variant by default): the same bits whichever."""
+    op = "fp32_rows"
+    check_array(op, "x", x, np.float32, ndim=2)
+    check_array(op, "w", w, np.float32, (None, x.shape[1]))
+    out = output(op, out, (x.shape[0], w.shape[0]), np.float32)
+    _kernels[isa or jit_cpu.selected_isa()](x, w, out)
+    return out
