@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -23,7 +22,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fermijit import FermijitError
+from fermijit import FermijitError, machine
 from fermijit.jit import cpu, simd
 from fermijit.jit.simd import I8, I64, vec
 from fermijit.ops import matvec, quant
@@ -134,25 +133,6 @@ def _page_backed(nbytes: int, huge: bool = False) -> np.ndarray:
     return np.frombuffer(m, np.uint8)[:nbytes]
 
 
-def _huge_page_bytes(a: np.ndarray) -> int:
-    """How much of `a`'s mapping the kernel backs with huge pages (/proc/self/smaps), 0 if
-    unknown."""
-    start = a.ctypes.data
-    try:
-        smaps = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return 0
-    inside = False
-    for line in smaps.splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= start < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _fill(a: np.ndarray, values, chunk: int = 1 << 24) -> None:
     """a[:] = values(a.size), a chunk at a time (no GiB-sized temporaries)."""
     for start in range(0, a.size, chunk):
@@ -234,7 +214,7 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
     _progress("read bandwidth, huge pages")
     huge = _page_backed(nbytes, huge=True)
     huge[:] = 1
-    if _huge_page_bytes(huge) >= huge.nbytes // 2:
+    if machine.mapping_bytes(huge.ctypes.data, "AnonHugePages") >= huge.nbytes // 2:
         huge_gbs = huge.nbytes / _best_seconds(lambda: read(huge)) / 1e9
     del huge
     gemv_rows, pair_ratios = [], {isa: [] for isa in isas}

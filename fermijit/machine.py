@@ -21,6 +21,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def mapping_bytes(address: int, field: str) -> int:
+    """A /proc/self/smaps field ("Rss", "AnonHugePages", ...) in bytes for the mapping holding
+    `address`; 0 where unknown (no /proc, no such mapping or field)."""
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return 0
+    inside = False
+    for line in smaps.splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == field + ":":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def op_variants(isa: cpu.Isa) -> list[tuple[str, str]]:
     """Each op module and its CPU kernel: hand-written SIMD (`simd_variant`) or Numba's own
     vectorisation for the target CPU."""

@@ -31,31 +31,34 @@ def reference(x, w, state):
     return y.astype(np.float32), np.ascontiguousarray(xx[n_tokens:].T, dtype=np.float32)
 
 
-def _conv_one(x, w, state, out):  # x, out [1, C]; w [C, K]; state [C, K-1]
-    # Decode: one token. The taps per channel first, then SiLU over the row in its own loop,
-    # which vectorises (jit.mathf's exp): 71 -> ~15 us a full-size GDN layer (8192 channels);
-    # with SiLU inside the channel loop, the strided state kept it scalar at 9 ns a channel.
-    n_channels = x.shape[1]
+def _conv_channels(x, w, state, out, c0, c1):  # x, out [1, C]; w [C, K]; state [C, K-1]
+    # Decode: one token, channels c0..c1-1 (ops/gdn_step.py gives each thread its heads'). The
+    # taps per channel first, then SiLU over the row in its own loop, which vectorises
+    # (jit.mathf's exp): 71 -> ~15 us a full-size GDN layer (8192 channels); with SiLU inside
+    # the channel loop, the strided state kept it scalar at 9 ns a channel.
     k = w.shape[1]
+    xs, ys = x[0, c0:c1], out[0, c0:c1]  # row views: LLVM keeps 2-D indexed loops scalar here
+    ws, ss = w[c0:c1], state[c0:c1]
     if k == 4:  # the model's taps, spelled out: the channel loop then vectorises too
-        for c in range(n_channels):
-            xc, s0, s1, s2 = x[0, c], state[c, 0], state[c, 1], state[c, 2]
-            out[0, c] = w[c, 3] * xc + w[c, 0] * s0 + w[c, 1] * s1 + w[c, 2] * s2
-            state[c, 0], state[c, 1], state[c, 2] = s1, s2, xc
-        for c in range(n_channels):
-            out[0, c] = mathf.silu(out[0, c])
-        return
-    for c in range(n_channels):
-        xc = x[0, c]
-        acc = w[c, k - 1] * xc
-        for j in range(k - 1):
-            acc += w[c, j] * state[c, j]
-        for j in range(k - 2):
-            state[c, j] = state[c, j + 1]
-        state[c, k - 2] = xc
-        out[0, c] = acc
-    for c in range(n_channels):
-        out[0, c] = mathf.silu(out[0, c])
+        for c in range(c1 - c0):
+            xc, s0, s1, s2 = xs[c], ss[c, 0], ss[c, 1], ss[c, 2]
+            ys[c] = ws[c, 3] * xc + ws[c, 0] * s0 + ws[c, 1] * s1 + ws[c, 2] * s2
+            ss[c, 0], ss[c, 1], ss[c, 2] = s1, s2, xc
+    else:
+        for c in range(c1 - c0):
+            xc = xs[c]
+            acc = ws[c, k - 1] * xc
+            for j in range(k - 1):
+                acc += ws[c, j] * ss[c, j]
+            for j in range(k - 2):
+                ss[c, j] = ss[c, j + 1]
+            ss[c, k - 2] = xc
+            ys[c] = acc
+    for c in range(c1 - c0):
+        ys[c] = mathf.silu(ys[c])
+
+
+_conv_range = kernel(_conv_channels)
 
 
 @kernel
@@ -110,7 +113,6 @@ def _sequence_body(x, w_taps, state, out):
     fork((x, w_taps, state, out))
 
 
-_conv_step = kernel(_conv_one)
 _sequence_kernel = omp.forking_kernel(_sequence_body, fork=_sequence_share)  # prefill's
 
 
@@ -135,7 +137,7 @@ def cpu(x, w, state, out=None):
             or np.may_share_memory(state, out):
         raise FermijitError(f"{op}: state, x and out must not overlap (out may be x itself)")
     if n_tokens == 1:
-        _conv_step(x, w, state, out)
+        _conv_range(x, w, state, out, 0, n_channels)
     else:
         _sequence_kernel()(x, np.ascontiguousarray(w.T), state, out)
     return out, state

@@ -36,33 +36,37 @@ def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l
 
 def _step_body(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, q_scale,
                recurrent, q, k, v, g, beta, o, xq, dx, xsum8, lanes, step_blocks, half_lanes):
-    conv1d._conv_step(mixed, conv_w, conv_state, mixed)
-    Hk, dk = q.shape[1], q.shape[2]
-    Hv, dv = v.shape[1], v.shape[2]
-    nk = Hk * dk
-    for h in range(Hk):  # row-major copies: an index divided per element cost ~100 us a layer
-        for i in range(dk):
-            q[0, h, i] = mixed[0, h * dk + i]
-            k[0, h, i] = mixed[0, nk + h * dk + i]
-    for h in range(Hv):
-        for i in range(dv):
-            v[0, h, i] = mixed[0, 2 * nk + h * dv + i]
-    q2, k2 = q.reshape(Hk, dk), k.reshape(Hk, dk)
-    l2norm._l2norm_serial(q2, l2_eps, q_scale, q2)
-    l2norm._l2norm_serial(k2, l2_eps, 1.0, k2)
     gated_delta._gates(a, b, A_log, dt_bias, g, beta)
-    deltas = np.empty((Hv, dv), np.float32)
-    fork((q, k, v, g, beta, recurrent, o, deltas, z, norm_w, eps))  # the heads over the threads
-    matvec._quantize_act_kernel(o.reshape(1, Hv * dv), xq, dx, xsum8, lanes, step_blocks,
-                                half_lanes)
+    deltas = np.empty((v.shape[1], v.shape[2]), np.float32)
+    fork((mixed, conv_w, conv_state, l2_eps, q_scale, q, k, v, g, beta, recurrent, o, deltas, z,
+          norm_w, eps))
+    matvec._quantize_act_kernel(o.reshape(1, o.shape[1] * o.shape[2]), xq, dx, xsum8, lanes,
+                                step_blocks, half_lanes)
 
 
 def _heads_share(thread, n_threads, args):
-    # A thread's heads: the recurrence, then their gated RMSNorm while o is in L1 (one head at a
-    # time, so the same bits as the norm over all heads after the fork).
-    q, k, v, g, beta, recurrent, o, deltas, z, norm_w, eps = args
-    Hv = v.shape[1]
-    h0, h1 = thread * Hv // n_threads, (thread + 1) * Hv // n_threads  # gated_delta's split
+    # A thread's key heads and their value heads, from the conv to the gated RMSNorm: every
+    # channel and head is one thread's (the same bits whatever the thread count), and nothing
+    # but the gates and the quantisation waits on one thread (~20 us of a 2-thread layer).
+    (mixed, conv_w, conv_state, l2_eps, q_scale, q, k, v, g, beta, recurrent, o, deltas, z,
+     norm_w, eps) = args
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    nk, group = Hk * dk, Hv // Hk
+    k0, k1 = thread * Hk // n_threads, (thread + 1) * Hk // n_threads
+    h0, h1 = k0 * group, k1 * group
+    conv1d._conv_range(mixed, conv_w, conv_state, mixed, k0 * dk, k1 * dk)               # q
+    conv1d._conv_range(mixed, conv_w, conv_state, mixed, nk + k0 * dk, nk + k1 * dk)     # k
+    conv1d._conv_range(mixed, conv_w, conv_state, mixed, 2 * nk + h0 * dv, 2 * nk + h1 * dv)
+    for h in range(k0, k1):  # row-major copies: an index divided per element cost ~100 us
+        for i in range(dk):
+            q[0, h, i] = mixed[0, h * dk + i]
+            k[0, h, i] = mixed[0, nk + h * dk + i]
+    for h in range(h0, h1):
+        for i in range(dv):
+            v[0, h, i] = mixed[0, 2 * nk + h * dv + i]
+    l2norm._l2norm_serial(q[0, k0:k1], l2_eps, q_scale, q[0, k0:k1])
+    l2norm._l2norm_serial(k[0, k0:k1], l2_eps, 1.0, k[0, k0:k1])
     for h in range(h0, h1):
         gated_delta._recurrent_head(q, k, v, g, beta, recurrent, o, deltas[h], h)
     rmsnorm._gated_serial(o[0, h0:h1], z[0, h0:h1], norm_w, eps, o[0, h0:h1])

@@ -12,6 +12,7 @@ import pytest
 import safetensors.numpy
 
 from fermijit import FermijitError
+from fermijit.machine import mapping_bytes
 from fermijit.model.safetensors_io import (Checkpoint, SafetensorsFile, SafetensorsWriter,
                                            bf16_to_f32, f32_to_bf16, save_file)
 
@@ -205,26 +206,13 @@ def test_a_fifo_is_not_opened(tmp_path):
         Checkpoint(tmp_path)
 
 
-def _mapped_rss(address: int) -> int:
-    """Bytes of the mapping holding `address` that are in this process's page tables."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "Rss:":
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
 def test_populate_maps_every_page(tmp_path, rng):
     save_file(tmp_path / "w.safetensors", {"w": rng.standard_normal(1 << 22).astype(np.float32)})
     lazy, eager = (SafetensorsFile(tmp_path / "w.safetensors") for _ in range(2))
     size = lazy.data_nbytes
-    assert _mapped_rss(lazy.mapped().ctypes.data) < size // 4  # nothing read yet
+    assert mapping_bytes(lazy.mapped().ctypes.data, "Rss") < size // 4  # nothing read yet
     if not eager.populate():
         pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
-    assert _mapped_rss(eager.mapped().ctypes.data) >= size
+    assert mapping_bytes(eager.mapped().ctypes.data, "Rss") >= size
     np.testing.assert_array_equal(eager.raw("w"), lazy.raw("w"))

@@ -59,3 +59,34 @@ def test_equals_the_ops_one_by_one_and_the_references(rng, shape):
     assert_close("o", ref_o, f_o, RTOL * np.abs(ref_o).max(), RTOL)
     assert_close("conv state", ref_conv, f_conv, 0, 0)
     assert_close("state", ref_state, f_state, RTOL * np.abs(ref_state).max(), RTOL)
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 32, 32), (1, 2, 64, 32)], ids=["Hk3-Hv6", "Hk1-Hv2"])
+def test_thread_count_changes_no_bit(rng, shape):
+    # Each thread runs its key heads' channels and value heads, conv to norm: an odd split (3 key
+    # heads on 2 threads) and a thread with none (1 key head) give one thread's bits.
+    import numba
+
+    Hk, Hv, dk, dv = shape
+    x = _inputs(rng, Hk, Hv, dk, dv)
+    results = []
+    before = numba.get_num_threads()
+    try:
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            mixed, conv, state = x["mixed"].copy(), x["conv_state"].copy(), x["state"].copy()
+            scratch = [poisoned(s) for s in ((1, Hk, dk), (1, Hk, dk), (1, Hv, dv), (1, Hv),
+                                             (1, Hv))]
+            o = poisoned((1, Hv, dv))
+            act = matvec.quantize_act(np.zeros((1, Hv * dv), np.float32))
+            gdn_step.cpu(mixed, x["z"], x["a"], x["b"], x["conv_w"], conv, x["A_log"],
+                         x["dt_bias"], x["norm_w"], EPS, L2_EPS, state, *scratch, o, act)
+            results.append((o, conv, state, act.xq, act.dx))
+    finally:
+        numba.set_num_threads(before)
+    for one, two in zip(*results):
+        np.testing.assert_array_equal(one, two)
+    ref_o, _, _ = gdn_step.reference(x["mixed"], x["z"], x["a"], x["b"], x["conv_w"],
+                                     x["conv_state"], x["A_log"], x["dt_bias"], x["norm_w"], EPS,
+                                     L2_EPS, x["state"])
+    assert_close("o", ref_o, results[0][0], RTOL * np.abs(ref_o).max(), RTOL)
