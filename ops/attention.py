@@ -12,12 +12,18 @@ S cache length (the cache may be longer than the keys used), L = start + T keys 
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
-from fermijit.jit import mathf
-from fermijit.jit import omp
+from fermijit.jit import mathf, omp, simd
 from fermijit.jit.cpu import kernel
+from fermijit.jit.simd import F32, I64, vec
+from fermijit.ops import fp32_rows
+from fermijit.ops.fp32_rows import LANES
 
 
 def reference(q, k, v, gate, start):
@@ -51,6 +57,74 @@ SPLIT_MIN_KEYS = 256
 SPLIT_ITEMS = 16
 
 
+# Keys per score tile: one query row against 4 key rows, 16-float accumulators (fp32_rows.tile):
+# 5 loads per 4 vector multiply-adds where the dot product over D reloaded both rows per key.
+SCORE_KEYS = 4
+score_tile = fp32_rows.tile(1, SCORE_KEYS)
+
+
+# Vectors of 16 floats of a row of `a` held in registers while the keys' weighted values are added.
+PV_VECTORS = 4
+
+
+@intrinsic
+def _weighted_rows(typingctx, p, v, a, j0, n):
+    """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
+    vectors of the rows (then single vectors, then leftover floats), each row's run held in
+    registers over the keys, the keys' run of v (n x 256 bytes) read from L1 by every row. The
+    loop it replaced loaded and stored a[g] for every key. 3e-7 from that loop's bits (the
+    kernel's reassociation)."""
+    sig = types.none(p, v, a, j0, n)
+
+    def codegen(context, builder, sig, args):
+        pa, va, aa = (context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in range(3))
+        j0v, nv = args[3:5]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
+        v_stride = builder.extract_value(va.strides, 0)
+
+        def run(width, count, start):
+            """`count` runs of `width` vectors (width 0: single floats) from float `start`."""
+            lanes, n_vec = (LANES, width) if width else (1, 1)
+            ty = vec(F32, LANES) if width else F32
+            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
+                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
+            with cgutils.for_range(builder, count) as run_loop:
+                col = builder.mul(builder.add(start, builder.mul(run_loop.index,
+                                                                 c(lanes * n_vec))), c(4))
+                offs = [builder.add(col, c(4 * lanes * u)) for u in range(n_vec)]
+                with cgutils.for_range(builder, n_rows) as row:
+                    a_row = builder.mul(row.index, builder.extract_value(aa.strides, 0))
+                    p_row = builder.mul(row.index, builder.extract_value(pa.strides, 0))
+                    accs = [cgutils.alloca_once_value(builder, load(aa.data, builder.add(a_row, o)))
+                            for o in offs]
+                    with cgutils.for_range(builder, nv) as key:
+                        w = simd.load_scalar(builder, pa.data, builder.add(
+                            p_row, builder.mul(key.index, c(4))), F32)
+                        w = simd.splat(builder, w, LANES) if width else w
+                        v_row = builder.mul(builder.add(j0v, key.index), v_stride)
+                        for acc, o in zip(accs, offs):
+                            x = load(va.data, builder.add(v_row, o))
+                            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)),
+                                          acc)
+                    for acc, o in zip(accs, offs):
+                        dst = simd.byte_ptr(builder, aa.data, builder.add(a_row, o))
+                        builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
+                                      align=4)
+
+        n_vec = builder.udiv(d, c(LANES))
+        groups = builder.udiv(n_vec, c(PV_VECTORS))
+        run(PV_VECTORS, groups, c(0))
+        singles_from = builder.mul(groups, c(PV_VECTORS * LANES))
+        run(1, builder.sub(n_vec, builder.mul(groups, c(PV_VECTORS))), singles_from)
+        tail_from = builder.mul(n_vec, c(LANES))
+        run(0, builder.sub(d, tail_from), tail_from)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _n_splits(n_items: int, n_keys: int) -> int:
     """Key ranges per (query, kv head) item: enough for SPLIT_ITEMS items, if long enough."""
     wanted = -(-SPLIT_ITEMS // max(n_items, 1))
@@ -69,9 +143,11 @@ def _attend_item(q, k, v, start, acc, m, l, item):
     span = (start + T + n_split - 1) // n_split
     scale = np.float32(1 / np.sqrt(D))
     split = item % n_split
+    # kv heads outermost, so a thread's run of items reads one head's keys and values (at full
+    # size 1 MB for 512 keys: L2), not both in turn. Pairs (t, T-1-t) are adjacent, so every
+    # contiguous run of items has the same causal work: each thread takes a contiguous run of
+    # items (attend_share).
     hkv = (item // n_split) % Hkv
-    # Pairs (t, T-1-t) are adjacent, so every contiguous run of items has the same causal
-    # work: each thread takes a contiguous run of items (attend_share).
     rank = item // (n_split * Hkv)
     t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
     j0 = split * span
@@ -84,14 +160,22 @@ def _attend_item(q, k, v, start, acc, m, l, item):
     m_t[:] = -np.inf
     l_t[:] = 0
     p = np.empty((G, BLOCK), dtype=np.float32)                        # scores, then weights
+    q_t, k_h, v_h = q[t], k[hkv], v[hkv]                              # [Hq, D], [S, D]
     for jb in range(j0, j1, BLOCK):
         n = min(BLOCK, j1 - jb)
-        for j in range(n):
+        # q·k: 4 keys a tile sharing the query's loads (ops.fp32_rows), every head of the group
+        # against those 4 keys (in L1) before the next ones
+        j = 0
+        while j + SCORE_KEYS <= n:
             for g in range(G):
-                s = np.float32(0)
-                for d in range(D):
-                    s += q[t, h0 + g, d] * k[hkv, jb + j, d]
-                p[g, j] = s * scale
+                score_tile(q_t, k_h, p, h0 + g, jb + j, g, j)
+            j += SCORE_KEYS
+        for j in range(j, n):
+            for g in range(G):
+                fp32_rows.one(q_t, k_h, p, h0 + g, jb + j, g, j)
+        for g in range(G):
+            for j in range(n):
+                p[g, j] *= scale
         for g in range(G):
             m_new = m_t[g]
             for j in range(n):
@@ -106,11 +190,7 @@ def _attend_item(q, k, v, start, acc, m, l, item):
             if rescale != 1:
                 for d in range(D):
                     a[g, d] *= rescale
-        for j in range(n):
-            for g in range(G):
-                w = p[g, j]
-                for d in range(D):
-                    a[g, d] += w * v[hkv, jb + j, d]
+        _weighted_rows(p, v_h, a, jb, n)
 
 
 def attend_share(thread, n_threads, args):

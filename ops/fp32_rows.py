@@ -9,7 +9,7 @@ prompt's logits in prefill were not decode's for the same input row. Here each o
 fixed sequence of fp32 operations: lane j of a 16-float accumulator sums x[16i + j]·w[16i + j]
 over i (a multiply, then an add: no FMA, no reassociation: the kernels are not fastmath), the 16
 lanes are added by halving (simd.hsum), then the K mod 16 leftover products one by one. A tile of
-tokens x rows shares its loads (`_tile`) but keeps an accumulator per output, so the tile shape,
+tokens x rows shares its loads (`tile`) but keeps an accumulator per output, so the tile shape,
 the ISA (a 16-float vector is 1 zmm, 2 ymm or 4 xmm) and the thread are free choices that never
 change a bit. Decode (ops/residual_step.py, T = 1) calls `rows_serial`; prefill `cpu`, its tiles
 over the threads.
@@ -39,19 +39,19 @@ def reference(x, w):
     return x.astype(np.float64) @ w.astype(np.float64).T
 
 
-def _tile(n_tok: int, n_rows: int):
-    """An intrinsic tile(x, w, out, t0, r0): out[t0 + a, r0 + b] = x[t0 + a] · w[r0 + b] for
-    a < n_tok, b < n_rows, each summed as the module docstring says. Rows of unit stride
-    (C-contiguous arrays: checked by callers)."""
+def tile(n_tok: int, n_rows: int):
+    """An intrinsic tile(x, w, out, t0, r0, o0, c0): out[o0 + a, c0 + b] = x[t0 + a] · w[r0 + b]
+    for a < n_tok, b < n_rows, each summed as the module docstring says (also attention's scores,
+    ops/attention.py). Rows of unit stride (C-contiguous arrays: checked by callers)."""
 
     @intrinsic
-    def tile(typingctx, x, w, out, t0, r0):
-        sig = types.none(x, w, out, t0, r0)
+    def tile_(typingctx, x, w, out, t0, r0, o0, c0):
+        sig = types.none(x, w, out, t0, r0, o0, c0)
 
         def codegen(context, builder, sig, args):
             xa, wa, oa = (context.make_array(sig.args[i])(context, builder, args[i])
                           for i in range(3))
-            t0v, r0v = args[3], args[4]
+            t0v, r0v, o0v, c0v = args[3:7]
             c = lambda n: ir.Constant(I64, n)  # noqa: E731
             vf = vec(F32, LANES)
             k = builder.extract_value(xa.shape, 1)
@@ -87,18 +87,18 @@ def _tile(n_tok: int, n_rows: int):
             o_row = builder.extract_value(oa.strides, 0)
             for a in range(n_tok):
                 for b in range(n_rows):
-                    cell = builder.add(builder.mul(builder.add(t0v, c(a)), o_row),
-                                       builder.mul(builder.add(r0v, c(b)), c(4)))
+                    cell = builder.add(builder.mul(builder.add(o0v, c(a)), o_row),
+                                       builder.mul(builder.add(c0v, c(b)), c(4)))
                     builder.store(builder.load(sums[a][b]), builder.bitcast(
                         simd.byte_ptr(builder, oa.data, cell), F32.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return tile
+    return tile_
 
 
-_one = _tile(1, 1)
+one = tile(1, 1)
 
 
 @kernel(fastmath=False)
@@ -106,7 +106,7 @@ def rows_serial(x, w, out):
     """out [T, R] = x · wᵀ on the calling thread, one output at a time (decode: T = 1)."""
     for t in range(x.shape[0]):
         for r in range(w.shape[0]):
-            _one(x, w, out, t, r)
+            one(x, w, out, t, r, t, r)
 
 
 def _product(x, w, out):
@@ -116,10 +116,11 @@ def _product(x, w, out):
     n_tok, n_rows = x.shape[0], w.shape[0]
     n_t, n_r = n_tok // TOK, n_rows // ROWS
     for job in prange(n_t * n_r):
-        full(x, w, out, job // n_r * TOK, job % n_r * ROWS)
+        t0, r0 = job // n_r * TOK, job % n_r * ROWS
+        full(x, w, out, t0, r0, t0, r0)
     for t in prange(n_tok):  # edges: the last tokens' every row, the others' leftover rows
         for r in range(n_r * ROWS if t < n_t * TOK else 0, n_rows):
-            _one(x, w, out, t, r)
+            one(x, w, out, t, r, t, r)
 
 
 # Tokens x rows per tile: as many 16-float accumulators as the ISA's registers hold beside the
@@ -128,8 +129,8 @@ def _product(x, w, out):
 # 4.20 ms, 4x4 3.07-3.37, 3x6 2.89, 4x5 2.73, 5x4 2.66; numpy's OpenBLAS sgemm (FMA) 2.91.
 TILES = {Isa.AVX512VNNI: (5, 4), Isa.AVX2: (2, 2), Isa.SSSE3: (2, 1)}
 _kernels = {isa: kernel(_product, parallel=True, fastmath=False, variant=isa.label,
-                        full=_tile(*tile), TOK=tile[0], ROWS=tile[1])
-            for isa, tile in TILES.items()}
+                        full=tile(*shape), TOK=shape[0], ROWS=shape[1])
+            for isa, shape in TILES.items()}
 
 
 def cpu(x, w, out=None, isa: Isa | None = None):
