@@ -122,10 +122,10 @@ def _recurrent_head(q, k, v, g, beta, state, o, delta, h):
 
 
 def recurrent_share(thread, n_threads, args):
-    """A thread's run of value heads (jit.omp.fork; also ops/gdn_step.py's): each head by one
-    thread, whatever the thread count. A fork, not a prange: called from inside another compiled
-    function (gdn_step), a prange launch cost ~3x the heads' work on 2 threads (419 vs 131 us a
-    full-size layer), and its parfor took 2.9 s of a first run's compiling."""
+    """A thread's run of value heads (jit.omp.fork): each head by one thread, whatever the
+    thread count (decode's ops/gdn_step.py splits by key heads its own way). A fork, not a
+    prange: inside a compiled caller a prange launch cost ~3x the heads' work on 2 threads (419
+    vs 131 us a full-size layer), and its parfor took 2.9 s of a first run's compiling."""
     q, k, v, g, beta, state, o, deltas = args
     Hv = v.shape[1]
     for h in range(thread * Hv // n_threads, (thread + 1) * Hv // n_threads):

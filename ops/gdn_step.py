@@ -3,8 +3,9 @@ one call: causal conv + SiLU over the mixed channels, the split into q | k | v, 
 gates, the delta-rule step, the gated RMSNorm, and the output quantised for out_proj.
 
 Every stage is an existing op's kernel (ops.conv1d, l2norm, gated_delta, rmsnorm, matvec's
-activation quantiser), called in the same order from one compiled function, so the result is the
-ops' one by one, bit for bit (tests/ops/test_gdn_step.py), and decode pays one dispatch and one
+activation quantiser), called in the same order from one compiled function (one fork a layer:
+each thread takes its key heads' channels and heads), so the result is the ops' one by one, bit
+for bit (tests/ops/test_gdn_step.py), and decode pays one dispatch and one
 set of argument checks a layer instead of nine: ~60 us of Python per GDN layer on the default
 model's profile (`bench decode --profile`), ~2 ms a token on the 30 GDN layers of the real model.
 
