@@ -49,6 +49,7 @@ PANEL_BYTES = 1 << 17
 # Tokens' activations read per panel pass: a block of this many bytes stays in L2 while the
 # panel's groups run over it.
 TOKEN_BYTES = 1 << 17
+PF_LINES = 2  # lines of the next group's weights (and of its scales) a tile prefetches a block
 UNITS = 8   # registers per group and block: dwords 0..3 of the low nibbles, then of the high
 
 
@@ -162,45 +163,47 @@ def _make_pack(v: Vec):
     return pack
 
 
+def _prefetch(builder, ptr):
+    """prefetcht1 (into L2) of the line at ptr."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
+    builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 2), ir.Constant(I32, 1)])
+
+
 @intrinsic
-def prefetch_rows(typingctx, qs, d, r0, r1):
-    """Prefetch rows r0..r1-1 (clamped to the matrix) of Q4_0 weights and their scales into L2
-    (prefetcht1): the next group's, issued before this group's tiles run, so the pack that
-    follows finds them there instead of waiting on 16 row streams from memory."""
-    sig = types.none(qs, d, r0, r1)
+def prefetch_bytes(typingctx, a, lo, hi):
+    """Prefetch (into L2) the lines of bytes lo..hi-1 of array a's data (all at once: a burst of
+    hundreds is mostly dropped, so a group's weights go a few lines a tile block instead)."""
+    sig = types.none(a, lo, hi)
 
     def codegen(context, builder, sig, args):
-        c = lambda n: ir.Constant(I64, n)  # noqa: E731
-        for arr_ty, arr_val in ((sig.args[0], args[0]), (sig.args[1], args[1])):
-            a = _data(context, builder, arr_ty, arr_val)
-            n_all, cols = cgutils.unpack_tuple(builder, a.shape, 2)
-            item = context.get_abi_sizeof(context.get_data_type(arr_ty.dtype))
-            row_bytes = builder.mul(cols, c(item))
-            hi = builder.select(builder.icmp_signed(">", args[3], n_all), n_all, args[3])
-            start = builder.mul(args[2], row_bytes)
-            n_lines = builder.sdiv(builder.sub(builder.mul(hi, row_bytes), start), c(64))
-            with cgutils.for_range(builder, n_lines) as loop:
-                p = simd.byte_ptr(builder, a.data, builder.add(start, builder.mul(loop.index,
-                                                                                  c(64))))
-                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                    ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
-                builder.call(fn, [p, ir.Constant(I32, 0), ir.Constant(I32, 2),
-                                  ir.Constant(I32, 1)])
+        data = _data(context, builder, sig.args[0], args[0]).data
+        lo, hi = args[1], args[2]
+        n_lines = builder.sdiv(builder.add(builder.sub(hi, lo), ir.Constant(I64, 63)),
+                               ir.Constant(I64, 64))
+        with cgutils.for_range(builder, n_lines) as loop:
+            _prefetch(builder, simd.byte_ptr(builder, data, builder.add(
+                lo, builder.mul(loop.index, ir.Constant(I64, 64)))))
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 def _make_tile(v: Vec, n_tok: int):
-    """tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0): out[t0+t, r0+i] for
-    t < n_tok, i < n_valid (<= D), from packed group g and activation rows xrows[t0+t] (the MoE's
-    slots read their tokens' rows in place: no gathered copy)."""
+    """tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0, pq, q_lo, q_hi, pd,
+    d_lo, d_hi): out[t0+t, r0+i] for t < n_tok, i < n_valid (<= D), from packed group g and
+    activation rows xrows[t0+t] (the MoE's slots read their tokens' rows in place: no gathered
+    copy). Block b's step also prefetches the cache lines at bytes q_lo + 64·PF_LINES·b + 64·j
+    (j < PF_LINES) of pq while below q_hi, and likewise of pd (the next group's weights and
+    scales, a few lines at a time: `_run_group`)."""
     n_rows = v.nbytes // 4
     has_fma = v.isa is not Isa.SSSE3
 
     @intrinsic
-    def tile(typingctx, bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0):
-        sig = types.none(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0)
+    def tile(typingctx, bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0, pq, q_lo,
+             q_hi, pd, d_lo, d_hi):
+        sig = types.none(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0, pq, q_lo,
+                         q_hi, pd, d_lo, d_hi)
 
         def codegen(context, builder, sig, args):
             bq_a, bs_a, xq_a, dx_a, xs_a, xo_a, xr_a, out_a = (
@@ -227,8 +230,16 @@ def _make_tile(v: Vec, n_tok: int):
             fma = (cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{n_rows}f32")
                 if has_fma else None)
+            pf_ranges = [(_data(context, builder, sig.args[i], args[i]).data, args[i + 1],
+                          args[i + 2]) for i in (12, 15)]
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
+                for base, lo, hi in pf_ranges:
+                    for j in range(PF_LINES):
+                        off = builder.add(lo, builder.mul(b, c(64 * PF_LINES)))
+                        off = builder.add(off, c(64 * j))
+                        with builder.if_then(builder.icmp_signed("<", off, hi)):
+                            _prefetch(builder, simd.byte_ptr(builder, base, off))
                 units = [simd.load(builder, q_base, builder.add(
                     builder.mul(b, c(UNITS * v.nbytes)), c(j * v.nbytes)), vec(I8, v.nbytes))
                     for j in range(UNITS)]
@@ -280,23 +291,40 @@ def _panel_groups(nb):
     return max(1, PANEL_BYTES // (nb * UNITS * 4 * ROWS))
 
 
-def _run_group(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t_first, t_end):
+def _run_group(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t_first, t_end,
+               pq, q_lo, q_hi, pd, d_lo, d_hi):
     """Packed group g over tokens t_first..t_end-1: whole tiles, then the rest in tiles of half
     and a quarter of that and single tokens (an expert's tokens are rarely whole tiles; one token
-    at a time reloads the group's registers per token)."""
+    at a time reloads the group's registers per token). The tiles prefetch bytes q_lo..q_hi-1 of
+    pq and d_lo..d_hi-1 of pd a few lines a block (`_make_tile`); what they leave, at the end."""
+    step = dx.shape[1] * 64 * PF_LINES  # bytes of each range one tile call prefetches
     t = t_first
     while t + TOKS <= t_end:
-        tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
+        tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t, pq, q_lo, q_hi, pd,
+             d_lo, d_hi)
         t += TOKS
+        q_lo += step
+        d_lo += step
     if t + HALF <= t_end:
-        tile_half(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
+        tile_half(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t, pq, q_lo, q_hi,
+                  pd, d_lo, d_hi)
         t += HALF
+        q_lo += step
+        d_lo += step
     if t + QUARTER <= t_end:
-        tile_quarter(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
+        tile_quarter(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t, pq, q_lo,
+                     q_hi, pd, d_lo, d_hi)
         t += QUARTER
+        q_lo += step
+        d_lo += step
     while t < t_end:
-        tile1(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t)
+        tile1(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t, pq, q_lo, q_hi, pd,
+              d_lo, d_hi)
         t += 1
+        q_lo += step
+        d_lo += step
+    prefetch_bytes(pq, q_lo, q_hi)
+    prefetch_bytes(pd, d_lo, d_hi)
 
 
 def _product_share(thread, n_threads, args):
@@ -319,13 +347,15 @@ def _product_share(thread, n_threads, args):
         g1 = min(g0 + panel, last)
         for g in range(g0, g1):
             pack(qs, d, g * ROWS, bq, bs, g - g0)
-        if g1 < last:
-            prefetch_rows(qs, d, g1 * ROWS, min(g1 + panel, last) * ROWS)
+        if g1 < last:  # the next panel, at once (its tiles run over all the tokens)
+            r1 = min(min(g1 + panel, last) * ROWS, n_rows)
+            prefetch_bytes(qs, g1 * ROWS * qs.shape[1], r1 * qs.shape[1])
+            prefetch_bytes(d, g1 * ROWS * nb * 2, r1 * nb * 2)
         for t0 in range(0, n_tok, tok_block):
             t1 = min(t0 + tok_block, n_tok)
             for g in range(g0, g1):
                 _run_group(bq, bs, g - g0, xq, dx, xsum8, xoff, xrows, out, g * ROWS,
-                           min(ROWS, n_rows - g * ROWS), t0, t1)
+                           min(ROWS, n_rows - g * ROWS), t0, t1, qs, 0, 0, d, 0, 0)
 
 
 def _product_body(qs, d, xq, dx, xsum8, xoff, xrows, out):
@@ -346,6 +376,7 @@ def _grouped_share(thread, n_threads, args):
         return
     bq = np.empty(nb * UNITS * 4 * ROWS, np.uint8)
     bs = np.empty(nb * ROWS, np.float32)
+    q_row, d_row = qs.shape[2], nb * 2  # bytes a row
     done = 0
     for e in range(n_experts):
         t0, t1 = offsets[e], offsets[e + 1]
@@ -355,12 +386,13 @@ def _grouped_share(thread, n_threads, args):
         g_first, g_end = jobs_starting_in(lo, hi, done, n, groups)
         for g in range(g_first, g_end):
             pack(qs[e], d[e], g * ROWS, bq, bs, 0)
-            if g + 1 < g_end:
-                prefetch_rows(qs[e], d[e], (g + 1) * ROWS, (g + 2) * ROWS)
-            elif g_end == groups and e + 1 < n_experts:  # the next expert's first group
-                prefetch_rows(qs[e + 1], d[e + 1], 0, ROWS)
+            # The next group's rows (the next expert's first ones after the last group: the
+            # experts lie one after another), prefetched while this group's tiles run.
+            r_next = e * n_rows + min((g + 1) * ROWS, n_rows)
+            r_end = min(r_next + ROWS, n_experts * n_rows)
             _run_group(bq, bs, 0, xq, dx, xsum8, xoff, xrows, out, g * ROWS,
-                       min(ROWS, n_rows - g * ROWS), t0, t1)
+                       min(ROWS, n_rows - g * ROWS), t0, t1, qs, r_next * q_row, r_end * q_row,
+                       d, r_next * d_row, r_end * d_row)
         done += n * groups
 
 
