@@ -99,6 +99,49 @@ def _data(context, builder, ty, val):
     return context.make_array(ty)(context, builder, val)
 
 
+def _transpose(builder, rows):
+    """n vectors of n elements (n a power of two) -> their transpose: log2(n) rounds of
+    interleaving row i with row i + n/2 (lower halves, then upper halves)."""
+    n = len(rows)
+    lo = ir.Constant(vec(I32, n), [j // 2 + (j % 2) * n for j in range(n)])
+    hi = ir.Constant(vec(I32, n), [n // 2 + j // 2 + (j % 2) * n for j in range(n)])
+    for _ in range(n.bit_length() - 1):
+        pairs = [(rows[i], rows[i + n // 2]) for i in range(n // 2)]
+        rows = [out for a, b in pairs for out in (builder.shuffle_vector(a, b, lo),
+                                                  builder.shuffle_vector(a, b, hi))]
+    return rows
+
+
+def _concat(builder, parts):
+    """Vectors of one type, concatenated in order."""
+    while len(parts) > 1:
+        n = 2 * parts[0].type.count
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1],
+                                        ir.Constant(vec(I32, n), list(range(n))))
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _lane_transpose(builder, regs):
+    """4 registers of 32-bit elements -> the 4 x 4 transpose within each 128-bit lane: element
+    4L + k of result j is element 4L + j of regs[k] (punpckldq/hdq, then punpcklqdq/hqdq)."""
+    n = regs[0].type.count
+
+    def unpack(a, b, width, high):  # per lane: a's and b's low (or high) halves, interleaved
+        mask = []
+        for lane in range(0, n, 4):
+            base = lane + (2 if high else 0)
+            for i in range(0, 2, width):
+                mask += [base + i + w for w in range(width)]
+                mask += [n + base + i + w for w in range(width)]
+        return builder.shuffle_vector(a, b, ir.Constant(vec(I32, n), mask))
+
+    t = [unpack(regs[0], regs[1], 1, False), unpack(regs[0], regs[1], 1, True),
+         unpack(regs[2], regs[3], 1, False), unpack(regs[2], regs[3], 1, True)]
+    return [unpack(t[0], t[2], 2, False), unpack(t[0], t[2], 2, True),
+            unpack(t[1], t[3], 2, False), unpack(t[1], t[3], 2, True)]
+
+
 def _make_pack(v: Vec):
     """pack(qs, d, r0, bq, bs, g): rows r0..r0+D-1 (clamped to the last row: lanes past the end
     are computed and never stored) of Q4_0 weights into group g of the scratch: bq [.., nb, 8, D]
@@ -130,32 +173,44 @@ def _make_pack(v: Vec):
             vq = vec(I32, n_rows)
             lo_mask = ir.Constant(vq, [0x0F0F0F0F] * n_rows)
             four = ir.Constant(vq, [4] * n_rows)
+            n_lanes = n_rows // 4  # 128-bit lanes of a register
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
-                parts = [simd.load(builder, p, builder.mul(b, c(BLOCK // 2)), v4) for p in qs_row]
-                while len(parts) > 1:  # concatenate pairwise into one [D x 4] vector
-                    n = 2 * parts[0].type.count
-                    parts = [builder.shuffle_vector(parts[i], parts[i + 1],
-                                                    ir.Constant(vec(I32, n), list(range(n))))
-                             for i in range(0, len(parts), 2)]
-                whole = parts[0]
+                blk = [simd.load(builder, p, builder.mul(b, c(BLOCK // 2)), v4) for p in qs_row]
+                # Register m holds row 4L + m's 16 bytes in lane L; a 4 x 4 transpose of dwords
+                # within each lane (unpack dwords, then qwords) leaves dword j of all D rows in
+                # order in one register (a shuffle of the D rows concatenated was twice as many
+                # instructions: vpermt2d from 4 zmm per j).
+                regs = [_concat(builder, [blk[4 * lane + m] for lane in range(n_lanes)])
+                        for m in range(4)]
+                dwords = _lane_transpose(builder, regs)
                 dst = builder.add(q_base, builder.mul(b, c(UNITS * v.nbytes)))
-                for j in range(4):
-                    dword = builder.shuffle_vector(whole, whole, ir.Constant(
-                        vec(I32, n_rows), [4 * i + j for i in range(n_rows)]))
+                for j, dword in enumerate(dwords):
                     for half, val in ((0, builder.and_(dword, lo_mask)),
                                       (4, builder.and_(builder.lshr(dword, four), lo_mask))):
                         off = builder.add(dst, c((j + half) * v.nbytes))
                         builder.store(val, builder.bitcast(simd.byte_ptr(builder, bq_a.data, off),
                                                            vq.as_pointer()), align=1)
+
+            def store_scales(b, s):  # block b's D fp32 scales
+                off = builder.add(s_base, builder.mul(b, c(4 * n_rows)))
+                builder.store(s, builder.bitcast(simd.byte_ptr(builder, bs_a.data, off),
+                                                 vec(F32, n_rows).as_pointer()), align=1)
+
+            # Scales D blocks at a time: each row's D scales one load and one conversion, then a
+            # D x D transpose (16 scalar loads and inserts a block were a third of the pack).
+            whole = builder.mul(builder.sdiv(nb, c(n_rows)), c(n_rows))
+            with cgutils.for_range_slice(builder, c(0), whole, c(n_rows)) as (b0, _):
+                rows_s = [simd.fp16_to_f32(v, builder, simd.load(
+                    builder, p, builder.mul(b0, c(2)), vec(I16, n_rows))) for p in d_row]
+                for k, s in enumerate(_transpose(builder, rows_s)):
+                    store_scales(builder.add(b0, c(k)), s)
+            with cgutils.for_range_slice(builder, whole, nb, c(1)) as (b, _):
                 h = ir.Constant(vec(I16, n_rows), None)
                 for i, p in enumerate(d_row):
                     h = builder.insert_element(h, simd.load_scalar(builder, p, builder.mul(b, c(2)),
                                                                    I16), ir.Constant(I32, i))
-                s = simd.fp16_to_f32(v, builder, h)
-                off = builder.add(s_base, builder.mul(b, c(4 * n_rows)))
-                builder.store(s, builder.bitcast(simd.byte_ptr(builder, bs_a.data, off),
-                                                 vec(F32, n_rows).as_pointer()), align=1)
+                store_scales(b, simd.fp16_to_f32(v, builder, h))
             return context.get_dummy_value()
 
         return sig, codegen
