@@ -61,37 +61,53 @@ def _conv_channels(x, w, state, out, c0, c1):  # x, out [1, C]; w [C, K]; state 
 _conv_range = kernel(_conv_channels)
 
 
-@kernel
+@kernel(fastmath=False)
 def _conv_blocks(x, w_taps, state, out, b0, b1):  # x, out [T, C]; w_taps [K, C]; state [C, K-1]
     # Prefill, channel blocks b0..b1-1 of every token, t backwards, so out may be x (output t
     # overwrites input t, which only outputs t..t+K-1 read). Every innermost loop runs over
-    # contiguous channels ([K, C] taps, a row of sums) and vectorises, exp included (jit.mathf):
-    # 1.4 ns per element at T = 512, C = 8192, 1 thread, against 9 ns for the decode loop above.
+    # contiguous channels ([K, C] taps, rows of x~, a row of sums) and vectorises, exp included
+    # (jit.mathf). With K = 4 a token's 4 taps are one loop (its sums stay in registers): 0.85-0.90
+    # -> 0.72-0.78 ns per element at T = 512, C = 1024 (the default model), 1.20-1.26 -> 1.05-1.21
+    # at C = 8192, 1 thread, 3 rounds (9 ns for the decode loop above). A token's sums run in one order whether its taps read the state or
+    # x, so a pass split anywhere gives the same bits; without fast-math, in order, as the decode
+    # step's loop (ops/gdn_step.py) sums them: reassociated, an 8-bit rounding flipped across
+    # a prefill / decode boundary (tests/model/test_long_prompt.py, 1.3e-3 of the logits).
     n_tokens, n_channels = x.shape
     k = w_taps.shape[0]
     for b in range(b0, b1):
         c0 = b * CHANNEL_BLOCK
         n = min(CHANNEL_BLOCK, n_channels - c0)
+        old = np.empty((k - 1, n), np.float32)   # the state as rows: x~'s first K-1 rows
         last = np.empty((k - 1, n), np.float32)  # the new state: the last K-1 rows of x~
         acc = np.empty(n, np.float32)
         for j in range(k - 1):
-            i = n_tokens + j  # a row of x~ = [state (K-1 columns); x]
             for c in range(n):
-                last[j, c] = x[i - (k - 1), c0 + c] if i >= k - 1 else state[c0 + c, i]
+                old[j, c] = state[c0 + c, j]
+        for j in range(k - 1):
+            i = n_tokens + j
+            src = x[i - (k - 1), c0:c0 + n] if i >= k - 1 else old[i]
+            for c in range(n):
+                last[j, c] = src[c]
         for t in range(n_tokens - 1, -1, -1):
-            tap, row = w_taps[k - 1, c0:c0 + n], x[t, c0:c0 + n]
-            for c in range(n):
-                acc[c] = tap[c] * row[c]
-            for j in range(k - 1):
-                i = t + j
-                tap = w_taps[j, c0:c0 + n]
-                if i >= k - 1:
-                    row = x[i - (k - 1), c0:c0 + n]
+            row = x[t, c0:c0 + n]
+            if k == 4:
+                r0 = x[t - 3, c0:c0 + n] if t >= 3 else old[t]
+                r1 = x[t - 2, c0:c0 + n] if t >= 2 else old[t + 1]
+                r2 = x[t - 1, c0:c0 + n] if t >= 1 else old[t + 2]
+                w0, w1, w2, w3 = w_taps[0, c0:c0 + n], w_taps[1, c0:c0 + n], \
+                    w_taps[2, c0:c0 + n], w_taps[3, c0:c0 + n]
+                for c in range(n):
+                    acc[c] = w3[c] * row[c] + w0[c] * r0[c] + w1[c] * r1[c] + w2[c] * r2[c]
+            else:
+                tap = w_taps[k - 1, c0:c0 + n]
+                for c in range(n):
+                    acc[c] = tap[c] * row[c]
+                for j in range(k - 1):
+                    i = t + j
+                    tap = w_taps[j, c0:c0 + n]
+                    src = x[i - (k - 1), c0:c0 + n] if i >= k - 1 else old[i]
                     for c in range(n):
-                        acc[c] += tap[c] * row[c]
-                else:
-                    for c in range(n):
-                        acc[c] += tap[c] * state[c0 + c, i]
+                        acc[c] += tap[c] * src[c]
             y = out[t, c0:c0 + n]
             for c in range(n):
                 y[c] = mathf.silu(acc[c])

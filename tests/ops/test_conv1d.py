@@ -74,6 +74,22 @@ def test_pieces_equal_one_pass(rng):
     np.testing.assert_array_equal(state, state_all)
 
 
+@pytest.mark.parametrize("k", [4, 3])
+def test_prefill_pieces_give_one_pass_bits(rng, k):
+    """Prefill passes split anywhere: each token's taps summed in one order whether they read
+    the state or x, so the very bits of one pass (channels past one block, a ragged block)."""
+    x, w, state0 = make_inputs(rng, 20, conv1d.CHANNEL_BLOCK + 44, k)
+    state = state0.copy()
+    y_all, _ = conv1d.cpu(x, w, state)
+    state_all = state
+    state = state0.copy()
+    ys = [conv1d.cpu(np.ascontiguousarray(x[lo:hi]), w, state,
+                     out=poisoned((hi - lo, x.shape[1])))[0]
+          for lo, hi in ((0, 2), (2, 9), (9, 11), (11, 20))]
+    np.testing.assert_array_equal(np.concatenate(ys), y_all)
+    np.testing.assert_array_equal(state, state_all)
+
+
 def test_reference_matches_torch_conv(rng):
     torch = pytest.importorskip("torch")
     x, w, _ = make_inputs(rng, 9, 24, 4)
