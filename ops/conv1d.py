@@ -66,12 +66,13 @@ def _conv_blocks(x, w_taps, state, out, b0, b1):  # x, out [T, C]; w_taps [K, C]
     # Prefill, channel blocks b0..b1-1 of every token, t backwards, so out may be x (output t
     # overwrites input t, which only outputs t..t+K-1 read). Every innermost loop runs over
     # contiguous channels ([K, C] taps, rows of x~, a row of sums) and vectorises, exp included
-    # (jit.mathf). With K = 4 a token's 4 taps are one loop (its sums stay in registers): 0.85-0.90
-    # -> 0.72-0.78 ns per element at T = 512, C = 1024 (the default model), 1.20-1.26 -> 1.05-1.21
-    # at C = 8192, 1 thread, 3 rounds (9 ns for the decode loop above). A token's sums run in one order whether its taps read the state or
-    # x, so a pass split anywhere gives the same bits; without fast-math, in order, as the decode
-    # step's loop (ops/gdn_step.py) sums them: reassociated, an 8-bit rounding flipped across
-    # a prefill / decode boundary (tests/model/test_long_prompt.py, 1.3e-3 of the logits).
+    # (jit.mathf). With K = 4 a token's 4 taps are one loop (its sums stay in registers):
+    # 0.85-0.90 -> 0.72-0.78 ns per element at T = 512, C = 1024 (the default model), 1.20-1.26
+    # -> 1.05-1.21 at C = 8192, 1 thread, 3 rounds (9 ns for the decode loop above). A token's
+    # sums run in one order whether its taps read the state or x, so a pass split anywhere
+    # gives the same bits; without fast-math, in order, as the decode step's loop
+    # (ops/gdn_step.py) sums them: reassociated, an 8-bit rounding flipped across a prefill /
+    # decode boundary (tests/model/test_long_prompt.py, 1.3e-3 of the logits).
     n_tokens, n_channels = x.shape
     k = w_taps.shape[0]
     for b in range(b0, b1):
