@@ -202,7 +202,8 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
     if (model_dir is None) == (synthetic is None):
         raise FermijitError("give one of --model DIR or --synthetic NAME")
     threads = cpu.configure_threads(n_threads)
-    report: dict = {"isa": cpu.selected_isa().label, "cpu": cpu.target_cpu_name(),
+    report: dict = {"isa": cpu.selected_isa().label, "decode_isa": cpu.decode_isa().label,
+                    "cpu": cpu.target_cpu_name(),
                     "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens}
     if model_dir is not None:
         return _measure(Path(model_dir), report, as_json, profile)
@@ -314,7 +315,7 @@ def format_report(r: dict) -> str:
         lines.append(f"  synthetic {s['name']}, built in {s['build_s']:.1f} s "
                      f"({s['bytes'] / gb / s['build_s']:.2f} GB/s)")
     lines += [
-        f"cpu {r['cpu']}, isa {r['isa']}, {r['threads']} threads",
+        f"cpu {r['cpu']}, isa {r['isa']} (decode {r['decode_isa']}), {r['threads']} threads",
         f"{'load':<28} {r['load_s']:9.2f} s  (CPU {r['load_cpu_s']:.2f} s)",
         f"{'kernel warm-up':<28} {r['warm_up_s']:9.2f} s  (CPU {r['warm_up_cpu_s']:.2f} s)",
         f"{'ready to decode':<28} {r['ready_to_decode_s']:9.2f} s",
