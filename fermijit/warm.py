@@ -132,7 +132,6 @@ class Helpers:
 
     def start(self) -> None:
         import numba
-        from numba.core import config as numba_config
 
         import fermijit
         from fermijit.jit import cpu
@@ -143,11 +142,7 @@ class Helpers:
         if source is None or n == 0:
             return
         self.claims = tempfile.mkdtemp(prefix="fermijit-warm-")
-        # This process's import path (a script's folder is not the helper's sys.path[0]), so
-        # that helpers import this fermijit: another install has other cache keys.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        if numba_config.CACHE_DIR:  # maybe set here (jit.cpu's fallback folder): theirs too
-            env["NUMBA_CACHE_DIR"] = str(numba_config.CACHE_DIR)
+        env = cpu.child_env()
         args = [sys.executable, "-c", "from fermijit.warm import helper_main; helper_main()",
                 str(Path(fermijit.__file__).resolve()), str(source), self.claims,
                 str(self.n_prefill), cpu.selected_isa().label, cpu.decode_isa().label,

@@ -160,6 +160,16 @@ def physical_cores() -> int:
     return len(cores)
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a child Python process that must run this fermijit with this kernel
+    cache: this process's import path (a script's folder is not the child's sys.path[0]; another
+    install has other cache keys) and kernel cache folder (maybe chosen here, as a fallback)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if numba_config.CACHE_DIR:
+        env["NUMBA_CACHE_DIR"] = str(numba_config.CACHE_DIR)
+    return env
+
+
 _threads_chosen = False
 
 
