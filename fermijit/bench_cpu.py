@@ -111,16 +111,23 @@ def _reader(isa):
     return lambda buf: kernel(buf, numba.get_num_threads() * 8)
 
 
+class ReadProbe:
+    """The read probe over `nbytes` of ordinary pages at the selected ISA (bench decode's
+    ceiling); `gbs` at the current thread count."""
+
+    def __init__(self, nbytes: int):
+        self.buf = _page_backed(nbytes)
+        self.buf[:] = 1
+        self.read = _reader(cpu.selected_isa())
+        self.read(self.buf)
+
+    def gbs(self, repeats: int = 1) -> float:
+        """GB/s, best of `repeats` passes."""
+        return self.buf.nbytes / _best_seconds(lambda: self.read(self.buf), repeats) / 1e9
+
+
 def read_bandwidth(nbytes: int, repeats: int = REPEATS) -> float:
-    """GB/s of the read probe over `nbytes` of ordinary pages, best of `repeats`, at the current
-    thread count and the selected ISA (bench decode's ceiling)."""
-    buf = _page_backed(nbytes)
-    buf[:] = 1
-    read = _reader(cpu.selected_isa())
-    read(buf)
-    gbs = buf.nbytes / _best_seconds(lambda: read(buf), repeats) / 1e9
-    del buf
-    return gbs
+    return ReadProbe(nbytes).gbs(repeats)
 
 
 def _page_backed(nbytes: int, huge: bool = False) -> np.ndarray:

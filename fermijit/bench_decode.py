@@ -7,6 +7,11 @@ one embedding row, and of the routed experts those the router actually selected 
 extra token). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
 here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
 expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py).
+
+This machine's bandwidth drifts by tens of percent within minutes, so besides the ceiling from the
+best probe before and after (`of_ceiling`), decode is also measured in windows of PAIR_TOKENS,
+each against a probe pass run just before it (`of_ceiling_paired`: the median of the windows'
+ratios), as bench kernels pairs its walks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ WARM_UP_PREFILL = 32   # tokens: past every op's parallel threshold (1 << 15 ele
 PROBE_BYTES = 512 << 20  # read-bandwidth probe: >> the last-level cache, small beside the model
 PROBE_REPEATS = 3
 PROFILE_TOKENS = 3  # profiled tokens: the least disturbed one is shown (a shared machine)
+PAIR_TOKENS = 16    # decode tokens a window of the paired measure
 
 
 def _progress(what: str) -> None:
@@ -185,6 +191,60 @@ def _seconds_per_call(fn, min_s: float = 0.2) -> float:
     return (time.perf_counter() - start) / calls
 
 
+class ProbeChild:
+    """bench_cpu's read probe in a child process, one pass on request, at this process's ISA and
+    thread count: its buffer is the child's memory, so the peak RSS measured here stays the
+    model's own. This process waits while a pass runs."""
+
+    def __init__(self, nbytes: int):
+        import subprocess
+
+        import numba
+
+        from fermijit.jit import cpu
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from fermijit.bench_decode import _probe_child; _probe_child()",
+             cpu.selected_isa().label, str(numba.get_num_threads()), str(nbytes)],
+            env=cpu.child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.process.stdout.readline().strip() != "ready":
+            self.close()
+            raise FermijitError("bench decode: the read-probe process failed to start")
+
+    def gbs(self) -> float:
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise FermijitError("bench decode: the read-probe process died")
+        return float(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def _probe_child() -> None:
+    """ProbeChild's process: argv ISA, threads, bytes; a probe pass per line of stdin."""
+    isa, threads, nbytes = sys.argv[1:]
+    from fermijit.jit import cpu
+
+    cpu.select_isa(isa)
+    cpu.configure_threads(int(threads))
+    from fermijit import bench_cpu
+
+    probe = bench_cpu.ReadProbe(int(nbytes))
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        print(probe.gbs(), flush=True)
+
+
+def windows(n_tokens: int) -> list[range]:
+    """The decode tokens in windows of about PAIR_TOKENS (one window when fewer)."""
+    n = max(1, n_tokens // PAIR_TOKENS)
+    return [range(i * n_tokens // n, (i + 1) * n_tokens // n) for i in range(n)]
+
+
 def read_bandwidth_gbs() -> float:
     """bench kernels' read probe (fermijit/bench_cpu.py) on PROBE_BYTES, best of PROBE_REPEATS,
     at the current thread count."""
@@ -202,7 +262,8 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
     if (model_dir is None) == (synthetic is None):
         raise FermijitError("give one of --model DIR or --synthetic NAME")
     threads = cpu.configure_threads(n_threads)
-    report: dict = {"isa": cpu.selected_isa().label, "cpu": cpu.target_cpu_name(),
+    report: dict = {"isa": cpu.selected_isa().label, "decode_isa": cpu.decode_isa().label,
+                    "cpu": cpu.target_cpu_name(),
                     "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens}
     if model_dir is not None:
         return _measure(Path(model_dir), report, as_json, profile)
@@ -247,13 +308,21 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     prefill_s = time.perf_counter() - start
     memory.sample()
 
+    probe = ProbeChild(PROBE_BYTES)
     _progress(f"decode of {n_tokens} tokens")
-    times, cpu0, faults0 = [], time.process_time(), page_ins()
-    for _ in range(n_tokens):
-        start = time.perf_counter()
-        token = int(np.argmax(model.decode(token, state)))
-        times.append(time.perf_counter() - start)
-    decode_cpu_s = time.process_time() - cpu0
+    times, window_gbs, cpu_s, faults0 = [], [], 0.0, page_ins()
+    try:
+        for window in windows(n_tokens):
+            window_gbs.append(probe.gbs())
+            cpu0 = time.process_time()
+            for _ in window:
+                start = time.perf_counter()
+                token = int(np.argmax(model.decode(token, state)))
+                times.append(time.perf_counter() - start)
+            cpu_s += time.process_time() - cpu0
+    finally:
+        probe.close()
+    decode_cpu_s = cpu_s
     faults = [b - a for a, b in zip(faults0, page_ins())]
     memory.sample()
     peak = memory_now()["peak"]  # before anything else is allocated
@@ -274,6 +343,9 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     decode_s = sum(times)
     tok_s = n_tokens / decode_s
     ceiling = bw * 1e9 / bytes_.total
+    paired_gbs = [bytes_.total * len(w) / sum(times[i] for i in w) / 1e9
+                  for w in windows(n_tokens)]
+    paired = [d / p for d, p in zip(paired_gbs, window_gbs)]
     dense_f, expert_f = matmul_flops_per_token(model)
     prefill_gflops = (dense_f + expert_f) * n_prompt / prefill_s / 1e9
     ideal_s = n_prompt * (dense_f / gemm["dense"] + expert_f / gemm["expert"]) / 1e9
@@ -292,6 +364,9 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         "bytes_per_token": dataclasses.asdict(bytes_) | {"total": bytes_.total},
         "experts_selected_per_layer": selected,
         "read_gbs": bw, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
+        "paired": {"window_tokens": [len(w) for w in windows(n_tokens)],
+                   "probe_gbs": window_gbs, "decode_gbs": paired_gbs, "of_ceiling": paired},
+        "of_ceiling_paired": float(np.median(paired)),
         "decode_gbs": bytes_.total * tok_s / 1e9,
         "decode_major_faults": faults[0], "decode_read_bytes": faults[1],
         "peak_rss": peak, "peak_anon": memory.anon, "peak_file": memory.file,
@@ -314,7 +389,7 @@ def format_report(r: dict) -> str:
         lines.append(f"  synthetic {s['name']}, built in {s['build_s']:.1f} s "
                      f"({s['bytes'] / gb / s['build_s']:.2f} GB/s)")
     lines += [
-        f"cpu {r['cpu']}, isa {r['isa']}, {r['threads']} threads",
+        f"cpu {r['cpu']}, isa {r['isa']} (decode {r['decode_isa']}), {r['threads']} threads",
         f"{'load':<28} {r['load_s']:9.2f} s  (CPU {r['load_cpu_s']:.2f} s)",
         f"{'kernel warm-up':<28} {r['warm_up_s']:9.2f} s  (CPU {r['warm_up_cpu_s']:.2f} s)",
         f"{'ready to decode':<28} {r['ready_to_decode_s']:9.2f} s",
@@ -334,6 +409,9 @@ def format_report(r: dict) -> str:
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",
         f"{'decode of ceiling':<28} {100 * r['of_ceiling']:9.1f} %",
+        f"{'  paired with the probe':<28} {100 * r['of_ceiling_paired']:9.1f} %  (median of "
+        f"{len(r['paired']['of_ceiling'])} windows: "
+        + ", ".join(f"{100 * x:.0f}" for x in r["paired"]["of_ceiling"]) + ")",
         f"{'decode page-ins':<28} {r['decode_major_faults']:9d}     "
         f"({r['decode_read_bytes'] / gb:.2f} GB read from storage)",
         f"{'peak RSS':<28} {r['peak_rss'] / gib:9.2f} GiB  (anonymous {r['peak_anon'] / gib:.2f}, "

@@ -82,7 +82,9 @@ def _worker(isa: str, model_dir: str, n_tokens: int, n_layer_tokens: int, out_pa
     """One process, one ISA: writes the arrays `run` compares."""
     from fermijit.jit import cpu
 
-    cpu.select_isa(isa)  # before anything compiles (ssse3 switches the target to Westmere)
+    # Decode too in `isa` (not DECODE_VARIANT's): each process is one variant throughout. Before
+    # anything compiles (ssse3 switches the target to Westmere).
+    cpu.select_isa(isa, isa)
     from fermijit.model.convert import load_converted
     from fermijit.model.forward import Model
 

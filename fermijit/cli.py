@@ -42,11 +42,15 @@ SIZE = ByteSize()
 @click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
               help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
                    "ssse3 also compiles for a Westmere target.")
-def cli(isa: str | None) -> None:
+@click.option("--decode-isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_DECODE_ISA",
+              default=None,
+              help="CPU kernel variant of decode's one-token products (default: avx2 where "
+                   "--isa is avx512vnni, measured faster for decode; else --isa's).")
+def cli(isa: str | None, decode_isa: str | None) -> None:
     """fermijit: Qwen3.6-35B-A3B in 4 bits on a Westmere CPU and a Fermi GPU."""
     from fermijit.jit import cpu
 
-    cpu.select_isa(isa)
+    cpu.select_isa(isa, decode_isa)
 
 
 def _select_numa(ctx, param, value):

@@ -109,6 +109,7 @@ def describe(n_threads: int | None) -> list[tuple[str, str]]:
                               and cpu.WESTMERE != cpu.llvm.get_host_cpu_name() else "")),
         ("isa", f"{isa.label} (available: "
                 f"{', '.join(i.label for i in cpu.PREFERENCE if cpu.supported(i))})"),
+        ("decode isa", f"{cpu.decode_isa().label} (one-token products; --decode-isa)"),
     ]
     rows += [(f"  op {name}", variant) for name, variant in op_variants(isa)]
     rows += [("threading", threading(n_threads)), ("gpu", gpu_status()),

@@ -132,7 +132,6 @@ class Helpers:
 
     def start(self) -> None:
         import numba
-        from numba.core import config as numba_config
 
         import fermijit
         from fermijit.jit import cpu
@@ -143,14 +142,11 @@ class Helpers:
         if source is None or n == 0:
             return
         self.claims = tempfile.mkdtemp(prefix="fermijit-warm-")
-        # This process's import path (a script's folder is not the helper's sys.path[0]), so
-        # that helpers import this fermijit: another install has other cache keys.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        if numba_config.CACHE_DIR:  # maybe set here (jit.cpu's fallback folder): theirs too
-            env["NUMBA_CACHE_DIR"] = str(numba_config.CACHE_DIR)
+        env = cpu.child_env()
         args = [sys.executable, "-c", "from fermijit.warm import helper_main; helper_main()",
                 str(Path(fermijit.__file__).resolve()), str(source), self.claims,
-                str(self.n_prefill), cpu.selected_isa().label, str(numba.get_num_threads()),
+                str(self.n_prefill), cpu.selected_isa().label, cpu.decode_isa().label,
+                str(numba.get_num_threads()),
                 *reversed(job_list)]  # the jobs this process meets last, first
         for _ in range(n):
             self.processes.append(subprocess.Popen(
@@ -188,10 +184,10 @@ def count_workers() -> int:
 
 def helper_main() -> None:
     """A helper process: argv = package file, model directory, claims folder, n_prefill, ISA
-    label, threads, jobs. Claims each job no other helper has (a file made with O_EXCL in the
+    label, decode's ISA label, threads, jobs. Claims each job no other helper has (a file made with O_EXCL in the
     claims folder) and runs it; exits when its stdin closes (the warm-up is over, or the process
     that started it died)."""
-    package, source, claims, n_prefill, isa, threads, *job_list = sys.argv[1:]
+    package, source, claims, n_prefill, isa, decode_isa, threads, *job_list = sys.argv[1:]
 
     def watch_stdin():
         while os.read(0, 4096):  # the raw descriptor: a daemon thread blocked in sys.stdin's
@@ -205,7 +201,7 @@ def helper_main() -> None:
         os._exit(0)
     from fermijit.jit import cpu
 
-    cpu.select_isa(isa)  # before the ops are imported: ssse3 fixes Numba's target (pitfall 2)
+    cpu.select_isa(isa, decode_isa)  # before the ops are imported: ssse3 fixes Numba's target (pitfall 2)
     cpu.configure_threads(int(threads))
     from fermijit.model.forward import load_model
 

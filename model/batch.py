@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.jit.cpu import decode_isa
 from fermijit.model.forward import L2NORM_EPS, Model, linear
 from fermijit.model.state import State
 from fermijit.ops import attention_step, embedding, gdn_step, matvec, moe, residual_step
@@ -54,14 +55,16 @@ class BatchWorkspace:
         self.x = np.empty((B, H), f)             # the residual stream
         self.xn = np.empty((B, H), f)            # its norm: a sublayer's input
         self.y = np.empty((B, H), f)             # a sublayer's output
-        self.act = matvec.quantize_act(self.xn)  # xn quantised, filled row by row
+        # Quantised for decode's variant (jit.cpu.decode_isa): each row bit for bit one decode's.
+        isa = decode_isa()
+        self.act = matvec.quantize_act(self.xn, isa)  # xn quantised, filled row by row
         self.act_rows = _rows(self.act)
         # attention: q (query D | gate D per head) | k | v; one sequence's step scratch
         self.attn_in = np.empty((B, Cq + 2 * Hkv * D), f)
         self.q = np.empty((1, Hq, D), f)
         self.gate = np.empty((1, Hq, D), f)
         self.o = np.empty((B, Hq, D), f)
-        self.act_attn = matvec.quantize_act(self.o.reshape(B, -1))
+        self.act_attn = matvec.quantize_act(self.o.reshape(B, -1), isa)
         self.act_attn_rows = _rows(self.act_attn)
         splits = attention_step.max_splits(Hkv)
         self.m = np.empty((splits, 1, Hq), f)
@@ -75,7 +78,7 @@ class BatchWorkspace:
         self.g = np.empty((1, Hv), f)
         self.beta = np.empty((1, Hv), f)
         self.go = np.empty((B, Hv, dv), f)
-        self.act_gdn = matvec.quantize_act(self.go.reshape(B, -1))
+        self.act_gdn = matvec.quantize_act(self.go.reshape(B, -1), isa)
         self.act_gdn_rows = _rows(self.act_gdn)
         # moe
         self.router_logits = np.empty((B, model.n_experts), f)

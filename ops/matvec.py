@@ -33,7 +33,7 @@ from numba.extending import intrinsic
 from fermijit import FermijitError
 from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
-from fermijit.jit.cpu import Isa, bind, kernel, selected_isa, supported
+from fermijit.jit.cpu import Isa, bind, decode_isa, kernel, selected_isa, supported
 from fermijit.jit.omp import jobs_starting_in
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
 from fermijit.ops import gemm
@@ -206,10 +206,17 @@ def _aligned_empty(shape, dtype, align=X_ALIGN):
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
+def default_isa(n_tokens: int) -> Isa:
+    """The variant products of `n_tokens` run by default: one token is decode's
+    (jit.cpu.DECODE_VARIANT), several the process's."""
+    return decode_isa() if n_tokens == 1 else selected_isa()
+
+
 def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None) -> Q8Act:
-    """x float32 [K] or [T, K] -> Q8Act for the kernels of `isa` (default: the process's)."""
-    v = simd.VEC_OF[isa or selected_isa()]
+    """x float32 [K] or [T, K] -> Q8Act for the kernels of `isa` (default: `out`'s layout, else
+    `default_isa` of x's tokens)."""
     x2 = check_array("quantize_act", "x", np.atleast_2d(x), np.float32)
+    v = simd.VEC_OF[isa or (out.vec.isa if out is not None else default_isa(x2.shape[0]))]
     if x2.ndim != 2 or x2.shape[1] % BLOCK:
         raise FermijitError(f"quantize_act: x has shape {list(np.shape(x))}; the last axis must "
                             f"be whole {BLOCK}-blocks")
@@ -719,6 +726,11 @@ def _check_weights(op, qs, d, ndim=2, d_name="d", d_dtype=np.float16):
     return lead[-1], nb
 
 
+def _isa_of(x) -> Isa:
+    """The variant a product on `x` runs by default: a Q8Act's own, else `default_isa`."""
+    return x.vec.isa if isinstance(x, Q8Act) else default_isa(np.atleast_2d(x).shape[0])
+
+
 def _as_act(op, x, nb, isa):
     if isinstance(x, Q8Act):
         if x.vec.isa != isa:
@@ -788,10 +800,10 @@ def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
     """W4A8 GEMV (x [K]) or GEMM (x [T, K]) -> fp32 [R] or [T, R].
 
     x may be float32 (quantised here) or a Q8Act from `quantize_act` (reused across the matrices
-    that read the same input, as decode does). `isa` defaults to the process's choice;
+    that read the same input, as decode does). `isa` defaults to x's (`_isa_of`);
     `like_gemv` as for `product`.
     """
-    isa = isa or selected_isa()
+    isa = isa or _isa_of(x)
     w = Q4Matrix.of(qs, d)
     act = _as_act("matvec", x, d.shape[1], isa)
     n_tok = act.xq.shape[0]
@@ -822,7 +834,7 @@ def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     check_array("matvec.q8", "d", d, np.float16, ndim=2)
     rows, nb = d.shape
     check_array("matvec.q8", "qs", qs, np.int8, (rows, nb * BLOCK))
-    isa = isa or selected_isa()
+    isa = isa or _isa_of(x)
     act = _as_act("matvec.q8", x, nb, isa)
     n_tok = act.xq.shape[0]
     is_vector = n_tok == 1 and (x.ndim == 1 if isinstance(x, np.ndarray)
@@ -847,7 +859,7 @@ def gathered_reference(qs, d, idx, x, shared=None):
 def gathered_cpu(qs, d, idx, x, out=None, *, shared=None, isa: Isa | None = None):
     """`gathered_reference` in one parallel launch (the MoE's selected experts, and its shared
     expert with `shared`); out [n (+ S), R]."""
-    isa = isa or selected_isa()
+    isa = isa or _isa_of(x)
     rows, nb = _check_weights("matvec.gathered", qs, d, ndim=3)
     check_array("matvec.gathered", "idx", idx, np.int32, ndim=1)
     n_shared = 0
@@ -895,7 +907,7 @@ def grouped_reference(qs, d, offsets, x):
 
 def grouped_cpu(qs, d, offsets, x, out=None, *, isa: Isa | None = None):
     """`grouped_reference` in one parallel launch; x float32 [n, K] or a Q8Act; out [n, R]."""
-    isa = isa or selected_isa()
+    isa = isa or _isa_of(x)
     rows, nb = _check_weights("matvec.grouped", qs, d, ndim=3)
     act = _as_act("matvec.grouped", x, nb, isa)
     return grouped(qs, d.view(np.uint16), offsets, act,
@@ -951,10 +963,12 @@ def _no_shared(shape) -> tuple[np.ndarray, np.ndarray]:
 
 
 def simd_variant(isa: Isa) -> str:
-    v = simd.VEC_OF[isa]
+    """The GEMV of decode's variant (jit.cpu.decode_isa) and the prefill GEMM of `isa`'s."""
+    dec = decode_isa() if isa is selected_isa() else isa
+    v = simd.VEC_OF[dec]
     ops = "vpdpbusd" if v.dpbusd else "pmaddubsw+pmaddwd"
-    return (f"{isa.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} blocks/step, "
-            f"{GEMV_STREAMS[isa]} row stream(s) a tile (GEMV); prefill GEMM "
+    return (f"decode GEMV {dec.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} "
+            f"blocks/step, {GEMV_STREAMS[dec]} row stream(s) a tile; prefill GEMM {isa.label}: "
             f"{gemm.rows_per_group(isa)} rows in the lanes x {gemm.TILE_TOKENS[isa]} tokens")
 
 

@@ -227,8 +227,8 @@ def decode(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
     matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
     _swiglu(s.gu, s.h)
     _swiglu(s.shared_gu, s.shared_h)
-    s.act_h = matvec.quantize_act(s.h, out=s.act_h)
-    s.act_sh = matvec.quantize_act(s.shared_h, out=s.act_sh)
+    s.act_h = matvec.quantize_act(s.h, act.vec.isa, out=s.act_h)
+    s.act_sh = matvec.quantize_act(s.shared_h, act.vec.isa, out=s.act_sh)
     matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
     matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
     _combine(s.routed, weights[0], s.shared[0], x[0], w.shared_gate, out[0])
@@ -300,7 +300,7 @@ def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_sw
     matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv,
                    x_rows=x_rows)
     swiglu(b.gu, b.h)
-    b.act_h = matvec.quantize_act(b.h, out=b.act_h)
+    b.act_h = matvec.quantize_act(b.h, act.vec.isa, out=b.act_h)
     return matvec.grouped(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
 
 
@@ -380,7 +380,7 @@ def batched(x, ids, weights, w: MoeWeights, out=None):
     slot_pos = np.empty((n_seq, top_k), np.int64)
     offsets = np.empty(n_experts + 1, np.int64)
     _sort_slots(ids, n_experts, rows, slot_pos, offsets)
-    act = matvec.quantize_act(x)
+    act = matvec.quantize_act(x, matvec.default_isa(1))  # one token's variant, as `cpu` per row
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     # SwiGLU on one thread, as decode: a parallel launch's wake-up cost more than B·k rows of it
     # (0.42 ms a call on the default model, 4 sequences, a busy 2-core machine).

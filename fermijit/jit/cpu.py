@@ -48,7 +48,16 @@ WESTMERE_FEATURES = frozenset({"sse", "sse2", "sse3", "ssse3", "sse4.1", "sse4.2
 SHOWN_FEATURES = ("sse2", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "f16c", "fma", "avx2",
                   "avx512f", "avx512bw", "avx512vl", "avx512vnni")
 
+# The variant of one-token products (decode's GEMVs, which stream every weight once a token) where
+# it is not the process's own. On AVX-512 machines, 256-bit code: Zen 4 runs a 512-bit operation
+# as two 256-bit halves, and the zmm tile's extra block-sum permutes cost more than the wider
+# loads save. REAP-128 model, 1 thread, same run (this Zen 4): 88 ms a token with the AVX2 GEMV,
+# 93 with VNNI on ymm, 112 with the zmm tile; 2 threads 70 vs 76. Prefill (compute-bound GEMMs)
+# keeps AVX-512: 1.5x AVX2's rate there. Not measured on Intel's AVX-512 cores.
+DECODE_VARIANT = {Isa.AVX512VNNI: Isa.AVX2}
+
 _selected: Isa | None = None
+_decode: Isa | None = None
 
 
 def host_features() -> frozenset[str]:
@@ -78,36 +87,58 @@ def _has_compiled() -> bool:
     return "_toplevel_target_context" in registry.cpu_target.__dict__
 
 
-def select_isa(label: str | None = None) -> Isa:
-    """Fix the process's kernel variant. `label` None picks the best the CPU has.
+def _by_label(label: str) -> Isa:
+    by_label = {i.label: i for i in Isa}
+    if label not in by_label:
+        raise FermijitError(f"unknown ISA {label!r}; choose one of {', '.join(by_label)}")
+    return by_label[label]
+
+
+def _require(isa: Isa) -> Isa:
+    if not supported(isa):
+        raise FermijitError(
+            f"this CPU (or the Numba target {target_cpu_name()}) lacks {isa.label}: needs "
+            f"{', '.join(isa.features)}")
+    return isa
+
+
+def select_isa(label: str | None = None, decode: str | None = None) -> Isa:
+    """Fix the process's kernel variant. `label` None picks the best the CPU has; `decode` the
+    variant of one-token products (None: DECODE_VARIANT's for the process's, where supported).
 
     `ssse3` also switches Numba to a Westmere target with no extra features, so the decode path
     is the one a Westmere Xeon runs (both variables are needed: pitfall 2).
     """
-    global _selected
+    global _selected, _decode
     if label is None:
         isa = next(i for i in PREFERENCE if supported(i))
     else:
-        by_label = {i.label: i for i in Isa}
-        if label not in by_label:
-            raise FermijitError(f"unknown ISA {label!r}; choose one of {', '.join(by_label)}")
-        isa = by_label[label]
+        isa = _by_label(label)
         if isa is Isa.SSSE3 and target_cpu_name() != WESTMERE:
             if _has_compiled():
                 raise FermijitError("--isa ssse3 must be chosen before any kernel is compiled")
             numba_config.CPU_NAME = WESTMERE
             numba_config.CPU_FEATURES = ""
-        if not supported(isa):
-            raise FermijitError(
-                f"this CPU (or the Numba target {target_cpu_name()}) lacks {isa.label}: needs "
-                f"{', '.join(isa.features)}")
-    _selected = isa
+        _require(isa)
+    if decode is None:
+        narrow = DECODE_VARIANT.get(isa, isa)
+        dec = narrow if supported(narrow) else isa
+    else:
+        dec = _require(_by_label(decode))
+    _selected, _decode = isa, dec
     return isa
 
 
 def selected_isa() -> Isa:
     """The process's variant; the best available unless `select_isa` said otherwise."""
     return _selected or select_isa()
+
+
+def decode_isa() -> Isa:
+    """The variant of one-token products (decode): see DECODE_VARIANT and `select_isa`."""
+    if _selected is None:
+        select_isa()
+    return _decode
 
 
 def variants_up_to(isa: Isa) -> list[Isa]:
@@ -127,6 +158,16 @@ def physical_cores() -> int:
         except OSError:
             return len(allowed)
     return len(cores)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child Python process that must run this fermijit with this kernel
+    cache: this process's import path (a script's folder is not the child's sys.path[0]; another
+    install has other cache keys) and kernel cache folder (maybe chosen here, as a fallback)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if numba_config.CACHE_DIR:
+        env["NUMBA_CACHE_DIR"] = str(numba_config.CACHE_DIR)
+    return env
 
 
 _threads_chosen = False

@@ -22,6 +22,13 @@ def report(tmp_path_factory):
     return dst
 
 
+@pytest.mark.parametrize("n_tokens, sizes", [(3, [3]), (16, [16]), (40, [20, 20]),
+                                             (65, [16, 16, 16, 17])])
+def test_windows_cover_the_tokens_once(n_tokens, sizes):
+    w = bench_decode.windows(n_tokens)
+    assert [len(x) for x in w] == sizes and [t for x in w for t in x] == list(range(n_tokens))
+
+
 def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
     r = bench_decode.run(report, None, 8, 3, 1, as_json=True, profile=True)
@@ -38,6 +45,15 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     assert r["first_token_s"] > r["ready_to_decode_s"]
     assert r["ceiling_tok_s"] == pytest.approx(r["read_gbs"] * 1e9 / r["bytes_per_token"]["total"])
     assert r["of_ceiling"] == pytest.approx(r["decode_tok_s"] / r["ceiling_tok_s"])
+    # The paired measure: every window a probe pass of its own, its rate over its own tokens.
+    paired = r["paired"]
+    assert paired["window_tokens"] == [3] and all(g > 0 for g in paired["probe_gbs"])
+    assert paired["decode_gbs"] == pytest.approx([r["decode_gbs"]])
+    assert paired["of_ceiling"] == pytest.approx([d / p for d, p in zip(paired["decode_gbs"],
+                                                                        paired["probe_gbs"])])
+    assert r["of_ceiling_paired"] == pytest.approx(paired["of_ceiling"][0])
+
+    assert "paired with the probe" in bench_decode.format_report(r)
 
     # Bytes per token, counted here from the file instead of the model's arrays: everything but
     # the unselected experts and all embedding rows but one.

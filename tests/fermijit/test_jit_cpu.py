@@ -73,6 +73,30 @@ def test_unknown_isa_is_a_clear_error():
         cpu.select_isa("sse9")
 
 
+@pytest.fixture
+def restore_isa():
+    saved = cpu._selected, cpu._decode
+    yield
+    cpu._selected, cpu._decode = saved
+
+
+def test_decode_runs_the_decode_variant_unless_told(restore_isa, monkeypatch):
+    """One-token products run DECODE_VARIANT's narrower variant (256-bit code where the process
+    runs AVX-512) where the CPU has it; --decode-isa chooses another; the process's is kept."""
+    for isa in cpu.PREFERENCE[:-1]:  # not ssse3: choosing it switches the target to Westmere
+        if not cpu.supported(isa):
+            continue
+        cpu.select_isa(isa.label)
+        assert cpu.decode_isa() is cpu.DECODE_VARIANT.get(isa, isa)
+        cpu.select_isa(isa.label, "ssse3")
+        assert (cpu.selected_isa(), cpu.decode_isa()) == (isa, cpu.Isa.SSSE3)
+    with pytest.raises(FermijitError, match="unknown ISA 'avx9'"):
+        cpu.select_isa(None, "avx9")
+    monkeypatch.setattr(cpu, "supported", lambda isa: isa is cpu.Isa.SSSE3)
+    with pytest.raises(FermijitError, match="lacks avx2"):
+        cpu.select_isa(None, "avx2")
+
+
 def test_forcing_ssse3_after_a_compile_is_refused():
     """Numba's target is fixed by the first compile (notes, pitfall 2): say so, don't pretend."""
     from fermijit.ops import quant  # noqa: F401  (compiles kernels in this process)

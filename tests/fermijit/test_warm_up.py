@@ -200,7 +200,7 @@ def test_a_helper_starts_for_every_isa(small_model, tmp_path, isa):
     (tmp_path / "claims").mkdir()
     p = subprocess.Popen([sys.executable, "-c", "from fermijit.warm import helper_main; "
                           "helper_main()", str(Path(fermijit.__file__).resolve()),
-                          str(small_model), str(tmp_path / "claims"), "2", isa, "1"],
+                          str(small_model), str(tmp_path / "claims"), "2", isa, isa, "1"],
                          stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = p.stderr.read()  # stdin stays open: a closed one tells a helper to stop at once
     assert p.wait(timeout=300) == 0, err[-2000:]

@@ -9,6 +9,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.engine import DEFAULT_MODEL
+from fermijit.jit import cpu
 from fermijit.model.batch import BatchWorkspace, decode_batch
 from fermijit.model.forward import load_model
 
@@ -29,8 +30,21 @@ def _prefilled(model, prompts):
     return out
 
 
-def test_rows_are_separate_decodes_exactly(model, rng):
+@pytest.fixture(params=["default", "ssse3"])
+def decode_model(request, model, monkeypatch):
+    """The model, decoding in jit.cpu.decode_isa's variant: the default one, or SSSE3 where that
+    is not the process's (a fresh model: its decode workspace is laid out on first use)."""
+    if request.param == "default":
+        return model
+    if cpu.selected_isa() is cpu.Isa.SSSE3:
+        pytest.skip("the process's variant is SSSE3 already")
+    monkeypatch.setattr(cpu, "_decode", cpu.Isa.SSSE3)
+    return load_model(DEFAULT_MODEL)[1]
+
+
+def test_rows_are_separate_decodes_exactly(decode_model, rng):
     # Ragged positions (3 to 30 tokens seen), a sequence joining and one leaving between steps.
+    model = decode_model
     prompts = [rng.integers(0, model.vocab_size, n) for n in (5, 17, 3, 30, 9)]
     batched, single = _prefilled(model, prompts), _prefilled(model, prompts)
     active = [0, 1, 2, 3]
@@ -46,6 +60,9 @@ def test_rows_are_separate_decodes_exactly(model, rng):
             np.testing.assert_array_equal(got[row], want, err_msg=f"step {step}, sequence {i}")
             token = int(want.argmax())
             batched[i], single[i] = (batched[i][0], token), (single[i][0], token)
+    # Every one-token product ran decode's variant, the batch's rows too.
+    assert {a.vec.isa for a in (model._decode_ws.act, model._decode_ws.act_gdn, ws.act,
+                                ws.act_gdn)} == {cpu.decode_isa()}
     for (a, _), (b, _) in zip(batched, single):
         assert a.position == b.position
         for la, lb in zip(a.layers, b.layers):
