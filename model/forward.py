@@ -262,6 +262,7 @@ class Model:
         # Q4_0; otherwise (and for tests, set False) the ops one by one, as prefill.
         self.fused_decode = self.is_quantized
         self._decode_ws: Workspace | None = None
+        self._prefill_ws: dict[int, Workspace] = {}  # by pass size: _prefill_workspace
         # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
         # each MoE's input and routing; one attribute test per layer otherwise.
         self.moe_observer = None
@@ -312,7 +313,6 @@ class Model:
             raise FermijitError(f"prefill: align must be at least 1, got {align}")
         self._check_room(state, tokens.size)
         logits = []
-        ws = None
         t0 = 0
         while t0 < tokens.size:
             n = min(PREFILL_BLOCK, tokens.size - t0)
@@ -320,8 +320,7 @@ class Model:
                 n = min(n, align - state.position % align)
             block = tokens[t0:t0 + n]
             t0 += n
-            if ws is None or ws.tokens.size != block.size:
-                ws = Workspace(self, block.size)
+            ws = self._prefill_workspace(block.size)
             ws.tokens[:] = block
             self.forward(ws.tokens, state, ws)
             if on_block is not None:
@@ -332,6 +331,18 @@ class Model:
         if all_logits:
             return np.concatenate(logits)
         return self.logits(ws.x[-1:], np.empty((1, self.vocab_size), np.float32))[0]
+
+    def _prefill_workspace(self, n_tokens: int) -> Workspace:
+        """A pass's Workspace, kept for the passes and calls after: fresh buffers (its own and
+        its MoE scratch's) cost a page fault per 4 KiB first written, 8 ms of a 512-token
+        prefill of the default model (94 -> 86 ms, 1 thread). One per size, for the two largest
+        sizes seen (the whole passes, and the longest last pass)."""
+        ws = self._prefill_ws.get(n_tokens)
+        if ws is None:
+            ws = self._prefill_ws[n_tokens] = Workspace(self, n_tokens)
+            for size in sorted(self._prefill_ws)[:-2]:
+                del self._prefill_ws[size]
+        return ws
 
     def decode(self, token: int, state: State) -> np.ndarray:
         """Logits [V] after `token`; a view of a buffer the next call overwrites."""
