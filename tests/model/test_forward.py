@@ -272,6 +272,21 @@ def test_prefill_in_blocks_equals_one_block(converted, monkeypatch):
     np.testing.assert_array_equal(last, blocks[-1])
 
 
+def test_prefill_keeps_its_workspaces(converted, monkeypatch):
+    """Model._prefill_workspace: the pass's buffers reused by the next call (the same bits), one
+    set per pass size, only the two largest sizes kept."""
+    _, m = load_model(converted(tiny.HF_INIT))
+    first = m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True)
+    ws = m._prefill_ws[PROMPT.size]
+    np.testing.assert_array_equal(m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True), first)
+    assert m._prefill_ws[PROMPT.size] is ws
+    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)  # blocks of 5, 5, 5, 1
+    m.prefill(PROMPT, m.new_state(CONTEXT))
+    assert sorted(m._prefill_ws) == [5, PROMPT.size]
+    m.prefill(PROMPT[:3], m.new_state(CONTEXT))
+    assert sorted(m._prefill_ws) == [5, PROMPT.size]
+
+
 def test_state_copies_are_independent_and_checked(converted, tmp_path):
     _, m = load_model(converted(tiny.HF_INIT))
     state = m.new_state(CONTEXT)
