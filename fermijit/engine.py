@@ -175,8 +175,10 @@ def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
     last = [state.position]
     bar = None
     if progress_to is not None and rest.size > PREFILL_BLOCK:
+        # Every pass shown (mininterval 0): passes are few, and a fast one came within tqdm's
+        # default 0.1 s of the start and was never drawn.
         bar = tqdm(total=int(rest.size), desc="prefill", unit="tok", file=progress_to,
-                   leave=False)
+                   leave=False, mininterval=0)
 
     def on_block(n: int) -> None:
         if bar is not None:
