@@ -175,7 +175,8 @@ def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
     last = [state.position]
     bar = None
     if progress_to is not None and rest.size > PREFILL_BLOCK:
-        # Every pass shown (mininterval 0): tqdm's default 0.1 s hid a first pass that fast.
+        # Every pass shown (mininterval 0): passes are few, and a fast one came within tqdm's
+        # default 0.1 s of the start and was never drawn.
         bar = tqdm(total=int(rest.size), desc="prefill", unit="tok", file=progress_to,
                    leave=False, mininterval=0)
 
