@@ -126,10 +126,6 @@ class ReadProbe:
         return self.buf.nbytes / _best_seconds(lambda: self.read(self.buf), repeats) / 1e9
 
 
-def read_bandwidth(nbytes: int, repeats: int = REPEATS) -> float:
-    return ReadProbe(nbytes).gbs(repeats)
-
-
 def _page_backed(nbytes: int, huge: bool = False) -> np.ndarray:
     """Private anonymous memory in ordinary 4 KB pages, as a memory-mapped model file is, or in
     transparent huge pages where asked (numpy asks for them on any large array, which alone made

@@ -192,9 +192,9 @@ def _seconds_per_call(fn, min_s: float = 0.2) -> float:
 
 
 class ProbeChild:
-    """bench_cpu's read probe in a child process, one pass on request, at this process's ISA and
-    thread count: its buffer is the child's memory, so the peak RSS measured here stays the
-    model's own. This process waits while a pass runs."""
+    """bench_cpu's read probe in a child process, on request, at this process's ISA and thread
+    count: its buffer is the child's memory, so the peak RSS measured here is the model's own (an
+    in-process probe was most of a small model's peak). This process waits while a pass runs."""
 
     def __init__(self, nbytes: int):
         import subprocess
@@ -211,8 +211,9 @@ class ProbeChild:
             self.close()
             raise FermijitError("bench decode: the read-probe process failed to start")
 
-    def gbs(self) -> float:
-        self.process.stdin.write("\n")
+    def gbs(self, repeats: int = 1) -> float:
+        """GB/s, best of `repeats` passes."""
+        self.process.stdin.write(f"{repeats}\n")
         self.process.stdin.flush()
         line = self.process.stdout.readline()
         if not line:
@@ -223,9 +224,16 @@ class ProbeChild:
         self.process.stdin.close()
         self.process.wait()
 
+    def __enter__(self) -> "ProbeChild":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _probe_child() -> None:
-    """ProbeChild's process: argv ISA, threads, bytes; a probe pass per line of stdin."""
+    """ProbeChild's process: argv ISA, threads, bytes; a line of stdin is a number of passes,
+    the best GB/s of them its answer."""
     isa, threads, nbytes = sys.argv[1:]
     from fermijit.jit import cpu
 
@@ -235,22 +243,14 @@ def _probe_child() -> None:
 
     probe = bench_cpu.ReadProbe(int(nbytes))
     print("ready", flush=True)
-    for _ in sys.stdin:
-        print(probe.gbs(), flush=True)
+    for line in sys.stdin:
+        print(probe.gbs(int(line)), flush=True)
 
 
 def windows(n_tokens: int) -> list[range]:
     """The decode tokens in windows of about PAIR_TOKENS (one window when fewer)."""
     n = max(1, n_tokens // PAIR_TOKENS)
     return [range(i * n_tokens // n, (i + 1) * n_tokens // n) for i in range(n)]
-
-
-def read_bandwidth_gbs() -> float:
-    """bench kernels' read probe (fermijit/bench_cpu.py) on PROBE_BYTES, best of PROBE_REPEATS,
-    at the current thread count."""
-    from fermijit import bench_cpu
-
-    return bench_cpu.read_bandwidth(PROBE_BYTES, PROBE_REPEATS)
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -283,7 +283,8 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
 
     memory = MemoryWatch()
     _progress("read bandwidth (before loading)")
-    bw_before = read_bandwidth_gbs()
+    with ProbeChild(PROBE_BYTES) as probe:  # not alive during the load: its memory is not cache
+        bw_before = probe.gbs(PROBE_REPEATS)
     memory.sample()
 
     start, cpu0 = time.perf_counter(), time.process_time()
@@ -308,10 +309,9 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     prefill_s = time.perf_counter() - start
     memory.sample()
 
-    probe = ProbeChild(PROBE_BYTES)
-    _progress(f"decode of {n_tokens} tokens")
-    times, window_gbs, cpu_s, faults0 = [], [], 0.0, page_ins()
-    try:
+    with ProbeChild(PROBE_BYTES) as probe:
+        _progress(f"decode of {n_tokens} tokens")
+        times, window_gbs, decode_cpu_s, faults0 = [], [], 0.0, page_ins()
         for window in windows(n_tokens):
             window_gbs.append(probe.gbs())
             cpu0 = time.process_time()
@@ -319,25 +319,22 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
                 start = time.perf_counter()
                 token = int(np.argmax(model.decode(token, state)))
                 times.append(time.perf_counter() - start)
-            cpu_s += time.process_time() - cpu0
-    finally:
-        probe.close()
-    decode_cpu_s = cpu_s
-    faults = [b - a for a, b in zip(faults0, page_ins())]
-    memory.sample()
-    peak = memory_now()["peak"]  # before anything else is allocated
+            decode_cpu_s += time.process_time() - cpu0
+        faults = [b - a for a, b in zip(faults0, page_ins())]
+        memory.sample()
+        peak = memory_now()["peak"]  # before anything else is allocated
 
-    selected = watch_routing(model, token, state)
-    bytes_ = token_bytes(model, selected)
-    profile_rows = None
-    if profile:
-        from fermijit import profile as profiler
+        selected = watch_routing(model, token, state)
+        bytes_ = token_bytes(model, selected)
+        profile_rows = None
+        if profile:
+            from fermijit import profile as profiler
 
-        _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
-        profile_rows = min((profiler.profile_token(model, token, state)
-                            for _ in range(PROFILE_TOKENS)), key=lambda rows: rows[-1]["ms"])
-    _progress("read bandwidth (after decode), W4A8 GEMM at the prefill shapes")
-    bw = max(bw_before, read_bandwidth_gbs())
+            _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
+            profile_rows = min((profiler.profile_token(model, token, state)
+                                for _ in range(PROFILE_TOKENS)), key=lambda rows: rows[-1]["ms"])
+        _progress("read bandwidth (after decode), W4A8 GEMM at the prefill shapes")
+        bw = max(bw_before, probe.gbs(PROBE_REPEATS))
     gemm = gemm_gflops(model, n_prompt)
 
     decode_s = sum(times)

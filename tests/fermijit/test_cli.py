@@ -33,8 +33,15 @@ def test_info_reports_the_machine():
     assert "1 threads" in r.stdout
 
 
+def test_decode_isa_reaches_info():
+    r = fermijit("--decode-isa", "ssse3", "info", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    assert "decode isa:            ssse3" in r.stdout and "decode GEMV ssse3: 128-bit" in r.stdout
+
+
 def test_bad_flags_are_one_line_errors():
-    for args in (["--isa", "mmx", "info"], ["info", "--threads", "0"], ["frobnicate"],
+    for args in (["--isa", "mmx", "info"], ["--decode-isa", "sse9", "info"],
+                 ["info", "--threads", "0"], ["frobnicate"],
                  ["bench", "kernels", "--gib", "0"]):
         r = fermijit(*args)
         assert r.returncode == 2, (args, r.returncode)
