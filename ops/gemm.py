@@ -50,6 +50,14 @@ PANEL_BYTES = 1 << 17
 # panel's groups run over it.
 TOKEN_BYTES = 1 << 17
 PF_LINES = 2  # lines of the next group's weights (and of its scales) a tile prefetches a block
+
+
+def pf_every(isa: Isa) -> int:
+    """Blocks between a tile's prefetches (0: none, the next group's weights prefetched at once
+    before the tiles, as before): SSSE3's tiles of 2 tokens and 4 rows have too little work a
+    block (every block: grouped GEMMs 9.5 % slower at the default model's shapes, hot; every
+    4th: 4.5 %)."""
+    return 0 if isa is Isa.SSSE3 else 16 // rows_per_group(isa)
 UNITS = 8   # registers per group and block: dwords 0..3 of the low nibbles, then of the high
 
 
@@ -249,9 +257,9 @@ def _make_tile(v: Vec, n_tok: int):
     """tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t0, pq, q_lo, q_hi, pd,
     d_lo, d_hi): out[t0+t, r0+i] for t < n_tok, i < n_valid (<= D), from packed group g and
     activation rows xrows[t0+t] (the MoE's slots read their tokens' rows in place: no gathered
-    copy). Block b's step also prefetches the cache lines at bytes q_lo + 64·PF_LINES·b + 64·j
-    (j < PF_LINES) of pq while below q_hi, and likewise of pd (the next group's weights and
-    scales, a few lines at a time: `_run_group`)."""
+    copy). Every pf_every(isa)-th block step i also prefetches the cache lines at bytes q_lo +
+    64·PF_LINES·i + 64·j (j < PF_LINES) of pq while below q_hi, and likewise of pd (the next
+    group's weights and scales, a few lines at a time: `_run_group`)."""
     n_rows = v.nbytes // 4
     has_fma = v.isa is not Isa.SSSE3
 
@@ -291,18 +299,22 @@ def _make_tile(v: Vec, n_tok: int):
             # The next group's output line of each token, for writing: small K leaves too few
             # multiply-adds per output line to hide its fetch (the default model's 512-token
             # prefill 1.05-1.15x faster at 1 thread, 5 rounds).
-            for t in toks:
+            every = pf_every(v.isa)
+            for t in (toks if every else ()):
                 nxt = builder.add(builder.add(builder.mul(t, out_cols), r0v), c(n_rows))
                 _prefetch(builder, simd.byte_ptr(builder, out_a.data, builder.mul(nxt, c(4))),
                           write=True)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
-                for base, lo, hi in pf_ranges:
-                    for j in range(PF_LINES):
-                        off = builder.add(lo, builder.mul(b, c(64 * PF_LINES)))
-                        off = builder.add(off, c(64 * j))
-                        with builder.if_then(builder.icmp_signed("<", off, hi)):
-                            _prefetch(builder, simd.byte_ptr(builder, base, off))
+                is_pf = builder.icmp_signed("==", builder.srem(b, c(max(every, 1))), c(0))
+                with builder.if_then(is_pf):
+                    for base, lo, hi in (pf_ranges if every else ()):
+                        for j in range(PF_LINES):
+                            off = builder.add(lo, builder.mul(builder.sdiv(b, c(every)),
+                                                              c(64 * PF_LINES)))
+                            off = builder.add(off, c(64 * j))
+                            with builder.if_then(builder.icmp_signed("<", off, hi)):
+                                _prefetch(builder, simd.byte_ptr(builder, base, off))
                 units = [simd.load(builder, q_base, builder.add(
                     builder.mul(b, c(UNITS * v.nbytes)), c(j * v.nbytes)), vec(I8, v.nbytes))
                     for j in range(UNITS)]
@@ -360,7 +372,11 @@ def _run_group(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t_first,
     and a quarter of that and single tokens (an expert's tokens are rarely whole tiles; one token
     at a time reloads the group's registers per token). The tiles prefetch bytes q_lo..q_hi-1 of
     pq and d_lo..d_hi-1 of pd a few lines a block (`_make_tile`); what they leave, at the end."""
-    step = dx.shape[1] * 64 * PF_LINES  # bytes of each range one tile call prefetches
+    if PF_EVERY == 0:  # all at once, before the tiles
+        prefetch_bytes(pq, q_lo, q_hi)
+        prefetch_bytes(pd, d_lo, d_hi)
+        q_lo, d_lo = q_hi, d_hi
+    step = (dx.shape[1] + PF_EVERY - 1) // max(PF_EVERY, 1) * 64 * PF_LINES  # bytes a tile
     t = t_first
     while t + TOKS <= t_end:
         tile(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t, pq, q_lo, q_hi, pd,
@@ -494,7 +510,7 @@ def gemm_kernel(isa: Isa, body, n_tok: int | None = None):
         tiles = {n: _make_tile(v, n) for n in {n_tok, half, quarter, 1}}
         helpers = dict(ROWS=v.nbytes // 4, TOKS=n_tok, HALF=half, QUARTER=quarter,
                        tile=tiles[n_tok], tile_half=tiles[half], tile_quarter=tiles[quarter],
-                       tile1=tiles[1])
+                       tile1=tiles[1], PF_EVERY=pf_every(isa))
         run_group = kernel(_run_group, fastmath=False, variant=variant, **helpers)
         bound = dict(helpers, pack=_make_pack(v), _run_group=run_group,
                      _panel_groups=kernel(_panel_groups, fastmath=False, variant=variant,
