@@ -10,8 +10,8 @@ expert gets on average). `--profile` times a few more tokens op by op (fermijit/
 
 This machine's bandwidth drifts by tens of percent within minutes, so besides the ceiling from the
 best probe before and after (`of_ceiling`), decode is also measured in windows of PAIR_TOKENS,
-each against a probe pass run just before it (`of_ceiling_paired`: the median of the windows'
-ratios), as bench kernels pairs its walks.
+each against the best of PAIR_REPEATS probe passes run just before it (`of_ceiling_paired`: the
+median of the windows' ratios), as bench kernels pairs its walks.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ PROBE_BYTES = 512 << 20  # read-bandwidth probe: >> the last-level cache, small 
 PROBE_REPEATS = 3
 PROFILE_TOKENS = 3  # profiled tokens: the least disturbed one is shown (a shared machine)
 PAIR_TOKENS = 16    # decode tokens a window of the paired measure
+PAIR_REPEATS = 3    # probe passes before a window, the best counted: at 2 threads single passes
+# right after decode tokens read 10-25 % below the rest (ratios over 100 %)
 
 
 def _progress(what: str) -> None:
@@ -313,7 +315,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         _progress(f"decode of {n_tokens} tokens")
         times, window_gbs, decode_cpu_s, faults0 = [], [], 0.0, page_ins()
         for window in windows(n_tokens):
-            window_gbs.append(probe.gbs())
+            window_gbs.append(probe.gbs(PAIR_REPEATS))
             cpu0 = time.process_time()
             for _ in window:
                 start = time.perf_counter()
