@@ -313,8 +313,9 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
 
     with ProbeChild(PROBE_BYTES) as probe:
         _progress(f"decode of {n_tokens} tokens")
+        spans = windows(n_tokens)
         times, window_gbs, decode_cpu_s, faults0 = [], [], 0.0, page_ins()
-        for window in windows(n_tokens):
+        for window in spans:
             window_gbs.append(probe.gbs(PAIR_REPEATS))
             cpu0 = time.process_time()
             for _ in window:
@@ -343,7 +344,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     tok_s = n_tokens / decode_s
     ceiling = bw * 1e9 / bytes_.total
     paired_gbs = [bytes_.total * len(w) / sum(times[i] for i in w) / 1e9
-                  for w in windows(n_tokens)]
+                  for w in spans]
     paired = [d / p for d, p in zip(paired_gbs, window_gbs)]
     dense_f, expert_f = matmul_flops_per_token(model)
     prefill_gflops = (dense_f + expert_f) * n_prompt / prefill_s / 1e9
@@ -363,7 +364,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         "bytes_per_token": dataclasses.asdict(bytes_) | {"total": bytes_.total},
         "experts_selected_per_layer": selected,
         "read_gbs": bw, "ceiling_tok_s": ceiling, "of_ceiling": tok_s / ceiling,
-        "paired": {"window_tokens": [len(w) for w in windows(n_tokens)],
+        "paired": {"window_tokens": [len(w) for w in spans],
                    "probe_gbs": window_gbs, "decode_gbs": paired_gbs, "of_ceiling": paired},
         "of_ceiling_paired": float(np.median(paired)),
         "decode_gbs": bytes_.total * tok_s / 1e9,

@@ -184,9 +184,9 @@ def count_workers() -> int:
 
 def helper_main() -> None:
     """A helper process: argv = package file, model directory, claims folder, n_prefill, ISA
-    label, decode's ISA label, threads, jobs. Claims each job no other helper has (a file made with O_EXCL in the
-    claims folder) and runs it; exits when its stdin closes (the warm-up is over, or the process
-    that started it died)."""
+    label, decode's ISA label, threads, jobs. Claims each job no other helper has (a file made
+    with O_EXCL in the claims folder) and runs it; exits when its stdin closes (the warm-up is
+    over, or the process that started it died)."""
     package, source, claims, n_prefill, isa, decode_isa, threads, *job_list = sys.argv[1:]
 
     def watch_stdin():

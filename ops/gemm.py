@@ -226,12 +226,7 @@ def _make_pack(v: Vec):
     return pack
 
 
-def _prefetch(builder, ptr, write: bool = False):
-    """prefetcht1 (into L2) of the line at ptr; `write`: for writing (prefetchw)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-        ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0")
-    builder.call(fn, [ptr, ir.Constant(I32, int(write)), ir.Constant(I32, 2),
-                      ir.Constant(I32, 1)])
+L2 = 2  # LLVM's prefetch locality for prefetcht1: into L2, where the packs and tiles read
 
 
 @intrinsic
@@ -246,8 +241,8 @@ def prefetch_bytes(typingctx, a, lo, hi):
         n_lines = builder.sdiv(builder.add(builder.sub(hi, lo), ir.Constant(I64, 63)),
                                ir.Constant(I64, 64))
         with cgutils.for_range(builder, n_lines) as loop:
-            _prefetch(builder, simd.byte_ptr(builder, data, builder.add(
-                lo, builder.mul(loop.index, ir.Constant(I64, 64)))))
+            simd.prefetch(builder, data, builder.add(
+                lo, builder.mul(loop.index, ir.Constant(I64, 64))), L2)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -302,8 +297,7 @@ def _make_tile(v: Vec, n_tok: int):
             every = pf_every(v.isa)
             for t in (toks if every else ()):
                 nxt = builder.add(builder.add(builder.mul(t, out_cols), r0v), c(n_rows))
-                _prefetch(builder, simd.byte_ptr(builder, out_a.data, builder.mul(nxt, c(4))),
-                          write=True)
+                simd.prefetch(builder, out_a.data, builder.mul(nxt, c(4)), L2, write=True)
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 is_pf = builder.icmp_signed("==", builder.srem(b, c(max(every, 1))), c(0))
@@ -314,7 +308,7 @@ def _make_tile(v: Vec, n_tok: int):
                                                               c(64 * PF_LINES)))
                             off = builder.add(off, c(64 * j))
                             with builder.if_then(builder.icmp_signed("<", off, hi)):
-                                _prefetch(builder, simd.byte_ptr(builder, base, off))
+                                simd.prefetch(builder, base, off, L2)
                 units = [simd.load(builder, q_base, builder.add(
                     builder.mul(b, c(UNITS * v.nbytes)), c(j * v.nbytes)), vec(I8, v.nbytes))
                     for j in range(UNITS)]

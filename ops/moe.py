@@ -25,7 +25,7 @@ from numba import prange
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import mathf
-from fermijit.jit.cpu import kernel
+from fermijit.jit.cpu import decode_isa, kernel
 from fermijit.ops import expert_matmul, matvec
 from fermijit.ops.matvec import Q8Act
 
@@ -380,7 +380,7 @@ def batched(x, ids, weights, w: MoeWeights, out=None):
     slot_pos = np.empty((n_seq, top_k), np.int64)
     offsets = np.empty(n_experts + 1, np.int64)
     _sort_slots(ids, n_experts, rows, slot_pos, offsets)
-    act = matvec.quantize_act(x, matvec.default_isa(1))  # one token's variant, as `cpu` per row
+    act = matvec.quantize_act(x, decode_isa())  # one token's variant, as `cpu` per row
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     # SwiGLU on one thread, as decode: a parallel launch's wake-up cost more than B·k rows of it
     # (0.42 ms a call on the default model, 4 sequences, a busy 2-core machine).

@@ -91,11 +91,12 @@ def load_scalar(builder, ptr, offset, ty: ir.Type):
 PREFETCH_LOCALITY = 3
 
 
-def prefetch(builder, ptr, offset):
-    """Software prefetch for reading; essential for cold weights (notes §5)."""
+def prefetch(builder, ptr, offset, locality: int = PREFETCH_LOCALITY, write: bool = False):
+    """Software prefetch of the line at ptr + offset, for reading (or `write`: prefetchw);
+    essential for cold weights (notes §5)."""
     p = byte_ptr(builder, ptr, offset)
     _call(builder, "llvm.prefetch.p0", ir.VoidType(),
-          [p, ir.Constant(I32, 0), ir.Constant(I32, PREFETCH_LOCALITY), ir.Constant(I32, 1)])
+          [p, ir.Constant(I32, int(write)), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
 # --- integer idioms -----------------------------------------------------------------------------
