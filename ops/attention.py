@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp, simd
 from fermijit.jit.cpu import kernel
 from fermijit.jit.simd import F32, I64, vec
@@ -57,10 +58,43 @@ SPLIT_MIN_KEYS = 256
 SPLIT_ITEMS = 16
 
 
-# Keys per score tile: one query row against 4 key rows, 16-float accumulators (fp32_rows.tile):
-# 5 loads per 4 vector multiply-adds where the dot product over D reloaded both rows per key.
+# Keys per score tile: the group's query rows against 4 key rows, 16-float accumulators
+# (fp32_rows.tile), every score summed in one fixed order whatever the tile (the bits).
 SCORE_KEYS = 4
-score_tile = fp32_rows.tile(1, SCORE_KEYS)
+
+
+def heads_per_tile() -> int:
+    """Query heads a score tile takes: with 32 vector registers (AVX-512) 4 heads x 4 keys, 16
+    accumulators, share each key row's loads; with 16 (AVX2, SSE) one head's 4 already fill them."""
+    return 4 if "avx512f" in jit_cpu.target_features() else 1
+
+
+@intrinsic
+def _group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
+    """p[g, j + b] = q_t[h0 + g] · k_h[key + b] for g < n_heads, b < SCORE_KEYS: tiles of
+    heads_per_tile() heads (decided when compiled, for the target compiled for), then one tile of
+    the rest."""
+    sig = types.none(q_t, k_h, p, h0, n_heads, key, j)
+
+    def codegen(context, builder, sig, args):
+        qa, ka, pa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in range(3))
+        h0v, nv, keyv, jv = args[3:7]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        wide = heads_per_tile()
+        full = builder.udiv(nv, c(wide))
+        with cgutils.for_range(builder, full) as loop:
+            g = builder.mul(loop.index, c(wide))
+            fp32_rows.emit_tile(builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv,
+                                wide, SCORE_KEYS)
+        g = builder.mul(full, c(wide))
+        rest = builder.sub(nv, g)
+        for heads in range(1, wide):                      # the last rest heads in one tile
+            with builder.if_then(builder.icmp_unsigned("==", rest, c(heads))):
+                fp32_rows.emit_tile(builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv,
+                                    heads, SCORE_KEYS)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # Vectors of 16 floats of a row of `a` held in registers while the keys' weighted values are added.
@@ -70,10 +104,9 @@ PV_VECTORS = 4
 @intrinsic
 def _weighted_rows(typingctx, p, v, a, j0, n):
     """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
-    vectors of the rows (then single vectors, then leftover floats), each row's run held in
-    registers over the keys, the keys' run of v (n x 256 bytes) read from L1 by every row. The
-    loop it replaced loaded and stored a[g] for every key. 3e-7 from that loop's bits (the
-    kernel's reassociation)."""
+    vectors of the rows (then single vectors, then leftover floats), heads_per_tile() rows at a
+    time held in registers over the keys, each key's run of v read once for them (from L1).
+    Every a[g, d] sums its keys in order: the rows taken together never change a bit."""
     sig = types.none(p, v, a, j0, n)
 
     def codegen(context, builder, sig, args):
@@ -83,35 +116,50 @@ def _weighted_rows(typingctx, p, v, a, j0, n):
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
         n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
         v_stride = builder.extract_value(va.strides, 0)
+        wide = heads_per_tile()
+
+        def rows(row0, n_heads, width, offs):
+            """rows row0..row0+n_heads-1 of a, the floats at byte offsets offs (width 0:
+            single floats), over the n keys."""
+            ty = vec(F32, LANES) if width else F32
+            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
+                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
+            a_rows = [builder.mul(builder.add(row0, c(h)), builder.extract_value(aa.strides, 0))
+                      for h in range(n_heads)]
+            p_rows = [builder.mul(builder.add(row0, c(h)), builder.extract_value(pa.strides, 0))
+                      for h in range(n_heads)]
+            accs = [[cgutils.alloca_once_value(builder, load(aa.data, builder.add(r, o)))
+                     for o in offs] for r in a_rows]
+            with cgutils.for_range(builder, nv) as key:
+                v_row = builder.mul(builder.add(j0v, key.index), v_stride)
+                xs = [load(va.data, builder.add(v_row, o)) for o in offs]
+                for p_row, row_accs in zip(p_rows, accs):
+                    w = simd.load_scalar(builder, pa.data, builder.add(
+                        p_row, builder.mul(key.index, c(4))), F32)
+                    w = simd.splat(builder, w, LANES) if width else w
+                    for acc, x in zip(row_accs, xs):
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
+            for r, row_accs in zip(a_rows, accs):
+                for acc, o in zip(row_accs, offs):
+                    dst = simd.byte_ptr(builder, aa.data, builder.add(r, o))
+                    builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
+                                  align=4)
 
         def run(width, count, start):
             """`count` runs of `width` vectors (width 0: single floats) from float `start`."""
             lanes, n_vec = (LANES, width) if width else (1, 1)
-            ty = vec(F32, LANES) if width else F32
-            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
-                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
             with cgutils.for_range(builder, count) as run_loop:
                 col = builder.mul(builder.add(start, builder.mul(run_loop.index,
                                                                  c(lanes * n_vec))), c(4))
                 offs = [builder.add(col, c(4 * lanes * u)) for u in range(n_vec)]
-                with cgutils.for_range(builder, n_rows) as row:
-                    a_row = builder.mul(row.index, builder.extract_value(aa.strides, 0))
-                    p_row = builder.mul(row.index, builder.extract_value(pa.strides, 0))
-                    accs = [cgutils.alloca_once_value(builder, load(aa.data, builder.add(a_row, o)))
-                            for o in offs]
-                    with cgutils.for_range(builder, nv) as key:
-                        w = simd.load_scalar(builder, pa.data, builder.add(
-                            p_row, builder.mul(key.index, c(4))), F32)
-                        w = simd.splat(builder, w, LANES) if width else w
-                        v_row = builder.mul(builder.add(j0v, key.index), v_stride)
-                        for acc, o in zip(accs, offs):
-                            x = load(va.data, builder.add(v_row, o))
-                            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)),
-                                          acc)
-                    for acc, o in zip(accs, offs):
-                        dst = simd.byte_ptr(builder, aa.data, builder.add(a_row, o))
-                        builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
-                                      align=4)
+                full = builder.udiv(n_rows, c(wide))
+                with cgutils.for_range(builder, full) as group:
+                    rows(builder.mul(group.index, c(wide)), wide, width, offs)
+                row0 = builder.mul(full, c(wide))
+                rest = builder.sub(n_rows, row0)
+                for heads in range(1, wide):
+                    with builder.if_then(builder.icmp_unsigned("==", rest, c(heads))):
+                        rows(row0, heads, width, offs)
 
         n_vec = builder.udiv(d, c(LANES))
         groups = builder.udiv(n_vec, c(PV_VECTORS))
@@ -121,6 +169,36 @@ def _weighted_rows(typingctx, p, v, a, j0, n):
         tail_from = builder.mul(n_vec, c(LANES))
         run(0, builder.sub(d, tail_from), tail_from)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _row_max(typingctx, p, g, n, m0):
+    """max(m0, p[g, 0..n-1]) in 16-float vectors (compare and select: exact, so the order does
+    not matter). LLVM keeps a loop of scalar max() serial without the no-NaNs flag: one compare
+    and select of latency a score, most of the softmax's time."""
+    sig = types.float32(p, g, n, m0)
+
+    def codegen(context, builder, sig, args):
+        pa = context.make_array(sig.args[0])(context, builder, args[0])
+        gv, nv, m0v = args[1:4]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        vf = vec(F32, LANES)
+        row = builder.mul(gv, builder.extract_value(pa.strides, 0))
+        best = cgutils.alloca_once_value(builder, simd.splat(builder, m0v, LANES))
+        n_vec = builder.udiv(nv, c(LANES))
+        with cgutils.for_range(builder, n_vec) as loop:
+            x = simd.load(builder, pa.data, builder.add(row, builder.mul(loop.index, c(4 * LANES))), vf)
+            b = builder.load(best)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), best)
+        m = cgutils.alloca_once_value(builder, simd.hmax(builder, builder.load(best)))
+        with cgutils.for_range(builder, builder.sub(nv, builder.mul(n_vec, c(LANES)))) as loop:
+            j = builder.add(builder.mul(n_vec, c(LANES)), loop.index)
+            x = simd.load_scalar(builder, pa.data, builder.add(row, builder.mul(j, c(4))), F32)
+            b = builder.load(m)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), m)
+        return builder.load(m)
 
     return sig, codegen
 
@@ -167,8 +245,7 @@ def _attend_item(q, k, v, start, acc, m, l, item):
         # against those 4 keys (in L1) before the next ones
         j = 0
         while j + SCORE_KEYS <= n:
-            for g in range(G):
-                score_tile(q_t, k_h, p, h0 + g, jb + j, g, j)
+            _group_scores(q_t, k_h, p, h0, G, jb + j, j)
             j += SCORE_KEYS
         for j in range(j, n):
             for g in range(G):
@@ -177,9 +254,7 @@ def _attend_item(q, k, v, start, acc, m, l, item):
             for j in range(n):
                 p[g, j] *= scale
         for g in range(G):
-            m_new = m_t[g]
-            for j in range(n):
-                m_new = max(m_new, p[g, j])
+            m_new = _row_max(p, g, n, m_t[g])
             rescale = np.exp(m_t[g] - m_new)
             total = np.float32(0)
             for j in range(n):
