@@ -282,11 +282,11 @@ def attend_share(thread, n_threads, args):
 @kernel
 def _combine_head(acc, m, l, gate, o, th):
     """o[t, h] for th = t·Hq + h: the key ranges' partial sums, each rescaled to the common max,
-    / l · sigmoid(gate). `acc` may be `o` itself (one key range): each element is read before
-    it is written."""
+    / l · sigmoid(gate). With one key range `acc` is `o` itself (the item accumulated in place)."""
     n_split, T, Hq, D = acc.shape
     t = th // Hq
     h = th % Hq
+    o_row, g_row = o[t, h], gate[t, h]  # row views: LLVM vectorises these loops, not 3-D indexing
     m_max = m[0, t, h]
     for s in range(1, n_split):
         m_max = max(m_max, m[s, t, h])
@@ -294,14 +294,20 @@ def _combine_head(acc, m, l, gate, o, th):
     for s in range(n_split):
         total += np.exp(m[s, t, h] - m_max) * l[s, t, h]
     w = np.exp(m[0, t, h] - m_max) / total
+    if n_split == 1:  # o_row is acc's row: one array read and written, so the loop vectorises
+        for d in range(D):
+            o_row[d] = w * o_row[d] * mathf.sigmoid(g_row[d])
+        return
+    a_row = acc[0, t, h]
     for d in range(D):
-        o[t, h, d] = w * acc[0, t, h, d]
+        o_row[d] = w * a_row[d]
     for s in range(1, n_split):
         w = np.exp(m[s, t, h] - m_max) / total
+        a_row = acc[s, t, h]
         for d in range(D):
-            o[t, h, d] += w * acc[s, t, h, d]
+            o_row[d] += w * a_row[d]
     for d in range(D):
-        o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
+        o_row[d] *= mathf.sigmoid(g_row[d])
 
 
 def _combine_share(thread, n_threads, args):
