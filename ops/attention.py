@@ -48,13 +48,16 @@ def reference(q, k, v, gate, start):
 
 # Keys per online-softmax step: the [G, BLOCK] scores of one step stay in L1.
 BLOCK = 64
-# Decode splits the keys of a head into ranges that threads process apart and `_combine` merges
-# (flash-decoding): with Hkv = 2 there are too few heads to occupy the cores otherwise. A range
-# shorter than this costs more in set-up and merging than it saves.
-SPLIT_MIN_KEYS = 256
-# Items wanted in all: two per thread up to 8 threads. A constant, not the thread count, so the
-# key ranges and the order partial results are merged in, and so the bits of the output, are the
-# same whatever the thread count (issue 9 item 7: 1- and 2-thread runs diverged at 512 keys).
+# A query's keys are cut at multiples of RANGE_KEYS; each range's partial attention (the online
+# softmax over its blocks) is computed alone and the partials merged by `_combine`, one fixed
+# way. So a query's output has the same bits in a pass of any length and in a decode step (a
+# prompt split into passes, a prefix-cache resume), and decode can give a head's ranges to
+# different threads (flash-decoding: with Hkv = 2 there are too few heads to occupy the cores
+# otherwise). Shorter ranges cost more in set-up and merging than they save.
+RANGE_KEYS = 256
+# Calls with fewer (query, kv head) pairs than this (decode, short passes) make every range an
+# item of its own over the threads and merge afterwards; others take a pair's ranges in turn in
+# one item and merge there. Either way the same bits, whatever the thread count (issue 9 item 7).
 SPLIT_ITEMS = 16
 
 
@@ -203,46 +206,30 @@ def _row_max(typingctx, p, g, n, m0):
     return sig, codegen
 
 
-def _n_splits(n_items: int, n_keys: int) -> int:
-    """Key ranges per (query, kv head) item: enough for SPLIT_ITEMS items, if long enough."""
-    wanted = -(-SPLIT_ITEMS // max(n_items, 1))
-    return max(1, min(wanted, n_keys // SPLIT_MIN_KEYS))
+@kernel
+def n_ranges(n_keys):
+    """Key ranges of a query that attends to n_keys keys."""
+    return max(1, (n_keys + RANGE_KEYS - 1) // RANGE_KEYS)
 
 
 @kernel
-def _attend_item(q, k, v, start, acc, m, l, item):
-    """Unnormalised partial attention of one (query, kv head, key range) item, for the G query
-    heads sharing the kv head, so each key and value row is read once per item:
-    acc [n_split, T, Hq, D] = sum_s e^(score - m) v_s, m [n_split, T, Hq] the running max of the
-    scores and l the sum of e^(score - m). An empty key range leaves m = -inf, l = 0, acc = 0."""
-    n_split, T, Hq, D = acc.shape
-    Hkv = k.shape[0]
-    G = Hq // Hkv
-    span = (start + T + n_split - 1) // n_split
-    scale = np.float32(1 / np.sqrt(D))
-    split = item % n_split
-    # kv heads outermost, so a thread's run of items reads one head's keys and values (at full
-    # size 1 MB for 512 keys: L2), not both in turn. Pairs (t, T-1-t) are adjacent, so every
-    # contiguous run of items has the same causal work: each thread takes a contiguous run of
-    # items (attend_share).
-    hkv = (item // n_split) % Hkv
-    rank = item // (n_split * Hkv)
-    t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
-    j0 = split * span
-    j1 = min(start + t + 1, j0 + span)
+def _attend_range(q, k, v, t, hkv, j0, j1, a, m_t, l_t, p):
+    """Unnormalised partial attention of query t over keys j0..j1-1 of kv head hkv, for the G
+    query heads sharing it, so each key and value row is read once: a [G, D] = Σ_s e^(score - m)
+    v_s, m_t [G] the running max of the scores and l_t the sum of e^(score - m); p [G, BLOCK]
+    scratch. An empty range leaves m = -inf, l = 0, a = 0. Every caller passes a, m_t, l_t as
+    the same kind of view (of 4-D and 3-D arrays), so this compiles once: one code, one set of
+    bits."""
+    G, D = a.shape
     h0 = hkv * G
-    a = acc[split, t, h0:h0 + G]                                      # [G, D]
-    m_t = m[split, t, h0:h0 + G]                                      # [G]
-    l_t = l[split, t, h0:h0 + G]
+    scale = np.float32(1 / np.sqrt(D))
     a[:] = 0
     m_t[:] = -np.inf
     l_t[:] = 0
-    p = np.empty((G, BLOCK), dtype=np.float32)                        # scores, then weights
     q_t, k_h, v_h = q[t], k[hkv], v[hkv]                              # [Hq, D], [S, D]
     for jb in range(j0, j1, BLOCK):
         n = min(BLOCK, j1 - jb)
-        # q·k: 4 keys a tile sharing the query's loads (ops.fp32_rows), every head of the group
-        # against those 4 keys (in L1) before the next ones
+        # q·k: every head of the group against 4 keys a tile (in L1) before the next ones
         j = 0
         while j + SCORE_KEYS <= n:
             _group_scores(q_t, k_h, p, h0, G, jb + j, j)
@@ -268,68 +255,134 @@ def _attend_item(q, k, v, start, acc, m, l, item):
         _weighted_rows(p, v_h, a, jb, n)
 
 
-def attend_share(thread, n_threads, args):
-    """A thread's contiguous run of items (jit.omp.fork; also ops/attention_step.py's). A fork,
-    not a prange: called from inside another compiled function (attention_step), a prange
-    launch cost several times the work on 2 threads, and the parfors of this op took 5 s of a
-    first run's compiling."""
-    q, k, v, start, acc, m, l = args
-    n_items = acc.shape[0] * acc.shape[1] * k.shape[0]
-    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
-        _attend_item(q, k, v, start, acc, m, l, item)
-
-
 @kernel
-def _combine_head(acc, m, l, gate, o, th):
-    """o[t, h] for th = t·Hq + h: the key ranges' partial sums, each rescaled to the common max,
-    / l · sigmoid(gate). With one key range `acc` is `o` itself (the item accumulated in place)."""
-    n_split, T, Hq, D = acc.shape
-    t = th // Hq
-    h = th % Hq
-    o_row, g_row = o[t, h], gate[t, h]  # row views: LLVM vectorises these loops, not 3-D indexing
-    m_max = m[0, t, h]
-    for s in range(1, n_split):
-        m_max = max(m_max, m[s, t, h])
+def _query(item, T, Hkv, per):
+    """The query and kv head of an item: kv heads outermost, so a thread's run of items reads
+    one head's keys and values (at full size 1 MB for 512 keys: L2), not both in turn; queries
+    in pairs (t, T-1-t), so every contiguous run of items has the same causal work (each thread
+    takes a contiguous run). `per` items a (query, kv head) pair (its ranges)."""
+    hkv = (item // per) % Hkv
+    rank = item // (per * Hkv)
+    return (rank // 2 if rank % 2 == 0 else T - 1 - rank // 2), hkv
+
+
+def attend_share(thread, n_threads, args):
+    """A thread's contiguous run of (query, kv head, key range) items, into acc [R, T, Hq, D],
+    m, l [R, T, Hq] (jit.omp.fork; also ops/attention_step.py's): range r of every pair,
+    empty where the query has fewer keys. A fork, not a prange: called from inside another
+    compiled function (attention_step), a prange launch cost several times the work on 2
+    threads, and the parfors of this op took 5 s of a first run's compiling."""
+    q, k, v, start, acc, m, l = args
+    n_range, T, Hq, D = acc.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    p = np.empty((G, BLOCK), dtype=np.float32)
+    n_items = n_range * T * Hkv
+    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
+        t, hkv = _query(item, T, Hkv, n_range)
+        r = item % n_range
+        h0 = hkv * G
+        _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(start + t + 1, (r + 1) * RANGE_KEYS),
+                      acc[r, t, h0:h0 + G], m[r, t, h0:h0 + G], l[r, t, h0:h0 + G], p)
+
+
+@kernel(fastmath=False)
+def _combine(acc, at, ah, m, l, mt, mh, R, gate_row, o_row, in_place):
+    """o_row = the R key ranges' partials acc[s, at, ah] (maxima m[s, mt, mh], sums l) each
+    rescaled to the common max, / their sum · sigmoid(gate_row). No fast-math: the same bits from
+    every caller. in_place: acc[0, at, ah] is o_row itself (one range, accumulated in o), so the
+    loop reads and writes one array and vectorises."""
+    D = o_row.shape[0]
+    m_max = m[0, mt, mh]
+    for s in range(1, R):
+        m_max = max(m_max, m[s, mt, mh])
     total = np.float32(0)
-    for s in range(n_split):
-        total += np.exp(m[s, t, h] - m_max) * l[s, t, h]
-    w = np.exp(m[0, t, h] - m_max) / total
-    if n_split == 1:  # o_row is acc's row: one array read and written, so the loop vectorises
+    for s in range(R):
+        total += np.exp(m[s, mt, mh] - m_max) * l[s, mt, mh]
+    w = np.exp(m[0, mt, mh] - m_max) / total
+    if in_place:
         for d in range(D):
-            o_row[d] = w * o_row[d] * mathf.sigmoid(g_row[d])
+            o_row[d] = w * o_row[d] * mathf.sigmoid(gate_row[d])
         return
-    a_row = acc[0, t, h]
+    a_row = acc[0, at, ah]
     for d in range(D):
         o_row[d] = w * a_row[d]
-    for s in range(1, n_split):
-        w = np.exp(m[s, t, h] - m_max) / total
-        a_row = acc[s, t, h]
+    for s in range(1, R):
+        w = np.exp(m[s, mt, mh] - m_max) / total
+        a_row = acc[s, at, ah]
         for d in range(D):
             o_row[d] += w * a_row[d]
     for d in range(D):
-        o_row[d] *= mathf.sigmoid(g_row[d])
+        o_row[d] *= mathf.sigmoid(gate_row[d])
+
+
+@kernel
+def combine_head(acc, m, l, start, gate, o, th):
+    """o[t, h] for th = t·Hq + h from attend_share's ranges (the query's own: n_ranges of its
+    keys). acc may be o itself, as [1, T, Hq, D] (one range)."""
+    Hq = o.shape[1]
+    t, h = th // Hq, th % Hq
+    _combine(acc, t, h, m, l, t, h, n_ranges(start + t + 1), gate[t, h], o[t, h],
+             acc.shape[0] == 1 and acc.ctypes.data == o.ctypes.data)
 
 
 def _combine_share(thread, n_threads, args):
-    acc, m, l, gate, o = args
-    n = acc.shape[1] * acc.shape[2]
+    acc, m, l, start, gate, o = args
+    n = o.shape[0] * o.shape[1]
     for th in range(thread * n // n_threads, (thread + 1) * n // n_threads):
-        _combine_head(acc, m, l, gate, o, th)
+        combine_head(acc, m, l, start, gate, o, th)
+
+
+def _pair_share(thread, n_threads, args):
+    """A thread's contiguous run of (query, kv head) items, each its ranges in turn into scratch
+    (or, with one range, into o itself) and merged into o there: the same calls as attend_share
+    and combine_head make, so the same bits, without partial outputs for the whole pass."""
+    q, k, v, start, gate, o = args
+    T, Hq, D = o.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    max_ranges = n_ranges(start + T)
+    part = np.empty((max_ranges, 1, G, D), dtype=np.float32)       # as acc [R, T, Hq, D]
+    m = np.empty((max_ranges, 1, G), dtype=np.float32)
+    l = np.empty((max_ranges, 1, G), dtype=np.float32)
+    p = np.empty((G, BLOCK), dtype=np.float32)
+    o4 = o.reshape(1, T, Hq, D)
+    n_items = T * Hkv
+    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
+        t, hkv = _query(item, T, Hkv, 1)
+        h0 = hkv * G
+        n_keys = start + t + 1
+        R = n_ranges(n_keys)
+        if R == 1:
+            _attend_range(q, k, v, t, hkv, 0, n_keys, o4[0, t, h0:h0 + G], m[0, 0, 0:G],
+                          l[0, 0, 0:G], p)
+            for g in range(G):
+                _combine(o4, t, h0 + g, m, l, 0, g, 1, gate[t, h0 + g], o[t, h0 + g], True)
+            continue
+        for r in range(R):
+            _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(n_keys, (r + 1) * RANGE_KEYS),
+                          part[r, 0, 0:G], m[r, 0, 0:G], l[r, 0, 0:G], p)
+        for g in range(G):
+            _combine(part, 0, g, m, l, 0, g, R, gate[t, h0 + g], o[t, h0 + g], False)
 
 
 def _attention_body(q, k, v, start, acc, m, l, gate, o):
-    """Every item over the threads (one fork), then every (query, head) over them (another)."""
-    fork((q, k, v, start, acc, m, l))
-    fork_combine((acc, m, l, gate, o))
+    """Short passes: every range an item (one fork), then every (query, head) merged (another).
+    Others (acc empty): every (query, kv head) pair an item, merged in place (one fork)."""
+    if acc.shape[0] == 0:
+        fork_pairs((q, k, v, start, gate, o))
+    else:
+        fork((q, k, v, start, acc, m, l))
+        fork_combine((acc, m, l, start, gate, o))
 
 
 _attention_kernel = omp.forking_kernel(_attention_body, fork=attend_share,
-                                       fork_combine=_combine_share)
+                                       fork_combine=_combine_share, fork_pairs=_pair_share)
 
 
 def cpu(q, k, v, gate, start, out=None):
-    """fp32 `reference`. Allocates only scratch: per-head maxima and sums, the [G, BLOCK] scores
-    of each item, and for split decode the partial outputs [n_split, T, Hq, D]."""
+    """fp32 `reference`. Allocates only scratch: per-head maxima and sums, the [G, BLOCK] scores,
+    the partial outputs of key ranges ([R, T, Hq, D] for short passes, a query's for others)."""
     op = "attention"
     T, Hq, D = check_array(op, "q", q, np.float32, ndim=3).shape
     Hkv, S = check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
@@ -341,13 +394,13 @@ def cpu(q, k, v, gate, start, out=None):
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
     o = output(op, out, (T, Hq, D))
-    n_split = _n_splits(T * Hkv, start + T)
-    if n_split == 1:
+    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
+    if R == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:
-        acc = np.empty((n_split, T, Hq, D), dtype=np.float32)
-    m = np.empty((n_split, T, Hq), dtype=np.float32)
-    l = np.empty((n_split, T, Hq), dtype=np.float32)
+        acc = np.empty((R, T, Hq, D), dtype=np.float32)
+    m = np.empty((R, T, Hq), dtype=np.float32)
+    l = np.empty((R, T, Hq), dtype=np.float32)
     _attention_kernel()(q, k, v, int(start), acc, m, l, gate, o)
     return o
 
