@@ -192,7 +192,8 @@ def _row_max(typingctx, p, g, n, m0):
         best = cgutils.alloca_once_value(builder, simd.splat(builder, m0v, LANES))
         n_vec = builder.udiv(nv, c(LANES))
         with cgutils.for_range(builder, n_vec) as loop:
-            x = simd.load(builder, pa.data, builder.add(row, builder.mul(loop.index, c(4 * LANES))), vf)
+            off = builder.add(row, builder.mul(loop.index, c(4 * LANES)))
+            x = simd.load(builder, pa.data, off, vf)
             b = builder.load(best)
             builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), best)
         m = cgutils.alloca_once_value(builder, simd.hmax(builder, builder.load(best)))

@@ -229,10 +229,10 @@ def hsums(builder, xs):
 
     def halves(x, y, w):  # x, y: runs of w lanes -> each run's low + high half, x's runs first
         lo = [r * w + i for r in range(x.type.count // w) for i in range(w // 2)]
+        lo += [i + x.type.count for i in lo]                         # y's lanes follow x's
         hi = [i + w // 2 for i in lo]
-        if y is not x:
-            lo, hi = lo + [i + x.type.count for i in lo], hi + [i + x.type.count for i in hi]
-        pick = lambda idx: builder.shuffle_vector(x, y, ir.Constant(vec(I32, len(idx)), idx))  # noqa: E731
+        pick = lambda idx: builder.shuffle_vector(  # noqa: E731
+            x, y, ir.Constant(vec(I32, len(idx)), idx))
         return builder.fadd(pick(lo), pick(hi))
 
     n = w = xs[0].type.count

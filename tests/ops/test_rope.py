@@ -53,7 +53,8 @@ def test_tables_give_each_tokens_own_bits(rng):
     assert x.size >= rope.TABLE_MIN_ELEMENTS
     whole = rope.cpu(x, positions, 64, MODEL_THETA)
     for t in range(20):
-        assert np.array_equal(rope.cpu(x[t:t + 1], positions[t:t + 1], 64, MODEL_THETA), whole[t:t + 1])
+        one = rope.cpu(x[t:t + 1], positions[t:t + 1], 64, MODEL_THETA)
+        assert np.array_equal(one, whole[t:t + 1]), t
     again = x.copy()
     assert np.array_equal(rope.cpu(again, positions, 64, MODEL_THETA, out=again), whole)
 
