@@ -11,6 +11,7 @@ S cache length (the cache may be longer than the keys used), L = start + T keys 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -66,35 +67,45 @@ SPLIT_ITEMS = 16
 SCORE_KEYS = 4
 
 
-def heads_per_tile() -> int:
-    """Query heads a score tile takes: with 32 vector registers (AVX-512) 4 heads x 4 keys, 16
-    accumulators, share each key row's loads; with 16 (AVX2, SSE) one head's 4 already fill them."""
-    return 4 if "avx512f" in jit_cpu.target_features() else 1
+def head_groups() -> tuple:
+    """Sizes of the groups of query heads a score or weighted-value tile takes, tried in turn
+    (the first dividing the group's heads wins; else one head at a time): with 32 vector
+    registers (AVX-512) 4 or 3 heads x 4 keys, 16 or 12 accumulators, share each key row's loads
+    (the full-size model's 8 heads a kv head, the default model's 3); with 16 (AVX2, SSE) one
+    head's 4 accumulators already fill them. Decided when compiled, for the target compiled
+    for; only these shapes are compiled (each costs compile time on a first run)."""
+    return (4, 3) if "avx512f" in jit_cpu.target_features() else ()
+
+
+def _in_groups(builder, n, sizes, emit):
+    """emit(first, size) over consecutive groups of rows covering 0..n-1 (n an i64 value): all
+    of the first of `sizes` that divides n, else single rows."""
+    c = lambda x: ir.Constant(I64, x)  # noqa: E731
+    size = sizes[0] if sizes else 1
+    if size == 1:
+        with cgutils.for_range(builder, n) as i:
+            emit(i.index, 1)
+        return
+    with builder.if_else(builder.icmp_unsigned("==", builder.urem(n, c(size)), c(0))) as (
+            whole, other):
+        with whole:
+            with cgutils.for_range(builder, builder.udiv(n, c(size))) as i:
+                emit(builder.mul(i.index, c(size)), size)
+        with other:
+            _in_groups(builder, n, sizes[1:], emit)
 
 
 @intrinsic
 def _group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
-    """p[g, j + b] = q_t[h0 + g] · k_h[key + b] for g < n_heads, b < SCORE_KEYS: tiles of
-    heads_per_tile() heads (decided when compiled, for the target compiled for), then one tile of
-    the rest."""
+    """p[g, j + b] = q_t[h0 + g] · k_h[key + b] for g < n_heads, b < SCORE_KEYS, the heads in
+    head_groups()."""
     sig = types.none(q_t, k_h, p, h0, n_heads, key, j)
 
     def codegen(context, builder, sig, args):
         qa, ka, pa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in range(3))
         h0v, nv, keyv, jv = args[3:7]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        wide = heads_per_tile()
-        full = builder.udiv(nv, c(wide))
-        with cgutils.for_range(builder, full) as loop:
-            g = builder.mul(loop.index, c(wide))
-            fp32_rows.emit_tile(builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv,
-                                wide, SCORE_KEYS)
-        g = builder.mul(full, c(wide))
-        rest = builder.sub(nv, g)
-        for heads in range(1, wide):                      # the last rest heads in one tile
-            with builder.if_then(builder.icmp_unsigned("==", rest, c(heads))):
-                fp32_rows.emit_tile(builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv,
-                                    heads, SCORE_KEYS)
+        _in_groups(builder, nv, head_groups(), lambda g, heads: fp32_rows.emit_tile(
+            builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv, heads, SCORE_KEYS))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -107,7 +118,7 @@ PV_VECTORS = 4
 @intrinsic
 def _weighted_rows(typingctx, p, v, a, j0, n):
     """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
-    vectors of the rows (then single vectors, then leftover floats), heads_per_tile() rows at a
+    vectors of the rows (then single vectors, then leftover floats), head_groups()' rows at a
     time held in registers over the keys, each key's run of v read once for them (from L1).
     Every a[g, d] sums its keys in order: the rows taken together never change a bit."""
     sig = types.none(p, v, a, j0, n)
@@ -119,7 +130,6 @@ def _weighted_rows(typingctx, p, v, a, j0, n):
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
         n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
         v_stride = builder.extract_value(va.strides, 0)
-        wide = heads_per_tile()
 
         def rows(row0, n_heads, width, offs):
             """rows row0..row0+n_heads-1 of a, the floats at byte offsets offs (width 0:
@@ -149,20 +159,16 @@ def _weighted_rows(typingctx, p, v, a, j0, n):
                                   align=4)
 
         def run(width, count, start):
-            """`count` runs of `width` vectors (width 0: single floats) from float `start`."""
+            """`count` runs of `width` vectors (width 0: single floats) from float `start`; the
+            rows in head_groups() for the runs of PV_VECTORS (all there is for head dims that
+            are multiples of 64), one at a time for the rest."""
             lanes, n_vec = (LANES, width) if width else (1, 1)
             with cgutils.for_range(builder, count) as run_loop:
                 col = builder.mul(builder.add(start, builder.mul(run_loop.index,
                                                                  c(lanes * n_vec))), c(4))
                 offs = [builder.add(col, c(4 * lanes * u)) for u in range(n_vec)]
-                full = builder.udiv(n_rows, c(wide))
-                with cgutils.for_range(builder, full) as group:
-                    rows(builder.mul(group.index, c(wide)), wide, width, offs)
-                row0 = builder.mul(full, c(wide))
-                rest = builder.sub(n_rows, row0)
-                for heads in range(1, wide):
-                    with builder.if_then(builder.icmp_unsigned("==", rest, c(heads))):
-                        rows(row0, heads, width, offs)
+                _in_groups(builder, n_rows, head_groups() if width == PV_VECTORS else (),
+                           lambda row0, heads: rows(row0, heads, width, offs))
 
         n_vec = builder.udiv(d, c(LANES))
         groups = builder.udiv(n_vec, c(PV_VECTORS))
@@ -207,7 +213,7 @@ def _row_max(typingctx, p, g, n, m0):
     return sig, codegen
 
 
-@kernel
+@numba.njit(inline="always")  # inlined: a kernel of its own cost ~0.3 s of a first compile
 def n_ranges(n_keys):
     """Key ranges of a query that attends to n_keys keys."""
     return max(1, (n_keys + RANGE_KEYS - 1) // RANGE_KEYS)
@@ -256,7 +262,7 @@ def _attend_range(q, k, v, t, hkv, j0, j1, a, m_t, l_t, p):
         _weighted_rows(p, v_h, a, jb, n)
 
 
-@kernel
+@numba.njit(inline="always")
 def _query(item, T, Hkv, per):
     """The query and kv head of an item: kv heads outermost, so a thread's run of items reads
     one head's keys and values (at full size 1 MB for 512 keys: L2), not both in turn; queries
@@ -268,23 +274,47 @@ def _query(item, T, Hkv, per):
 
 
 def attend_share(thread, n_threads, args):
-    """A thread's contiguous run of (query, kv head, key range) items, into acc [R, T, Hq, D],
-    m, l [R, T, Hq] (jit.omp.fork; also ops/attention_step.py's): range r of every pair,
-    empty where the query has fewer keys. A fork, not a prange: called from inside another
-    compiled function (attention_step), a prange launch cost several times the work on 2
-    threads, and the parfors of this op took 5 s of a first run's compiling."""
-    q, k, v, start, acc, m, l = args
-    n_range, T, Hq, D = acc.shape
+    """A thread's contiguous run of items (jit.omp.fork; also ops/attention_step.py's). With
+    ranges in acc [R, T, Hq, D] (R > 0; m, l [R, T, Hq]): the items are (query, kv head, key
+    range) triples, range r of each pair into acc[r] (empty where the query has fewer keys),
+    merged later (combine_head). With R = 0: the items are (query, kv head) pairs, each its
+    ranges in turn into scratch (one range: into o itself) and merged into o there, without
+    partial outputs for the whole pass. The same calls either way, so the same bits; one call
+    site of each kernel (each site is optimised apart: a first run's compile time). A fork, not
+    a prange: called from inside another compiled function (attention_step), a prange launch
+    cost several times the work on 2 threads, and the parfors took 5 s of a first compile."""
+    q, k, v, start, acc, m, l, gate, o = args
+    T, Hq, D = o.shape
     Hkv = k.shape[0]
     G = Hq // Hkv
+    per_range = acc.shape[0] > 0
+    n_scratch = 0 if per_range else n_ranges(start + T)
+    part = np.empty((n_scratch, 1, G, D), dtype=np.float32)       # a pair's acc [R, 1, G, D]
+    pm = np.empty((n_scratch, 1, G), dtype=np.float32)
+    pl = np.empty((n_scratch, 1, G), dtype=np.float32)
     p = np.empty((G, BLOCK), dtype=np.float32)
-    n_items = n_range * T * Hkv
+    o4 = o.reshape(1, T, Hq, D)
+    per = acc.shape[0] if per_range else 1
+    n_items = per * T * Hkv
     for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
-        t, hkv = _query(item, T, Hkv, n_range)
-        r = item % n_range
+        t, hkv = _query(item, T, Hkv, per)
         h0 = hkv * G
-        _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(start + t + 1, (r + 1) * RANGE_KEYS),
-                      acc[r, t, h0:h0 + G], m[r, t, h0:h0 + G], l[r, t, h0:h0 + G], p)
+        n_keys = start + t + 1
+        if per_range:
+            r0, r1 = item % per, item % per + 1
+            dst, dt, dh, mm, ll, mt = acc, t, h0, m, l, t
+        else:
+            r0, r1 = 0, n_ranges(n_keys)
+            dst, dt, dh = (o4, t, h0) if r1 == 1 else (part, 0, 0)
+            mm, ll, mt = pm, pl, 0
+        mh = h0 if per_range else 0
+        for r in range(r0, r1):
+            _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(n_keys, (r + 1) * RANGE_KEYS),
+                          dst[r, dt, dh:dh + G], mm[r, mt, mh:mh + G], ll[r, mt, mh:mh + G], p)
+        if not per_range:
+            for g in range(G):
+                _combine(dst, dt, dh + g, pm, pl, 0, g, r1, gate[t, h0 + g], o[t, h0 + g],
+                         r1 == 1)
 
 
 @kernel(fastmath=False)
@@ -334,51 +364,16 @@ def _combine_share(thread, n_threads, args):
         combine_head(acc, m, l, start, gate, o, th)
 
 
-def _pair_share(thread, n_threads, args):
-    """A thread's contiguous run of (query, kv head) items, each its ranges in turn into scratch
-    (or, with one range, into o itself) and merged into o there: the same calls as attend_share
-    and combine_head make, so the same bits, without partial outputs for the whole pass."""
-    q, k, v, start, gate, o = args
-    T, Hq, D = o.shape
-    Hkv = k.shape[0]
-    G = Hq // Hkv
-    max_ranges = n_ranges(start + T)
-    part = np.empty((max_ranges, 1, G, D), dtype=np.float32)       # as acc [R, T, Hq, D]
-    m = np.empty((max_ranges, 1, G), dtype=np.float32)
-    l = np.empty((max_ranges, 1, G), dtype=np.float32)
-    p = np.empty((G, BLOCK), dtype=np.float32)
-    o4 = o.reshape(1, T, Hq, D)
-    n_items = T * Hkv
-    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
-        t, hkv = _query(item, T, Hkv, 1)
-        h0 = hkv * G
-        n_keys = start + t + 1
-        R = n_ranges(n_keys)
-        if R == 1:
-            _attend_range(q, k, v, t, hkv, 0, n_keys, o4[0, t, h0:h0 + G], m[0, 0, 0:G],
-                          l[0, 0, 0:G], p)
-            for g in range(G):
-                _combine(o4, t, h0 + g, m, l, 0, g, 1, gate[t, h0 + g], o[t, h0 + g], True)
-            continue
-        for r in range(R):
-            _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(n_keys, (r + 1) * RANGE_KEYS),
-                          part[r, 0, 0:G], m[r, 0, 0:G], l[r, 0, 0:G], p)
-        for g in range(G):
-            _combine(part, 0, g, m, l, 0, g, R, gate[t, h0 + g], o[t, h0 + g], False)
-
-
 def _attention_body(q, k, v, start, acc, m, l, gate, o):
-    """Short passes: every range an item (one fork), then every (query, head) merged (another).
-    Others (acc empty): every (query, kv head) pair an item, merged in place (one fork)."""
-    if acc.shape[0] == 0:
-        fork_pairs((q, k, v, start, gate, o))
-    else:
-        fork((q, k, v, start, acc, m, l))
+    """The items over the threads (one fork); with key ranges in acc, every (query, head)
+    merged after them (another)."""
+    fork((q, k, v, start, acc, m, l, gate, o))
+    if acc.shape[0] > 0:
         fork_combine((acc, m, l, start, gate, o))
 
 
 _attention_kernel = omp.forking_kernel(_attention_body, fork=attend_share,
-                                       fork_combine=_combine_share, fork_pairs=_pair_share)
+                                       fork_combine=_combine_share)
 
 
 def cpu(q, k, v, gate, start, out=None):

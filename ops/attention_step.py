@@ -68,7 +68,7 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
         acc = np.empty((n_range, 1, Hq, D), np.float32)
     m = np.empty((n_range, 1, Hq), np.float32)
     l = np.empty((n_range, 1, Hq), np.float32)
-    fork((q, cache_k, cache_v, start, acc, m, l))              # the key ranges over the threads
+    fork((q, cache_k, cache_v, start, acc, m, l, gate, o))    # the key ranges over the threads
     for th in range(Hq):
         attention.combine_head(acc, m, l, start, gate, o, th)
     matvec._quantize_act_kernel(o.reshape(1, Hq * D), xq, dx, xsum8, lanes, step_blocks,
