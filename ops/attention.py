@@ -313,8 +313,8 @@ def attend_share(thread, n_threads, args):
                           dst[r, dt, dh:dh + G], mm[r, mt, mh:mh + G], ll[r, mt, mh:mh + G], p)
         if not per_range:
             for g in range(G):
-                _combine(dst, dt, dh + g, pm, pl, 0, g, r1, gate[t, h0 + g], o[t, h0 + g],
-                         r1 == 1)
+                _combine(dst, dt, dh + g, pm, pl, mt, g, r1, gate[t, h0 + g], o[t, h0 + g],
+                         r1 == 1)  # mt (0), not a literal 0: that compiled _combine twice
 
 
 @kernel(fastmath=False)
