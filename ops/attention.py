@@ -11,7 +11,6 @@ S cache length (the cache may be longer than the keys used), L = start + T keys 
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -213,7 +212,7 @@ def _row_max(typingctx, p, g, n, m0):
     return sig, codegen
 
 
-@numba.njit(inline="always")  # inlined: a kernel of its own cost ~0.3 s of a first compile
+@kernel
 def n_ranges(n_keys):
     """Key ranges of a query that attends to n_keys keys."""
     return max(1, (n_keys + RANGE_KEYS - 1) // RANGE_KEYS)
@@ -262,7 +261,7 @@ def _attend_range(q, k, v, t, hkv, j0, j1, a, m_t, l_t, p):
         _weighted_rows(p, v_h, a, jb, n)
 
 
-@numba.njit(inline="always")
+@kernel
 def _query(item, T, Hkv, per):
     """The query and kv head of an item: kv heads outermost, so a thread's run of items reads
     one head's keys and values (at full size 1 MB for 512 keys: L2), not both in turn; queries
