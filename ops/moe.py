@@ -285,10 +285,8 @@ class FfnBuffers:
 
     @classmethod
     def make(cls, n: int, qs_gate_up, qs_down) -> "FfnBuffers":
-        f = np.float32
-        two_i = qs_gate_up.shape[1]
-        return cls(np.empty((n, two_i), f), np.empty((n, two_i // 2), f),
-                   np.empty((n, qs_down.shape[1]), f))
+        two_i, empty = qs_gate_up.shape[1], matvec.aligned_empty  # on cache lines: matvec.LINE
+        return cls(empty((n, two_i)), empty((n, two_i // 2)), empty((n, qs_down.shape[1])))
 
 
 def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_swiglu_rows,
