@@ -429,16 +429,19 @@ class Model:
         if ws.embeds is not None:                                      # image tokens
             ws.x[ws.embeds[0]] = ws.embeds[1]
         np.add(ws.offsets, start + state.rope_delta, out=ws.positions)  # delta: after images
+        # Each residual add is done by the norm after it (rmsnorm.residual_cpu: x += y first).
+        y = None                                                       # the last layer's moe(...)
         for w, s in zip(self.layers, state.layers):
-            rmsnorm.cpu(ws.x, w.input_norm, self.eps, out=ws.xn)
+            rmsnorm.residual_cpu(ws.x, y, w.input_norm, self.eps, out=ws.xn)
             if isinstance(s, KvCache):
                 self.attention(w.mixer, w.joined_in, s, start, ws)
             else:
                 self.gated_deltanet(w.mixer, w.joined_in, w.gates_in, s, ws)
-            ws.x += ws.y                                               # h = x + mixer(norm(x))
-            rmsnorm.cpu(ws.x, w.post_norm, self.eps, out=ws.xn)
+            rmsnorm.residual_cpu(ws.x, ws.y, w.post_norm, self.eps, out=ws.xn)  # h = x + mixer
             self.moe(w, ws)
-            ws.x += ws.y                                               # x = h + moe(norm(h))
+            y = ws.y                                                   # x = h + moe(norm(h))
+        if y is not None:
+            ws.x += y
         state.position += tokens.size
 
     def _check_token(self, tokens) -> None:
