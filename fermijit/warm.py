@@ -39,8 +39,8 @@ def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=
     """Compile (or load from Numba's cache) every kernel of prefill, decode and `sampler` on a
     throwaway state, so that the timings measure the model, not the JIT; returns the seconds it
     took. `sampler` is a twin of the real one, as sampling draws from its generator (its compile
-    was 1.4 s of a cold run's "prefill"). Some ops switch to a parallel kernel past a size (e.g.
-    ops/rope.py PARALLEL_MIN_ELEMENTS): `n_prefill` as long as the prefills to come compiles
+    was 1.4 s of a cold run's "prefill"). Some ops switch to another kernel past a size (e.g.
+    ops/rope.py TABLE_MIN_ELEMENTS): `n_prefill` as long as the prefills to come compiles
     those too (`eval` does; on the default model a cold prefill of 512 tokens compiled 7 more
     kernels, 3.7 s, after the 2-token one)."""
     start = time.perf_counter()

@@ -66,9 +66,6 @@ class BatchWorkspace:
         self.o = np.empty((B, Hq, D), f)
         self.act_attn = matvec.quantize_act(self.o.reshape(B, -1), isa)
         self.act_attn_rows = _rows(self.act_attn)
-        splits = attention_step.max_splits(Hkv)
-        self.m = np.empty((splits, 1, Hq), f)
-        self.l = np.empty((splits, 1, Hq), f)
         # gated deltanet: qkv | z, b | a; one sequence's step scratch
         self.gdn_in = np.empty((B, C + Hv * dv), f)
         self.gates_in = np.empty((B, 2 * Hv), f)
@@ -122,7 +119,7 @@ def decode_batch(model: Model, tokens, states: list[State],
             for b, cache in enumerate(layer_states):
                 attention_step.cpu(ws.attn_in[b:b + 1], mixer.q_norm, mixer.k_norm, eps,
                                    ws.positions[b:b + 1], model.rotary_dim, model.theta,
-                                   cache.k, cache.v, ws.q, ws.gate, ws.o[b:b + 1], ws.m, ws.l,
+                                   cache.k, cache.v, ws.q, ws.gate, ws.o[b:b + 1],
                                    ws.act_attn_rows[b])
             linear(ws.o.reshape(B, -1), mixer.o_proj, ws.y, ws.act_attn, like_gemv=True)
         else:

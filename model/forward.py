@@ -227,9 +227,6 @@ class Workspace:
         self.act = quantized(H)
         self.act_attn = quantized(self.o.size)
         self.act_gdn = quantized(self.go.size)
-        splits = attention_step.max_splits(model.n_kv_heads)
-        self.m = np.empty((splits, 1, model.n_heads), f)
-        self.l = np.empty((splits, 1, model.n_heads), f)
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
@@ -382,7 +379,7 @@ class Model:
                     linear(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act)
                 attention_step.cpu(ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions,
                                    self.rotary_dim, self.theta, s.k, s.v, ws.q, ws.gate, ws.o,
-                                   ws.m, ws.l, ws.act_attn)
+                                   ws.act_attn)
                 linear(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
             else:
                 residual_step.cpu(ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in,

@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
+from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp, simd
 from fermijit.jit.cpu import kernel
 from fermijit.jit.simd import F32, I64, vec
@@ -47,20 +48,56 @@ def reference(q, k, v, gate, start):
 
 # Keys per online-softmax step: the [G, BLOCK] scores of one step stay in L1.
 BLOCK = 64
-# Decode splits the keys of a head into ranges that threads process apart and `_combine` merges
-# (flash-decoding): with Hkv = 2 there are too few heads to occupy the cores otherwise. A range
-# shorter than this costs more in set-up and merging than it saves.
-SPLIT_MIN_KEYS = 256
-# Items wanted in all: two per thread up to 8 threads. A constant, not the thread count, so the
-# key ranges and the order partial results are merged in, and so the bits of the output, are the
-# same whatever the thread count (issue 9 item 7: 1- and 2-thread runs diverged at 512 keys).
+# A query's keys are cut at multiples of RANGE_KEYS; each range's partial attention (the online
+# softmax over its blocks) is computed alone and the partials merged by `_combine`, one fixed
+# way. So a query's output has the same bits in a pass of any length and in a decode step (a
+# prompt split into passes, a prefix-cache resume), and decode can give a head's ranges to
+# different threads (flash-decoding: with Hkv = 2 there are too few heads to occupy the cores
+# otherwise). Shorter ranges cost more in set-up and merging than they save.
+RANGE_KEYS = 256
+# Calls with fewer (query, kv head) pairs than this (decode, short passes) make every range an
+# item of its own over the threads and merge afterwards; others take a pair's ranges in turn in
+# one item and merge there. Either way the same bits, whatever the thread count (issue 9 item 7).
 SPLIT_ITEMS = 16
 
 
-# Keys per score tile: one query row against 4 key rows, 16-float accumulators (fp32_rows.tile):
-# 5 loads per 4 vector multiply-adds where the dot product over D reloaded both rows per key.
+# Keys per score tile: the group's query rows against 4 key rows, 16-float accumulators
+# (fp32_rows.tile), every score summed in one fixed order whatever the tile (the bits).
 SCORE_KEYS = 4
-score_tile = fp32_rows.tile(1, SCORE_KEYS)
+
+
+def heads_per_tile() -> int:
+    """Query heads a score tile takes: with 32 vector registers (AVX-512) 4 heads x 4 keys, 16
+    accumulators, share each key row's loads; with 16 (AVX2, SSE) one head's 4 already fill them."""
+    return 4 if "avx512f" in jit_cpu.target_features() else 1
+
+
+@intrinsic
+def _group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
+    """p[g, j + b] = q_t[h0 + g] · k_h[key + b] for g < n_heads, b < SCORE_KEYS: tiles of
+    heads_per_tile() heads (decided when compiled, for the target compiled for), then one tile of
+    the rest."""
+    sig = types.none(q_t, k_h, p, h0, n_heads, key, j)
+
+    def codegen(context, builder, sig, args):
+        qa, ka, pa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in range(3))
+        h0v, nv, keyv, jv = args[3:7]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        wide = heads_per_tile()
+        full = builder.udiv(nv, c(wide))
+        with cgutils.for_range(builder, full) as loop:
+            g = builder.mul(loop.index, c(wide))
+            fp32_rows.emit_tile(builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv,
+                                wide, SCORE_KEYS)
+        g = builder.mul(full, c(wide))
+        rest = builder.sub(nv, g)
+        for heads in range(1, wide):                      # the last rest heads in one tile
+            with builder.if_then(builder.icmp_unsigned("==", rest, c(heads))):
+                fp32_rows.emit_tile(builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv,
+                                    heads, SCORE_KEYS)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 # Vectors of 16 floats of a row of `a` held in registers while the keys' weighted values are added.
@@ -70,10 +107,9 @@ PV_VECTORS = 4
 @intrinsic
 def _weighted_rows(typingctx, p, v, a, j0, n):
     """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
-    vectors of the rows (then single vectors, then leftover floats), each row's run held in
-    registers over the keys, the keys' run of v (n x 256 bytes) read from L1 by every row. The
-    loop it replaced loaded and stored a[g] for every key. 3e-7 from that loop's bits (the
-    kernel's reassociation)."""
+    vectors of the rows (then single vectors, then leftover floats), heads_per_tile() rows at a
+    time held in registers over the keys, each key's run of v read once for them (from L1).
+    Every a[g, d] sums its keys in order: the rows taken together never change a bit."""
     sig = types.none(p, v, a, j0, n)
 
     def codegen(context, builder, sig, args):
@@ -83,35 +119,50 @@ def _weighted_rows(typingctx, p, v, a, j0, n):
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
         n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
         v_stride = builder.extract_value(va.strides, 0)
+        wide = heads_per_tile()
+
+        def rows(row0, n_heads, width, offs):
+            """rows row0..row0+n_heads-1 of a, the floats at byte offsets offs (width 0:
+            single floats), over the n keys."""
+            ty = vec(F32, LANES) if width else F32
+            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
+                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
+            a_rows = [builder.mul(builder.add(row0, c(h)), builder.extract_value(aa.strides, 0))
+                      for h in range(n_heads)]
+            p_rows = [builder.mul(builder.add(row0, c(h)), builder.extract_value(pa.strides, 0))
+                      for h in range(n_heads)]
+            accs = [[cgutils.alloca_once_value(builder, load(aa.data, builder.add(r, o)))
+                     for o in offs] for r in a_rows]
+            with cgutils.for_range(builder, nv) as key:
+                v_row = builder.mul(builder.add(j0v, key.index), v_stride)
+                xs = [load(va.data, builder.add(v_row, o)) for o in offs]
+                for p_row, row_accs in zip(p_rows, accs):
+                    w = simd.load_scalar(builder, pa.data, builder.add(
+                        p_row, builder.mul(key.index, c(4))), F32)
+                    w = simd.splat(builder, w, LANES) if width else w
+                    for acc, x in zip(row_accs, xs):
+                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
+            for r, row_accs in zip(a_rows, accs):
+                for acc, o in zip(row_accs, offs):
+                    dst = simd.byte_ptr(builder, aa.data, builder.add(r, o))
+                    builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
+                                  align=4)
 
         def run(width, count, start):
             """`count` runs of `width` vectors (width 0: single floats) from float `start`."""
             lanes, n_vec = (LANES, width) if width else (1, 1)
-            ty = vec(F32, LANES) if width else F32
-            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
-                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
             with cgutils.for_range(builder, count) as run_loop:
                 col = builder.mul(builder.add(start, builder.mul(run_loop.index,
                                                                  c(lanes * n_vec))), c(4))
                 offs = [builder.add(col, c(4 * lanes * u)) for u in range(n_vec)]
-                with cgutils.for_range(builder, n_rows) as row:
-                    a_row = builder.mul(row.index, builder.extract_value(aa.strides, 0))
-                    p_row = builder.mul(row.index, builder.extract_value(pa.strides, 0))
-                    accs = [cgutils.alloca_once_value(builder, load(aa.data, builder.add(a_row, o)))
-                            for o in offs]
-                    with cgutils.for_range(builder, nv) as key:
-                        w = simd.load_scalar(builder, pa.data, builder.add(
-                            p_row, builder.mul(key.index, c(4))), F32)
-                        w = simd.splat(builder, w, LANES) if width else w
-                        v_row = builder.mul(builder.add(j0v, key.index), v_stride)
-                        for acc, o in zip(accs, offs):
-                            x = load(va.data, builder.add(v_row, o))
-                            builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)),
-                                          acc)
-                    for acc, o in zip(accs, offs):
-                        dst = simd.byte_ptr(builder, aa.data, builder.add(a_row, o))
-                        builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
-                                      align=4)
+                full = builder.udiv(n_rows, c(wide))
+                with cgutils.for_range(builder, full) as group:
+                    rows(builder.mul(group.index, c(wide)), wide, width, offs)
+                row0 = builder.mul(full, c(wide))
+                rest = builder.sub(n_rows, row0)
+                for heads in range(1, wide):
+                    with builder.if_then(builder.icmp_unsigned("==", rest, c(heads))):
+                        rows(row0, heads, width, offs)
 
         n_vec = builder.udiv(d, c(LANES))
         groups = builder.udiv(n_vec, c(PV_VECTORS))
@@ -125,50 +176,64 @@ def _weighted_rows(typingctx, p, v, a, j0, n):
     return sig, codegen
 
 
-def _n_splits(n_items: int, n_keys: int) -> int:
-    """Key ranges per (query, kv head) item: enough for SPLIT_ITEMS items, if long enough."""
-    wanted = -(-SPLIT_ITEMS // max(n_items, 1))
-    return max(1, min(wanted, n_keys // SPLIT_MIN_KEYS))
+@intrinsic
+def _row_max(typingctx, p, g, n, m0):
+    """max(m0, p[g, 0..n-1]) in 16-float vectors (compare and select: exact, so the order does
+    not matter). LLVM keeps a loop of scalar max() serial without the no-NaNs flag: one compare
+    and select of latency a score, most of the softmax's time."""
+    sig = types.float32(p, g, n, m0)
+
+    def codegen(context, builder, sig, args):
+        pa = context.make_array(sig.args[0])(context, builder, args[0])
+        gv, nv, m0v = args[1:4]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        vf = vec(F32, LANES)
+        row = builder.mul(gv, builder.extract_value(pa.strides, 0))
+        best = cgutils.alloca_once_value(builder, simd.splat(builder, m0v, LANES))
+        n_vec = builder.udiv(nv, c(LANES))
+        with cgutils.for_range(builder, n_vec) as loop:
+            off = builder.add(row, builder.mul(loop.index, c(4 * LANES)))
+            x = simd.load(builder, pa.data, off, vf)
+            b = builder.load(best)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), best)
+        m = cgutils.alloca_once_value(builder, simd.hmax(builder, builder.load(best)))
+        with cgutils.for_range(builder, builder.sub(nv, builder.mul(n_vec, c(LANES)))) as loop:
+            j = builder.add(builder.mul(n_vec, c(LANES)), loop.index)
+            x = simd.load_scalar(builder, pa.data, builder.add(row, builder.mul(j, c(4))), F32)
+            b = builder.load(m)
+            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), m)
+        return builder.load(m)
+
+    return sig, codegen
 
 
 @kernel
-def _attend_item(q, k, v, start, acc, m, l, item):
-    """Unnormalised partial attention of one (query, kv head, key range) item, for the G query
-    heads sharing the kv head, so each key and value row is read once per item:
-    acc [n_split, T, Hq, D] = sum_s e^(score - m) v_s, m [n_split, T, Hq] the running max of the
-    scores and l the sum of e^(score - m). An empty key range leaves m = -inf, l = 0, acc = 0."""
-    n_split, T, Hq, D = acc.shape
-    Hkv = k.shape[0]
-    G = Hq // Hkv
-    span = (start + T + n_split - 1) // n_split
-    scale = np.float32(1 / np.sqrt(D))
-    split = item % n_split
-    # kv heads outermost, so a thread's run of items reads one head's keys and values (at full
-    # size 1 MB for 512 keys: L2), not both in turn. Pairs (t, T-1-t) are adjacent, so every
-    # contiguous run of items has the same causal work: each thread takes a contiguous run of
-    # items (attend_share).
-    hkv = (item // n_split) % Hkv
-    rank = item // (n_split * Hkv)
-    t = rank // 2 if rank % 2 == 0 else T - 1 - rank // 2
-    j0 = split * span
-    j1 = min(start + t + 1, j0 + span)
+def n_ranges(n_keys):
+    """Key ranges of a query that attends to n_keys keys."""
+    return max(1, (n_keys + RANGE_KEYS - 1) // RANGE_KEYS)
+
+
+@kernel
+def _attend_range(q, k, v, t, hkv, j0, j1, a, m_t, l_t, p):
+    """Unnormalised partial attention of query t over keys j0..j1-1 of kv head hkv, for the G
+    query heads sharing it, so each key and value row is read once: a [G, D] = Σ_s e^(score - m)
+    v_s, m_t [G] the running max of the scores and l_t the sum of e^(score - m); p [G, BLOCK]
+    scratch. An empty range leaves m = -inf, l = 0, a = 0. Every caller passes a, m_t, l_t as
+    the same kind of view (of 4-D and 3-D arrays), so this compiles once: one code, one set of
+    bits."""
+    G, D = a.shape
     h0 = hkv * G
-    a = acc[split, t, h0:h0 + G]                                      # [G, D]
-    m_t = m[split, t, h0:h0 + G]                                      # [G]
-    l_t = l[split, t, h0:h0 + G]
+    scale = np.float32(1 / np.sqrt(D))
     a[:] = 0
     m_t[:] = -np.inf
     l_t[:] = 0
-    p = np.empty((G, BLOCK), dtype=np.float32)                        # scores, then weights
     q_t, k_h, v_h = q[t], k[hkv], v[hkv]                              # [Hq, D], [S, D]
     for jb in range(j0, j1, BLOCK):
         n = min(BLOCK, j1 - jb)
-        # q·k: 4 keys a tile sharing the query's loads (ops.fp32_rows), every head of the group
-        # against those 4 keys (in L1) before the next ones
+        # q·k: every head of the group against 4 keys a tile (in L1) before the next ones
         j = 0
         while j + SCORE_KEYS <= n:
-            for g in range(G):
-                score_tile(q_t, k_h, p, h0 + g, jb + j, g, j)
+            _group_scores(q_t, k_h, p, h0, G, jb + j, j)
             j += SCORE_KEYS
         for j in range(j, n):
             for g in range(G):
@@ -177,9 +242,7 @@ def _attend_item(q, k, v, start, acc, m, l, item):
             for j in range(n):
                 p[g, j] *= scale
         for g in range(G):
-            m_new = m_t[g]
-            for j in range(n):
-                m_new = max(m_new, p[g, j])
+            m_new = _row_max(p, g, n, m_t[g])
             rescale = np.exp(m_t[g] - m_new)
             total = np.float32(0)
             for j in range(n):
@@ -193,62 +256,134 @@ def _attend_item(q, k, v, start, acc, m, l, item):
         _weighted_rows(p, v_h, a, jb, n)
 
 
+@kernel
+def _query(item, T, Hkv, per):
+    """The query and kv head of an item: kv heads outermost, so a thread's run of items reads
+    one head's keys and values (at full size 1 MB for 512 keys: L2), not both in turn; queries
+    in pairs (t, T-1-t), so every contiguous run of items has the same causal work (each thread
+    takes a contiguous run). `per` items a (query, kv head) pair (its ranges)."""
+    hkv = (item // per) % Hkv
+    rank = item // (per * Hkv)
+    return (rank // 2 if rank % 2 == 0 else T - 1 - rank // 2), hkv
+
+
 def attend_share(thread, n_threads, args):
-    """A thread's contiguous run of items (jit.omp.fork; also ops/attention_step.py's). A fork,
-    not a prange: called from inside another compiled function (attention_step), a prange
-    launch cost several times the work on 2 threads, and the parfors of this op took 5 s of a
-    first run's compiling."""
+    """A thread's contiguous run of (query, kv head, key range) items, into acc [R, T, Hq, D],
+    m, l [R, T, Hq] (jit.omp.fork; also ops/attention_step.py's): range r of every pair,
+    empty where the query has fewer keys. A fork, not a prange: called from inside another
+    compiled function (attention_step), a prange launch cost several times the work on 2
+    threads, and the parfors of this op took 5 s of a first run's compiling."""
     q, k, v, start, acc, m, l = args
-    n_items = acc.shape[0] * acc.shape[1] * k.shape[0]
+    n_range, T, Hq, D = acc.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    p = np.empty((G, BLOCK), dtype=np.float32)
+    n_items = n_range * T * Hkv
     for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
-        _attend_item(q, k, v, start, acc, m, l, item)
+        t, hkv = _query(item, T, Hkv, n_range)
+        r = item % n_range
+        h0 = hkv * G
+        _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(start + t + 1, (r + 1) * RANGE_KEYS),
+                      acc[r, t, h0:h0 + G], m[r, t, h0:h0 + G], l[r, t, h0:h0 + G], p)
+
+
+@kernel(fastmath=False)
+def _combine(acc, at, ah, m, l, mt, mh, R, gate_row, o_row, in_place):
+    """o_row = the R key ranges' partials acc[s, at, ah] (maxima m[s, mt, mh], sums l) each
+    rescaled to the common max, / their sum · sigmoid(gate_row). No fast-math: the same bits from
+    every caller. in_place: acc[0, at, ah] is o_row itself (one range, accumulated in o), so the
+    loop reads and writes one array and vectorises."""
+    D = o_row.shape[0]
+    m_max = m[0, mt, mh]
+    for s in range(1, R):
+        m_max = max(m_max, m[s, mt, mh])
+    total = np.float32(0)
+    for s in range(R):
+        total += np.exp(m[s, mt, mh] - m_max) * l[s, mt, mh]
+    w = np.exp(m[0, mt, mh] - m_max) / total
+    if in_place:
+        for d in range(D):
+            o_row[d] = w * o_row[d] * mathf.sigmoid(gate_row[d])
+        return
+    a_row = acc[0, at, ah]
+    for d in range(D):
+        o_row[d] = w * a_row[d]
+    for s in range(1, R):
+        w = np.exp(m[s, mt, mh] - m_max) / total
+        a_row = acc[s, at, ah]
+        for d in range(D):
+            o_row[d] += w * a_row[d]
+    for d in range(D):
+        o_row[d] *= mathf.sigmoid(gate_row[d])
 
 
 @kernel
-def _combine_head(acc, m, l, gate, o, th):
-    """o[t, h] for th = t·Hq + h: the key ranges' partial sums, each rescaled to the common max,
-    / l · sigmoid(gate). `acc` may be `o` itself (one key range): each element is read before
-    it is written."""
-    n_split, T, Hq, D = acc.shape
-    t = th // Hq
-    h = th % Hq
-    m_max = m[0, t, h]
-    for s in range(1, n_split):
-        m_max = max(m_max, m[s, t, h])
-    total = np.float32(0)
-    for s in range(n_split):
-        total += np.exp(m[s, t, h] - m_max) * l[s, t, h]
-    w = np.exp(m[0, t, h] - m_max) / total
-    for d in range(D):
-        o[t, h, d] = w * acc[0, t, h, d]
-    for s in range(1, n_split):
-        w = np.exp(m[s, t, h] - m_max) / total
-        for d in range(D):
-            o[t, h, d] += w * acc[s, t, h, d]
-    for d in range(D):
-        o[t, h, d] *= mathf.sigmoid(gate[t, h, d])
+def combine_head(acc, m, l, start, gate, o, th):
+    """o[t, h] for th = t·Hq + h from attend_share's ranges (the query's own: n_ranges of its
+    keys). acc may be o itself, as [1, T, Hq, D] (one range)."""
+    Hq = o.shape[1]
+    t, h = th // Hq, th % Hq
+    _combine(acc, t, h, m, l, t, h, n_ranges(start + t + 1), gate[t, h], o[t, h],
+             acc.shape[0] == 1 and acc.ctypes.data == o.ctypes.data)
 
 
 def _combine_share(thread, n_threads, args):
-    acc, m, l, gate, o = args
-    n = acc.shape[1] * acc.shape[2]
+    acc, m, l, start, gate, o = args
+    n = o.shape[0] * o.shape[1]
     for th in range(thread * n // n_threads, (thread + 1) * n // n_threads):
-        _combine_head(acc, m, l, gate, o, th)
+        combine_head(acc, m, l, start, gate, o, th)
+
+
+def _pair_share(thread, n_threads, args):
+    """A thread's contiguous run of (query, kv head) items, each its ranges in turn into scratch
+    (or, with one range, into o itself) and merged into o there: the same calls as attend_share
+    and combine_head make, so the same bits, without partial outputs for the whole pass."""
+    q, k, v, start, gate, o = args
+    T, Hq, D = o.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    max_ranges = n_ranges(start + T)
+    part = np.empty((max_ranges, 1, G, D), dtype=np.float32)       # as acc [R, T, Hq, D]
+    m = np.empty((max_ranges, 1, G), dtype=np.float32)
+    l = np.empty((max_ranges, 1, G), dtype=np.float32)
+    p = np.empty((G, BLOCK), dtype=np.float32)
+    o4 = o.reshape(1, T, Hq, D)
+    n_items = T * Hkv
+    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
+        t, hkv = _query(item, T, Hkv, 1)
+        h0 = hkv * G
+        n_keys = start + t + 1
+        R = n_ranges(n_keys)
+        if R == 1:
+            _attend_range(q, k, v, t, hkv, 0, n_keys, o4[0, t, h0:h0 + G], m[0, 0, 0:G],
+                          l[0, 0, 0:G], p)
+            for g in range(G):
+                _combine(o4, t, h0 + g, m, l, 0, g, 1, gate[t, h0 + g], o[t, h0 + g], True)
+            continue
+        for r in range(R):
+            _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(n_keys, (r + 1) * RANGE_KEYS),
+                          part[r, 0, 0:G], m[r, 0, 0:G], l[r, 0, 0:G], p)
+        for g in range(G):
+            _combine(part, 0, g, m, l, 0, g, R, gate[t, h0 + g], o[t, h0 + g], False)
 
 
 def _attention_body(q, k, v, start, acc, m, l, gate, o):
-    """Every item over the threads (one fork), then every (query, head) over them (another)."""
-    fork((q, k, v, start, acc, m, l))
-    fork_combine((acc, m, l, gate, o))
+    """Short passes: every range an item (one fork), then every (query, head) merged (another).
+    Others (acc empty): every (query, kv head) pair an item, merged in place (one fork)."""
+    if acc.shape[0] == 0:
+        fork_pairs((q, k, v, start, gate, o))
+    else:
+        fork((q, k, v, start, acc, m, l))
+        fork_combine((acc, m, l, start, gate, o))
 
 
 _attention_kernel = omp.forking_kernel(_attention_body, fork=attend_share,
-                                       fork_combine=_combine_share)
+                                       fork_combine=_combine_share, fork_pairs=_pair_share)
 
 
 def cpu(q, k, v, gate, start, out=None):
-    """fp32 `reference`. Allocates only scratch: per-head maxima and sums, the [G, BLOCK] scores
-    of each item, and for split decode the partial outputs [n_split, T, Hq, D]."""
+    """fp32 `reference`. Allocates only scratch: per-head maxima and sums, the [G, BLOCK] scores,
+    the partial outputs of key ranges ([R, T, Hq, D] for short passes, a query's for others)."""
     op = "attention"
     T, Hq, D = check_array(op, "q", q, np.float32, ndim=3).shape
     Hkv, S = check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
@@ -260,13 +395,13 @@ def cpu(q, k, v, gate, start, out=None):
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
     o = output(op, out, (T, Hq, D))
-    n_split = _n_splits(T * Hkv, start + T)
-    if n_split == 1:
+    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
+    if R == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:
-        acc = np.empty((n_split, T, Hq, D), dtype=np.float32)
-    m = np.empty((n_split, T, Hq), dtype=np.float32)
-    l = np.empty((n_split, T, Hq), dtype=np.float32)
+        acc = np.empty((R, T, Hq, D), dtype=np.float32)
+    m = np.empty((R, T, Hq), dtype=np.float32)
+    l = np.empty((R, T, Hq), dtype=np.float32)
     _attention_kernel()(q, k, v, int(start), acc, m, l, gate, o)
     return o
 

@@ -40,8 +40,8 @@ def reference(qkv, q_norm, k_norm, eps, position, rotary_dim, theta, cache_k, ca
     return attention.reference(q, new_k, new_v, gate, position), new_k, new_v
 
 
-def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, n_split, q, gate, o,
-          m, l, xq, dx, xsum8, lanes, step_blocks, half_lanes):
+def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, q, gate, o, xq, dx,
+               xsum8, lanes, step_blocks, half_lanes):
     _, Hq, D = q.shape
     Hkv = cache_k.shape[0]
     start = positions[0]
@@ -61,14 +61,16 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
         for d in range(D):
             cache_k[h, start, d] = k[0, h, d]
             cache_v[h, start, d] = v[0, h, d]
-    if n_split == 1:
+    n_range = attention.n_ranges(start + 1)
+    if n_range == 1:
         acc = o.reshape(1, 1, Hq, D)                           # accumulate in place
     else:
-        acc = np.empty((n_split, 1, Hq, D), np.float32)
-    m_, l_ = m[:n_split], l[:n_split]
-    fork((q, cache_k, cache_v, start, acc, m_, l_))          # the items over the threads
+        acc = np.empty((n_range, 1, Hq, D), np.float32)
+    m = np.empty((n_range, 1, Hq), np.float32)
+    l = np.empty((n_range, 1, Hq), np.float32)
+    fork((q, cache_k, cache_v, start, acc, m, l))              # the key ranges over the threads
     for th in range(Hq):
-        attention._combine_head(acc, m_, l_, gate, o, th)
+        attention.combine_head(acc, m, l, start, gate, o, th)
     matvec._quantize_act_kernel(o.reshape(1, Hq * D), xq, dx, xsum8, lanes, step_blocks,
                                 half_lanes)
 
@@ -76,23 +78,17 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
 _step_kernel = omp.forking_kernel(_step_body, fork=attention.attend_share)
 
 
-def max_splits(n_kv_heads: int) -> int:
-    """The most key ranges decode attention splits a kv head into (the rows of m and l)."""
-    return attention._n_splits(n_kv_heads, 1 << 62)
-
-
 def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
-        m, l, act: Q8Act) -> Q8Act:
+        act: Q8Act) -> Q8Act:
     """`reference` for decode, into preallocated buffers: the token at positions[0] (int64 [1]);
     qkv [1, ...] is overwritten (k's norm and rotation, in place); the cache gets its key and
     value; o [1, Hq, D] and its quantisation `act` (a Q8Act of [1, Hq·D]). q, gate [1, Hq, D]
-    and m, l [max_splits(Hkv), 1, Hq] are scratch. The caller (model/forward.py's decode) made
-    every buffer once, of the right shapes and dtypes: only the kernel's signature checks them."""
+    are scratch. The caller (model/forward.py's decode) made every buffer once, of the right
+    shapes and dtypes: only the kernel's signature checks them."""
     v_ = act.vec
     half = matvec.simd.HALF_OF.get(v_.isa)
-    n_split = attention._n_splits(cache_k.shape[0], int(positions[0]) + 1)
     _step_kernel()(qkv, q_norm, k_norm, float(eps), positions,
-                   rope._inv_freq(int(rotary_dim), float(theta)), cache_k, cache_v, n_split, q,
-                   gate, o, m, l, act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
+                   rope._inv_freq(int(rotary_dim), float(theta)), cache_k, cache_v, q, gate, o,
+                   act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
                    half.lanes if half else 0)
     return act

@@ -51,51 +51,78 @@ def tile(n_tok: int, n_rows: int):
         def codegen(context, builder, sig, args):
             xa, wa, oa = (context.make_array(sig.args[i])(context, builder, args[i])
                           for i in range(3))
-            t0v, r0v, o0v, c0v = args[3:7]
-            c = lambda n: ir.Constant(I64, n)  # noqa: E731
-            vf = vec(F32, LANES)
-            k = builder.extract_value(xa.shape, 1)
-            row = lambda arr, i: builder.mul(i, builder.extract_value(arr.strides, 0))  # noqa
-            x_rows = [row(xa, builder.add(t0v, c(a))) for a in range(n_tok)]
-            w_rows = [row(wa, builder.add(r0v, c(b))) for b in range(n_rows)]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-                     for _ in range(n_rows)] for _ in range(n_tok)]
-            n_vec = builder.udiv(k, c(LANES))
-            with cgutils.for_range(builder, n_vec) as loop:
-                off = builder.mul(loop.index, c(LANES * 4))
-                xs = [simd.load(builder, xa.data, builder.add(r, off), vf) for r in x_rows]
-                ws = [simd.load(builder, wa.data, builder.add(r, off), vf) for r in w_rows]
-                for a in range(n_tok):
-                    for b in range(n_rows):
-                        acc = accs[a][b]
-                        builder.store(builder.fadd(builder.load(acc),
-                                                   builder.fmul(xs[a], ws[b])), acc)
-            sums = [[cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(acc)))
-                     for acc in row_accs] for row_accs in accs]
-            with cgutils.for_range(builder, builder.sub(k, builder.mul(n_vec, c(LANES))),
-                                   ) as loop:
-                off = builder.mul(builder.add(builder.mul(n_vec, c(LANES)), loop.index), c(4))
-                xs = [simd.load_scalar(builder, xa.data, builder.add(r, off), F32)
-                      for r in x_rows]
-                ws = [simd.load_scalar(builder, wa.data, builder.add(r, off), F32)
-                      for r in w_rows]
-                for a in range(n_tok):
-                    for b in range(n_rows):
-                        s = sums[a][b]
-                        builder.store(builder.fadd(builder.load(s), builder.fmul(xs[a], ws[b])),
-                                      s)
-            o_row = builder.extract_value(oa.strides, 0)
-            for a in range(n_tok):
-                for b in range(n_rows):
-                    cell = builder.add(builder.mul(builder.add(o0v, c(a)), o_row),
-                                       builder.mul(builder.add(c0v, c(b)), c(4)))
-                    builder.store(builder.load(sums[a][b]), builder.bitcast(
-                        simd.byte_ptr(builder, oa.data, cell), F32.as_pointer()), align=4)
+            emit_tile(builder, xa, wa, oa, *args[3:7], n_tok, n_rows)
             return context.get_dummy_value()
 
         return sig, codegen
 
     return tile_
+
+
+def emit_tile(builder, xa, wa, oa, t0v, r0v, o0v, c0v, n_tok: int, n_rows: int):
+    """`tile`'s code, for intrinsics that place tiles themselves (attention's scores): xa, wa,
+    oa are Numba array structs, the rest i64 values."""
+    c = lambda n: ir.Constant(I64, n)  # noqa: E731
+    vf = vec(F32, LANES)
+    k = builder.extract_value(xa.shape, 1)
+    row = lambda arr, i: builder.mul(i, builder.extract_value(arr.strides, 0))  # noqa
+    x_rows = [row(xa, builder.add(t0v, c(a))) for a in range(n_tok)]
+    w_rows = [row(wa, builder.add(r0v, c(b))) for b in range(n_rows)]
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+             for _ in range(n_rows)] for _ in range(n_tok)]
+    n_vec = builder.udiv(k, c(LANES))
+    with cgutils.for_range(builder, n_vec) as loop:
+        off = builder.mul(loop.index, c(LANES * 4))
+        xs = [simd.load(builder, xa.data, builder.add(r, off), vf) for r in x_rows]
+        ws = [simd.load(builder, wa.data, builder.add(r, off), vf) for r in w_rows]
+        for a in range(n_tok):
+            for b in range(n_rows):
+                acc = accs[a][b]
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(xs[a], ws[b])), acc)
+    o_row = builder.extract_value(oa.strides, 0)
+    cell = lambda a, b: builder.add(builder.mul(builder.add(o0v, c(a)), o_row),  # noqa: E731
+                                    builder.mul(builder.add(c0v, c(b)), c(4)))
+    tail = builder.sub(k, builder.mul(n_vec, c(LANES)))
+    row_sums = [_lane_sums(builder, [builder.load(acc) for acc in row_accs]) for row_accs in accs]
+    with builder.if_else(builder.icmp_unsigned("==", tail, c(0))) as (whole, leftover):
+        with whole:  # K a multiple of 16 (attention's head dims): a token's sums in one store
+            for a, sums in enumerate(row_sums):
+                builder.store(sums, builder.bitcast(simd.byte_ptr(builder, oa.data, cell(a, 0)),
+                                                    sums.type.as_pointer()), align=4)
+        with leftover:
+            _leftover(builder, xa, wa, oa, x_rows, w_rows, n_vec, k, row_sums, cell)
+
+
+def _leftover(builder, xa, wa, oa, x_rows, w_rows, n_vec, k, row_sums, cell):
+    """emit_tile's K mod 16 leftover products, added one by one to the lane sums, then stored."""
+    c = lambda n: ir.Constant(I64, n)  # noqa: E731
+    i32 = lambda n: ir.Constant(ir.IntType(32), n)  # noqa: E731
+    sums = [[cgutils.alloca_once_value(builder, builder.extract_element(row, i32(b))
+                                       if isinstance(row.type, ir.VectorType) else row)
+             for b in range(len(w_rows))] for row in row_sums]
+    with cgutils.for_range(builder, builder.sub(k, builder.mul(n_vec, c(LANES)))) as loop:
+        off = builder.mul(builder.add(builder.mul(n_vec, c(LANES)), loop.index), c(4))
+        xs = [simd.load_scalar(builder, xa.data, builder.add(r, off), F32) for r in x_rows]
+        ws = [simd.load_scalar(builder, wa.data, builder.add(r, off), F32) for r in w_rows]
+        for a, row in enumerate(sums):
+            for b, s in enumerate(row):
+                builder.store(builder.fadd(builder.load(s), builder.fmul(xs[a], ws[b])), s)
+    for a, row in enumerate(sums):
+        for b, s in enumerate(row):
+            builder.store(builder.load(s), builder.bitcast(
+                simd.byte_ptr(builder, oa.data, cell(a, b)), F32.as_pointer()), align=4)
+
+
+def _lane_sums(builder, vectors):
+    """simd.hsum of each vector (the bits the module docstring promises): for a power-of-2
+    count, one vector of the sums through simd.hsums, which shares the shuffles (attention's
+    score tiles); for one vector, its scalar sum."""
+    n = len(vectors)
+    if n == 1:
+        return simd.hsum(builder, vectors[0])
+    if n & (n - 1) or n > LANES:
+        raise ValueError(f"a tile of {n} rows: a power of 2 up to {LANES} (or 1)")
+    return simd.hsums(builder, vectors)
 
 
 one = tile(1, 1)

@@ -104,14 +104,36 @@ def _dot(a, b):
     return total
 
 
-def _head(q, k, v, g, beta, state, o, h, d_prev, acc_d, acc_o):
-    """Value head h over the tokens; d_prev, acc_d, acc_o [dv] scratch."""
+@kernel(fastmath=False)
+def _dots(k, q, hk, out):
+    """out[t] = Σ_i k[t, hk, i]·q[t, hk, i], each in order (_dot's bits), 4 tokens at a time: their
+    chains of dependent additions interleave (one token's alone is ~4 cycles an element)."""
+    T = k.shape[0]
+    t = 0
+    while t + 4 <= T:
+        k0, k1, k2, k3 = k[t, hk], k[t + 1, hk], k[t + 2, hk], k[t + 3, hk]
+        q0, q1, q2, q3 = q[t, hk], q[t + 1, hk], q[t + 2, hk], q[t + 3, hk]
+        s0 = s1 = s2 = s3 = np.float32(0)
+        for i in range(k.shape[2]):
+            s0 += k0[i] * q0[i]
+            s1 += k1[i] * q1[i]
+            s2 += k2[i] * q2[i]
+            s3 += k3[i] * q3[i]
+        out[t], out[t + 1], out[t + 2], out[t + 3] = s0, s1, s2, s3
+        t += 4
+    for t in range(t, T):
+        out[t] = _dot(k[t, hk], q[t, hk])
+
+
+def _head(q, k, v, g, beta, state, o, h, d_prev, acc_d, acc_o, kqs):
+    """Value head h over the tokens; d_prev, acc_d, acc_o [dv], kqs [T] scratch."""
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     S = state[h]
     whole = dv // COLS * COLS
     a_prev = np.float32(1)
+    _dots(k, q, hk, kqs)
     for t in range(T):
         if t + PREFETCH_TOKENS < T:  # this head's rows of a later token (1 KiB apart or more)
             n = t + PREFETCH_TOKENS
@@ -122,7 +144,7 @@ def _head(q, k, v, g, beta, state, o, h, d_prev, acc_d, acc_o):
             prefetch_bytes(o, v0, v0 + dv * 4)
         k_t, q_t = k[t, hk], q[t, hk]
         k_prev = k[max(t - 1, 0), hk]
-        kq = _dot(k_t, q_t)
+        kq = kqs[t]
         alpha = np.exp(g[t, h])
         for j0 in range(0, whole, COLS):
             sweep(S, j0, k_prev, d_prev, a_prev, t, k_t, q_t, acc_d, acc_o)
@@ -155,8 +177,9 @@ def _share(thread, n_threads, args):
     q, k, v, g, beta, state, o = args
     Hv, dv = v.shape[1], v.shape[2]
     scratch = np.empty((3, dv), np.float32)
+    kqs = np.empty(q.shape[0], np.float32)
     for h in range(thread * Hv // n_threads, (thread + 1) * Hv // n_threads):
-        head(q, k, v, g, beta, state, o, h, scratch[0], scratch[1], scratch[2])
+        head(q, k, v, g, beta, state, o, h, scratch[0], scratch[1], scratch[2], kqs)
 
 
 def _body(q, k, v, g, beta, state, o):

@@ -221,6 +221,42 @@ def fp16_to_f32(v: Vec, builder, h):
     return builder.fmul(builder.bitcast(w, vec(F32, n)), ir.Constant(vec(F32, n), [2.0 ** 112] * n))
 
 
+def hsums(builder, xs):
+    """[hsum(x) for x in xs] as one vector, for a power-of-2 count of f32 vectors of n lanes (at
+    most n): the same additions as hsum's for every sum, with far fewer shuffles. Each step adds
+    the low and high halves of the runs of lanes left of two vectors into one (so 16 vectors take
+    15 such steps, not 16 x 4), then adds within the last vector's runs at full width."""
+
+    def halves(x, y, w):  # x, y: runs of w lanes -> each run's low + high half, x's runs first
+        lo = [r * w + i for r in range(x.type.count // w) for i in range(w // 2)]
+        lo += [i + x.type.count for i in lo]                         # y's lanes follow x's
+        hi = [i + w // 2 for i in lo]
+        pick = lambda idx: builder.shuffle_vector(  # noqa: E731
+            x, y, ir.Constant(vec(I32, len(idx)), idx))
+        return builder.fadd(pick(lo), pick(hi))
+
+    n = w = xs[0].type.count
+    while len(xs) > 1:
+        xs, w = [halves(x, y, w) for x, y in zip(xs[::2], xs[1::2])], w // 2
+    v, run = xs[0], w
+    while w > 1:  # full width, each lane plus its partner half a run away (one in-lane shuffle)
+        w //= 2
+        v = builder.fadd(v, builder.shuffle_vector(v, v, ir.Constant(
+            vec(I32, n), [i ^ w for i in range(n)])))
+    return builder.shuffle_vector(v, v, ir.Constant(vec(I32, n // run), list(range(0, n, run))))
+
+
+def hmax(builder, x):
+    """Horizontal maximum of an f32 vector by halving shuffles (compare and select) -> scalar."""
+    n = x.type.count
+    while n > 1:
+        half = n // 2
+        hi = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half, n))))
+        lo = builder.shuffle_vector(x, x, ir.Constant(vec(I32, half), list(range(half))))
+        x, n = builder.select(builder.fcmp_ordered(">", hi, lo), hi, lo), half
+    return builder.extract_element(x, ir.Constant(I32, 0))
+
+
 def hsum(builder, x):
     """Horizontal sum of an i32 or f32 vector by halving shuffles -> scalar."""
     add = builder.fadd if isinstance(x.type.element, ir.FloatType) else builder.add

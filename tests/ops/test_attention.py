@@ -27,6 +27,9 @@ CASES = {
     "T37-Hq8-Hkv1-D32-S100-start20": (37, 8, 1, 32, 100, 20, 1.0),
     "T150-Hq4-Hkv2-D48-S200-start30-peaked": (150, 4, 2, 48, 200, 30, 10.0),
     "T5-Hq6-Hkv6-D16-S9-start4": (5, 6, 6, 16, 9, 4, 1.0),
+    # groups of 3 and 5 heads: the score and weighted-value tiles' last partial tile of heads
+    "T40-Hq6-Hkv2-D64-S70-start10": (40, 6, 2, 64, 70, 10, 1.0),
+    "T9-Hq10-Hkv2-D32-S40-start5": (9, 10, 2, 32, 40, 5, 1.0),
 }
 
 
@@ -57,7 +60,7 @@ def test_cpu_matches_reference(rng, case):
 
 def test_split_decode_is_exercised():
     """The S1100 decode case above is split into key ranges whatever the thread count."""
-    assert attention._n_splits(1, 1031) > 1
+    assert attention.n_ranges(1031) > 1
 
 
 def test_decode_one_token_at_a_time_after_prefill(rng):
@@ -69,6 +72,20 @@ def test_decode_one_token_at_a_time_after_prefill(rng):
     for t in range(40, 43):
         attention.cpu(q[t:t + 1], k, v, gate[t:t + 1], t, out=o[t:t + 1])
     assert_close("o", expected, o, ATOL, RTOL)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (10, 2), (16, 2)], ids=["G3", "G5", "G8"])
+def test_a_query_has_the_same_bits_in_any_pass(rng, heads):
+    """Each query of a 600-query pass (1 to 3 key ranges) computed alone (a decode step), in a
+    short pass (every key range an item) or in a longer one (a query's ranges in turn) gives the
+    whole pass's bits: a prompt's output does not depend on how it is cut into passes."""
+    Hq, Hkv = heads
+    q, k, v, gate = _inputs(rng, 600, Hq, Hkv, 64, 610)
+    whole = attention.cpu(q, k, v, gate, 0)
+    for t in (0, 3, 255, 256, 300, 511, 512, 599):
+        assert np.array_equal(attention.cpu(q[t:t + 1], k, v, gate[t:t + 1], t), whole[t:t + 1]), t
+    for lo, hi in ((30, 39), (250, 259), (252, 257), (508, 517), (590, 595)):
+        assert np.array_equal(attention.cpu(q[lo:hi], k, v, gate[lo:hi], lo), whole[lo:hi]), lo
 
 
 def test_reference_matches_torch(rng):

@@ -16,7 +16,7 @@ ATOL, RTOL = 2e-6, 1e-6
 ORACLE_ATOL, ORACLE_RTOL = 1e-3, 1e-5
 
 MODEL_THETA = 1e7
-CASES = {  # (T, H, D, R, theta); the last is past PARALLEL_MIN_ELEMENTS (threaded kernel)
+CASES = {  # (T, H, D, R, theta); the last is past TABLE_MIN_ELEMENTS (cached angle tables)
     "T1-H16-D256-R64": (1, 16, 256, 64, MODEL_THETA),
     "T5-H2-D256-R64": (5, 2, 256, 64, MODEL_THETA),
     "T63-H4-D60-R20": (63, 4, 60, 20, 1e4),
@@ -44,6 +44,19 @@ def test_rope(rng, case):
     assert_close("rope", expected, y, ATOL, RTOL)
     np.testing.assert_array_equal(y[0], x[0])  # position 0
     np.testing.assert_array_equal(y[..., rotary_dim:], x[..., rotary_dim:])  # pass-through
+
+
+def test_tables_give_each_tokens_own_bits(rng):
+    """A prefill-sized call (angle tables, cached) rotates every token to the bits a one-token
+    call (decode's kernel, angles in the loop) gives it, in place or not, with the table cached."""
+    x, positions = _inputs(rng, 20, 18, 256)
+    assert x.size >= rope.TABLE_MIN_ELEMENTS
+    whole = rope.cpu(x, positions, 64, MODEL_THETA)
+    for t in range(20):
+        one = rope.cpu(x[t:t + 1], positions[t:t + 1], 64, MODEL_THETA)
+        assert np.array_equal(one, whole[t:t + 1]), t
+    again = x.copy()
+    assert np.array_equal(rope.cpu(again, positions, 64, MODEL_THETA, out=again), whole)
 
 
 def test_in_place(rng):
