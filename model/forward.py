@@ -166,7 +166,8 @@ class Workspace:
     """Every intermediate of a pass over T tokens, made once (decode keeps one with T = 1)."""
 
     def __init__(self, model: "Model", n_tokens: int):
-        f, T = np.float32, n_tokens
+        T = n_tokens
+        empty = matvec.aligned_empty  # fp32, on a cache line (matvec.LINE)
         H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
         Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
         self.offsets = np.arange(T, dtype=np.int64)
@@ -177,45 +178,45 @@ class Workspace:
         self.embeds: tuple[np.ndarray, np.ndarray] | None = None
         self.mrope: np.ndarray | None = None
         self.tokens = np.empty(T, np.int32)
-        self.x = np.empty((T, H), f)             # the residual stream
-        self.xn = np.empty((T, H), f)            # its norm: a sublayer's input
-        self.y = np.empty((T, H), f)             # a sublayer's output
+        self.x = empty((T, H))                   # the residual stream
+        self.xn = empty((T, H))                  # its norm: a sublayer's input
+        self.y = empty((T, H))                   # a sublayer's output
         self.act = None                          # xn quantised for the Q4_0 kernels (Q8Act)
         self.act_attn = None                     # the attention output, quantised
         self.act_gdn = None                      # the GDN output, quantised
         # A mixer's projections of one token land in one buffer, each a view of it (contiguous,
         # as T = 1), so that a joined matrix fills them in one launch.
-        self.attn_in = np.empty((1, Cq + 2 * Hkv * D), f) if T == 1 else None
-        self.gdn_in = np.empty((1, C + Hv * dv), f) if T == 1 else None
-        self.gates_in = np.empty((1, 2 * Hv), f) if T == 1 else None
+        self.attn_in = empty((1, Cq + 2 * Hkv * D)) if T == 1 else None
+        self.gdn_in = empty((1, C + Hv * dv)) if T == 1 else None
+        self.gates_in = empty((1, 2 * Hv)) if T == 1 else None
         # attention
-        self.qg = np.empty((T, Cq), f) if T > 1 else self.attn_in[:, :Cq]  # query D | gate D
-        self.q = np.empty((T, Hq, D), f)
-        self.gate = np.empty((T, Hq, D), f)
-        self.k, self.v = (np.empty((T, Hkv, D), f) if T > 1 else
+        self.qg = empty((T, Cq)) if T > 1 else self.attn_in[:, :Cq]  # query D | gate D
+        self.q = empty((T, Hq, D))
+        self.gate = empty((T, Hq, D))
+        self.k, self.v = (empty((T, Hkv, D)) if T > 1 else
                           self.attn_in[:, Cq + i * Hkv * D:Cq + (i + 1) * Hkv * D].reshape(T, Hkv, D)
                           for i in range(2))
-        self.o = np.empty((T, Hq, D), f)
+        self.o = empty((T, Hq, D))
         # gated deltanet
-        self.mixed = np.empty((T, C), f) if T > 1 else self.gdn_in[:, :C]  # q | k | v
-        self.z = (np.empty((T, Hv * dv), f) if T > 1 else self.gdn_in[:, C:]).reshape(T, Hv, dv)
-        self.b = np.empty((T, Hv), f) if T > 1 else self.gates_in[:, :Hv]
-        self.a = np.empty((T, Hv), f) if T > 1 else self.gates_in[:, Hv:]
-        self.gq = np.empty((T, Hk, dk), f)
-        self.gk = np.empty((T, Hk, dk), f)
-        self.gv = np.empty((T, Hv, dv), f)
-        self.g = np.empty((T, Hv), f)
-        self.beta = np.empty((T, Hv), f)
-        self.go = np.empty((T, Hv, dv), f)
+        self.mixed = empty((T, C)) if T > 1 else self.gdn_in[:, :C]  # q | k | v
+        self.z = (empty((T, Hv * dv)) if T > 1 else self.gdn_in[:, C:]).reshape(T, Hv, dv)
+        self.b = empty((T, Hv)) if T > 1 else self.gates_in[:, :Hv]
+        self.a = empty((T, Hv)) if T > 1 else self.gates_in[:, Hv:]
+        self.gq = empty((T, Hk, dk))
+        self.gk = empty((T, Hk, dk))
+        self.gv = empty((T, Hv, dv))
+        self.g = empty((T, Hv))
+        self.beta = empty((T, Hv))
+        self.go = empty((T, Hv, dv))
         # moe
-        self.router_logits = np.empty((T, model.n_experts), f)
+        self.router_logits = empty((T, model.n_experts))
         self.ids = np.empty((T, model.top_k), np.int32)
-        self.weights = np.empty((T, model.top_k), f)
+        self.weights = empty((T, model.top_k))
         experts = model.layers[0].experts
         # Decode's buffers, and a prefill pass's (made by its first layer, reused by the rest).
         self.moe_scratch = (moe.Scratch.make(experts, model.top_k)
                             if isinstance(experts, moe.MoeWeights) else None)
-        self.logits = np.empty((1, model.vocab_size), f) if T == 1 else None
+        self.logits = empty((1, model.vocab_size)) if T == 1 else None
         if T == 1 and model.is_quantized:
             self._fused_decode_buffers(model)
 
@@ -425,16 +426,19 @@ class Model:
         if ws.embeds is not None:                                      # image tokens
             ws.x[ws.embeds[0]] = ws.embeds[1]
         np.add(ws.offsets, start + state.rope_delta, out=ws.positions)  # delta: after images
+        # Each residual add is done by the norm after it (rmsnorm.residual_cpu: x += y first).
+        y = None                                                       # the last layer's moe(...)
         for w, s in zip(self.layers, state.layers):
-            rmsnorm.cpu(ws.x, w.input_norm, self.eps, out=ws.xn)
+            rmsnorm.residual_cpu(ws.x, y, w.input_norm, self.eps, out=ws.xn)
             if isinstance(s, KvCache):
                 self.attention(w.mixer, w.joined_in, s, start, ws)
             else:
                 self.gated_deltanet(w.mixer, w.joined_in, w.gates_in, s, ws)
-            ws.x += ws.y                                               # h = x + mixer(norm(x))
-            rmsnorm.cpu(ws.x, w.post_norm, self.eps, out=ws.xn)
+            rmsnorm.residual_cpu(ws.x, ws.y, w.post_norm, self.eps, out=ws.xn)  # h = x + mixer
             self.moe(w, ws)
-            ws.x += ws.y                                               # x = h + moe(norm(h))
+            y = ws.y                                                   # x = h + moe(norm(h))
+        if y is not None:
+            ws.x += y
         state.position += tokens.size
 
     def _check_token(self, tokens) -> None:

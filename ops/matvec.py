@@ -58,6 +58,10 @@ GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 # from a 16-byte aligned buffer each is aligned: legacy SSE can then fold them into pmaddubsw's
 # memory operand (8 fewer instructions of 60 per 4-block step in the Westmere code).
 X_ALIGN = 16
+# Prefill's activation and output buffers start on a cache line: a misaligned one splits every
+# 64-byte store (the GEMM tiles' zmm rows) over two lines (the default model's 512-token prefill
+# ~5 % slower at 1 thread, numpy's buffers starting 16 or 48 bytes into a line).
+LINE = 64
 # The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm.
 GEMM_TILE = (2, 4)
 # GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
@@ -100,7 +104,7 @@ class Q8Act:
         """The activations of tokens `t` (a copy, aligned as the kernels want), into `out` (a
         Q8Act of len(t) rows of this layout) if given."""
         if out is None:
-            out = Q8Act(_aligned_empty((len(t), self.xq.shape[1]), np.int8),
+            out = Q8Act(aligned_empty((len(t), self.xq.shape[1]), np.int8, X_ALIGN),
                         np.empty((len(t), self.dx.shape[1]), np.float32),
                         np.empty((len(t), self.dx.shape[1]), np.int32), self.vec)
         elif out.vec is not self.vec or out.xq.shape != (len(t), self.xq.shape[1]):
@@ -197,7 +201,7 @@ def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
             xsum8[t, b] = 8 * total
 
 
-def _aligned_empty(shape, dtype, align=X_ALIGN):
+def aligned_empty(shape, dtype=np.float32, align=LINE):
     """np.empty whose data starts on an `align`-byte boundary (malloc gives 16 on x86-64, but
     that is the allocator's choice, not numpy's promise)."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -222,7 +226,7 @@ def quantize_act(x: np.ndarray, isa: Isa | None = None, out: Q8Act | None = None
                             f"be whole {BLOCK}-blocks")
     n_tok, k = x2.shape
     if out is None:
-        out = Q8Act(_aligned_empty((n_tok, k), np.int8), np.empty((n_tok, k // BLOCK), np.float32),
+        out = Q8Act(aligned_empty((n_tok, k), np.int8), np.empty((n_tok, k // BLOCK), np.float32),
                     np.empty((n_tok, k // BLOCK), np.int32), v)
     elif out.vec is not v:
         raise FermijitError(f"quantize_act: out is laid out for {out.vec.isa.label}, "

@@ -60,6 +60,17 @@ def _rmsnorm_rows(x, w, eps, out):  # x, out [N, D]; w [D]
             out[r, i] = x[r, i] * inv * (np.float32(1.0) + w[i])
 
 
+def _residual_rows(x, y, w, eps, out):  # x += y, then out = rmsnorm(x): rows [N, D]; w [D]
+    n_rows, d = x.shape
+    for r in prange(n_rows):
+        x_r, y_r = x[r], y[r]
+        for i in range(d):
+            x_r[i] += y_r[i]
+        inv = _inv_rms(x_r, eps)
+        for i in range(d):
+            out[r, i] = x_r[i] * inv * (np.float32(1.0) + w[i])
+
+
 # Rows per scratch row of the gated norm, whose rows are computed into scratch, then copied: one
 # loop reading o and z and writing `out` is not vectorised when out is o or z (forward.py and
 # gdn_step norm in place; LLVM's overlap check then takes the scalar copy, exp and all).
@@ -82,6 +93,7 @@ def _gated_rows(o, z, w, eps, out):  # o, z, out [N, dv]; w [dv]
 # One body each, compiled twice: the serial copy for decode-sized calls, the other on all threads.
 _rmsnorm_serial = kernel(_rmsnorm_rows)
 _rmsnorm_parallel = kernel(parallel=True, variant="parallel")(_rmsnorm_rows)
+_residual = kernel(parallel=True)(_residual_rows)
 _gated_serial = kernel(_gated_rows)
 _gated_parallel = kernel(parallel=True, variant="parallel")(_gated_rows)
 
@@ -103,6 +115,23 @@ def cpu(x, w, eps, out=None):
     out = output(op, out, x.shape)
     rows = _rmsnorm_parallel if x.size >= PARALLEL_MIN_ELEMENTS else _rmsnorm_serial
     rows(x.reshape(-1, d), w, float(eps), out.reshape(-1, d))
+    return out
+
+
+def residual_cpu(x, y, w, eps, out):
+    """x += y, then out = `cpu`(x, w, eps), bit for bit, in one pass over the rows: a prefill
+    pass's residual stream [T, D] into the next sublayer's input, without a numpy add streaming
+    x and y once more (16 a default-model pass). y None: `cpu` alone."""
+    if y is None:
+        return cpu(x, w, eps, out)
+    op = "rmsnorm.residual"
+    d = _row_width(op, "x", x)
+    check_array(op, "y", y, np.float32, x.shape)
+    check_array(op, "w", w, np.float32, (d,))
+    out = output(op, out, x.shape)
+    if not x.flags.writeable or any(np.may_share_memory(a, b) for a, b in ((x, y), (x, out))):
+        raise FermijitError(f"{op}: x must be writeable and apart from y and out")
+    _residual(x.reshape(-1, d), y.reshape(-1, d), w, float(eps), out.reshape(-1, d))
     return out
 
 

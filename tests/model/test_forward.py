@@ -17,6 +17,7 @@ from fermijit.model import convert, forward
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
 from fermijit.model.state import State
+from fermijit.ops import matvec
 from tests.model import oracle, tiny
 from tests.model.conftest import LAYOUTS
 from tests.model.oracle import PROMPT, assert_rel, assert_rel_but_flips, rel_error
@@ -285,6 +286,19 @@ def test_prefill_keeps_its_workspaces(converted, monkeypatch):
     assert sorted(m._prefill_ws) == [5, PROMPT.size]
     m.prefill(PROMPT[:3], m.new_state(CONTEXT))
     assert sorted(m._prefill_ws) == [5, PROMPT.size]
+
+
+def test_prefill_buffers_start_on_cache_lines(converted):
+    """Every fp32 buffer of a prefill pass (its Workspace's and the MoE's) starts on a cache line:
+    numpy's own start 16 or 48 bytes into one, which splits each 64-byte GEMM store."""
+    _, m = load_model(converted(tiny.HF_INIT))
+    m.prefill(PROMPT, m.new_state(CONTEXT))
+    ws = m._prefill_ws[PROMPT.size]
+    moe_buffers = ws.moe_scratch.prefill.routed, ws.moe_scratch.prefill.shared
+    arrays = [a for a in list(vars(ws).values()) + [a for b in moe_buffers for a in vars(b).values()]
+              if isinstance(a, np.ndarray) and a.dtype == np.float32]
+    assert len(arrays) > 20
+    assert [a.ctypes.data % matvec.LINE for a in arrays] == [0] * len(arrays)
 
 
 def test_state_copies_are_independent_and_checked(converted, tmp_path):

@@ -53,6 +53,27 @@ def test_rmsnorm_in_place(rng):
     assert_close("rmsnorm in place", expected, x, ATOL, RTOL)
 
 
+@pytest.mark.parametrize("shape", [(7, 60), (40, 2048), (512, 384), (3, 4, 64)])
+def test_residual_is_the_add_then_the_norm_bit_for_bit(rng, shape):
+    """residual_cpu: x += y then `cpu`, to the bit (the forward's residual stream), and against
+    the reference of x + y."""
+    x, w = _inputs(rng, shape)
+    y = _inputs(rng, shape)[0]
+    expected_x = x + y
+    expected = rmsnorm.cpu(expected_x, w, EPS)
+    out = poisoned(shape)
+    assert rmsnorm.residual_cpu(x, y, w, EPS, out) is out
+    np.testing.assert_array_equal(x, expected_x)
+    np.testing.assert_array_equal(out, expected)
+    assert_close("residual rmsnorm", rmsnorm.reference(expected_x, w, EPS), out, ATOL, RTOL)
+    np.testing.assert_array_equal(rmsnorm.residual_cpu(x, None, w, EPS, poisoned(shape)),
+                                  rmsnorm.cpu(x, w, EPS))
+    with pytest.raises(FermijitError, match="apart"):
+        rmsnorm.residual_cpu(x, x, w, EPS, out)
+    with pytest.raises(FermijitError, match="shape"):
+        rmsnorm.residual_cpu(x, y[:1], w, EPS, out)
+
+
 def test_reference_is_zero_centred():
     # All-ones rows have rms 1, so y = 1 + w exactly, up to eps.
     x = np.ones((2, 8), np.float32)
