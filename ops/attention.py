@@ -97,14 +97,15 @@ def _in_groups(builder, n, sizes, emit):
 @intrinsic
 def _group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
     """p[g, j + b] = q_t[h0 + g] · k_h[key + b] for g < n_heads, b < SCORE_KEYS, the heads in
-    head_groups()."""
+    head_groups(). The head dim must be a multiple of 16 (_attend_range's other path)."""
     sig = types.none(q_t, k_h, p, h0, n_heads, key, j)
 
     def codegen(context, builder, sig, args):
         qa, ka, pa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in range(3))
         h0v, nv, keyv, jv = args[3:7]
         _in_groups(builder, nv, head_groups(), lambda g, heads: fp32_rows.emit_tile(
-            builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv, heads, SCORE_KEYS))
+            builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv, heads, SCORE_KEYS,
+            ragged=False))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -237,7 +238,7 @@ def _attend_range(q, k, v, t, hkv, j0, j1, a, m_t, l_t, p):
         n = min(BLOCK, j1 - jb)
         # q·k: every head of the group against 4 keys a tile (in L1) before the next ones
         j = 0
-        while j + SCORE_KEYS <= n:
+        while j + SCORE_KEYS <= n and D % LANES == 0:  # other head dims: one score at a time
             _group_scores(q_t, k_h, p, h0, G, jb + j, j)
             j += SCORE_KEYS
         for j in range(j, n):

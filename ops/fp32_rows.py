@@ -59,9 +59,11 @@ def tile(n_tok: int, n_rows: int):
     return tile_
 
 
-def emit_tile(builder, xa, wa, oa, t0v, r0v, o0v, c0v, n_tok: int, n_rows: int):
+def emit_tile(builder, xa, wa, oa, t0v, r0v, o0v, c0v, n_tok: int, n_rows: int,
+              ragged: bool = True):
     """`tile`'s code, for intrinsics that place tiles themselves (attention's scores): xa, wa,
-    oa are Numba array structs, the rest i64 values."""
+    oa are Numba array structs, the rest i64 values. ragged=False: the caller guarantees K a
+    multiple of 16, and the leftover products' code is not emitted (less to compile)."""
     c = lambda n: ir.Constant(I64, n)  # noqa: E731
     vf = vec(F32, LANES)
     k = builder.extract_value(xa.shape, 1)
@@ -84,11 +86,17 @@ def emit_tile(builder, xa, wa, oa, t0v, r0v, o0v, c0v, n_tok: int, n_rows: int):
                                     builder.mul(builder.add(c0v, c(b)), c(4)))
     tail = builder.sub(k, builder.mul(n_vec, c(LANES)))
     row_sums = [_lane_sums(builder, [builder.load(acc) for acc in row_accs]) for row_accs in accs]
+    def store_whole():  # K a multiple of 16 (attention's head dims): a token's sums in one store
+        for a, sums in enumerate(row_sums):
+            builder.store(sums, builder.bitcast(simd.byte_ptr(builder, oa.data, cell(a, 0)),
+                                                sums.type.as_pointer()), align=4)
+
+    if not ragged:
+        store_whole()
+        return
     with builder.if_else(builder.icmp_unsigned("==", tail, c(0))) as (whole, leftover):
-        with whole:  # K a multiple of 16 (attention's head dims): a token's sums in one store
-            for a, sums in enumerate(row_sums):
-                builder.store(sums, builder.bitcast(simd.byte_ptr(builder, oa.data, cell(a, 0)),
-                                                    sums.type.as_pointer()), align=4)
+        with whole:
+            store_whole()
         with leftover:
             _leftover(builder, xa, wa, oa, x_rows, w_rows, n_vec, k, row_sums, cell)
 
