@@ -450,7 +450,7 @@ def _grouped_share(thread, n_threads, args):
     bq = np.empty(nb * UNITS * 4 * ROWS, np.uint8)
     bs = np.empty(nb * ROWS, np.float32)
     q_row, d_row = qs.shape[2], nb * 2  # bytes a row
-    done = 0
+    done = np.int64(0)  # (as in ops/matvec.py: a literal 0 compiled jobs_starting_in twice)
     for e in range(n_experts):
         t0, t1 = offsets[e], offsets[e + 1]
         n = t1 - t0

@@ -603,7 +603,7 @@ def _grouped_share(thread, n_threads, args):
     total = offsets[n_experts] * row_groups
     lo = thread * total // n_threads
     hi = (thread + 1) * total // n_threads
-    done = 0
+    done = np.int64(0)  # not a literal 0: typing the call with one compiled jobs_starting_in twice
     for e in range(n_experts):
         t0, t1 = offsets[e], offsets[e + 1]
         n = t1 - t0
