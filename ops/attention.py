@@ -302,12 +302,11 @@ def attend_share(thread, n_threads, args):
         n_keys = start + t + 1
         if per_range:
             r0, r1 = item % per, item % per + 1
-            dst, dt, dh, mm, ll, mt = acc, t, h0, m, l, t
+            dst, dt, dh, mm, ll, mt, mh = acc, t, h0, m, l, t, h0
         else:
             r0, r1 = 0, n_ranges(n_keys)
             dst, dt, dh = (o4, t, h0) if r1 == 1 else (part, 0, 0)
-            mm, ll, mt = pm, pl, 0
-        mh = h0 if per_range else 0
+            mm, ll, mt, mh = pm, pl, 0, 0
         for r in range(r0, r1):
             _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(n_keys, (r + 1) * RANGE_KEYS),
                           dst[r, dt, dh:dh + G], mm[r, mt, mh:mh + G], ll[r, mt, mh:mh + G], p)

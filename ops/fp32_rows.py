@@ -86,6 +86,7 @@ def emit_tile(builder, xa, wa, oa, t0v, r0v, o0v, c0v, n_tok: int, n_rows: int,
                                     builder.mul(builder.add(c0v, c(b)), c(4)))
     tail = builder.sub(k, builder.mul(n_vec, c(LANES)))
     row_sums = [_lane_sums(builder, [builder.load(acc) for acc in row_accs]) for row_accs in accs]
+
     def store_whole():  # K a multiple of 16 (attention's head dims): a token's sums in one store
         for a, sums in enumerate(row_sums):
             builder.store(sums, builder.bitcast(simd.byte_ptr(builder, oa.data, cell(a, 0)),
@@ -98,17 +99,17 @@ def emit_tile(builder, xa, wa, oa, t0v, r0v, o0v, c0v, n_tok: int, n_rows: int,
         with whole:
             store_whole()
         with leftover:
-            _leftover(builder, xa, wa, oa, x_rows, w_rows, n_vec, k, row_sums, cell)
+            _leftover(builder, xa, wa, x_rows, w_rows, n_vec, tail, row_sums, cell, oa)
 
 
-def _leftover(builder, xa, wa, oa, x_rows, w_rows, n_vec, k, row_sums, cell):
+def _leftover(builder, xa, wa, x_rows, w_rows, n_vec, tail, row_sums, cell, oa):
     """emit_tile's K mod 16 leftover products, added one by one to the lane sums, then stored."""
     c = lambda n: ir.Constant(I64, n)  # noqa: E731
     i32 = lambda n: ir.Constant(ir.IntType(32), n)  # noqa: E731
     sums = [[cgutils.alloca_once_value(builder, builder.extract_element(row, i32(b))
                                        if isinstance(row.type, ir.VectorType) else row)
              for b in range(len(w_rows))] for row in row_sums]
-    with cgutils.for_range(builder, builder.sub(k, builder.mul(n_vec, c(LANES)))) as loop:
+    with cgutils.for_range(builder, tail) as loop:
         off = builder.mul(builder.add(builder.mul(n_vec, c(LANES)), loop.index), c(4))
         xs = [simd.load_scalar(builder, xa.data, builder.add(r, off), F32) for r in x_rows]
         ws = [simd.load_scalar(builder, wa.data, builder.add(r, off), F32) for r in w_rows]

@@ -6,9 +6,9 @@ matvec's kernel (decode's: the fused decode steps call it inside their own kerne
 do not alias the fp32 loads) and it finds each block's halves in the ISA layout with four integer
 divisions per block. Here a block is two IR sequences of 16-float vectors (`_block_amax`: |x|,
 max; `_block_round`: round half away from zero, int8 stores, integer sum: with the scale between
-them, the reference's operations in its order, so the same bits), the halves' places come from `gemm.x_offsets` (the layout, cached per
-ISA and K), and the token rows are split over the threads (each row by one thread: the same bits
-whatever the thread count).
+them, the reference's operations in its order, so the same bits), the halves' places come from
+`gemm.x_offsets` (the layout, cached per ISA and K), and the token rows are split over the
+threads (each row by one thread: the same bits whatever the thread count).
 """
 
 from __future__ import annotations

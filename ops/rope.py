@@ -92,7 +92,7 @@ def _cpu_tables(positions: bytes, rotary_dim: int, theta: float):
 
 
 @kernel
-def _rotate(x, cos, sin, out):  # x, out [T, H, D] (out may be x); cos, sin [T, R/2]
+def _rotate(x, cos, sin, out, is_in_place):  # x, out [T, H, D]; cos, sin [T, R/2]
     n_tokens, n_heads, d = x.shape
     half = cos.shape[1]
     lo = np.empty(half, np.float32)
@@ -107,7 +107,7 @@ def _rotate(x, cos, sin, out):  # x, out [T, H, D] (out may be x); cos, sin [T, 
             for j in range(half):
                 dst[j] = lo[j] * c[j] - hi[j] * s[j]
                 dst[j + half] = hi[j] * c[j] + lo[j] * s[j]
-            for i in range(2 * half, d if src.ctypes.data != dst.ctypes.data else 0):
+            for i in range(2 * half, d if not is_in_place else 0):
                 dst[i] = src[i]
 
 
@@ -134,7 +134,7 @@ def cpu(x, positions, rotary_dim, theta, out=None):
         _rope_serial(x, positions, _inv_freq(int(rotary_dim), float(theta)), out, is_in_place)
     else:
         cos, sin = _cpu_tables(positions.tobytes(), int(rotary_dim), float(theta))
-        _rotate(x, cos, sin, out)
+        _rotate(x, cos, sin, out, is_in_place)
     return out
 
 
