@@ -9,6 +9,8 @@ and lazier: what lets the warm-up compile in several processes at once (fermijit
 - Numba's index update is a read-modify-write of one file per kernel: two processes saving two
   signatures at once could both take data file 1, one index entry then naming the other's code.
   Saves take a lock of their own, and write the data before the index names it.
+- Numba's settings that change the code it generates are part of the cache key (Numba's own key
+  leaves them out: numba issue 10821), so a process run with one cannot serve its code to others.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import time
 
 from numba.core import caching, sigutils
+from numba.core import config as numba_config
 from numba.core.registry import CPUDispatcher
 
 LOCK_FILE = "fermijit-compile.lock"
@@ -89,10 +92,27 @@ class _LockedCacheFile(caching.IndexDataCacheFile):
             self._save_index(overloads)
 
 
+# Numba's settings (numba.core.config, mostly NUMBA_<name> variables) that change generated code
+# and are not in Numba's cache key (the CPU name and features are). Issue 9: one profiling run with
+# NUMBA_DEBUGINFO=1 (also implied by NUMBA_ENABLE_PROFILING=1) saved kernels compiled with debug
+# info (variables kept alive, calls not inlined, loops not vectorised) under the plain key; every
+# later process loaded them: the gated norm [512, 8, 64] 0.2 -> 2.1 ms, SwiGLU's 0.13 -> 1.9 ms.
+CODEGEN_SETTINGS = ("DEBUGINFO_DEFAULT", "EXTEND_VARIABLE_LIFETIMES", "BOUNDSCHECK", "OPT",
+                    "LOOP_VECTORIZE", "SLP_VECTORIZE", "USING_SVML", "DEBUG_ARRAY_OPT_RUNTIME",
+                    "LLVM_REFPRUNE_PASS", "LLVM_REFPRUNE_FLAGS", "JIT_COVERAGE")
+
+
+def codegen_settings() -> tuple:
+    """The values of CODEGEN_SETTINGS now (read at each use: Numba reloads its config)."""
+    return tuple(str(getattr(numba_config, name, None)) for name in CODEGEN_SETTINGS)
+
+
 class SourceKeyedCache(caching.FunctionCache):
     """Numba's cache notices edits to the kernel's own file only, not to the intrinsics or
     helpers it calls in other modules (notes, pitfall 6). Adding a digest of the kernel's folder
-    and of fermijit/jit to the index key makes any such edit a cache miss. Saves are locked."""
+    and of fermijit/jit to the index key makes any such edit a cache miss; adding
+    `codegen_settings()` keeps code compiled under other Numba settings apart. Saves are
+    locked."""
 
     def __init__(self, py_func, extra_key: tuple):
         super().__init__(py_func)
@@ -100,7 +120,7 @@ class SourceKeyedCache(caching.FunctionCache):
         self._cache_file.__class__ = _LockedCacheFile
 
     def _index_key(self, sig, codegen):
-        return super()._index_key(sig, codegen) + self._extra_key
+        return super()._index_key(sig, codegen) + self._extra_key + codegen_settings()
 
     def load_overload(self, sig, target_context):
         cres = super().load_overload(sig, target_context)

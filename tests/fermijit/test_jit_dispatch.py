@@ -129,6 +129,39 @@ def test_a_kernel_needed_by_two_processes_at_once_compiles_once(tmp_path):
     assert sum(hits for hits, _ in results) == len(TYPES), results
 
 
+SERVED = """
+from numba.core.compiler import Flags
+from cachedpkg.kernels import plus_one as f
+assert f(3) == 4
+(served,) = f.overloads.values()
+print(sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()),
+      "debuginfo=True" in Flags.demangle(served.fndesc.abi_tags[0]))
+"""
+
+
+def _served(env) -> tuple:
+    """(cache hits, misses, whether the code it runs has debug info) of one call in a process."""
+    r = subprocess.run([sys.executable, "-c", SERVED], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    hits, misses, debug = r.stdout.split()
+    return int(hits), int(misses), debug == "True"
+
+
+@pytest.mark.parametrize("setting", [{"NUMBA_DEBUGINFO": "1"}, {"NUMBA_ENABLE_PROFILING": "1"},
+                                     {"NUMBA_OPT": "0"}])
+def test_code_compiled_under_other_numba_settings_is_not_served_to_others(tmp_path, setting):
+    """Numba's cache key leaves out the settings that change its code: one profiling run with
+    NUMBA_DEBUGINFO=1 saved debug-info kernels that every later process of the worktree loaded
+    (issue 9: the gated norm and SwiGLU 10-14x slower). A plain process compiles its own."""
+    env = _package(tmp_path)
+    other = _served(dict(env, **setting))
+    assert other[:2] == (0, 1)
+    assert _served(env) == (0, 1, False)
+    assert _served(env) == (1, 0, False)        # plain code is cached as before
+    assert _served(dict(env, **setting)) == (1, 0, other[2])  # and so is the other
+
+
 HOLD = """
 import sys, time
 from fermijit.jit import dispatch
