@@ -389,15 +389,23 @@ def cpu(q, k, v, gate, start, out=None):
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
     o = output(op, out, (T, Hq, D))
-    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
+    attend(q, k, v, gate, int(start), o)
+    return o
+
+
+def attend(q, k, v, gate, start: int, o) -> None:
+    """`cpu` into o without its checks, for callers whose buffers were made right once (decode's
+    ops/attention_step.py). The one compiled kernel of prefill and decode: a second kernel
+    holding the same attention code took ~3 s more of a first run's compile (issue 9)."""
+    T, Hq, D = o.shape
+    R = 0 if T * k.shape[0] >= SPLIT_ITEMS else n_ranges(start + T)
     if R == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:
         acc = np.empty((R, T, Hq, D), dtype=np.float32)
     m = np.empty((R, T, Hq), dtype=np.float32)
     l = np.empty((R, T, Hq), dtype=np.float32)
-    _attention_kernel()(q, k, v, int(start), acc, m, l, gate, o)
-    return o
+    _attention_kernel()(q, k, v, start, acc, m, l, gate, o)
 
 
 # --- GPU (kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles) ----------

@@ -4,10 +4,12 @@ into the cache, attention over the cache with the sigmoid output gate, and the o
 for o_proj.
 
 Every stage is an existing op's kernel (ops.rmsnorm, rope, attention, matvec's activation
-quantiser), called in the same order from one compiled function, so the result is the ops' one by
-one, bit for bit (tests/ops/test_attention_step.py), and decode pays one dispatch and no
-argument checks instead of ~9 calls (~120 us of Python an attention layer on the profile of the
-full-size model, 1.2 ms a token over its 10 attention layers).
+quantiser), called in the same order, so the result is the ops' one by one, bit for bit
+(tests/ops/test_attention_step.py): the stages before attention from one compiled function, then
+attention's own compiled kernel and the quantiser's, without argument checks: three dispatches
+instead of ~9 checked calls (~120 us of Python an attention layer on the profile of the full-size
+model, 1.2 ms a token over its 10 attention layers). Attention is not compiled into the step:
+the step's kernel held a second copy of it, ~3 s of a first run's compile (issue 9).
 
 Letters: Hq query heads, Hkv kv heads, D head dim, S cache positions, R rotary dims.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fermijit.jit import omp
+from fermijit.jit.cpu import kernel
 from fermijit.ops import attention, matvec, rmsnorm, rope
 from fermijit.ops.matvec import Q8Act
 
@@ -40,8 +42,7 @@ def reference(qkv, q_norm, k_norm, eps, position, rotary_dim, theta, cache_k, ca
     return attention.reference(q, new_k, new_v, gate, position), new_k, new_v
 
 
-def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, q, gate, o, xq, dx,
-               xsum8, lanes, step_blocks, half_lanes):
+def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, q, gate):
     _, Hq, D = q.shape
     Hkv = cache_k.shape[0]
     start = positions[0]
@@ -61,21 +62,9 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
         for d in range(D):
             cache_k[h, start, d] = k[0, h, d]
             cache_v[h, start, d] = v[0, h, d]
-    n_range = attention.n_ranges(start + 1)
-    if n_range == 1:
-        acc = o.reshape(1, 1, Hq, D)                           # accumulate in place
-    else:
-        acc = np.empty((n_range, 1, Hq, D), np.float32)
-    m = np.empty((n_range, 1, Hq), np.float32)
-    l = np.empty((n_range, 1, Hq), np.float32)
-    fork((q, cache_k, cache_v, start, acc, m, l, gate, o))    # the key ranges over the threads
-    for th in range(Hq):
-        attention.combine_head(acc, m, l, start, gate, o, th)
-    matvec._quantize_act_kernel(o.reshape(1, Hq * D), xq, dx, xsum8, lanes, step_blocks,
-                                half_lanes)
 
 
-_step_kernel = omp.forking_kernel(_step_body, fork=attention.attend_share)
+_step_kernel = kernel(_step_body)
 
 
 def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
@@ -84,11 +73,12 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
     qkv [1, ...] is overwritten (k's norm and rotation, in place); the cache gets its key and
     value; o [1, Hq, D] and its quantisation `act` (a Q8Act of [1, Hq·D]). q, gate [1, Hq, D]
     are scratch. The caller (model/forward.py's decode) made every buffer once, of the right
-    shapes and dtypes: only the kernel's signature checks them."""
+    shapes and dtypes: only the kernels' signatures check them."""
     v_ = act.vec
     half = matvec.simd.HALF_OF.get(v_.isa)
-    _step_kernel()(qkv, q_norm, k_norm, float(eps), positions,
-                   rope._inv_freq(int(rotary_dim), float(theta)), cache_k, cache_v, q, gate, o,
-                   act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
-                   half.lanes if half else 0)
+    _step_kernel(qkv, q_norm, k_norm, float(eps), positions,
+                 rope._inv_freq(int(rotary_dim), float(theta)), cache_k, cache_v, q, gate)
+    attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
+    matvec._quantize_act_kernel(o.reshape(1, -1), act.xq, act.dx, act.xsum8, v_.lanes,
+                                matvec.blocks_per_step(v_), half.lanes if half else 0)
     return act
