@@ -1,15 +1,19 @@
 """jit/dispatch.py: declared signatures compiled on first use; compiles and cache saves shared
 safely between processes using one cache folder (the warm-up's helpers, two first runs at once)."""
 
+import ctypes
 import os
 import subprocess
 import sys
 import textwrap
 import time
 
+import llvmlite.binding as llvm_binding
 import numpy as np
 import pytest
 from numba import types
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.registry import cpu_target
 
 from fermijit.jit import dispatch
 from fermijit.jit.cpu import kernel
@@ -188,3 +192,37 @@ def test_a_lock_held_too_long_is_waited_for_a_bounded_time(tmp_path):
         holder.wait()
     with dispatch.folder_lock(str(tmp_path), "some kernel", wait_s=5) as held:
         assert held  # freed by the holder's death
+
+
+def _library(codegen, name, ir_text):
+    library = codegen.create_library(name)
+    library.add_llvm_module(llvm_binding.parse_assembly(ir_text))
+    return library
+
+
+def test_a_library_made_only_to_be_linked_gets_machine_code_only_when_asked():
+    """Numba finalizes a library it links into another, machine code and all, though the caller
+    links its own copy of the IR (a first run's compile: issue 9). Its code waits until asked."""
+    codegen = cpu_target.target_context.codegen()
+    callee = _library(codegen, "callee", """
+        define i64 @fermijit_test_plus_one(i64 %x) {
+          %y = add i64 %x, 1
+          ret i64 %y
+        }""")
+    caller = _library(codegen, "caller", """
+        declare i64 @fermijit_test_plus_one(i64)
+        define i64 @fermijit_test_plus_two(i64 %x) {
+          %y = call i64 @fermijit_test_plus_one(i64 %x)
+          %z = add i64 %y, 1
+          ret i64 %z
+        }""")
+    with global_compiler_lock:
+        caller.add_linking_library(callee)
+        assert callee._deferred_module is not None      # finalized for linking, no code yet
+        plus_two = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(
+            caller.get_pointer_to_function("fermijit_test_plus_two"))
+        assert plus_two(40) == 42                       # its own copy of the callee
+        assert callee._deferred_module is not None
+        plus_one = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(
+            callee.get_pointer_to_function("fermijit_test_plus_one"))
+    assert plus_one(40) == 41 and callee._deferred_module is None  # asked: compiled now
