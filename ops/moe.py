@@ -306,11 +306,13 @@ def _ffn(qs_gate_up, d_gate_up, qs_down, d_down, act: Q8Act, offsets, swiglu=_sw
     launch per projection); `like_gemv`: each row bit for bit decode's (matvec.grouped)."""
     n = act.xq.shape[0] if x_rows is None else x_rows.size
     b = buffers or FfnBuffers.make(n, qs_gate_up, qs_down)
-    matvec.grouped(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv,
-                   x_rows=x_rows)
+    # Launches without matvec.grouped's checks: offsets and rows come from _sort_slots of
+    # checked ids, the buffers from FfnBuffers.make for these weights.
+    matvec.grouped_launch(qs_gate_up, d_gate_up, offsets, act, b.gu, like_gemv=like_gemv,
+                          x_rows=x_rows)
     swiglu(b.gu, b.h)
     b.act_h = matvec.quantize_act(b.h, act.vec.isa, out=b.act_h)
-    return matvec.grouped(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
+    return matvec.grouped_launch(qs_down, d_down, offsets, b.act_h, b.out, like_gemv=like_gemv)
 
 
 @dataclass

@@ -73,6 +73,19 @@ def test_gates_cpu_matches_reference(rng, T, Hv):
     assert (g < 0).all() and ((beta >= 0) & (beta <= 1)).all()
 
 
+def test_gates_cpu_takes_the_halves_of_one_buffer_bit_for_bit(rng):
+    """Prefill's b and a are row views of one [T, 2Hv] product (model/forward.py)."""
+    T, Hv = 37, 8
+    ba = (rng.standard_normal((T, 2 * Hv)) * 10).astype(np.float32)
+    A_log = rng.uniform(-3, 2, Hv).astype(np.float32)
+    dt_bias = rng.standard_normal(Hv).astype(np.float32)
+    want = gated_delta.gates_cpu(ba[:, Hv:].copy(), ba[:, :Hv].copy(), A_log, dt_bias)
+    got = gated_delta.gates_cpu(ba[:, Hv:], ba[:, :Hv], A_log, dt_bias,
+                                out=(poisoned((T, Hv)), poisoned((T, Hv))))
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_gates_reference_formula():
     g, beta = gated_delta.gates_reference(np.array([[0.0, 50.0]]), np.array([[0.0, -800.0]]),
                                           np.array([np.log(2.0), 0.0]), np.array([0.0, -10.0]))
@@ -89,6 +102,10 @@ def test_gates_bad_inputs():
         gated_delta.gates_cpu(a, a, np.zeros(5, np.float32), w)
     with pytest.raises(FermijitError, match="contiguous"):
         gated_delta.gates_cpu(np.zeros((4, 3), np.float32).T, a, w, w)
+    with pytest.raises(FermijitError, match="apart"):  # rows overlapping: strides (4, 4)
+        gated_delta.gates_cpu(np.lib.stride_tricks.as_strided(a, (3, 4), (4, 4)), a, w, w)
+    with pytest.raises(FermijitError, match="shape"):
+        gated_delta.gates_cpu(a, a[:2], w, w)
     with pytest.raises(FermijitError, match="out"):
         gated_delta.gates_cpu(a, a, w, w, out=(poisoned((3, 5)), poisoned((3, 4))))
 
