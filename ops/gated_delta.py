@@ -77,26 +77,12 @@ def _gates(a, b, A_log, dt_bias, g, beta):
             beta[t, h] = 1 / (1 + np.exp(-b[t, h]))
 
 
-def _gate_rows(op, name, x, shape=None):
-    """x as gates_cpu takes a and b: float32 [T, Hv] whose rows are contiguous, not necessarily
-    the whole array (prefill's b and a are the halves of one [T, 2Hv] product: forward.py)."""
-    if not isinstance(x, np.ndarray) or x.ndim != 2:
-        raise FermijitError(f"{op}: {name} must be a 2-D numpy array")
-    check_array(op, name, x[:1, :1], np.float32)           # the dtype, and an aligned start
-    if shape is not None and x.shape != shape:
-        raise FermijitError(f"{op}: {name} has shape {list(x.shape)}, expected {list(shape)}")
-    if x.strides[1] != x.itemsize or x.strides[0] < x.shape[1] * x.itemsize:
-        raise FermijitError(f"{op}: {name}'s rows must be contiguous and apart (shape "
-                            f"{list(x.shape)}, strides {list(x.strides)})")
-    return x
-
-
 def gates_cpu(a, b, A_log, dt_bias, out=None):
     """fp32 `gates_reference`; `out` is a (g, beta) pair of [T, Hv] buffers. a and b may be
     row views (contiguous rows, any row stride)."""
     op = "gated_delta.gates"
-    T, Hv = _gate_rows(op, "a", a).shape
-    _gate_rows(op, "b", b, (T, Hv))
+    T, Hv = check_array(op, "a", a, np.float32, rows=True).shape
+    check_array(op, "b", b, np.float32, (T, Hv), rows=True)
     check_array(op, "A_log", A_log, np.float32, (Hv,))
     check_array(op, "dt_bias", dt_bias, np.float32, (Hv,))
     g_out, beta_out = (None, None) if out is None else out

@@ -9,8 +9,10 @@ from fermijit import FermijitError
 
 
 def check_array(op: str, name: str, a, dtype, shape: tuple | None = None,
-                ndim: int | None = None) -> np.ndarray:
-    """Return `a` if it is a C-contiguous, aligned ndarray of `dtype` matching `shape`.
+                ndim: int | None = None, rows: bool = False) -> np.ndarray:
+    """Return `a` if it is a C-contiguous, aligned ndarray of `dtype` matching `shape`; with
+    `rows`, a 2-D array whose rows only need to be contiguous and apart (a row view, such as one
+    half of the columns of a wider array).
 
     `shape` entries may be None (any size). Returns the array so calls can be chained. This runs
     on every decode call of every op, so the passing path is a handful of attribute reads.
@@ -27,7 +29,14 @@ def check_array(op: str, name: str, a, dtype, shape: tuple | None = None,
     if ndim is not None and a.ndim != ndim:
         raise FermijitError(f"{op}: {name} must be {ndim}-D, got shape {list(a.shape)}")
     flags = a.flags
-    if not (flags.c_contiguous and flags.aligned):
+    if rows:
+        if a.ndim != 2:
+            raise FermijitError(f"{op}: {name} must be 2-D, got shape {list(a.shape)}")
+        step, item = a.strides
+        if not flags.aligned or item != a.itemsize or step < a.shape[1] * a.itemsize:
+            raise FermijitError(f"{op}: {name}'s rows must be contiguous and apart (shape "
+                                f"{list(a.shape)}, strides {list(a.strides)})")
+    elif not (flags.c_contiguous and flags.aligned):
         raise FermijitError(f"{op}: {name} must be C-contiguous and aligned "
                             f"(shape {list(a.shape)}, strides {list(a.strides)})")
     return a
