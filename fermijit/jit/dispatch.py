@@ -13,6 +13,7 @@ and lazier: what lets the warm-up compile in several processes at once (fermijit
   leaves them out: numba issue 10821), so a process run with one cannot serve its code to others.
 - A code library compiled only to be linked into others gets no machine code of its own unless
   asked (below).
+- A kernel calls its own copies of the code it links, never another library's (below).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import os
 import time
 
+import llvmlite.binding as ll
 from numba.core import caching, codegen, sigutils
 from numba.core import config as numba_config
 from numba.core.registry import CPUDispatcher
@@ -224,6 +226,7 @@ def _add_module(self, module):
     if library is not None and getattr(library, "_link_only", False):
         library._deferred_module = module
         return None
+    _own_copies(library, module)
     return _original_add_module(self, module)
 
 
@@ -237,6 +240,7 @@ def _materialise(library):
     if module is not None:
         library._deferred_module = None
         library._link_only = False
+        _own_copies(library, module)
         _original_add_module(library._codegen, module)
         _original_finalize_specific(library)
 
@@ -252,7 +256,45 @@ def _get_compiled_object(self):
     return _original_compiled_object(self)
 
 
+# --- each kernel calls its own copies ----------------------------------------------------------
+# A caller's copies of the code it links come in as linkonce_odr: weak symbols in its object code,
+# which the JIT resolves to the first definition of that name it has, wherever it is. The copies
+# are optimised again in each caller (fast-math reassociates differently), so which copy a kernel
+# ran depended on what the process had loaded before: the process that compiled attention's
+# kernel ran the range kernel's own library (strong, compiled alone), every later process, which
+# loads only the caller from the cache, the caller's copy: other bits (issue 9: ~1e-7 for 8 query
+# heads a kv head at head dim 256, head dims 32, 48, 60). Made internal in the code given to the
+# JIT (after optimisation, so the same code), each caller keeps its copies; the module others link
+# still offers them as linkonce_odr.
+
+_original_module_for_linking = codegen.CPUCodeLibrary._get_module_for_linking
+
+
+def _own_copies(library, module) -> None:
+    if library is None:
+        return
+    names = [fn.name for fn in module.functions
+             if not fn.is_declaration and fn.linkage == ll.Linkage.linkonce_odr]
+    for name in names:
+        module.get_function(name).linkage = ll.Linkage.internal
+    library._own_copies = names
+
+
+def _get_module_for_linking(self):
+    names = getattr(self, "_own_copies", ())
+    if self._shared_module is not None or not names:
+        return _original_module_for_linking(self)
+    module = _original_module_for_linking(self)
+    if module is self._final_module:
+        module = module.clone()
+    for name in names:
+        module.get_function(name).linkage = ll.Linkage.linkonce_odr
+    self._shared_module = module
+    return module
+
+
 codegen.CPUCodeLibrary.add_linking_library = _add_linking_library
+codegen.CPUCodeLibrary._get_module_for_linking = _get_module_for_linking
 codegen.CPUCodeLibrary._optimize_final_module = _optimize_final_module
 codegen.JITCPUCodegen._add_module = _add_module
 codegen.JITCodeLibrary._finalize_specific = _finalize_specific
