@@ -226,3 +226,67 @@ def test_a_library_made_only_to_be_linked_gets_machine_code_only_when_asked():
         plus_one = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(
             callee.get_pointer_to_function("fermijit_test_plus_one"))
     assert plus_one(40) == 41 and callee._deferred_module is None  # asked: compiled now
+
+
+def test_a_caller_calls_its_own_copy_of_what_it_links():
+    """A caller's copy of a linked function was a weak symbol, resolved to the first definition
+    of its name the JIT had: a library compiled alone under that name (issue 9: attention's
+    range kernel, optimised again in its caller, other bits). Here the two differ on purpose."""
+    codegen = cpu_target.target_context.codegen()
+    which = "define i64 @fermijit_test_which() noinline {{ ret i64 {} }}"
+    alone = _library(codegen, "alone", which.format(1))
+    linked = _library(codegen, "linked", which.format(2))
+    caller = _library(codegen, "caller", """
+        declare i64 @fermijit_test_which()
+        define i64 @fermijit_test_calls_which() {
+          %y = call i64 @fermijit_test_which()
+          ret i64 %y
+        }""")
+    with global_compiler_lock:
+        alone.finalize()                                # in the JIT first, a strong definition
+        caller.add_linking_library(linked)
+        calls_which = ctypes.CFUNCTYPE(ctypes.c_int64)(
+            caller.get_pointer_to_function("fermijit_test_calls_which"))
+        assert calls_which() == 2
+        shared = linked._get_module_for_linking()      # what others link: still linkonce_odr
+    assert shared.get_function("fermijit_test_which").linkage == llvm_binding.Linkage.linkonce_odr
+
+
+# Attention's shapes whose outputs differed between the process that compiled its kernels and the
+# later ones that load them from the cache (T, Hq, Hkv, D, S, start): 8 query heads a kv head at
+# head dim 256, one at head dim 32 (a decode step over two key ranges), 2 at head dim 48.
+ATTENTION_SHAPES = [(40, 16, 2, 256, 300, 0), (1, 2, 2, 32, 300, 299), (150, 4, 2, 48, 200, 30)]
+ATTENTION_RUN = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from fermijit.ops import attention
+    rng = np.random.default_rng(0)
+    outs = []
+    for T, Hq, Hkv, D, S, start in eval(sys.argv[2]):
+        q, gate = (rng.standard_normal((T, Hq, D), dtype=np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((Hkv, S, D), dtype=np.float32) for _ in range(2))
+        outs.append(attention.cpu(q, k, v, gate, start))
+    np.savez(sys.argv[1], *outs)
+    stats = attention._attention_kernel().stats
+    print(sum(stats.cache_misses.values()), sum(stats.cache_hits.values()))
+""")
+
+
+def test_kernels_loaded_from_the_cache_give_the_compiled_bits(tmp_path):
+    """The process that compiles attention's kernel and a later one that loads it from the
+    cache give the same bits (they did not: the test above)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run(name):
+        r = subprocess.run([sys.executable, "-c", ATTENTION_RUN, str(tmp_path / name),
+                            repr(ATTENTION_SHAPES)], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return tuple(map(int, r.stdout.split())), np.load(tmp_path / name)
+
+    (misses, _), compiled = run("compiled.npz")
+    (misses_then, hits), loaded = run("loaded.npz")
+    assert misses == 1 and (misses_then, hits) == (0, 1)
+    other_bits = [shape for i, shape in enumerate(ATTENTION_SHAPES)
+                  if not np.array_equal(compiled[f"arr_{i}"], loaded[f"arr_{i}"])]
+    assert other_bits == []
