@@ -196,12 +196,11 @@ def configure_threads(n_threads: int | None) -> int:
 
 _JIT_DIR = Path(__file__).resolve().parent
 # Reassociation lets LLVM vectorise reductions; no `nnan`/`ninf`/`afn`, so NaN poisoning still
-# shows and exp/log keep full accuracy. Numba compiles a parallel kernel's loop body as a library
-# of its own in the process that compiles it, but inlined into the object it caches for every later
-# process, and fast-math lets the two round differently: the first-ever run's results differ from
-# later runs' in the last bits. Without `contract` the GDN recurrence agrees bit for bit (it was
-# 3e-11 off, and generated text diverged after ~70 tokens); reassociation still makes attention's
-# first run differ by ~2e-7, but dropping it made attention 4-5x slower, so it stays.
+# shows and exp/log keep full accuracy. Under fast-math a function optimised alone and its copy
+# optimised again inside a caller may round differently: a kernel runs only its own copies
+# (jit/dispatch.py), so a first run, which compiles, gives later runs' bits (attention's differed
+# by up to ~7e-7 until then). `contract` stays off: with it the GDN recurrence's first run was
+# 3e-11 off later runs' (generated text diverged after ~70 tokens), measured before that fix.
 FASTMATH = {"reassoc", "nsz"}
 
 

@@ -281,15 +281,15 @@ def _own_copies(library, module) -> None:
 
 
 def _get_module_for_linking(self):
-    names = getattr(self, "_own_copies", ())
-    if self._shared_module is not None or not names:
-        return _original_module_for_linking(self)
+    """Numba's, this library's own copies linkonce_odr again (made internal only for the JIT)."""
+    is_new = self._shared_module is None
     module = _original_module_for_linking(self)
-    if module is self._final_module:
-        module = module.clone()
-    for name in names:
-        module.get_function(name).linkage = ll.Linkage.linkonce_odr
-    self._shared_module = module
+    names = getattr(self, "_own_copies", ())
+    if is_new and names:
+        if module is self._final_module:
+            module = self._shared_module = module.clone()
+        for name in names:  # (each keeps the dso_local that internal linkage set: no other change)
+            module.get_function(name).linkage = ll.Linkage.linkonce_odr
     return module
 
 
