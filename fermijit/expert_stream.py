@@ -6,9 +6,15 @@ the expert kernels index it by expert id as they index a resident tensor; only t
 for are copied in (fermijit/gpu_prefill.py decides which, and when). The copies go on a stream of
 their own that does not wait for the kernels, an event after each batch.
 
-Host sources, one per `--pin-budget` outcome (and the bench's baseline):
-  pinned    the whole expert pool in page-locked memory, copied from the model file once: the DMA
-            engine reads it directly, asynchronously;
+Host sources, one per `--pin-budget` outcome (and the bench's baseline). The experts are ~90 % of
+the model's bytes, so every source keeps ONE copy of them in host RAM, the one CPU decode reads
+too (issue 28: a second, page-locked copy beside the model file's pages had doubled the RSS):
+  mapped    the model file's own mapped pages, page-locked in place (registered with the driver,
+            read-only: CUDA >= 11.1; Fermi's last driver cannot register a read-only mapping):
+            the DMA engine reads what decode reads, no copy, nothing more resident;
+  pinned    where `mapped` is refused: the expert pool copied once into page-locked memory,
+            layer by layer, each layer's file pages then released from the process and the CPU
+            model's expert arrays pointed at the pool (`Streamer.rebind`), so decode reads the pool;
   ring      a ring of page-locked staging slots of RING_SLOT_BYTES, refilled by the host from the
             (memory-mapped, pageable) model file while the previous slot is on the link;
   pageable  copies straight from the model file: the driver stages them itself, synchronously.
@@ -16,14 +22,17 @@ Host sources, one per `--pin-budget` outcome (and the bench's baseline):
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
+import mmap
 
 import numpy as np
 
 from fermijit import FermijitError
 from fermijit.ops import moe
 
-SOURCES = ("pinned", "ring", "pageable")
+SOURCES = ("mapped", "pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
 RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
 
@@ -78,15 +87,21 @@ class Streamer:
         if source not in SOURCES:
             raise FermijitError(f"expert source must be one of {SOURCES}, got {source!r}")
         self.layout = Layout.of(layers[0])
-        self.source = source
         self.host = [expert_arrays(w) for w in layers]
         self.stream = gpu.copy_stream()
         self.pool: list[np.ndarray] = []
+        self.registered = None
+        if source == "mapped":
+            self.registered = _register_in_place(self.host)
+            if self.registered is None:
+                source = "pinned"
+        self.source = source
         if source == "pinned":
             for arrays in self.host:
                 buf = gpu.pinned(self.layout.layer_bytes)
                 for start, a in zip(self.layout.offsets, arrays):
                     buf[start:start + a.size] = a.reshape(-1)
+                    _release_pages(a)  # as it goes: the RSS holds one copy plus one layer
                 self.pool.append(buf)
         self.slot_bytes = ring_slot_bytes
         self.ring = ([gpu.pinned(ring_slot_bytes) for _ in range(RING_SLOTS)]
@@ -95,9 +110,24 @@ class Streamer:
         self._next_slot = 0
         self.bytes_copied = 0
 
+    def rebind(self, layer: int, w: moe.MoeWeights) -> moe.MoeWeights:
+        """`w` (layer `layer`'s experts as the CPU reads them) with its routed arrays in the
+        page-locked pool (whose file pages were released as it was filled), so decode reads the
+        one copy; `w` itself where the pool is not a copy."""
+        if self.source != "pinned":
+            return w
+        buf, views = self.pool[layer], []
+        for start, a in zip(self.layout.offsets, w.routed):
+            view = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+            view.flags.writeable = False  # as the file's views: the same compiled kernels
+            views.append(view)
+        return dataclasses.replace(w, gate_up_qs=views[0], gate_up_d=views[1],
+                                   down_qs=views[2], down_d=views[3])
+
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.nbytes for b in self.pool) + sum(b.nbytes for b in self.ring)
+        registered = 0 if self.registered is None else self.registered.nbytes
+        return registered + sum(b.nbytes for b in self.pool) + sum(b.nbytes for b in self.ring)
 
     def copy(self, layer: int, experts: np.ndarray, device_base: int):
         """Issue the copies of `experts` (bool [E]) of `layer` into a layer buffer at
@@ -144,3 +174,49 @@ class Streamer:
                 self.bytes_copied += part.nbytes
                 self.ring_events[slot] = gpu.event()
                 self.ring_events[slot].record(self.stream)
+
+
+def _span(arrays) -> tuple[int, int]:
+    """[first, last) byte addresses covering `arrays`, widened to whole pages."""
+    page = mmap.PAGESIZE
+    first = min(a.ctypes.data for a in arrays)
+    last = max(a.ctypes.data + a.nbytes for a in arrays)
+    return first // page * page, -(-last // page) * page
+
+
+def _register_in_place(host: list[tuple[np.ndarray, ...]]):
+    """The pages under every layer's experts registered with the driver as they are (one range:
+    a page may hold the end of one tensor and the start of the next); None where the driver
+    refuses (Fermi's drivers: no read-only registration; RLIMIT_MEMLOCK; not enough memory)."""
+    from fermijit.jit import gpu
+
+    first, last = _span([a for arrays in host for a in arrays])
+    return gpu.register(first, last - first)
+
+
+def _release_pages(a: np.ndarray) -> None:
+    """Drop this process's mapping of the whole pages inside `a` (a view of the model file: the
+    page cache keeps the data, the RSS loses it; a later read would fault it back in)."""
+    page = mmap.PAGESIZE
+    first = -(-a.ctypes.data // page) * page
+    last = (a.ctypes.data + a.nbytes) // page * page
+    if last > first and _is_file_view(a):
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+def _is_file_view(a: np.ndarray) -> bool:
+    while a is not None:
+        if isinstance(a, (np.memmap, mmap.mmap)):
+            return True
+        a = getattr(a, "base", None)
+    return False
+
+
+MADV_DONTNEED = 4  # linux/mman.h
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc

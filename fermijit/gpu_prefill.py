@@ -48,6 +48,9 @@ class DeviceModel:
     """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
 
     def __init__(self, model: Model, source: str, ring_slot_bytes: int = 64 << 20):
+        """`source`: expert_stream.SOURCES; "pinned" (the whole pool page-locked) registers the
+        model file's pages in place where the driver can, else copies them into a pool that CPU
+        decode then reads too (its expert arrays rebound to it): one copy in host RAM."""
         from fermijit import expert_stream
         from fermijit.jit import gpu
 
@@ -57,8 +60,11 @@ class DeviceModel:
         self.norm = gpu.to_device("gpu prefill", "norm", model.norm, np.float32)
         self.head = {k: gpu.to_device("gpu prefill", f"lm_head {k}", np.ascontiguousarray(v),
                                       v.dtype) for k, v in head_arrays(model).items()}
-        self.streamer = expert_stream.Streamer([w.experts for w in model.layers], source,
+        self.streamer = expert_stream.Streamer([w.experts for w in model.layers],
+                                               "mapped" if source == "pinned" else source,
                                                ring_slot_bytes)
+        model.layers = tuple(dataclasses.replace(w, experts=self.streamer.rebind(i, w.experts))
+                             for i, w in enumerate(model.layers))
         self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
         self.readback = gpu.copy_stream()  # device-to-host routing reads (Pass.read_routing)

@@ -21,6 +21,7 @@ the prompt runs in chunks of the largest size that fits (said on stderr).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -142,6 +143,8 @@ class CpuPrefiller:
 
     def __init__(self, model):
         self.model = model
+        # Prompt tokens prefilled per device ("cpu", "gpu"): the server's /health shows them.
+        self.n_prefilled = collections.Counter()
 
     def prepare(self) -> bool:
         """Nothing to set up: `engine.warm_up` compiles the CPU kernels."""
@@ -150,6 +153,7 @@ class CpuPrefiller:
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
         """Model.prefill: passes end at multiples of `align` (the prefix cache snapshots there)."""
+        self.n_prefilled["cpu"] += np.size(tokens)
         return self.model.prefill(tokens, state, all_logits=all_logits, on_block=on_block,
                                   align=align)
 
@@ -167,6 +171,7 @@ class GpuPrefiller:
         # numerics: the all-CPU run's, to fp32 rounding and its 8-bit flips); False: fp32.
         self.w4a8 = w4a8
         self.cpu = CpuPrefiller(model)
+        self.n_prefilled = self.cpu.n_prefilled
         self.gpu_mem, self.pin_budget = gpu_mem, pin_budget
         self.verbose, self.err = verbose, err or sys.stderr
         self.source = source          # None: as the plan says (pinned within --pin-budget)
@@ -242,7 +247,9 @@ class GpuPrefiller:
                                 f"[{tokens.min()}, {tokens.max()}]")
         self.model._check_room(state, tokens.size)
         try:
-            return self.run(tokens, state, all_logits, on_block)
+            logits = self.run(tokens, state, all_logits, on_block)
+            self.n_prefilled["gpu"] += tokens.size
+            return logits
         except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
             self._fall_back(_reason(e))
             self.device = None
@@ -307,6 +314,7 @@ class AutoPrefiller:
 
     def __init__(self, gpu: GpuPrefiller, min_tokens: int = AUTO_MIN_TOKENS):
         self.gpu, self.cpu, self.min_tokens = gpu, gpu.cpu, min_tokens
+        self.n_prefilled = gpu.n_prefilled
 
     def prepare(self) -> bool:
         return self.gpu.prepare()

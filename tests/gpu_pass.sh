@@ -22,9 +22,17 @@ python3 -m fermijit bench gpu >"$out/bench.txt" 2>&1
 echo "bench rc=$?"
 python3 -m fermijit bench prefill --model fermijit/default_model >"$out/bench-prefill.txt" 2>&1
 echo "bench prefill rc=$?"
+# The server with the GPU prefill at full size (issue 28): reap128 synthesised in /dev/shm.
+full=/dev/shm/fermijit-reap128
+[ -f $full/fermijit.json ] || python3 -m fermijit synth qwen3.6-35b-a3b-reap128 $full \
+  >"$out/synth.txt" 2>&1
+FERMIJIT_FULL_MODEL=$full python3 -m pytest -q -rsP -p no:cacheprovider \
+  tests/fermijit/server/test_serve_gpu.py >"$out/serve-gpu.log" 2>&1
+echo "serve gpu tests rc=$?"
 grep -E "passed|failed|error" "$out/gpu-tests.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" | head -20
 tail -3 "$out/kernels-check.txt"
 echo "max relative errors (max|e-a|/max|e|) over the tested shapes:"
 cat "$out/errors.txt"
 cat "$out/bench.txt" "$out/bench-prefill.txt"
+grep -E "^(serve|prompt|generate|decode after)|passed|failed" "$out/serve-gpu.log"

@@ -13,8 +13,11 @@ already on the device the result stays there (prefill chains kernels without hos
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import sys
+import threading
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -26,6 +29,9 @@ from fermijit.jit import checks, ptx
 FERMI_MAX_GRID = (65535, 65535, 65535)
 
 _context = None
+# CUDA keeps a stack of current contexts per thread: the one context is pushed once on every
+# thread that asks for the driver (the server loads on one thread and prefills on another).
+_thread = threading.local()
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,8 +51,8 @@ def unavailable_reason() -> str | None:
 
 
 def driver():
-    """`pycuda.driver`, with a context current (the device 0 primary context unless the caller
-    already made one current)."""
+    """`pycuda.driver`, with fermijit's context current on the calling thread (the device 0
+    primary context, unless the first caller already had one current)."""
     global _context
     reason = unavailable_reason()
     if reason is not None:
@@ -60,6 +66,12 @@ def driver():
             current.push()
             atexit.register(_release)
         _context = current
+        _thread.has_context = True
+    elif not getattr(_thread, "has_context", False):
+        current = cuda.Context.get_current()
+        if current is None or current.handle != _context.handle:
+            _context.push()
+        _thread.has_context = True
     return cuda
 
 
@@ -322,3 +334,48 @@ def copy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, heig
     copy.width_in_bytes, copy.height = int(width), int(height)
     with check("a pitched device copy"):
         copy(aligned=False)
+
+
+# cuMemHostRegister's flags (cuda.h): READ_ONLY since CUDA 11.1, so the pages of a read-only
+# file mapping can be locked; a driver without it (Fermi's last, 390.x: CUDA 9.1) refuses.
+REGISTER_PORTABLE, REGISTER_READ_ONLY = 0x01, 0x08
+
+
+class Registered:
+    """Host memory page-locked in place (cuMemHostRegister): copies from it run as DMA, as from
+    `pinned` memory, without a second copy of the bytes. Unregistered when dropped."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address, self.nbytes = address, nbytes
+
+    def __del__(self):
+        if _context is not None:
+            _libcuda().cuMemHostUnregister(ctypes.c_void_p(self.address))
+
+
+_registered: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def register(address: int, nbytes: int) -> Registered | None:
+    """`nbytes` at `address` (page-aligned, mapped read-only or not) page-locked for the device,
+    or None where the driver refuses (no read-only registration, RLIMIT_MEMLOCK, memory). A
+    range registered already (a second prefiller on the same model) is shared."""
+    driver()
+    held = _registered.get((address, nbytes))
+    if held is not None:
+        return held
+    rc = _libcuda().cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
+                                         REGISTER_PORTABLE | REGISTER_READ_ONLY)
+    if rc != 0:
+        return None
+    held = _registered[(address, nbytes)] = Registered(address, nbytes)
+    return held
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    """The driver API through ctypes, for what pycuda does not wrap with flags (register)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    return lib

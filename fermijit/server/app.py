@@ -129,8 +129,10 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
             {"id": model_name, "object": "model", "created": created, "owned_by": "fermijit"}]})
 
     async def health(request: Request):
+        prefiller = scheduler.engine.prefiller
         return JSONResponse({"status": "ok", "active": len(scheduler.active),
-                             "waiting": scheduler.waiting.qsize()})
+                             "waiting": scheduler.waiting.qsize(),
+                             "prefilled_tokens": dict(getattr(prefiller, "n_prefilled", {}))})
 
     async def not_found(request: Request, exc: HTTPException):
         return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
