@@ -304,3 +304,31 @@ def test_too_little_gpu_memory_falls_back(loaded):
     logits = pf.prefill(tokens, model.new_state(40))
     np.testing.assert_array_equal(logits, model.prefill(tokens, model.new_state(40)))
     assert "prefilling on the CPU" in err.getvalue() and "GPU memory" in err.getvalue()
+
+
+def test_the_experts_are_in_host_ram_once(models, monkeypatch):
+    """Issue 28 item 3: a driver that registers read-only memory page-locks the model file's own
+    pages (nothing copied: decode and the DMA read the same bytes); where registration is refused
+    (Fermi's drivers) the pool is a copy that decode then reads instead of the file: its expert
+    arrays are views of the pool, and its logits are bit for bit the file's."""
+    import pycuda.driver as cuda
+
+    from fermijit.jit import gpu
+
+    model = load_model(models["tiny-e128"])[1]
+    tokens = prompt(model, 40)
+    state = model.new_state(42)
+    model.prefill(tokens, state)
+    expected = model.decode(5, state.copy())
+    if cuda.get_driver_version() >= 11010:
+        mapped, _ = gpu_prefiller(model, source="pinned")
+        assert mapped.device.streamer.source == "mapped"
+        assert mapped.device.streamer.pool == []
+    copy = load_model(models["tiny-e128"])[1]
+    monkeypatch.setattr(gpu, "register", lambda address, nbytes: None)
+    pinned, _ = gpu_prefiller(copy, source="pinned")
+    streamer = pinned.device.streamer
+    assert streamer.source == "pinned"
+    for i, w in enumerate(copy.layers):
+        assert all(np.shares_memory(a, streamer.pool[i]) for a in w.experts.routed)
+    np.testing.assert_array_equal(copy.decode(5, state.copy()), expected)
