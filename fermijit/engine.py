@@ -183,7 +183,8 @@ def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
     def on_block(n: int) -> None:
         if bar is not None:
             bar.update(n)
-        if cache is None or state.position == prompt.size:
+        # A GPU prefill hands the state back at its end: no snapshot of a state not yet moved.
+        if cache is None or state.position == prompt.size or state.position == last[0]:
             return
         every = cache.snapshot_every
         if state.position % every == 0 or state.position - last[0] >= every:
@@ -356,18 +357,16 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     kind = "4-bit fermijit" if model.is_quantized else "fp32 HF checkpoint, unquantised"
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
     ids = getattr(prompt, "ids", prompt)  # a multimodal.Prompt's, or the ids themselves
-    warm_up_s = warm_up(model, ids, sampler=engine.sampler(settings))  # a twin: warming draws
-    print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
     # A prompt with images is prefilled on the CPU (engine.generate): no GPU prefill to set up,
     # nor its weights to take GPU memory beside the vision tower's.
     engine.prefiller = prefiller = hybrid.make(model, "cpu" if pictures else settings.prefill,
                                                settings.gpu_mem, settings.pin_budget,
                                                settings.verbose, err)
-    if settings.prefill != "cpu" and not pictures:
-        start = time.perf_counter()
-        if prefiller.prepare():
-            print(f"gpu prefill ready in {time.perf_counter() - start:.2f} s", file=err,
-                  flush=True)
+    with hybrid.preparing(prefiller) as gpu_ready:  # the GPU's start beside the CPU's warm-up
+        warm_up_s = warm_up(model, ids, sampler=engine.sampler(settings))  # a twin: warming draws
+    print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
+    if gpu_ready.get("seconds") is not None:
+        print(f"gpu prefill ready in {gpu_ready['seconds']:.2f} s", file=err, flush=True)
 
     stream = tokenizer.stream()
 

@@ -126,7 +126,7 @@ class Streamer:
 
     @property
     def pinned_bytes(self) -> int:
-        registered = 0 if self.registered is None else self.registered.nbytes
+        registered = sum(r.nbytes for r in self.registered or ())
         return registered + sum(b.nbytes for b in self.pool) + sum(b.nbytes for b in self.ring)
 
     def copy(self, layer: int, experts: np.ndarray, device_base: int):
@@ -176,22 +176,35 @@ class Streamer:
                 self.ring_events[slot].record(self.stream)
 
 
-def _span(arrays) -> tuple[int, int]:
-    """[first, last) byte addresses covering `arrays`, widened to whole pages."""
-    page = mmap.PAGESIZE
-    first = min(a.ctypes.data for a in arrays)
-    last = max(a.ctypes.data + a.nbytes for a in arrays)
-    return first // page * page, -(-last // page) * page
+def _file_root(a: np.ndarray) -> np.ndarray | None:
+    """The whole file mapping `a` is a view of (its np.memmap), or None."""
+    root = None
+    while a is not None:
+        if isinstance(a, np.memmap):
+            root = a
+        a = getattr(a, "base", None)
+    return root
 
 
-def _register_in_place(host: list[tuple[np.ndarray, ...]]):
-    """The pages under every layer's experts registered with the driver as they are (one range:
-    a page may hold the end of one tensor and the start of the next); None where the driver
-    refuses (Fermi's drivers: no read-only registration; RLIMIT_MEMLOCK; not enough memory)."""
+def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
+    """Every model file holding experts registered with the driver as it is mapped, whole (a
+    copy from a range that only starts inside a registration fails: the LM head's scales beside
+    the last expert did); None where the driver refuses (Fermi's drivers: no read-only
+    registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
     from fermijit.jit import gpu
 
-    first, last = _span([a for arrays in host for a in arrays])
-    return gpu.register(first, last - first)
+    roots = [_file_root(a) for arrays in host for a in arrays]
+    if any(r is None for r in roots):
+        return None
+    page, held = mmap.PAGESIZE, []
+    for root in {id(r): r for r in roots}.values():
+        first = root.ctypes.data // page * page
+        last = -(-(root.ctypes.data + root.nbytes) // page) * page
+        registered = gpu.register(first, last - first)
+        if registered is None:
+            return None
+        held.append(registered)
+    return held
 
 
 def _release_pages(a: np.ndarray) -> None:
@@ -200,16 +213,8 @@ def _release_pages(a: np.ndarray) -> None:
     page = mmap.PAGESIZE
     first = -(-a.ctypes.data // page) * page
     last = (a.ctypes.data + a.nbytes) // page * page
-    if last > first and _is_file_view(a):
+    if last > first and _file_root(a) is not None:
         _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
-
-
-def _is_file_view(a: np.ndarray) -> bool:
-    while a is not None:
-        if isinstance(a, (np.memmap, mmap.mmap)):
-            return True
-        a = getattr(a, "base", None)
-    return False
 
 
 MADV_DONTNEED = 4  # linux/mman.h

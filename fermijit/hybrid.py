@@ -22,10 +22,13 @@ the prompt runs in chunks of the largest size that fits (said on stderr).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import re
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -217,20 +220,29 @@ class GpuPrefiller:
         from fermijit import gpu_prefill
         from fermijit.jit import gpu
 
+        start = time.perf_counter()
         reason = gpu.unavailable_reason()
         if reason is not None:
             raise FermijitError(f"no GPU: {reason}")
         budget = self.gpu_mem = self.budget()  # free memory now, before our own allocations
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
         first = plan(self.model, 2, 0, budget, pin_budget)  # checks the model and the budget
+        driver_s = time.perf_counter() - start
         self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
                                               ring_slot_bytes(pin_budget))
         warm = self.model.new_state(2)
         observer, self.observer = self.observer, None     # the warm-up pass is not calibration
+        start = time.perf_counter()
         try:
             self.run(np.zeros(2, np.int32), warm)
         finally:
             self.observer = observer
+        # Seconds per part of the start (`--verbose`; issue 28 item 4's start-up budget).
+        self.prepare_s = {"driver": driver_s, **self.device.prepare_s,
+                          "kernels (2-token pass)": time.perf_counter() - start}
+        if self.verbose:
+            self._say("gpu prefill ready: " + ", ".join(f"{k} {v:.2f} s"
+                                                        for k, v in self.prepare_s.items()))
 
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
@@ -323,6 +335,28 @@ class AutoPrefiller:
                 align: int | None = None) -> np.ndarray:
         chosen = self.gpu if np.size(tokens) >= self.min_tokens else self.cpu
         return chosen.prefill(tokens, state, on_block, all_logits, align)
+
+
+@contextlib.contextmanager
+def preparing(prefiller):
+    """`prefiller.prepare()` on a thread while the block runs (the CPU kernels' warm-up: the
+    GPU's start, ~2.6 s at full size on the H200, overlaps it instead of following it); yields a
+    dict that gets "seconds" (None when the GPU could not start) once the block is done."""
+    result: dict = {}
+    if isinstance(prefiller, CpuPrefiller):
+        yield result
+        return
+
+    def prepare() -> None:
+        start = time.perf_counter()
+        result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+
+    thread = threading.Thread(target=prepare, name="fermijit-gpu-prepare", daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        thread.join()
 
 
 def make(model, mode: str = "cpu", gpu_mem=None, pin_budget=None, verbose: bool = False,

@@ -46,13 +46,14 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
                          warn=lambda line: print(line, file=err, flush=True))
     times = {"load": time.perf_counter() - start}
-    warm_up(engine, max_batch)
-    times["kernels"] = time.perf_counter() - start - sum(times.values())
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
-    if prefill != "cpu" and engine.prefiller.prepare():
-        times["gpu prefill"] = time.perf_counter() - start - sum(times.values())
+    with hybrid.preparing(engine.prefiller) as gpu_ready:  # beside the CPU's warm-up
+        warm_up(engine, max_batch)
+        times["kernels"] = time.perf_counter() - start - times["load"]
+    if gpu_ready.get("seconds") is not None:
+        times["gpu prefill"] = gpu_ready["seconds"]
     scheduler = Scheduler(engine, max_batch, queue_size)
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())  # the last two overlap
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{', API key required' if api_key else ''})", file=err, flush=True)

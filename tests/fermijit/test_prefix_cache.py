@@ -234,3 +234,35 @@ def test_engine_generates_from_ids_through_its_cache(models, loaded):
     assert off.generate(prompt, settings, lambda t: None)[0] == first
     with pytest.raises(FermijitError, match="the prompt is empty"):
         engine.generate([], settings, lambda t: None)
+
+
+class HandsBackAtTheEnd:
+    """A prefiller like the GPU's: `on_block` after each pass, the host state written only when
+    the whole prompt is done (fermijit/hybrid.py GpuPrefiller)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def prefill(self, tokens, state, on_block=None, all_logits=False, align=None):
+        logits = self.model.prefill(tokens, state)
+        before = state.position
+        state.position -= tokens.size  # as the host state looks while the passes run
+        for _ in range(3):
+            on_block(tokens.size // 3)
+        state.position = before
+        return logits
+
+
+def test_a_prefill_that_hands_the_state_back_at_its_end_is_snapshotted_there(loaded):
+    """The server with the GPU prefill and the cache: snapshots are taken where the state has
+    moved (its end), never of a state the prefill has not handed back yet (that was "snapshot: 0
+    tokens for a state at position 0", and every prompt fell back to the CPU)."""
+    model = loaded["w4a8"]
+    cache = PrefixCache("test", mem_bytes=2 ** 30, snapshot_every=EVERY)
+    prompt = np.random.default_rng(3).integers(0, model.vocab_size, 40).astype(np.int32)
+    _, logits, n_cached = prefill(model, prompt, CONTEXT, cache, None, HandsBackAtTheEnd(model))
+    assert n_cached == 0
+    assert_rel("logits", uncached(model, prompt), logits, HIT_REL)
+    _, again, n_cached = prefill(model, prompt, CONTEXT, cache)
+    assert n_cached == prompt.size
+    np.testing.assert_array_equal(again, logits)
