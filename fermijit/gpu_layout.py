@@ -72,7 +72,7 @@ def dense_arrays(model: Model) -> list[dict[str, np.ndarray]]:
     return layers
 
 
-def head_arrays(model: Model, rows_per_block: int = 16384) -> dict[str, np.ndarray]:
+def head_arrays(model: Model) -> dict[str, np.ndarray]:
     """The LM head as the GPU runs it: Q4_0 as it is ("qs", "d"); Q8_0 split exactly into two
     Q4_0 matrices and a bias, as the PTX has Q4_0 GEMMs only. With u = q + 128 = 16 hi + lo
     (hi, lo nibbles), q d = (hi - 8)(16 d) + (lo - 8) d + 8 d, so
@@ -83,17 +83,11 @@ def head_arrays(model: Model, rows_per_block: int = 16384) -> dict[str, np.ndarr
         return {"qs": w.qs, "d": w.d_bits.view(np.float16)}
     if not (isinstance(w, QuantTensor) and w.kind == "q8_0"):
         raise FermijitError("the GPU prefill needs a Q4_0 or Q8_0 LM head")
-    rows, k = w.qs.shape
-    half = quant.BLOCK // 2
-    out = {"hi_qs": np.empty((rows, k // 2), np.uint8), "lo_qs": np.empty((rows, k // 2), np.uint8)}
-    for r in range(0, rows, rows_per_block):
-        u = (np.asarray(w.qs[r:r + rows_per_block]).view(np.uint8) ^ 0x80).reshape(-1, k // 32, 32)
-        for name, nib in (("hi_qs", u >> 4), ("lo_qs", u & 0x0F)):
-            out[name][r:r + rows_per_block] = (nib[..., :half] | (nib[..., half:] << 4)).reshape(
-                -1, k // 2)
+    out = dict(zip(("hi_qs", "lo_qs"), quant.q8_0_nibbles_cpu(np.asarray(w.qs))))
     d = np.asarray(w.d, np.float16)
     out["hi_d"], out["lo_d"] = (d * np.float16(16)).astype(np.float16), d
     out["d32"] = d.astype(np.float32)
+    k = w.qs.shape[1]
     blocks = np.zeros((k // quant.BLOCK, k), np.float32)                   # block sums of x
     blocks[np.arange(k) // quant.BLOCK, np.arange(k)] = 1
     out["block_sums"] = blocks

@@ -342,14 +342,26 @@ def preparing(prefiller):
     """`prefiller.prepare()` on a thread while the block runs (the CPU kernels' warm-up: the
     GPU's start, ~2.6 s at full size on the H200, overlaps it instead of following it); yields a
     dict that gets "seconds" (None when the GPU could not start) once the block is done."""
+    from fermijit.jit import omp
+
     result: dict = {}
-    if isinstance(prefiller, CpuPrefiller):
+    if isinstance(prefiller, CpuPrefiller) or not omp.available():
+        # Without the omp layer two threads' parallel kernels at once abort the process
+        # (Numba's workqueue layer is not thread-safe): the GPU then starts after the block.
         yield result
+        if not isinstance(prefiller, CpuPrefiller):
+            start = time.perf_counter()
+            result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
         return
 
     def prepare() -> None:
+        from fermijit.jit import gpu
+
         start = time.perf_counter()
-        result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+        try:
+            result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+        finally:
+            gpu.release_thread()
 
     thread = threading.Thread(target=prepare, name="fermijit-gpu-prepare", daemon=True)
     thread.start()

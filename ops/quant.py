@@ -118,3 +118,41 @@ def quantize_q4_0_cpu(x: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None =
         return qs, d16
     d[...] = d16
     return qs, d
+
+
+# --- Q8_0 as two Q4_0 matrices (the GPU prefill's LM head: its PTX has Q4_0 GEMMs only) ---------
+
+def q8_0_nibbles(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 codes q (int8 [..., K]) as the Q4_0 codes (uint8 [..., K/2] each, Q4_0 nibble order)
+    of their biased value's nibbles: u = q + 128 = 16·hi + lo, so that q·d = (hi - 8)·16d +
+    (lo - 8)·d + 8d (fermijit/gpu_layout.py head_arrays)."""
+    u = (np.asarray(qs).view(np.uint8) ^ 0x80).reshape(*qs.shape[:-1], -1, BLOCK)
+    pack = lambda nib: (nib[..., :HALF] | (nib[..., HALF:] << 4)).reshape(  # noqa: E731
+        *qs.shape[:-1], qs.shape[-1] // 2)
+    return pack(u >> 4), pack(u & 0x0F)
+
+
+@kernel(parallel=True)
+def _q8_0_nibble_rows(qs, hi, lo):
+    rows, k = qs.shape
+    for r in prange(rows):
+        for b in range(k // 32):
+            for j in range(16):
+                u0 = np.uint8(qs[r, b * 32 + j]) ^ np.uint8(0x80)
+                u1 = np.uint8(qs[r, b * 32 + 16 + j]) ^ np.uint8(0x80)
+                hi[r, b * 16 + j] = (u0 >> 4) | ((u1 >> 4) << 4)
+                lo[r, b * 16 + j] = (u0 & 0x0F) | ((u1 & 0x0F) << 4)
+
+
+def q8_0_nibbles_cpu(qs: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None = None):
+    """q8_0_nibbles in Numba, parallel over rows (the full-size head's 508 MB: 2.5 s in numpy on
+    the H200's host, where it held up the GPU prefill's start); qs int8 [R, K]."""
+    check_array("q8_0_nibbles", "qs", qs, np.int8, ndim=2)
+    if qs.shape[1] % BLOCK:
+        raise FermijitError(f"q8_0_nibbles: {qs.shape[1]} columns are not whole {BLOCK}-blocks")
+    shape = (qs.shape[0], qs.shape[1] // 2)
+    hi, lo = out if out is not None else (np.empty(shape, np.uint8), np.empty(shape, np.uint8))
+    check_array("q8_0_nibbles", "hi", hi, np.uint8, shape)
+    check_array("q8_0_nibbles", "lo", lo, np.uint8, shape)
+    _q8_0_nibble_rows(qs, hi, lo)
+    return hi, lo

@@ -29,8 +29,10 @@ from fermijit.jit import checks, ptx
 FERMI_MAX_GRID = (65535, 65535, 65535)
 
 _context = None
-# CUDA keeps a stack of current contexts per thread: the one context is pushed once on every
-# thread that asks for the driver (the server loads on one thread and prefills on another).
+# pycuda keeps a stack of current contexts per thread: the one context is pushed on every thread
+# that asks for the driver (the server loads on one thread and prefills on another), and popped
+# by `release_thread` before that thread ends (pycuda aborts the process when a thread ends with
+# its stack not empty).
 _thread = threading.local()
 
 
@@ -64,6 +66,7 @@ def driver():
         if current is None:
             current = cuda.Device(0).retain_primary_context()
             current.push()
+            _thread.pushed = True
             atexit.register(_release)
         _context = current
         _thread.has_context = True
@@ -71,20 +74,31 @@ def driver():
         current = cuda.Context.get_current()
         if current is None or current.handle != _context.handle:
             _context.push()
+            _thread.pushed = True
         _thread.has_context = True
     return cuda
 
 
+def release_thread() -> None:
+    """Pop the context `driver` pushed on this thread, if it did: call it before a thread that
+    used the GPU ends."""
+    if getattr(_thread, "pushed", False):
+        import pycuda.driver as cuda
+
+        cuda.Context.pop()
+    _thread.pushed = _thread.has_context = False
+
+
 def _release() -> None:
     global _context
-    import pycuda.driver as cuda
-
-    if _context is not None:
-        cuda.Context.synchronize()
-        if _pool.cache_info().currsize:
-            _pool().stop_holding()
-        cuda.Context.pop()
-        _context = None
+    if _context is None:
+        return
+    cuda = driver()
+    cuda.Context.synchronize()
+    if _pool.cache_info().currsize:
+        _pool().stop_holding()
+    release_thread()
+    _context = None
 
 
 def gpuarray():

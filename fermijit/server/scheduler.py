@@ -118,6 +118,14 @@ class Scheduler:
     # --- the scheduler's thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            from fermijit.jit import gpu
+
+            gpu.release_thread()  # the GPU prefill ran on this thread
+
+    def _serve(self) -> None:
         while self._is_running:
             self._admit()
             if not self.active:
