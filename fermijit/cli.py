@@ -72,6 +72,17 @@ numa_option = click.option(
          "nodes, else off).")
 
 
+def _int_list(flag: str, text: str) -> list[int]:
+    """'8,32,128' -> [8, 32, 128], each >= 1; else a one-line usage error."""
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{flag} takes positive integers like 8,32,128, got {text!r}")
+    return values
+
+
 def prefill_options(command):
     """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate and eval."""
     for option in reversed((
@@ -204,14 +215,23 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
                    "turn).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Second turns timed with and without the cache (medians).")
+@click.option("--ttft-lengths", default="1024,4096,16384", show_default=True,
+              help="Prompt lengths whose time to first token is measured alone (those the "
+                   "model's context holds).")
+@click.option("--long-prompt", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="The prompt that arrives while 4 streams decode.")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: the physical cores).")
 @numa_option
+@prefill_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
-                chat_tokens: int, repeat: int, threads: int | None, as_json: bool) -> None:
-    """The server through HTTP: time to first token and aggregate decode tok/s at 1, 2, 4 and 8
-    concurrent streams; a chat's second turn with and without the prefix cache."""
+                chat_tokens: int, repeat: int, ttft_lengths: str, long_prompt: int,
+                threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+                verbose: bool, as_json: bool) -> None:
+    """The server through HTTP: time to first token alone at 1k/4k/16k tokens and at 1, 2, 4
+    and 8 concurrent streams with their aggregate decode tok/s, 4 streams' rate while a long
+    prompt prefills, a chat's second turn with and without the prefix cache, peak RSS."""
     from fermijit import bench_serve as bench_serve_module
     from fermijit import engine
     from fermijit.jit import cpu
@@ -220,9 +240,11 @@ def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: in
     cpu.configure_threads(threads)
     if model_dir is None and synthetic is None:
         model_dir = engine.DEFAULT_MODEL
+    lengths = tuple(_int_list("--ttft-lengths", ttft_lengths))
     bench_serve_module.run(None if model_dir is None else model_directory(model_dir),
                            synthetic if model_dir is None else None, prompt_tokens, tokens,
-                           chat_tokens, repeat, as_json)
+                           chat_tokens, repeat, as_json, prefill=prefill, gpu_mem=gpu_mem,
+                           pin_budget=pin_budget, ttft_lengths=lengths, n_long=long_prompt)
 
 
 @bench.command("gpu")
@@ -353,11 +375,7 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
     from fermijit import bench_prefill as bp
 
     if sweep is not None:
-        try:
-            lengths = [int(n) for n in sweep.split(",")]
-        except ValueError:
-            raise click.BadParameter(f"--sweep takes lengths like 8,32,128, got {sweep!r}")
-        bp.sweep(model_dir, synthetic, lengths)
+        bp.sweep(model_dir, synthetic, _int_list("--sweep", sweep))
         return
     bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
 
