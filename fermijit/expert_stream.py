@@ -22,14 +22,13 @@ too (issue 28: a second, page-locked copy beside the model file's pages had doub
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import mmap
 
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.model.safetensors_io import madvise
 from fermijit.ops import moe
 
 SOURCES = ("mapped", "pinned", "ring", "pageable")
@@ -214,14 +213,7 @@ def _release_pages(a: np.ndarray) -> None:
     first = -(-a.ctypes.data // page) * page
     last = (a.ctypes.data + a.nbytes) // page * page
     if last > first and _file_root(a) is not None:
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+        madvise(first, last - first, MADV_DONTNEED)
 
 
 MADV_DONTNEED = 4  # linux/mman.h
-
-
-@functools.lru_cache(maxsize=None)
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc

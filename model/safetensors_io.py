@@ -9,10 +9,14 @@ by a 16-bit shift (bf16 is the top half of an fp32).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
+import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -128,21 +132,29 @@ class SafetensorsFile:
                 np.zeros(0, np.uint8)
         return self._data
 
-    def populate(self) -> bool:
+    def populate(self, background: bool = False) -> bool:
         """Fault every page of the data region into this process's page tables now, reading
         what is not cached (Linux's MADV_POPULATE_READ; llama.cpp maps with MAP_POPULATE for the
         same reason): decode then takes no first-touch faults. On the full-size REAP-128 model
         each new expert's pages faulted in as routing first reached it, ~3000 faults a token
         over the first ~50 tokens; populating its 11.5 GB from the page cache takes ~1 s.
-        False where the kernel cannot (before 5.14)."""
+        `background`: on a thread (the call releases the GIL), so the start's other work (the
+        kernels' warm-up, the GPU's start) runs meanwhile; True at once. False where the kernel
+        cannot (before 5.14)."""
         data = self.mapped()
         if not isinstance(data, np.memmap) or data._mmap is None:
             return False
-        try:
-            data._mmap.madvise(MADV_POPULATE_READ)
-        except (OSError, ValueError):
-            return False
-        return True
+        page = mmap.PAGESIZE
+        first = data.ctypes.data // page * page  # the mapping starts on a page at or before it
+        length = data.ctypes.data + data.nbytes - first
+
+        def advise() -> bool:
+            return madvise(first, length, MADV_POPULATE_READ)
+
+        if background:
+            threading.Thread(target=advise, name="fermijit-populate", daemon=True).start()
+            return True
+        return advise()
 
     def raw(self, name: str) -> np.ndarray:
         """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
@@ -301,3 +313,16 @@ def save_file(path: str | Path, tensors: dict[str, np.ndarray],
     with SafetensorsWriter(path, specs, metadata) as w:
         for name, a in tensors.items():
             w.write(name, f32_to_bf16(a) if name in bf16 else a)
+
+
+def madvise(address: int, length: int, advice: int) -> bool:
+    """madvise(2) on raw addresses (a memmap's own pages, which Python's mmap object cannot name
+    by address), releasing the GIL while the kernel works; False where it refuses."""
+    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc

@@ -327,7 +327,8 @@ def test_missing_tokenizer_is_said(tmp_path, monkeypatch, capsys):
 def test_weights_are_faulted_in_at_load_when_they_fit(converted, monkeypatch, fits):
     # A file too large for memory is left to fault on use (its pages would be evicted as read).
     populated = []
-    monkeypatch.setattr(SafetensorsFile, "populate", lambda self: populated.append(self.path))
+    monkeypatch.setattr(SafetensorsFile, "populate",
+                        lambda self, background=False: populated.append(self.path))
     if not fits:
         monkeypatch.setattr(convert, "available_nbytes", lambda: 1 << 16)
     convert.load_converted(converted[1])

@@ -133,6 +133,9 @@ def test_serve_prefills_on_the_gpu(tmp_path):
     try:
         ttft, on_gpu = {}, {}
         with httpx.Client(base_url=url, timeout=600) as client:
+            # A first request pays for what the 2-token warm-up pass did not load (measured
+            # 0.25 s on the H200): said, not held to the bound.
+            cold_s = _ttft(client, rng.integers(300, vocab - 300, 512).tolist())
             for n, ids in prompts.items():
                 before = client.get("/health").json()["prefilled_tokens"]
                 ttft[n] = _ttft(client, ids)
@@ -148,6 +151,7 @@ def test_serve_prefills_on_the_gpu(tmp_path):
     bench = _bench_seconds(model_dir, prompts)
     file_bytes = _file_bytes(model_dir)
     print(f"serve start to ready: first {first_start_s:.1f} s, second {warm_start_s:.1f} s")
+    print(f"the first request (512 tokens): TTFT {cold_s:.2f} s")
     print(f"serve peak RSS {peak / GIB:.2f} GiB, model files {file_bytes / GIB:.2f} GiB")
     for n in LENGTHS:
         print(f"prompt {n:6d}: TTFT {ttft[n]:7.2f} s, GPU prefill alone {bench[n]:7.2f} s "
@@ -170,7 +174,9 @@ def _generate(model_dir: Path, prefill: str, prompt: str) -> dict:
                            "--temperature", "0", "--max-tokens", "64", "--no-cache", prompt],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = proc.stderr.strip().splitlines()[-1]
+    summary = [line for line in proc.stderr.splitlines() if "peak RSS" in line]
+    assert summary, proc.stderr[-2000:]
+    summary = summary[-1]
     return {"rss": int(re.search(r"peak RSS (\d+) MiB", summary).group(1)) << 20,
             "decode": float(re.search(r"decode ([0-9.]+) tok/s", summary).group(1)),
             "gpu": "gpu prefill ready" in proc.stderr, "summary": summary}
