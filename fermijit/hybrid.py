@@ -246,7 +246,7 @@ class GpuPrefiller:
             self._prepare()
             return True
         except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
-            self._fall_back(_reason(e))
+            self._fall_back(one_line(e))
             return False
 
     def _prepare(self) -> None:
@@ -281,7 +281,7 @@ class GpuPrefiller:
         try:
             return self.run(tokens, state, all_logits, on_block)
         except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
-            self._fall_back(_reason(e))
+            self._fall_back(one_line(e))
             self.device = None
             return self.cpu.prefill(tokens, state, on_block, all_logits)
 
@@ -398,7 +398,7 @@ def make(model, mode: str = "auto", gpu_mem=None, pin_budget=None, verbose: bool
     return gpu if mode == "gpu" else AutoPrefiller(gpu)
 
 
-def _reason(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     """One line for any failure of the GPU path."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if isinstance(e, FermijitError):
