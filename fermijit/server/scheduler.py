@@ -116,6 +116,8 @@ class Scheduler:
         self.n_chunks = 0            # prefill chunks run
         self.n_cancelled = 0         # sequences stopped because their client went away
         self.n_prefill_failures = 0  # prefill_batch calls that raised
+        self.prefill_s = self.decode_s = 0.0  # seconds in prefill chunks, in decode steps
+        self.last_chunk_s = 0.0
         # Seconds the running streams are owed in decode before the next chunk (PREFILL_SHARE)
         self._decode_owed = 0.0
         self._cpu_prefiller = None   # the fallback, made on first need
@@ -152,15 +154,18 @@ class Scheduler:
                                     or any(s.is_new for s in self.prefilling)):
                 start, had_streams = time.perf_counter(), bool(self.active)
                 self._guarded(self._prefill_chunk, "prefilling")
+                self.last_chunk_s = time.perf_counter() - start
+                self.prefill_s += self.last_chunk_s
                 if had_streams:  # they waited this long: owed as PREFILL_SHARE says
-                    self._decode_owed += ((time.perf_counter() - start)
-                                          * (1 - PREFILL_SHARE) / PREFILL_SHARE)
+                    self._decode_owed += self.last_chunk_s * (1 - PREFILL_SHARE) / PREFILL_SHARE
             if not self.active:
                 self._decode_owed = 0.0
                 continue
             start = time.perf_counter()
             self._guarded(self._step, "active")
-            self._decode_owed = max(0.0, self._decode_owed - (time.perf_counter() - start))
+            elapsed = time.perf_counter() - start
+            self.decode_s += elapsed
+            self._decode_owed = max(0.0, self._decode_owed - elapsed)
 
     def _guarded(self, work, group: str) -> None:
         """work(); on a bug, fail the sequences of `group` (a list attribute) and keep serving."""
