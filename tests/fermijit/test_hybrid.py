@@ -106,7 +106,9 @@ def test_without_a_gpu_prefill_falls_back_to_the_cpu_once(default_model, no_gpu)
     assert len(lines) == 1 and "prefilling on the CPU" in lines[0] and "pycuda" in lines[0]
 
 
-def test_a_driver_error_while_preparing_falls_back(default_model, monkeypatch):
+@pytest.fixture
+def broken_gpu(monkeypatch):
+    """A GPU that is there, but preparing the prefill on it fails (a driver error)."""
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
     monkeypatch.setattr(gpu, "memory", lambda: (8 * GIB, 8 * GIB))
 
@@ -114,6 +116,9 @@ def test_a_driver_error_while_preparing_falls_back(default_model, monkeypatch):
         raise RuntimeError("cuMemAlloc failed: out of memory")
 
     monkeypatch.setattr(gpu_prefill, "DeviceModel", broken)
+
+
+def test_a_driver_error_while_preparing_falls_back(default_model, broken_gpu):
     err = io.StringIO()
     pf = hybrid.make(default_model, "gpu", err=err)
     assert not pf.prepare()
@@ -159,16 +164,9 @@ def test_auto_is_quiet_without_a_gpu(default_model, no_gpu):
     assert err.getvalue() == ""
 
 
-def test_auto_says_why_a_gpu_it_has_is_not_used(default_model, monkeypatch):
+def test_auto_says_why_a_gpu_it_has_is_not_used(default_model, broken_gpu):
     """A GPU that is there but fails to prepare is said once, as for --prefill gpu; short
     prompts never try it."""
-    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gpu, "memory", lambda: (8 * GIB, 8 * GIB))
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("cuMemAlloc failed: out of memory")
-
-    monkeypatch.setattr(gpu_prefill, "DeviceModel", broken)
     err = io.StringIO()
     pf = hybrid.make(default_model, "auto", err=err)
     prefill_both(default_model, pf, np.arange(1, hybrid.AUTO_MIN_TOKENS, dtype=np.int32))
