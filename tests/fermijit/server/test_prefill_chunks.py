@@ -179,3 +179,38 @@ def test_a_prefill_failing_on_the_cpu_too_fails_its_request_alone(engine, prompt
         assert "the prefill failed" in answers[-1].json()["error"]["message"]
         assert text(complete(url, prompts[2])) == alone[2]  # still serving
     assert "that request fails" in capfd.readouterr().err
+
+
+def test_the_scheduler_runs_its_kernels_on_the_callers_thread_count(engine, prompts):
+    """Numba's thread count is per thread: `serve --threads 1` ran the scheduler's kernels on
+    every CPU (on a busy machine 12x slower decode steps)."""
+    import numba
+
+    from fermijit.server import scheduler as scheduler_module
+
+    seen = []
+
+    class Probe(scheduler_module.Scheduler):
+        def _accept(self, s, token, logits):
+            seen.append(numba.get_num_threads())
+            return super()._accept(s, token, logits)
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        probe = Probe(engine)
+        probe.start()
+    finally:
+        numba.set_num_threads(before)
+    try:
+        from fermijit.server.app import make_app
+        from fermijit.server.run import ServerThread
+
+        server = ServerThread(make_app(probe, "default_model"))
+        try:
+            text(complete(server.url, prompts[1], 2))
+        finally:
+            server.stop()
+    finally:
+        probe.stop()
+    assert seen and set(seen) == {1}
