@@ -581,12 +581,12 @@ class Model:
             for x in (ws.q, ws.k):
                 rope.mrope_cpu(x, ws.mrope, self.rotary_dim, self.theta, self.mrope_section,
                                out=x)
-        for cache, seg in zip(caches, segments):
+        for cache, seg in zip(caches, segments):                      # o ⊙ σ(gate), per sequence
             r, start = seg.rows, seg.start
             end = start + r.stop - r.start
             cache.k[:, start:end] = ws.k[r].transpose(1, 0, 2)        # [Hkv, S, D]
             cache.v[:, start:end] = ws.v[r].transpose(1, 0, 2)
-            attention.cpu(ws.q[r], cache.k, cache.v, ws.gate[r], start, out=ws.o[r])  # ⊙ σ(gate)
+            attention.cpu(ws.q[r], cache.k, cache.v, ws.gate[r], start, out=ws.o[r])
         o = ws.o.reshape(T, -1)
         ws.act_attn = self._quantized_input(o, ws.act_attn)
         linear(o, w.o_proj, ws.y, ws.act_attn)
