@@ -46,7 +46,7 @@ def _layer_outputs(model, cfg, weights, n_tokens: int) -> dict[str, np.ndarray]:
     prefill ones): the mixer's and the MoE's outputs, fermijit's and the float64 W4A8
     reference's."""
     from fermijit.model import reference as ref
-    from fermijit.model.forward import Workspace
+    from fermijit.model.forward import Segment, Workspace
     from fermijit.model.state import KvCache
 
     x = np.random.default_rng(1).standard_normal((n_tokens, model.hidden)).astype(np.float32)
@@ -61,10 +61,11 @@ def _layer_outputs(model, cfg, weights, n_tokens: int) -> dict[str, np.ndarray]:
         ws.tokens[:] = 0
         np.copyto(ws.xn, x)
         np.add(ws.offsets, 0, out=ws.positions)
+        whole = [Segment(slice(0, n_tokens), 0)]
         if isinstance(s, KvCache):
-            model.attention(w.mixer, w.joined_in, s, 0, ws)
+            model.attention(w.mixer, w.joined_in, [s], whole, ws)
         else:
-            model.gated_deltanet(w.mixer, w.joined_in, w.gates_in, s, ws)
+            model.gated_deltanet(w.mixer, w.joined_in, w.gates_in, [s], whole, ws)
         name = f"{kind} T{n_tokens}"
         out[f"{name} mixer"] = ws.y.copy()
         model.moe(w, ws)

@@ -84,10 +84,11 @@ def _int_list(flag: str, text: str) -> list[int]:
 
 
 def prefill_options(command):
-    """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate and eval."""
+    """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate, eval,
+    serve and prune."""
     for option in reversed((
             click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]),
-                         default="cpu", show_default=True,
+                         default="auto", show_default=True,
                          help="Where the prompt is prefilled: the GPU streams the experts from "
                               "host memory; auto takes the GPU for long prompts."),
             click.option("--gpu-mem", default=None, help="GPU memory the GPU prefill may use, "

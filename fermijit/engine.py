@@ -55,7 +55,7 @@ class Settings:
     seed: int = 0
     context: int | None = None
     is_chat: bool = False
-    prefill: str = "cpu"          # --prefill cpu|gpu|auto (fermijit/hybrid.py)
+    prefill: str = "auto"         # --prefill cpu|gpu|auto (fermijit/hybrid.py)
     gpu_mem: str | None = None    # --gpu-mem, e.g. "6G" (default: free less a margin)
     pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
@@ -152,54 +152,73 @@ def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=Non
     `context`, the logits after it, and how many of its tokens were restored from `cache` (the
     longest cached prefix; the rest is prefilled by `prefiller`, default the CPU's, snapshotted
     on the way and at the end)."""
-    prompt = np.asarray(prompt, np.int32)
-    state, logits = (None, None) if cache is None else cache.restore(prompt, context)
-    if state is None:
-        state = model.new_state(context)
-    n_cached = state.position
-    if logits is None:
-        logits = _prefill_rest(model, prompt, state, cache, progress_to, prefiller)
-    return state, logits, n_cached
-
-
-def _prefill_rest(model, prompt: np.ndarray, state, cache, progress_to,
-                  prefiller=None) -> np.ndarray:
-    """Prefill what `state` has not seen of `prompt` (the logits after it); with a cache,
-    snapshots where a pass ends at a multiple of `snapshot_every` (passes are aligned to them)
-    or `snapshot_every` past the last one (a prefill that cannot align), and at the end."""
     from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
 
-    prefiller = prefiller or CpuPrefiller(model)
-    rest = prompt[state.position:]
-    last = [state.position]
-    bar = None
-    if progress_to is not None and rest.size > PREFILL_BLOCK:
-        # Every pass shown (mininterval 0): passes are few, and a fast one came within tqdm's
-        # default 0.1 s of the start and was never drawn.
-        bar = tqdm(total=int(rest.size), desc="prefill", unit="tok", file=progress_to,
-                   leave=False, mininterval=0)
+    p = PromptPrefill(model, prompt, context, cache)
+    if p.logits is None:
+        prefiller = prefiller or CpuPrefiller(model)
+        bar = on_block = None
+        if progress_to is not None and p.rest.size > PREFILL_BLOCK:
+            # Every pass shown (mininterval 0): passes are few, and a fast one came within
+            # tqdm's default 0.1 s of the start and was never drawn.
+            bar = tqdm(total=int(p.rest.size), desc="prefill", unit="tok", file=progress_to,
+                       leave=False, mininterval=0)
 
-    def on_block(n: int) -> None:
-        if bar is not None:
-            bar.update(n)
-        # A GPU prefill hands the state back at its end: no snapshot of a state not yet moved.
-        if cache is None or state.position == prompt.size or state.position == last[0]:
+            def on_block(n: int) -> None:
+                bar.update(n)
+                p.on_block(n)
+        try:
+            logits = prefiller.prefill(p.rest, p.state, on_block=on_block or p.on_block,
+                                       align=p.align)
+        finally:
+            if bar is not None:
+                bar.close()
+        p.finish(logits)
+    return p.state, p.logits, p.n_cached
+
+
+class PromptPrefill:
+    """One prompt's prefill, whole (`prefill`) or in pieces (the server's chunks:
+    fermijit/server/scheduler.py): its state, restored from the longest prefix `cache` holds
+    (with the logits when that is the whole prompt), KV caches allocated to `context`; the
+    tokens left (`rest`); snapshots where a pass ends at a multiple of `snapshot_every` (passes
+    are aligned to them: `align`) or `snapshot_every` past the last one (a prefill that cannot
+    align), and at the end (`finish`)."""
+
+    def __init__(self, model, prompt: np.ndarray, context: int, cache=None):
+        self.prompt, self.cache = np.asarray(prompt, np.int32), cache
+        state, self.logits = (None, None) if cache is None else cache.restore(self.prompt,
+                                                                               context)
+        self.state = model.new_state(context) if state is None else state
+        self.n_cached = self._last_snapshot = self.state.position
+
+    @property
+    def rest(self) -> np.ndarray:
+        """The prompt's tokens the state has not seen."""
+        return self.prompt[self.state.position:]
+
+    @property
+    def align(self) -> int | None:
+        return None if self.cache is None else self.cache.snapshot_every
+
+    def on_block(self, n: int) -> None:
+        """A pass of n tokens has ended: snapshot here if due."""
+        cache, position = self.cache, self.state.position
+        # The end is `finish`'s; a GPU prefill hands the state back at its end, so a pass may
+        # end with the state not yet moved: no snapshot of that.
+        if cache is None or position == self.prompt.size or position == self._last_snapshot:
             return
-        every = cache.snapshot_every
-        if state.position % every == 0 or state.position - last[0] >= every:
-            cache.add(prompt[:state.position], state)
-            last[0] = state.position
+        if position % cache.snapshot_every == 0 or \
+                position - self._last_snapshot >= cache.snapshot_every:
+            cache.add(self.prompt[:position], self.state)
+            self._last_snapshot = position
 
-    try:
-        logits = prefiller.prefill(rest, state, on_block=on_block,
-                                   align=None if cache is None else cache.snapshot_every)
-    finally:
-        if bar is not None:
-            bar.close()
-    if cache is not None:
-        cache.add(prompt, state, logits)
-    return logits
+    def finish(self, logits: np.ndarray) -> None:
+        """The whole prompt prefilled, `logits` after it: snapshot it."""
+        if self.cache is not None:
+            self.cache.add(self.prompt, self.state, logits)
+        self.logits = logits
 
 
 def sampling_settings(settings: Settings, generation_config: dict) -> tuple[float, int, float]:

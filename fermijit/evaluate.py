@@ -107,7 +107,7 @@ def read_text(path: Path) -> str:
 
 
 def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
-        out=None, err=None, prefill: str = "cpu", gpu_mem: str | None = None,
+        out=None, err=None, prefill: str = "auto", gpu_mem: str | None = None,
         pin_budget: str | None = None, verbose: bool = False) -> Score:
     """`eval` for the CLI: the figures to `out` (a table, or JSON), progress to `err`; `prefill`,
     `gpu_mem`, `pin_budget`, `verbose` choose the prefiller (fermijit/hybrid.py)."""

@@ -2,15 +2,18 @@
 
 A `Prefiller` is chosen once per run (`make`) and called once per prompt:
 `prefill(tokens, state, on_block=None, all_logits=False) -> logits`, updating `state` as
-`Model.prefill` does, so decode continues on the CPU from it (and a prefix cache can wrap it).
+`Model.prefill` does, so decode continues on the CPU from it (and a prefix cache can wrap it);
+or, for several sequences at once (the server's prompts that arrive together, and the chunks of
+a long one: fermijit/server/scheduler.py), `prefill_batch(items, align) -> [logits]`.
 
-  cpu   Model.prefill (W4A8 GEMMs on the CPU).
+  cpu   Model.prefill / Model.prefill_batch (W4A8 GEMMs on the CPU).
   gpu   fermijit/gpu_prefill.py: dense weights resident on the GPU, routed experts streamed from
         page-locked host memory (fermijit/expert_stream.py), the state handed back to the host.
-  auto  gpu for prompts of at least AUTO_MIN_TOKENS tokens, cpu for shorter ones.
+  auto  gpu for prompts of at least AUTO_MIN_TOKENS tokens, cpu for shorter ones; the default.
 
 The GPU path falls back to the CPU, with one line on stderr, whenever it cannot run: no pycuda,
-no device, a model it cannot take, a driver error or too little GPU memory. It reads the host
+no device, a model it cannot take, a driver error or too little GPU memory (auto says nothing
+when there is no GPU at all: a machine without one is its ordinary case). It reads the host
 state and writes it back only when the whole pass has succeeded, so a failed attempt leaves the
 state as it was and the CPU prefill starts from it.
 
@@ -141,8 +144,29 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
                 states, activations(chunk), source, pinned)
 
 
+# Tokens a server prefills between two decode steps of its running streams (the scheduler's
+# chunk; fermijit/server/scheduler.py), on the CPU: the prefix cache's pass (SNAPSHOT_EVERY),
+# so that with the cache on (the server's default) chunking costs the prefill nothing, while a
+# stream's longest wait for a token is one such pass. Shorter passes cost throughput, longer
+# ones only lengthen that wait (the time share, not the chunk, sets the streams' rate). Measured
+# (2 threads, a 2-core machine at load 10-12, medians of 5): the default model 260-307 tok/s in
+# passes of 128, 342-373 of 256, 429-516 of 512 (two runs); an 8-layer REAP-128 slice 27, 43
+# and 54 tok/s (one run).
+CPU_CHUNK_TOKENS = 256
+
+
+@dataclasses.dataclass
+class PrefillItem:
+    """One sequence of a `prefill_batch` call."""
+
+    tokens: np.ndarray            # int32 [T]: to prefill after the state's position
+    state: object                 # model.state.State, advanced by the call
+    on_block: object = None       # on_block(n) after each pass that fed n of these tokens
+
+
 class CpuPrefiller:
     name = "cpu"
+    chunk_tokens = CPU_CHUNK_TOKENS
 
     def __init__(self, model):
         self.model = model
@@ -160,16 +184,31 @@ class CpuPrefiller:
         return self.model.prefill(tokens, state, all_logits=all_logits, on_block=on_block,
                                   align=align)
 
+    def prefill_batch(self, items: list[PrefillItem], align: int | None = None) -> list:
+        """Model.prefill_batch: one forward a pass over all the items' rows, each item's logits
+        and state bit for bit its `prefill` alone."""
+        def on_block(b: int, n: int) -> None:
+            if items[b].on_block is not None:
+                items[b].on_block(n)
+
+        return self.model.prefill_batch([i.tokens for i in items], [i.state for i in items],
+                                        on_block=on_block, align=align)
+
 
 class GpuPrefiller:
     """The GPU prefill; falls back to `cpu` (one line on `err`) when the GPU cannot do it, and
     stays on the CPU after a driver error."""
 
     name = "gpu"
+    # The scheduler gives a GPU prefill whole prompts: each call hands the state in and out.
+    chunk_tokens = None
 
     def __init__(self, model, gpu_mem: int | None = None, pin_budget: int | None = None,
-                 verbose: bool = False, err=None, source: str | None = None, w4a8: bool = True):
+                 verbose: bool = False, err=None, source: str | None = None, w4a8: bool = True,
+                 is_quiet_without_gpu: bool = False):
         self.model = model
+        # auto: no GPU at all (no pycuda, no device) is said nowhere; other failures are.
+        self.is_quiet_without_gpu = is_quiet_without_gpu
         # The GEMMs' inputs rounded to 8 bits as the CPU prefill rounds them (gpu_prefill's
         # numerics: the all-CPU run's, to fp32 rounding and its 8-bit flips); False: fp32.
         self.w4a8 = w4a8
@@ -209,21 +248,25 @@ class GpuPrefiller:
             return False
         if self.device is not None:
             return True
+        from fermijit.jit import gpu
+
+        reason = gpu.unavailable_reason()
+        if reason is not None and self.is_quiet_without_gpu:
+            self.broken = f"no GPU: {reason}"
+            return False
         try:
+            if reason is not None:
+                raise FermijitError(f"no GPU: {reason}")
             self._prepare()
             return True
         except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
-            self._fall_back(_reason(e))
+            self._fall_back(one_line(e))
             return False
 
     def _prepare(self) -> None:
         from fermijit import gpu_prefill
-        from fermijit.jit import gpu
 
         start = time.perf_counter()
-        reason = gpu.unavailable_reason()
-        if reason is not None:
-            raise FermijitError(f"no GPU: {reason}")
         budget = self.gpu_mem = self.budget()  # free memory now, before our own allocations
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
         first = plan(self.model, 2, 0, budget, pin_budget)  # checks the model and the budget
@@ -263,9 +306,23 @@ class GpuPrefiller:
             self.n_prefilled["gpu"] += tokens.size
             return logits
         except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
-            self._fall_back(_reason(e))
+            self._fall_back(one_line(e))
             self.device = None
             return self.cpu.prefill(tokens, state, on_block, all_logits)
+
+    def prefill_batch(self, items: list[PrefillItem], align: int | None = None) -> list:
+        """Prefill each item's tokens after its state; the logits [V] after each item's last
+        token, in the items' order. The contract for a multi-sequence GPU pass to keep:
+        - every item's state ends as `prefill` of it alone leaves it: KV rows, GDN conv and
+          recurrent state, position advanced by its tokens; its logits within the tolerance the
+          GPU holds to the CPU's;
+        - `item.on_block(n)` after each pass that fed n of its tokens, once the host state holds
+          them (the prefix cache snapshots it there: passes should end at multiples of `align`
+          where they can; a pass that hands the state back only at its end calls it then);
+        - a failure falls back to the CPU (one line, as `prefill`), from the states as they were
+          before the failed pass; bad input (token ids, room) is a FermijitError.
+        For now a loop over `prefill`, one sequence at a time."""
+        return [self.prefill(i.tokens, i.state, i.on_block, align=align) for i in items]
 
     def run(self, tokens, state, all_logits: bool = False, on_block=None,
             time_layers: bool = False, profile: bool = False):
@@ -331,10 +388,28 @@ class AutoPrefiller:
     def prepare(self) -> bool:
         return self.gpu.prepare()
 
+    @property
+    def chunk_tokens(self) -> int | None:
+        return self.gpu.chunk_tokens if self.gpu.prepare() else self.cpu.chunk_tokens
+
+    def _chosen(self, n_tokens: int):
+        return self.gpu if n_tokens >= self.min_tokens and self.gpu.prepare() else self.cpu
+
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
-        chosen = self.gpu if np.size(tokens) >= self.min_tokens else self.cpu
-        return chosen.prefill(tokens, state, on_block, all_logits, align)
+        return self._chosen(np.size(tokens)).prefill(tokens, state, on_block, all_logits, align)
+
+    def prefill_batch(self, items: list[PrefillItem], align: int | None = None) -> list:
+        """The items of at least `min_tokens` tokens on the GPU (where usable), the others
+        together on the CPU; the logits in the items' order."""
+        logits = [None] * len(items)
+        for prefiller in (self.gpu, self.cpu):
+            mine = [k for k, i in enumerate(items) if self._chosen(i.tokens.size) is prefiller]
+            if mine:
+                for k, row in zip(mine, prefiller.prefill_batch([items[k] for k in mine],
+                                                                align)):
+                    logits[k] = row
+        return logits
 
 
 @contextlib.contextmanager
@@ -371,18 +446,19 @@ def preparing(prefiller):
         thread.join()
 
 
-def make(model, mode: str = "cpu", gpu_mem=None, pin_budget=None, verbose: bool = False,
+def make(model, mode: str = "auto", gpu_mem=None, pin_budget=None, verbose: bool = False,
          err=None):
     """The prefiller `mode` asks for (--prefill, --gpu-mem, --pin-budget, --verbose)."""
     if mode not in MODES:
         raise FermijitError(f"--prefill must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "cpu":
         return CpuPrefiller(model)
-    gpu = GpuPrefiller(model, parse_bytes(gpu_mem), parse_bytes(pin_budget), verbose, err)
+    gpu = GpuPrefiller(model, parse_bytes(gpu_mem), parse_bytes(pin_budget), verbose, err,
+                       is_quiet_without_gpu=mode == "auto")
     return gpu if mode == "gpu" else AutoPrefiller(gpu)
 
 
-def _reason(e: Exception) -> str:
+def one_line(e: Exception) -> str:
     """One line for any failure of the GPU path."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if isinstance(e, FermijitError):

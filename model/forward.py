@@ -37,6 +37,37 @@ PREFILL_BLOCK = 512
 L2NORM_EPS = 1e-6  # MODEL.md §6.4: inside the root, added to the sum of squares
 
 
+def pass_size(position: int, n_left: int, align: int | None = None,
+              limit: int | None = None) -> int:
+    """Tokens of a sequence's next prefill pass, `n_left` tokens to go after `position`: at
+    most `limit` (default PREFILL_BLOCK), ending at the next multiple of `align` when that comes
+    sooner (the snapshot positions: a span), and never leaving one token of a span behind; 0 when
+    `limit` leaves no such pass.
+
+    Why: every row of a pass of two or more tokens has the same bits however the prompt is cut
+    into such passes (the GEMMs' tiles never mix tokens, attention's key ranges follow the
+    query's position, the delta rule is a token loop: measured equal on the default model, 700
+    tokens cut 300|400, 2|498|200, 64|64|512|60), but a pass of one token runs decode's kernels,
+    whose sums are rounded in another order (1e-6 on the logits, and after 8-bit flips far more).
+    So one-token passes happen only where a span is one token long, whoever cuts the passes:
+    alone, batched with other sequences (Model.prefill_batch) or in a server's chunks."""
+    limit = PREFILL_BLOCK if limit is None else limit
+    span = n_left if align is None else min(n_left, align - position % align)
+    if span <= limit:
+        return span
+    n = limit if span - limit != 1 else limit - 1
+    return n if n >= 2 else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One sequence's rows of a pass over several (Model.prefill_batch), after `start` positions
+    of its own state."""
+
+    rows: slice
+    start: int
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseExperts:
     """The MoE experts of an unquantised checkpoint, in ops.moe.MoeWeights' layout, fp32."""
@@ -303,7 +334,7 @@ class Model:
         follow the `state.position` tokens seen; updates `state`. `on_block(n)` is called after
         each pass of n tokens (progress for long prompts). With `align`, passes also end where
         `state.position` is a multiple of it, so that `on_block` sees the state there (the
-        snapshot cache's positions)."""
+        snapshot cache's positions). Passes are cut by `pass_size`."""
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 1 or tokens.size == 0:
             raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
@@ -314,9 +345,7 @@ class Model:
         logits = []
         t0 = 0
         while t0 < tokens.size:
-            n = min(PREFILL_BLOCK, tokens.size - t0)
-            if align is not None:
-                n = min(n, align - state.position % align)
+            n = pass_size(state.position, tokens.size - t0, align)
             block = tokens[t0:t0 + n]
             t0 += n
             ws = self._prefill_workspace(block.size)
@@ -330,6 +359,74 @@ class Model:
         if all_logits:
             return np.concatenate(logits)
         return self.logits(ws.x[-1:], np.empty((1, self.vocab_size), np.float32))[0]
+
+    def prefill_batch(self, tokens_list, states: list[State], on_block=None,
+                      align: int | None = None, max_rows: int | None = None) -> list[np.ndarray]:
+        """`prefill` of several sequences together: the logits [V] after each of `tokens_list[b]`
+        [T_b], which follow `states[b]` (each updated). Each pass takes the next pass
+        (`pass_size`) of as many sequences as fit `max_rows` rows (default PREFILL_BLOCK; the
+        sequences with the fewest tokens left first) and runs them as one forward: what reads
+        weights (projections, router, the MoE's grouped GEMMs) over all their rows, what reads a
+        sequence's own state (conv1d, the delta rule, attention over its KV cache, positions) per
+        sequence. So every sequence's logits and state are `prefill`'s of it alone, bit for bit
+        (tests/model/test_prefill_batch.py); a one-token pass runs alone, as decode's kernels.
+        `on_block(b, n)` follows each pass that fed n tokens of sequence b (`align`: as
+        `prefill`'s)."""
+        tokens_list = [np.asarray(t, dtype=np.int32) for t in tokens_list]
+        if len(tokens_list) != len(states) or not states:
+            raise FermijitError(f"prefill_batch: {len(tokens_list)} prompts for {len(states)} "
+                                f"states (need one each, at least one)")
+        if len({id(s) for s in states}) != len(states):
+            raise FermijitError("prefill_batch: a state appears twice")
+        for tokens, state in zip(tokens_list, states):
+            if tokens.ndim != 1 or tokens.size == 0:
+                raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
+                                    f"{list(tokens.shape)}")
+            self._check_room(state, tokens.size)
+            self._check_token(tokens)
+        if align is not None and align < 1:
+            raise FermijitError(f"prefill: align must be at least 1, got {align}")
+        max_rows = PREFILL_BLOCK if max_rows is None else max_rows
+        if max_rows < 3:  # room for a pass of two tokens whatever is left (pass_size)
+            raise FermijitError(f"prefill_batch: max_rows must be at least 3, got {max_rows}")
+        done = [0] * len(states)
+        logits: list[np.ndarray | None] = [None] * len(states)
+
+        def fed(b: int, n: int, x_last) -> None:
+            done[b] += n
+            if on_block is not None:
+                on_block(b, n)
+            if done[b] == tokens_list[b].size:
+                logits[b] = self.logits(x_last, np.empty((1, self.vocab_size), np.float32))[0]
+
+        while True:
+            left = sorted((tokens_list[b].size - done[b], b) for b in range(len(states))
+                          if done[b] < tokens_list[b].size)
+            if not left:
+                return logits
+            pieces, room = [], max_rows
+            for n_left, b in left:
+                n = pass_size(states[b].position, n_left, align, room)
+                if n == 1:  # decode's kernels: alone, as `prefill` runs it
+                    ws = self._prefill_workspace(1)
+                    ws.tokens[:] = tokens_list[b][done[b]:done[b] + 1]
+                    self.forward(ws.tokens, states[b], ws)
+                    fed(b, 1, ws.x)
+                elif n:
+                    pieces.append((b, n))
+                    room -= n
+            if not pieces:
+                continue
+            ws = self._prefill_workspace(sum(n for _, n in pieces))
+            segments, row = [], 0
+            for b, n in pieces:
+                ws.tokens[row:row + n] = tokens_list[b][done[b]:done[b] + n]
+                segments.append(Segment(slice(row, row + n), states[b].position))
+                row += n
+            with blas.single_threaded() if self.is_quantized else contextlib.nullcontext():
+                self._forward(ws.tokens, [states[b] for b, _ in pieces], segments, ws)
+            for (b, n), seg in zip(pieces, segments):
+                fed(b, n, ws.x[seg.rows.stop - 1:seg.rows.stop])
 
     def _prefill_workspace(self, n_tokens: int) -> Workspace:
         """A pass's Workspace, kept for the passes and calls after: fresh buffers (its own and
@@ -419,28 +516,33 @@ class Model:
         fp32 weights every product is numpy's, so its threads are the work."""
         self._check_token(tokens)
         with blas.single_threaded() if self.is_quantized else contextlib.nullcontext():
-            self._forward(tokens, state, ws)
+            self._forward(tokens, [state], [Segment(slice(0, tokens.size), state.position)], ws)
 
-    def _forward(self, tokens, state: State, ws: Workspace) -> None:
-        start = state.position
+    def _forward(self, tokens, states: list[State], segments: list[Segment],
+                 ws: Workspace) -> None:
+        """`forward` of the sequences `states`, each its `segments` rows of `tokens`."""
         embedding.cpu(tokens, self.embed, out=ws.x)                    # not scaled
         if ws.embeds is not None:                                      # image tokens
             ws.x[ws.embeds[0]] = ws.embeds[1]
-        np.add(ws.offsets, start + state.rope_delta, out=ws.positions)  # delta: after images
+        for state, seg in zip(states, segments):                       # delta: after images
+            n = seg.rows.stop - seg.rows.start
+            np.add(ws.offsets[:n], seg.start + state.rope_delta, out=ws.positions[seg.rows])
         # Each residual add is done by the norm after it (rmsnorm.residual_cpu: x += y first).
         y = None                                                       # the last layer's moe(...)
-        for w, s in zip(self.layers, state.layers):
+        for i, w in enumerate(self.layers):
+            layer = [state.layers[i] for state in states]
             rmsnorm.residual_cpu(ws.x, y, w.input_norm, self.eps, out=ws.xn)
-            if isinstance(s, KvCache):
-                self.attention(w.mixer, w.joined_in, s, start, ws)
+            if isinstance(layer[0], KvCache):
+                self.attention(w.mixer, w.joined_in, layer, segments, ws)
             else:
-                self.gated_deltanet(w.mixer, w.joined_in, w.gates_in, s, ws)
+                self.gated_deltanet(w.mixer, w.joined_in, w.gates_in, layer, segments, ws)
             rmsnorm.residual_cpu(ws.x, ws.y, w.post_norm, self.eps, out=ws.xn)  # h = x + mixer
             self.moe(w, ws)
             y = ws.y                                                   # x = h + moe(norm(h))
         if y is not None:
             ws.x += y
-        state.position += tokens.size
+        for state, seg in zip(states, segments):
+            state.position += seg.rows.stop - seg.rows.start
 
     def _check_token(self, tokens) -> None:
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
@@ -455,9 +557,10 @@ class Model:
     def _quantized_input(self, x, act):
         return matvec.quantize_act(x, out=act) if self.is_quantized else None
 
-    def attention(self, w: AttentionWeights, joined, cache: KvCache, start: int,
-                  ws: Workspace) -> None:
-        """Gated GQA attention (MODEL.md §5): ws.xn -> ws.y, keys and values into the cache."""
+    def attention(self, w: AttentionWeights, joined, caches: list[KvCache],
+                  segments: list[Segment], ws: Workspace) -> None:
+        """Gated GQA attention (MODEL.md §5): ws.xn -> ws.y, keys and values into the caches
+        (segment b's rows into caches[b])."""
         T, D = ws.tokens.size, self.head_dim
         ws.act = act = self._quantized_input(ws.xn, ws.act)
         if joined is not None and ws.attn_in is not None:
@@ -478,16 +581,20 @@ class Model:
             for x in (ws.q, ws.k):
                 rope.mrope_cpu(x, ws.mrope, self.rotary_dim, self.theta, self.mrope_section,
                                out=x)
-        cache.k[:, start:start + T] = ws.k.transpose(1, 0, 2)        # [Hkv, S, D]
-        cache.v[:, start:start + T] = ws.v.transpose(1, 0, 2)
-        attention.cpu(ws.q, cache.k, cache.v, ws.gate, start, out=ws.o)  # o ⊙ σ(gate)
+        for cache, seg in zip(caches, segments):                      # o ⊙ σ(gate), per sequence
+            r, start = seg.rows, seg.start
+            end = start + r.stop - r.start
+            cache.k[:, start:end] = ws.k[r].transpose(1, 0, 2)        # [Hkv, S, D]
+            cache.v[:, start:end] = ws.v[r].transpose(1, 0, 2)
+            attention.cpu(ws.q[r], cache.k, cache.v, ws.gate[r], start, out=ws.o[r])
         o = ws.o.reshape(T, -1)
         ws.act_attn = self._quantized_input(o, ws.act_attn)
         linear(o, w.o_proj, ws.y, ws.act_attn)
 
-    def gated_deltanet(self, w: GatedDeltaNetWeights, joined, gates_in, s,
-                       ws: Workspace) -> None:
-        """Gated DeltaNet (MODEL.md §6): ws.xn -> ws.y; conv and recurrent state updated."""
+    def gated_deltanet(self, w: GatedDeltaNetWeights, joined, gates_in, states: list,
+                       segments: list[Segment], ws: Workspace) -> None:
+        """Gated DeltaNet (MODEL.md §6): ws.xn -> ws.y; the conv and recurrent states updated
+        (segment b's rows through states[b])."""
         T, dk = ws.tokens.size, self.key_dim
         ws.act = act = self._quantized_input(ws.xn, ws.act)
         if joined is not None and ws.gdn_in is not None:
@@ -502,16 +609,21 @@ class Model:
             # Decode: every step from the conv to the quantised output in one call (ops/gdn_step)
             if ws.act_gdn is None:
                 ws.act_gdn = matvec.quantize_act(ws.go.reshape(1, -1))
+            s, = states
             gdn_step.cpu(ws.mixed, ws.z, ws.a, ws.b, w.conv1d, s.conv, w.A_log, w.dt_bias,
                          w.norm, self.eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
                          ws.beta, ws.go, ws.act_gdn)
             linear(ws.go.reshape(T, -1), w.out_proj, ws.y, ws.act_gdn)
             return
-        conv1d.cpu(ws.mixed, w.conv1d, s.conv, out=ws.mixed)         # causal conv + SiLU
+        for s, seg in zip(states, segments):                         # causal conv + SiLU
+            conv1d.cpu(ws.mixed[seg.rows], w.conv1d, s.conv, out=ws.mixed[seg.rows])
         # q / |q| / sqrt(dk), k / |k|, v: out of the conv's rows in one pass
         l2norm.split_cpu(ws.mixed, L2NORM_EPS, 1 / np.sqrt(dk), ws.gq, ws.gk, ws.gv)
         gated_delta.gates_cpu(ws.a, ws.b, w.A_log, w.dt_bias, out=(ws.g, ws.beta))
-        gated_delta.cpu(ws.gq, ws.gk, ws.gv, ws.g, ws.beta, s.recurrent, out=ws.go)
+        for s, seg in zip(states, segments):
+            r = seg.rows
+            gated_delta.cpu(ws.gq[r], ws.gk[r], ws.gv[r], ws.g[r], ws.beta[r], s.recurrent,
+                            out=ws.go[r])
         rmsnorm.gated_cpu(ws.go, ws.z, w.norm, self.eps, out=ws.go)  # norm, then silu(z) gate
         o = ws.go.reshape(T, -1)
         ws.act_gdn = self._quantized_input(o, ws.act_gdn)

@@ -175,7 +175,7 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
 
 def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
         context: int, max_tokens: int | None, criterion: str, seed: int,
-        calibrate_with: Path | None = None, err=None, prefill: str = "cpu",
+        calibrate_with: Path | None = None, err=None, prefill: str = "auto",
         gpu_mem: str | None = None, pin_budget: str | None = None,
         verbose: bool = False) -> dict:
     """`prune` for the CLI: calibrate on `text_path` with `calibrate_with` (default `src`: a

@@ -30,7 +30,7 @@ def warm_up(engine, max_batch: int) -> None:
 
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
-          queue_size: int, cache_settings, prefill: str = "cpu", gpu_mem: str | None = None,
+          queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False) -> None:
     import uvicorn
 

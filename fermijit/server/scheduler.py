@@ -3,12 +3,23 @@ batch between steps, and every step decodes all active sequences in one forward
 (model/batch.py decode_batch).
 
 A job joins by being tokenised (the chat template rendered here, on this thread: the template's
-sandbox caps the process's address space while it renders) and prefilled through the engine's
+sandbox caps the process's address space while it renders) and restored from the engine's
 snapshot prefix cache, so a second chat turn prefills only what the cache lacks and
-`cached_tokens` says how much it had. A sequence ends at an end-of-sequence id or a stop string
-("stop"), at max_tokens ("length"), or when its client is gone; its state is then snapshotted
-(prompt and answer), as `generate` does, for the next turn. Stop strings are held back from the
-stream until they can no longer match (`StopMatcher`).
+`cached_tokens` says how much it had. The rest of its prompt is prefilled in chunks between
+decode steps (issue 28 item 5; `_prefill_chunk`): each chunk is one `prefill_batch` call of the
+engine's prefiller over the next pieces of every prompt waiting (prompts that arrive together
+are prefilled together, weights read once for all), at most `prefiller.chunk_tokens` tokens
+but for a newly arrived prompt's first piece, which runs at once; while streams decode, later
+chunks take at most PREFILL_SHARE of the time, so a long prompt does not stall them. The pieces
+are cut by model/forward.py `pass_size` and snapshotted as `generate`'s prefill is
+(engine.PromptPrefill), so a chunked prompt has the bits and the snapshots of one prefilled
+whole. A prefill that fails (a GPU fault) restarts that prompt from the cache on the CPU, alone;
+if that fails too, that request alone fails.
+
+A sequence ends at an end-of-sequence id or a stop string ("stop"), at max_tokens ("length"), or
+when its client is gone; its state is then snapshotted (prompt and answer), as `generate` does,
+for the next turn. Stop strings are held back from the stream until they can no longer match
+(`StopMatcher`).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import dataclasses
 import queue
 import sys
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -29,6 +41,10 @@ from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, T
 # allocated for prompt + max_tokens: the real model's 262144 positions would be 10 GiB each).
 DEFAULT_MAX_TOKENS = 4096
 IDLE_WAIT_S = 0.1  # how often an idle scheduler looks at `is_running`
+# While streams decode, prefill chunks take at most this share of the scheduler's time, so the
+# streams keep at least the rest of their rate (issue 28 item 5 asks >= 50 %: the share leaves
+# room for the chunks' switching cost; measured in /work/notes/serve.md).
+PREFILL_SHARE = 0.4
 # ChatML (the Qwen family's format), for a model that ships no chat template (the embedded one).
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -77,6 +93,12 @@ class Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     is_done: bool = False
     has_images: bool = False     # not snapshotted: image tokens' ids do not say which image
+    # While its prompt is prefilled (engine.PromptPrefill; None once decoding), by whom (the
+    # engine's prefiller; the CPU's, alone, after a failure), and whether a chunk has had it.
+    prefill: object = None
+    prefiller: object = None
+    is_alone: bool = False
+    is_new: bool = True
 
 
 class Scheduler:
@@ -88,9 +110,17 @@ class Scheduler:
                                 f"{queue_size}")
         self.engine, self.max_batch = engine, max_batch
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
-        self.active: list[Sequence] = []
+        self.active: list[Sequence] = []       # decoding
+        self.prefilling: list[Sequence] = []   # admitted, their prompts in progress
         self.n_steps = 0             # batched decode steps run
+        self.n_chunks = 0            # prefill chunks run
         self.n_cancelled = 0         # sequences stopped because their client went away
+        self.n_prefill_failures = 0  # prefill_batch calls that raised
+        self.prefill_s = self.decode_s = 0.0  # seconds in prefill chunks, in decode steps
+        self.last_chunk_s = 0.0
+        # Seconds the running streams are owed in decode before the next chunk (PREFILL_SHARE)
+        self._decode_owed = 0.0
+        self._cpu_prefiller = None   # the fallback, made on first need
         if engine.tokenizer.chat_template is None:
             engine.tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
         self._is_running = False
@@ -106,8 +136,14 @@ class Scheduler:
             raise QueueFull from None
 
     def start(self) -> None:
+        from fermijit.jit import cpu
+
         self._is_running = True
-        self._thread = threading.Thread(target=self._run, name="fermijit-scheduler", daemon=True)
+        # Numba's thread count is per thread: a new one has all the CPUs', whatever --threads
+        # said (4 decoding streams on a busy 2-core machine: 270 ms a step at --threads 1,
+        # against 22 ms on the thread that set it); the scheduler's thread takes the caller's.
+        self._thread = threading.Thread(target=self._run, args=(cpu.configure_threads(None),),
+                                        name="fermijit-scheduler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -117,7 +153,10 @@ class Scheduler:
 
     # --- the scheduler's thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, n_threads: int) -> None:
+        import numba
+
+        numba.set_num_threads(n_threads)
         try:
             self._serve()
         finally:
@@ -128,21 +167,38 @@ class Scheduler:
     def _serve(self) -> None:
         while self._is_running:
             self._admit()
+            if self.prefilling and (not self.active or self._decode_owed <= 0
+                                    or any(s.is_new for s in self.prefilling)):
+                start, had_streams = time.perf_counter(), bool(self.active)
+                self._guarded(self._prefill_chunk, "prefilling")
+                self.last_chunk_s = time.perf_counter() - start
+                self.prefill_s += self.last_chunk_s
+                if had_streams:  # they waited this long: owed as PREFILL_SHARE says
+                    self._decode_owed += self.last_chunk_s * (1 - PREFILL_SHARE) / PREFILL_SHARE
             if not self.active:
+                self._decode_owed = 0.0
                 continue
-            try:
-                self._step()
-            except Exception as e:  # a bug: fail the batch, keep serving
-                traceback.print_exc(file=sys.stderr)
-                for s in self.active:
-                    self._fail(s.job, ApiError(500, f"internal error: {e}", kind="server_error"))
-                self.active = []
+            start = time.perf_counter()
+            self._guarded(self._step, "active")
+            elapsed = time.perf_counter() - start
+            self.decode_s += elapsed
+            self._decode_owed = max(0.0, self._decode_owed - elapsed)
+
+    def _guarded(self, work, group: str) -> None:
+        """work(); on a bug, fail the sequences of `group` (a list attribute) and keep serving."""
+        try:
+            work()
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            for s in getattr(self, group):
+                self._fail(s.job, ApiError(500, f"internal error: {e}", kind="server_error"))
+            setattr(self, group, [])
 
     def _admit(self) -> None:
-        while len(self.active) < self.max_batch:
+        while len(self.active) + len(self.prefilling) < self.max_batch:
             try:
-                job = self.waiting.get(timeout=IDLE_WAIT_S) if not self.active else \
-                    self.waiting.get_nowait()
+                job = self.waiting.get(timeout=IDLE_WAIT_S) if not (
+                    self.active or self.prefilling) else self.waiting.get_nowait()
             except queue.Empty:
                 return
             if job.cancelled.is_set():
@@ -160,7 +216,9 @@ class Scheduler:
                 traceback.print_exc(file=sys.stderr)
                 self._fail(job, ApiError(500, f"internal error: {e}", kind="server_error"))
                 continue
-            if not seq.is_done:
+            if seq.prefill is not None:
+                self.prefilling.append(seq)
+            elif not seq.is_done:
                 self.active.append(seq)
 
     def _tokens(self, job: Job) -> np.ndarray:
@@ -202,9 +260,9 @@ class Scheduler:
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)
-        if with_images is None:
-            state, logits, n_cached = engine_module.prefill(model, prompt, n_prompt + max_tokens,
-                                                            engine.cache, None, engine.prefiller)
+        if with_images is None:  # restored from the cache; the rest by _prefill_chunk
+            p = engine_module.PromptPrefill(model, prompt, n_prompt + max_tokens, engine.cache)
+            state, logits, n_cached = p.state, p.logits, p.n_cached
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
 
@@ -214,8 +272,104 @@ class Scheduler:
                        engine.tokenizer.stream(), StopMatcher(job.stop),
                        has_images=with_images is not None)
         job.emit(Started(n_prompt, n_cached))
-        self._accept(seq, sampler.sample(logits), logits)
+        if logits is None:
+            seq.prefill, seq.prefiller = p, self._prefiller()
+        else:
+            self._accept(seq, sampler.sample(logits), logits)
         return seq
+
+    def _prefiller(self):
+        return self.engine.prefiller or self._cpu()
+
+    def _cpu(self):
+        from fermijit.hybrid import CpuPrefiller
+
+        if self._cpu_prefiller is None:
+            self._cpu_prefiller = CpuPrefiller(self.engine.model)
+        return self._cpu_prefiller
+
+    def _prefill_chunk(self) -> None:
+        """One chunk: the next piece of each prompt waiting (only the new ones' while the
+        streams are owed decode time), one prefill_batch call per prefiller; a prompt whose
+        last piece this was samples its first token and starts decoding."""
+        from fermijit.hybrid import PrefillItem
+        from fermijit.model.forward import pass_size
+
+        live = []
+        for s in self.prefilling:
+            if s.job.cancelled.is_set():
+                self.n_cancelled += 1
+            else:
+                live.append(s)
+        self.prefilling = live
+        is_owed = bool(self.active) and self._decode_owed > 0
+        # The new first (each its first piece, so that arrivals together go together), then
+        # the prompts with the fewest tokens left (short prompts' first tokens come soon).
+        order = sorted(live, key=lambda s: (not s.is_new, s.prefill.rest.size))
+        groups: dict = {}
+        rows_left = None  # of the chunk, for the prompts past their first piece
+        for s in order:
+            if is_owed and not s.is_new:
+                break
+            budget, rest = s.prefiller.chunk_tokens, s.prefill.rest
+            if budget is None:  # whole prompts (the GPU's: hybrid.GpuPrefiller.chunk_tokens)
+                n = rest.size
+            else:
+                limit = budget if s.is_new or rows_left is None else rows_left
+                n = pass_size(s.state.position, rest.size, s.prefill.align, limit)
+                if not s.is_new:
+                    rows_left = limit - n
+            if n:
+                key = id(s) if s.is_alone else id(s.prefiller)
+                groups.setdefault(key, []).append((s, PrefillItem(rest[:n], s.state,
+                                                                  s.prefill.on_block)))
+        for group in groups.values():
+            seqs = [s for s, _ in group]
+            prefiller = seqs[0].prefiller
+            try:
+                logits = prefiller.prefill_batch([item for _, item in group],
+                                                 seqs[0].prefill.align)
+            except Exception as e:  # noqa: BLE001 - a GPU fault is any exception
+                self._prefill_failed(seqs, e)
+                continue
+            for s, row in zip(seqs, logits):
+                s.is_new = False
+                if s.prefill.rest.size == 0:
+                    self._prefilled(s, row)
+        self.n_chunks += bool(groups)
+
+    def _prefilled(self, s: Sequence, logits: np.ndarray) -> None:
+        s.prefill.finish(logits)
+        s.prefill = None
+        self.prefilling.remove(s)
+        self._accept(s, s.sampler.sample(logits), logits)
+        if not s.is_done:
+            self.active.append(s)
+
+    def _prefill_failed(self, seqs: list[Sequence], e: Exception) -> None:
+        """A prefill_batch call raised: each of its prompts restarts from the cache on the CPU,
+        alone (its state may be half written); one that failed so already fails its request."""
+        from fermijit import engine as engine_module
+        from fermijit.hybrid import one_line
+
+        self.n_prefill_failures += 1
+        if not isinstance(e, FermijitError):
+            traceback.print_exc(file=sys.stderr)
+        if len(seqs) == 1 and seqs[0].is_alone and seqs[0].prefiller is self._cpu():
+            print(f"prefill failed on the CPU ({one_line(e)}): that request fails",
+                  file=sys.stderr, flush=True)
+            self.prefilling.remove(seqs[0])
+            return self._fail(seqs[0].job, ApiError(500, f"internal error: the prefill failed: "
+                                                         f"{one_line(e)}", kind="server_error"))
+        print(f"prefill of {len(seqs)} request(s) failed ({one_line(e)}): each retried alone "
+              f"on the CPU", file=sys.stderr, flush=True)
+        for s in seqs:
+            p = s.prefill
+            s.prefill = engine_module.PromptPrefill(self.engine.model, p.prompt,
+                                                    p.state.context, self.engine.cache)
+            s.state, s.prefiller, s.is_alone = s.prefill.state, self._cpu(), True
+            if s.prefill.logits is not None:  # all of it snapshotted before the failure
+                self._prefilled(s, s.prefill.logits)
 
     def _step(self) -> None:
         from fermijit.model.batch import BatchWorkspace, can_batch, decode_batch

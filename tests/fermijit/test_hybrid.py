@@ -106,7 +106,9 @@ def test_without_a_gpu_prefill_falls_back_to_the_cpu_once(default_model, no_gpu)
     assert len(lines) == 1 and "prefilling on the CPU" in lines[0] and "pycuda" in lines[0]
 
 
-def test_a_driver_error_while_preparing_falls_back(default_model, monkeypatch):
+@pytest.fixture
+def broken_gpu(monkeypatch):
+    """A GPU that is there, but preparing the prefill on it fails (a driver error)."""
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
     monkeypatch.setattr(gpu, "memory", lambda: (8 * GIB, 8 * GIB))
 
@@ -114,6 +116,9 @@ def test_a_driver_error_while_preparing_falls_back(default_model, monkeypatch):
         raise RuntimeError("cuMemAlloc failed: out of memory")
 
     monkeypatch.setattr(gpu_prefill, "DeviceModel", broken)
+
+
+def test_a_driver_error_while_preparing_falls_back(default_model, broken_gpu):
     err = io.StringIO()
     pf = hybrid.make(default_model, "gpu", err=err)
     assert not pf.prepare()
@@ -145,16 +150,52 @@ def test_a_failure_during_the_pass_leaves_the_state_to_the_cpu(default_model, mo
     assert pf.broken is not None and pf.device is None
 
 
-def test_auto_keeps_short_prompts_on_the_cpu(default_model, no_gpu):
+def test_auto_is_quiet_without_a_gpu(default_model, no_gpu):
+    """auto (the default) on a machine without a GPU: the CPU, and not a word about the GPU."""
     err = io.StringIO()
     pf = hybrid.make(default_model, "auto", err=err)
-    short = np.arange(1, hybrid.AUTO_MIN_TOKENS, dtype=np.int32)
-    prefill_both(default_model, pf, short)
+    assert not pf.prepare()
+    for n in (hybrid.AUTO_MIN_TOKENS - 1, hybrid.AUTO_MIN_TOKENS):
+        tokens = np.resize(np.arange(1, 50, dtype=np.int32), n)
+        logits, state, cpu_logits, cpu_state = prefill_both(default_model, pf, tokens)
+        np.testing.assert_array_equal(logits, cpu_logits)
+        assert_same_state(state, cpu_state)
+    assert pf.chunk_tokens == hybrid.CPU_CHUNK_TOKENS
+    assert err.getvalue() == ""
+
+
+def test_auto_says_why_a_gpu_it_has_is_not_used(default_model, broken_gpu):
+    """A GPU that is there but fails to prepare is said once, as for --prefill gpu; short
+    prompts never try it."""
+    err = io.StringIO()
+    pf = hybrid.make(default_model, "auto", err=err)
+    prefill_both(default_model, pf, np.arange(1, hybrid.AUTO_MIN_TOKENS, dtype=np.int32))
     assert err.getvalue() == ""                   # the GPU was not even tried
     long = np.resize(np.arange(1, 50, dtype=np.int32), hybrid.AUTO_MIN_TOKENS)
     logits, _, cpu_logits, _ = prefill_both(default_model, pf, long)
     np.testing.assert_array_equal(logits, cpu_logits)
-    assert "prefilling on the CPU" in err.getvalue()
+    prefill_both(default_model, pf, long)
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "out of memory" in lines[0]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "auto"])
+def test_prefill_batch_is_each_prefill_alone(default_model, no_gpu, mode):
+    """Every prefiller's prefill_batch: the logits in the items' order, each item's state and
+    logits its `prefill` alone (bit for bit: without a GPU all run on the CPU), on_block per
+    item summing to its tokens."""
+    pf = hybrid.make(default_model, mode, err=io.StringIO())
+    lengths = (40, 3, hybrid.AUTO_MIN_TOKENS, 1)
+    prompts = [np.resize(np.arange(n + 5, 0, -1, dtype=np.int32), n) for n in lengths]
+    fed = [[] for _ in prompts]
+    items = [hybrid.PrefillItem(p, default_model.new_state(64), fed[k].append)
+             for k, p in enumerate(prompts)]
+    got = pf.prefill_batch(items, align=16)
+    for k, (p, item) in enumerate(zip(prompts, items)):
+        state = default_model.new_state(64)
+        np.testing.assert_array_equal(got[k], default_model.prefill(p, state, align=16))
+        assert_same_state(item.state, state)
+        assert sum(fed[k]) == p.size
 
 
 def test_an_unquantised_model_is_refused_by_the_plan(tmp_path):

@@ -332,3 +332,37 @@ def test_the_experts_are_in_host_ram_once(models, monkeypatch):
     for i, w in enumerate(copy.layers):
         assert all(np.shares_memory(a, streamer.pool[i]) for a in w.experts.routed)
     np.testing.assert_array_equal(copy.decode(5, state.copy()), expected)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "auto"])
+def test_prefill_batch_is_each_prefill_alone(loaded, mode):
+    """The contract of GpuPrefiller.prefill_batch (the server's multi-sequence prefill; a loop
+    over `prefill` for now, a multi-sequence GPU pass later): each item's logits and state as its
+    prefill alone (to GPU rounding; auto's items under AUTO_MIN_TOKENS on the CPU, bit for bit),
+    states that had seen tokens before continue, on_block sums each item's tokens."""
+    model, _, _ = loaded("tiny-e128")
+    pf, _ = gpu_prefiller(model, w4a8=False)
+    if mode == "auto":
+        pf = hybrid.AutoPrefiller(pf)
+    lengths, seen = (90, 3, 40, hybrid.AUTO_MIN_TOKENS - 1), (0, 0, 17, 5)
+    prompts = [prompt(model, n, seed=k) for k, n in enumerate(lengths)]
+
+    def state_after(n_seen, k):
+        s = model.new_state(130)
+        if n_seen:
+            model.prefill(prompt(model, n_seen, seed=10 + k), s)
+        return s
+
+    fed = [[] for _ in prompts]
+    items = [hybrid.PrefillItem(p, state_after(n, k), fed[k].append)
+             for k, (p, n) in enumerate(zip(prompts, seen))]
+    got = pf.prefill_batch(items, align=32)
+    for k, (p, n, item) in enumerate(zip(prompts, seen, items)):
+        alone = state_after(n, k)
+        want = pf.prefill(p, alone, align=32)
+        assert sum(fed[k]) == p.size and item.state.position == alone.position
+        if mode == "auto" and p.size < hybrid.AUTO_MIN_TOKENS:
+            np.testing.assert_array_equal(got[k], want)
+        assert_rel(f"item {k} logits", want, got[k], GPU_VS_GPU)
+        for a, b in handed_off_pairs(item.state, alone, transposed=False):
+            assert_rel(f"item {k} state", b, a, GPU_VS_GPU)

@@ -266,7 +266,7 @@ def test_prefill_then_decode_equals_one_prefill(tiny_dir, converted, tmp_path, p
 def test_prefill_in_blocks_equals_one_block(converted, monkeypatch):
     _, m = load_model(converted(tiny.HF_INIT))
     whole = m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True)
-    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)  # blocks of 5, 5, 5, 1
+    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)  # blocks of 5, 5, 4, 2 (pass_size)
     blocks = m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True)
     assert_rel("logits", whole, blocks, W4A8_STATE_REL)
     last = m.prefill(PROMPT, m.new_state(CONTEXT))
@@ -281,7 +281,7 @@ def test_prefill_keeps_its_workspaces(converted, monkeypatch):
     ws = m._prefill_ws[PROMPT.size]
     np.testing.assert_array_equal(m.prefill(PROMPT, m.new_state(CONTEXT), all_logits=True), first)
     assert m._prefill_ws[PROMPT.size] is ws
-    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)  # blocks of 5, 5, 5, 1
+    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)  # blocks of 5, 5, 4, 2 (pass_size)
     m.prefill(PROMPT, m.new_state(CONTEXT))
     assert sorted(m._prefill_ws) == [5, PROMPT.size]
     m.prefill(PROMPT[:3], m.new_state(CONTEXT))
