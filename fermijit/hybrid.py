@@ -167,6 +167,7 @@ class PrefillItem:
 class CpuPrefiller:
     name = "cpu"
     chunk_tokens = CPU_CHUNK_TOKENS
+    runs_beside_decode = False
 
     def __init__(self, model):
         self.model = model
@@ -200,8 +201,10 @@ class GpuPrefiller:
     stays on the CPU after a driver error."""
 
     name = "gpu"
-    # The scheduler gives a GPU prefill whole prompts: each call hands the state in and out.
+    # The scheduler gives a GPU prefill whole prompts (each call hands the state in and out),
+    # on a thread of their own while its streams go on decoding on the CPU.
     chunk_tokens = None
+    runs_beside_decode = True
 
     def __init__(self, model, gpu_mem: int | None = None, pin_budget: int | None = None,
                  verbose: bool = False, err=None, source: str | None = None, w4a8: bool = True,
@@ -392,19 +395,21 @@ class AutoPrefiller:
     def chunk_tokens(self) -> int | None:
         return self.gpu.chunk_tokens if self.gpu.prepare() else self.cpu.chunk_tokens
 
-    def _chosen(self, n_tokens: int):
+    def for_tokens(self, n_tokens: int):
+        """The prefiller that takes a prompt of `n_tokens`."""
         return self.gpu if n_tokens >= self.min_tokens and self.gpu.prepare() else self.cpu
+
 
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
-        return self._chosen(np.size(tokens)).prefill(tokens, state, on_block, all_logits, align)
+        return self.for_tokens(np.size(tokens)).prefill(tokens, state, on_block, all_logits, align)
 
     def prefill_batch(self, items: list[PrefillItem], align: int | None = None) -> list:
         """The items of at least `min_tokens` tokens on the GPU (where usable), the others
         together on the CPU; the logits in the items' order."""
         logits = [None] * len(items)
         for prefiller in (self.gpu, self.cpu):
-            mine = [k for k, i in enumerate(items) if self._chosen(i.tokens.size) is prefiller]
+            mine = [k for k, i in enumerate(items) if self.for_tokens(i.tokens.size) is prefiller]
             if mine:
                 for k, row in zip(mine, prefiller.prefill_batch([items[k] for k in mine],
                                                                 align)):

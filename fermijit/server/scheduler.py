@@ -13,8 +13,11 @@ but for a newly arrived prompt's first piece, which runs at once; while streams 
 chunks take at most PREFILL_SHARE of the time, so a long prompt does not stall them. The pieces
 are cut by model/forward.py `pass_size` and snapshotted as `generate`'s prefill is
 (engine.PromptPrefill), so a chunked prompt has the bits and the snapshots of one prefilled
-whole. A prefill that fails (a GPU fault) restarts that prompt from the cache on the CPU, alone;
-if that fails too, that request alone fails.
+whole. The GPU prefill (a prefiller that `runs_beside_decode`) takes whole prompts, those waiting
+together in one call, on a thread of its own (`GpuJob`): the streams keep decoding on the CPU
+meanwhile, and the prompts start decoding once it ends. A prefill that fails (a GPU fault)
+restarts that prompt from the cache on the CPU, alone; if that fails too, that request alone
+fails.
 
 A sequence ends at an end-of-sequence id or a stop string ("stop"), at max_tokens ("length"), or
 when its client is gone; its state is then snapshotted (prompt and answer), as `generate` does,
@@ -34,6 +37,7 @@ import traceback
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.jit import omp
 from fermijit.server import protocol
 from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, Text
 
@@ -45,6 +49,7 @@ IDLE_WAIT_S = 0.1  # how often an idle scheduler looks at `is_running`
 # streams keep at least the rest of their rate (issue 28 item 5 asks >= 50 %: the share leaves
 # room for the chunks' switching cost; measured in /work/notes/serve.md).
 PREFILL_SHARE = 0.4
+GPU_JOB_POLL_S = 0.005  # how often an otherwise idle scheduler looks for new requests meanwhile
 # ChatML (the Qwen family's format), for a model that ships no chat template (the embedded one).
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -99,6 +104,39 @@ class Sequence:
     prefiller: object = None
     is_alone: bool = False
     is_new: bool = True
+    is_in_flight: bool = False   # its prompt on the GPU's own thread (GpuJob)
+
+
+class GpuJob:
+    """One prefill_batch call of a prefiller that runs beside decode (the GPU's: its kernels and
+    copies need the host only to launch them and read the routing), on a thread of its own, so
+    the running streams keep decoding on the CPU while a long prompt prefills (issue 28 item 5:
+    a GPU call takes whole prompts, seconds at 16k tokens)."""
+
+    def __init__(self, prefiller, group: list, align: int | None, n_threads: int):
+        self.seqs = [s for s, _ in group]
+        self.items = [item for _, item in group]
+        self.logits: list | None = None
+        self.error: Exception | None = None
+        self.done = threading.Event()
+        for s in self.seqs:
+            s.is_in_flight = True
+        threading.Thread(target=self._run, args=(prefiller, align, n_threads), daemon=True,
+                         name="fermijit-gpu-prefill").start()
+
+    def _run(self, prefiller, align: int | None, n_threads: int) -> None:
+        import numba
+
+        from fermijit.jit import gpu
+
+        numba.set_num_threads(n_threads)  # a fallback to the CPU runs kernels here
+        try:
+            self.logits = prefiller.prefill_batch(self.items, align)
+        except Exception as e:  # noqa: BLE001 - handled on the scheduler's thread
+            self.error = e
+        finally:
+            gpu.release_thread()
+            self.done.set()
 
 
 class Scheduler:
@@ -121,6 +159,8 @@ class Scheduler:
         # Seconds the running streams are owed in decode before the next chunk (PREFILL_SHARE)
         self._decode_owed = 0.0
         self._cpu_prefiller = None   # the fallback, made on first need
+        self._gpu_job: GpuJob | None = None
+        self._n_threads = 1
         if engine.tokenizer.chat_template is None:
             engine.tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
         self._is_running = False
@@ -157,6 +197,7 @@ class Scheduler:
         import numba
 
         numba.set_num_threads(n_threads)
+        self._n_threads = n_threads
         try:
             self._serve()
         finally:
@@ -167,8 +208,10 @@ class Scheduler:
     def _serve(self) -> None:
         while self._is_running:
             self._admit()
-            if self.prefilling and (not self.active or self._decode_owed <= 0
-                                    or any(s.is_new for s in self.prefilling)):
+            self._collect_gpu_job()
+            waiting = [s for s in self.prefilling if not s.is_in_flight]
+            if waiting and (not self.active or self._decode_owed <= 0
+                            or any(s.is_new for s in waiting)):
                 start, had_streams = time.perf_counter(), bool(self.active)
                 self._guarded(self._prefill_chunk, "prefilling")
                 self.last_chunk_s = time.perf_counter() - start
@@ -177,6 +220,8 @@ class Scheduler:
                     self._decode_owed += self.last_chunk_s * (1 - PREFILL_SHARE) / PREFILL_SHARE
             if not self.active:
                 self._decode_owed = 0.0
+                if self._gpu_job is not None:  # nothing to decode: wait for it, not spin
+                    self._gpu_job.done.wait(GPU_JOB_POLL_S)
                 continue
             start = time.perf_counter()
             self._guarded(self._step, "active")
@@ -307,11 +352,19 @@ class Scheduler:
         # the prompts with the fewest tokens left (short prompts' first tokens come soon).
         order = sorted(live, key=lambda s: (not s.is_new, s.prefill.rest.size))
         groups: dict = {}
+        beside: list = []  # for a GpuJob: whole prompts, while the streams decode
         rows_left = None  # of the chunk, for the prompts past their first piece
         for s in order:
+            prefiller, rest = self._prefiller_of(s), s.prefill.rest
+            if s.is_in_flight:
+                continue
+            if prefiller.runs_beside_decode and omp.available():
+                if self._gpu_job is None and not s.is_alone:
+                    beside.append((s, PrefillItem(rest, s.state, s.prefill.on_block)))
+                continue
             if is_owed and not s.is_new:
-                break
-            budget, rest = s.prefiller.chunk_tokens, s.prefill.rest
+                continue
+            budget = prefiller.chunk_tokens
             if budget is None:  # whole prompts (the GPU's: hybrid.GpuPrefiller.chunk_tokens)
                 n = rest.size
             else:
@@ -320,12 +373,15 @@ class Scheduler:
                 if not s.is_new:
                     rows_left = limit - n
             if n:
-                key = id(s) if s.is_alone else id(s.prefiller)
+                key = id(s) if s.is_alone else id(prefiller)
                 groups.setdefault(key, []).append((s, PrefillItem(rest[:n], s.state,
                                                                   s.prefill.on_block)))
+        if beside:
+            self._gpu_job = GpuJob(self._prefiller_of(beside[0][0]), beside,
+                                   beside[0][0].prefill.align, self._n_threads)
         for group in groups.values():
             seqs = [s for s, _ in group]
-            prefiller = seqs[0].prefiller
+            prefiller = self._prefiller_of(seqs[0])
             try:
                 logits = prefiller.prefill_batch([item for _, item in group],
                                                  seqs[0].prefill.align)
@@ -338,11 +394,35 @@ class Scheduler:
                     self._prefilled(s, row)
         self.n_chunks += bool(groups)
 
+    def _prefiller_of(self, s: Sequence):
+        """Who prefills `s`'s rest now: auto's choice for its length (hybrid.AutoPrefiller)."""
+        choose = getattr(s.prefiller, "for_tokens", None)
+        return s.prefiller if choose is None else choose(s.prefill.rest.size)
+
+    def _collect_gpu_job(self) -> None:
+        """A GpuJob that has ended: its prompts start decoding (or, if it failed, retry on the
+        CPU, as a failed chunk does)."""
+        job = self._gpu_job
+        if job is None or not job.done.is_set():
+            return
+        self._gpu_job = None
+        for s in job.seqs:
+            s.is_in_flight = False
+        live = [s for s in job.seqs if s in self.prefilling]  # not cancelled meanwhile
+        if job.error is not None:
+            return self._prefill_failed(live, job.error)
+        for s, row in zip(job.seqs, job.logits):
+            if s in live:
+                s.is_new = False
+                if s.prefill.rest.size == 0:
+                    self._prefilled(s, row)
+        self.n_chunks += 1
+
     def _prefilled(self, s: Sequence, logits: np.ndarray) -> None:
-        s.prefill.finish(logits)
-        s.prefill = None
+        prefill, s.prefill = s.prefill, None
         self.prefilling.remove(s)
-        self._accept(s, s.sampler.sample(logits), logits)
+        self._accept(s, s.sampler.sample(logits), logits)  # the first token before the snapshot
+        prefill.finish(logits)
         if not s.is_done:
             self.active.append(s)
 

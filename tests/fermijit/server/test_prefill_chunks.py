@@ -214,3 +214,60 @@ def test_the_scheduler_runs_its_kernels_on_the_callers_thread_count(engine, prom
     finally:
         probe.stop()
     assert seen and set(seen) == {1}
+
+
+class BesidePrefiller(CpuPrefiller):
+    """Stands in for the GPU prefill: whole prompts, on the scheduler's GpuJob thread beside
+    decode; slowed down by `delay_s` a call, so the streams' tokens meanwhile can be counted."""
+
+    chunk_tokens = None
+    runs_beside_decode = True
+
+    def __init__(self, model, delay_s: float = 0.0, is_bad=lambda items: False):
+        super().__init__(model)
+        self.delay_s, self.is_bad, self.threads = delay_s, is_bad, []
+
+    def prefill_batch(self, items, align=None):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        if self.is_bad(items):
+            raise RuntimeError("cuMemcpyDtoH failed: an illegal memory access (test)")
+        return super().prefill_batch(items, align)
+
+
+@pytest.mark.skipif(not __import__("fermijit.jit.omp", fromlist=["x"]).available(),
+                    reason="a prefill beside decode needs the omp threading layer")
+def test_a_gpu_prefill_runs_beside_the_streams(engine, prompts, alone):
+    """The GPU's prompts are prefilled whole on a thread of their own (scheduler.GpuJob) while
+    the running streams go on decoding: a stream gets tokens all through a prefill call slowed
+    to 2 s, the prompt's answer is the one it gets alone, and a call that raises there retries
+    its prompts on the CPU."""
+    beside = BesidePrefiller(engine.model, delay_s=2.0)
+    with serving(engine, beside) as (url, scheduler):
+        times = []
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "prompt": [1, 2, 3], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as stream:
+            lines = stream.iter_lines()
+            while len(times) < 3:
+                if next(lines).startswith("data: {"):
+                    times.append(time.monotonic())
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                sent = time.monotonic()
+                answer = pool.submit(complete, url, prompts[2])
+                for line in lines:
+                    if line.startswith("data: {"):
+                        times.append(time.monotonic())
+                    if answer.done():
+                        break
+                assert text(answer.result()) == alone[2]
+                done = time.monotonic()
+        during = sum(sent + 0.5 < t < done - 0.5 for t in times)  # the call's middle second
+        assert during >= 5, during
+        assert beside.threads[-1] == "fermijit-gpu-prefill"
+    faulty = BesidePrefiller(engine.model, is_bad=lambda items: True)
+    with serving(engine, faulty) as (url, scheduler):
+        assert [text(r) for r in at_once(url, prompts)] == alone
+        assert scheduler.n_prefill_failures >= 1
