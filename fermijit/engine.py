@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -243,6 +244,9 @@ class Engine:
         # weights and preprocessor_config.json are; the tower is loaded on first use.
         self.config, self.directory = config, directory
         self._tower = None
+        # Image prompts may be made on several threads (the server's handlers): one at a time
+        # loads and runs the tower (it is a team of threads itself).
+        self._vision_lock = threading.Lock()
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
@@ -270,12 +274,19 @@ class Engine:
         `encode` replaces the tower's CPU encode (the GPU's: model/vision_gpu.py)."""
         from fermijit.model import image, multimodal
 
-        tower = self.vision_tower() if images else None
-        settings = image.image_settings(self.directory, self.config.vision_config)
-        processed = [image.preprocess(im if not isinstance(im, (str, Path))
-                                      else image.open_image(im), settings)
-                     if not isinstance(im, image.Image) else im for im in images]
-        return multimodal.prepare(self.tokenizer, messages, processed, tower, self.config, encode)
+        with self._vision_lock:
+            tower = self.vision_tower() if images else None
+            settings = image.image_settings(self.directory, self.config.vision_config)
+            processed = [image.preprocess(im if not isinstance(im, (str, Path))
+                                          else image.open_image(im), settings)
+                         if not isinstance(im, image.Image) else im for im in images]
+            return multimodal.prepare(self.tokenizer, messages, processed, tower, self.config,
+                                      encode)
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the model's config has a vision tower (its weights may still be missing)."""
+        return self.config is not None and self.config.vision_config is not None
 
     def vision_tower(self):
         """The model's vision tower (model/vision.py), loaded on first use."""

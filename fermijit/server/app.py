@@ -1,6 +1,7 @@
 """The Starlette app: POST /v1/chat/completions and /v1/completions (JSON or server-sent events),
-GET /v1/models and /health. Requests are checked here (protocol.py) and handed to the scheduler;
-its events come back through an asyncio queue. A streaming client that disconnects cancels its
+GET /v1/models and /health. Requests are checked here (protocol.py), made ready on worker
+threads (prompts.py: tokenised, images decoded, the context checked) and handed to the
+scheduler; its events come back through an asyncio queue. A streaming client that disconnects cancels its
 sequence (Starlette cancels the response's task, whose `finally` sets the job's flag); a
 non-streaming one is polled while it waits."""
 
@@ -10,6 +11,9 @@ import asyncio
 import hmac
 import json
 import time
+from pathlib import Path
+
+import anyio
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -17,38 +21,68 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fermijit.server import protocol
+from fermijit import FermijitError
+from fermijit.server import prompts, protocol
 from fermijit.server.protocol import ApiError, Failed, Finished, Started, Text
 from fermijit.server.scheduler import QueueFull, Scheduler
 
-MAX_BODY_BYTES = 4 << 20  # 413 past it: far more than any context's worth of text
+# The body cap follows the context (issue 30 item 2): a prompt the context can hold is at most
+# max_context tokens, at a few bytes each in JSON (English ~4; a \uXXXX escape 6 per character);
+# past the cap (4.3 MiB for the real model's 262144 positions, 288 KiB for the embedded model's
+# 2048) a 413, before anything is tokenised. A model with a vision tower takes images too.
+BODY_BASE_BYTES = 256 << 10
+BODY_BYTES_PER_TOKEN = 16
 DISCONNECT_POLL_S = 0.5
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logs only)
+# Requests made ready (tokenised, images decoded: server/prompts.py) at once, each on a thread
+# of its own. Few: the scheduler's decode wants the cores, and a request waits here cheaply.
+PREPARE_THREADS = 2
+
+
+def max_body_bytes(max_context: int, has_images: bool) -> int:
+    from fermijit.model.image import MAX_DATA_URI_CHARS
+
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_context + (
+        MAX_DATA_URI_CHARS if has_images else 0)
 
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _read_json(request: Request):
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, read with the CLI's rules (model/files.py parse_json: depth, integer
+    digits, no NaN or duplicate keys), at most `limit` bytes."""
+    from fermijit.model.files import parse_json
+
+    too_large = ApiError(413, f"the request body is over {limit} bytes", code="too_large")
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="too_large")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
     body = bytearray()
     async for piece in request.stream():
         body += piece
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                           code="too_large")
+        if len(body) > limit:
+            raise too_large
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") \
-            from None
+        return parse_json(bytes(body), "the request body")
+    except FermijitError as e:
+        raise ApiError(400, str(e), code="invalid_json") from None
 
 
 def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> Starlette:
     created = int(time.time())
+    engine = scheduler.engine
+    body_limit = max_body_bytes(engine.model.max_context, engine.has_vision)
+    preparing = anyio.CapacityLimiter(PREPARE_THREADS)
+
+    def client_error(e: FermijitError) -> ApiError:
+        """A model-side failure as a 400 that names the model, not where it lives."""
+        message = str(e)
+        if engine.directory is not None:
+            for path in {str(engine.directory), str(Path(engine.directory).resolve())}:
+                message = message.replace(path, model_name)
+        return ApiError(400, message)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -70,9 +104,13 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
     async def complete(request: Request, is_chat: bool):
         try:
             check_key(request)
-            job = protocol.parse(await _read_json(request), is_chat)
+            job = protocol.parse(await _read_json(request, body_limit), is_chat)
+            # Off the event loop and off the scheduler's thread (server/prompts.py).
+            await anyio.to_thread.run_sync(prompts.prepare, engine, job, limiter=preparing)
         except ApiError as e:
             return _error(e)
+        except FermijitError as e:
+            return _error(client_error(e))
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event) -> None:

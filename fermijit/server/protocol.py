@@ -64,6 +64,11 @@ class Job:
     include_usage: bool
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever (benchmarks)
     images: tuple[str, ...] = ()  # data: URIs of the chat's image parts, in order
+    # Made by the request's handler (server/prompts.py), off the scheduler's thread: the prompt's
+    # token ids (int32 [T], image placeholders included), and with images the whole
+    # model/multimodal.py Prompt (the tower's output, MRoPE positions).
+    ids: object = None
+    image_prompt: object = None
     emit: Callable[[object], None] = print
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
