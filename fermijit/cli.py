@@ -91,6 +91,15 @@ def prefill_options(command):
     return command
 
 
+# model/image.py DEFAULT_MAX_IMAGE_TOKENS (not imported here: --help stays instant)
+DEFAULT_MAX_IMAGE_TOKENS = 2048
+max_image_tokens_option = click.option(
+    "--max-image-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_IMAGE_TOKENS,
+    show_default=True,
+    help="Most image tokens a prompt's images may make (from their sizes, checked before they "
+         "are decoded: the vision tower's work grows with them).")
+
+
 def cache_options(command):
     """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/prefix_cache.py), for
     generate and serve."""
@@ -494,12 +503,14 @@ def verify(model_dir: Path) -> None:
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
               help="An image file for the user turn, before the text (repeatable; implies "
                    "--chat; the model needs its vision tower).")
+@max_image_tokens_option
 @prefill_options
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
-             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+             max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+             verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -511,7 +522,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
-                               verbose=verbose, images=images)
+                               verbose=verbose, images=images,
+                               max_image_tokens=max_image_tokens)
     cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
     from fermijit.model import files
 
@@ -538,11 +550,12 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
               help="Numba threads (default: the physical cores).")
 @numa_option
 @cache_options
+@max_image_tokens_option
 @prefill_options
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
-          cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
-          pin_budget: str | None, verbose: bool) -> None:
+          cache_mem: int | None, snapshot_every: int | None, max_image_tokens: int,
+          prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -560,7 +573,7 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     cpu.configure_threads(threads)
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
-              prefill, gpu_mem, pin_budget, verbose)
+              prefill, gpu_mem, pin_budget, verbose, max_image_tokens)
 
 
 @cli.command("eval")

@@ -70,7 +70,8 @@ async def _read_json(request: Request, limit: int):
         raise ApiError(400, str(e), code="invalid_json") from None
 
 
-def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> Starlette:
+def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
+             max_image_tokens: int | None = None) -> Starlette:
     created = int(time.time())
     engine = scheduler.engine
     body_limit = max_body_bytes(engine.model.max_context, engine.has_vision)
@@ -106,7 +107,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
             check_key(request)
             job = protocol.parse(await _read_json(request, body_limit), is_chat)
             # Off the event loop and off the scheduler's thread (server/prompts.py).
-            await anyio.to_thread.run_sync(prompts.prepare, engine, job, limiter=preparing)
+            await anyio.to_thread.run_sync(prompts.prepare, engine, job, max_image_tokens,
+                                           limiter=preparing)
         except ApiError as e:
             return _error(e)
         except FermijitError as e:

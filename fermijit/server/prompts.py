@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from fermijit import FermijitError
 from fermijit.server import protocol
 from fermijit.server.protocol import ApiError, Job
 
 
-def prepare(engine, job: Job) -> None:
-    """Fill `job.ids` (and `job.image_prompt` for a chat with images); ApiError(400) when the
-    prompt is bad, empty or past the context, FermijitError (a 400 too) from the model's side."""
+def prepare(engine, job: Job, max_image_tokens: int | None = None) -> None:
+    """Fill `job.ids` (and `job.image_prompt` for a chat with images: more than
+    `max_image_tokens`, default model/image.py's, is a 400 before any is decoded); ApiError(400)
+    when the prompt is bad, empty or past the context, FermijitError (a 400 too) from the
+    model's side."""
     if job.images:
-        job.image_prompt = _image_prompt(engine, job)
+        job.image_prompt = _image_prompt(engine, job, max_image_tokens)
         job.ids = job.image_prompt.ids
     else:
         job.ids = _tokens(engine, job)
@@ -48,12 +49,12 @@ def _tokens(engine, job: Job) -> np.ndarray:
     return np.asarray(job.prompt, np.int32)
 
 
-def _image_prompt(engine, job: Job):
-    """The chat with its images (model/multimodal.py Prompt); a bad image is a 400."""
+def _image_prompt(engine, job: Job, max_image_tokens: int | None):
+    """The chat with its images (model/multimodal.py Prompt); a bad image, or images past the
+    budget or the context (known from their headers, before decoding), is a 400."""
     from fermijit.model import image
 
-    try:
-        images = [image.from_data_uri(uri, f"image {k}") for k, uri in enumerate(job.images)]
-        return engine.image_prompt(job.prompt, images)
-    except FermijitError as e:
-        raise ApiError(400, str(e), "messages") from None
+    max_context = engine.model.max_context
+    images = [image.from_data_uri(uri, f"image {k}") for k, uri in enumerate(job.images)]
+    return engine.image_prompt(job.prompt, images, None, max_image_tokens,
+                               check=lambda n_prompt: check_context(n_prompt, job, max_context))

@@ -31,7 +31,8 @@ def warm_up(engine, max_batch: int) -> None:
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "cpu", gpu_mem: str | None = None,
-          pin_budget: str | None = None, verbose: bool = False) -> None:
+          pin_budget: str | None = None, verbose: bool = False,
+          max_image_tokens: int | None = None) -> None:
     import uvicorn
 
     from fermijit import hybrid
@@ -55,7 +56,8 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
           f"{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
     try:
-        config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key),
+        config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key,
+                                         max_image_tokens),
                                 log_level="warning", timeout_graceful_shutdown=2)
         try:
             uvicorn.Server(config).run(sockets=[sock])
