@@ -247,7 +247,7 @@ class Engine:
         self._tower = None
         # Image prompts may be made on several threads (the server's handlers): one at a time
         # loads and runs the tower (it is a team of threads itself).
-        self._vision_lock = threading.Lock()
+        self._vision_lock = threading.RLock()
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
@@ -316,12 +316,13 @@ class Engine:
 
         if self.config is None or self.directory is None:
             raise FermijitError("this engine was made without its model directory: no images")
-        if self._tower is None:
-            self._tower = multimodal.load_tower(self.directory, self.config)
+        with self._vision_lock:
             if self._tower is None:
-                raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
-                                    f"tensors): it cannot take images")
-        return self._tower
+                self._tower = multimodal.load_tower(self.directory, self.config)
+                if self._tower is None:
+                    raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
+                                        f"tensors): it cannot take images")
+            return self._tower
 
     def sampler(self, settings: Settings):
         """A sampler as `settings` and the model's generation_config.json say (checks them)."""

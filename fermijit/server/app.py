@@ -17,7 +17,7 @@ import anyio
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -37,6 +37,10 @@ CLIENT_GONE = 499  # nginx's status for a request whose client closed the connec
 # Requests made ready (tokenised, images decoded: server/prompts.py) at once, each on a thread
 # of its own. Few: the scheduler's decode wants the cores, and a request waits here cheaply.
 PREPARE_THREADS = 2
+# A body must arrive within this (issue 30 item 3: 450 slow clients were held for ever); the
+# head of a request has its own deadline (server/run.py HEADER_TIMEOUT_S). 64 MiB of images in
+# it is ~1.1 MB/s.
+BODY_TIMEOUT_S = 60.0
 
 
 def max_body_bytes(max_context: int, has_images: bool) -> int:
@@ -44,10 +48,6 @@ def max_body_bytes(max_context: int, has_images: bool) -> int:
 
     return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_context + (
         MAX_DATA_URI_CHARS if has_images else 0)
-
-
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
 
 
 async def _read_json(request: Request, limit: int):
@@ -60,30 +60,50 @@ async def _read_json(request: Request, limit: int):
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise too_large
+    try:
+        with anyio.fail_after(BODY_TIMEOUT_S):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       code="timeout") from None
     try:
         return parse_json(bytes(body), "the request body")
     except FermijitError as e:
         raise ApiError(400, str(e), code="invalid_json") from None
 
 
+def check_api_key(api_key: str | None) -> None:
+    if api_key == "":  # every request was a 401 while the banner said no key was needed
+        raise FermijitError("--api-key is empty: give a key, or leave it out to accept any")
+
+
 def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
              max_image_tokens: int | None = None) -> Starlette:
+    check_api_key(api_key)
     created = int(time.time())
     engine = scheduler.engine
     body_limit = max_body_bytes(engine.model.max_context, engine.has_vision)
     preparing = anyio.CapacityLimiter(PREPARE_THREADS)
+    # Where the model and its snapshots live is the server's business: errors name the model.
+    hidden = {}
+    if engine.directory is not None:
+        hidden = {str(Path(engine.directory).resolve()): model_name,
+                  str(engine.directory): model_name}
+    if engine.cache is not None and engine.cache.disk is not None:
+        hidden[str(engine.cache.disk.dir)] = "the snapshot cache"
 
-    def client_error(e: FermijitError) -> ApiError:
-        """A model-side failure as a 400 that names the model, not where it lives."""
-        message = str(e)
-        if engine.directory is not None:
-            for path in {str(engine.directory), str(Path(engine.directory).resolve())}:
-                message = message.replace(path, model_name)
-        return ApiError(400, message)
+    def named(e: ApiError) -> ApiError:
+        message = e.message
+        for path, name in hidden.items():
+            message = message.replace(path, name)
+        return e if message == e.message else ApiError(e.status, message, e.param, e.code,
+                                                       e.kind)
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(named(e).body(), status_code=e.status)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -110,12 +130,16 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
             await anyio.to_thread.run_sync(prompts.prepare, engine, job, max_image_tokens,
                                            limiter=preparing)
         except ApiError as e:
-            return _error(e)
-        except FermijitError as e:
-            return _error(client_error(e))
+            return error(e)
+        except FermijitError as e:  # the model's side: a bad image, a chat template's limits
+            return error(ApiError(400, str(e)))
+        except ClientDisconnect:  # gone while sending its body: nothing to answer, no traceback
+            return Response(status_code=CLIENT_GONE)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event) -> None:
+            if isinstance(event, Failed):
+                event = Failed(named(event.error))
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is closed: the server is stopping
@@ -125,13 +149,13 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         try:
             scheduler.submit(job)
         except QueueFull:
-            return _error(ApiError(503, "the server is busy: its queue is full; retry later",
+            return error(ApiError(503, "the server is busy: its queue is full; retry later",
                                    code="queue_full", kind="server_error"))
         first = await next_event(events, request, job)
         if first is None:
             return Response(status_code=CLIENT_GONE)
         if isinstance(first, Failed):
-            return _error(first.error)
+            return error(first.error)
         assert isinstance(first, Started)
         rid = protocol.new_id(is_chat)
         if job.stream:
@@ -150,7 +174,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
                 elif event is None:
                     return Response(status_code=CLIENT_GONE)
                 else:
-                    return _error(event.error)
+                    return error(event.error)
         finally:
             job.cancelled.set()  # a no-op when finished; stops the sequence otherwise
 
@@ -164,7 +188,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         try:
             check_key(request)
         except ApiError as e:
-            return _error(e)
+            return error(e)
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "fermijit"}]})
 
@@ -173,10 +197,15 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
                              "waiting": scheduler.waiting.qsize()})
 
     async def not_found(request: Request, exc: HTTPException):
-        return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                f"{exc.detail}", code="not_found"))
+        return error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                               f"{exc.detail}", code="not_found"))
 
-    return Starlette(exception_handlers={404: not_found, 405: not_found}, routes=[
+    async def internal(request: Request, exc: Exception):
+        """A bug: the traceback goes to the log (uvicorn), the client gets OpenAI's error JSON."""
+        return error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
+
+    return Starlette(exception_handlers={404: not_found, 405: not_found, Exception: internal},
+                     routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

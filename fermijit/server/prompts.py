@@ -55,6 +55,7 @@ def _image_prompt(engine, job: Job, max_image_tokens: int | None):
     from fermijit.model import image
 
     max_context = engine.model.max_context
+    engine.vision_tower()  # a model without one says so before any image is read
     images = [image.from_data_uri(uri, f"image {k}") for k, uri in enumerate(job.images)]
     return engine.image_prompt(job.prompt, images, None, max_image_tokens,
                                check=lambda n_prompt: check_context(n_prompt, job, max_context))
