@@ -116,18 +116,25 @@ def cache_options(command):
                               "1/8 of RAM)."),
             click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
                          help="Snapshot the state every this many prompt tokens (default: "
-                              "256)."))):
+                              "256)."),
+            click.option("--cache-key", default=None, envvar="FERMIJIT_CACHE_KEY",
+                         help="Sign the snapshots written to --cache-dir with this secret "
+                              "(HMAC-SHA256) and use only those it signed (env "
+                              "FERMIJIT_CACHE_KEY): for a directory others can write."))):
         command = option(command)
     return command
 
 
 def _cache_settings(no_cache: bool, cache_dir: Path | None, cache_mem: int | None,
-                    snapshot_every: int | None):
+                    snapshot_every: int | None, cache_key: str | None):
     from fermijit import prefix_cache
 
+    if cache_key == "":
+        raise click.BadParameter("--cache-key is empty")
     return prefix_cache.CacheSettings(
         is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
-        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY,
+        key=None if cache_key is None else cache_key.encode())
 
 
 @cli.command()
@@ -508,8 +515,8 @@ def verify(model_dir: Path) -> None:
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
-             cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
-             max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+             cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
+             images: tuple[Path, ...], max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
              verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
@@ -524,7 +531,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
                                verbose=verbose, images=images,
                                max_image_tokens=max_image_tokens)
-    cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
+    cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every, cache_key)
     from fermijit.model import files
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
@@ -554,8 +561,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @prefill_options
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
-          cache_mem: int | None, snapshot_every: int | None, max_image_tokens: int,
-          prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+          cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
+          max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -572,7 +579,8 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
             from None
     cpu.configure_threads(threads)
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
-              queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
+              queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every,
+                                          cache_key),
               prefill, gpu_mem, pin_budget, verbose, max_image_tokens)
 
 

@@ -265,7 +265,7 @@ class Engine:
         if c.is_enabled:
             cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
                                              c.mem_bytes, c.directory, c.snapshot_every,
-                                             check=model.check_state, warn=warn)
+                                             check=model.check_state, warn=warn, key=c.key)
         return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))
 
     def image_prompt(self, messages: list[dict], images: list, encode=None,

@@ -50,6 +50,7 @@ class CacheSettings:
     mem_bytes: int | None = None
     directory: Path | None = None
     snapshot_every: int = SNAPSHOT_EVERY
+    key: bytes | None = None     # --cache-key: snapshots on disk signed and checked with it
 
 
 @dataclasses.dataclass
@@ -120,7 +121,7 @@ class PrefixCache:
 
     def __init__(self, fingerprint: str, mem_bytes: int | None = None,
                  directory: str | Path | None = None, snapshot_every: int = SNAPSHOT_EVERY,
-                 check=None, warn=None):
+                 check=None, warn=None, key: bytes | None = None):
         if snapshot_every < 1:
             raise FermijitError(f"--snapshot-every must be at least 1, got {snapshot_every}")
         self.fingerprint = fingerprint
@@ -134,7 +135,8 @@ class PrefixCache:
         if directory is not None:
             from fermijit.snapshot_dir import SnapshotDir
             self.disk = SnapshotDir(Path(directory), fingerprint, check=check,
-                                    warn=warn or (lambda line: print(line, file=sys.stderr)))
+                                    warn=warn or (lambda line: print(line, file=sys.stderr)),
+                                    key=key)
 
     @property
     def n_snapshots(self) -> int:
