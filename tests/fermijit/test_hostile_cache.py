@@ -198,3 +198,29 @@ def test_files_not_signed_with_the_key_are_not_used(q4, tmp_path, writer_key):
     logits, n = cached(q4, reader, PROMPT)
     assert n == 0 and len(warnings) == 4 and all("--cache-key" in w for w in warnings), warnings
     assert_rel("logits", uncached(q4, PROMPT), logits, HIT_REL)
+
+
+def test_generate_with_a_fifo_in_the_cache_dir(tmp_path):
+    """Through the command line, as on main, where it hung: the same text, rc 0, one warning."""
+    import subprocess
+    import sys
+
+    from fermijit.engine import DEFAULT_MODEL
+    from fermijit.prefix_cache import model_fingerprint
+
+    def generate(*flags):
+        r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "def f", "--max-tokens",
+                            "6", "--temperature", "0", "--threads", "1", *flags],
+                           capture_output=True, timeout=WATCHDOG_S)
+        return r.returncode, r.stdout, r.stderr.decode()
+
+    code, want, _ = generate("--no-cache")
+    assert code == 0
+    directory = tmp_path / model_fingerprint(DEFAULT_MODEL)[:16]
+    directory.mkdir()
+    os.mkfifo(directory / ("f" * 40 + SUFFIX))
+    code, out, err = generate("--cache-dir", str(tmp_path))
+    assert code == 0 and out == want, err
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        f"warning: snapshot cache: skipped {directory / ('f' * 40 + SUFFIX)}: not a regular file "
+        f"(a FIFO)"], err
