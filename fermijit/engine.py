@@ -263,7 +263,9 @@ class Engine:
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:
-            cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
+            fingerprint = prefix_cache.model_fingerprint(model_dir,
+                                                         hash_data=c.directory is not None)
+            cache = prefix_cache.PrefixCache(fingerprint,
                                              c.mem_bytes, c.directory, c.snapshot_every,
                                              check=model.check_state, warn=warn, key=c.key)
         return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))

@@ -224,3 +224,76 @@ def test_generate_with_a_fifo_in_the_cache_dir(tmp_path):
     assert [line for line in err.splitlines() if "warning" in line] == [
         f"warning: snapshot cache: skipped {directory / ('f' * 40 + SUFFIX)}: not a regular file "
         f"(a FIFO)"], err
+
+
+# --- item 5: caches of data that changed ---------------------------------------------------------
+
+def _summary_cached(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+def test_new_weights_in_an_hf_directory_miss_its_old_snapshots(tmp_path, monkeypatch, capsys):
+    """Snapshots of an HF checkpoint were keyed by its headers: weights of the same shapes saved
+    over it hit the old snapshots (another text, rc 0)."""
+    from tests.cli import run_cli
+    from tests.model import tiny
+
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "local"))
+    hf = tiny.write_checkpoint(tmp_path / "hf", seed=0)
+    flags = ("--model", hf, "the cat sat", "--max-tokens", "6", "--temperature", "0",
+             "--threads", "1")
+    cache = ("--cache-dir", tmp_path / "snapshots")
+    assert run_cli(monkeypatch, capsys, "generate", *flags, *cache)[0] == 0
+    tiny.write_checkpoint(hf, seed=1)  # new weights, same shapes, same headers
+    code, out, err = run_cli(monkeypatch, capsys, "generate", *flags, *cache)
+    fresh = run_cli(monkeypatch, capsys, "generate", *flags, "--no-cache")
+    assert code == 0 and out == fresh[1], err
+    assert "(0 from the cache)" in _summary_cached(err)
+    code, _, err = run_cli(monkeypatch, capsys, "generate", *flags, *cache)
+    assert code == 0 and "(0 from the cache)" not in _summary_cached(err)  # its own, now
+
+
+def test_a_gguf_changed_in_place_converts_again(tmp_path, monkeypatch, capsys):
+    """Its conversion was keyed by size and header: new data, the old conversion (rc 0)."""
+    import shutil
+
+    from fermijit.model.gguf_io import GgufFile
+    from tests.cli import run_cli
+    from tests.model import gguf_data
+
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "local"))
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(gguf_data.Q8_0, path)
+    flags = ("--model", path, "the cat sat", "--max-tokens", "6", "--temperature", "0",
+             "--threads", "1")
+    code, before, err = run_cli(monkeypatch, capsys, "generate", *flags)
+    assert code == 0 and "converting" in err
+    t = GgufFile(path).tensors["output.weight"]  # Q8_0 blocks: 2 bytes of scale, 32 quants
+    stat = path.stat()
+    with open(path, "r+b") as f:
+        for block in range(t.n_bytes // 34):
+            f.seek(t.data_offset + 34 * block + 2)
+            f.write(bytes(32))  # every quant 0: the head's logits all 0
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with its old mtime
+    code, after, err = run_cli(monkeypatch, capsys, "generate", *flags)
+    assert code == 0 and "converting" in err, err
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "fresh"))
+    assert run_cli(monkeypatch, capsys, "generate", *flags)[1] == after != before
+
+
+def test_a_file_is_hashed_again_only_when_its_stamp_changes(tmp_path, monkeypatch):
+    from fermijit.model import data_hash
+
+    monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "local"))
+    calls = []
+    real = data_hash._hash
+    monkeypatch.setattr(data_hash, "_hash", lambda path, n: calls.append(path) or real(path, n))
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"a" * 1000)
+    first = data_hash.file_sha256(path)
+    assert data_hash.file_sha256(path) == first and len(calls) == 1  # from its record
+    stat = path.stat()
+    with open(path, "r+b") as f:
+        f.write(b"b")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert data_hash.file_sha256(path) != first and len(calls) == 2
