@@ -294,8 +294,9 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
 @click.option("--ratio", "ratios", type=float, multiple=True,
               help="Fraction of the experts pruned per layer, as well as or instead of --keep "
                    "(repeat for several).")
-@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Tokens per calibration window.")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per calibration window (default: 512, at most "
+                   "max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Calibrate on at most this many tokens, spread over the text.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
@@ -304,7 +305,7 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: all cores).")
 def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
-                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int,
+                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int | None,
                 max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
     """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
     at random to the same expert count, next to the full model's."""
@@ -423,8 +424,9 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 @click.option("--criterion", type=click.Choice(["reap", "frequency", "random"]), default="reap",
               show_default=True, help="What ranks the experts: REAP saliency, the count of "
                                       "tokens routed, or a seeded random order (baselines).")
-@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Tokens per calibration window, each run from a fresh state.")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per calibration window, each run from a fresh state (default: 512, "
+                   "at most max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Calibrate on at most this many tokens, in windows spread over the text "
                    "(default: all of it).")
@@ -437,7 +439,7 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
               help="Numba threads (default: all cores).")
 @prefill_options
 def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
-          criterion: str, context: int, max_tokens: int | None, seed: int,
+          criterion: str, context: int | None, max_tokens: int | None, seed: int,
           calibrate_with: Path | None, threads: int | None, prefill: str, gpu_mem: str | None,
           pin_budget: str | None, verbose: bool) -> None:
     """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
@@ -536,6 +538,9 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
+    if "stdout" in CLOSED_STREAMS:  # as asked (`>&-`), but said: rc 0 and no text looked fine
+        click.echo("warning: standard output is closed: the generated text goes nowhere",
+                   err=True)
     engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
                cache_settings=cache)
 
@@ -613,6 +618,10 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
                  prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
 
 
+# The standard streams that were closed when the process started (`>&-`), now /dev/null.
+CLOSED_STREAMS: set[str] = set()
+
+
 def _open_missing_streams() -> None:
     """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
     diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
@@ -620,6 +629,7 @@ def _open_missing_streams() -> None:
     for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, mode))
+            CLOSED_STREAMS.add(name)
 
 
 def _fail(message: str) -> None:
