@@ -60,6 +60,23 @@ CASES = {"overlapping tensors": (overlapping, "has offset"),
          "a NaN scale": (non_finite_scale(np.nan), "NaN or infinite block scales")}
 
 
+GENERATE = ("hi", "--max-tokens", "4", "--temperature", "0", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def answer(tmp_path_factory):
+    """What the sound file answers, from a process of its own, before any hostile one."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FERMIJIT_CACHE": str(tmp_path_factory.mktemp("sound-cache"))}
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "--model",
+                        str(gguf_data.Q8_0), *GENERATE], capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout.decode()
+
+
 @pytest.fixture
 def hostile(tmp_path, request):
     path = tmp_path / "hostile.gguf"
@@ -71,14 +88,18 @@ def hostile(tmp_path, request):
 
 @pytest.mark.parametrize("hostile", CASES, indirect=True)
 @pytest.mark.parametrize("verb", ["convert", "generate"])
-def test_a_hostile_gguf_is_one_line(hostile, verb, tmp_path, monkeypatch, capsys):
+def test_a_hostile_gguf_is_one_line(hostile, verb, tmp_path, monkeypatch, capsys, answer):
     monkeypatch.setenv("FERMIJIT_CACHE", str(tmp_path / "cache"))
     path, message = hostile
     args = (["convert", path, tmp_path / "out"] if verb == "convert"
-            else ["generate", "--model", path, "hi", "--max-tokens", "2", "--threads", "1"])
+            else ["generate", "--model", path, *GENERATE])
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert_one_line(code, err, message)
     assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "cache").rglob("fermijit.json"))  # no conversion kept
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", gguf_data.Q8_0,
+                             *GENERATE)
+    assert code == 0 and out == answer, err
 
 
 def test_the_sound_file_still_converts(tmp_path, monkeypatch, capsys):
