@@ -5,13 +5,11 @@ normal run afterwards answers what it answered before."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import pytest
 
-from fermijit.model import convert
 from tests.cli import run_cli
 from tests.fermijit.test_hardening import assert_one_line
 from tests.model import vision_oracle as vo
@@ -28,11 +26,7 @@ BOMB_SIDE = 11500
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile-images")
-    hf = vo.write_model(root / "hf")
-    q4 = root / "q4"
-    convert.convert(hf, q4, show_progress=False)
-    (q4 / "preprocessor_config.json").write_text(json.dumps(
-        {**vo.PREPROCESSOR, "size": {"shortest_edge": 256, "longest_edge": REAL_MAX_PIXELS}}))
+    q4 = vo.converted_model(root, REAL_MAX_PIXELS)
     picture = root / "cat.png"
     vo.images()[0].save(picture)
     from PIL import Image

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import time
 
 import httpx
 import pytest
 
 from fermijit.engine import Engine
-from fermijit.model import convert
 from tests.fermijit.server.test_hostile import assert_error
+from tests.fermijit.test_hostile_images import REAL_MAX_PIXELS
 from tests.model import vision_oracle as vo
 
-REAL_MAX_PIXELS = 16777216
 MAX_IMAGE_TOKENS = 64
 
 
@@ -38,10 +36,8 @@ def vlm(tmp_path_factory):
     from fermijit.server.scheduler import Scheduler
 
     root = tmp_path_factory.mktemp("hostile-serve-images")
-    convert.convert(vo.write_model(root / "hf"), root / "q4", show_progress=False)
-    (root / "q4" / "preprocessor_config.json").write_text(json.dumps(
-        {**vo.PREPROCESSOR, "size": {"shortest_edge": 256, "longest_edge": REAL_MAX_PIXELS}}))
-    scheduler = Scheduler(Engine.load(root / "q4"), max_batch=4, queue_size=16)
+    scheduler = Scheduler(Engine.load(vo.converted_model(root, REAL_MAX_PIXELS)), max_batch=4,
+                          queue_size=16)
     scheduler.start()
     server = ServerThread(make_app(scheduler, "vlm", max_image_tokens=MAX_IMAGE_TOKENS))
     yield {"url": server.url, "picture": _uri(vo.images()[0]),
