@@ -518,8 +518,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
-             images: tuple[Path, ...], max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
-             verbose: bool) -> None:
+             images: tuple[Path, ...], max_image_tokens: int, prefill: str,
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -567,7 +567,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
-          max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+          max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+          verbose: bool) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""

@@ -1,9 +1,10 @@
 """The Starlette app: POST /v1/chat/completions and /v1/completions (JSON or server-sent events),
 GET /v1/models and /health. Requests are checked here (protocol.py), made ready on worker
 threads (prompts.py: tokenised, images decoded, the context checked) and handed to the
-scheduler; its events come back through an asyncio queue. A streaming client that disconnects cancels its
-sequence (Starlette cancels the response's task, whose `finally` sets the job's flag); a
-non-streaming one is polled while it waits."""
+scheduler; its events come back through an asyncio queue. A streaming client that disconnects
+cancels its sequence (Starlette cancels the response's task, whose `finally` sets the job's
+flag); a non-streaming one is polled while it waits. Every error is OpenAI's error JSON, naming
+the model and never the server's paths."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import time
 from pathlib import Path
 
 import anyio
-
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -150,7 +150,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
             scheduler.submit(job)
         except QueueFull:
             return error(ApiError(503, "the server is busy: its queue is full; retry later",
-                                   code="queue_full", kind="server_error"))
+                                  code="queue_full", kind="server_error"))
         first = await next_event(events, request, job)
         if first is None:
             return Response(status_code=CLIENT_GONE)
@@ -204,8 +204,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         """A bug: the traceback goes to the log (uvicorn), the client gets OpenAI's error JSON."""
         return error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
-    return Starlette(exception_handlers={404: not_found, 405: not_found, Exception: internal},
-                     routes=[
+    handlers = {404: not_found, 405: not_found, Exception: internal}
+    return Starlette(exception_handlers=handlers, routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -4,10 +4,10 @@ batch between steps, and every step decodes all active sequences in one forward
 
 A job arrives tokenised (server/prompts.py, on the request's handler thread) and joins by being
 prefilled through the engine's snapshot prefix cache, so a second chat turn prefills only what
-the cache lacks and `cached_tokens` says how much it had. A sequence ends at an end-of-sequence id or a stop string
-("stop"), at max_tokens ("length"), or when its client is gone; its state is then snapshotted
-(prompt and answer), as `generate` does, for the next turn. Stop strings are held back from the
-stream until they can no longer match (`StopMatcher`).
+the cache lacks and `cached_tokens` says how much it had. A sequence ends at an end-of-sequence
+id or a stop string ("stop"), at max_tokens ("length"), or when its client is gone; its state is
+then snapshotted (prompt and answer), as `generate` does, for the next turn. Stop strings are
+held back from the stream until they can no longer match (`StopMatcher`).
 """
 
 from __future__ import annotations
