@@ -22,7 +22,7 @@ def _nbytes(directory: Path) -> int:
 
 
 def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, ...],
-        ratios: tuple[float, ...], context: int, max_tokens: int | None, seed: int,
+        ratios: tuple[float, ...], context: int | None, max_tokens: int | None, seed: int,
         as_json: bool) -> list[dict]:
     """Rows for the full model, then per expert count (each of `keeps`, and each of `ratios`
     pruned) each criterion's; calibration runs once."""
@@ -43,7 +43,7 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
                           for r in ratios}
     for keep in keeps:
         reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
-    reap.check_context(context, model.max_context)
+    context = reap.check_context(context, model.max_context)
     tokenizer = Tokenizer(model_dir, text.eos_token_id)
     calibration = tokenizer.encode(read_text(text_path))
     heldout = tokenizer.encode(read_text(heldout_path))

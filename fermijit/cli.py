@@ -103,6 +103,15 @@ def prefill_options(command):
     return command
 
 
+# model/image.py DEFAULT_MAX_IMAGE_TOKENS (not imported here: --help stays instant)
+DEFAULT_MAX_IMAGE_TOKENS = 2048
+max_image_tokens_option = click.option(
+    "--max-image-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_IMAGE_TOKENS,
+    show_default=True,
+    help="Most image tokens a prompt's images may make (from their sizes, checked before they "
+         "are decoded: the vision tower's work grows with them).")
+
+
 def cache_options(command):
     """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/prefix_cache.py), for
     generate and serve."""
@@ -119,18 +128,25 @@ def cache_options(command):
                               "1/8 of RAM)."),
             click.option("--snapshot-every", type=click.IntRange(min=1), default=None,
                          help="Snapshot the state every this many prompt tokens (default: "
-                              "256)."))):
+                              "256)."),
+            click.option("--cache-key", default=None, envvar="FERMIJIT_CACHE_KEY",
+                         help="Sign the snapshots written to --cache-dir with this secret "
+                              "(HMAC-SHA256) and use only those it signed (env "
+                              "FERMIJIT_CACHE_KEY): for a directory others can write."))):
         command = option(command)
     return command
 
 
 def _cache_settings(no_cache: bool, cache_dir: Path | None, cache_mem: int | None,
-                    snapshot_every: int | None):
+                    snapshot_every: int | None, cache_key: str | None):
     from fermijit import prefix_cache
 
+    if cache_key == "":
+        raise click.BadParameter("--cache-key is empty")
     return prefix_cache.CacheSettings(
         is_enabled=not no_cache, mem_bytes=cache_mem, directory=cache_dir,
-        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY)
+        snapshot_every=snapshot_every or prefix_cache.SNAPSHOT_EVERY,
+        key=None if cache_key is None else cache_key.encode())
 
 
 @cli.command()
@@ -301,8 +317,9 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
 @click.option("--ratio", "ratios", type=float, multiple=True,
               help="Fraction of the experts pruned per layer, as well as or instead of --keep "
                    "(repeat for several).")
-@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Tokens per calibration window.")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per calibration window (default: 512, at most "
+                   "max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Calibrate on at most this many tokens, spread over the text.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
@@ -311,7 +328,7 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads (default: all cores).")
 def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
-                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int,
+                keeps: tuple[int, ...], ratios: tuple[float, ...], context: int | None,
                 max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
     """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
     at random to the same expert count, next to the full model's."""
@@ -426,8 +443,9 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 @click.option("--criterion", type=click.Choice(["reap", "frequency", "random"]), default="reap",
               show_default=True, help="What ranks the experts: REAP saliency, the count of "
                                       "tokens routed, or a seeded random order (baselines).")
-@click.option("--ctx", "context", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Tokens per calibration window, each run from a fresh state.")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per calibration window, each run from a fresh state (default: 512, "
+                   "at most max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Calibrate on at most this many tokens, in windows spread over the text "
                    "(default: all of it).")
@@ -440,7 +458,7 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
               help="Numba threads (default: all cores).")
 @prefill_options
 def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
-          criterion: str, context: int, max_tokens: int | None, seed: int,
+          criterion: str, context: int | None, max_tokens: int | None, seed: int,
           calibrate_with: Path | None, threads: int | None, prefill: str, gpu_mem: str | None,
           pin_budget: str | None, verbose: bool) -> None:
     """Prune the experts of SRC (a fermijit model or an HF checkpoint) by REAP into DST, of the
@@ -513,12 +531,14 @@ def verify(model_dir: Path) -> None:
 @click.option("--image", "images", type=click.Path(path_type=Path), multiple=True,
               help="An image file for the user turn, before the text (repeatable; implies "
                    "--chat; the model needs its vision tower).")
+@max_image_tokens_option
 @prefill_options
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
-             cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
-             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+             cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
+             images: tuple[Path, ...], max_image_tokens: int, prefill: str,
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -530,12 +550,16 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
-                               verbose=verbose, images=images)
-    cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
+                               verbose=verbose, images=images,
+                               max_image_tokens=max_image_tokens)
+    cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every, cache_key)
     from fermijit.model import files
 
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
+    if "stdout" in CLOSED_STREAMS:  # as asked (`>&-`), but said: rc 0 and no text looked fine
+        click.echo("warning: standard output is closed: the generated text goes nowhere",
+                   err=True)
     engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
                cache_settings=cache)
 
@@ -557,11 +581,13 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
               help="Numba threads (default: the physical cores).")
 @numa_option
 @cache_options
+@max_image_tokens_option
 @prefill_options
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
-          cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
-          pin_budget: str | None, verbose: bool) -> None:
+          cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
+          max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
+          verbose: bool) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -578,8 +604,9 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
             from None
     cpu.configure_threads(threads)
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
-              queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
-              prefill, gpu_mem, pin_budget, verbose)
+              queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every,
+                                          cache_key),
+              prefill, gpu_mem, pin_budget, verbose, max_image_tokens)
 
 
 @cli.command("eval")
@@ -611,6 +638,10 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
                  prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
 
 
+# The standard streams that were closed when the process started (`>&-`), now /dev/null.
+CLOSED_STREAMS: set[str] = set()
+
+
 def _open_missing_streams() -> None:
     """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
     diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
@@ -618,6 +649,7 @@ def _open_missing_streams() -> None:
     for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, mode))
+            CLOSED_STREAMS.add(name)
 
 
 def _fail(message: str) -> None:

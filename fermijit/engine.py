@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,7 @@ class Settings:
     pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
     images: tuple = ()            # --image paths: in the user turn, before the text (chat)
+    max_image_tokens: int | None = None  # --max-image-tokens (default: model/image.py's)
 
 
 @dataclasses.dataclass
@@ -263,6 +265,9 @@ class Engine:
         # weights and preprocessor_config.json are; the tower is loaded on first use.
         self.config, self.directory = config, directory
         self._tower = None
+        # Image prompts may be made on several threads (the server's handlers): one at a time
+        # loads and runs the tower (it is a team of threads itself).
+        self._vision_lock = threading.RLock()
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
@@ -278,24 +283,54 @@ class Engine:
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:
-            cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
+            fingerprint = prefix_cache.model_fingerprint(model_dir,
+                                                         hash_data=c.directory is not None)
+            cache = prefix_cache.PrefixCache(fingerprint,
                                              c.mem_bytes, c.directory, c.snapshot_every,
-                                             check=model.check_state, warn=warn)
+                                             check=model.check_state, warn=warn, key=c.key)
         return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))
 
-    def image_prompt(self, messages: list[dict], images: list, encode=None):
+    def image_prompt(self, messages: list[dict], images: list, encode=None,
+                     max_image_tokens: int | None = None,
+                     check: Callable[[int], None] | None = None):
         """A model/multimodal.py Prompt (what `generate` takes) from chat `messages` whose
         content may hold {"type": "image"} or {"type": "image_url"} parts, and `images` for them
-        in order: paths or PIL images (the server decodes its data: URIs into PIL images).
-        `encode` replaces the tower's CPU encode (the GPU's: model/vision_gpu.py)."""
+        in order: paths, model/image.py Encoded images (the server's data: URIs) or PIL images.
+        Before any image is decoded, its tokens are known from its size: more than
+        `max_image_tokens` in all (default model/image.py DEFAULT_MAX_IMAGE_TOKENS) is a
+        FermijitError, and `check(n_prompt)` (raising when the
+        context cannot hold it) sees the prompt's length. `encode` replaces the tower's CPU
+        encode (the GPU's: model/vision_gpu.py)."""
         from fermijit.model import image, multimodal
 
-        tower = self.vision_tower() if images else None
-        settings = image.image_settings(self.directory, self.config.vision_config)
-        processed = [image.preprocess(im if not isinstance(im, (str, Path))
-                                      else image.open_image(im), settings)
-                     if not isinstance(im, image.Image) else im for im in images]
-        return multimodal.prepare(self.tokenizer, messages, processed, tower, self.config, encode)
+        max_image_tokens = max_image_tokens or image.DEFAULT_MAX_IMAGE_TOKENS
+        with self._vision_lock:
+            tower = self.vision_tower() if images else None
+            settings = image.image_settings(self.directory, self.config.vision_config)
+            images = [image.open_image(im) if isinstance(im, (str, Path)) else im
+                      for im in images]
+            layouts = [image.layout(im, settings) for im in images]
+            n_image = sum(layout.n_tokens for layout in layouts)
+            if n_image > max_image_tokens:
+                sizes = ", ".join(f"{im.width}x{im.height}" for im in images
+                                  if isinstance(im, image.Encoded))
+                many = len(images) > 1
+                raise FermijitError(f"the image{'s' if many else ''} ({sizes or 'given'}) "
+                                    f"make{'' if many else 's'} {n_image} image tokens, more "
+                                    f"than the {max_image_tokens} allowed (--max-image-tokens)")
+            ids = multimodal.render(self.tokenizer, messages, layouts, self.config)
+            if check is not None:
+                check(int(ids.size))
+            processed = [image.preprocess(im, settings) if not isinstance(im, image.Image)
+                         else im for im in images]
+            assert [p.grid for p in processed] == [layout.grid for layout in layouts]
+            embeds = (encode or tower.encode)(processed) if processed else None
+            return multimodal.build(ids, processed, embeds, self.config)
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the model's config has a vision tower (its weights may still be missing)."""
+        return self.config is not None and self.config.vision_config is not None
 
     def vision_tower(self):
         """The model's vision tower (model/vision.py), loaded on first use."""
@@ -303,12 +338,13 @@ class Engine:
 
         if self.config is None or self.directory is None:
             raise FermijitError("this engine was made without its model directory: no images")
-        if self._tower is None:
-            self._tower = multimodal.load_tower(self.directory, self.config)
+        with self._vision_lock:
             if self._tower is None:
-                raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
-                                    f"tensors): it cannot take images")
-        return self._tower
+                self._tower = multimodal.load_tower(self.directory, self.config)
+                if self._tower is None:
+                    raise FermijitError(f"{self.directory} has no vision tower (no model.visual "
+                                        f"tensors): it cannot take images")
+            return self._tower
 
     def sampler(self, settings: Settings):
         """A sampler as `settings` and the model's generation_config.json say (checks them)."""
@@ -361,7 +397,9 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
             if vision_gpu.usable():
                 encode, where = vision_gpu.make(engine.vision_tower()).encode, "GPU"
         content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt_text}]
-        prompt = engine.image_prompt([{"role": "user", "content": content}], pictures, encode)
+        prompt = engine.image_prompt(
+            [{"role": "user", "content": content}], pictures, encode, settings.max_image_tokens,
+            check=lambda n_prompt: context_length(settings, n_prompt, model.max_context))
         print(f"{len(pictures)} image(s), {prompt.rows.size} image tokens: vision tower "
               f"({where}) {time.perf_counter() - start:.2f} s", file=err, flush=True)
     elif settings.is_chat:

@@ -50,6 +50,7 @@ class CacheSettings:
     mem_bytes: int | None = None
     directory: Path | None = None
     snapshot_every: int = SNAPSHOT_EVERY
+    key: bytes | None = None     # --cache-key: snapshots on disk signed and checked with it
 
 
 @dataclasses.dataclass
@@ -82,19 +83,26 @@ class Node:
         return sum(c.k.nbytes + c.v.nbytes for c in self.kv)
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """sha256 naming a model's weights: a fermijit model's manifest and weight-file headers, or
-    an HF checkpoint's source fingerprint (run in fp32: other numbers, another key)."""
+def model_fingerprint(model_dir: str | Path, hash_data: bool = False) -> str:
+    """sha256 naming a model's weights: a fermijit model's manifest (which holds a sha256 per
+    tensor) and weight-file headers, or an HF checkpoint's source fingerprint (run in fp32:
+    other numbers, another key) and, with `hash_data` (snapshots kept on disk: issue 30 item 5),
+    the sha256 of its weight files' bytes: new weights of the same shapes keep the headers."""
     from fermijit.model import convert
+    from fermijit.model.data_hash import file_sha256
     from fermijit.model.safetensors_io import Checkpoint
 
     model_dir = Path(model_dir)
     h = hashlib.sha256(b"fermijit snapshot cache 1\n")
+    ckpt = Checkpoint(model_dir)
     if convert.is_fermijit_model(model_dir):
         h.update(b"fermijit\n" + (model_dir / convert.MANIFEST).read_bytes())
     else:
         h.update(b"hf fp32\n")
-    h.update(convert.source_fingerprint(model_dir, Checkpoint(model_dir)).encode())
+        if hash_data:
+            for f in ckpt.files:
+                h.update(f"{f.path.name}:{file_sha256(f.path)}\n".encode())
+    h.update(convert.source_fingerprint(model_dir, ckpt).encode())
     return h.hexdigest()
 
 
@@ -120,7 +128,7 @@ class PrefixCache:
 
     def __init__(self, fingerprint: str, mem_bytes: int | None = None,
                  directory: str | Path | None = None, snapshot_every: int = SNAPSHOT_EVERY,
-                 check=None, warn=None):
+                 check=None, warn=None, key: bytes | None = None):
         if snapshot_every < 1:
             raise FermijitError(f"--snapshot-every must be at least 1, got {snapshot_every}")
         self.fingerprint = fingerprint
@@ -134,7 +142,8 @@ class PrefixCache:
         if directory is not None:
             from fermijit.snapshot_dir import SnapshotDir
             self.disk = SnapshotDir(Path(directory), fingerprint, check=check,
-                                    warn=warn or (lambda line: print(line, file=sys.stderr)))
+                                    warn=warn or (lambda line: print(line, file=sys.stderr)),
+                                    key=key)
 
     @property
     def n_snapshots(self) -> int:

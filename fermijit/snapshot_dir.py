@@ -16,13 +16,22 @@ each section's CRC-32. Headers are read when the directory is scanned (at each l
 processes' files are seen); the arrays only when a snapshot is used (lazily), and only the KV
 section of its ancestors. A corrupt, truncated or foreign-model file, or one whose parent is
 missing, is skipped with one warning line, never used.
+
+The directory is shared (replicas behind a load balancer), so its files are untrusted input
+(issue 30 item 4): only regular files are opened, headers are read with the CLI's JSON rules
+and every field is checked (a parent lies below its child's position, so chains end), and
+restored arrays must be finite. A CRC anyone can recompute; with a key (`--cache-key`) each
+section carries an HMAC-SHA256 and the header one over its canonical JSON (the sections' HMACs
+included), and a file without them is skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
+import math
 import os
 import struct
 import tempfile
@@ -32,11 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.model.files import open_regular, parse_json, short
 from fermijit.model.state import GdnState, KvCache, State
 
 MAGIC = b"FJSNAP1\n"
 SUFFIX = ".snap"
 MAX_HEADER_BYTES = 64 * 2 ** 20
+MAX_POSITION = 2 ** 31 - 1  # positions and token ids are int32
 
 
 class Corrupt(Exception):
@@ -72,7 +83,9 @@ def _section(arrays: list[np.ndarray], offset: int) -> tuple[dict, list[np.ndarr
              "arrays": [list(a.shape) for a in arrays]}, arrays)
 
 
-def _read_header(f, path: Path, fingerprint: str) -> Entry:
+def _read_header(f, path: Path, fingerprint: str, key: bytes | None) -> Entry:
+    """The header of the open snapshot file `f`, every field checked (Corrupt otherwise): the
+    directory is shared, so anyone who can write there may have made the file."""
     start = f.read(len(MAGIC) + 8)
     if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
         raise Corrupt("not a snapshot file (bad magic)")
@@ -83,34 +96,81 @@ def _read_header(f, path: Path, fingerprint: str) -> Entry:
     if len(raw) < n:
         raise Corrupt("truncated header")
     try:
-        h = json.loads(raw)
-        if h["fingerprint"] != fingerprint:
-            raise Corrupt("written for another model (fingerprint differs)")
-        tokens = np.asarray(h["tokens"], np.int32)
-        base = len(MAGIC) + 8 + n
-        entry = Entry(path, int(h["position"]), tokens, h["parent"], int(h["parent_position"]),
-                      tuple(h["layers"]), h["kv"], h["state"], bool(h["has_logits"]))
-        sections = [(entry.kv["offset"], entry.kv["nbytes"]),
-                    (entry.state["offset"], entry.state["nbytes"])]
-    except (ValueError, KeyError, TypeError) as e:
-        raise Corrupt(f"unreadable header ({type(e).__name__}: {e})") from None
-    if tokens.size != entry.position or entry.position < 1 \
-            or path.name != file_name(fingerprint, tokens):
+        h = parse_json(raw, "header")  # the CLI's JSON rules: depth, digits, no NaN/Infinity
+    except FermijitError as e:
+        raise Corrupt(str(e)) from None
+    if not isinstance(h, dict):
+        raise Corrupt("header is not a JSON object")
+    if h.get("fingerprint") != fingerprint:
+        raise Corrupt("written for another model (fingerprint differs)")
+    if key is not None and not hmac.compare_digest(str(h.get("mac")), _header_mac(key, h)):
+        raise Corrupt("not signed with this --cache-key")
+    position = _count(h.get("position"), "position", 1, MAX_POSITION)
+    tokens = h.get("tokens")
+    if not (isinstance(tokens, list) and len(tokens) == position
+            and all(type(t) is int and 0 <= t <= MAX_POSITION for t in tokens)):
+        raise Corrupt(f"tokens are not {position} token ids")
+    tokens = np.asarray(tokens, np.int32)
+    if path.name != file_name(fingerprint, tokens):
         raise Corrupt("header does not match its name")
+    parent = h.get("parent")
+    if parent is None:
+        parent_position = _count(h.get("parent_position"), "parent_position", 0, 0)
+    else:
+        if not (isinstance(parent, str) and parent.endswith(SUFFIX) and "/" not in parent
+                and parent != path.name):
+            raise Corrupt(f"its parent {short(parent)} is not another snapshot's file name")
+        # below its own position: a chain of parents ends (no loop)
+        parent_position = _count(h.get("parent_position"), "parent_position", 1, position - 1)
+    layers = h.get("layers")
+    if not (isinstance(layers, list) and all(kind in ("kv", "gdn") for kind in layers)):
+        raise Corrupt("layers are not a list of \"kv\" and \"gdn\"")
+    if type(h.get("has_logits")) is not bool:
+        raise Corrupt("has_logits is not true or false")
+    base = len(MAGIC) + 8 + n
     size = os.fstat(f.fileno()).st_size
-    if size != base + sum(nbytes for _, nbytes in sections):
+    kv, state = (_checked_section(h.get(name), name, size - base) for name in ("kv", "state"))
+    if size != base + kv["nbytes"] + state["nbytes"]:
         raise Corrupt(f"truncated or padded ({size} bytes)")
-    return dataclasses.replace(entry, kv={**entry.kv, "offset": base + entry.kv["offset"]},
-                               state={**entry.state, "offset": base + entry.state["offset"]})
+    return Entry(path, position, tokens, parent, parent_position, tuple(layers),
+                 {**kv, "offset": base + kv["offset"]}, {**state, "offset": base + state["offset"]},
+                 h["has_logits"])
 
 
-def _read_section(f, section: dict) -> list[np.ndarray]:
+def _count(value, what: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise Corrupt(f"{what} is not an integer in [{low}, {high}]: {short(value)}")
+    return value
+
+
+def _checked_section(section, name: str, room: int) -> dict:
+    """A section's record: offset and nbytes within the `room` after the header, its arrays'
+    shapes (non-negative) adding up to nbytes."""
+    if not isinstance(section, dict):
+        raise Corrupt(f"{name} is not an object")
+    offset = _count(section.get("offset"), f"{name}.offset", 0, room)
+    nbytes = _count(section.get("nbytes"), f"{name}.nbytes", 0, room - offset)
+    _count(section.get("crc32"), f"{name}.crc32", 0, 2 ** 32 - 1)
+    shapes = section.get("arrays")
+    if not (isinstance(shapes, list) and all(
+            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+            for shape in shapes)):
+        raise Corrupt(f"{name}.arrays are not shapes")
+    if sum(4 * math.prod(shape) for shape in shapes) != nbytes:  # Python ints: no overflow
+        raise Corrupt(f"{name}: its arrays do not add up to its {nbytes} bytes")
+    return section
+
+
+def _read_section(f, section: dict, key: bytes | None) -> list[np.ndarray]:
     f.seek(section["offset"])
     data = f.read(section["nbytes"])
     if len(data) != section["nbytes"]:
         raise Corrupt("truncated")
     if zlib.crc32(data) != section["crc32"]:
         raise Corrupt("checksum mismatch")
+    if key is not None and not hmac.compare_digest(str(section.get("mac")),
+                                                   _mac(key, [data])):
+        raise Corrupt("a section does not match its --cache-key signature")
     arrays, at = [], 0
     for shape in section["arrays"]:
         n = 4 * int(np.prod(shape))
@@ -118,14 +178,42 @@ def _read_section(f, section: dict) -> list[np.ndarray]:
         at += n
     if at != len(data):
         raise Corrupt("sections do not add up")
+    if any(a.dtype.kind == "f" and not np.isfinite(a).all() for a in arrays):
+        raise Corrupt("holds NaN or infinite values")
     return arrays
+
+
+def _mac(key: bytes, pieces) -> str:
+    """HMAC-SHA256 of the bytes of `pieces` (bytes or arrays, in order), hex."""
+    m = hmac.new(key, digestmod=hashlib.sha256)
+    for piece in pieces:
+        m.update(piece if isinstance(piece, bytes) else memoryview(piece).cast("B"))
+    return m.hexdigest()
+
+
+def _header_mac(key: bytes, header: dict) -> str:
+    """The MAC of a header, "mac" left out: over its canonical JSON, so that it covers what is
+    read from it (the sections' MACs included), however the file spelled it."""
+    fields = {k: v for k, v in header.items() if k != "mac"}
+    return _mac(key, [b"fermijit snapshot header\n",
+                      json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()])
+
+
+def _open(path: Path):
+    """A snapshot file opened for reading: regular files only (a FIFO named x.snap hung every
+    reader for ever; a device never ends)."""
+    try:
+        return open_regular(path)
+    except FermijitError as e:
+        raise Corrupt(str(e).removeprefix(f"{path}: ")) from None
 
 
 class SnapshotDir:
     """The snapshot files of one model in one directory."""
 
-    def __init__(self, root: Path, fingerprint: str, check=None, warn=print):
-        self.fingerprint, self.check, self.warn = fingerprint, check, warn
+    def __init__(self, root: Path, fingerprint: str, check=None, warn=print,
+                 key: bytes | None = None):
+        self.fingerprint, self.check, self.warn, self.key = fingerprint, check, warn, key
         self.dir = root / fingerprint[:16]
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -145,12 +233,12 @@ class SnapshotDir:
             if not name.endswith(SUFFIX) or name in self.entries or name in self.bad:
                 continue
             try:
-                with open(self.dir / name, "rb") as f:
-                    self.entries[name] = _read_header(f, self.dir / name, self.fingerprint)
+                with _open(self.dir / name) as f:
+                    self.entries[name] = _read_header(f, self.dir / name, self.fingerprint,
+                                                      self.key)
             except Corrupt as e:
-                self._skip(name, str(e))
-            except OSError:
-                pass  # gone since listed
+                if os.path.lexists(self.dir / name):  # else gone since listed
+                    self._skip(name, str(e))
 
     def _prefixes(self, tokens: np.ndarray, below: int) -> list[Entry]:
         """Entries whose tokens start `tokens`, deeper than `below`, deepest first."""
@@ -184,13 +272,14 @@ class SnapshotDir:
         kv_pieces = []
         for e in reversed(chain):
             try:
-                with open(e.path, "rb") as f:
-                    fresh = _read_header(f, e.path, self.fingerprint)  # this inode's own
+                with _open(e.path) as f:
+                    fresh = _read_header(f, e.path, self.fingerprint, self.key)  # this inode's
                     if fresh.position != e.position:
                         raise Corrupt("changed on disk")
-                    kv_pieces.append((fresh.parent_position, _read_section(f, fresh.kv)))
+                    kv_pieces.append((fresh.parent_position,
+                                      _read_section(f, fresh.kv, self.key)))
                     if e is entry:
-                        state_arrays = _read_section(f, fresh.state)
+                        state_arrays = _read_section(f, fresh.state, self.key)
             except (Corrupt, OSError) as err:
                 why = str(err) if isinstance(err, Corrupt) else f"unreadable ({err.strerror})"
                 if e is entry:
@@ -242,12 +331,16 @@ class SnapshotDir:
         state_arrays += [] if logits is None else [logits]
         kv, kv_arrays = _section(kv_arrays, 0)
         st, state_arrays = _section(state_arrays, kv["nbytes"])
-        header = json.dumps({
+        header = {
             "fingerprint": self.fingerprint, "position": position,
             "tokens": [int(t) for t in tokens],
             "parent": None if parent is None else parent.path.name, "parent_position": start,
             "layers": ["kv" if isinstance(s, KvCache) else "gdn" for s in state.layers],
-            "kv": kv, "state": st, "has_logits": logits is not None}).encode()
+            "kv": kv, "state": st, "has_logits": logits is not None}
+        if self.key is not None:  # --cache-key: each section signed, then the header
+            kv["mac"], st["mac"] = _mac(self.key, kv_arrays), _mac(self.key, state_arrays)
+            header["mac"] = _header_mac(self.key, header)
+        header = json.dumps(header).encode()
         tmp = None
         try:
             with tempfile.NamedTemporaryFile(dir=self.dir, prefix=".tmp-", suffix=".part",

@@ -37,8 +37,8 @@ from fermijit.model import vision
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.files import member, read_json
 from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
-                                     TensorEntry, check_small_tensors, checksum, read_manifest,
-                                     stored_specs)
+                                     TensorEntry, check_at_load, checksum, read_manifest,
+                                     sample, stored_specs)
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
 from fermijit.model.state import available_nbytes
@@ -227,7 +227,8 @@ def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ..
                                     f"tensor {stored} for the manifest")
         entry = TensorEntry(shape, quant, "")
         digest = checksums[name] if checksums else checksum(weights_file, name, entry)
-        entries[name] = dataclasses.replace(entry, checksum=digest)
+        entries[name] = dataclasses.replace(entry, checksum=digest,
+                                            sample=sample(weights_file, name, entry))
     manifest = Manifest(FORMAT_VERSION, f"fermijit {__version__}", source, weights, entries, reap)
     partial = directory / (MANIFEST + PARTIAL_SUFFIX)
     partial.write_text(json.dumps(manifest.as_json(), indent=1) + "\n")
@@ -373,5 +374,5 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
         else:
             arrays[name] = QuantTensor(entry.quant, weights_file.raw(name + ".qs"),
                                        weights_file.raw(name + ".d"))
-    check_small_tensors(weights_file, manifest)
+    check_at_load(weights_file, manifest)
     return cfg, assemble(cfg.text_config, arrays), manifest

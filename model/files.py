@@ -45,11 +45,22 @@ def open_regular(path: str | Path):
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise FermijitError(f"{path}: cannot open ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
-        raise FermijitError(f"{path}: not a regular file")
+        raise FermijitError(f"{path}: not a regular file ({kind_of(mode)})")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, for a message."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "of another kind"
 
 
 def read_bytes(path: str | Path, limit: int, what: str = "file") -> bytes:

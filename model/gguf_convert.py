@@ -120,16 +120,17 @@ def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int):
 def cached(path: str | Path, lm_head: str = "q8_0") -> Path:
     """The fermijit model directory of a GGUF file, converted on first use into the cache
     ($FERMIJIT_CACHE, else $XDG_CACHE_HOME/fermijit, else ~/.cache/fermijit), under gguf/ by
-    name and fingerprint (metadata and tensor table), so a changed file converts again."""
+    name and the sha256 of its bytes (model/data_hash.py: hashed again only when the file's
+    stamp changed), so a changed file converts again, even with its size and header kept."""
     import os
     import shutil
 
+    from fermijit.model.data_hash import cache_root, file_sha256
+
     path = Path(path)
-    g = GgufFile(path)
-    base = os.environ.get("FERMIJIT_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fermijit"
-    root = Path(base) / "gguf"
-    dst = root / f"{path.stem}-{g.fingerprint()[:16]}-{lm_head}"
+    GgufFile(path)  # a bad file: one line, before it is hashed
+    root = cache_root() / "gguf"
+    dst = root / f"{path.stem}-{file_sha256(path)[:16]}-{lm_head}"
     if fj.is_fermijit_model(dst):
         return dst
     root.mkdir(parents=True, exist_ok=True)

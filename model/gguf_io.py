@@ -86,10 +86,28 @@ class GgufFile:
             if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
                 raise FermijitError(f"{self.path}: tensor {t.name} lies outside the file "
                                     f"(truncated or corrupt)")
+        self._check_layout()
         arch = self.value("general.architecture")
         if arch != ARCH:
             raise FermijitError(f"{self.path}: unsupported architecture {arch!r} (fermijit reads "
                                 f"{ARCH}: Qwen3.5/3.6 MoE)")
+
+    def _check_layout(self) -> None:
+        """The tensors' data as llama.cpp's loader (gguf.cpp gguf_init_from_file_impl) wants
+        it: in the order of their infos, each at the offset where the previous one ended
+        padded to general.alignment (a power of two). So no two names share bytes, and every
+        offset is aligned: two tensors on the same bytes converted and ran, rc 0 (issue 30)."""
+        alignment = int(self.reader.alignment)
+        if alignment < 1 or alignment & (alignment - 1):
+            raise FermijitError(f"{self.path}: general.alignment {alignment} is not a power of 2")
+        expected = 0
+        for t in self.reader.tensors:
+            offset = int(t.data_offset) - int(self.reader.data_offset)
+            if offset != expected:
+                raise FermijitError(f"{self.path}: tensor {t.name} has offset {offset}, "
+                                    f"expected {expected} (the tensors in order, each padded "
+                                    f"to {alignment} bytes, as llama.cpp's loader requires)")
+            expected += -(-int(t.n_bytes) // alignment) * alignment
 
     def value(self, key: str, default=...):
         field = self.reader.fields.get(key)
@@ -324,5 +342,8 @@ def read_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: 
         blocks = blocks.reshape(n, -1, per_head, blocks.shape[-1])[:, field.col_perm]
         blocks = blocks.reshape(n, nb, -1)
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).reshape(n, nb)
+    if not np.isfinite(d).all():  # imported bit for bit: nothing else would look at them
+        raise FermijitError(f"{g.path}: tensor {', '.join(field.sources)} holds NaN or "
+                            f"infinite block scales")
     qs = np.ascontiguousarray(blocks[..., 2:]).reshape(n, -1)
     return (qs if kind == "q4_0" else qs.view(np.int8)), d

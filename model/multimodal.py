@@ -9,8 +9,9 @@ text tokens advance all three by one; an image's tokens sit at (p, p + row, p + 
 merged grid, after which the text resumes at p + max(rows, cols). So a prompt takes fewer
 positions than tokens, and decode continues at position + `rope_delta` (model/state.py).
 
-`prepare` is what a caller with images (generate --image, the server) calls: chat messages
-whose content may hold image parts, and the images themselves, to a `Prompt`; `prefill` runs it.
+A caller with images (fermijit/engine.py `Engine.image_prompt`, for generate --image and the
+server) renders the chat with `render` from the images' layouts alone (model/image.py: their
+sizes, before decoding), runs the tower and makes a `Prompt` with `build`; `prefill` runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.model.config import ModelConfig
-from fermijit.model.image import Image
+from fermijit.model.image import Layout
 from fermijit.model.vision import VisionTower, check_config, weight_shapes
 
 VISUAL_PREFIX = "model.visual."   # the checkpoint's names
@@ -82,15 +83,17 @@ def load_tower(directory: str | Path, cfg: ModelConfig) -> VisionTower | None:
     return VisionTower(cfg.vision_config, weights)
 
 
-def image_ids(cfg: ModelConfig, image: Image) -> list[int]:
+def image_ids(cfg: ModelConfig, image: Layout) -> list[int]:
     return ([cfg.vision_start_token_id] + [cfg.image_token_id] * image.n_tokens
             + [cfg.vision_end_token_id])
 
 
-def render(tokenizer, messages: list[dict], images: list[Image], cfg: ModelConfig) -> np.ndarray:
+def render(tokenizer, messages: list[dict], images: list[Layout],
+           cfg: ModelConfig) -> np.ndarray:
     """Prompt ids of chat `messages` (content a string, or a list of {"type": "text", "text"} and
     {"type": "image" | "image_url"} parts) through the model's chat template, each image part
-    expanded to its placeholder tokens; `images` in the order of the image parts."""
+    expanded to its placeholder tokens; `images` (their layouts, or the images) in the order of
+    the image parts."""
     flat, n_parts = [], 0
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
@@ -123,7 +126,7 @@ def render(tokenizer, messages: list[dict], images: list[Image], cfg: ModelConfi
     return np.asarray(ids, np.int32)
 
 
-def rope_index(ids: np.ndarray, images: list[Image], image_token_id: int):
+def rope_index(ids: np.ndarray, images: list[Layout], image_token_id: int):
     """(positions [3, T] int64, rope_delta): transformers' get_rope_index for one sequence,
     each run of image tokens taking the next image's grid."""
     ids = np.asarray(ids)
@@ -157,18 +160,7 @@ def rope_index(ids: np.ndarray, images: list[Image], image_token_id: int):
     return positions, int(positions.max()) + 1 - int(ids.size)
 
 
-def prepare(tokenizer, messages: list[dict], images: list[Image], tower: VisionTower | None,
-            cfg: ModelConfig, encode=None) -> Prompt:
-    """The server's entry point: chat `messages` with image parts and their preprocessed
-    `images` (model/image.py load) -> a Prompt, the tower run on every image. `encode` (images
-    -> [K, H]) replaces `tower.encode` (e.g. the GPU's)."""
-    if images and tower is None:
-        raise FermijitError("this model has no vision tower (no model.visual tensors)")
-    ids = render(tokenizer, messages, images, cfg)
-    return build(ids, images, (encode or tower.encode)(images) if images else None, cfg)
-
-
-def build(ids: np.ndarray, images: list[Image], embeds: np.ndarray | None,
+def build(ids: np.ndarray, images: list[Layout], embeds: np.ndarray | None,
           cfg: ModelConfig) -> Prompt:
     """A Prompt from ids that hold the images' placeholders, and the images' embeddings."""
     ids = np.asarray(ids, np.int32)

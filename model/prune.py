@@ -174,7 +174,7 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
 
 
 def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
-        context: int, max_tokens: int | None, criterion: str, seed: int,
+        context: int | None, max_tokens: int | None, criterion: str, seed: int,
         calibrate_with: Path | None = None, err=None, prefill: str = "auto",
         gpu_mem: str | None = None, pin_budget: str | None = None,
         verbose: bool = False) -> dict:
@@ -208,7 +208,7 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
         raise FermijitError(f"{calibrate_with} has {len(model.layers)} layers of "
                             f"{model.n_experts} experts, {src} {text.num_hidden_layers} of "
                             f"{text.num_experts}")
-    reap.check_context(context, model.max_context)
+    context = reap.check_context(context, model.max_context)
     tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id).encode(read_text(text_path))
     n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
     prefiller = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)

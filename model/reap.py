@@ -117,10 +117,17 @@ class Collector:
                          where=self.counts > 0)
 
 
-def check_context(context: int, max_context: int) -> None:
+def check_context(context: int | None, max_context: int) -> int:
+    """--ctx, checked; None: eval's default window (512), at most max_position_embeddings (a
+    model of a shorter context failed with the default before: issue 30 item 8)."""
+    from fermijit.evaluate import DEFAULT_CONTEXT
+
+    if context is None:
+        return min(DEFAULT_CONTEXT, max_context)
     if not 1 <= context <= max_context:
         raise FermijitError(f"--ctx must be between 1 and {max_context} "
                             f"(max_position_embeddings), got {context}")
+    return context
 
 
 def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.ndarray:

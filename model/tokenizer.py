@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -97,8 +98,10 @@ class Tokenizer:
         """int32 [T]. Special tokens written in `text` (e.g. from a chat template) are matched."""
         if not isinstance(text, str):
             raise FermijitError(f"the text to encode is a {type(text).__name__}, not a str")
-        return np.array(self._tok.encode(text, add_special_tokens=add_special_tokens).ids,
-                        dtype=np.int32)
+        # encode_batch lets go of the GIL while it works, encode does not: a server thread
+        # tokenising a 4 MB prompt (~10 s here) stopped the scheduler's thread for all of it.
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return np.array(encoding.ids, dtype=np.int32)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -124,11 +127,12 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            with _time_limit(TEMPLATE_TIMEOUT_S):
+            with _time_limit(TEMPLATE_TIMEOUT_S) as limit:
                 pieces, n_chars = [], 0
                 for piece in env.from_string(self.chat_template).generate(
                         messages=messages, add_generation_prompt=add_generation_prompt,
                         bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                    limit.check()
                     n_chars += len(piece)
                     if n_chars > MAX_TEMPLATE_OUTPUT:
                         raise _TemplateLimit(f"output past {MAX_TEMPLATE_OUTPUT >> 20} MiB")
@@ -206,20 +210,32 @@ def _address_space_nbytes() -> int | None:
     return None
 
 
+# The address-space cap is the process's: renders on several threads (the server's request
+# handlers) take turns, or one's exit would restore a limit another had lowered.
+_RENDER_LOCK = threading.Lock()
+
+
 class _time_limit:
-    """Raise _TemplateLimit after `seconds` (SIGALRM: the main thread only; elsewhere the output
-    and repetition limits still hold), and cap the address space the render may add (a failed
-    allocation is a MemoryError)."""
+    """Raise _TemplateLimit after `seconds` (SIGALRM: the main thread only; elsewhere `check`,
+    called between output pieces, and the output and repetition limits hold), and cap the address
+    space the render may add (a failed allocation is a MemoryError)."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         self.armed = threading.current_thread() is threading.main_thread()
         self.previous_limit = None
+        self.deadline = time.monotonic() + seconds
 
     def _expired(self, signum, frame):
         raise _TemplateLimit(f"rendering took more than {self.seconds:g} s")
 
+    def check(self) -> None:
+        if time.monotonic() > self.deadline:
+            self._expired(None, None)
+
     def __enter__(self):
+        _RENDER_LOCK.acquire()
+        self.deadline = time.monotonic() + self.seconds
         if self.armed:
             self.previous = signal.signal(signal.SIGALRM, self._expired)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
@@ -243,6 +259,7 @@ class _time_limit:
         if self.armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, self.previous)
+        _RENDER_LOCK.release()
         return False
 
 

@@ -284,5 +284,9 @@ def load_text_weights(cfg: TextConfig, ckpt: Checkpoint, dtype=np.float32,
     # delay: the bar appears only if the load takes longer than a second.
     items = tqdm(plans.items(), desc="load", unit="tensor", file=sys.stderr, delay=1.0,
                  disable=not show_progress)
-    return assemble(cfg, {name: plan.read_all(ckpt).astype(dtype, copy=False)
-                          for name, plan in items})
+    arrays = {}
+    for name, plan in items:
+        arrays[name] = plan.read_all(ckpt).astype(dtype, copy=False)
+        if not np.isfinite(arrays[name]).all():  # as convert refuses them (issue 30 item 7)
+            raise FermijitError(f"{name} holds NaN or infinite values; refusing to run it")
+    return assemble(cfg, arrays)

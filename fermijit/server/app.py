@@ -1,8 +1,10 @@
 """The Starlette app: POST /v1/chat/completions and /v1/completions (JSON or server-sent events),
-GET /v1/models and /health. Requests are checked here (protocol.py) and handed to the scheduler;
-its events come back through an asyncio queue. A streaming client that disconnects cancels its
-sequence (Starlette cancels the response's task, whose `finally` sets the job's flag); a
-non-streaming one is polled while it waits."""
+GET /v1/models and /health. Requests are checked here (protocol.py), made ready on worker
+threads (prompts.py: tokenised, images decoded, the context checked) and handed to the
+scheduler; its events come back through an asyncio queue. A streaming client that disconnects
+cancels its sequence (Starlette cancels the response's task, whose `finally` sets the job's
+flag); a non-streaming one is polled while it waits. Every error is OpenAI's error JSON, naming
+the model and never the server's paths."""
 
 from __future__ import annotations
 
@@ -10,45 +12,98 @@ import asyncio
 import hmac
 import json
 import time
+from pathlib import Path
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fermijit.server import protocol
+from fermijit import FermijitError
+from fermijit.server import prompts, protocol
 from fermijit.server.protocol import ApiError, Failed, Finished, Started, Text
 from fermijit.server.scheduler import QueueFull, Scheduler
 
-MAX_BODY_BYTES = 4 << 20  # 413 past it: far more than any context's worth of text
+# The body cap follows the context (issue 30 item 2): a prompt the context can hold is at most
+# max_context tokens, at a few bytes each in JSON (English ~4; a \uXXXX escape 6 per character);
+# past the cap (4.3 MiB for the real model's 262144 positions, 288 KiB for the embedded model's
+# 2048) a 413, before anything is tokenised. A model with a vision tower takes images too.
+BODY_BASE_BYTES = 256 << 10
+BODY_BYTES_PER_TOKEN = 16
 DISCONNECT_POLL_S = 0.5
 CLIENT_GONE = 499  # nginx's status for a request whose client closed the connection (logs only)
+# Requests made ready (tokenised, images decoded: server/prompts.py) at once, each on a thread
+# of its own. Few: the scheduler's decode wants the cores, and a request waits here cheaply.
+PREPARE_THREADS = 2
+# A body must arrive within this (issue 30 item 3: 450 slow clients were held for ever); the
+# head of a request has its own deadline (server/run.py HEADER_TIMEOUT_S). 64 MiB of images in
+# it is ~1.1 MB/s.
+BODY_TIMEOUT_S = 60.0
 
 
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def max_body_bytes(max_context: int, has_images: bool) -> int:
+    from fermijit.model.image import MAX_DATA_URI_CHARS
+
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_context + (
+        MAX_DATA_URI_CHARS if has_images else 0)
 
 
-async def _read_json(request: Request):
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, read with the CLI's rules (model/files.py parse_json: depth, integer
+    digits, no NaN or duplicate keys), at most `limit` bytes."""
+    from fermijit.model.files import parse_json
+
+    too_large = ApiError(413, f"the request body is over {limit} bytes", code="too_large")
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="too_large")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                           code="too_large")
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") \
-            from None
+        with anyio.fail_after(BODY_TIMEOUT_S):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       code="timeout") from None
+    try:
+        return parse_json(bytes(body), "the request body")
+    except FermijitError as e:
+        raise ApiError(400, str(e), code="invalid_json") from None
 
 
-def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> Starlette:
+def check_api_key(api_key: str | None) -> None:
+    if api_key == "":  # every request was a 401 while the banner said no key was needed
+        raise FermijitError("--api-key is empty: give a key, or leave it out to accept any")
+
+
+def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
+             max_image_tokens: int | None = None) -> Starlette:
+    check_api_key(api_key)
     created = int(time.time())
+    engine = scheduler.engine
+    body_limit = max_body_bytes(engine.model.max_context, engine.has_vision)
+    preparing = anyio.CapacityLimiter(PREPARE_THREADS)
+    # Where the model and its snapshots live is the server's business: errors name the model.
+    hidden = {}
+    if engine.directory is not None:
+        hidden = {str(Path(engine.directory).resolve()): model_name,
+                  str(engine.directory): model_name}
+    if engine.cache is not None and engine.cache.disk is not None:
+        hidden[str(engine.cache.disk.dir)] = "the snapshot cache"
+
+    def named(e: ApiError) -> ApiError:
+        message = e.message
+        for path, name in hidden.items():
+            message = message.replace(path, name)
+        return e if message == e.message else ApiError(e.status, message, e.param, e.code,
+                                                       e.kind)
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(named(e).body(), status_code=e.status)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -70,12 +125,21 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
     async def complete(request: Request, is_chat: bool):
         try:
             check_key(request)
-            job = protocol.parse(await _read_json(request), is_chat)
+            job = protocol.parse(await _read_json(request, body_limit), is_chat)
+            # Off the event loop and off the scheduler's thread (server/prompts.py).
+            await anyio.to_thread.run_sync(prompts.prepare, engine, job, max_image_tokens,
+                                           limiter=preparing)
         except ApiError as e:
-            return _error(e)
+            return error(e)
+        except FermijitError as e:  # the model's side: a bad image, a chat template's limits
+            return error(ApiError(400, str(e)))
+        except ClientDisconnect:  # gone while sending its body: nothing to answer, no traceback
+            return Response(status_code=CLIENT_GONE)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
         def emit(event) -> None:
+            if isinstance(event, Failed):
+                event = Failed(named(event.error))
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is closed: the server is stopping
@@ -85,13 +149,13 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
         try:
             scheduler.submit(job)
         except QueueFull:
-            return _error(ApiError(503, "the server is busy: its queue is full; retry later",
-                                   code="queue_full", kind="server_error"))
+            return error(ApiError(503, "the server is busy: its queue is full; retry later",
+                                  code="queue_full", kind="server_error"))
         first = await next_event(events, request, job)
         if first is None:
             return Response(status_code=CLIENT_GONE)
         if isinstance(first, Failed):
-            return _error(first.error)
+            return error(first.error)
         assert isinstance(first, Started)
         rid = protocol.new_id(is_chat)
         if job.stream:
@@ -110,7 +174,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
                 elif event is None:
                     return Response(status_code=CLIENT_GONE)
                 else:
-                    return _error(event.error)
+                    return error(event.error)
         finally:
             job.cancelled.set()  # a no-op when finished; stops the sequence otherwise
 
@@ -124,7 +188,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
         try:
             check_key(request)
         except ApiError as e:
-            return _error(e)
+            return error(e)
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "fermijit"}]})
 
@@ -135,10 +199,15 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) 
                              "prefilled_tokens": dict(getattr(prefiller, "n_prefilled", {}))})
 
     async def not_found(request: Request, exc: HTTPException):
-        return _error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                f"{exc.detail}", code="not_found"))
+        return error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                               f"{exc.detail}", code="not_found"))
 
-    return Starlette(exception_handlers={404: not_found, 405: not_found}, routes=[
+    async def internal(request: Request, exc: Exception):
+        """A bug: the traceback goes to the log (uvicorn), the client gets OpenAI's error JSON."""
+        return error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
+
+    handlers = {404: not_found, 405: not_found, Exception: internal}
+    return Starlette(exception_handlers=handlers, routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -64,6 +64,11 @@ class Job:
     include_usage: bool
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever (benchmarks)
     images: tuple[str, ...] = ()  # data: URIs of the chat's image parts, in order
+    # Made by the request's handler (server/prompts.py), off the scheduler's thread: the prompt's
+    # token ids (int32 [T], image placeholders included), and with images the whole
+    # model/multimodal.py Prompt (the tower's output, MRoPE positions).
+    ids: object = None
+    image_prompt: object = None
     emit: Callable[[object], None] = print
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -113,6 +118,17 @@ def _field(body: dict, name: str, kind, default=None, check=None, what: str = ""
     return value
 
 
+def _utf8(text: str, where: str) -> str:
+    """`text`, unless it holds what UTF-8 cannot encode: JSON's "\\ud800" escapes decode to lone
+    surrogates, which the tokenizer refused with a TypeError (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{where}' is not valid Unicode (a lone surrogate at character "
+                            f"{e.start})", where, "invalid_value") from None
+    return text
+
+
 def _parts(content: list, where: str, images: list[str]) -> str | list[dict]:
     """Content parts: text, joined into one string; with images (OpenAI `image_url` parts holding
     data: URIs, appended to `images`), the parts as model/multimodal.py renders them."""
@@ -120,7 +136,7 @@ def _parts(content: list, where: str, images: list[str]) -> str | list[dict]:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
+            parts.append({"type": "text", "text": _utf8(part["text"], f"{where}.content")})
             continue
         url = part.get("image_url") if kind == "image_url" else None
         url = url.get("url") if isinstance(url, dict) else url
@@ -154,6 +170,8 @@ def _messages(body: dict, images: list[str]) -> list[dict]:
             content = _parts(content, where, images)
         if content is None and m["role"] == "assistant":
             content = ""
+        if isinstance(content, str):
+            _utf8(content, f"{where}.content")
         if not isinstance(content, (str, list)):
             raise ApiError(400, f"'{where}.content' must be a string or content parts",
                            f"{where}.content")
@@ -167,7 +185,7 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return prompt
+        return _utf8(prompt, "prompt")
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         return prompt
@@ -202,6 +220,8 @@ def parse(body, is_chat: bool) -> Job:
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"'stop' must be a string or at most {MAX_STOP_STRINGS} non-empty "
                             f"strings", "stop")
+    for s in stop:
+        _utf8(s, "stop")
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)

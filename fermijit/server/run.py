@@ -31,15 +31,17 @@ def warm_up(engine, max_batch: int) -> None:
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
-          pin_budget: str | None = None, verbose: bool = False) -> None:
+          pin_budget: str | None = None, verbose: bool = False,
+          max_image_tokens: int | None = None) -> None:
     import uvicorn
 
     from fermijit import hybrid
     from fermijit.engine import Engine
-    from fermijit.server.app import make_app
+    from fermijit.server.app import check_api_key, make_app
     from fermijit.server.scheduler import Scheduler
 
     hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # bad: before loading
+    check_api_key(api_key)
     sock = listen(host, port)  # a port in use: before loading too
     err = sys.stderr
     start = time.perf_counter()
@@ -59,14 +61,71 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
           f"{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
     try:
-        config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key),
-                                log_level="warning", timeout_graceful_shutdown=2)
+        config = uvicorn_config(make_app(scheduler, model_name(model_dir), api_key,
+                                         max_image_tokens), timeout_graceful_shutdown=2)
         try:
             uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
             print("stopped", file=err, flush=True)
     finally:
         scheduler.stop()
+
+
+# A request's head (its line and headers) must arrive within this of the connection opening, or
+# of the previous response on a kept-alive one (issue 30 item 3: uvicorn waits for ever, and
+# 19,900 half-open connections were held); the body has app.py BODY_TIMEOUT_S.
+HEADER_TIMEOUT_S = 10.0
+
+
+def uvicorn_config(app, timeout_graceful_shutdown: float):
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", http=_head_timeout_protocol(),
+                          timeout_graceful_shutdown=timeout_graceful_shutdown)
+
+
+def _head_timeout_protocol():
+    """uvicorn's HTTP/1.1 protocol (h11), which closes a connection whose request head is not
+    whole HEADER_TIMEOUT_S after it began waiting for one."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutProtocol(H11Protocol):
+        head_timer = None
+
+        def _wait_for_head(self) -> None:
+            self._stop_waiting()
+            self.head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_too_late)
+
+        def _stop_waiting(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _head_too_late(self) -> None:
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._wait_for_head()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a head arrived: the body's turn
+                self._stop_waiting()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._wait_for_head()
+
+        def connection_lost(self, exc) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+    return HeadTimeoutProtocol
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -97,8 +156,7 @@ class ServerThread:
 
         self.sock = listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
+        self.server = uvicorn.Server(uvicorn_config(app, timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="fermijit-uvicorn", daemon=True)
         self.thread.start()

@@ -2,10 +2,9 @@
 batch between steps, and every step decodes all active sequences in one forward
 (model/batch.py decode_batch).
 
-A job joins by being tokenised (the chat template rendered here, on this thread: the template's
-sandbox caps the process's address space while it renders) and restored from the engine's
-snapshot prefix cache, so a second chat turn prefills only what the cache lacks and
-`cached_tokens` says how much it had. The rest of its prompt is prefilled in chunks between
+A job arrives tokenised (server/prompts.py, on the request's handler thread) and joins by being
+restored from the engine's snapshot prefix cache, so a second chat turn prefills only what the
+cache lacks and `cached_tokens` says how much it had. The rest of its prompt is prefilled in chunks between
 decode steps (issue 28 item 5; `_prefill_chunk`): each chunk is one `prefill_batch` call of the
 engine's prefiller over the next pieces of every prompt waiting (prompts that arrive together
 are prefilled together, weights read once for all), at most `prefiller.chunk_tokens` tokens
@@ -38,7 +37,6 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit import omp
-from fermijit.server import protocol
 from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, Text
 
 # max_tokens when a request gives none: the rest of the context, at most this (a KV cache is
@@ -266,41 +264,14 @@ class Scheduler:
             elif not seq.is_done:
                 self.active.append(seq)
 
-    def _tokens(self, job: Job) -> np.ndarray:
-        tokenizer = self.engine.tokenizer
-        if job.is_chat:
-            text = tokenizer.render_chat(job.prompt)
-            return tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(job.prompt, str):
-            return tokenizer.encode(job.prompt)
-        ids = np.asarray(job.prompt, np.int64)
-        if ids.min() < 0 or ids.max() >= self.engine.model.vocab_size:
-            raise ApiError(400, f"token ids must be in [0, {self.engine.model.vocab_size})",
-                           "prompt")
-        return ids.astype(np.int32)
-
-    def _image_prompt(self, job: Job):
-        """The chat with its images (model/multimodal.py Prompt); a bad image is a 400."""
-        from fermijit.model import image
-
-        try:
-            images = [image.from_data_uri(uri, f"image {k}") for k, uri in enumerate(job.images)]
-            return self.engine.image_prompt(job.prompt, images)
-        except FermijitError as e:
-            raise ApiError(400, str(e), "messages") from None
-
     def _start(self, job: Job) -> Sequence:
         from fermijit import engine as engine_module
 
         engine, model = self.engine, self.engine.model
-        with_images = self._image_prompt(job) if job.images else None
-        prompt = self._tokens(job) if with_images is None else with_images.ids
+        # Tokenised (and its images run through the tower) by the request's handler, and
+        # checked against the context there (server/prompts.py).
+        with_images, prompt = job.image_prompt, job.ids
         n_prompt, max_context = int(prompt.size), model.max_context
-        if n_prompt == 0:
-            raise ApiError(400, "the prompt is empty (no tokens)", "prompt")
-        if n_prompt >= max_context or (job.max_tokens is not None
-                                       and n_prompt + job.max_tokens > max_context):
-            raise protocol.context_overflow(n_prompt, job.max_tokens, max_context, job.is_chat)
         max_tokens = job.max_tokens or min(max_context - n_prompt, DEFAULT_MAX_TOKENS)
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)

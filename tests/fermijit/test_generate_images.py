@@ -124,14 +124,14 @@ def test_data_uri_images(setup):
 
     path = setup["images"][0]
     uri = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-    a, b = image.from_data_uri(uri), image.open_image(path)
+    a, b = image.from_data_uri(uri).decode(), image.open_image(path).decode()
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for bad, message in (("http://example.com/x.png", "expected a data:"),
                          ("data:image/png;base64,@@@", "not valid base64"),
                          ("data:image/png;base64," + base64.b64encode(b"GIF89a").decode(),
                           "cannot decode|not an image")):
         with pytest.raises(FermijitError, match=message):
-            image.from_data_uri(bad)
+            image.from_data_uri(bad).decode()
 
 
 def test_images_with_prefill_auto(monkeypatch, capsys, setup):

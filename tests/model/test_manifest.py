@@ -82,12 +82,13 @@ def test_weights_naming_a_fifo_does_not_block(copy):
         convert.load_converted(copy)
 
 
-def flip(directory, stored: str, value=None) -> None:
-    """One byte of stored tensor `stored` flipped (or its first fp16/fp32 element set)."""
+def flip(directory, stored: str, value=None, offset: int = 0) -> None:
+    """One byte of stored tensor `stored` flipped, `offset` bytes in (or its first fp16/fp32
+    element set)."""
     path = directory / convert.WEIGHTS
     f = SafetensorsFile(path)
     info = f.tensors[stored]
-    at = f.data_start + info.begin
+    at = f.data_start + info.begin + offset
     with open(path, "r+b") as fh:
         fh.seek(at)
         if value is None:
@@ -113,16 +114,29 @@ def test_load_checks_the_small_tensors(copy):
         convert.load_converted(copy)
 
 
-def test_verify_finds_a_flipped_byte_in_a_big_tensor(copy, monkeypatch, capsys):
+def test_verify_finds_a_flipped_byte_in_a_big_tensor(tmp_path, monkeypatch, capsys):
+    copy = tmp_path / "default"  # experts large enough to be sampled in chunks
+    shutil.copytree(DEFAULT_MODEL, copy)
     code, out, err = run_cli(monkeypatch, capsys, "verify", "--model", copy)
     assert code == 0 and "all match their checksums" in out, err
-    flip(copy, "layers.2.mlp.experts_gate_up.qs")
-    monkeypatch.setattr(manifest, "LOAD_CHECK_NBYTES", 0)  # as for a big model: verify only
+    entry = manifest.read_manifest(copy).tensors["layers.2.mlp.experts_gate_up"]
+    nbytes = SafetensorsFile(copy / convert.WEIGHTS).tensors["layers.2.mlp.experts_gate_up.qs"]
+    spans = manifest.sample_spans(nbytes.end - nbytes.begin, entry.shape[0])
+    assert len(spans) > 1, "the tensor is sampled whole: no byte escapes the load check"
+    flip(copy, "layers.2.mlp.experts_gate_up.qs", offset=spans[1][0] - 1)  # between two chunks
+    monkeypatch.setattr(manifest, "LOAD_CHECK_NBYTES", 0)  # as for a big model: sampled only
     convert.load_converted(copy)
     code, out, err = run_cli(monkeypatch, capsys, "verify", "--model", copy)
     assert code == 2 and out == ""
     assert err.splitlines()[-1].startswith("Error: ") and \
         "tensor layers.2.mlp.experts_gate_up does not match its checksum" in err
+
+
+def test_load_finds_a_flipped_byte_in_a_sampled_chunk(copy, monkeypatch):
+    flip(copy, "layers.2.mlp.experts_gate_up.qs")  # its first byte: in the first chunk
+    monkeypatch.setattr(manifest, "LOAD_CHECK_NBYTES", 0)
+    with pytest.raises(FermijitError, match="experts_gate_up does not match its sampled"):
+        convert.load_converted(copy)
 
 
 def test_verify_finds_a_nan_scale(copy, monkeypatch, capsys):

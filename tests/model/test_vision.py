@@ -187,9 +187,9 @@ def test_text_model_has_no_tower(tmp_path):
     directory = tiny.write_checkpoint(tmp_path / "text", weights={
         k: v for k, v in weights.items() if not k.startswith("model.visual.")})
     assert mm.load_tower(directory, cfg) is None
-    with pytest.raises(FermijitError, match="no vision tower"):
-        mm.prepare(None, [], [processed_stub()], None, cfg)
+    from fermijit.engine import Engine
 
-
-def processed_stub():
-    return mi.Image(np.zeros((16, 96), np.float32), (1, 4, 4), 2)
+    with pytest.raises(FermijitError, match="has no vision tower"):
+        Engine.load(directory).image_prompt([{"role": "user", "content": [{"type": "image"}]}],
+                                            [mi.Image((1, 4, 4), 2, np.zeros((16, 96),
+                                                                               np.float32))])

@@ -62,6 +62,19 @@ def write_model(directory: Path) -> Path:
     return directory
 
 
+def converted_model(root: Path, max_pixels: int | None = None) -> Path:
+    """The tiny VLM converted (4-bit) into root/q4 (its checkpoint in root/hf); `max_pixels`
+    replaces its processor's upper bound (the real model's is 16777216)."""
+    from fermijit.model import convert
+
+    q4 = root / "q4"
+    convert.convert(write_model(root / "hf"), q4, show_progress=False)
+    if max_pixels is not None:
+        (q4 / "preprocessor_config.json").write_text(json.dumps(
+            {**PREPROCESSOR, "size": {**PREPROCESSOR["size"], "longest_edge": max_pixels}}))
+    return q4
+
+
 def prompt_ids(name: str, n_tokens: list[int], cfg) -> tuple[np.ndarray, list[int]]:
     """(ids, image indices in order) of PROMPTS[name], image k taking n_tokens[k] pads."""
     ids, order = [], []

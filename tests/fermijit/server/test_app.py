@@ -179,9 +179,12 @@ def test_unknown_routes_are_openai_errors(server):
 
 
 def test_body_over_the_limit_is_413(server):
-    from fermijit.server.app import MAX_BODY_BYTES
+    """The cap follows the context: the embedded model's 2048 positions, no images."""
+    from fermijit.server.app import max_body_bytes
 
-    r = httpx.post(f"{server[0]}/v1/completions", content=b" " * (MAX_BODY_BYTES + 1))
+    limit = max_body_bytes(server[2].engine.model.max_context, has_images=False)
+    assert limit < 1 << 20
+    r = httpx.post(f"{server[0]}/v1/completions", content=b" " * (limit + 1))
     assert r.status_code == 413
 
 
