@@ -265,21 +265,25 @@ def test_stop_matcher_edges(stops, pieces, want):
 
 @pytest.fixture
 def small_server(engine):
-    """serve(max_batch, queue_size) -> (url, scheduler) on the session's engine."""
+    """serve(max_batch, queue_size) -> url of a server on the session's engine; its streams
+    (`Running`) are closed at the end, passed or failed, so no sequence decodes on."""
     from fermijit.server.app import make_app
     from fermijit.server.run import ServerThread
     from fermijit.server.scheduler import Scheduler
 
-    made = []
+    made, streams = [], []
 
-    def serve(max_batch: int, queue_size: int):
+    def serve(max_batch: int, queue_size: int) -> str:
         scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size)
         scheduler.start()
         thread = ServerThread(make_app(scheduler, "m"))
         made.append((thread, scheduler))
-        return thread.url, scheduler
+        return thread.url
 
+    serve.streams = streams
     yield serve
+    for stream in streams:
+        stream.close()
     for thread, scheduler in made:
         deadline = time.monotonic() + 30
         while scheduler.active or scheduler.waiting.qsize():  # cancelled ones finish first
@@ -293,7 +297,8 @@ class Running:
     """A streamed request admitted and decoding (the response begins once it is admitted):
     `more(n)` reads n more chunks (n more decode steps), `close()` hangs up."""
 
-    def __init__(self, url: str, seed: int):
+    def __init__(self, serve, url: str, seed: int):
+        serve.streams.append(self)
         self.client = httpx.Client(timeout=TIMEOUT_S)
         request = self.client.build_request("POST", f"{url}/v1/completions", json={
             "prompt": ids(seed, 8), "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
@@ -336,8 +341,8 @@ def wait_for(url: str, active: int, waiting: int) -> None:
 
 
 def test_max_batch_run_and_the_next_waits(small_server):
-    url, _ = small_server(2, 4)
-    first, second = Running(url, 10), Running(url, 11)
+    url = small_server(2, 4)
+    first, second = Running(small_server, url, 10), Running(small_server, url, 11)
     third = Waiting(url, 12)
     wait_for(url, 2, 1)
     second.more(5)                       # five more steps: admission ran between each
@@ -348,12 +353,11 @@ def test_max_batch_run_and_the_next_waits(small_server):
     assert third.result.status_code == 200, third.result.text
     assert third.result.json()["usage"]["completion_tokens"] == 2
     second.more(2)
-    second.close()
 
 
 def test_queue_size_queued_and_the_next_is_503(small_server):
-    url, _ = small_server(1, 2)
-    running = Running(url, 20)
+    url = small_server(1, 2)
+    running = Running(small_server, url, 20)
     queued = [Waiting(url, 21), Waiting(url, 22)]
     wait_for(url, 1, 2)
     r = complete(url, prompt=ids(23, 5), max_tokens=2)
