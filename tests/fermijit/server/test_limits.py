@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from fermijit.server.scheduler import StopMatcher
+from tests.fermijit.server.test_scheduler import _run as run_stops
 
 MAX_CONTEXT = 2048          # the embedded model's max_position_embeddings
 N_TOKENS = 6
@@ -251,14 +251,7 @@ def test_stop_strings_end_at_their_first_occurrence(server, greedy_pieces, case)
     (["z", "\n"], ["a\nz", "z"], "a"),                   # of two stops, the first to occur
 ])
 def test_stop_matcher_edges(stops, pieces, want):
-    m = StopMatcher(tuple(stops))
-    out = []
-    for piece in pieces:
-        text, is_stop = m.push(piece)
-        out.append(text)
-        if is_stop:
-            break
-    assert is_stop and "".join(out) == want
+    assert run_stops(stops, pieces)[:2] == (want, True)
 
 
 # --- the batch and queue bounds -----------------------------------------------------------------
