@@ -322,15 +322,17 @@ class Waiting(threading.Thread):
         self.result = complete(self.url, prompt=ids(self.seed, 5), max_tokens=2)
 
 
-def health(url: str) -> dict:
-    return httpx.get(f"{url}/health").json()
+def health(url: str) -> tuple[int, int]:
+    """(sequences running, requests waiting)."""
+    h = httpx.get(f"{url}/health").json()
+    return h["active"], h["waiting"]
 
 
-def settled(url: str, n_requests: int, short: list[Waiting]) -> dict:
-    """/health once all `n_requests` sent are running or waiting, or as soon as one of the
+def settled(url: str, n_requests: int, short: list[Waiting]) -> tuple[int, int]:
+    """`health` once all `n_requests` sent are running or waiting, or as soon as one of the
     `short` ones was served (a wrong bound shows at once, whichever it breaks)."""
     deadline = time.monotonic() + TIMEOUT_S
-    while (h := health(url))["active"] + h["waiting"] != n_requests:
+    while sum(h := health(url)) != n_requests:
         if any(w.result is not None for w in short):
             break
         assert time.monotonic() < deadline, f"health {h}: not all {n_requests} requests arrived"
@@ -343,9 +345,9 @@ def test_max_batch_run_and_the_next_waits(small_server):
     url = small_server(2, 4)
     first, second = Running(small_server, url, 10), Running(small_server, url, 11)
     third = Waiting(url, 12)
-    assert settled(url, 3, [third]) == {"status": "ok", "active": 2, "waiting": 1}
+    assert settled(url, 3, [third]) == (2, 1)
     second.more(5)                       # five more steps: admission ran between each
-    assert health(url) == {"status": "ok", "active": 2, "waiting": 1}
+    assert health(url) == (2, 1)
     assert third.result is None, "a third sequence was served beside max_batch = 2"
     first.close()                        # room for one: the third is admitted and served
     third.join(TIMEOUT_S)
@@ -358,12 +360,12 @@ def test_queue_size_queued_and_the_next_is_503(small_server):
     url = small_server(1, 2)
     running = Running(small_server, url, 20)
     queued = [Waiting(url, 21), Waiting(url, 22)]
-    assert settled(url, 3, queued) == {"status": "ok", "active": 1, "waiting": 2}
+    assert settled(url, 3, queued) == (1, 2)
     r = complete(url, prompt=ids(23, 5), max_tokens=2)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "queue_full"
     running.more(3)
-    assert health(url)["waiting"] == 2 and all(q.result is None for q in queued)
+    assert health(url) == (1, 2) and all(q.result is None for q in queued)
     running.close()
     for q in queued:                      # both served once the running one is gone
         q.join(TIMEOUT_S)
