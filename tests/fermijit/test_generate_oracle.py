@@ -40,7 +40,8 @@ def test_generate_continues_as_the_stored_oracle():
 
 def test_generate_fp32_continues_as_live_transformers(tmp_path):
     if not tiny_oracle.has_transformers():
-        pytest.skip("torch and transformers >= 5.24 are not importable: the stored oracle stands in")
+        pytest.skip("torch and transformers >= 5.24 are not importable: the stored oracle "
+                    "stands in")
     import torch
 
     torch.set_num_threads(1)

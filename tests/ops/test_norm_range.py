@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fermijit.ops import l2norm, layer_norm, rmsnorm
-from tests.gpu import needs_gpu
+from tests.gpu import needs_gpu, report_error
 from tests.numerics import assert_close, poisoned
 from tests.ops import test_l2norm as l2norm_tests
 from tests.ops import test_l2norm_gpu as l2norm_gpu_tests
@@ -106,38 +106,43 @@ def test_layer_norm(rng, shape, mean):
                  layer_norm_tests.ATOL, layer_norm_tests.RTOL)
 
 
-# --- GPU ----------------------------------------------------------------------------------------
+# --- GPU ---------------------------------------------------------------------------------------
+
+def check_gpu(name, expected, actual, atol, rtol):
+    report_error(f"{name} (rms 1e-4..1e4)", expected, actual)
+    assert_close(name, expected, actual, atol, rtol)
+
 
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_rmsnorm_gpu(rng, shape):
     x, w = rows_of_rms(rng, shape), offsets(rng, shape[-1])
-    assert_close("rmsnorm", rmsnorm.reference(x, w, EPS),
-                 rmsnorm.gpu(x, w, EPS, out=poisoned(shape)),
-                 rmsnorm_gpu_tests.ATOL, rmsnorm_gpu_tests.RTOL)
+    check_gpu("rmsnorm", rmsnorm.reference(x, w, EPS), rmsnorm.gpu(x, w, EPS, out=poisoned(shape)),
+              rmsnorm_gpu_tests.ATOL, rmsnorm_gpu_tests.RTOL)
     o = x.reshape(shape[0], 1, shape[1])
     z = (3 * rng.standard_normal(o.shape)).astype(np.float32)
-    assert_close("gated rmsnorm", rmsnorm.gated_reference(o, z, 1 + w, EPS),
-                 rmsnorm.gated_gpu(o, z, 1 + w, EPS, out=poisoned(o.shape)),
-                 rmsnorm_gpu_tests.ATOL, rmsnorm_gpu_tests.RTOL)
+    check_gpu("gated rmsnorm", rmsnorm.gated_reference(o, z, 1 + w, EPS),
+              rmsnorm.gated_gpu(o, z, 1 + w, EPS, out=poisoned(o.shape)),
+              rmsnorm_gpu_tests.ATOL, rmsnorm_gpu_tests.RTOL)
 
 
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_l2norm_gpu(rng, shape):
     x = rows_of_rms(rng, shape)
-    assert_close("l2norm", l2norm.reference(x, EPS, 1.0), l2norm.gpu(x, EPS, 1.0,
-                                                                   out=poisoned(shape)),
-                 l2norm_gpu_tests.ATOL, l2norm_gpu_tests.RTOL)
+    check_gpu("l2norm", l2norm.reference(x, EPS, 1.0), l2norm.gpu(x, EPS, 1.0, out=poisoned(shape)),
+              l2norm_gpu_tests.ATOL, l2norm_gpu_tests.RTOL)
 
 
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_layer_norm_gpu(rng, shape):
+    """Centred rows only: the GPU takes its statistics in fp32 (kernels_ptx/layer_norm.ptx), where
+    a mean of 300 over rows of rms 1e-3 is beyond fp32 whatever the kernel does."""
     from tests.ops.test_vision_gpu import NORM_ATOL, NORM_RTOL
 
     x = rows_of_rms(rng, shape)
     w = (1 + 0.3 * rng.standard_normal(shape[-1])).astype(np.float32)
     b = (0.3 * rng.standard_normal(shape[-1])).astype(np.float32)
-    assert_close("layer_norm", layer_norm.reference(x, w, b, EPS),
-                 layer_norm.gpu(x, w, b, EPS, out=poisoned(shape)), NORM_ATOL, NORM_RTOL)
+    check_gpu("layer_norm", layer_norm.reference(x, w, b, EPS),
+              layer_norm.gpu(x, w, b, EPS, out=poisoned(shape)), NORM_ATOL, NORM_RTOL)
