@@ -35,6 +35,10 @@ GPU_VS_REFERENCE = 1e-4
 # H200 against the all-CPU run: last position 9.3e-6, worst 1.9e-3).
 GPU_W4A8 = 1e-4
 W4A8_FLIP = 1e-2
+# Positions of the N_PROMPT = 150 that may be off by more than GPU_W4A8: the share the test
+# allowed before issue 33 asked for counts (10 %), not yet measured on a GPU; the GPU pass prints
+# the count found (oracle.assert_rel_but_flips), to set this from.
+GPU_W4A8_FLIPS = 15
 # The default (trained) model cascades such flips: each moves a value by 1/254 of its block's
 # largest, which flips more codes downstream (on the CPU, 68 codes of layer 1's MoE input, 16,661
 # of 57,600 by layer 7), so by the last layer any two W4A8 computations that differ in fp32
@@ -185,7 +189,8 @@ def test_w4a8_logits_hand_off_and_greedy_tokens_equal_the_cpus(models, loaded, n
         if name == "default" and what != "CPU head":
             assert_rel(f"gpu vs {what} logits", spec, logits, W4A8_CASCADE)
         else:
-            assert_rel_but_flips(f"gpu vs {what} logits", spec, logits, GPU_W4A8, W4A8_FLIP)
+            assert_rel_but_flips(f"gpu vs {what} logits", spec, logits, GPU_W4A8, W4A8_FLIP,
+                                 GPU_W4A8_FLIPS)
     assert state.position == N_PROMPT
     errors = []
     for ours, cpu in handed_off_pairs(state, cpu_state, transposed=False):

@@ -161,28 +161,27 @@ def has_transformers() -> bool:
     return hf.available()
 
 
-# assert_rel_but_flips: rounding flips touch ~2.5% of positions (measured, 1100 tokens).
-MOST_POSITIONS = 0.9
-
-
 def assert_rel(name, expected, actual, rel):
     """max|diff| <= rel · max|expected|: issue 3's measure, through the one comparison."""
     assert_close(name, expected, actual, atol=rel * float(np.abs(expected).max()), rtol=0)
 
 
-def assert_rel_but_flips(name, expected, actual, rel, flip_rel, min_fraction=MOST_POSITIONS):
-    """assert_rel at `rel` for at least `min_fraction` of the positions (rows), and at `flip_rel`
-    for all: for W4A8 against a spec computed otherwise (float64, or transformers' fp32), where
-    an activation that lands on either side of an 8-bit rounding boundary moves one position's
-    logits by up to ~1e-3 (measured 1.4e-3; in the LM head's input on ~2.5% of positions)."""
+def assert_rel_but_flips(name, expected, actual, rel, flip_rel, max_flips: int):
+    """assert_rel at `rel` for every position (row) but at most `max_flips`, and at `flip_rel`
+    for all: for W4A8 against a spec that computes in another fp32 order (transformers, the GPU),
+    where an activation on either side of an 8-bit rounding boundary moves its position's logits,
+    and through the state later ones', by up to ~5e-3 (SENSITIVE). `max_flips` is what the
+    caller measured (issue 33: not a share of the positions). Against the float64 reference,
+    tests/model/flips.py's `follow` explains each flip instead of counting it."""
     e, a = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
     assert e.shape == a.shape, f"{name}: shape {a.shape}, expected {e.shape}"
     per_row = np.abs(a - e).reshape(len(e), -1).max(axis=1) / np.abs(e).max()
-    within = per_row <= rel                                      # NaN is not within
-    assert within.mean() >= min_fraction, (
-        f"{name}: {int((~within).sum())}/{len(e)} positions off by more than {rel:g} of the "
-        f"largest logit (at most {1 - min_fraction:.0%} may be): worst {np.nanmax(per_row):.3g} "
-        f"at {int(np.nanargmax(per_row))}")
+    off = np.flatnonzero(~(per_row <= rel))                       # NaN is off
+    print(f"{name}: {off.size} of {len(e)} positions off by more than {rel:g} (at most "
+          f"{max_flips}): {[(int(i), float(f'{per_row[i]:.3g}')) for i in off]}")
+    assert off.size <= max_flips, (
+        f"{name}: {off.size}/{len(e)} positions off by more than {rel:g} of the largest logit, "
+        f"where {max_flips} were measured: {[(int(i), float(f'{per_row[i]:.3g}')) for i in off]}")
     assert_rel(name, e, a, flip_rel)
 
 

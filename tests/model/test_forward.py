@@ -18,7 +18,7 @@ from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
 from fermijit.model.state import State
 from fermijit.ops import matvec
-from tests.model import oracle, tiny
+from tests.model import flips, oracle, tiny
 from tests.model.conftest import LAYOUTS
 from tests.model.oracle import PROMPT, assert_rel, assert_rel_but_flips, rel_error
 
@@ -31,22 +31,23 @@ MODELS = {m.name: m for m in oracle.MODELS}
 # SENSITIVE 3.4e-6, 6.1e-7.
 FP32_VS_ORACLE = 2e-5
 # (b) W4A8 vs the float64 reference over the same 4-bit weights with activations quantised per
-# 32-block (Reference(quantize_activations=True), its own quantiser): fp32 rounding only.
-# Measured on HF_INIT: 3.0e-7 (prompt), 2.1e-7 (decode). Not asserted on SENSITIVE, where a
-# rounding flip (W4A8_FLIP below) persists through decode: measured 1.4e-5, 2.2e-3.
+# 32-block (Reference(quantize_activations=True), its own quantiser): fp32 rounding only, at
+# every position once the reference rounds the engine's way the few 8-bit codes it sees at a
+# rounding tie (tests/model/flips.py; issue 33). Measured on HF_INIT: 3.0e-7 (prompt), 2.1e-7
+# (decode), no flip; on SENSITIVE one flip (decode step 21, a code 9.5e-7 from its tie, which
+# moved that step's logits 5.45e-3 and persists in the state), the rest within 1e-7 of the flipped
+# reference. The flips each comparison may need: what it measured (AVX-512, AVX2 and SSSE3 alike).
 W4A8_VS_REFERENCE = 1e-5
+HF_INIT_FLIPS = 0
+SENSITIVE_FLIPS = 1
 # (b) W4A8 vs transformers as the W4A8 oracle (oracle.w4a8_activations) on SENSITIVE, whose
-# weights are on the 4-bit grid: the same arithmetic in fp32 on both sides. Measured: 1.35e-5
-# (prompt; 1.0e-6 before main's decode kernels of 17:00), decode: see W4A8_FLIP.
+# weights are on the 4-bit grid: the same arithmetic in fp32 on both sides. Measured: every
+# prompt position within 4.5e-7, 45 of the 48 positions within 3.4e-6; three decode steps off
+# by an 8-bit rounding flip where the two fp32 orders round a code differently (steps 22 and 25:
+# 3.0e-3 and 2.5e-3; step 31: 2.6e-5). W4A8_FLIP bounds those three, twice the largest flip
+# measured (5.45e-3, above), 11x under SENSITIVE's smallest ablation (tests/model/ablation.py).
 W4A8_VS_W4A8_ORACLE = 2e-5
-# (b) The W4A8 comparisons above hold for most positions (oracle.assert_rel_but_flips); the
-# rest may be off by an 8-bit rounding flip: fp32 and float64 (or another fp32 order) put one
-# activation on either side of a rounding boundary, and one int8 differs by one. In the LM head's
-# input that moves every logit of its position (HF_INIT_LONG: 28 of 1100 positions, up to
-# 1.4e-3, tests/model/test_long_prompt.py); inside SENSITIVE it persists in the state through
-# the decode steps that follow: measured 5.45e-3 there after the decode kernels changed (main,
-# 17:00), where the same test measured 3.6e-7 before. So SENSITIVE's decode is held to this
-# bound at every position, still 11x under its smallest ablation (tests/model/ablation.py).
+SENSITIVE_ORACLE_FLIPS = 3
 W4A8_FLIP = 1e-2
 # (b) How far 4 bits move HF_INIT's logits from transformers' fp32 (random weights, not on the
 # grid): a bound on quantisation noise, not a correctness test (removing GDN or q/k norms moves
@@ -152,10 +153,33 @@ def test_w4a8_matches_the_reference_over_the_same_weights(hf_init_w4a8, converte
     _, runs = hf_init_w4a8
     cfg, weights, _ = convert.load_converted(converted(tiny.HF_INIT))
     reference = Reference(cfg.text_config, weights, quantize_activations=True)
-    ref_prompt, ref_decode = run_forced(reference, oracle.golden(tiny.HF_INIT).tokens)
-    prompt, decode = runs["fused"]
-    assert_rel_but_flips("prompt logits", ref_prompt, prompt, W4A8_VS_REFERENCE, W4A8_FLIP)
-    assert_rel_but_flips("decode logits", ref_decode, decode, W4A8_VS_REFERENCE, W4A8_FLIP)
+    tokens = oracle.golden(tiny.HF_INIT).tokens
+    flips.follow("HF_INIT logits", reference, np.concatenate([PROMPT, tokens]),
+                 np.concatenate(runs["fused"]), W4A8_VS_REFERENCE, HF_INIT_FLIPS)
+
+
+def test_w4a8_sensitive_matches_the_reference_but_its_flip(sensitive_w4a8, converted):
+    cfg, weights, _ = convert.load_converted(converted(tiny.SENSITIVE))
+    reference = Reference(cfg.text_config, weights, quantize_activations=True)
+    tokens = oracle.golden(tiny.SENSITIVE, w4a8=True).tokens
+    found = flips.follow("SENSITIVE logits", reference, np.concatenate([PROMPT, tokens]),
+                         np.concatenate(run_forced(sensitive_w4a8, tokens)), W4A8_VS_REFERENCE,
+                         SENSITIVE_FLIPS)
+    print(f"\nSENSITIVE W4A8 vs the float64 reference: flips {found}")
+
+
+def test_a_position_off_without_a_tie_is_no_flip(hf_init_w4a8, converted):
+    """The flip allowance admits only flips: one decode step moved by 2e-4 of the largest logit
+    (20x under the old allowance of 1e-2 on 10 % of positions) is refused."""
+    _, runs = hf_init_w4a8
+    cfg, weights, _ = convert.load_converted(converted(tiny.HF_INIT))
+    reference = Reference(cfg.text_config, weights, quantize_activations=True)
+    tokens = oracle.golden(tiny.HF_INIT).tokens
+    actual = np.concatenate(runs["fused"])
+    actual[len(PROMPT) + 5, 7] += 2e-4 * np.abs(actual).max()
+    with pytest.raises(AssertionError, match=f"position {len(PROMPT) + 5} .* not a flip"):
+        flips.follow("HF_INIT logits", reference, np.concatenate([PROMPT, tokens]), actual,
+                     W4A8_VS_REFERENCE, 5)
 
 
 def test_w4a8_quantisation_noise_is_bounded(hf_init_w4a8):
@@ -188,10 +212,10 @@ def sensitive_w4a8(converted):
 
 
 def assert_matches_w4a8_oracle(model, expected: oracle.Outputs):
-    prompt, decode = run_forced(model, expected.tokens)
-    assert_rel_but_flips("prompt logits", expected.prompt_logits, prompt, W4A8_VS_W4A8_ORACLE,
-                         W4A8_FLIP)
-    assert_rel("decode logits", expected.decode_logits, decode, W4A8_FLIP)
+    assert_rel_but_flips("logits", np.concatenate([expected.prompt_logits,
+                                                   expected.decode_logits]),
+                         np.concatenate(run_forced(model, expected.tokens)), W4A8_VS_W4A8_ORACLE,
+                         W4A8_FLIP, SENSITIVE_ORACLE_FLIPS)
 
 
 def test_w4a8_matches_the_w4a8_oracle(sensitive_w4a8):

@@ -2,10 +2,9 @@
 item 5): prefill in passes against one pass, against other pass sizes, and against one token at a
 time across the first boundary; against transformers (fp32 path, SENSITIVE: stored rows of its
 logits around each boundary, and live); and the W4A8 path against the float64 reference over
-every position (HF_INIT_LONG: on SENSITIVE the 8-bit rounding flips of 1100 tokens, fp32
-against float64, persist in the state and add up to 1.1e-2 of the logits, measured; on the
-smoother model they stay isolated: 28 of 1100 positions, up to 1.4e-3, the others at fp32
-rounding).
+every position, each 8-bit rounding flip explained (HF_INIT_LONG: on SENSITIVE the flips of 1100
+tokens, fp32 against float64, persist in the state and add up to 1.1e-2 of the logits, measured;
+on the smoother model they stay isolated: 28 of 1100 positions, up to 1.4e-3).
 """
 
 from __future__ import annotations
@@ -17,11 +16,17 @@ from fermijit.model import convert, forward
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
 from tests.model import oracle, tiny
-from tests.model.oracle import LONG_PROMPT, LONG_ROWS, assert_rel, assert_rel_but_flips
-from tests.model.test_forward import (FP32_STATE_REL, FP32_VS_ORACLE, W4A8_FLIP, W4A8_STATE_REL,
+from tests.model import flips
+from tests.model.oracle import LONG_PROMPT, LONG_ROWS, assert_rel
+from tests.model.test_forward import (FP32_STATE_REL, FP32_VS_ORACLE, W4A8_STATE_REL,
                                       W4A8_VS_REFERENCE)
 
 FIRST, LAST = 500, 530  # one token at a time over these positions, across position 512
+# The 8-bit rounding flips the W4A8 run needs against the float64 reference over the 1100 tokens
+# (tests/model/flips.py), each explained by a code at a tie: measured 41 (the first at 330; the
+# engine's fp32 state drifts from float64 with the positions, so the codes that flip lie up to
+# 9.2e-4 from their tie by the end), the same on AVX-512, AVX2 and SSSE3.
+HF_INIT_LONG_FLIPS = 41
 
 
 def passes(model, block: int) -> np.ndarray:
@@ -85,5 +90,7 @@ def test_w4a8_matches_the_reference_over_1100_tokens(tiny_dir, tmp_path):
     ours = assert_state_handoffs(model, W4A8_STATE_REL, bitwise=True)
     cfg, weights, _ = convert.load_converted(tmp_path / "q4")
     reference = Reference(cfg.text_config, weights, quantize_activations=True)
-    expected = reference.forward(LONG_PROMPT, reference.new_state())
-    assert_rel_but_flips("logits", expected, ours, W4A8_VS_REFERENCE, W4A8_FLIP)
+    found = flips.follow("logits", reference, LONG_PROMPT, ours, W4A8_VS_REFERENCE,
+                         HF_INIT_LONG_FLIPS)
+    print(f"\nHF_INIT_LONG W4A8 vs the float64 reference: {len(found)} flips, margins up to "
+          f"{max(f.margin for f in found):.2g}")

@@ -25,6 +25,8 @@ HF_CHUNK = 1024  # transformers' prefill in pieces: eager scores of 4100 x 4100 
 # fp32 path 1.7e-7 (last prompt position), 1.8e-7 (decode); W4A8 5.8e-7, 1.8e-6.
 FP32_VS_ORACLE = 2e-5
 W4A8_VS_W4A8_ORACLE = 2e-5
+# Positions of the 9 the W4A8 comparison may find off by an 8-bit rounding flip: measured 0.
+REAL_SHAPES_FLIPS = 0
 
 
 def prompt() -> np.ndarray:
@@ -90,6 +92,7 @@ def test_w4a8_matches_the_w4a8_oracle(real):
     src, q4 = real
     theirs = hf_run(src, w4a8=True)
     last, decode = fermijit_run(q4, theirs.tokens)
-    # 9 positions: up to 2 may hold an 8-bit rounding flip (test_forward.py, W4A8_FLIP)
+    # 9 positions: up to REAL_SHAPES_FLIPS may hold an 8-bit rounding flip (test_forward.py)
     assert_rel_but_flips("logits", np.concatenate([theirs.prompt_logits, theirs.decode_logits]),
-                         np.concatenate([last, decode]), W4A8_VS_W4A8_ORACLE, W4A8_FLIP, 0.75)
+                         np.concatenate([last, decode]), W4A8_VS_W4A8_ORACLE, W4A8_FLIP,
+                         REAL_SHAPES_FLIPS)

@@ -13,18 +13,20 @@ from tests.model import ablation, oracle, test_forward, test_oracle, tiny
 
 MARGIN = 10  # issue 12: each ablation at least 10x the tolerance
 
-# The tolerances each model is held to, by the tests that compare whole-model logits. HF_INIT's
-# W4A8 comparison allows a few positions W4A8_FLIP (an 8-bit rounding flip), which its GDN or
-# norm ablations do not pass tenfold; what holds it is that 90% of positions must be within
-# W4A8_VS_REFERENCE, and an ablation moves every position.
+# The tolerances each model is held to, by the tests that compare whole-model logits. The W4A8
+# comparisons hold every position to the tight bound but a measured few (test_forward.py: 3 of
+# 48 against the W4A8 oracle, at most W4A8_FLIP; against the float64 reference each flip is
+# explained by a code at a rounding tie, tests/model/flips.py), so an ablation must move most
+# positions past the tight bound tenfold, and all past the loosest.
 HELD = {
     tiny.SENSITIVE.name: {"FP32_VS_ORACLE": test_forward.FP32_VS_ORACLE,
-                     "W4A8_VS_W4A8_ORACLE (90% of prompt positions)":
+                     "W4A8_VS_W4A8_ORACLE (all but 3 of 48 positions)":
                          test_forward.W4A8_VS_W4A8_ORACLE,
-                     "W4A8_FLIP (decode)": test_forward.W4A8_FLIP,
+                     "W4A8_VS_REFERENCE (flips explained)": test_forward.W4A8_VS_REFERENCE,
+                     "W4A8_FLIP (3 positions)": test_forward.W4A8_FLIP,
                      "ORACLE_REL (reference)": test_oracle.ORACLE_REL},
     tiny.HF_INIT.name: {"FP32_VS_ORACLE": test_forward.FP32_VS_ORACLE,
-                   "W4A8_VS_REFERENCE (90% of positions)": test_forward.W4A8_VS_REFERENCE,
+                   "W4A8_VS_REFERENCE (flips explained)": test_forward.W4A8_VS_REFERENCE,
                    "ORACLE_REL (reference)": test_oracle.ORACLE_REL},
 }
 
@@ -41,7 +43,7 @@ def test_every_part_moves_the_logits_far_past_the_tolerances(tiny_dir, name):
     weak = {part: float(rel.max()) for part, rel in moved.items() if rel.max() < MARGIN * loosest}
     assert not weak, (f"{name}: removing these moves the logits by less than {MARGIN}x "
                       f"the loosest tolerance {loosest:g}: {weak}")
-    # Comparisons that let 10% of positions off by a rounding flip: an ablation must move far
+    # Comparisons that let a few positions off by a rounding flip: an ablation must move far
     # more positions than that.
     few = {part: float(np.mean(rel > MARGIN * tightest)) for part, rel in moved.items()
            if np.mean(rel > MARGIN * tightest) < 0.5}
