@@ -5,7 +5,9 @@ the op modules the forward calls is wrapped with a timer (an op called inside an
 to the outer one), numpy products of fp32 weights in `forward.linear` count as an op of their own,
 and Numba's dispatcher is given a timed `__call__`, so the time inside compiled code is known per
 op. Numba's own dispatch (typing the arguments, finding the overload) happens inside that call:
-it is measured on an empty kernel in the same run and moved to the Python side.
+it is measured on an empty kernel in the same run and moved to the Python side. The kernel time
+is split by what the threads did (jit.omp.Regions): compiled code outside parallel regions (one
+thread works), and inside them work, threads idle, and fork/join (issue 29 item 3).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import importlib
 import time
 import types
 
+import numba
 import numpy as np
+
+from fermijit.jit import omp
 
 OP_MODULES = ("embedding", "rmsnorm", "attention", "attention_step", "conv1d", "gated_delta",
               "gdn_step", "l2norm", "matvec", "moe", "residual_step", "rope", "router")
@@ -104,10 +109,12 @@ def profile_token(model, token: int, state) -> list[dict]:
 
     patch(numba_dispatcher.Dispatcher, "__call__", timed_call)
     try:
+        omp.Regions.start()
         start = time.perf_counter()
         model.decode(token, state)
         total = time.perf_counter() - start
     finally:
+        regions = omp.Regions.stop()
         for owner, attr, old in reversed(patched):
             if old is _MISSING:
                 delattr(owner, attr)
@@ -125,11 +132,22 @@ def profile_token(model, token: int, state) -> list[dict]:
     glue = 1e3 * total - in_ops
     rows.append({"op": GLUE, "calls": None, "ms": glue, "kernel_ms": 0.0, "python_ms": glue,
                  "us_per_call": None})
+    kernel_ms = sum(r["kernel_ms"] for r in rows)
     rows.append({"op": "token", "calls": sum(r["calls"] or 0 for r in rows), "ms": 1e3 * total,
-                 "kernel_ms": sum(r["kernel_ms"] for r in rows),
-                 "python_ms": sum(r["python_ms"] for r in rows), "us_per_call": None,
-                 "dispatch_us": 1e6 * dispatch_s})
+                 "kernel_ms": kernel_ms, "python_ms": sum(r["python_ms"] for r in rows),
+                 "us_per_call": None, "dispatch_us": 1e6 * dispatch_s,
+                 "threads": numba.get_num_threads(), "split": split(regions, kernel_ms)})
     return rows
+
+
+def split(regions: "omp.Regions", kernel_ms: float) -> dict:
+    """A token's kernel time by what the threads did (ms): `serial`, compiled code outside any
+    parallel region (one thread works, the team waits); in the regions, `work` (the threads'
+    mean busy time), `idle` (threads waiting at barriers or for the slowest share) and
+    `fork_join` (the rest of the calling thread's time there); and the regions' count."""
+    return {"regions": regions.count, "serial": max(0.0, kernel_ms - 1e3 * regions.wall_s),
+            "work": 1e3 * regions.busy_mean_s, "idle": 1e3 * regions.idle_s,
+            "fork_join": 1e3 * regions.fork_join_s}
 
 
 class _Missing:
@@ -137,6 +155,14 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def format_split(token: dict) -> str:
+    """The token row's time split as one line."""
+    s = token["split"]
+    return (f"{token['threads']} threads: Python and dispatch {token['python_ms']:.2f} ms, "
+            f"kernels serial {s['serial']:.2f}, in {s['regions']} parallel regions: work "
+            f"{s['work']:.2f}, idle {s['idle']:.2f}, fork/join {s['fork_join']:.2f}")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -150,4 +176,5 @@ def format_rows(rows: list[dict]) -> str:
         per = "" if r["us_per_call"] is None else f"{r['us_per_call']:8.1f}"
         lines.append(f"{r['op']:<46} {calls:>5} {r['ms']:8.2f} {100 * r['ms'] / total:5.1f}% "
                      f"{r['kernel_ms']:10.2f} {r['python_ms']:10.2f} {per:>8}")
+    lines.append("  " + format_split(rows[-1]))
     return "\n".join(lines)
