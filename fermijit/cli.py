@@ -428,6 +428,19 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+def export(src: Path, dst: Path) -> None:
+    """Write the fermijit model SRC as a GGUF file DST (llama.cpp's qwen35moe, the same
+    quantised bytes), for llama.cpp to run the same weights (`bench llama-cpp`)."""
+    from fermijit.model import gguf_export
+
+    written = gguf_export.export(src, dst, show_progress=sys.stderr.isatty())
+    click.echo(f"wrote {dst}: {written['tensors']} tensors, {written['bytes'] / 1e9:.2f} GB in "
+               f"{written['seconds']:.1f} s", err=True)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               required=True, help="UTF-8 calibration text (keep it apart from any text you "
