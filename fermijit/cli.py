@@ -223,6 +223,36 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
                             sweep or (), sweep_tokens)
 
 
+@bench.command("llama-cpp")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory.")
+@click.option("--gguf", type=click.Path(path_type=Path), required=True,
+              help="The same model as GGUF (`fermijit export MODEL FILE`).")
+@click.option("--llama-bench", "llama_bench", type=click.Path(path_type=Path), required=True,
+              help="llama.cpp's llama-bench binary.")
+@click.option("--threads", type=THREAD_COUNTS, default=None,
+              help="Thread counts, e.g. 8,16 (default: the physical cores).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Interleaved rounds (fresh processes each); medians reported.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens prefilled.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens decoded.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_llama_cpp(model_dir: Path, gguf: Path, llama_bench: Path, threads: tuple | None,
+                    rounds: int, prompt_tokens: int, tokens: int, as_json: bool) -> None:
+    """fermijit and llama.cpp on the same weights and cores: decode and prefill tok/s, fresh
+    processes, interleaved rounds, medians and ratios."""
+    from fermijit import bench_llama
+    from fermijit.jit import cpu
+
+    # fermijit's runs take this process's variants and thread binding.
+    flags = ("--isa", cpu.selected_isa().label, "--decode-isa", cpu.decode_isa().label)
+    flags += ("--pin-threads",) if cpu.threads_pinned() else ()
+    bench_llama.run(model_dir, gguf, llama_bench, threads or (cpu.physical_cores(),), rounds,
+                    prompt_tokens, tokens, as_json, flags)
+
+
 @bench.command("serve")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory or GGUF file (default: the embedded model).")
