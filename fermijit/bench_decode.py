@@ -6,7 +6,8 @@ The bytes are counted from the model's own arrays: every dense matrix, vector an
 one embedding row, and of the routed experts those the router actually selected (watched on one
 extra token). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
 here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
-expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py).
+expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py), and
+one more prefill of the prompt. `--threads-sweep` decodes again at each thread count given.
 
 This machine's bandwidth drifts by tens of percent within minutes, so besides the ceiling from the
 best probe before and after (`of_ceiling`), decode is also measured in windows of PAIR_TOKENS,
@@ -400,6 +401,12 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
             profile_rows = _profile(model, token, state)
         _progress("read bandwidth (after decode), W4A8 GEMM at the prefill shapes")
         bw = max(bw_before, probe.gbs(PROBE_REPEATS))
+    prefill_profile = None
+    if profile:
+        from fermijit import profile as profiler
+
+        _progress(f"profile of a {n_prompt}-token prefill")
+        prefill_profile = profiler.profile_prefill(model, prompt, model.new_state(n_prompt))
     sweep_rows = _sweep(model, state, token, sweep, report["sweep_tokens"], bytes_.total)
     gemm = gemm_gflops(model, n_prompt)
 
@@ -431,7 +438,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         "decode_gbs": bytes_.total * tok_s / 1e9,
         "decode_major_faults": faults[0], "decode_read_bytes": faults[1],
         "peak_rss": peak, "peak_anon": memory.anon, "peak_file": memory.file,
-        "profile": profile_rows, "sweep": sweep_rows,
+        "profile": profile_rows, "prefill_profile": prefill_profile, "sweep": sweep_rows,
     })
     if as_json:
         print(json.dumps(report, indent=2))
@@ -482,6 +489,11 @@ def format_report(r: dict) -> str:
         from fermijit import profile as profiler
 
         lines.append(profiler.format_rows(r["profile"]))
+    if r.get("prefill_profile"):
+        from fermijit import profile as profiler
+
+        lines.append(profiler.format_rows(r["prefill_profile"],
+                                          f"a {r['prompt_tokens']}-token prefill"))
     if r.get("sweep"):
         lines.append(format_sweep(r["sweep"], r["sweep_tokens"]))
     return "\n".join(lines)

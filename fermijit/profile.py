@@ -22,7 +22,8 @@ import numpy as np
 from fermijit.jit import omp
 
 OP_MODULES = ("embedding", "rmsnorm", "attention", "attention_step", "conv1d", "gated_delta",
-              "gdn_step", "l2norm", "matvec", "moe", "residual_step", "rope", "router")
+              "gdn_step", "l2norm", "matvec", "moe", "residual_step", "rope", "router",
+              "fp32_rows")
 GLUE = "forward glue (Python, numpy copies and adds)"
 DISPATCH_SAMPLES = 20000
 
@@ -74,6 +75,17 @@ def _dispatch_seconds() -> float:
 def profile_token(model, token: int, state) -> list[dict]:
     """Decode `token` once with every op timed; rows sorted by time, the glue and the total last.
     Each row: op, calls, ms, kernel_ms, python_ms (Python and dispatch), and us_per_call."""
+    return profile_call(model.decode, token, state)
+
+
+def profile_prefill(model, tokens, state) -> list[dict]:
+    """`profile_token`'s rows for a prefill of `tokens` (prefill's kernels launch their own
+    threads too, through Numba's prange: those count as kernels outside the regions)."""
+    return profile_call(model.prefill, tokens, state)
+
+
+def profile_call(fn, *args) -> list[dict]:
+    """`fn(*args)` (a decode or a prefill) with every op timed: `profile_token`'s rows."""
     from numba.core import dispatcher as numba_dispatcher
     from numba import _dispatcher
 
@@ -88,10 +100,10 @@ def profile_token(model, token: int, state) -> list[dict]:
 
     for short in OP_MODULES:
         module = importlib.import_module(f"fermijit.ops.{short}")
-        for attr, fn in list(vars(module).items()):
-            if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__ \
+        for attr, op in list(vars(module).items()):
+            if isinstance(op, types.FunctionType) and op.__module__ == module.__name__ \
                     and not attr.startswith("_") and attr != "reference":
-                patch(module, attr, clock.timed(f"{short}.{attr}", fn))
+                patch(module, attr, clock.timed(f"{short}.{attr}", op))
     linear = forward.linear
     patch(forward, "linear", clock.timed(
         lambda x, w, out, act=None: "linear fp32 (numpy)" if isinstance(w, np.ndarray) else None,
@@ -111,7 +123,7 @@ def profile_token(model, token: int, state) -> list[dict]:
     try:
         omp.Regions.start()
         start = time.perf_counter()
-        model.decode(token, state)
+        fn(*args)
         total = time.perf_counter() - start
     finally:
         regions = omp.Regions.stop()
@@ -165,9 +177,9 @@ def format_split(token: dict) -> str:
             f"{s['work']:.2f}, idle {s['idle']:.2f}, fork/join {s['fork_join']:.2f}")
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], what: str = "one decode token") -> str:
     total = rows[-1]["ms"]
-    lines = [f"profile of one decode token (Numba dispatch {rows[-1]['dispatch_us']:.2f} us a "
+    lines = [f"profile of {what} (Numba dispatch {rows[-1]['dispatch_us']:.2f} us a "
              f"call, counted as Python)",
              f"{'op':<46} {'calls':>5} {'ms':>8} {'%':>6} {'kernel ms':>10} {'python ms':>10} "
              f"{'us/call':>8}"]

@@ -75,6 +75,8 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     assert rows["moe.decode"]["calls"] == 4 and rows["matvec.product"]["kernel_ms"] > 0
     assert rows["residual_step.cpu"]["calls"] == 2 * 4 + 1  # each sublayer's input, the head's
     assert r["sweep"] == [] and r["sweep_threads"] == []
+    prefill = {row["op"]: row for row in r["prefill_profile"]}
+    assert prefill["moe.cpu"]["calls"] == 4 and prefill["token"]["ms"] > 0
 
 
 def test_threads_sweep_reports_each_count_and_splits_its_token(report, capsys, monkeypatch):
