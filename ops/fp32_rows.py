@@ -11,8 +11,8 @@ over i (a multiply, then an add: no FMA, no reassociation: the kernels are not f
 lanes are added by halving (simd.hsum), then the K mod 16 leftover products one by one. A tile of
 tokens x rows shares its loads (`tile`) but keeps an accumulator per output, so the tile shape,
 the ISA (a 16-float vector is 1 zmm, 2 ymm or 4 xmm) and the thread are free choices that never
-change a bit. Decode (ops/residual_step.py, T = 1) calls `rows_serial`; prefill `cpu`, its tiles
-over the threads.
+change a bit. Decode (ops/residual_step.py, T = 1) forks `rows_share` over the threads; prefill
+calls `cpu`, its tiles over the threads.
 
 Letters: T tokens, R outputs (rows of w), K inputs.
 """
@@ -135,6 +135,10 @@ def _lane_sums(builder, vectors):
 
 
 one = tile(1, 1)
+# Rows of one token read side by side (decode): 4 accumulators in flight, one load of x for 4
+# rows; each output the same bits as `one`'s.
+ROWS_SIDE_BY_SIDE = 4
+four = tile(1, ROWS_SIDE_BY_SIDE)
 
 
 @kernel(fastmath=False)
@@ -143,6 +147,22 @@ def rows_serial(x, w, out):
     for t in range(x.shape[0]):
         for r in range(w.shape[0]):
             one(x, w, out, t, r, t, r)
+
+
+def rows_share(thread, n_threads, args):
+    """Decode's product out [1, R] = x [1, K] · wᵀ (jit.omp.fork): a thread's run of rows, 4 side
+    by side, the rest one by one. Each output is `one`'s, whatever the split (module docstring).
+    The router's 1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads
+    waited on (issue 29)."""
+    x, w, out = args
+    n_rows = w.shape[0]
+    first = thread * n_rows // n_threads
+    last = (thread + 1) * n_rows // n_threads
+    whole = first + (last - first) // ROWS_SIDE_BY_SIDE * ROWS_SIDE_BY_SIDE
+    for r in range(first, whole, ROWS_SIDE_BY_SIDE):
+        four(x, w, out, 0, r, 0, r)
+    for r in range(whole, last):
+        one(x, w, out, 0, r, 0, r)
 
 
 def _product(x, w, out):

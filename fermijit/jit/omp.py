@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 from numba.np.ufunc import parallel as numba_parallel
 
 from fermijit import FermijitError
-from fermijit.jit.cpu import bind, configure_threads, kernel
+from fermijit.jit.cpu import FASTMATH, bind, configure_threads, kernel
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
@@ -287,17 +287,19 @@ class Regions:
         return self.wall_s - self.share_max_s
 
 
-def forking_kernel(body, **shares):
+def forking_kernel(body, fastmath=FASTMATH, **shares):
     """A function returning `cpu.kernel(body)` whose globals named in `shares` are `fork`
     intrinsics over those share functions (the omp variant where Numba's omp layer runs, else a
-    team of one), made on its first call: making it starts the OpenMP threads."""
+    team of one), made on its first call: making it starts the OpenMP threads. A share is compiled
+    into the kernel, under the kernel's `fastmath`: False where a share's sums must keep their
+    order (Numba's fast-math pass flags every float operation of the module)."""
     made = []
 
     def get():
         if not made:
             variant = "omp" if available() else "serial"
             forks = {name: fork(bind(share, variant)) for name, share in shares.items()}
-            made.append(kernel(body, variant=variant, **forks))
+            made.append(kernel(body, fastmath=fastmath, variant=variant, **forks))
         return made[0]
 
     return get
