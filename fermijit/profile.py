@@ -75,7 +75,11 @@ def _dispatch_seconds() -> float:
 def profile_token(model, token: int, state) -> list[dict]:
     """Decode `token` once with every op timed; rows sorted by time, the glue and the total last.
     Each row: op, calls, ms, kernel_ms, python_ms (Python and dispatch), and us_per_call."""
-    return profile_call(model.decode, token, state)
+    try:
+        return profile_call(model.decode, token, state)
+    finally:
+        if model._decode_ws is not None:  # a plan made while profiling holds timed wrappers
+            model._decode_ws.plan = None
 
 
 def profile_prefill(model, tokens, state) -> list[dict]:
@@ -108,6 +112,12 @@ def profile_call(fn, *args) -> list[dict]:
     patch(forward, "linear", clock.timed(
         lambda x, w, out, act=None: "linear fp32 (numpy)" if isinstance(w, np.ndarray) else None,
         linear))
+
+    def timed_steps(steps):  # decode's plan (model/forward.py): each step under its op's name
+        for label, step, args in steps:
+            clock.timed(label, step)(*args)
+
+    patch(forward, "run_steps", timed_steps)
 
     base_call = _dispatcher.Dispatcher.__call__
 

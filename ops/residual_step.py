@@ -67,9 +67,16 @@ def cpu(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS)
     w [0, H]: none); with ids, weights [1, k], k > 0, p are routed into them. The caller (model/
     forward.py's decode) made every buffer once, of the right shapes and dtypes: only the
     kernel's signature checks them here."""
+    kernel_, args = launch(x, y, norm_w, eps, xn, act, w, p, ids, weights)
+    kernel_(*args)
+    return act
+
+
+def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS):
+    """`cpu`'s kernel and arguments, for a caller that repeats the call every token (model/
+    forward.py's decode plan): (kernel, args)."""
     v = act.vec
     half = matvec.simd.HALF_OF.get(v.isa)
-    _step_kernel()(x, x if y is None else y, y is not None, norm_w, float(eps), xn, act.xq,
-                   act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
-                   half.lanes if half else 0, w, p, ids, weights)
-    return act
+    return _step_kernel(), (x, x if y is None else y, y is not None, norm_w, float(eps), xn,
+                            act.xq, act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
+                            half.lanes if half else 0, w, p, ids, weights)
