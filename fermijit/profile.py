@@ -40,20 +40,24 @@ class _Clock:
             label = name(*args) if callable(name) else name
             if self.active is not None or label is None:
                 return fn(*args, **kwargs)
-            self.active = label
-            k0, c0 = self.kernel_s, self.kernel_calls
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - start
-                self.active = None
-                row = self.rows.setdefault(label, [0, 0.0, 0.0, 0])
-                row[0] += 1
-                row[1] += dt
-                row[2] += self.kernel_s - k0
-                row[3] += self.kernel_calls - c0
+            return self.run(label, fn, args, kwargs)
         return wrapper
+
+    def run(self, label, fn, args, kwargs=None):
+        """fn(*args, **kwargs), its time counted to `label` (an op called inside: to `label`)."""
+        self.active = label
+        k0, c0 = self.kernel_s, self.kernel_calls
+        start = time.perf_counter()
+        try:
+            return fn(*args, **(kwargs or {}))
+        finally:
+            dt = time.perf_counter() - start
+            self.active = None
+            row = self.rows.setdefault(label, [0, 0.0, 0.0, 0])
+            row[0] += 1
+            row[1] += dt
+            row[2] += self.kernel_s - k0
+            row[3] += self.kernel_calls - c0
 
 
 def _dispatch_seconds() -> float:
@@ -75,11 +79,9 @@ def _dispatch_seconds() -> float:
 def profile_token(model, token: int, state) -> list[dict]:
     """Decode `token` once with every op timed; rows sorted by time, the glue and the total last.
     Each row: op, calls, ms, kernel_ms, python_ms (Python and dispatch), and us_per_call."""
-    try:
-        return profile_call(model.decode, token, state)
-    finally:
-        if model._decode_ws is not None:  # a plan made while profiling holds timed wrappers
-            model._decode_ws.plan = None
+    # Decode's plan names its steps (model/forward.py): the ops' functions stay unwrapped, so a
+    # plan made during this token holds no timer of this profile.
+    return profile_call(model.decode, token, state, wrap_ops=False)
 
 
 def profile_prefill(model, tokens, state) -> list[dict]:
@@ -88,8 +90,9 @@ def profile_prefill(model, tokens, state) -> list[dict]:
     return profile_call(model.prefill, tokens, state)
 
 
-def profile_call(fn, *args) -> list[dict]:
-    """`fn(*args)` (a decode or a prefill) with every op timed: `profile_token`'s rows."""
+def profile_call(fn, *args, wrap_ops: bool = True) -> list[dict]:
+    """`fn(*args)` (a decode or a prefill) with every op timed: `profile_token`'s rows.
+    `wrap_ops`: time the op modules' public functions (else only decode's plan steps)."""
     from numba.core import dispatcher as numba_dispatcher
     from numba import _dispatcher
 
@@ -102,20 +105,20 @@ def profile_call(fn, *args) -> list[dict]:
         patched.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
         setattr(owner, attr, wrapper)
 
-    for short in OP_MODULES:
+    for short in OP_MODULES if wrap_ops else ():
         module = importlib.import_module(f"fermijit.ops.{short}")
         for attr, op in list(vars(module).items()):
             if isinstance(op, types.FunctionType) and op.__module__ == module.__name__ \
                     and not attr.startswith("_") and attr != "reference":
                 patch(module, attr, clock.timed(f"{short}.{attr}", op))
-    linear = forward.linear
-    patch(forward, "linear", clock.timed(
-        lambda x, w, out, act=None: "linear fp32 (numpy)" if isinstance(w, np.ndarray) else None,
-        linear))
+    if wrap_ops:
+        patch(forward, "linear", clock.timed(
+            lambda x, w, out, act=None: "linear fp32 (numpy)" if isinstance(w, np.ndarray)
+            else None, forward.linear))
 
     def timed_steps(steps):  # decode's plan (model/forward.py): each step under its op's name
         for label, step, args in steps:
-            clock.timed(label, step)(*args)
+            clock.run(label, step, args)
 
     patch(forward, "run_steps", timed_steps)
 

@@ -164,10 +164,10 @@ def run_steps(steps) -> None:
 
 @dataclasses.dataclass
 class DecodePlan:
-    """Every call of a decode token after the embedding, with its arguments, made once for a
-    state's arrays (`Model._decode_steps`): a token then costs a Python loop over ~6 calls a
-    layer, not the ops' argument assembly and checks (~50-100 us a layer, ~3 ms of a full-size
-    token at every thread count: 7 % of a 16-thread token; issue 29)."""
+    """Every call of a decode token, with its arguments, made once for a state's arrays
+    (`Model._decode_steps`): a token then costs a Python loop over ~6 calls a layer, not the ops'
+    argument assembly and checks (~50-100 us a layer, ~3 ms of a full-size token at every thread
+    count: 7 % of a 16-thread token; issue 29)."""
 
     arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
     observer: object     # Model.moe_observer at the time (called between the router and the MoE)
@@ -398,11 +398,10 @@ class Model:
         return self.logits(ws.x, ws.logits)[0]
 
     def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
-        """`forward` and `logits` for one token of a Q4_0 model, as a plan of ~6 kernel calls a
-        layer made once (`_decode_steps`, every buffer made once by Workspace)."""
+        """`forward` and `logits` for one token of a Q4_0 model (ws.tokens), as a plan of ~6
+        kernel calls a layer made once (`_decode_steps`, every buffer made once by Workspace)."""
         if omp.in_forked_child:
             omp.check_process()
-        embedding.cpu(ws.tokens, self.embed, out=ws.x)
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
         if ws.plan is None or not ws.plan.fits(state, self.moe_observer):
             ws.plan = DecodePlan(_state_arrays(state), self.moe_observer,
@@ -412,12 +411,12 @@ class Model:
         return ws.logits[0]
 
     def _decode_steps(self, state: State, ws: Workspace) -> list:
-        """A decode token's calls after the embedding: the residual add, norm, quantisation and
+        """A decode token's calls: the embedding, then the residual add, norm, quantisation and
         fp32 gates or router of each sublayer's input in one call (ops.residual_step), the
         mixers' steps between their projections in one call each (ops.gdn_step,
         ops.attention_step), the MoE in one (ops.moe). Python and dispatch were 11 % of a
         full-size token op by op."""
-        steps = []
+        steps = [("embedding.cpu", embedding.cpu, (ws.tokens, self.embed, ws.x))]
         eps, y = self.eps, None                                     # y: the sublayer output
         for w, s in zip(self.layers, state.layers):
             mixer = w.mixer
