@@ -91,10 +91,11 @@ synthetic_option = click.option(
     help="Build this synthetic model into a temporary directory first (when no --model is given).")
 
 numa_option = click.option(
-    "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
+    "--numa", type=click.Choice(["interleave", "rows", "local", "off"]), default=None,
     callback=_select_numa, expose_value=False,
     help="NUMA placement of the weight pages (default: interleave where there are several "
-         "nodes, else off).")
+         "nodes, else off; rows: interleave, then each bound thread's rows of the dense "
+         "matrices on its node, with --pin-threads).")
 
 
 def prefill_options(command):

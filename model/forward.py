@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from fermijit import FermijitError, blas
+from fermijit import FermijitError, blas, numa
 from fermijit.jit import omp
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
@@ -459,6 +459,38 @@ class Model:
         steps.append(linear_step(ws.xn, self.lm_head, ws.logits, ws.act))
         return steps
 
+    def row_split_arrays(self) -> list[np.ndarray]:
+        """The weight arrays decode splits by rows the same way every token (thread t of n: rows
+        [t·R/n, (t+1)·R/n)): the GEMVs' matrices (a joined one as launched), the fp32 router and
+        gates, the LM head; for `--numa rows` (fermijit/numa.py). Not the experts: their split
+        follows the token's routing."""
+        out = []
+
+        def add(w):
+            if isinstance(w, matvec.Q4Matrix):
+                out.extend((w.qs, w.d_bits))
+            elif isinstance(w, QuantTensor):
+                out.extend((w.qs, w.d))
+            elif isinstance(w, np.ndarray) and w.ndim == 2:
+                out.append(w)
+
+        for layer in self.layers:
+            mixer = layer.mixer
+            ins = (("in_proj_qkv", "in_proj_z") if isinstance(mixer, GatedDeltaNetWeights)
+                   else ("q_proj", "k_proj", "v_proj"))
+            if layer.joined_in is not None:
+                add(layer.joined_in)
+            for f in dataclasses.fields(mixer):  # the projections (conv1d and norms: not rows)
+                w = getattr(mixer, f.name)
+                if isinstance(w, (matvec.Q4Matrix, QuantTensor)) and not (
+                        layer.joined_in is not None and f.name in ins):
+                    add(w)
+            add(layer.router)
+            if layer.gates_in is not None:
+                add(layer.gates_in)
+        add(self.lm_head)
+        return out
+
     def _check_room(self, state: State, n_tokens: int) -> None:
         if state.position + n_tokens > state.context:
             raise FermijitError(f"context full: {state.position} positions seen plus "
@@ -615,4 +647,8 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
                                     show_progress=show_progress)
     model = Model(cfg.text_config, weights)
     model.source = source
+    if source is not None and numa.selected() == "rows":
+        from fermijit.jit import cpu
+
+        numa.place_rows(model.row_split_arrays(), numa.team_nodes(cpu.configure_threads(None)))
     return cfg, model

@@ -8,9 +8,9 @@
 # processes, 3 interleaved rounds, medians). JSON and logs in OUT; a short table printed last.
 # Usage, from the project root, after shared/device/prepare.sh and tests/llama_cpp_source.sh
 # here: bash tests/manycore_pass.sh OUT   (carry .device-wheels and build/llama.cpp.tar.xz)
-# Elsewhere (a rehearsal): PYTHON=.venv/bin/python LAYERS=2 bash tests/manycore_pass.sh OUT
-# (without .device-wheels nothing is installed; LAYERS: a slice of the model; counts above this
-# machine's cores are left out).
+# Elsewhere (a rehearsal): PYTHON=.venv/bin/python LAYERS=2 LLAMA_BENCH=path/llama-bench bash
+# tests/manycore_pass.sh OUT (without .device-wheels nothing is installed; LAYERS: a slice of the
+# model; LLAMA_BENCH: a built llama-bench, no build; counts above this machine's cores left out).
 set -u
 out=${1:?usage: tests/manycore_pass.sh OUTDIR}
 mkdir -p "$out"
@@ -21,14 +21,14 @@ log="$out/manycore.log"
 step() { echo "[$((SECONDS - start)) s] $*" | tee -a "$log"; }
 model=/dev/shm/fj-reap128
 gguf=/dev/shm/fj-reap128.gguf
-bench=/tmp/llama/llama.cpp/build/bin/llama-bench
+bench=${LLAMA_BENCH:-/tmp/llama/llama.cpp/build/bin/llama-bench}  # given: no build
 cores=$($py -c "from fermijit.jit import cpu; print(cpu.physical_cores())")
 upto() { $py -c "import sys; print(','.join(c for c in sys.argv[1].split(',') if int(c) <= $cores) or '$cores')" "$1"; }
 sweep=$(upto 1,2,4,8,16)
 pair=$(upto 8,16)
 { lscpu; free -g; numactl -H 2>/dev/null; } >>"$log" 2>&1
 step "llama.cpp build started (background); $cores cores"
-( mkdir -p /tmp/llama && tar xJf build/llama.cpp.tar.xz -C /tmp/llama && cd /tmp/llama/llama.cpp \
+[ -n "${LLAMA_BENCH:-}" ] || ( mkdir -p /tmp/llama && tar xJf build/llama.cpp.tar.xz -C /tmp/llama && cd /tmp/llama/llama.cpp \
   && cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_CUDA=OFF \
        -DCMAKE_BUILD_TYPE=Release \
