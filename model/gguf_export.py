@@ -129,7 +129,11 @@ def _tokenizer(w, model_dir: Path, c: TextConfig) -> None:
     w.add_tokenizer_pre("qwen35")
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    # llama.cpp refuses a `gpt2` vocabulary without merges and the gguf package writes no empty
+    # array: synth's byte-level tokenizer (none) gets one of two byte tokens whose product is no
+    # token, which changes no tokenisation (llama.cpp falls back to the bytes).
+    w.add_token_merges(merges or [f"{tokens[0]} {tokens[1]}"])
     for setter, value in ((w.add_bos_token_id, c.bos_token_id), (w.add_pad_token_id, c.pad_token_id),
                           (w.add_eos_token_id, c.eos_token_id if not isinstance(
                               c.eos_token_id, tuple) else c.eos_token_id[0])):
