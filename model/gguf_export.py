@@ -77,32 +77,29 @@ def _raw_type(kind: str, types):
 
 
 def _metadata(w, c: TextConfig) -> None:
-    arch = lambda key: f"{ARCH}.{key}"  # noqa: E731
+    """The `qwen35moe.*` keys llama.cpp's converter writes (gguf_io.text_config reads them)."""
+    sections = list(c.rope_parameters.mrope_section)
+    counts = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+              "embedding_length": c.hidden_size, "attention.head_count": c.num_attention_heads,
+              "attention.head_count_kv": c.num_key_value_heads, "expert_count": c.num_experts,
+              "expert_used_count": c.num_experts_per_tok, "attention.key_length": c.head_dim,
+              "attention.value_length": c.head_dim,
+              "expert_feed_forward_length": c.moe_intermediate_size,
+              "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
+              "ssm.conv_kernel": c.linear_conv_kernel_dim, "ssm.state_size": c.linear_key_head_dim,
+              "ssm.group_count": c.linear_num_key_heads,
+              "ssm.time_step_rank": c.linear_num_value_heads,
+              "ssm.inner_size": c.linear_value_dim,
+              "full_attention_interval": c.full_attention_interval,
+              "rope.dimension_count": c.rotary_dim}
     w.add_name("fermijit export")
-    w.add_uint32(arch("block_count"), c.num_hidden_layers)
-    w.add_uint32(arch("context_length"), c.max_position_embeddings)
-    w.add_uint32(arch("embedding_length"), c.hidden_size)
-    w.add_uint32(arch("attention.head_count"), c.num_attention_heads)
-    w.add_uint32(arch("attention.head_count_kv"), c.num_key_value_heads)
-    w.add_array(arch("rope.dimension_sections"),
-                list(c.rope_parameters.mrope_section) + [0] * (4 - len(c.rope_parameters.mrope_section)))
-    w.add_float32(arch("rope.freq_base"), float(c.rope_parameters.rope_theta))
-    w.add_float32(arch("attention.layer_norm_rms_epsilon"), float(c.rms_norm_eps))
-    w.add_uint32(arch("expert_count"), c.num_experts)
-    w.add_uint32(arch("expert_used_count"), c.num_experts_per_tok)
-    w.add_uint32(arch("attention.key_length"), c.head_dim)
-    w.add_uint32(arch("attention.value_length"), c.head_dim)
-    w.add_uint32(arch("expert_feed_forward_length"), c.moe_intermediate_size)
-    w.add_uint32(arch("expert_shared_feed_forward_length"), c.shared_expert_intermediate_size)
-    w.add_uint32(arch("ssm.conv_kernel"), c.linear_conv_kernel_dim)
-    w.add_uint32(arch("ssm.state_size"), c.linear_key_head_dim)
-    w.add_uint32(arch("ssm.group_count"), c.linear_num_key_heads)
-    w.add_uint32(arch("ssm.time_step_rank"), c.linear_num_value_heads)
-    w.add_uint32(arch("ssm.inner_size"), c.linear_value_dim)
-    w.add_array(arch("attention.recurrent_layers"),
+    for key, value in counts.items():
+        w.add_uint32(f"{ARCH}.{key}", value)
+    w.add_float32(f"{ARCH}.rope.freq_base", float(c.rope_parameters.rope_theta))
+    w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_array(f"{ARCH}.rope.dimension_sections", sections + [0] * (4 - len(sections)))
+    w.add_array(f"{ARCH}.attention.recurrent_layers",
                 [kind != FULL_ATTENTION for kind in c.layer_types])
-    w.add_uint32(arch("full_attention_interval"), c.full_attention_interval)
-    w.add_uint32(arch("rope.dimension_count"), c.rotary_dim)
     w.add_file_type(FILE_TYPE_Q4_0)
     w.add_quantization_version(2)
 

@@ -23,7 +23,8 @@ step() { echo "[$((SECONDS - start)) s] $*" | tee -a "$log"; }
 model=/dev/shm/fj-reap128
 gguf=/dev/shm/fj-reap128.gguf
 bench=${LLAMA_BENCH:-/tmp/llama/llama.cpp/build/bin/llama-bench}  # given: no build
-cores=$($py -c "from fermijit.jit import cpu; print(cpu.physical_cores())")
+# CPUs, not physical cores: where a VM shows SMT siblings, 16 threads is still the count to run.
+cores=$($py -c "import os; print(len(os.sched_getaffinity(0)))")
 upto() { $py -c "import sys; print(','.join(c for c in sys.argv[1].split(',') if int(c) <= $cores) or '$cores')" "$1"; }
 sweep=$(upto 1,2,4,8,16)
 pair=$(upto 8,16)

@@ -30,8 +30,8 @@ def _launch(seen):
     fork((seen,))
 
 
-record_threads = kernel(_launch, fork=omp.fork(_record),
-                        variant="omp" if omp.available() else "serial")
+_TEAM = "omp" if omp.available() else "serial"
+record_threads = kernel(_launch, fork=omp.fork(_record), variant=_TEAM)
 
 
 @pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
@@ -174,7 +174,6 @@ def _launch_meet(marks, seen):
     fork((marks, seen))
 
 
-_TEAM = "omp" if omp.available() else "serial"
 meet = kernel(_launch_meet, variant=_TEAM,
               fork=omp.fork(bind(_meet, _TEAM, barrier=omp.barrier_intrinsic())))
 
