@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fermijit.jit import cpu as jit_cpu
-from fermijit.jit import simd
+from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, kernel
 from fermijit.jit.simd import F32, I64, vec
@@ -141,14 +141,6 @@ ROWS_SIDE_BY_SIDE = 4
 four = tile(1, ROWS_SIDE_BY_SIDE)
 
 
-@kernel(fastmath=False)
-def rows_serial(x, w, out):
-    """out [T, R] = x · wᵀ on the calling thread, one output at a time (decode: T = 1)."""
-    for t in range(x.shape[0]):
-        for r in range(w.shape[0]):
-            one(x, w, out, t, r, t, r)
-
-
 def rows_share(thread, n_threads, args):
     """Decode's product out [1, R] = x [1, K] · wᵀ (jit.omp.fork): a thread's run of rows, 4 side
     by side, the rest one by one. Each output is `one`'s, whatever the split (module docstring).
@@ -163,6 +155,15 @@ def rows_share(thread, n_threads, args):
         four(x, w, out, 0, r, 0, r)
     for r in range(whole, last):
         one(x, w, out, 0, r, 0, r)
+
+
+def _rows_body(x, w, out):
+    fork((x, w, out))
+
+
+# Decode's product alone (residual_step forks `rows_share` inside its own kernel); no fast-math:
+# the share's sums keep their order.
+decode_rows = omp.forking_kernel(_rows_body, fastmath=False, fork=rows_share)
 
 
 def _product(x, w, out):
