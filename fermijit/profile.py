@@ -31,6 +31,7 @@ DISPATCH_SAMPLES = 20000
 class _Clock:
     def __init__(self):
         self.rows: dict[str, list] = {}   # op -> [calls, seconds, kernel seconds, kernel calls]
+        self.regions: dict[str, omp.Regions] = {}  # op -> its parallel regions (omp.Regions)
         self.active: str | None = None
         self.kernel_s = 0.0
         self.kernel_calls = 0
@@ -47,17 +48,22 @@ class _Clock:
         """fn(*args, **kwargs), its time counted to `label` (an op called inside: to `label`)."""
         self.active = label
         k0, c0 = self.kernel_s, self.kernel_calls
+        r0 = omp.Regions.now()
         start = time.perf_counter()
         try:
             return fn(*args, **(kwargs or {}))
         finally:
             dt = time.perf_counter() - start
+            regions = omp.Regions.now() - r0
             self.active = None
             row = self.rows.setdefault(label, [0, 0.0, 0.0, 0])
             row[0] += 1
             row[1] += dt
             row[2] += self.kernel_s - k0
             row[3] += self.kernel_calls - c0
+            if label in self.regions:
+                regions = self.regions[label] + regions
+            self.regions[label] = regions
 
 
 def _dispatch_seconds() -> float:
@@ -98,6 +104,7 @@ def profile_call(fn, *args, wrap_ops: bool = True) -> list[dict]:
 
     from fermijit.model import forward
 
+    omp.cycles_per_second()  # measured once, before the dispatcher is timed: it calls a kernel
     clock = _Clock()
     patched: list[tuple[object, str, object]] = []
 
@@ -151,7 +158,8 @@ def profile_call(fn, *args, wrap_ops: bool = True) -> list[dict]:
     for op, (calls, secs, kern, kcalls) in clock.rows.items():
         kernel = max(0.0, kern - kcalls * dispatch_s)
         rows.append({"op": op, "calls": calls, "ms": 1e3 * secs, "kernel_ms": 1e3 * kernel,
-                     "python_ms": 1e3 * (secs - kernel), "us_per_call": 1e6 * secs / calls})
+                     "python_ms": 1e3 * (secs - kernel), "us_per_call": 1e6 * secs / calls,
+                     "split": split(clock.regions[op], 1e3 * kernel)})
     rows.sort(key=lambda r: -r["ms"])
     in_ops = sum(r["ms"] for r in rows)
     glue = 1e3 * total - in_ops
@@ -194,12 +202,15 @@ def format_rows(rows: list[dict], what: str = "one decode token") -> str:
     total = rows[-1]["ms"]
     lines = [f"profile of {what} (Numba dispatch {rows[-1]['dispatch_us']:.2f} us a "
              f"call, counted as Python)",
-             f"{'op':<46} {'calls':>5} {'ms':>8} {'%':>6} {'kernel ms':>10} {'python ms':>10} "
-             f"{'us/call':>8}"]
+             f"{'op':<40} {'calls':>5} {'ms':>8} {'%':>6} {'kernel':>8} {'python':>7} "
+             f"{'us/call':>8} | kernel ms: {'serial':>6} {'work':>7} {'idle':>6} {'fork':>6}"]
     for r in rows:
         calls = "" if r["calls"] is None else str(r["calls"])
         per = "" if r["us_per_call"] is None else f"{r['us_per_call']:8.1f}"
-        lines.append(f"{r['op']:<46} {calls:>5} {r['ms']:8.2f} {100 * r['ms'] / total:5.1f}% "
-                     f"{r['kernel_ms']:10.2f} {r['python_ms']:10.2f} {per:>8}")
+        s = r.get("split")
+        parts = (f" | {'':>10} {s['serial']:6.2f} {s['work']:7.2f} {s['idle']:6.2f} "
+                 f"{s['fork_join']:6.2f}" if s else "")
+        lines.append(f"{r['op'][:40]:<40} {calls:>5} {r['ms']:8.2f} {100 * r['ms'] / total:5.1f}% "
+                     f"{r['kernel_ms']:8.2f} {r['python_ms']:7.2f} {per:>8}{parts}")
     lines.append("  " + format_split(rows[-1]))
     return "\n".join(lines)

@@ -141,20 +141,24 @@ ROWS_SIDE_BY_SIDE = 4
 four = tile(1, ROWS_SIDE_BY_SIDE)
 
 
-def rows_share(thread, n_threads, args):
-    """Decode's product out [1, R] = x [1, K] · wᵀ (jit.omp.fork): a thread's run of rows, 4 side
-    by side, the rest one by one. Each output is `one`'s, whatever the split (module docstring).
-    The router's 1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads
-    waited on (issue 29)."""
-    x, w, out = args
-    n_rows = w.shape[0]
-    first = thread * n_rows // n_threads
-    last = (thread + 1) * n_rows // n_threads
+@kernel(fastmath=False)
+def rows_range(x, w, out, first, last):
+    """Decode's product out [1, R] = x [1, K] · wᵀ for rows [first, last), 4 side by side, the
+    rest one by one: each output `one`'s, whatever the range (module docstring)."""
     whole = first + (last - first) // ROWS_SIDE_BY_SIDE * ROWS_SIDE_BY_SIDE
     for r in range(first, whole, ROWS_SIDE_BY_SIDE):
         four(x, w, out, 0, r, 0, r)
     for r in range(whole, last):
         one(x, w, out, 0, r, 0, r)
+
+
+def rows_share(thread, n_threads, args):
+    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`). The router's
+    1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads waited on
+    (issue 29)."""
+    x, w, out = args
+    n_rows = w.shape[0]
+    rows_range(x, w, out, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)
 
 
 def _rows_body(x, w, out):

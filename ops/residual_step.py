@@ -14,10 +14,13 @@ layer (`bench decode --profile`), 2 ms a token of the real model's 40 layers.
 The norm, the quantisation and the routing are the ops' own kernels, so those outputs are bit for
 bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
 test_residual_step.py). The product is ops.fp32_rows's, its rows forked over the threads
-(fp32_rows.rows_share): each output the same bits as prefill's product of the same input row,
-whatever the thread count. On one thread the router's and gates' 55 MB of a full-size token (1 MB
-a layer for REAP-128's router) were ~4 ms that the other threads waited through at 16 threads
-(issue 29); at 2 threads forking them saved 0.27 ms of a ~75 ms token (issue 9's measure).
+(fp32_rows.rows_share) from PRODUCT_FORK_THREADS threads on: each output the same bits as
+prefill's product of the same input row, whatever the thread count. On one thread the router's
+and gates' 55 MB of a full-size token (1 MB a layer for REAP-128's router) were ~4 ms that the
+other threads waited through at 16 threads (issue 29); at 2 threads forking them saved 0.27 ms of
+a ~75 ms token (issue 9's measure) while on a busy 2-core machine each fork waits for its second
+thread (1.45 ms a fork of this step at load 6, `bench decode --profile`'s split): there it runs
+on the calling thread.
 
 Letters: H hidden, R product rows, k experts per token.
 """
@@ -29,6 +32,8 @@ import numpy as np
 from fermijit.jit import omp
 from fermijit.ops import fp32_rows, matvec, rmsnorm, router
 from fermijit.ops.matvec import Q8Act
+
+PRODUCT_FORK_THREADS = 3  # the product's rows go over the team from this many threads on
 
 
 def reference(x, y, norm_w, eps, w, top_k=0):
@@ -48,7 +53,10 @@ def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_la
     rmsnorm._rmsnorm_serial(x, norm_w, eps, xn)
     matvec._quantize_act_kernel(xn, xq, dx, xsum8, lanes, step_blocks, half_lanes)
     if w.shape[0]:
-        fork((xn, w, p))
+        if omp.team_size() >= PRODUCT_FORK_THREADS:
+            fork((xn, w, p))
+        else:
+            fp32_rows.rows_range(xn, w, p, 0, w.shape[0])
         if ids.shape[1]:
             router._route_tokens(p, ids, weights)
 

@@ -234,6 +234,17 @@ def barrier_intrinsic():
 
 
 @intrinsic
+def team_size(typingctx):
+    """The team a `fork` here would start: Numba's thread count (its symbol, as `fork` reads it;
+    without omp the fork runs a team of one whatever this says)."""
+    def codegen(context, builder, sig, args):
+        return builder.call(cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I64, []), "get_num_threads"), [])
+
+    return types.int64(), codegen
+
+
+@intrinsic
 def _read_cycles(typingctx):
     return types.int64(), lambda context, builder, sig, args: _cycles(builder)
 
@@ -272,9 +283,20 @@ class Regions:
     def stop() -> "Regions":
         """Stop counting; what was counted."""
         _stats[ON] = 0
+        return Regions.now()
+
+    @staticmethod
+    def now() -> "Regions":
+        """What was counted so far (counting goes on); differences of two: the regions between."""
         hz = cycles_per_second()
         return Regions(int(_stats[REGIONS]), *(float(_stats[i]) / hz for i in
                                               (WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM)))
+
+    def __sub__(self, other: "Regions") -> "Regions":
+        return Regions(*(getattr(self, f) - getattr(other, f) for f in _FIELDS))
+
+    def __add__(self, other: "Regions") -> "Regions":
+        return Regions(*(getattr(self, f) + getattr(other, f) for f in _FIELDS))
 
     @property
     def idle_s(self) -> float:
@@ -285,6 +307,9 @@ class Regions:
     def fork_join_s(self) -> float:
         """The calling thread's time in regions outside the longest share: the fork and join."""
         return self.wall_s - self.share_max_s
+
+
+_FIELDS = ("count", "wall_s", "share_max_s", "busy_mean_s", "busy_s")
 
 
 def forking_kernel(body, fastmath=FASTMATH, **shares):
