@@ -502,7 +502,7 @@ def format_report(r: dict) -> str:
 def format_sweep(rows: list[dict], n_tokens: int) -> str:
     """The threads sweep: speed against the ceiling, and a profiled token's time split (ms)."""
     lines = [f"threads sweep ({n_tokens} tokens each; split of one profiled token, ms: Python "
-             f"and dispatch, kernels outside parallel regions, and in the regions work, threads "
+             f"and dispatch, kernels outside the fork regions, and in the regions work, threads "
              f"idle, fork/join)",
              f"{'threads':>7} {'tok/s':>7} {'ms':>7} {'GB/s':>6} {'ceil %':>6} {'paired':>6} "
              f"{'token':>7} {'python':>7} {'serial':>7} {'work':>7} {'idle':>7} {'fork':>7} "
