@@ -177,7 +177,7 @@ def split(regions: "omp.Regions", kernel_ms: float) -> dict:
     """A token's kernel time by what the threads did (ms): `serial`, compiled code outside the
     jit.omp regions (one thread works, the team waits; in prefill also Numba's own prange
     launches, which are parallel but not counted); in the regions, `work` (the threads' mean
-    busy time), `idle` (threads waiting at barriers or for the slowest share) and `fork_join`
+    busy time), `idle` (threads waiting for the slowest share) and `fork_join`
     (the rest of the calling thread's time there); and the regions' count."""
     return {"regions": regions.count, "serial": max(0.0, kernel_ms - 1e3 * regions.wall_s),
             "work": 1e3 * regions.busy_mean_s, "idle": 1e3 * regions.idle_s,

@@ -7,10 +7,9 @@ computes a schedule and runs an `omp for` with a barrier of its own inside the r
 runtime Numba's omp layer has loaded, so both use one pool of threads.
 
 Every fork can account for its time (`Regions`, off unless asked: one load and branch a launch):
-the calling thread's wall time around the region, each thread's time in its share and in the
-team's barriers (`barrier`), read with the cycle counter. `bench decode --profile` splits a
-token's kernel time into work, threads idle inside regions (waiting at barriers or for the
-slowest share) and fork/join (issue 29 item 3).
+the calling thread's wall time around the region and each thread's time in its share, read with
+the cycle counter. `bench decode --profile` splits a token's kernel time into work, threads idle
+inside regions (waiting for the slowest share) and fork/join (issue 29 item 3).
 """
 
 from __future__ import annotations
@@ -39,11 +38,10 @@ LIBGOMP = "libgomp.so.1"
 
 # The regions' counters, int64, in memory the kernels reach through a symbol (resolved when a
 # kernel is linked, so cached kernels find this process's copy): a header, then one cache line
-# per thread (its share's cycles, its barrier waits' cycles), so threads never share a line.
+# per thread (its share's cycles), so threads never share a line.
 STATS_SYMBOL = "fermijit_omp_regions"
 ON, REGIONS, WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM = range(6)
 SLOT = 8                     # int64s a thread: one 64-byte line
-SLOT_SHARE, SLOT_WAIT = 0, 1
 MAX_TEAM = 1024
 _stats = np.zeros(SLOT * (MAX_TEAM + 1), np.int64)  # the header takes the first line
 llvm.add_symbol(STATS_SYMBOL, _stats.ctypes.data)
@@ -107,10 +105,10 @@ def _cycles(builder):
     return builder.call(fn, [])
 
 
-def _slot(builder, thread, field: int):
-    return _stats_word(builder, builder.add(builder.mul(builder.add(thread, ir.Constant(_I64, 1)),
-                                                        ir.Constant(_I64, SLOT)),
-                                            ir.Constant(_I64, field)))
+def _slot(builder, thread):
+    """Thread `thread`'s share cycles (its own line, after the header's)."""
+    return _stats_word(builder, builder.mul(builder.add(thread, ir.Constant(_I64, 1)),
+                                            ir.Constant(_I64, SLOT)))
 
 
 def _is_on(builder):
@@ -128,17 +126,15 @@ def _omp_int(builder, name: str):
 
 def _account(builder, team, wall):
     """After a region (on the calling thread, counting on): its wall cycles, the longest share,
-    the threads' mean and total busy cycles (share less barrier waits); the slots reset."""
+    the threads' mean and total share cycles; the slots reset."""
     c = lambda n: ir.Constant(_I64, n)  # noqa: E731
     longest = cgutils.alloca_once_value(builder, c(0))
     busy = cgutils.alloca_once_value(builder, c(0))
     with cgutils.for_range(builder, team) as loop:
-        share_ptr = _slot(builder, loop.index, SLOT_SHARE)
-        wait_ptr = _slot(builder, loop.index, SLOT_WAIT)
+        share_ptr = _slot(builder, loop.index)
         share = builder.load(share_ptr)
-        _add(builder, busy, builder.sub(share, builder.load(wait_ptr)))
+        _add(builder, busy, share)
         builder.store(c(0), share_ptr)  # a thread left out of a later team counts nothing
-        builder.store(c(0), wait_ptr)
         old = builder.load(longest)
         builder.store(builder.select(builder.icmp_signed(">", share, old), share, old), longest)
     total = builder.load(busy)
@@ -153,7 +149,7 @@ def fork(share):
     """An intrinsic `fork(args)`: `share(thread, n_threads, args)` on each thread of one OpenMP
     team of Numba's thread count (`numba.set_num_threads`; args: a tuple; `share`: a plain
     function, compiled in nopython mode). Returns when every thread has finished. Without omp
-    (`available()`), a team of one. A share may call `barrier()` (every thread of the team must).
+    (`available()`), a team of one.
 
     `share` must not raise: nothing propagates out of a thread (check inputs before the fork).
     Include `available()` in the cache key of kernels that use it: their code differs."""
@@ -186,7 +182,7 @@ def fork(share):
             start = _cycles(b)
             run_share(b, thread, _omp_int(b, "omp_get_num_threads"), packed)
             with b.if_then(_is_on(b)):
-                b.store(b.sub(_cycles(b), start), _slot(b, thread, SLOT_SHARE))
+                b.store(b.sub(_cycles(b), start), _slot(b, thread))
             b.ret_void()
 
             slot = cgutils.alloca_once(builder, args_ty)
@@ -208,29 +204,6 @@ def fork(share):
         return types.none(args), codegen
 
     return fork_
-
-
-def barrier_intrinsic():
-    """An intrinsic `barrier()` for a share: every thread of the team waits there for the others
-    (GOMP_barrier; a team of one: nothing). Its waits count as idle time (`Regions`)."""
-    use_omp = available()
-
-    @intrinsic
-    def barrier_(typingctx):
-        def codegen(context, builder, sig, llargs):
-            if use_omp:
-                start = _cycles(builder)
-                gomp_barrier = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(ir.VoidType(), []), "GOMP_barrier")
-                builder.call(gomp_barrier, [])
-                with builder.if_then(_is_on(builder)):
-                    _add(builder, _slot(builder, _omp_int(builder, "omp_get_thread_num"),
-                                        SLOT_WAIT), builder.sub(_cycles(builder), start))
-            return context.get_dummy_value()
-
-        return types.none(), codegen
-
-    return barrier_
 
 
 @intrinsic
@@ -265,7 +238,7 @@ def cycles_per_second() -> float:
 class Regions:
     """The parallel regions counted since `Regions.start()`, in seconds: the calling thread's wall
     time inside them (`wall_s`), of which the longest share of each (`share_max_s`); the threads'
-    mean busy time (their shares less barrier waits: `busy_mean_s`), their total (`busy_s`)."""
+    mean time in their shares (`busy_mean_s`) and their total (`busy_s`)."""
 
     count: int
     wall_s: float
@@ -300,7 +273,7 @@ class Regions:
 
     @property
     def idle_s(self) -> float:
-        """Threads idle inside regions (barriers, waiting for the slowest share), per thread."""
+        """Threads idle inside regions (waiting for the slowest share), per thread."""
         return self.share_max_s - self.busy_mean_s
 
     @property

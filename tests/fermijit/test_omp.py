@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fermijit.jit import omp
-from fermijit.jit.cpu import bind, kernel
+from fermijit.jit.cpu import kernel
 
 
 def _python(args, timeout=600, **env):
@@ -159,53 +159,19 @@ def test_a_forked_child_is_refused_not_hung():
     assert "refused:" in out and "spawn" in out and "child exit 0" in out
 
 
-def _meet(thread, n_threads, args):
-    """Each thread writes its mark, waits for the team, then reads every mark."""
-    marks, seen = args
-    marks[thread] = thread + 1
-    barrier()
-    total = 0
-    for t in range(n_threads):
-        total += marks[t]
-    seen[thread] = total
-
-
-def _launch_meet(marks, seen):
-    fork((marks, seen))
-
-
-meet = kernel(_launch_meet, variant=_TEAM,
-              fork=omp.fork(bind(_meet, _TEAM, barrier=omp.barrier_intrinsic())))
-
-
-@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
-def test_a_barrier_holds_every_thread_until_the_team_arrives():
-    full = numba.get_num_threads()
-    try:
-        for n in sorted({1, full}):
-            numba.set_num_threads(n)
-            for _ in range(50):  # a missing barrier shows as a thread reading a mark unwritten
-                marks = np.zeros(n, np.int64)
-                seen = np.zeros(n, np.int64)
-                meet(marks, seen)
-                assert seen.tolist() == [n * (n + 1) // 2] * n
-    finally:
-        numba.set_num_threads(full)
-
-
 @pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
 def test_regions_count_their_launches_and_split_their_time():
-    marks = np.zeros(numba.get_num_threads(), np.int64)
-    seen = np.zeros_like(marks)
-    meet(marks, seen)  # compiled before counting
+    seen = np.full(numba.config.NUMBA_NUM_THREADS + 1, -1)
+    record_threads(seen)  # compiled before counting
     omp.Regions.start()
     for _ in range(7):
-        meet(marks, seen)
+        record_threads(seen)
     r = omp.Regions.stop()
     assert r.count == 7
     assert r.wall_s >= r.share_max_s >= r.busy_mean_s > 0
     assert r.idle_s >= 0 and r.fork_join_s >= 0
     n = numba.get_num_threads()
     assert r.busy_s == pytest.approx(n * r.busy_mean_s, rel=1e-3, abs=1e-7)
-    meet(marks, seen)
+    record_threads(seen)
     assert omp.Regions.stop().count == 7  # stopped: later launches are not counted
+    assert (omp.Regions.now() - r).count == 0
