@@ -6,7 +6,8 @@ The bytes are counted from the model's own arrays: every dense matrix, vector an
 one embedding row, and of the routed experts those the router actually selected (watched on one
 extra token). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
 here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
-expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py).
+expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py), and
+one more prefill of the prompt. `--threads-sweep` decodes again at each thread count given.
 
 This machine's bandwidth drifts by tens of percent within minutes, so besides the ceiling from the
 best probe before and after (`of_ceiling`), decode is also measured in windows of PAIR_TOKENS,
@@ -34,6 +35,7 @@ PROFILE_TOKENS = 3  # profiled tokens: the least disturbed one is shown (a share
 PAIR_TOKENS = 16    # decode tokens a window of the paired measure
 PAIR_REPEATS = 3    # probe passes before a window, the best counted: at 2 threads single passes
 # right after decode tokens read 10-25 % below the rest (ratios over 100 %)
+SWEEP_TOKENS = 32   # decode tokens at each count of --threads-sweep (two paired windows)
 
 
 def _progress(what: str) -> None:
@@ -258,15 +260,26 @@ def windows(n_tokens: int) -> list[range]:
 # --- the run ------------------------------------------------------------------------------------
 
 def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: int,
-        n_threads: int | None, as_json: bool, profile: bool) -> dict:
+        n_threads: int | None, as_json: bool, profile: bool,
+        sweep: tuple[int, ...] = (), sweep_tokens: int = SWEEP_TOKENS) -> dict:
+    """`sweep`: thread counts at which decode is measured again after the main run (each
+    `sweep_tokens` tokens in paired windows, then a profiled token: `--threads-sweep`)."""
+    import numba
+
     from fermijit.jit import cpu
 
     if (model_dir is None) == (synthetic is None):
         raise FermijitError("give one of --model DIR or --synthetic NAME")
+    limit = numba.config.NUMBA_NUM_THREADS
+    if any(not 1 <= n <= limit for n in sweep):
+        raise FermijitError(f"--threads-sweep: counts must be between 1 and {limit} (Numba's "
+                            f"threads here; NUMBA_NUM_THREADS raises it), got "
+                            f"{','.join(map(str, sweep))}")
     threads = cpu.configure_threads(n_threads)
     report: dict = {"isa": cpu.selected_isa().label, "decode_isa": cpu.decode_isa().label,
-                    "cpu": cpu.target_cpu_name(),
-                    "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens}
+                    "cpu": cpu.target_cpu_name(), "pinned": cpu.threads_pinned(),
+                    "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens,
+                    "sweep_threads": list(sweep), "sweep_tokens": sweep_tokens}
     if model_dir is not None:
         return _measure(Path(model_dir), report, as_json, profile)
     from fermijit.model import synth
@@ -277,6 +290,64 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
         report["synthetic"] = {"name": synthetic, "build_s": written.seconds,
                                "bytes": written.nbytes}
         return _measure(written.path, report, as_json, profile)
+
+
+def _decode_windows(model, state, token: int, n_tokens: int, probe: ProbeChild):
+    """Decode `n_tokens` greedy tokens in windows, each after a best-of-PAIR_REPEATS probe:
+    (per-token seconds, the windows, each window's probe GB/s, CPU seconds, the last token)."""
+    spans = windows(n_tokens)
+    times, window_gbs, cpu_s = [], [], 0.0
+    for window in spans:
+        window_gbs.append(probe.gbs(PAIR_REPEATS))
+        cpu0 = time.process_time()
+        for _ in window:
+            start = time.perf_counter()
+            token = int(np.argmax(model.decode(token, state)))
+            times.append(time.perf_counter() - start)
+        cpu_s += time.process_time() - cpu0
+    return times, spans, window_gbs, cpu_s, token
+
+
+def _paired(total_bytes: int, times, spans, window_gbs) -> tuple[list, list]:
+    """(each window's decode GB/s, its ratio to the probe before it)."""
+    decode_gbs = [total_bytes * len(w) / sum(times[i] for i in w) / 1e9 for w in spans]
+    return decode_gbs, [d / p for d, p in zip(decode_gbs, window_gbs)]
+
+
+def _profile(model, token: int, state) -> list[dict]:
+    from fermijit import profile as profiler
+
+    return min((profiler.profile_token(model, token, state) for _ in range(PROFILE_TOKENS)),
+               key=lambda rows: rows[-1]["ms"])
+
+
+def _sweep(model, state, token: int, counts, n_tokens: int, total_bytes: int) -> list[dict]:
+    """Decode at each thread count of `counts` (in order), paired with a probe of as many
+    threads; each count's profiled token split by what its threads did (profile.split)."""
+    from fermijit.jit import cpu
+
+    rows = []
+    main = cpu.configure_threads(None)
+    try:
+        for n in counts:
+            cpu.configure_threads(n)
+            _progress(f"sweep: {n} threads, {n_tokens} tokens")
+            with ProbeChild(PROBE_BYTES) as probe:
+                times, spans, window_gbs, _, token = _decode_windows(model, state, token,
+                                                                     n_tokens, probe)
+            decode_gbs, paired = _paired(total_bytes, times, spans, window_gbs)
+            best = max(window_gbs)
+            tok_s = len(times) / sum(times)
+            profiled = _profile(model, token, state)[-1]
+            rows.append({"threads": n, "tok_s": tok_s,
+                         "token_ms_median": 1e3 * float(np.median(times)), "read_gbs": best,
+                         "of_ceiling": tok_s * total_bytes / (best * 1e9),
+                         "of_ceiling_paired": float(np.median(paired)),
+                         "paired": paired, "profile_ms": profiled["ms"],
+                         "python_ms": profiled["python_ms"], "split": profiled["split"]})
+    finally:
+        cpu.configure_threads(main)
+    return rows
 
 
 def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dict:
@@ -305,7 +376,9 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     memory.sample()
 
     _progress(f"prefill of {n_prompt} tokens")
-    state = model.new_state(n_prompt + n_tokens + 1 + PROFILE_TOKENS)
+    sweep = report["sweep_threads"]
+    state = model.new_state(n_prompt + n_tokens + 1 + PROFILE_TOKENS
+                            + len(sweep) * (report["sweep_tokens"] + PROFILE_TOKENS))
     start = time.perf_counter()
     token = int(np.argmax(model.prefill(prompt, state)))
     prefill_s = time.perf_counter() - start
@@ -313,16 +386,9 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
 
     with ProbeChild(PROBE_BYTES) as probe:
         _progress(f"decode of {n_tokens} tokens")
-        spans = windows(n_tokens)
-        times, window_gbs, decode_cpu_s, faults0 = [], [], 0.0, page_ins()
-        for window in spans:
-            window_gbs.append(probe.gbs(PAIR_REPEATS))
-            cpu0 = time.process_time()
-            for _ in window:
-                start = time.perf_counter()
-                token = int(np.argmax(model.decode(token, state)))
-                times.append(time.perf_counter() - start)
-            decode_cpu_s += time.process_time() - cpu0
+        faults0 = page_ins()
+        times, spans, window_gbs, decode_cpu_s, token = _decode_windows(model, state, token,
+                                                                        n_tokens, probe)
         faults = [b - a for a, b in zip(faults0, page_ins())]
         memory.sample()
         peak = memory_now()["peak"]  # before anything else is allocated
@@ -331,21 +397,23 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         bytes_ = token_bytes(model, selected)
         profile_rows = None
         if profile:
-            from fermijit import profile as profiler
-
             _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
-            profile_rows = min((profiler.profile_token(model, token, state)
-                                for _ in range(PROFILE_TOKENS)), key=lambda rows: rows[-1]["ms"])
+            profile_rows = _profile(model, token, state)
         _progress("read bandwidth (after decode), W4A8 GEMM at the prefill shapes")
         bw = max(bw_before, probe.gbs(PROBE_REPEATS))
+    prefill_profile = None
+    if profile:
+        from fermijit import profile as profiler
+
+        _progress(f"profile of a {n_prompt}-token prefill")
+        prefill_profile = profiler.profile_prefill(model, prompt, model.new_state(n_prompt))
+    sweep_rows = _sweep(model, state, token, sweep, report["sweep_tokens"], bytes_.total)
     gemm = gemm_gflops(model, n_prompt)
 
     decode_s = sum(times)
     tok_s = n_tokens / decode_s
     ceiling = bw * 1e9 / bytes_.total
-    paired_gbs = [bytes_.total * len(w) / sum(times[i] for i in w) / 1e9
-                  for w in spans]
-    paired = [d / p for d, p in zip(paired_gbs, window_gbs)]
+    paired_gbs, paired = _paired(bytes_.total, times, spans, window_gbs)
     dense_f, expert_f = matmul_flops_per_token(model)
     prefill_gflops = (dense_f + expert_f) * n_prompt / prefill_s / 1e9
     ideal_s = n_prompt * (dense_f / gemm["dense"] + expert_f / gemm["expert"]) / 1e9
@@ -370,7 +438,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         "decode_gbs": bytes_.total * tok_s / 1e9,
         "decode_major_faults": faults[0], "decode_read_bytes": faults[1],
         "peak_rss": peak, "peak_anon": memory.anon, "peak_file": memory.file,
-        "profile": profile_rows,
+        "profile": profile_rows, "prefill_profile": prefill_profile, "sweep": sweep_rows,
     })
     if as_json:
         print(json.dumps(report, indent=2))
@@ -421,4 +489,29 @@ def format_report(r: dict) -> str:
         from fermijit import profile as profiler
 
         lines.append(profiler.format_rows(r["profile"]))
+    if r.get("prefill_profile"):
+        from fermijit import profile as profiler
+
+        lines.append(profiler.format_rows(r["prefill_profile"],
+                                          f"a {r['prompt_tokens']}-token prefill"))
+    if r.get("sweep"):
+        lines.append(format_sweep(r["sweep"], r["sweep_tokens"]))
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict], n_tokens: int) -> str:
+    """The threads sweep: speed against the ceiling, and a profiled token's time split (ms)."""
+    lines = [f"threads sweep ({n_tokens} tokens each; split of one profiled token, ms: Python "
+             f"and dispatch, kernels outside the fork regions, and in the regions work, threads "
+             f"idle, fork/join)",
+             f"{'threads':>7} {'tok/s':>7} {'ms':>7} {'GB/s':>6} {'ceil %':>6} {'paired':>6} "
+             f"{'token':>7} {'python':>7} {'serial':>7} {'work':>7} {'idle':>7} {'fork':>7} "
+             f"{'regions':>7}"]
+    for r in rows:
+        s = r["split"]
+        lines.append(f"{r['threads']:>7} {r['tok_s']:7.2f} {r['token_ms_median']:7.1f} "
+                     f"{r['read_gbs']:6.1f} {100 * r['of_ceiling']:6.1f} "
+                     f"{100 * r['of_ceiling_paired']:6.1f} {r['profile_ms']:7.2f} "
+                     f"{r['python_ms']:7.2f} {s['serial']:7.2f} {s['work']:7.2f} "
+                     f"{s['idle']:7.2f} {s['fork_join']:7.2f} {s['regions']:7d}")
     return "\n".join(lines)

@@ -38,6 +38,26 @@ class ByteSize(click.ParamType):
 SIZE = ByteSize()
 
 
+class CountList(click.ParamType):
+    """Comma-separated positive integers, e.g. 1,2,4,8,16."""
+
+    name = "counts"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            counts = tuple(int(part) for part in str(value).split(","))
+        except ValueError:
+            counts = ()
+        if not counts or min(counts) < 1:
+            self.fail(f"{value!r} is not a list of positive counts such as 1,2,4", param, ctx)
+        return counts
+
+
+THREAD_COUNTS = CountList()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
               help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
@@ -46,11 +66,16 @@ SIZE = ByteSize()
               default=None,
               help="CPU kernel variant of decode's one-token products (default: avx2 where "
                    "--isa is avx512vnni, measured faster for decode; else --isa's).")
-def cli(isa: str | None, decode_isa: str | None) -> None:
+@click.option("--pin-threads", is_flag=True, envvar="FERMIJIT_PIN_THREADS",
+              help="Bind kernel thread t to physical core t (env FERMIJIT_PIN_THREADS; default: "
+                   "unbound, so threads can move off a core other work loads).")
+def cli(isa: str | None, decode_isa: str | None, pin_threads: bool) -> None:
     """fermijit: Qwen3.6-35B-A3B in 4 bits on a Westmere CPU and a Fermi GPU."""
     from fermijit.jit import cpu
 
     cpu.select_isa(isa, decode_isa)
+    if pin_threads:
+        cpu.pin_threads()
 
 
 def _select_numa(ctx, param, value):
@@ -66,10 +91,11 @@ synthetic_option = click.option(
     help="Build this synthetic model into a temporary directory first (when no --model is given).")
 
 numa_option = click.option(
-    "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
+    "--numa", type=click.Choice(["interleave", "rows", "local", "off"]), default=None,
     callback=_select_numa, expose_value=False,
     help="NUMA placement of the weight pages (default: interleave where there are several "
-         "nodes, else off).")
+         "nodes, else off; rows: interleave, then each bound thread's rows of the dense "
+         "matrices on its node, with --pin-threads).")
 
 
 def _int_list(flag: str, text: str) -> list[int]:
@@ -208,15 +234,52 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
+@click.option("--threads-sweep", "sweep", type=THREAD_COUNTS, default=None,
+              help="Then decode again at each of these thread counts, e.g. 1,2,4,8,16: tok/s, "
+                   "of the ceiling (paired), a profiled token's split (kernels, fork/join, idle).")
+@click.option("--sweep-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Tokens decoded at each count of --threads-sweep.")
 def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
-                 threads: int | None, as_json: bool, profile: bool) -> None:
+                 threads: int | None, as_json: bool, profile: bool, sweep: tuple | None,
+                 sweep_tokens: int) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
     from fermijit import bench_decode as bench_decode_module
 
     if model_dir is not None:
         synthetic = None
-    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
+    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile,
+                            sweep or (), sweep_tokens)
+
+
+@bench.command("llama-cpp")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), required=True,
+              help="A fermijit model directory.")
+@click.option("--gguf", type=click.Path(path_type=Path), required=True,
+              help="The same model as GGUF (`fermijit export MODEL FILE`).")
+@click.option("--llama-bench", "llama_bench", type=click.Path(path_type=Path), required=True,
+              help="llama.cpp's llama-bench binary.")
+@click.option("--threads", type=THREAD_COUNTS, default=None,
+              help="Thread counts, e.g. 8,16 (default: the physical cores).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Interleaved rounds (fresh processes each); medians reported.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens prefilled.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens decoded.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def bench_llama_cpp(model_dir: Path, gguf: Path, llama_bench: Path, threads: tuple | None,
+                    rounds: int, prompt_tokens: int, tokens: int, as_json: bool) -> None:
+    """fermijit and llama.cpp on the same weights and cores: decode and prefill tok/s, fresh
+    processes, interleaved rounds, medians and ratios."""
+    from fermijit import bench_llama
+    from fermijit.jit import cpu
+
+    # fermijit's runs take this process's variants and thread binding.
+    flags = ("--isa", cpu.selected_isa().label, "--decode-isa", cpu.decode_isa().label)
+    flags += ("--pin-threads",) if cpu.threads_pinned() else ()
+    bench_llama.run(model_dir, gguf, llama_bench, threads or (cpu.physical_cores(),), rounds,
+                    prompt_tokens, tokens, as_json, flags)
 
 
 @bench.command("serve")
@@ -428,6 +491,19 @@ def convert(src: Path, dst: Path, lm_head: str) -> None:
 
     manifest = converter.convert(src, dst, lm_head=lm_head)
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+def export(src: Path, dst: Path) -> None:
+    """Write the fermijit model SRC as a GGUF file DST (llama.cpp's qwen35moe, the same
+    quantised bytes), for llama.cpp to run the same weights (`bench llama-cpp`)."""
+    from fermijit.model import gguf_export
+
+    written = gguf_export.export(src, dst, show_progress=sys.stderr.isatty())
+    click.echo(f"wrote {dst}: {written['tensors']} tensors, {written['bytes'] / 1e9:.2f} GB in "
+               f"{written['seconds']:.1f} s", err=True)
 
 
 @cli.command()

@@ -68,6 +68,8 @@ def threading(n_threads: int | None) -> str:
     n = cpu.configure_threads(n_threads)
     matvec.warm_up()  # the threading layer is chosen by the first parallel launch
     line = f"{numba.threading_layer()} layer, {n} threads (of {numba.config.NUMBA_NUM_THREADS})"
+    if cpu.threads_pinned():
+        line += ", thread t bound to physical core t (--pin-threads)"
     if not omp.available():
         line += "; W4A8 products run on one thread (they need the omp layer and libgomp)"
     return line

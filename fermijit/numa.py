@@ -1,9 +1,14 @@
-"""NUMA placement of the memory-mapped weights: `--numa interleave|local|off` (issue 9 item 5).
+"""NUMA placement of the memory-mapped weights: `--numa interleave|rows|local|off` (issue 9 item 5,
+issue 29 item 5).
 
 Decode reads every weight once per token from all threads, so on a machine of several nodes the
 weights' pages are best spread over every node's memory controller (interleave); `local` keeps
 them on the node that faults them in; `off` leaves the kernel's default. Default: interleave
-where there are several nodes, else off.
+where there are several nodes, else off. `rows` interleaves too, then moves each thread's rows of
+the matrices decode splits the same way every token (the dense projections, the LM head, the
+fp32 router and gates: thread t of n takes rows [t·R/n, (t+1)·R/n)) to the node of the core that
+thread is bound to (`--pin-threads`), so those reads stay on their node; the routed experts,
+whose split follows the token's routing, stay interleaved.
 
 Two calls through ctypes, because a page-cache page of a regular file is allocated by the policy
 of the task that faults it, not by the mapping's (mm/filemap.c): `mbind` sets the policy of the
@@ -24,9 +29,10 @@ import numpy as np
 
 from fermijit import FermijitError
 
-CHOICES = ("interleave", "local", "off")
+CHOICES = ("interleave", "rows", "local", "off")
 MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE, MPOL_LOCAL = range(5)
 MPOL_F_ADDR = 1 << 1
+MPOL_MF_MOVE = 1 << 1  # mbind: move the range's pages already placed elsewhere
 # (mbind, set_mempolicy, get_mempolicy) syscall numbers
 SYSCALLS = {"x86_64": (237, 238, 239), "aarch64": (235, 237, 236)}
 MASK_WORDS = 16  # nodemask of 1024 bits: more nodes than any machine here has
@@ -76,7 +82,7 @@ def _call(which: int, *args) -> None:
 
 
 def _mode_and_mask(policy: str) -> tuple[int, ctypes.Array | None]:
-    if policy == "interleave":
+    if policy in ("interleave", "rows"):
         return MPOL_INTERLEAVE, _mask(online_nodes())
     if policy == "local":
         return MPOL_LOCAL, None
@@ -116,6 +122,88 @@ def apply(regions: list[np.ndarray], policy: str | None = None) -> str:
               maxnode if mask is not None else ctypes.c_ulong(0), ctypes.c_ulong(0))
     _call(1, ctypes.c_long(mode), mask, maxnode if mask is not None else ctypes.c_ulong(0))
     return policy
+
+
+def selected() -> str:
+    """The policy the weights loaded from now on get (`select`, else the default)."""
+    return _selected or default_policy()
+
+
+def cpu_nodes() -> dict[int, int]:
+    """CPU number -> its node (/sys/devices/system/node/node*/cpulist); every CPU on node 0
+    where the machine says nothing."""
+    out = {}
+    for node in online_nodes():
+        try:
+            text = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
+        except OSError:
+            continue
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            out.update((cpu, node) for cpu in range(int(lo), int(hi or lo) + 1))
+    return out or {cpu: 0 for cpu in os.sched_getaffinity(0)}
+
+
+def physical_cores() -> list[list[int]]:
+    """This process's cores in libgomp's `cores` places order: each core's CPUs (SMT siblings
+    together), cores ordered by their first CPU."""
+    cores = {}
+    for n in sorted(os.sched_getaffinity(0)):
+        try:
+            key = Path(f"/sys/devices/system/cpu/cpu{n}/topology/thread_siblings_list"
+                       ).read_text().strip()
+        except OSError:
+            key = str(n)
+        cores.setdefault(key, []).append(n)
+    return sorted(cores.values(), key=min)
+
+
+def team_nodes(n_threads: int, cores: list[list[int]] | None = None,
+               node_of: dict[int, int] | None = None) -> list[int]:
+    """The node each thread of a team of `n_threads` runs on when bound (`--pin-threads`: thread
+    t on the t-th core, jit/cpu.py PIN_ENV); `cores` and `node_of` stand for this machine's
+    topology (tests give others)."""
+    cores = cores if cores is not None else physical_cores()
+    node_of = node_of if node_of is not None else cpu_nodes()
+    return [node_of.get(min(cores[t % len(cores)]), 0) for t in range(n_threads)]
+
+
+def row_ranges(address: int, n_rows: int, row_bytes: int, nodes: list[int],
+               page: int = PAGE) -> list[tuple[int, int, int]]:
+    """(start, length, node): the whole pages inside each thread's rows [t·R/n, (t+1)·R/n) of a
+    matrix of `n_rows` rows of `row_bytes` at `address` (thread t of n = len(nodes) on
+    nodes[t]), neighbours on one node merged. Pages a boundary between threads cuts stay as
+    they are."""
+    n = len(nodes)
+    out: list[list[int]] = []
+    for t, node in enumerate(nodes):
+        lo = address + t * n_rows // n * row_bytes
+        hi = address + (t + 1) * n_rows // n * row_bytes
+        lo, hi = -(-lo // page) * page, hi // page * page
+        if hi <= lo:
+            continue
+        if out and out[-1][2] == node and out[-1][0] + out[-1][1] == lo:
+            out[-1][1] += hi - lo
+        else:
+            out.append([lo, hi - lo, node])
+    return [tuple(r) for r in out]
+
+
+def place_rows(matrices: list[np.ndarray], nodes: list[int]) -> int:
+    """`rows` placement: each matrix's threads' rows (`row_ranges`) preferred on their threads'
+    nodes, pages already elsewhere moved; returns the bytes placed."""
+    if _syscall() is None:
+        raise FermijitError(f"--numa rows: no NUMA system calls on this platform "
+                            f"({platform.machine()})")
+    maxnode = ctypes.c_ulong(MASK_WORDS * 64 + 1)
+    placed = 0
+    for a in matrices:
+        for start, length, node in row_ranges(a.ctypes.data, a.shape[0], a.strides[0], nodes):
+            _call(0, ctypes.c_void_p(start), ctypes.c_ulong(length),
+                  ctypes.c_long(MPOL_PREFERRED), _mask([node]), maxnode,
+                  ctypes.c_ulong(MPOL_MF_MOVE))
+            placed += length
+    return placed
 
 
 def policy_of(address: int | None = None) -> tuple[int, list[int]]:

@@ -338,6 +338,13 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
     """A converted model: (config, weights as memmap views, manifest). Nothing is copied. The
     manifest is checked against config.json and the weights file's header, and the smallest
     tensors against their checksums (`verify` checks them all)."""
+    cfg, arrays, manifest = converted_arrays(directory)
+    return cfg, assemble(cfg.text_config, arrays), manifest
+
+
+def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest]:
+    """`load_converted`'s checks, and every tensor by its field name (an array, or a
+    QuantTensor), as memmap views (model/gguf_export.py reads them so)."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not path.exists():
@@ -375,4 +382,4 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
             arrays[name] = QuantTensor(entry.quant, weights_file.raw(name + ".qs"),
                                        weights_file.raw(name + ".d"))
     check_at_load(weights_file, manifest)
-    return cfg, assemble(cfg.text_config, arrays), manifest
+    return cfg, arrays, manifest

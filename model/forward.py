@@ -23,7 +23,8 @@ import dataclasses
 
 import numpy as np
 
-from fermijit import FermijitError, blas
+from fermijit import FermijitError, blas, numa
+from fermijit.jit import omp
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
@@ -175,6 +176,44 @@ def linear(x, w, out, act=None, *, like_gemv: bool = False):
     return matvec.cpu(w.qs, w.d, x if act is None else act, out=out, like_gemv=like_gemv)
 
 
+def linear_step(x, w, out, act) -> tuple:
+    """`linear(x, w, out, act)` as a decode plan's step: (label, callable, args), the product
+    checked once here (matvec.launch) where its kernel can be called directly."""
+    if isinstance(w, matvec.Q4Matrix):
+        return ("matvec.product", *matvec.launch(w, act, out))
+    if isinstance(w, QuantTensor) and w.kind == "q8_0":
+        return ("matvec.q8_cpu", *matvec.q8_launch(w.qs, w.d, act, out))
+    return ("linear", linear, (x, w, out, act))
+
+
+def run_steps(steps) -> None:
+    """A decode plan's calls in order (a function of its own: fermijit/profile.py times each
+    step under its label)."""
+    for _, fn, args in steps:
+        fn(*args)
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    """Every call of a decode token, with its arguments, made once for a state's arrays
+    (`Model._decode_steps`): a token then costs a Python loop over ~6 calls a layer, not the ops'
+    argument assembly and checks (~50-100 us a layer, ~3 ms of a full-size token at every thread
+    count: 7 % of a 16-thread token; issue 29)."""
+
+    arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
+    observer: object     # Model.moe_observer at the time (called between the router and the MoE)
+    steps: list          # (label, callable, args)
+
+    def fits(self, state: State, observer) -> bool:
+        arrays = _state_arrays(state)
+        return (observer is self.observer and len(arrays) == len(self.arrays)
+                and all(a is b for a, b in zip(arrays, self.arrays)))
+
+
+def _state_arrays(state: State) -> tuple:
+    return tuple(a for layer in state.layers for a in vars(layer).values())
+
+
 def silu(x):
     return x / (np.float32(1) + np.exp(-x))
 
@@ -249,6 +288,7 @@ class Workspace:
         self.moe_scratch = (moe.Scratch.make(experts, model.top_k)
                             if isinstance(experts, moe.MoeWeights) else None)
         self.logits = empty((1, model.vocab_size)) if T == 1 else None
+        self.plan: DecodePlan | None = None  # decode's calls, made by its first token
         if T == 1 and model.is_quantized:
             self._fused_decode_buffers(model)
 
@@ -455,52 +495,98 @@ class Model:
         return self.logits(ws.x, ws.logits)[0]
 
     def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
-        """`forward` and `logits` for one token of a Q4_0 model, in ~9 kernel calls a layer and no
-        per-call checks (every buffer was made once, by Workspace): the residual add, norm,
-        quantisation and fp32 gates or router of each sublayer's input in one call
-        (ops.residual_step), the mixers' steps between their projections in one call each
-        (ops.gdn_step, ops.attention_step), the MoE in four. Python and dispatch were 11 % of a
-        full-size token op by op."""
-        embedding.cpu(ws.tokens, self.embed, out=ws.x)
+        """`forward` and `logits` for one token of a Q4_0 model (ws.tokens), as a plan of ~6
+        kernel calls a layer made once (`_decode_steps`, every buffer made once by Workspace)."""
+        if omp.in_forked_child:
+            omp.check_process()
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
+        if ws.plan is None or not ws.plan.fits(state, self.moe_observer):
+            ws.plan = DecodePlan(_state_arrays(state), self.moe_observer,
+                                 self._decode_steps(state, ws))
+        run_steps(ws.plan.steps)
+        state.position += 1
+        return ws.logits[0]
+
+    def _decode_steps(self, state: State, ws: Workspace) -> list:
+        """A decode token's calls: the embedding, then the residual add, norm, quantisation and
+        fp32 gates or router of each sublayer's input in one call (ops.residual_step), the
+        mixers' steps between their projections in one call each (ops.gdn_step,
+        ops.attention_step), the MoE in one (ops.moe). Python and dispatch were 11 % of a
+        full-size token op by op."""
+        steps = [("embedding.cpu", embedding.cpu, (ws.tokens, self.embed, ws.x))]
         eps, y = self.eps, None                                     # y: the sublayer output
         for w, s in zip(self.layers, state.layers):
             mixer = w.mixer
             if isinstance(s, KvCache):
-                residual_step.cpu(ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product,
-                                  ws.no_p)
-                if w.joined_in is not None:
-                    matvec.product(w.joined_in, ws.act, ws.attn_in)  # q | k | v
+                steps.append(("residual_step.cpu", *residual_step.launch(
+                    ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)))
+                if w.joined_in is not None:                         # q | k | v
+                    steps.append(linear_step(ws.xn, w.joined_in, ws.attn_in, ws.act))
                 else:                                               # views of attn_in
-                    linear(ws.xn, mixer.q_proj, ws.qg, ws.act)
-                    linear(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act)
-                    linear(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act)
-                attention_step.cpu(ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions,
-                                   self.rotary_dim, self.theta, s.k, s.v, ws.q, ws.gate, ws.o,
-                                   ws.act_attn)
-                linear(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
+                    steps += [linear_step(ws.xn, mixer.q_proj, ws.qg, ws.act),
+                              linear_step(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act),
+                              linear_step(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act)]
+                steps.append(("attention_step.cpu", attention_step.cpu, (
+                    ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions, self.rotary_dim,
+                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)))
+                steps.append(linear_step(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn))
             else:
-                residual_step.cpu(ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in,
-                                  ws.gates_in)                      # b | a
-                if w.joined_in is not None:
-                    matvec.product(w.joined_in, ws.act, ws.gdn_in)  # qkv | z
+                steps.append(("residual_step.cpu", *residual_step.launch(
+                    ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in, ws.gates_in)))  # b | a
+                if w.joined_in is not None:                         # qkv | z
+                    steps.append(linear_step(ws.xn, w.joined_in, ws.gdn_in, ws.act))
                 else:                                               # views of gdn_in
-                    linear(ws.xn, mixer.in_proj_qkv, ws.mixed, ws.act)
-                    linear(ws.xn, mixer.in_proj_z, ws.z.reshape(1, -1), ws.act)
-                gdn_step.cpu(ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log,
-                             mixer.dt_bias, mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq,
-                             ws.gk, ws.gv, ws.g, ws.beta, ws.go, ws.act_gdn)
-                linear(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn)
+                    steps += [linear_step(ws.xn, mixer.in_proj_qkv, ws.mixed, ws.act),
+                              linear_step(ws.xn, mixer.in_proj_z, ws.z.reshape(1, -1), ws.act)]
+                steps.append(("gdn_step.cpu", *gdn_step.launch(
+                    ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log,
+                    mixer.dt_bias, mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv,
+                    ws.g, ws.beta, ws.go, ws.act_gdn)))
+                steps.append(linear_step(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn))
             y = ws.y
-            residual_step.cpu(ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router,
-                              ws.router_logits, ws.ids, ws.weights)
+            steps.append(("residual_step.cpu", *residual_step.launch(
+                ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router, ws.router_logits, ws.ids,
+                ws.weights)))
             if self.moe_observer is not None:
-                self.moe_observer(w, ws.xn, ws.ids, ws.weights)
-            moe.decode(ws.xn, ws.act, ws.ids, ws.weights, w.experts, ws.y, ws.moe_scratch)
-        state.position += 1
-        residual_step.cpu(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)
-        linear(ws.xn, self.lm_head, ws.logits, ws.act)
-        return ws.logits[0]
+                steps.append(("moe_observer", self.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
+            steps.append(("moe.decode", *moe.decode_launch(ws.xn, ws.act, ws.ids, ws.weights,
+                                                           w.experts, ws.y, ws.moe_scratch)))
+        steps.append(("residual_step.cpu", *residual_step.launch(
+            ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)))
+        steps.append(linear_step(ws.xn, self.lm_head, ws.logits, ws.act))
+        return steps
+
+    def row_split_arrays(self) -> list[np.ndarray]:
+        """The weight arrays decode splits by rows the same way every token (thread t of n: rows
+        [t·R/n, (t+1)·R/n)): the GEMVs' matrices (a joined one as launched), the fp32 router and
+        gates, the LM head; for `--numa rows` (fermijit/numa.py). Not the experts: their split
+        follows the token's routing."""
+        out = []
+
+        def add(w):
+            if isinstance(w, matvec.Q4Matrix):
+                out.extend((w.qs, w.d_bits))
+            elif isinstance(w, QuantTensor):
+                out.extend((w.qs, w.d))
+            elif isinstance(w, np.ndarray) and w.ndim == 2:
+                out.append(w)
+
+        for layer in self.layers:
+            mixer = layer.mixer
+            ins = (("in_proj_qkv", "in_proj_z") if isinstance(mixer, GatedDeltaNetWeights)
+                   else ("q_proj", "k_proj", "v_proj"))
+            if layer.joined_in is not None:
+                add(layer.joined_in)
+            for f in dataclasses.fields(mixer):  # the projections (conv1d and norms: not rows)
+                w = getattr(mixer, f.name)
+                if isinstance(w, (matvec.Q4Matrix, QuantTensor)) and not (
+                        layer.joined_in is not None and f.name in ins):
+                    add(w)
+            add(layer.router)
+            if layer.gates_in is not None:
+                add(layer.gates_in)
+        add(self.lm_head)
+        return out
 
     def _check_room(self, state: State, n_tokens: int) -> None:
         if state.position + n_tokens > state.context:
@@ -673,4 +759,8 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
                                     show_progress=show_progress)
     model = Model(cfg.text_config, weights)
     model.source = source
+    if source is not None and numa.selected() == "rows":
+        from fermijit.jit import cpu
+
+        numa.place_rows(model.row_split_arrays(), numa.team_nodes(cpu.configure_threads(None)))
     return cfg, model

@@ -220,6 +220,15 @@ def grouped_from_tiled(n_key_heads: int, n_value_heads: int, head: int) -> np.nd
 
 def plan_fields(cfg: TextConfig, g: GgufFile) -> dict[str, Field]:
     """Every text weight field, in file order, its sources checked (present, right shape)."""
+    fields = field_plan(cfg, has_output="output.weight" in g.tensors)
+    for field in fields.values():
+        _check_sources(g, field)
+    return fields
+
+
+def field_plan(cfg: TextConfig, has_output: bool = True) -> dict[str, Field]:
+    """Every text weight field, in file order, and how llama.cpp's converter stores it (also
+    model/gguf_export.py's plan, run the other way); `has_output`: an LM head of its own."""
     Hk, Hv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
     reorder = Hk != Hv
     v_rows = grouped_from_tiled(Hk, Hv, dv) if reorder else None
@@ -233,7 +242,7 @@ def plan_fields(cfg: TextConfig, g: GgufFile) -> dict[str, Field]:
         if name == "embed_tokens":
             sources = ("token_embd.weight",)
         elif name == "lm_head":
-            sources = ("output.weight" if "output.weight" in g.tensors else "token_embd.weight",)
+            sources = ("output.weight" if has_output else "token_embd.weight",)
         elif name == "norm":
             sources, kind = ("output_norm.weight",), "minus_1"
         else:
@@ -247,9 +256,7 @@ def plan_fields(cfg: TextConfig, g: GgufFile) -> dict[str, Field]:
                 rows = head_rows
             elif reorder and last == "out_proj":
                 col_perm = head_rows
-        field = Field(name, shape, sources, rows, col_perm, dv, kind)
-        _check_sources(g, field)
-        fields[name] = field
+        fields[name] = Field(name, shape, sources, rows, col_perm, dv, kind)
     return fields
 
 

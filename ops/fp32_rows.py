@@ -11,8 +11,8 @@ over i (a multiply, then an add: no FMA, no reassociation: the kernels are not f
 lanes are added by halving (simd.hsum), then the K mod 16 leftover products one by one. A tile of
 tokens x rows shares its loads (`tile`) but keeps an accumulator per output, so the tile shape,
 the ISA (a 16-float vector is 1 zmm, 2 ymm or 4 xmm) and the thread are free choices that never
-change a bit. Decode (ops/residual_step.py, T = 1) calls `rows_serial`; prefill `cpu`, its tiles
-over the threads.
+change a bit. Decode (ops/residual_step.py, T = 1) forks `rows_share` over the threads; prefill
+calls `cpu`, its tiles over the threads.
 
 Letters: T tokens, R outputs (rows of w), K inputs.
 """
@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fermijit.jit import cpu as jit_cpu
-from fermijit.jit import simd
+from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, kernel
 from fermijit.jit.simd import F32, I64, vec
@@ -135,14 +135,39 @@ def _lane_sums(builder, vectors):
 
 
 one = tile(1, 1)
+# Rows of one token read side by side (decode): 4 accumulators in flight, one load of x for 4
+# rows; each output the same bits as `one`'s.
+ROWS_SIDE_BY_SIDE = 4
+four = tile(1, ROWS_SIDE_BY_SIDE)
 
 
 @kernel(fastmath=False)
-def rows_serial(x, w, out):
-    """out [T, R] = x · wᵀ on the calling thread, one output at a time (decode: T = 1)."""
-    for t in range(x.shape[0]):
-        for r in range(w.shape[0]):
-            one(x, w, out, t, r, t, r)
+def rows_range(x, w, out, first, last):
+    """Decode's product out [1, R] = x [1, K] · wᵀ for rows [first, last), 4 side by side, the
+    rest one by one: each output `one`'s, whatever the range (module docstring)."""
+    whole = first + (last - first) // ROWS_SIDE_BY_SIDE * ROWS_SIDE_BY_SIDE
+    for r in range(first, whole, ROWS_SIDE_BY_SIDE):
+        four(x, w, out, 0, r, 0, r)
+    for r in range(whole, last):
+        one(x, w, out, 0, r, 0, r)
+
+
+def rows_share(thread, n_threads, args):
+    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`). The router's
+    1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads waited on
+    (issue 29)."""
+    x, w, out = args
+    n_rows = w.shape[0]
+    rows_range(x, w, out, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)
+
+
+def _rows_body(x, w, out):
+    fork((x, w, out))
+
+
+# Decode's product alone (residual_step forks `rows_share` inside its own kernel); no fast-math:
+# the share's sums keep their order.
+decode_rows = omp.forking_kernel(_rows_body, fastmath=False, fork=rows_share)
 
 
 def _product(x, w, out):

@@ -83,11 +83,20 @@ def cpu(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps,
     (the conv's output). q, k [1, Hk, dk], v [1, Hv, dv], g, beta [1, Hv] are scratch. The
     caller (model/forward.py's decode) made every buffer once, of the right shapes and dtypes:
     only the kernel's signature checks them here."""
+    kernel_, args = launch(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps,
+                           l2_eps, recurrent, q, k, v, g, beta, o, act)
+    kernel_(*args)
+    return act
+
+
+def launch(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, recurrent,
+           q, k, v, g, beta, o, act: Q8Act):
+    """`cpu`'s kernel and arguments, for a caller that repeats the call every token (model/
+    forward.py's decode plan): (kernel, args)."""
     v_ = act.vec
     half = matvec.simd.HALF_OF.get(v_.isa)
-    _step_kernel()(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, float(eps),
-                   float(l2_eps), float(1 / np.sqrt(q.shape[2])), recurrent, q, k, v, g, beta, o,
-                   act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
-                   half.lanes if half else 0)
-    return act
+    return _step_kernel(), (mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w,
+                            float(eps), float(l2_eps), float(1 / np.sqrt(q.shape[2])), recurrent,
+                            q, k, v, g, beta, o, act.xq, act.dx, act.xsum8, v_.lanes,
+                            matvec.blocks_per_step(v_), half.lanes if half else 0)
 

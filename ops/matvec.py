@@ -757,6 +757,14 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
 
     Several tokens run the prefill GEMM (ops.gemm), which rounds in another order than the GEMV;
     `like_gemv` runs this module's tile instead, each token's row bit for bit the GEMV's."""
+    kernel_, args = launch(w, act, out, isa=isa, like_gemv=like_gemv)
+    _call("matvec", kernel_, *args)
+    return out
+
+
+def launch(w: Q4Matrix, act: Q8Act, out, *, isa: Isa | None = None, like_gemv: bool = False):
+    """`product`'s kernel and arguments, checked once, for a caller that repeats the call every
+    token (model/forward.py's decode plan): (kernel, args)."""
     act_isa = act.vec.isa
     if isa is not None and act_isa is not isa:
         raise FermijitError(f"matvec: activations are laid out for {act_isa.label}, "
@@ -771,14 +779,13 @@ def product(w: Q4Matrix, act: Q8Act, out: np.ndarray, *, isa: Isa | None = None,
         raise FermijitError(f"matvec: out has shape {list(shape or [])}, expected [{n_tok}, "
                             f"{rows}] (or [{rows}] for one token)")
     if n_tok > 1 and not like_gemv:
-        _call("matvec", gemm.product_kernel(act_isa), qs, w.d_bits, xq, act.dx, act.xsum8,
-              gemm.x_offsets(act_isa, k // BLOCK), gemm.identity_rows(n_tok), out)
-        return out
+        return gemm.product_kernel(act_isa), (qs, w.d_bits, xq, act.dx, act.xsum8,
+                                              gemm.x_offsets(act_isa, k // BLOCK),
+                                              gemm.identity_rows(n_tok), out)
     key = (act_isa, n_tok == 1)  # each made on first use: decode alone never needs the GEMM's
     kernel_ = _gemm_gemv.get(key) or _gemm_gemv.setdefault(
         key, gemv_kernel(act_isa) if n_tok == 1 else _product(act_isa, GEMM_TILE))
-    _call("matvec", kernel_, qs, w.d_bits, xq, act.dx, act.xsum8, out)
-    return out
+    return kernel_, (qs, w.d_bits, xq, act.dx, act.xsum8, out)
 
 
 _gemm_gemv: dict = {}  # (Isa, one token?) -> the GEMV's or GEMM's kernel: product's lookup
@@ -819,6 +826,14 @@ def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     """`q8_reference` in Numba; x float32 [K]/[T, K] or a Q8Act (the LM-head option: at the
     ISA's width, as the LM head is the largest matrix read per token; at SSE width it streamed at
     56% of the read bandwidth on an AVX-512 machine)."""
+    kernel_, args = q8_launch(qs, d, x, out, isa=isa)
+    _call("matvec.q8", kernel_, *args)
+    return args[-1]
+
+
+def q8_launch(qs, d, x, out=None, *, isa: Isa | None = None):
+    """`q8_cpu`'s kernel and arguments (the output made if not given), checked once, for a
+    caller that repeats the call every token (model/forward.py's decode plan): (kernel, args)."""
     check_array("matvec.q8", "d", d, np.float16, ndim=2)
     rows, nb = d.shape
     check_array("matvec.q8", "qs", qs, np.int8, (rows, nb * BLOCK))
@@ -831,9 +846,7 @@ def q8_cpu(qs, d, x, out=None, *, isa: Isa | None = None):
     # Several tokens (eval's logits of every position): the tile of one row and one token,
     # which reads the weights once for a panel of rows and all tokens (_product_share).
     kernel_ = gemv_kernel(isa, Q8_0) if n_tok == 1 else _product(isa, (1, 1), fmt=Q8_0)
-    _call("matvec.q8", kernel_, qs.view(np.uint8),
-          d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
-    return y
+    return kernel_, (qs.view(np.uint8), d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
 
 
 def gathered_reference(qs, d, idx, x, shared=None):

@@ -211,19 +211,32 @@ def _decode(x, ids, weights, w, out, s: Scratch):
 def decode(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
     """`cpu` for one token with x [1, H] already quantised (`act`), into `out` [1, H], with no
     checks of its own: model/forward.py's decode made every buffer once (`Scratch.make`)."""
+    kernel_, args = decode_launch(x, act, ids, weights, w, out, s)
+    kernel_(*args)
+
+
+def decode_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch):
+    """`decode`'s kernel and arguments, for a caller that repeats the call every token (model/
+    forward.py's decode plan): (the fused kernel, args), or (`_launches`, args) where the shared
+    expert has shapes of its own."""
+    if not s.is_fused:
+        return _launches, (x, act, ids, weights, w, out, s)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     # moe's checks cover the weights: the prepared launches check only what each call adds.
-    if s.is_fused:
-        if s.act_h is None or s.act_h.vec is not act.vec:
-            s.act_h = matvec.quantize_act(s.h, act.vec.isa)
-        v, h = act.vec, s.act_h
-        half = matvec.simd.HALF_OF.get(v.isa)
-        _fused_kernel(v.isa)(x, act.xq, act.dx, act.xsum8, ids, weights, w.gate_up_qs, gu_bits,
-                             w.shared_gate_up_qs, shared_gu_bits, w.down_qs, down_bits,
-                             w.shared_down_qs, shared_down_bits, w.shared_gate, s.gu, s.h, h.xq,
-                             h.dx, h.xsum8, s.routed, out, v.lanes, matvec.blocks_per_step(v),
-                             half.lanes if half else 0)
-        return
+    if s.act_h is None or s.act_h.vec is not act.vec:
+        s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+    v, h = act.vec, s.act_h
+    half = matvec.simd.HALF_OF.get(v.isa)
+    return _fused_kernel(v.isa), (x, act.xq, act.dx, act.xsum8, ids, weights, w.gate_up_qs,
+                                  gu_bits, w.shared_gate_up_qs, shared_gu_bits, w.down_qs,
+                                  down_bits, w.shared_down_qs, shared_down_bits, w.shared_gate,
+                                  s.gu, s.h, h.xq, h.dx, h.xsum8, s.routed, out, v.lanes,
+                                  matvec.blocks_per_step(v), half.lanes if half else 0)
+
+
+def _launches(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
+    """`decode` with a shared expert of other shapes than the routed ones: its own launches."""
+    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
     matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
     _swiglu(s.gu, s.h)

@@ -13,12 +13,14 @@ layer (`bench decode --profile`), 2 ms a token of the real model's 40 layers.
 
 The norm, the quantisation and the routing are the ops' own kernels, so those outputs are bit for
 bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
-test_residual_step.py). The product is ops.fp32_rows's, on the calling thread: each output the
-same bits as prefill's product of the same input row, whatever the thread count. Not forked over
-the threads: its rows forked over 2 threads (jit.omp.fork) saved 0.27 ms of a ~75 ms full-size
-token (residual_step.cpu 3.14 vs 3.41 ms a token, `bench decode --profile`, REAP-128, 2 threads,
-4 interleaved rounds, load 1.7-1.9: faster in 3 rounds of 4; tok/s within the noise), and under
-load every fork waits for its second thread (0.84 ms a call at load 10).
+test_residual_step.py). The product is ops.fp32_rows's, its rows forked over the threads
+(fp32_rows.rows_share) from PRODUCT_FORK_THREADS threads on: each output the same bits as
+prefill's product of the same input row, whatever the thread count. On one thread the router's
+and gates' 55 MB of a full-size token (1 MB a layer for REAP-128's router) were ~4 ms that the
+other threads waited through at 16 threads (issue 29); at 2 threads forking them saved 0.27 ms of
+a ~75 ms token (issue 9's measure) while on a busy 2-core machine each fork waits for its second
+thread (1.45 ms a fork of this step at load 6, `bench decode --profile`'s split): there it runs
+on the calling thread.
 
 Letters: H hidden, R product rows, k experts per token.
 """
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from fermijit.jit.cpu import kernel
+from fermijit.jit import omp
 from fermijit.ops import fp32_rows, matvec, rmsnorm, router
 from fermijit.ops.matvec import Q8Act
+
+PRODUCT_FORK_THREADS = 3  # the product's rows go over the team from this many threads on
 
 
 def reference(x, y, norm_w, eps, w, top_k=0):
@@ -41,7 +45,6 @@ def reference(x, y, norm_w, eps, w, top_k=0):
     return x, xn, (router.reference(p.astype(np.float32), top_k) if top_k else p)
 
 
-@kernel
 def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes, w, p, ids,
           weights):
     if add:
@@ -50,9 +53,16 @@ def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_la
     rmsnorm._rmsnorm_serial(x, norm_w, eps, xn)
     matvec._quantize_act_kernel(xn, xq, dx, xsum8, lanes, step_blocks, half_lanes)
     if w.shape[0]:
-        fp32_rows.rows_serial(xn, w, p)
+        if omp.team_size() >= PRODUCT_FORK_THREADS:
+            fork((xn, w, p))
+        else:
+            fp32_rows.rows_range(xn, w, p, 0, w.shape[0])
         if ids.shape[1]:
             router._route_tokens(p, ids, weights)
+
+
+# No fast-math: the product's sums keep fp32_rows' order (its share is compiled into this kernel).
+_step_kernel = omp.forking_kernel(_step, fastmath=False, fork=fp32_rows.rows_share)
 
 
 NO_IDS = np.empty((1, 0), np.int32)
@@ -65,9 +75,16 @@ def cpu(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS)
     w [0, H]: none); with ids, weights [1, k], k > 0, p are routed into them. The caller (model/
     forward.py's decode) made every buffer once, of the right shapes and dtypes: only the
     kernel's signature checks them here."""
+    kernel_, args = launch(x, y, norm_w, eps, xn, act, w, p, ids, weights)
+    kernel_(*args)
+    return act
+
+
+def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS):
+    """`cpu`'s kernel and arguments, for a caller that repeats the call every token (model/
+    forward.py's decode plan): (kernel, args)."""
     v = act.vec
     half = matvec.simd.HALF_OF.get(v.isa)
-    _step(x, x if y is None else y, y is not None, norm_w, float(eps), xn, act.xq, act.dx,
-          act.xsum8, v.lanes, matvec.blocks_per_step(v), half.lanes if half else 0, w, p, ids,
-          weights)
-    return act
+    return _step_kernel(), (x, x if y is None else y, y is not None, norm_w, float(eps), xn,
+                            act.xq, act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
+                            half.lanes if half else 0, w, p, ids, weights)

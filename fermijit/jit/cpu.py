@@ -171,6 +171,32 @@ def child_env() -> dict[str, str]:
 
 
 _threads_chosen = False
+# libgomp's settings that bind thread t of a team to physical core t (read when it loads).
+PIN_ENV = {"OMP_PLACES": "cores", "OMP_PROC_BIND": "close"}
+# The CPUs a pinning process could run on before its threads were bound: a child process (the
+# read probe, the warm-up's helpers) starts bound where the parent's calling thread is, one core,
+# and takes these back when fermijit is imported (fermijit/__init__.py), before Numba counts them.
+CPUS_ENV = "FERMIJIT_CPUS"
+
+
+def _threads_started() -> bool:
+    from numba.np.ufunc import parallel as numba_parallel
+
+    return bool(getattr(numba_parallel, "_is_initialized", False))
+
+
+def pin_threads() -> None:
+    """Bind thread t of every team to physical core t (`--pin-threads`: libgomp's places, so the
+    caller, thread 0 of every launch, is bound to the first core). Unbound by default: on a busy
+    machine a bound thread cannot move off a loaded core. Before any thread starts."""
+    if _threads_started() and not threads_pinned():
+        raise FermijitError("--pin-threads must be chosen before any kernel runs")
+    os.environ.update(PIN_ENV)
+    os.environ.setdefault(CPUS_ENV, ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+
+
+def threads_pinned() -> bool:
+    return os.environ.get("OMP_PROC_BIND", "false").lower() not in ("false", "")
 
 
 def configure_threads(n_threads: int | None) -> int:

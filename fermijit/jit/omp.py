@@ -5,15 +5,23 @@ A Numba `prange` launch costs ~0.9 us here besides dispatch, twice libgomp's own
 computes a schedule and runs an `omp for` with a barrier of its own inside the region. On a cold
 512x2048 GEMV (~16 us) the difference is 4 %. `fork` calls `GOMP_parallel` directly, on the
 runtime Numba's omp layer has loaded, so both use one pool of threads.
+
+Every fork can account for its time (`Regions`, off unless asked: one load and branch a launch):
+the calling thread's wall time around the region and each thread's time in its share, read with
+the cycle counter. `bench decode --profile` splits a token's kernel time into work, threads idle
+inside regions (waiting for the slowest share) and fork/join (issue 29 item 3).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
+from dataclasses import dataclass
 
 import llvmlite.binding as llvm
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -21,12 +29,22 @@ from numba.extending import intrinsic
 from numba.np.ufunc import parallel as numba_parallel
 
 from fermijit import FermijitError
-from fermijit.jit.cpu import bind, configure_threads, kernel
+from fermijit.jit.cpu import FASTMATH, bind, configure_threads, kernel
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _VOID_P = ir.IntType(8).as_pointer()
 LIBGOMP = "libgomp.so.1"
+
+# The regions' counters, int64, in memory the kernels reach through a symbol (resolved when a
+# kernel is linked, so cached kernels find this process's copy): a header, then one cache line
+# per thread (its share's cycles), so threads never share a line.
+STATS_SYMBOL = "fermijit_omp_regions"
+ON, REGIONS, WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM = range(6)
+SLOT = 8                     # int64s a thread: one 64-byte line
+MAX_TEAM = 1024
+_stats = np.zeros(SLOT * (MAX_TEAM + 1), np.int64)  # the header takes the first line
+llvm.add_symbol(STATS_SYMBOL, _stats.ctypes.data)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,6 +87,64 @@ def check_process() -> None:
                             "multiprocessing's 'spawn' start method")
 
 
+def _stats_word(builder, index):
+    """A pointer to int64 `index` of the regions' counters (a value or a constant)."""
+    module = builder.module
+    table = module.globals.get(STATS_SYMBOL)
+    if table is None:
+        table = ir.GlobalVariable(module, ir.ArrayType(_I64, _stats.size), STATS_SYMBOL)
+        table.linkage = "external"
+    if isinstance(index, int):
+        index = ir.Constant(_I64, index)
+    return builder.gep(table, [ir.Constant(_I32, 0), index])
+
+
+def _cycles(builder):
+    fn = builder.module.declare_intrinsic("llvm.readcyclecounter",
+                                          fnty=ir.FunctionType(_I64, []))
+    return builder.call(fn, [])
+
+
+def _slot(builder, thread):
+    """Thread `thread`'s share cycles (its own line, after the header's)."""
+    return _stats_word(builder, builder.mul(builder.add(thread, ir.Constant(_I64, 1)),
+                                            ir.Constant(_I64, SLOT)))
+
+
+def _is_on(builder):
+    return builder.icmp_signed("!=", builder.load(_stats_word(builder, ON)), ir.Constant(_I64, 0))
+
+
+def _add(builder, ptr, value):
+    builder.store(builder.add(builder.load(ptr), value), ptr)
+
+
+def _omp_int(builder, name: str):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, []), name)
+    return builder.sext(builder.call(fn, []), _I64)
+
+
+def _account(builder, team, wall):
+    """After a region (on the calling thread, counting on): its wall cycles, the longest share,
+    the threads' mean and total share cycles; the slots reset."""
+    c = lambda n: ir.Constant(_I64, n)  # noqa: E731
+    longest = cgutils.alloca_once_value(builder, c(0))
+    busy = cgutils.alloca_once_value(builder, c(0))
+    with cgutils.for_range(builder, team) as loop:
+        share_ptr = _slot(builder, loop.index)
+        share = builder.load(share_ptr)
+        _add(builder, busy, share)
+        builder.store(c(0), share_ptr)  # a thread left out of a later team counts nothing
+        old = builder.load(longest)
+        builder.store(builder.select(builder.icmp_signed(">", share, old), share, old), longest)
+    total = builder.load(busy)
+    _add(builder, _stats_word(builder, REGIONS), c(1))
+    _add(builder, _stats_word(builder, WALL), wall)
+    _add(builder, _stats_word(builder, SHARE_MAX), builder.load(longest))
+    _add(builder, _stats_word(builder, BUSY_MEAN), builder.sdiv(total, team))
+    _add(builder, _stats_word(builder, BUSY_SUM), total)
+
+
 def fork(share):
     """An intrinsic `fork(args)`: `share(thread, n_threads, args)` on each thread of one OpenMP
     team of Numba's thread count (`numba.set_num_threads`; args: a tuple; `share`: a plain
@@ -102,12 +178,11 @@ def fork(share):
             b = ir.IRBuilder(outlined.append_basic_block("entry"))
             args_ty = llargs[0].type
             packed = b.load(b.bitcast(outlined.args[0], args_ty.as_pointer()))
-            omp_int = ir.FunctionType(_I32, [])
-            thread = b.call(cgutils.get_or_insert_function(module, omp_int,
-                                                           "omp_get_thread_num"), [])
-            team = b.call(cgutils.get_or_insert_function(module, omp_int,
-                                                         "omp_get_num_threads"), [])
-            run_share(b, b.sext(thread, _I64), b.sext(team, _I64), packed)
+            thread = _omp_int(b, "omp_get_thread_num")
+            start = _cycles(b)
+            run_share(b, thread, _omp_int(b, "omp_get_num_threads"), packed)
+            with b.if_then(_is_on(b)):
+                b.store(b.sub(_cycles(b), start), _slot(b, thread))
             b.ret_void()
 
             slot = cgutils.alloca_once(builder, args_ty)
@@ -119,8 +194,11 @@ def fork(share):
             gomp_parallel = cgutils.get_or_insert_function(
                 module, ir.FunctionType(ir.VoidType(), [outlined_ty.as_pointer(), _VOID_P,
                                                         _I32, _I32]), "GOMP_parallel")
+            start = _cycles(builder)
             builder.call(gomp_parallel, [outlined, builder.bitcast(slot, _VOID_P),
                                          builder.trunc(n_threads, _I32), ir.Constant(_I32, 0)])
+            with builder.if_then(_is_on(builder)):
+                _account(builder, n_threads, builder.sub(_cycles(builder), start))
             return context.get_dummy_value()
 
         return types.none(args), codegen
@@ -128,17 +206,98 @@ def fork(share):
     return fork_
 
 
-def forking_kernel(body, **shares):
+@intrinsic
+def team_size(typingctx):
+    """The team a `fork` here would start: Numba's thread count (its symbol, as `fork` reads it;
+    without omp the fork runs a team of one whatever this says)."""
+    def codegen(context, builder, sig, args):
+        return builder.call(cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I64, []), "get_num_threads"), [])
+
+    return types.int64(), codegen
+
+
+@intrinsic
+def _read_cycles(typingctx):
+    return types.int64(), lambda context, builder, sig, args: _cycles(builder)
+
+
+@functools.lru_cache(maxsize=None)
+def cycles_per_second() -> float:
+    """The cycle counter's rate (the TSC's: constant on the CPUs this runs on), measured once
+    against the monotonic clock over ~50 ms."""
+    read = numba.njit(lambda: _read_cycles())
+    read()
+    c0, t0 = read(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.05:
+        pass
+    return (read() - c0) / (time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The parallel regions counted since `Regions.start()`, in seconds: the calling thread's wall
+    time inside them (`wall_s`), of which the longest share of each (`share_max_s`); the threads'
+    mean time in their shares (`busy_mean_s`) and their total (`busy_s`)."""
+
+    count: int
+    wall_s: float
+    share_max_s: float
+    busy_mean_s: float
+    busy_s: float
+
+    @staticmethod
+    def start() -> None:
+        """Zero the counters and count every region from now on, until `stop`."""
+        _stats[:] = 0
+        _stats[ON] = 1
+
+    @staticmethod
+    def stop() -> "Regions":
+        """Stop counting; what was counted."""
+        _stats[ON] = 0
+        return Regions.now()
+
+    @staticmethod
+    def now() -> "Regions":
+        """What was counted so far (counting goes on); differences of two: the regions between."""
+        hz = cycles_per_second()
+        return Regions(int(_stats[REGIONS]), *(float(_stats[i]) / hz for i in
+                                              (WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM)))
+
+    def __sub__(self, other: "Regions") -> "Regions":
+        return Regions(*(getattr(self, f) - getattr(other, f) for f in _FIELDS))
+
+    def __add__(self, other: "Regions") -> "Regions":
+        return Regions(*(getattr(self, f) + getattr(other, f) for f in _FIELDS))
+
+    @property
+    def idle_s(self) -> float:
+        """Threads idle inside regions (waiting for the slowest share), per thread."""
+        return self.share_max_s - self.busy_mean_s
+
+    @property
+    def fork_join_s(self) -> float:
+        """The calling thread's time in regions outside the longest share: the fork and join."""
+        return self.wall_s - self.share_max_s
+
+
+_FIELDS = ("count", "wall_s", "share_max_s", "busy_mean_s", "busy_s")
+
+
+def forking_kernel(body, fastmath=FASTMATH, **shares):
     """A function returning `cpu.kernel(body)` whose globals named in `shares` are `fork`
     intrinsics over those share functions (the omp variant where Numba's omp layer runs, else a
-    team of one), made on its first call: making it starts the OpenMP threads."""
+    team of one), made on its first call: making it starts the OpenMP threads. A share is compiled
+    into the kernel, under the kernel's `fastmath`: False where a share's sums must keep their
+    order (Numba's fast-math pass flags every float operation of the module)."""
     made = []
 
     def get():
         if not made:
             variant = "omp" if available() else "serial"
             forks = {name: fork(bind(share, variant)) for name, share in shares.items()}
-            made.append(kernel(body, variant=variant, **forks))
+            made.append(kernel(body, fastmath=fastmath, variant=variant, **forks))
         return made[0]
 
     return get

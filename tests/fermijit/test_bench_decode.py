@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import numba
 import pytest
 
-from fermijit import bench_decode
+from fermijit import FermijitError, bench_decode
 from fermijit.model import convert, synth
 from fermijit.model.safetensors_io import SafetensorsFile
 from tests.model.test_synth import SMALL
@@ -73,6 +74,32 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
         assert row["kernel_ms"] >= 0 and row["kernel_ms"] <= row["ms"] + 1e-9, row
     assert rows["moe.decode"]["calls"] == 4 and rows["matvec.product"]["kernel_ms"] > 0
     assert rows["residual_step.cpu"]["calls"] == 2 * 4 + 1  # each sublayer's input, the head's
+    assert r["sweep"] == [] and r["sweep_threads"] == []
+    prefill = {row["op"]: row for row in r["prefill_profile"]}
+    assert prefill["moe.cpu"]["calls"] == 4 and prefill["token"]["ms"] > 0
+
+
+def test_threads_sweep_reports_each_count_and_splits_its_token(report, capsys, monkeypatch):
+    monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
+    counts = (1, numba.config.NUMBA_NUM_THREADS)
+    r = bench_decode.run(report, None, 4, 2, 1, as_json=False, profile=False, sweep=counts,
+                         sweep_tokens=3)
+    assert [row["threads"] for row in r["sweep"]] == list(counts)
+    assert numba.get_num_threads() == 1  # the main run's count, back after the sweep
+    total = r["bytes_per_token"]["total"]
+    for row in r["sweep"]:
+        assert row["tok_s"] > 0 and row["read_gbs"] > 0 and len(row["paired"]) == 1
+        assert row["of_ceiling"] == pytest.approx(row["tok_s"] * total / (row["read_gbs"] * 1e9))
+        s = row["split"]
+        assert s["regions"] > 0 and s["work"] > 0
+        assert min(s["serial"], s["idle"], s["fork_join"]) >= 0
+        # The split covers the profiled token's kernel time (regions inside kernels).
+        assert s["serial"] + s["work"] + s["idle"] + s["fork_join"] <= row["profile_ms"] + 1e-6
+    out = capsys.readouterr().out
+    assert "threads sweep" in out and "fork" in out
+    with pytest.raises(FermijitError, match="--threads-sweep"):
+        bench_decode.run(report, None, 4, 2, 1, as_json=False, profile=False,
+                         sweep=(numba.config.NUMBA_NUM_THREADS + 1,))
 
 
 def test_table_and_bad_input(report, capsys, monkeypatch):

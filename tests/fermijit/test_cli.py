@@ -42,7 +42,9 @@ def test_decode_isa_reaches_info():
 def test_bad_flags_are_one_line_errors():
     for args in (["--isa", "mmx", "info"], ["--decode-isa", "sse9", "info"],
                  ["info", "--threads", "0"], ["frobnicate"],
-                 ["bench", "kernels", "--gib", "0"]):
+                 ["bench", "kernels", "--gib", "0"],
+                 ["bench", "decode", "--synthetic", "x", "--threads-sweep", "1,0"],
+                 ["bench", "decode", "--synthetic", "x", "--threads-sweep", "two"]):
         r = fermijit(*args)
         assert r.returncode == 2, (args, r.returncode)
         assert "Traceback" not in r.stderr

@@ -154,3 +154,29 @@ def test_variants_compiled_in_different_processes_load_side_by_side(tmp_path):
     run(isas[1])                        # in a process of its own
     errors = run(*isas)                 # then both loaded from the cache into one process
     assert set(errors) == set(isas) and all(err < 1e-5 for err in errors.values()), errors
+
+
+PINNED = textwrap.dedent("""
+    import os, subprocess, sys
+    from fermijit.jit import cpu
+    cpu.pin_threads()
+    cpu.configure_threads(None)
+    from fermijit.ops import matvec
+    matvec.warm_up()  # starts the team
+    print(sorted(os.sched_getaffinity(0)))
+    code = "import os, fermijit; print(sorted(os.sched_getaffinity(0)))"
+    print(subprocess.run([sys.executable, "-c", code], env=cpu.child_env(),
+                         capture_output=True, text=True).stdout.strip())
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to bind apart")
+def test_pinned_threads_bind_the_caller_and_children_take_the_cpus_back():
+    r = subprocess.run([sys.executable, "-c", PINNED], capture_output=True, text=True,
+                       timeout=300, env={k: v for k, v in os.environ.items()
+                                         if not k.startswith(("OMP_", "FERMIJIT_CPUS"))})
+    assert r.returncode == 0, r.stderr[-2000:]
+    caller, child = r.stdout.strip().splitlines()
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(eval(caller)) == 1          # the caller, thread 0 of every team, is bound
+    assert eval(child) == allowed          # a child runs where the parent could

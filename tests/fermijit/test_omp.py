@@ -30,8 +30,8 @@ def _launch(seen):
     fork((seen,))
 
 
-record_threads = kernel(_launch, fork=omp.fork(_record),
-                        variant="omp" if omp.available() else "serial")
+_TEAM = "omp" if omp.available() else "serial"
+record_threads = kernel(_launch, fork=omp.fork(_record), variant=_TEAM)
 
 
 @pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
@@ -157,3 +157,21 @@ def test_a_forked_child_is_refused_not_hung():
     a one-line error (and would hang in libgomp without it)."""
     out = _python(["-c", FORKED], timeout=120)
     assert "refused:" in out and "spawn" in out and "child exit 0" in out
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_regions_count_their_launches_and_split_their_time():
+    seen = np.full(numba.config.NUMBA_NUM_THREADS + 1, -1)
+    record_threads(seen)  # compiled before counting
+    omp.Regions.start()
+    for _ in range(7):
+        record_threads(seen)
+    r = omp.Regions.stop()
+    assert r.count == 7
+    assert r.wall_s >= r.share_max_s >= r.busy_mean_s > 0
+    assert r.idle_s >= 0 and r.fork_join_s >= 0
+    n = numba.get_num_threads()
+    assert r.busy_s == pytest.approx(n * r.busy_mean_s, rel=1e-3, abs=1e-7)
+    record_threads(seen)
+    assert omp.Regions.stop().count == 7  # stopped: later launches are not counted
+    assert (omp.Regions.now() - r).count == 0

@@ -46,8 +46,8 @@ def test_matches_the_reference(rng, shape, isa):
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_every_output_is_the_same_bits_however_computed(rng, shape):
-    """Each row alone (decode's serial kernel, one token), any block of rows, every ISA's tile:
-    the same bits as the whole product."""
+    """Each row alone (decode's kernel, one token, its rows split over the threads), any block of
+    rows, every ISA's tile: the same bits as the whole product."""
     x, w = _inputs(rng, *shape)
     T, R = shape[:2]
     whole = fp32_rows.cpu(x, w)
@@ -55,7 +55,7 @@ def test_every_output_is_the_same_bits_however_computed(rng, shape):
         assert np.array_equal(fp32_rows.cpu(x, w, isa=isa), whole), isa.label
     one = poisoned((1, R))
     for t in range(T):
-        fp32_rows.rows_serial(x[t:t + 1], w, one)
+        fp32_rows.decode_rows()(x[t:t + 1], w, one)
         assert np.array_equal(one[0], whole[t]), t
     for lo, hi in ((0, T // 2), (T // 3, T), (T - 1, T)):
         if hi > lo:
@@ -71,13 +71,16 @@ def test_the_same_bits_for_any_thread_count(rng, isa):
     x, w = _inputs(rng, 37, 67, 300)
     before = numba.get_num_threads()
     try:
-        results = []
+        results, decode = [], []
         for n in (1, 2):
             configure_threads(n)
             results.append(fp32_rows.cpu(x, w, isa=isa))
+            decode.append(poisoned((1, w.shape[0])))
+            fp32_rows.decode_rows()(x[:1], w, decode[-1])  # rows split over n threads
     finally:
         configure_threads(before)
     assert np.array_equal(*results)
+    assert np.array_equal(*decode) and np.array_equal(decode[0][0], results[0][0])
 
 
 @pytest.mark.skipif(blas.threads() is None, reason="numpy's BLAS is not OpenBLAS")
