@@ -36,10 +36,11 @@ step "llama.cpp build started (background); $cores cores"
        -DCMAKE_BUILD_TYPE=Release \
   && cmake --build build --target llama-bench -j "$cores" ) >"$out/llama-build.log" 2>&1 &
 build_pid=$!
-$py -m fermijit synth qwen3.6-35b-a3b-reap128 "$model" ${LAYERS:+--layers "$LAYERS"} >>"$log" 2>&1 \
-  || step "synth failed"
+# Either may be there already (a pass run after another that made them).
+[ -f "$model/fermijit.json" ] || $py -m fermijit synth qwen3.6-35b-a3b-reap128 "$model" \
+  ${LAYERS:+--layers "$LAYERS"} >>"$log" 2>&1 || step "synth failed"
 step "synthesised"
-$py -m fermijit export "$model" "$gguf" >>"$log" 2>&1 || step "export failed"
+[ -f "$gguf" ] || $py -m fermijit export "$model" "$gguf" >>"$log" 2>&1 || step "export failed"
 step "exported"
 # Compiles fermijit's kernels into the cache while llama.cpp builds (its figures are not used).
 $py -m fermijit bench decode --model "$model" --prompt-tokens 8 --tokens 2 >>"$log" 2>&1
