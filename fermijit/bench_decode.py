@@ -258,15 +258,17 @@ def windows(n_tokens: int) -> list[range]:
 # --- the run ------------------------------------------------------------------------------------
 
 def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: int,
-        n_threads: int | None, as_json: bool, profile: bool) -> dict:
+        n_threads: int | None, as_json: bool, profile: bool, kv=None) -> dict:
     from fermijit.jit import cpu
+    from fermijit.model.state import DEFAULT_KV
 
     if (model_dir is None) == (synthetic is None):
         raise FermijitError("give one of --model DIR or --synthetic NAME")
     threads = cpu.configure_threads(n_threads)
     report: dict = {"isa": cpu.selected_isa().label, "decode_isa": cpu.decode_isa().label,
                     "cpu": cpu.target_cpu_name(),
-                    "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens}
+                    "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens,
+                    "kv_cache": (kv or DEFAULT_KV).value}
     if model_dir is not None:
         return _measure(Path(model_dir), report, as_json, profile)
     from fermijit.model import synth
@@ -282,6 +284,7 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
 def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dict:
     from fermijit import engine
     from fermijit.model.forward import load_model
+    from fermijit.model.state import KvKind
 
     memory = MemoryWatch()
     _progress("read bandwidth (before loading)")
@@ -290,7 +293,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     memory.sample()
 
     start, cpu0 = time.perf_counter(), time.process_time()
-    _, model = load_model(model_dir)
+    _, model = load_model(model_dir, kv=KvKind(report["kv_cache"]))
     load_s = time.perf_counter() - start
     load_cpu_s = time.process_time() - cpu0
     memory.sample()

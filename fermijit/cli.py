@@ -91,6 +91,18 @@ def prefill_options(command):
     return command
 
 
+kv_option = click.option(
+    "--kv-cache", "kv_cache", type=click.Choice(["q8_0", "f32"]), default="q8_0",
+    show_default=True, help="The KV cache: Q8_0 (8-bit blocks of 32 along the head dim: a "
+                            "quarter of fp32's memory and reads) or f32.")
+
+
+def _kv(kv_cache: str):
+    from fermijit.model.state import KvKind
+
+    return KvKind(kv_cache)
+
+
 def cache_options(command):
     """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/prefix_cache.py), for
     generate and serve."""
@@ -180,15 +192,17 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
+@kv_option
 def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
-                 threads: int | None, as_json: bool, profile: bool) -> None:
+                 threads: int | None, as_json: bool, profile: bool, kv_cache: str) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
     from fermijit import bench_decode as bench_decode_module
 
     if model_dir is not None:
         synthetic = None
-    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
+    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile,
+                            _kv(kv_cache))
 
 
 @bench.command("serve")
@@ -345,9 +359,10 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
               help="Project the run onto this GPU (the cost model is printed).")
 @click.option("--sweep", default=None, help="Instead: CPU vs GPU prefill time at these prompt "
                                             "lengths, e.g. 8,32,128 (the auto threshold).")
+@kv_option
 def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
                   gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
-                  projection: str | None, sweep: str | None) -> None:
+                  projection: str | None, sweep: str | None, kv_cache: str) -> None:
     """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
     pageable expert streaming (GPU)."""
     from fermijit import bench_prefill as bp
@@ -357,9 +372,10 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
             lengths = [int(n) for n in sweep.split(",")]
         except ValueError:
             raise click.BadParameter(f"--sweep takes lengths like 8,32,128, got {sweep!r}")
-        bp.sweep(model_dir, synthetic, lengths)
+        bp.sweep(model_dir, synthetic, lengths, kv=_kv(kv_cache))
         return
-    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
+    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection,
+           kv=_kv(kv_cache))
 
 
 @cli.group()
@@ -495,11 +511,13 @@ def verify(model_dir: Path) -> None:
               help="An image file for the user turn, before the text (repeatable; implies "
                    "--chat; the model needs its vision tower).")
 @prefill_options
+@kv_option
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
-             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool,
+             kv_cache: str) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -518,7 +536,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     text = (files.read_text(sys.stdin.buffer, "standard input") if prompt is None
             else files.check_text(prompt, "the prompt"))
     engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
-               cache_settings=cache)
+               cache_settings=cache, kv=_kv(kv_cache))
 
 
 @cli.command()
@@ -539,10 +557,11 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @numa_option
 @cache_options
 @prefill_options
+@kv_option
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
-          pin_budget: str | None, verbose: bool) -> None:
+          pin_budget: str | None, verbose: bool, kv_cache: str) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -560,7 +579,7 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     cpu.configure_threads(threads)
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
-              prefill, gpu_mem, pin_budget, verbose)
+              prefill, gpu_mem, pin_budget, verbose, kv=_kv(kv_cache))
 
 
 @cli.command("eval")
@@ -578,9 +597,10 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
               help="Numba threads (default: the physical cores).")
 @numa_option
 @prefill_options
+@kv_option
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
                  threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
-                 verbose: bool) -> None:
+                 verbose: bool, kv_cache: str) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
@@ -589,7 +609,8 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
 
     cpu.configure_threads(threads)
     evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
-                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
+                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose,
+                 kv=_kv(kv_cache))
 
 
 def _open_missing_streams() -> None:

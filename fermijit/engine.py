@@ -246,19 +246,22 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
-             warn=None) -> "Engine":
+             warn=None, kv=None) -> "Engine":
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
-        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr)."""
+        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr); `kv`
+        the KV cache's kind (model.state.KvKind, default Q8_0)."""
         from fermijit import prefix_cache
         from fermijit.model.forward import load_model
+        from fermijit.model.state import DEFAULT_KV
         from fermijit.model.tokenizer import Tokenizer
 
-        cfg, model = load_model(model_dir, show_progress=show_progress)
+        kv = kv or DEFAULT_KV
+        cfg, model = load_model(model_dir, show_progress=show_progress, kv=kv)
         tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:
-            cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
+            cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir, kv),
                                              c.mem_bytes, c.directory, c.snapshot_every,
                                              check=model.check_state, warn=warn)
         return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))
@@ -315,9 +318,10 @@ class Engine:
 
 
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
-        cache_settings=None) -> Stats:
+        cache_settings=None, kv=None) -> Stats:
     """`generate` for the CLI: the continuation streams to `out` (bytes, default stdout) as
-    UTF-8, progress and the summary go to `err` (text, default stderr)."""
+    UTF-8, progress and the summary go to `err` (text, default stderr); `kv` the KV cache's
+    kind (default Q8_0)."""
     from fermijit import hybrid
 
     hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
@@ -328,7 +332,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     pictures = [image.open_image(path) for path in settings.images]  # bad files: before loading
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True))
+                         warn=lambda line: print(line, file=err, flush=True), kv=kv)
     model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 

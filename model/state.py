@@ -2,10 +2,12 @@
 and what the snapshot prefix cache copies, stores and restores.
 
 Per attention layer a KV cache preallocated to the context length S, in the [Hkv, S, D] layout
-ops.attention reads (MODEL.md §5.7: post-norm, post-RoPE); per GDN layer the conv window
-[C, Kc-1] (the last pre-conv inputs, oldest first, as ops.conv1d keeps it) and the recurrent state
-[Hv, dk, dv] (MODEL.md §6), all fp32; and the position, the number of tokens seen. Cache rows at
-or past `position` are never read, so copies and files hold only rows [0, position).
+ops.attention reads (MODEL.md §5.7: post-norm, post-RoPE): fp32, or Q8_0 rows (the default,
+issue 31 item 1: int8 codes [Hkv, S, D] and an fp32 scale per 32-block [Hkv, S, D/32],
+ops/kv_quant.py); per GDN layer the conv window [C, Kc-1] (the last pre-conv inputs, oldest
+first, as ops.conv1d keeps it) and the recurrent state [Hv, dk, dv] (MODEL.md §6), fp32; and the
+position, the number of tokens seen. Cache rows at or past `position` are never read, so copies
+and files hold only rows [0, position).
 
 Dimension legend: as model/weights.py; S the context length.
 """
@@ -13,6 +15,7 @@ Dimension legend: as model/weights.py; S the context length.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 import zipfile
@@ -21,20 +24,102 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.ops import kv_quant
+from fermijit.ops.kv_quant import Q8Rows
 
-STATE_FORMAT = 1
+# 1: fp32 caches only ("i.k", "i.v"); 2: also Q8_0 ones ("i.k.qs", "i.k.d", ...). Both load.
+STATE_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+
+
+class KvKind(enum.Enum):
+    """What a KV cache holds: `--kv-cache f32|q8_0`."""
+
+    F32 = "f32"
+    Q8_0 = "q8_0"
+
+    def row_nbytes(self, dim: int) -> int:
+        """Bytes of one position's key (or value) row of one kv head."""
+        return 4 * dim if self is KvKind.F32 else dim + 4 * (dim // kv_quant.BLOCK)
+
+
+# The default (issue 31 item 1): a quarter of fp32's memory and reads at 1-2 % of the fp32 cache's
+# attention output error (tests/ops/test_attention.py), perplexity within 0.5 % (fermijit eval).
+DEFAULT_KV = KvKind.Q8_0
 
 
 @dataclasses.dataclass
 class KvCache:
-    k: np.ndarray  # [Hkv, S, D] fp32
-    v: np.ndarray  # [Hkv, S, D] fp32
+    k: np.ndarray | Q8Rows  # [Hkv, S, D] fp32, or its Q8_0 rows
+    v: np.ndarray | Q8Rows
+
+    @classmethod
+    def zeros(cls, kind: KvKind, heads: int, context: int, dim: int) -> "KvCache":
+        shape = (heads, context, dim)
+        if kind is KvKind.F32:
+            return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        return cls(kv_quant.empty(shape, np.zeros), kv_quant.empty(shape, np.zeros))
+
+    @property
+    def kind(self) -> KvKind:
+        return KvKind.Q8_0 if isinstance(self.k, Q8Rows) else KvKind.F32
+
+    @property
+    def context(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """k then v; a Q8_0 one's codes then scales."""
+        return [a for x in (self.k, self.v) for a in ((x.qs, x.d) if isinstance(x, Q8Rows)
+                                                      else (x,))]
+
+    def rows(self, start: int, end: int) -> "KvCache":
+        """Positions start..end-1 (views)."""
+        return KvCache(self.k[:, start:end], self.v[:, start:end])
+
+    def copy(self) -> "KvCache":
+        return KvCache(self.k.copy(), self.v.copy())
+
+    def resized(self, context: int, position: int) -> "KvCache":
+        """A new cache of `context` positions holding this one's rows [0, position)."""
+        heads, _, dim = self.k.shape
+        out = KvCache.zeros(self.kind, heads, context, dim)
+        out.put(0, self.rows(0, position))
+        return out
+
+    def put(self, start: int, rows: "KvCache") -> None:
+        """Rows start.. <- `rows` (a cache of the same kind)."""
+        end = start + rows.context
+        self.k[:, start:end], self.v[:, start:end] = rows.k, rows.v
+
+    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Rows start..start+T-1 <- a pass's keys and values k, v [T, Hkv, D] fp32 (rounded to
+        Q8_0 for a Q8_0 cache)."""
+        if isinstance(self.k, Q8Rows):
+            kv_quant.store(k, self.k, start)
+            kv_quant.store(v, self.v, start)
+            return
+        self.k[:, start:start + k.shape[0]] = k.transpose(1, 0, 2)
+        self.v[:, start:start + v.shape[0]] = v.transpose(1, 0, 2)
 
 
 @dataclasses.dataclass
 class GdnState:
     conv: np.ndarray       # [C, Kc-1] fp32
     recurrent: np.ndarray  # [Hv, dk, dv] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return [self.conv, self.recurrent]
 
 
 @dataclasses.dataclass
@@ -48,12 +133,17 @@ class State:
     @property
     def context(self) -> int:
         """Positions the KV caches hold (S); unbounded (a large number) without attention."""
-        return min((s.k.shape[1] for s in self.layers if isinstance(s, KvCache)),
+        return min((s.context for s in self.layers if isinstance(s, KvCache)),
                    default=np.iinfo(np.int64).max)
 
     @property
+    def kv_kind(self) -> KvKind | None:
+        """What its KV caches hold (None: no attention layer)."""
+        return next((s.kind for s in self.layers if isinstance(s, KvCache)), None)
+
+    @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for s in self.layers for a in dataclasses.astuple(s))
+        return sum(s.nbytes for s in self.layers)
 
     def copy(self, context: int | None = None) -> "State":
         """An independent copy, its caches allocated to `context` (default: this one's)."""
@@ -64,7 +154,7 @@ class State:
         layers = []
         for s in self.layers:
             if isinstance(s, KvCache):
-                layers.append(KvCache(*(_resized(a, context, self.position) for a in (s.k, s.v))))
+                layers.append(s.resized(context, self.position))
             else:
                 layers.append(GdnState(s.conv.copy(), s.recurrent.copy()))
         return State(self.position, layers, self.rope_delta)
@@ -75,9 +165,13 @@ class State:
                   "rope_delta": np.int64(self.rope_delta)}
         for i, s in enumerate(self.layers):
             if isinstance(s, KvCache):
-                arrays[f"{i}.k"] = s.k[:, :self.position]
-                arrays[f"{i}.v"] = s.v[:, :self.position]
-                arrays[f"{i}.context"] = np.int64(s.k.shape[1])
+                for x, name in ((s.k, "k"), (s.v, "v")):
+                    x = x[:, :self.position]
+                    if isinstance(x, Q8Rows):
+                        arrays[f"{i}.{name}.qs"], arrays[f"{i}.{name}.d"] = x.qs, x.d
+                    else:
+                        arrays[f"{i}.{name}"] = x
+                arrays[f"{i}.context"] = np.int64(s.context)
             else:
                 arrays[f"{i}.conv"], arrays[f"{i}.recurrent"] = s.conv, s.recurrent
         with open(path, "wb") as f:
@@ -85,37 +179,42 @@ class State:
 
     @classmethod
     def load(cls, path: str | Path, context: int | None = None) -> "State":
-        """A state saved by `save`, its caches allocated to `context` (default: as saved)."""
+        """A state saved by `save` (either format), its caches allocated to `context` (default:
+        as saved), of the kind saved."""
         try:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {name: z[name] for name in z.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise FermijitError(f"{path}: not a readable state file ({e})") from None
-        if int(arrays.get("format_version", -1)) != STATE_FORMAT:
-            raise FermijitError(f"{path}: not a state file of format {STATE_FORMAT}")
+        if int(arrays.get("format_version", -1)) not in READABLE_FORMATS:
+            raise FermijitError(f"{path}: not a state file of format "
+                                f"{' or '.join(map(str, READABLE_FORMATS))}")
         position = int(arrays["position"])
         layers: list[KvCache | GdnState] = []
         i = 0
-        while f"{i}.k" in arrays or f"{i}.conv" in arrays:
-            if f"{i}.k" in arrays:
+
+        def rows(name: str):
+            if f"{name}.qs" in arrays:
+                return Q8Rows(np.ascontiguousarray(arrays[f"{name}.qs"], np.int8),
+                              np.ascontiguousarray(arrays[f"{name}.d"], np.float32))
+            return np.ascontiguousarray(arrays[name], np.float32)
+
+        while any(f"{i}.{x}" in arrays for x in ("k", "k.qs", "conv")):
+            if f"{i}.conv" not in arrays:
                 n = int(arrays[f"{i}.context"]) if context is None else context
                 if n < position:
                     raise FermijitError(f"{path}: a context of {n} cannot hold the {position} "
                                         f"positions seen")
-                layers.append(KvCache(*(_resized(arrays[f"{i}.{x}"], n, position)
-                                        for x in "kv")))
+                saved = KvCache(rows(f"{i}.k"), rows(f"{i}.v"))
+                if saved.context < position:
+                    raise FermijitError(f"{path}: layer {i} holds {saved.context} positions, "
+                                        f"not {position}")
+                layers.append(saved.resized(n, position))
             else:
                 layers.append(GdnState(np.ascontiguousarray(arrays[f"{i}.conv"], np.float32),
                                        np.ascontiguousarray(arrays[f"{i}.recurrent"], np.float32)))
             i += 1
         return cls(position, layers, int(arrays.get("rope_delta", 0)))
-
-
-def _resized(cache: np.ndarray, context: int, position: int) -> np.ndarray:
-    """cache [Hkv, >= position, D] -> a new [Hkv, context, D] fp32 with rows [0, position)."""
-    out = np.zeros((cache.shape[0], context, cache.shape[2]), np.float32)
-    out[:, :position] = cache[:, :position]
-    return out
 
 
 def available_nbytes() -> int:
@@ -139,21 +238,25 @@ def available_nbytes() -> int:
 
 
 def state_nbytes(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
-                 conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int]) -> int:
-    """Bytes of a `new_state` (fp32), computed in Python integers before anything is made."""
+                 conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
+                 kv: KvKind = DEFAULT_KV) -> int:
+    """Bytes of a `new_state`, computed in Python integers before anything is made."""
     n_attention = sum(layer_kinds)
-    per_gdn = math.prod(conv_shape) + math.prod(recurrent_shape)
-    return 4 * (n_attention * 2 * context * math.prod(kv_shape)
-                + (len(layer_kinds) - n_attention) * per_gdn)
+    per_gdn = 4 * (math.prod(conv_shape) + math.prod(recurrent_shape))
+    hkv, d = kv_shape
+    return (n_attention * 2 * context * hkv * kv.row_nbytes(d)
+            + (len(layer_kinds) - n_attention) * per_gdn)
 
 
 def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
-              conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int]) -> State:
+              conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
+              kv: KvKind = DEFAULT_KV) -> State:
     """Zeros: `layer_kinds[i]` is True for an attention layer; kv_shape (Hkv, D), conv_shape
-    (C, Kc-1), recurrent_shape (Hv, dk, dv). A state larger than the memory available is a
-    FermijitError saying what it needs, before any allocation (issue 11 case 7: the zeros are
-    allocated lazily, so an over-large cache failed later, or was killed)."""
-    nbytes = state_nbytes(layer_kinds, context, kv_shape, conv_shape, recurrent_shape)
+    (C, Kc-1), recurrent_shape (Hv, dk, dv); KV caches of kind `kv`. A state larger than the
+    memory available is a FermijitError saying what it needs, before any allocation (issue 11
+    case 7: the zeros are allocated lazily, so an over-large cache failed later, or was
+    killed)."""
+    nbytes = state_nbytes(layer_kinds, context, kv_shape, conv_shape, recurrent_shape, kv)
     available = available_nbytes()
     if nbytes > available:
         raise FermijitError(f"a context of {context} tokens needs {nbytes / 2**30:.2f} GiB for "
@@ -161,8 +264,7 @@ def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, 
                             f"memory is available: use a smaller --ctx")
     hkv, d = kv_shape
     layers: list[KvCache | GdnState] = [
-        KvCache(np.zeros((hkv, context, d), np.float32), np.zeros((hkv, context, d), np.float32))
-        if is_attention else
+        KvCache.zeros(kv, hkv, context, d) if is_attention else
         GdnState(np.zeros(conv_shape, np.float32), np.zeros(recurrent_shape, np.float32))
         for is_attention in layer_kinds]
     return State(0, layers)

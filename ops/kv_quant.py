@@ -27,7 +27,7 @@ from fermijit.ops import matvec
 from fermijit.ops.quant import BLOCK
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Q8Rows:
     """Rows of Q8_0 blocks, structure-of-arrays, indexed like the fp32 array they stand for on
     every axis but the last: a cache [Hkv, S, D] is qs [Hkv, S, D] and d [Hkv, S, nb], and
@@ -48,6 +48,10 @@ class Q8Rows:
     def __getitem__(self, index) -> "Q8Rows":
         """Both arrays indexed alike; `index` must leave the last axis whole."""
         return Q8Rows(self.qs[index], self.d[index])
+
+    def __setitem__(self, index, rows: "Q8Rows") -> None:
+        self.qs[index] = rows.qs
+        self.d[index] = rows.d
 
     def copy(self) -> "Q8Rows":
         return Q8Rows(self.qs.copy(), self.d.copy())

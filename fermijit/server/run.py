@@ -31,7 +31,7 @@ def warm_up(engine, max_batch: int) -> None:
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "cpu", gpu_mem: str | None = None,
-          pin_budget: str | None = None, verbose: bool = False) -> None:
+          pin_budget: str | None = None, verbose: bool = False, kv=None) -> None:
     import uvicorn
 
     from fermijit import hybrid
@@ -44,7 +44,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     err = sys.stderr
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True))
+                         warn=lambda line: print(line, file=err, flush=True), kv=kv)
     warm_up(engine, max_batch)
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
     if prefill != "cpu":
