@@ -1,10 +1,11 @@
 """`python -m fermijit bench decode`: a prompt, then N greedy tokens on a real-size model, against
 this machine's read bandwidth measured in the same run.
 
-Decode reads every weight a token needs once, so its ceiling is read bandwidth / bytes per token.
-The bytes are counted from the model's own arrays: every dense matrix, vector and the LM head,
-one embedding row, and of the routed experts those the router actually selected (watched on one
-extra token). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
+Decode reads every weight a token needs once, and the KV cache's rows so far, so its ceiling is
+read bandwidth / bytes per token. The bytes are counted from the model's own arrays: every dense
+matrix, vector and the LM head, one embedding row, of the routed experts those the router
+actually selected (watched on one extra token), and the KV rows of the positions decoded at (on
+average: prompt + half the tokens; issue 31 item 3: at long context they are a real part). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
 here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
 expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py).
 
@@ -97,18 +98,20 @@ class TokenBytes:
     experts: int = 0      # the routed experts selected
     lm_head: int = 0
     embedding: int = 0    # one row
+    kv: int = 0           # the KV cache's rows attention reads (every attention layer)
 
     @property
     def total(self) -> int:
-        return self.dense + self.experts + self.lm_head + self.embedding
+        return self.dense + self.experts + self.lm_head + self.embedding + self.kv
 
 
-def token_bytes(model, selected: list[int]) -> TokenBytes:
-    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i."""
+def token_bytes(model, selected: list[int], kv_nbytes: int = 0) -> TokenBytes:
+    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i and
+    attends over `kv_nbytes` of KV rows."""
     from fermijit.ops import moe
 
     out = TokenBytes(lm_head=sum(a.nbytes for a in _arrays(model.lm_head)),
-                     embedding=model.embed.nbytes // model.embed.shape[0])
+                     embedding=model.embed.nbytes // model.embed.shape[0], kv=kv_nbytes)
     for layer, n_selected in zip(model.layers, selected):
         experts = layer.experts
         if not isinstance(experts, moe.MoeWeights):
@@ -331,7 +334,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         peak = memory_now()["peak"]  # before anything else is allocated
 
         selected = watch_routing(model, token, state)
-        bytes_ = token_bytes(model, selected)
+        bytes_ = token_bytes(model, selected, (n_prompt + n_tokens // 2) * state.position_nbytes)
         profile_rows = None
         if profile:
             from fermijit import profile as profiler
@@ -405,9 +408,9 @@ def format_report(r: dict) -> str:
         f"{'  prefill of GEMM':<28} {100 * r['prefill_of_gemm']:9.1f} %",
         f"{'decode':<28} {r['decode_tok_s']:9.2f} tok/s  ({r['decode_tokens']} tokens, median "
         f"{r['decode_token_ms_median']:.1f} ms; CPU {r['decode_cpu_s']:.2f} s)",
-        f"{'weight bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
+        f"{'bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
         f"experts {b['experts'] / gb:.3f}, lm head {b['lm_head'] / gb:.3f}, embedding row "
-        f"{b['embedding']} B)",
+        f"{b['embedding']} B, KV {b['kv'] / gb:.3f}: {r['kv_cache']})",
         f"{'read bandwidth':<28} {r['read_gbs']:9.2f} GB/s",
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",

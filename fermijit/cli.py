@@ -378,6 +378,36 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
            kv=_kv(kv_cache))
 
 
+@bench.command("longctx")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+              help="A fermijit model directory.")
+@click.option("--synthetic", default=None,
+              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
+                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@click.option("--lengths", default="1024,4096,16384,32768", show_default=True,
+              help="Prompt lengths, comma-separated.")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Decode tokens timed after each length (their median).")
+@click.option("--gpu", "use_gpu", is_flag=True, help="Also time the GPU prefill of each length.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@kv_option
+def bench_longctx(model_dir: Path | None, synthetic: str | None, lengths: str,
+                  decode_tokens: int, use_gpu: bool, threads: int | None, as_json: bool,
+                  kv_cache: str) -> None:
+    """Long context: CPU (and GPU) prefill tok/s, decode tok/s against decode at 64 positions in
+    the same run, KV cache bytes and memory, per prompt length."""
+    from fermijit import bench_longctx as bl
+
+    try:
+        parsed = tuple(int(n) for n in lengths.split(","))
+    except ValueError:
+        raise click.BadParameter(f"--lengths takes lengths like 1024,4096, got {lengths!r}")
+    bl.run(model_dir, synthetic, parsed, decode_tokens, use_gpu, threads, as_json,
+           kv=_kv(kv_cache))
+
+
 @cli.group()
 def kernels() -> None:
     """The GPU kernels (PTX templates in kernels_ptx/)."""
@@ -558,10 +588,14 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @cache_options
 @prefill_options
 @kv_option
+@click.option("--kv-mem", type=SIZE, default=None,
+              help="Memory the running requests' KV caches and states may hold, e.g. 4G; a "
+                   "request that cannot fit is a 400 (ever) or 503 (now). Default: half the "
+                   "memory available once the model is loaded.")
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
-          pin_budget: str | None, verbose: bool, kv_cache: str) -> None:
+          pin_budget: str | None, verbose: bool, kv_cache: str, kv_mem: int | None) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -579,7 +613,7 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     cpu.configure_threads(threads)
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
-              prefill, gpu_mem, pin_budget, verbose, kv=_kv(kv_cache))
+              prefill, gpu_mem, pin_budget, verbose, kv=_kv(kv_cache), kv_mem=kv_mem)
 
 
 @cli.command("eval")

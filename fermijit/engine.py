@@ -111,12 +111,14 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
     if isinstance(prompt, multimodal.Prompt):
-        state, cache, n_cached = model.new_state(context), None, 0
+        state = model.new_state(context, int(prompt.size) + max_tokens)
+        cache, n_cached = None, 0
         logits = multimodal.prefill(model, prompt, state)
         prompt = prompt.ids
     else:
         prompt = np.asarray(prompt, np.int32)
-        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
+        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller,
+                                          prompt.size + max_tokens)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
@@ -147,15 +149,16 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
 
 
 def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None,
-            prefiller=None):
+            prefiller=None, positions: int | None = None):
     """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
-    `context`, the logits after it, and how many of its tokens were restored from `cache` (the
-    longest cached prefix; the rest is prefilled by `prefiller`, default the CPU's, snapshotted
-    on the way and at the end)."""
+    `context` (taking memory as used: `positions` of them checked now, default all), the logits
+    after it, and how many of its tokens were restored from `cache` (the longest cached prefix;
+    the rest is prefilled by `prefiller`, default the CPU's, snapshotted on the way and at the
+    end)."""
     prompt = np.asarray(prompt, np.int32)
     state, logits = (None, None) if cache is None else cache.restore(prompt, context)
     if state is None:
-        state = model.new_state(context)
+        state = model.new_state(context, positions)
     n_cached = state.position
     if logits is None:
         logits = _prefill_rest(model, prompt, state, cache, progress_to, prefiller)

@@ -25,7 +25,7 @@ import numpy as np
 
 from fermijit import FermijitError, blas
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
-from fermijit.model.state import DEFAULT_KV, KvCache, KvKind, State, new_state
+from fermijit.model.state import DEFAULT_KV, KvCache, KvKind, State, new_state, state_nbytes
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
 from fermijit.ops import (attention, attention_step, conv1d, embedding, fp32_rows, gated_delta,
@@ -270,9 +270,10 @@ class Model:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def new_state(self, context: int) -> State:
+    def new_state(self, context: int, positions: int | None = None) -> State:
         """Zeros, the KV caches (of kind `kv_kind`) allocated to `context` positions (at most
-        the model's)."""
+        the model's), taking memory as they are used; the memory of `positions` of them
+        (default: all) checked now (model/state.py)."""
         if not 1 <= context <= self.max_context:
             raise FermijitError(f"context must be between 1 and {self.max_context} "
                                 f"(max_position_embeddings), got {context}")
@@ -281,7 +282,14 @@ class Model:
                                 f"its KV cache cannot be q8_0 (use --kv-cache f32)")
         return new_state(self.is_attention, context, (self.n_kv_heads, self.head_dim),
                          (self.conv_dim, self.conv_taps - 1),
-                         (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind)
+                         (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind,
+                         positions)
+
+    def state_nbytes(self, positions: int) -> int:
+        """Memory a state of this model takes holding `positions` positions."""
+        return state_nbytes(self.is_attention, positions, (self.n_kv_heads, self.head_dim),
+                            (self.conv_dim, self.conv_taps - 1),
+                            (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind)
 
     def check_state(self, state: State) -> None:
         """FermijitError unless `state` has this model's layers and shapes and KV kind (a
@@ -423,9 +431,7 @@ class Model:
         return ws.logits[0]
 
     def _check_room(self, state: State, n_tokens: int) -> None:
-        if state.position + n_tokens > state.context:
-            raise FermijitError(f"context full: {state.position} positions seen plus "
-                                f"{n_tokens} new exceed the context of {state.context}")
+        state.check_room(n_tokens)
 
     # --- the forward (MODEL.md §4) --------------------------------------------------------------
 

@@ -9,6 +9,13 @@ first, as ops.conv1d keeps it) and the recurrent state [Hv, dk, dv] (MODEL.md §
 position, the number of tokens seen. Cache rows at or past `position` are never read, so copies
 and files hold only rows [0, position).
 
+A cache is allocated for its whole context but takes memory as it is used (issue 31 item 2): its
+arrays are address space of their own (`reserved`), whose pages the OS backs with memory when
+first written, so `--ctx` up to the model's 262,144 positions costs nothing until the positions
+are reached. `new_state` checks the memory of the positions a caller expects to use, and the
+state checks each further GROW_POSITIONS as it grows (`check_room`): a context that cannot grow
+is a one-line error, not the OOM killer.
+
 Dimension legend: as model/weights.py; S the context length.
 """
 
@@ -17,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import mmap
 import os
 import zipfile
 from pathlib import Path
@@ -43,6 +51,22 @@ class KvKind(enum.Enum):
         return 4 * dim if self is KvKind.F32 else dim + 4 * (dim // kv_quant.BLOCK)
 
 
+# Positions a state checks the memory of at a time as it grows (check_room): 12 MB of the
+# full-size model's Q8_0 caches; one read of /proc/meminfo (~20 us) per 1024 tokens.
+GROW_POSITIONS = 1024
+
+
+def reserved(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros of `shape` in an anonymous mapping of their own: each page takes memory when it is
+    first written (malloc's zeroed blocks below 32 MiB come from the heap, zeroed and resident
+    at once). Unmapped when the array is collected."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes < mmap.PAGESIZE:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                         dtype).reshape(shape)
+
+
 # The default (issue 31 item 1): a quarter of fp32's memory and reads at 1-2 % of the fp32 cache's
 # attention output error (tests/ops/test_attention.py), perplexity within 0.5 % (fermijit eval).
 DEFAULT_KV = KvKind.Q8_0
@@ -57,8 +81,8 @@ class KvCache:
     def zeros(cls, kind: KvKind, heads: int, context: int, dim: int) -> "KvCache":
         shape = (heads, context, dim)
         if kind is KvKind.F32:
-            return cls(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-        return cls(kv_quant.empty(shape, np.zeros), kv_quant.empty(shape, np.zeros))
+            return cls(reserved(shape, np.float32), reserved(shape, np.float32))
+        return cls(kv_quant.empty(shape, reserved), kv_quant.empty(shape, reserved))
 
     @property
     def kind(self) -> KvKind:
@@ -70,7 +94,13 @@ class KvCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its arrays (address space: see the module docstring for memory)."""
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def position_nbytes(self) -> int:
+        """Bytes one position takes (its key and value rows, every head)."""
+        return self.nbytes // max(self.context, 1)
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -129,6 +159,8 @@ class State:
     # RoPE position minus `position` from here on: negative after images, whose tokens take
     # fewer positions than their count (model/multimodal.py); 0 for text.
     rope_delta: int = 0
+    # Positions whose memory was checked (check_room).
+    memory_checked_to: int = dataclasses.field(default=0, repr=False, compare=False)
 
     @property
     def context(self) -> int:
@@ -143,7 +175,37 @@ class State:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its arrays (the KV caches' whole context: address space, not memory)."""
         return sum(s.nbytes for s in self.layers)
+
+    @property
+    def position_nbytes(self) -> int:
+        """Bytes each position takes in the KV caches, every layer."""
+        return sum(s.position_nbytes for s in self.layers if isinstance(s, KvCache))
+
+    @property
+    def used_nbytes(self) -> int:
+        """Memory its positions so far take: the KV rows [0, position) and the GDN states."""
+        return (self.position * self.position_nbytes
+                + sum(s.nbytes for s in self.layers if isinstance(s, GdnState)))
+
+    def check_room(self, n_tokens: int) -> None:
+        """FermijitError unless `n_tokens` more positions fit the context and the memory
+        available holds their KV rows (checked GROW_POSITIONS ahead, so rarely)."""
+        end = self.position + n_tokens
+        if end > self.context:
+            raise FermijitError(f"context full: {self.position} positions seen plus "
+                                f"{n_tokens} new exceed the context of {self.context}")
+        if end <= self.memory_checked_to:
+            return
+        ahead = min(self.context, end + GROW_POSITIONS)
+        nbytes = (ahead - max(self.memory_checked_to, self.position)) * self.position_nbytes
+        available = available_nbytes()
+        if nbytes > available:
+            raise FermijitError(f"out of memory for the KV cache: positions {self.position} to "
+                                f"{ahead} need {nbytes / 2**20:.0f} MiB, "
+                                f"{available / 2**20:.0f} MiB is available")
+        self.memory_checked_to = ahead
 
     def copy(self, context: int | None = None) -> "State":
         """An independent copy, its caches allocated to `context` (default: this one's)."""
@@ -240,7 +302,7 @@ def available_nbytes() -> int:
 def state_nbytes(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
                  conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
                  kv: KvKind = DEFAULT_KV) -> int:
-    """Bytes of a `new_state`, computed in Python integers before anything is made."""
+    """Memory a `new_state` takes holding `context` positions, in Python integers."""
     n_attention = sum(layer_kinds)
     per_gdn = 4 * (math.prod(conv_shape) + math.prod(recurrent_shape))
     hkv, d = kv_shape
@@ -250,21 +312,22 @@ def state_nbytes(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[in
 
 def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
               conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
-              kv: KvKind = DEFAULT_KV) -> State:
+              kv: KvKind = DEFAULT_KV, positions: int | None = None) -> State:
     """Zeros: `layer_kinds[i]` is True for an attention layer; kv_shape (Hkv, D), conv_shape
-    (C, Kc-1), recurrent_shape (Hv, dk, dv); KV caches of kind `kv`. A state larger than the
-    memory available is a FermijitError saying what it needs, before any allocation (issue 11
-    case 7: the zeros are allocated lazily, so an over-large cache failed later, or was
-    killed)."""
-    nbytes = state_nbytes(layer_kinds, context, kv_shape, conv_shape, recurrent_shape, kv)
+    (C, Kc-1), recurrent_shape (Hv, dk, dv); KV caches of kind `kv` for `context` positions.
+    When the `positions` the caller will use (default: all of them) need more than the memory
+    available, a FermijitError saying so, before any allocation (issue 11 case 7: an over-large
+    cache failed later, or was killed); the rest is checked as the state grows (check_room)."""
+    positions = context if positions is None else min(positions, context)
+    nbytes = state_nbytes(layer_kinds, positions, kv_shape, conv_shape, recurrent_shape, kv)
     available = available_nbytes()
     if nbytes > available:
-        raise FermijitError(f"a context of {context} tokens needs {nbytes / 2**30:.2f} GiB for "
-                            f"the KV cache and recurrent state, {available / 2**30:.2f} GiB of "
-                            f"memory is available: use a smaller --ctx")
+        raise FermijitError(f"a context of {positions} tokens needs {nbytes / 2**30:.2f} GiB "
+                            f"for the KV cache and recurrent state, {available / 2**30:.2f} GiB "
+                            f"of memory is available: use a smaller --ctx")
     hkv, d = kv_shape
     layers: list[KvCache | GdnState] = [
         KvCache.zeros(kv, hkv, context, d) if is_attention else
         GdnState(np.zeros(conv_shape, np.float32), np.zeros(recurrent_shape, np.float32))
         for is_attention in layer_kinds]
-    return State(0, layers)
+    return State(0, layers, memory_checked_to=positions)

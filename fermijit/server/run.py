@@ -31,7 +31,8 @@ def warm_up(engine, max_batch: int) -> None:
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "cpu", gpu_mem: str | None = None,
-          pin_budget: str | None = None, verbose: bool = False, kv=None) -> None:
+          pin_budget: str | None = None, verbose: bool = False, kv=None,
+          kv_mem: int | None = None) -> None:
     import uvicorn
 
     from fermijit import hybrid
@@ -49,7 +50,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
     if prefill != "cpu":
         engine.prefiller.prepare()
-    scheduler = Scheduler(engine, max_batch, queue_size)
+    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem)
     print(f"loaded {model_dir} and its kernels in {time.perf_counter() - start:.1f} s; serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{', API key required' if api_key else ''})", file=err, flush=True)

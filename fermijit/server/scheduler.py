@@ -82,11 +82,16 @@ class Sequence:
 class Scheduler:
     """Runs `engine` (fermijit/engine.py Engine) on its own thread; `submit` from any thread."""
 
-    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64):
+    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64,
+                 kv_mem: int | None = None):
         if max_batch < 1 or queue_size < 1:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
+        from fermijit.server import kv_budget
+
         self.engine, self.max_batch = engine, max_batch
+        # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
+        self.kv_mem = kv_budget.default_nbytes() if kv_mem is None else kv_mem
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.active: list[Sequence] = []
         self.n_steps = 0             # batched decode steps run
@@ -180,6 +185,7 @@ class Scheduler:
 
     def _start(self, job: Job) -> Sequence:
         from fermijit import engine as engine_module
+        from fermijit.server import kv_budget
 
         engine, model = self.engine, self.engine.model
         with_images = self._image_prompt(job) if job.images else None
@@ -191,6 +197,8 @@ class Scheduler:
                                        and n_prompt + job.max_tokens > max_context):
             raise protocol.context_overflow(n_prompt, job.max_tokens, max_context, job.is_chat)
         max_tokens = job.max_tokens or min(max_context - n_prompt, DEFAULT_MAX_TOKENS)
+        kv_budget.admit(model, n_prompt + max_tokens,
+                        (s.prompt.size + s.max_tokens for s in self.active), self.kv_mem)
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)

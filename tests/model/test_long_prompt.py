@@ -16,11 +16,13 @@ import pytest
 from fermijit.model import convert, forward
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
+from fermijit.model.state import KvKind
 from tests.model import oracle, tiny
 from tests.model.oracle import LONG_PROMPT, LONG_ROWS, assert_rel, assert_rel_but_flips
 from tests.model.test_forward import (FP32_STATE_REL, FP32_VS_ORACLE, W4A8_FLIP, W4A8_STATE_REL,
                                       W4A8_VS_REFERENCE)
 
+Q8_KV_MOST_POSITIONS = 0.75
 FIRST, LAST = 500, 530  # one token at a time over these positions, across position 512
 
 
@@ -58,7 +60,7 @@ def assert_state_handoffs(model, rel, bitwise: bool = False):
 
 @pytest.fixture(scope="module")
 def sensitive_fp32(tiny_dir):
-    model = load_model(tiny_dir(tiny.SENSITIVE))[1]
+    model = load_model(tiny_dir(tiny.SENSITIVE), kv=KvKind.F32)[1]  # the oracle's fp32 cache
     return model, assert_state_handoffs(model, FP32_STATE_REL)
 
 
@@ -79,11 +81,18 @@ def test_fp32_path_matches_the_live_oracle(sensitive_fp32, tiny_dir):
     assert_rel("logits", live, logits[LONG_ROWS], FP32_VS_ORACLE)
 
 
-def test_w4a8_matches_the_reference_over_1100_tokens(tiny_dir, tmp_path):
+@pytest.mark.parametrize("kv", [KvKind.F32, KvKind.Q8_0], ids=["f32", "q8_0"])
+def test_w4a8_matches_the_reference_over_1100_tokens(tiny_dir, tmp_path, kv):
+    """With either KV cache: the Q8_0 one against the reference that rounds q, k, v so."""
     convert.convert(tiny_dir(tiny.HF_INIT_LONG), tmp_path / "q4", show_progress=False)
-    model = load_model(tmp_path / "q4")[1]
+    model = load_model(tmp_path / "q4", kv=kv)[1]
     ours = assert_state_handoffs(model, W4A8_STATE_REL, bitwise=True)
     cfg, weights, _ = convert.load_converted(tmp_path / "q4")
-    reference = Reference(cfg.text_config, weights, quantize_activations=True)
+    reference = Reference(cfg.text_config, weights, quantize_activations=True,
+                          quantize_kv=kv is KvKind.Q8_0)
     expected = reference.forward(LONG_PROMPT, reference.new_state())
-    assert_rel_but_flips("logits", expected, ours, W4A8_VS_REFERENCE, W4A8_FLIP)
+    # A key or value code rounded the other way (fp32 against float64) stays in the cache and
+    # moves every later position a little: measured 130 of 1100 positions past W4A8_VS_REFERENCE
+    # (worst 1.8e-3) with the Q8_0 cache, against 28 with fp32.
+    most = Q8_KV_MOST_POSITIONS if kv is KvKind.Q8_0 else oracle.MOST_POSITIONS
+    assert_rel_but_flips("logits", expected, ours, W4A8_VS_REFERENCE, W4A8_FLIP, most)
