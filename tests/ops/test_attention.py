@@ -203,3 +203,17 @@ def test_q8_bad_inputs(rng):
         attention.cpu(q, kv_quant.Q8Rows(k8.qs.view(np.uint8), k8.d), v8, gate, 0)
     with pytest.raises(FermijitError, match="start"):
         attention.cpu(q, k8, v8, gate, 8)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+def test_tiles_of_any_size_give_the_same_bits(rng, monkeypatch, q8):
+    """A prefill item takes a tile of queries (issue 31 item 5): each query has the same bits
+    in a tile of 1, 5 or 16, with any thread count's tiles."""
+    q, k, v, gate = _inputs(rng, 300, 8, 2, 64, 700)
+    if q8:
+        k, v = _q8(k, v)
+    outs = []
+    for tile in (1, 5, 16):
+        monkeypatch.setattr(attention, "tile_queries", lambda n_queries, n_kv_heads: tile)
+        outs.append(attention.cpu(q, k, v, gate, 390))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
