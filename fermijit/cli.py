@@ -65,6 +65,16 @@ synthetic_option = click.option(
     "--synthetic", type=SYNTHETIC_NAMES, default=None,
     help="Build this synthetic model into a temporary directory first (when no --model is given).")
 
+def full_size_options(command):
+    """--model DIR or --synthetic NAME, kept in /dev/shm (bench prefill, bench longctx)."""
+    command = click.option(
+        "--synthetic", default=None,
+        help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm when "
+             "absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")(command)
+    return click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+                        help="A fermijit model directory.")(command)
+
+
 numa_option = click.option(
     "--numa", type=click.Choice(["interleave", "local", "off"]), default=None,
     callback=_select_numa, expose_value=False,
@@ -343,11 +353,7 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
 
 
 @bench.command("prefill")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory.")
-@click.option("--synthetic", default=None,
-              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
-                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@full_size_options
 @click.option("--tokens", type=click.IntRange(min=1), default=947, show_default=True,
               help="Prompt tokens (random ids).")
 @click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
@@ -379,11 +385,7 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
 
 
 @bench.command("longctx")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory.")
-@click.option("--synthetic", default=None,
-              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
-                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@full_size_options
 @click.option("--lengths", default="1024,4096,16384,32768", show_default=True,
               help="Prompt lengths, comma-separated.")
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True,
