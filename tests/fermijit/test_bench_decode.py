@@ -86,7 +86,7 @@ def test_table_and_bad_input(report, capsys, monkeypatch):
     monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
     bench_decode.run(report, None, 4, 2, None, as_json=False, profile=False)
     out = capsys.readouterr().out
-    for label in ("decode of ceiling", "weight bytes per token", "read bandwidth", "peak RSS",
+    for label in ("decode of ceiling", "bytes per token", "read bandwidth", "peak RSS",
                   "load to first token", "prefill of GEMM"):
         assert label in out, label
     with pytest.raises(FermijitError, match="one of --model"):
