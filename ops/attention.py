@@ -26,8 +26,8 @@ from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
-from fermijit.ops.attention_simd import (SCORE_KEYS, group_scores, make_q8_scores, row_max,
-                                         weighted_rows)
+from fermijit.ops.attention_simd import (SCORE_KEYS, dequantized_rows, group_scores,
+                                         make_q8_scores, row_max, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 
@@ -121,12 +121,7 @@ def _staged_f32(v, hkv, jb, n, rows):
 def _staged_q8(v, hkv, jb, n, rows):
     """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache: codes times scales, fp32
     (the reference's values), into rows [BLOCK, D], once for every query that reads them."""
-    vq, vd = v[0][hkv], v[1][hkv]
-    for j in range(n):
-        for b in range(vd.shape[1]):
-            scale = vd[jb + j, b]
-            for e in range(b * 32, b * 32 + 32):
-                rows[j, e] = np.float32(vq[jb + j, e]) * scale
+    dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
     return rows, 0
 
 

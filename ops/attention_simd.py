@@ -111,8 +111,8 @@ def make_q8_scores(isa: Isa):
 
         Σ_b (isum_b · qd_b) · kd_b,   isum_b = Σ_{i in block b} qq_i · kq_i  (exact, in int32)
 
-    Steps of Q8_STEP_REGISTERS registers of the ISA, then halving steps for the rest (D = 32,
-    64 ...), each into its own fp32 accumulator of a lane per block, added largest step first.
+    Steps of Q8_STEP_REGISTERS registers of the ISA into an fp32 accumulator of a lane per block,
+    summed; then halving steps for the rest (D = 32, 64 ...), each summed and added in turn.
     Products: |k| · sign(q, k) by pmaddubsw then pmaddwd (exact: 2 · 127 · 127 < 2^15), or with
     VNNI (k + 128) · q by vpdpbusd, less 128 · Σq. A key row's score depends on D and the ISA
     only: the same bits in any tile, pass or thread."""
@@ -136,8 +136,6 @@ def make_q8_scores(isa: Isa):
 
             def tile(g0, n_heads):
                 heads = [builder.add(builder.add(h0v, g0), c(g)) for g in range(n_heads)]
-                accs = {}                                      # (head, step size) -> f32 [size]
-
                 def step(size, b0):
                     sv = _step_vec(v, size)
                     w = sv.nbytes
@@ -167,16 +165,21 @@ def make_q8_scores(isa: Isa):
                                 builder.mul(h, stride(qca)), builder.mul(b0, c(4))), iv))
                         qd = simd.load(builder, qda.data, s_off, fv)
                         term = builder.fmul(builder.fmul(builder.sitofp(isum, fv), qd), kd)
-                        acc = accs[g, size]
-                        builder.store(builder.fadd(builder.load(acc), term), acc)
+                        if size == full:                  # accumulated over the full steps
+                            acc = accs[g]
+                            builder.store(builder.fadd(builder.load(acc), term), acc)
+                        else:                             # a halving step runs at most once
+                            builder.store(builder.fadd(builder.load(totals[g]),
+                                                       simd.hsum(builder, term)), totals[g])
 
-                for size in sizes:
-                    for g in range(n_heads):
-                        accs[g, size] = cgutils.alloca_once_value(
-                            builder, ir.Constant(vec(F32, size), None))
+                accs = [cgutils.alloca_once_value(builder, ir.Constant(vec(F32, full), None))
+                        for _ in range(n_heads)]
+                totals = [cgutils.alloca_once(builder, F32) for _ in range(n_heads)]
                 n_full = builder.udiv(nb, c(full))
                 with cgutils.for_range(builder, n_full) as loop:
                     step(full, builder.mul(loop.index, c(full)))
+                for g in range(n_heads):
+                    builder.store(simd.hsum(builder, builder.load(accs[g])), totals[g])
                 done = builder.mul(n_full, c(full))
                 for size in sizes[1:]:                      # the rest: each size at most once
                     has = builder.icmp_unsigned("!=", builder.and_(builder.sub(nb, done),
@@ -186,10 +189,7 @@ def make_q8_scores(isa: Isa):
                     done = builder.add(done, builder.select(has, c(size), c(0)))
                 p_row = stride(pa)
                 for g in range(n_heads):
-                    total = None
-                    for size in sizes:
-                        part = simd.hsum(builder, builder.load(accs[g, size]))
-                        total = part if total is None else builder.fadd(total, part)
+                    total = builder.load(totals[g])
                     at = builder.add(builder.mul(builder.add(g0, c(g)), p_row),
                                      builder.mul(jv, c(4)))
                     builder.store(total, builder.bitcast(simd.byte_ptr(builder, pa.data, at),
@@ -212,7 +212,9 @@ def weighted_rows(typingctx, p, v, a, j0, n):
     """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
     vectors of the rows (then single vectors, then leftover floats), head_groups()' rows at a
     time held in registers over the keys, each key's run of v read once for them (from L1).
-    Every a[g, d] sums its keys in order: the rows taken together never change a bit."""
+    Every a[g, d] sums its keys in order, fused multiply-adds where the target has them (half
+    the instructions of the fp32 cache's and the Q8_0 cache's largest part): the rows taken
+    together never change a bit."""
     sig = types.none(p, v, a, j0, n)
 
     def codegen(context, builder, sig, args):
@@ -243,7 +245,7 @@ def weighted_rows(typingctx, p, v, a, j0, n):
                         p_row, builder.mul(key.index, c(4))), F32)
                     w = simd.splat(builder, w, LANES) if width else w
                     for acc, x in zip(row_accs, xs):
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
+                        builder.store(simd.muladd(builder, w, x, builder.load(acc)), acc)
             for r, row_accs in zip(a_rows, accs):
                 for acc, o in zip(row_accs, offs):
                     dst = simd.byte_ptr(builder, aa.data, builder.add(r, o))
@@ -301,5 +303,41 @@ def row_max(typingctx, p, g, n, m0):
             b = builder.load(m)
             builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), m)
         return builder.load(m)
+
+    return sig, codegen
+
+
+@intrinsic
+def dequantized_rows(typingctx, vq, vd, rows, j0, n):
+    """rows[j] = vq[j0 + j] · vd[j0 + j] per 32-block (the Q8_0 values, fp32) for j < n: 16
+    codes at a time widened, converted and scaled in registers (Numba's loop of this stayed
+    scalar: half of a 16k-position decode step's attention). The head dim is whole blocks."""
+    sig = types.none(vq, vd, rows, j0, n)
+
+    def codegen(context, builder, sig, args):
+        qa, da, ra = (context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in range(3))
+        j0v, nv = args[3:5]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        nb = builder.extract_value(da.shape, 1)
+        q_stride, d_stride, r_stride = (builder.extract_value(a.strides, 0)
+                                        for a in (qa, da, ra))
+        vf = vec(F32, LANES)
+        with cgutils.for_range(builder, nv) as row:
+            key = builder.add(j0v, row.index)
+            q_row, d_row = builder.mul(key, q_stride), builder.mul(key, d_stride)
+            r_row = builder.mul(row.index, r_stride)
+            with cgutils.for_range(builder, nb) as block:
+                scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
+                    d_row, builder.mul(block.index, c(4))), F32), LANES)
+                for half in range(2):
+                    col = builder.add(builder.mul(block.index, c(32)), c(half * LANES))
+                    codes = simd.load(builder, qa.data, builder.add(q_row, col),
+                                      vec(I8, LANES))
+                    x = builder.fmul(builder.sitofp(codes, vf), scale)
+                    dst = simd.byte_ptr(builder, ra.data, builder.add(r_row,
+                                                                      builder.mul(col, c(4))))
+                    builder.store(x, builder.bitcast(dst, vf.as_pointer()), align=4)
+        return context.get_dummy_value()
 
     return sig, codegen

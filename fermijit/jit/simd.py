@@ -221,6 +221,14 @@ def fp16_to_f32(v: Vec, builder, h):
     return builder.fmul(builder.bitcast(w, vec(F32, n)), ir.Constant(vec(F32, n), [2.0 ** 112] * n))
 
 
+def muladd(builder, a, b, c):
+    """a · b + c, fused where the target has FMA (llvm.fmuladd: one rounding there, two on
+    SSE): the same bits wherever one compiled kernel runs it, not across targets."""
+    name = (f"llvm.fmuladd.v{a.type.count}f32" if isinstance(a.type, ir.VectorType)
+            else "llvm.fmuladd.f32")
+    return _call(builder, name, a.type, [a, b, c])
+
+
 def hsums(builder, xs):
     """[hsum(x) for x in xs] as one vector, for a power-of-2 count of f32 vectors of n lanes (at
     most n): the same additions as hsum's for every sum, with far fewer shuffles. Each step adds
