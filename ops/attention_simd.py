@@ -341,3 +341,132 @@ def dequantized_rows(typingctx, vq, vd, rows, j0, n):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# --- Q8_0 scores by keys in the lanes (AVX-512 VNNI) --------------------------------------------
+
+KEY_GROUP = 16   # keys a register of the transposed block holds (int32 lanes of a zmm)
+
+
+def _transpose8(builder, rows):
+    """8 vectors <8 x i32> -> their transpose (out[j][i] = rows[i][j]), by the unpack and
+    128-bit-lane shuffles of the usual 8x8 transpose."""
+    def shuffle(x, y, mask):
+        return builder.shuffle_vector(x, y, ir.Constant(vec(I32, 8), mask))
+
+    lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+    lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+    lo128, hi128 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    t = []
+    for i in range(0, 8, 2):
+        t += [shuffle(rows[i], rows[i + 1], lo32), shuffle(rows[i], rows[i + 1], hi32)]
+    u = []
+    for i in (0, 4):                                   # t0..t3 from rows 0-3, t4..t7 from 4-7
+        u += [shuffle(t[i], t[i + 2], lo64), shuffle(t[i], t[i + 2], hi64),
+              shuffle(t[i + 1], t[i + 3], lo64), shuffle(t[i + 1], t[i + 3], hi64)]
+    return ([shuffle(u[j], u[j + 4], lo128) for j in range(4)]
+            + [shuffle(u[j], u[j + 4], hi128) for j in range(4)])
+
+
+@intrinsic
+def transposed_keys(typingctx, kq, kd, kt, kdt, j0, n):
+    """Keys j0..j0+n-1 (n <= BLOCK) of one kv head, laid out for scores by keys in the lanes:
+    kt [nb, 8, BLOCK] int32 holds dword w of block b of key i at [b, w, i], its bytes made
+    unsigned (code + 128, as vpdpbusd takes them); kdt [nb, BLOCK] the scales. Lanes past n
+    repeat key j0+n-1 (read, never used)."""
+    sig = types.none(kq, kd, kt, kdt, j0, n)
+
+    def codegen(context, builder, sig, args):
+        qa, da, ta, sa = (context.make_array(sig.args[i])(context, builder, args[i])
+                          for i in range(4))
+        j0v, nv = args[4:6]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        nb = builder.extract_value(da.shape, 1)
+        width = builder.extract_value(ta.shape, 2)       # BLOCK
+        q_stride, d_stride = (builder.extract_value(a.strides, 0) for a in (qa, da))
+        last = builder.sub(nv, c(1))
+        v8 = vec(I32, 8)
+        flip = ir.Constant(v8, [0x80808080 - (1 << 32)] * 8)
+
+        def key_row(i):                                  # the row index of lane i, clamped
+            return builder.add(j0v, builder.select(
+                builder.icmp_unsigned("<", c(i), nv), c(i), last))
+
+        rows = [builder.mul(key_row(i), q_stride) for i in range(BLOCK_KEYS)]
+        d_rows = [builder.mul(key_row(i), d_stride) for i in range(BLOCK_KEYS)]
+        with cgutils.for_range(builder, nb) as block:
+            col = builder.mul(block.index, c(32))
+            for i0 in range(0, BLOCK_KEYS, 8):
+                loaded = [builder.xor(simd.load(builder, qa.data, builder.add(rows[i0 + i], col),
+                                                v8), flip) for i in range(8)]
+                for w, out in enumerate(_transpose8(builder, loaded)):
+                    at = builder.mul(builder.add(builder.mul(builder.add(
+                        builder.mul(block.index, c(8)), c(w)), width), c(i0)), c(4))
+                    builder.store(out, builder.bitcast(simd.byte_ptr(builder, ta.data, at),
+                                                       v8.as_pointer()), align=4)
+            for i in range(BLOCK_KEYS):
+                scale = simd.load_scalar(builder, da.data, builder.add(
+                    d_rows[i], builder.mul(block.index, c(4))), F32)
+                at = builder.mul(builder.add(builder.mul(block.index, width), c(i)), c(4))
+                builder.store(scale, builder.bitcast(simd.byte_ptr(builder, sa.data, at),
+                                                     F32.as_pointer()))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+BLOCK_KEYS = 64  # keys of a transposed block: ops/attention.py BLOCK
+
+
+@intrinsic
+def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
+    """p[g, i] for the BLOCK_KEYS keys of a transposed block (transposed_keys) and query rows
+    h0..h0+n_heads-1 (qq [., D] codes, qd [., nb] scales, qc [., nb] 128 · the codes' sum per
+    block): per block b, vpdpbusd of 16 keys' dword w (a register) with the query's dword w
+    (broadcast) over w < 8, less 128 · Σq, converted, times qd_b · kd_b and added over b. Each
+    lane the same operations: a key's score has the same bits in any lane or block."""
+    sig = types.none(qq, qd, qc, kt, kdt, p, h0, n_heads)
+    v = simd.AVX512VNNI
+
+    def codegen(context, builder, sig, args):
+        qqa, qda, qca, ta, sa, pa = (context.make_array(sig.args[i])(context, builder, args[i])
+                                     for i in range(6))
+        h0v, nv = args[6:8]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        nb = builder.extract_value(qda.shape, 1)
+        stride = lambda arr: builder.extract_value(arr.strides, 0)  # noqa: E731
+        vi, vf = vec(I32, KEY_GROUP), vec(F32, KEY_GROUP)
+        n_groups = BLOCK_KEYS // KEY_GROUP
+        with cgutils.for_range(builder, nv) as head:
+            h = builder.add(h0v, head.index)
+            q_row, s_row = builder.mul(h, stride(qqa)), builder.mul(h, stride(qda))
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                   for _ in range(n_groups)]
+            with cgutils.for_range(builder, nb) as block:
+                b = block.index
+                sums = [ir.Constant(vi, None)] * n_groups
+                for w in range(8):
+                    qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
+                        q_row, builder.add(builder.mul(b, c(32)), c(4 * w))), I32), KEY_GROUP)
+                    row = builder.mul(builder.add(builder.mul(b, c(8)), c(w)), c(BLOCK_KEYS * 4))
+                    for gi in range(n_groups):
+                        kv = simd.load(builder, ta.data, builder.add(row, c(64 * gi)), vi)
+                        sums[gi] = simd.dpbusd(v, builder, sums[gi], kv, qv)
+                corr = simd.splat(builder, simd.load_scalar(builder, qca.data, builder.add(
+                    builder.mul(h, stride(qca)), builder.mul(b, c(4))), I32), KEY_GROUP)
+                qd = simd.splat(builder, simd.load_scalar(builder, qda.data, builder.add(
+                    s_row, builder.mul(b, c(4))), F32), KEY_GROUP)
+                for gi in range(n_groups):
+                    kd = simd.load(builder, sa.data, builder.mul(builder.add(
+                        builder.mul(b, c(BLOCK_KEYS)), c(KEY_GROUP * gi)), c(4)), vf)
+                    isum = builder.sitofp(builder.sub(sums[gi], corr), vf)
+                    builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
+                                              builder.load(acc[gi])), acc[gi])
+            p_row = builder.mul(head.index, stride(pa))
+            for gi in range(n_groups):
+                dst = simd.byte_ptr(builder, pa.data, builder.add(p_row, c(4 * KEY_GROUP * gi)))
+                builder.store(builder.load(acc[gi]), builder.bitcast(dst, vf.as_pointer()),
+                              align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -151,10 +151,15 @@ def dot_u8s8(v: Vec, builder, pairs):
     if v.dpbusd:
         acc = ir.Constant(vec(I32, n // 4), None)
         for u, s in pairs:
-            acc = _call(builder, v.dpbusd, acc.type,
-                        [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
+            acc = dpbusd(v, builder, acc, u, s)
         return acc
     return widen_i16(v, builder, dot_u8s8_i16(v, builder, pairs))
+
+
+def dpbusd(v: Vec, builder, acc, u, s):
+    """acc (i32 [nbytes/4]) + each group of 4 adjacent u8·s8 products of u and s (VNNI)."""
+    return _call(builder, v.dpbusd, acc.type,
+                 [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
 
 
 def widen_i16(v: Vec, builder, s16):
