@@ -414,16 +414,21 @@ def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
                                            m, l, gate, o)
 
 
-# --- GPU (kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles) ----------
+# --- GPU ---------------------------------------------------------------------------------------
+# kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles (the GPU prefill's).
+# kernels_ptx/flash_attention.ptx (issue 31 item 4, `flash_gpu`): 32 rows of GQA heads x queries a
+# block sharing each 64-key tile, register tiles for QK and PV; written for long prompts, to be
+# measured on a GPU before the prefill takes it.
 
-GPU_HEAD_DIMS = (32, 64, 128, 256)  # the D attention.ptx is rendered for
+GPU_HEAD_DIMS = (32, 64, 128, 256)   # the D attention.ptx is rendered for
+FLASH_HEAD_DIMS = (64, 128, 256)     # flash_attention.ptx's
+FLASH_ROWS = 32                      # rows (query heads x positions) a flash block
 
 
-def gpu(q, k, v, gate, start, out=None):
-    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu)."""
+def _gpu_args(op, q, k, v, gate, start, out, head_dims):
+    """The checked shapes (T, Hq, Hkv, S, D), the device output and on_device."""
     from fermijit.jit import gpu as g
 
-    op = "attention"
     on_device = g.is_device(q) or g.is_device(out)
     T, Hq, D = g.check_array(op, "q", q, np.float32, ndim=3).shape
     Hkv, S = g.check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
@@ -431,15 +436,42 @@ def gpu(q, k, v, gate, start, out=None):
     g.check_array(op, "gate", gate, np.float32, (T, Hq, D))
     if Hkv == 0 or Hq % Hkv:
         raise FermijitError(f"{op}: {Hq} query heads is not a multiple of {Hkv} kv heads")
-    if D not in GPU_HEAD_DIMS:
-        raise FermijitError(f"{op}: the GPU kernel takes head dims {GPU_HEAD_DIMS}, got {D}")
+    if D not in head_dims:
+        raise FermijitError(f"{op}: the GPU kernel takes head dims {head_dims}, got {D}")
     if not isinstance(start, (int, np.integer)) or start < 0 or start + T > S:
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
-    o = g.output(op, out, (T, Hq, D))
+    return (T, Hq, Hkv, S, D), g.output(op, out, (T, Hq, D)), on_device
+
+
+def gpu(q, k, v, gate, start, out=None):
+    """As `cpu` over an fp32 cache; arrays numpy or on the device (fermijit.jit.gpu)."""
+    from fermijit.jit import gpu as g
+
+    op = "attention"
+    (T, Hq, Hkv, S, D), o, on_device = _gpu_args(op, q, k, v, gate, start, out, GPU_HEAD_DIMS)
     if T and Hq:
         g.kernel("attention", HEAD_DIM=D)(
             (-(-T // 16), Hq), (256,), *(g.to_device(op, name, a, np.float32) for name, a in
                                          (("q", q), ("k", k), ("v", v), ("gate", gate))),
             o, T, Hq, Hkv, S, int(start), float(1 / np.sqrt(D)))
+    return g.result(op, o, out, on_device)
+
+
+def flash_gpu(q, k, v, gate, start, out=None):
+    """As `gpu`, by flash_attention.ptx: a block takes the largest power of 2 of a kv head's G
+    query heads (at most FLASH_ROWS) and FLASH_ROWS / that many queries."""
+    from fermijit.jit import gpu as g
+
+    op = "attention"
+    (T, Hq, Hkv, S, D), o, on_device = _gpu_args(op, q, k, v, gate, start, out, FLASH_HEAD_DIMS)
+    G = Hq // Hkv
+    group_heads = next(h for h in (32, 16, 8, 4, 2, 1) if G % h == 0)
+    positions = FLASH_ROWS // group_heads
+    if T and Hq:
+        g.kernel("flash_attention", HEAD_DIM=D)(
+            (-(-T // positions), Hkv * (G // group_heads)), (256,),
+            *(g.to_device(op, name, a, np.float32) for name, a in
+              (("q", q), ("k", k), ("v", v), ("gate", gate))),
+            o, T, Hq, Hkv, S, int(start), float(1 / np.sqrt(D)), group_heads)
     return g.result(op, o, out, on_device)

@@ -2,7 +2,8 @@
 # Issue 31 (long context) on the GPU machine, in commands of < 10 minutes each (the device tool's
 # limit; each call may start a fresh machine, so each installs and, for the benches, builds the
 # full-size synthetic model in /dev/shm, ~16 s there):
-#   bash tests/gpu_longctx.sh OUT tests      kernels check, the GPU tests the Q8_0 cache touches
+#   bash tests/gpu_longctx.sh OUT tests      kernels check, the GPU tests the Q8_0 cache and the
+#                                            flash attention kernel touch, bench gpu at 16k
 #   bash tests/gpu_longctx.sh OUT bench      bench longctx, Q8_0 cache (the default), 16 threads:
 #                                            CPU prefill and decode at 1k/4k/16k against decode at
 #                                            64 positions, GPU prefill at each; bench prefill at
@@ -24,9 +25,14 @@ tests)
     tests/ops/test_attention_gpu.py tests/ops/test_act_quant_gpu.py tests/ops/test_rope_gpu.py \
     >"$out/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"
+  # attention and the chunked GDN against the FMA ceiling at 16k tokens (item 4: the flash kernel
+  # >= 40 %, the GDN >= 35 %)
+  timeout 240 python3 -m fermijit bench gpu --tokens 16384 >"$out/bench-gpu-16k.txt" 2>&1
+  echo "bench gpu 16k rc=$?"
   grep -E "passed|failed|error" "$out/gpu-tests.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" | head -20
   tail -3 "$out/kernels-check.txt"
+  grep -E "FMA ceiling|attention|gated delta" "$out/bench-gpu-16k.txt"
   ;;
 bench|bench-f32)
   model=/dev/shm/reap128
