@@ -1,10 +1,11 @@
 """`python -m fermijit bench decode`: a prompt, then N greedy tokens on a real-size model, against
 this machine's read bandwidth measured in the same run.
 
-Decode reads every weight a token needs once, so its ceiling is read bandwidth / bytes per token.
-The bytes are counted from the model's own arrays: every dense matrix, vector and the LM head,
-one embedding row, and of the routed experts those the router actually selected (watched on one
-extra token). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
+Decode reads every weight a token needs once, and the KV cache's rows so far, so its ceiling is
+read bandwidth / bytes per token. The bytes are counted from the model's own arrays: every dense
+matrix, vector and the LM head, one embedding row, of the routed experts those the router
+actually selected (watched on one extra token), and the KV rows of the positions decoded at (on
+average: prompt + half the tokens; issue 31 item 3: at long context they are a real part). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
 here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
 expert gets on average). `--profile` times a few more tokens op by op (fermijit/profile.py), and
 one more prefill of the prompt. `--threads-sweep` decodes again at each thread count given.
@@ -99,18 +100,20 @@ class TokenBytes:
     experts: int = 0      # the routed experts selected
     lm_head: int = 0
     embedding: int = 0    # one row
+    kv: int = 0           # the KV cache's rows attention reads (every attention layer)
 
     @property
     def total(self) -> int:
-        return self.dense + self.experts + self.lm_head + self.embedding
+        return self.dense + self.experts + self.lm_head + self.embedding + self.kv
 
 
-def token_bytes(model, selected: list[int]) -> TokenBytes:
-    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i."""
+def token_bytes(model, selected: list[int], kv_nbytes: int = 0) -> TokenBytes:
+    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i and
+    attends over `kv_nbytes` of KV rows."""
     from fermijit.ops import moe
 
     out = TokenBytes(lm_head=sum(a.nbytes for a in _arrays(model.lm_head)),
-                     embedding=model.embed.nbytes // model.embed.shape[0])
+                     embedding=model.embed.nbytes // model.embed.shape[0], kv=kv_nbytes)
     for layer, n_selected in zip(model.layers, selected):
         experts = layer.experts
         if not isinstance(experts, moe.MoeWeights):
@@ -261,12 +264,14 @@ def windows(n_tokens: int) -> list[range]:
 
 def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: int,
         n_threads: int | None, as_json: bool, profile: bool,
-        sweep: tuple[int, ...] = (), sweep_tokens: int = SWEEP_TOKENS) -> dict:
+        sweep: tuple[int, ...] = (), sweep_tokens: int = SWEEP_TOKENS, kv=None) -> dict:
     """`sweep`: thread counts at which decode is measured again after the main run (each
-    `sweep_tokens` tokens in paired windows, then a profiled token: `--threads-sweep`)."""
+    `sweep_tokens` tokens in paired windows, then a profiled token: `--threads-sweep`); `kv` the
+    KV cache's kind (default Q8_0)."""
     import numba
 
     from fermijit.jit import cpu
+    from fermijit.model.state import DEFAULT_KV
 
     if (model_dir is None) == (synthetic is None):
         raise FermijitError("give one of --model DIR or --synthetic NAME")
@@ -279,7 +284,8 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
     report: dict = {"isa": cpu.selected_isa().label, "decode_isa": cpu.decode_isa().label,
                     "cpu": cpu.target_cpu_name(), "pinned": cpu.threads_pinned(),
                     "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens,
-                    "sweep_threads": list(sweep), "sweep_tokens": sweep_tokens}
+                    "sweep_threads": list(sweep), "sweep_tokens": sweep_tokens,
+                    "kv_cache": (kv or DEFAULT_KV).value}
     if model_dir is not None:
         return _measure(Path(model_dir), report, as_json, profile)
     from fermijit.model import synth
@@ -353,6 +359,7 @@ def _sweep(model, state, token: int, counts, n_tokens: int, total_bytes: int) ->
 def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dict:
     from fermijit import engine
     from fermijit.model.forward import load_model
+    from fermijit.model.state import KvKind
 
     memory = MemoryWatch()
     _progress("read bandwidth (before loading)")
@@ -361,7 +368,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     memory.sample()
 
     start, cpu0 = time.perf_counter(), time.process_time()
-    _, model = load_model(model_dir)
+    _, model = load_model(model_dir, kv=KvKind(report["kv_cache"]))
     load_s = time.perf_counter() - start
     load_cpu_s = time.process_time() - cpu0
     memory.sample()
@@ -394,7 +401,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         peak = memory_now()["peak"]  # before anything else is allocated
 
         selected = watch_routing(model, token, state)
-        bytes_ = token_bytes(model, selected)
+        bytes_ = token_bytes(model, selected, (n_prompt + n_tokens // 2) * state.position_nbytes)
         profile_rows = None
         if profile:
             _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
@@ -470,9 +477,9 @@ def format_report(r: dict) -> str:
         f"{'  prefill of GEMM':<28} {100 * r['prefill_of_gemm']:9.1f} %",
         f"{'decode':<28} {r['decode_tok_s']:9.2f} tok/s  ({r['decode_tokens']} tokens, median "
         f"{r['decode_token_ms_median']:.1f} ms; CPU {r['decode_cpu_s']:.2f} s)",
-        f"{'weight bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
+        f"{'bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
         f"experts {b['experts'] / gb:.3f}, lm head {b['lm_head'] / gb:.3f}, embedding row "
-        f"{b['embedding']} B)",
+        f"{b['embedding']} B, KV {b['kv'] / gb:.3f}: {r['kv_cache']})",
         f"{'read bandwidth':<28} {r['read_gbs']:9.2f} GB/s",
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",

@@ -47,12 +47,13 @@ def _layer_outputs(model, cfg, weights, n_tokens: int) -> dict[str, np.ndarray]:
     reference's."""
     from fermijit.model import reference as ref
     from fermijit.model.forward import Segment, Workspace
-    from fermijit.model.state import KvCache
+    from fermijit.model.state import KvCache, KvKind
 
     x = np.random.default_rng(1).standard_normal((n_tokens, model.hidden)).astype(np.float32)
     out = {}
     state = model.new_state(n_tokens)
-    spec = ref.Reference(cfg, weights, quantize_activations=True)
+    spec = ref.Reference(cfg, weights, quantize_activations=True,
+                         quantize_kv=model.kv_kind is KvKind.Q8_0)  # the cache's rounding too
     ref_state = spec.new_state()
     for kind in ("gdn", "attention"):
         i = next(i for i, is_attn in enumerate(model.is_attention) if is_attn == (kind == "attention"))

@@ -188,7 +188,7 @@ PCIe rate and, as the schedule overlaps them (layer i+1's predicted experts copy
 experts and layer i+1's mixer), a layer takes the longer of its compute and its copies."""
 
 
-def load(model_dir: Path | None, synthetic: str | None, err):
+def load(model_dir: Path | None, synthetic: str | None, err, kv=None):
     from fermijit.model.forward import load_model
 
     if (model_dir is None) == (synthetic is None):
@@ -202,12 +202,14 @@ def load(model_dir: Path | None, synthetic: str | None, err):
         if not (model_dir / "fermijit.json").is_file():
             print(f"synthesising {synthetic} into {model_dir}", file=err, flush=True)
             print(synth.synth(synthetic, model_dir, show_progress=False).summary(), file=err)
-    return load_model(model_dir)[1]
+    from fermijit.model.state import DEFAULT_KV
+
+    return load_model(model_dir, kv=kv or DEFAULT_KV)[1]
 
 
 def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: str | None,
         pin_budget: str | None, as_json: bool, verbose: bool, projection: str | None,
-        out=None, err=None) -> dict:
+        out=None, err=None, kv=None) -> dict:
     from fermijit import bench_gpu, hybrid
     from fermijit.jit import gpu
 
@@ -215,7 +217,7 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
     if projection is not None and projection not in PROJECTIONS:
         raise FermijitError(f"--project: one of {', '.join(PROJECTIONS)}, got {projection!r}")
     budget, pins = hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)
-    model = load(model_dir, synthetic, err)
+    model = load(model_dir, synthetic, err, kv)
     reason = gpu.unavailable_reason()
     if reason is not None:
         raise FermijitError(f"bench prefill needs a GPU: {reason}")
@@ -277,14 +279,14 @@ def run(model_dir: Path | None, synthetic: str | None, n_tokens: int, gpu_mem: s
 
 
 def sweep(model_dir: Path | None, synthetic: str | None, lengths: list[int], out=None,
-          err=None) -> list[dict]:
+          err=None, kv=None) -> list[dict]:
     """CPU against GPU prefill time per prompt length (best of REPEATS, kernels warm): where
     `--prefill auto` should switch (hybrid.AUTO_MIN_TOKENS)."""
     from fermijit import hybrid
     from fermijit.engine import warm_up
 
     out, err = out or sys.stdout, err or sys.stderr
-    model = load(model_dir, synthetic, err)
+    model = load(model_dir, synthetic, err, kv)
     gpu_pf = hybrid.GpuPrefiller(model, err=err)
     if not gpu_pf.prepare():
         raise FermijitError(f"the GPU prefill could not start: {gpu_pf.broken}")

@@ -90,6 +90,16 @@ synthetic_option = click.option(
     "--synthetic", type=SYNTHETIC_NAMES, default=None,
     help="Build this synthetic model into a temporary directory first (when no --model is given).")
 
+def full_size_options(command):
+    """--model DIR or --synthetic NAME, kept in /dev/shm (bench prefill, bench longctx)."""
+    command = click.option(
+        "--synthetic", default=None,
+        help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm when "
+             "absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")(command)
+    return click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
+                        help="A fermijit model directory.")(command)
+
+
 numa_option = click.option(
     "--numa", type=click.Choice(["interleave", "rows", "local", "off"]), default=None,
     callback=_select_numa, expose_value=False,
@@ -136,6 +146,18 @@ max_image_tokens_option = click.option(
     show_default=True,
     help="Most image tokens a prompt's images may make (from their sizes, checked before they "
          "are decoded: the vision tower's work grows with them).")
+
+
+kv_option = click.option(
+    "--kv-cache", "kv_cache", type=click.Choice(["q8_0", "f32"]), default="q8_0",
+    show_default=True, help="The KV cache: Q8_0 (8-bit blocks of 32 along the head dim: a "
+                            "quarter of fp32's memory and reads) or f32.")
+
+
+def _kv(kv_cache: str):
+    from fermijit.model.state import KvKind
+
+    return KvKind(kv_cache)
 
 
 def cache_options(command):
@@ -239,9 +261,10 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
                    "of the ceiling (paired), a profiled token's split (kernels, fork/join, idle).")
 @click.option("--sweep-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens decoded at each count of --threads-sweep.")
+@kv_option
 def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
                  threads: int | None, as_json: bool, profile: bool, sweep: tuple | None,
-                 sweep_tokens: int) -> None:
+                 sweep_tokens: int, kv_cache: str) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
     from fermijit import bench_decode as bench_decode_module
@@ -249,7 +272,7 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
     if model_dir is not None:
         synthetic = None
     bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile,
-                            sweep or (), sweep_tokens)
+                            sweep or (), sweep_tokens, _kv(kv_cache))
 
 
 @bench.command("llama-cpp")
@@ -432,11 +455,7 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
 
 
 @bench.command("prefill")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
-              help="A fermijit model directory.")
-@click.option("--synthetic", default=None,
-              help="A synthetic full-size model (python -m fermijit synth), made in /dev/shm "
-                   "when absent: qwen3.6-35b-a3b or qwen3.6-35b-a3b-reap128.")
+@full_size_options
 @click.option("--tokens", type=click.IntRange(min=1), default=947, show_default=True,
               help="Prompt tokens (random ids).")
 @click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
@@ -448,17 +467,41 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
               help="Project the run onto this GPU (the cost model is printed).")
 @click.option("--sweep", default=None, help="Instead: CPU vs GPU prefill time at these prompt "
                                             "lengths, e.g. 8,32,128 (the auto threshold).")
+@kv_option
 def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
                   gpu_mem: str | None, pin_budget: str | None, as_json: bool, verbose: bool,
-                  projection: str | None, sweep: str | None) -> None:
+                  projection: str | None, sweep: str | None, kv_cache: str) -> None:
     """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
     pageable expert streaming (GPU)."""
     from fermijit import bench_prefill as bp
 
     if sweep is not None:
-        bp.sweep(model_dir, synthetic, _int_list("--sweep", sweep))
+        bp.sweep(model_dir, synthetic, _int_list("--sweep", sweep), kv=_kv(kv_cache))
         return
-    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection)
+    bp.run(model_dir, synthetic, tokens, gpu_mem, pin_budget, as_json, verbose, projection,
+           kv=_kv(kv_cache))
+
+
+@bench.command("longctx")
+@full_size_options
+@click.option("--lengths", default="1024,4096,16384,32768", show_default=True,
+              help="Prompt lengths, comma-separated.")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Decode tokens timed after each length (their median).")
+@click.option("--gpu", "use_gpu", is_flag=True, help="Also time the GPU prefill of each length.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: the physical cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@kv_option
+def bench_longctx(model_dir: Path | None, synthetic: str | None, lengths: str,
+                  decode_tokens: int, use_gpu: bool, threads: int | None, as_json: bool,
+                  kv_cache: str) -> None:
+    """Long context: CPU (and GPU) prefill tok/s, decode tok/s against decode at 64 positions in
+    the same run, KV cache bytes and memory, per prompt length."""
+    from fermijit import bench_longctx as bl
+
+    bl.run(model_dir, synthetic, tuple(_int_list("--lengths", lengths)), decode_tokens, use_gpu,
+           threads, as_json, kv=_kv(kv_cache))
 
 
 @cli.group()
@@ -609,12 +652,13 @@ def verify(model_dir: Path) -> None:
                    "--chat; the model needs its vision tower).")
 @max_image_tokens_option
 @prefill_options
+@kv_option
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
              images: tuple[Path, ...], max_image_tokens: int, prefill: str,
-             gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool, kv_cache: str) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -637,7 +681,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
         click.echo("warning: standard output is closed: the generated text goes nowhere",
                    err=True)
     engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
-               cache_settings=cache)
+               cache_settings=cache, kv=_kv(kv_cache))
 
 
 @cli.command()
@@ -659,11 +703,16 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @cache_options
 @max_image_tokens_option
 @prefill_options
+@kv_option
+@click.option("--kv-mem", type=SIZE, default=None,
+              help="Memory the running requests' KV caches and states may hold, e.g. 4G; a "
+                   "request that cannot fit is a 400 (ever) or 503 (now). Default: half the "
+                   "memory available once the model is loaded.")
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
           max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
-          verbose: bool) -> None:
+          verbose: bool, kv_cache: str, kv_mem: int | None) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -682,7 +731,8 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every,
                                           cache_key),
-              prefill, gpu_mem, pin_budget, verbose, max_image_tokens)
+              prefill, gpu_mem, pin_budget, verbose, max_image_tokens, kv=_kv(kv_cache),
+              kv_mem=kv_mem)
 
 
 @cli.command("eval")
@@ -700,9 +750,10 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
               help="Numba threads (default: the physical cores).")
 @numa_option
 @prefill_options
+@kv_option
 def eval_command(model_dir: Path | None, text_path: Path, context: int | None, as_json: bool,
                  threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
-                 verbose: bool) -> None:
+                 verbose: bool, kv_cache: str) -> None:
     """Perplexity of the model on a text file: token count, mean NLL, perplexity, tok/s
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
@@ -711,7 +762,8 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
 
     cpu.configure_threads(threads)
     evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
-                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose)
+                 prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose,
+                 kv=_kv(kv_cache))
 
 
 # The standard streams that were closed when the process started (`>&-`), now /dev/null.

@@ -113,12 +113,14 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
     if isinstance(prompt, multimodal.Prompt):
-        state, cache, n_cached = model.new_state(context), None, 0
+        state = model.new_state(context, int(prompt.size) + max_tokens)
+        cache, n_cached = None, 0
         logits = multimodal.prefill(model, prompt, state)
         prompt = prompt.ids
     else:
         prompt = np.asarray(prompt, np.int32)
-        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
+        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller,
+                                          prompt.size + max_tokens)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
@@ -149,15 +151,16 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
 
 
 def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None,
-            prefiller=None):
+            prefiller=None, positions: int | None = None):
     """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
-    `context`, the logits after it, and how many of its tokens were restored from `cache` (the
-    longest cached prefix; the rest is prefilled by `prefiller`, default the CPU's, snapshotted
-    on the way and at the end)."""
+    `context` (taking memory as used: `positions` of them checked now, default all), the logits
+    after it, and how many of its tokens were restored from `cache` (the longest cached prefix;
+    the rest is prefilled by `prefiller`, default the CPU's, snapshotted on the way and at the
+    end)."""
     from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
 
-    p = PromptPrefill(model, prompt, context, cache)
+    p = PromptPrefill(model, prompt, context, cache, positions)
     if p.logits is None:
         prefiller = prefiller or CpuPrefiller(model)
         bar = on_block = None
@@ -188,11 +191,12 @@ class PromptPrefill:
     are aligned to them: `align`) or `snapshot_every` past the last one (a prefill that cannot
     align), and at the end (`finish`)."""
 
-    def __init__(self, model, prompt: np.ndarray, context: int, cache=None):
+    def __init__(self, model, prompt: np.ndarray, context: int, cache=None,
+                 positions: int | None = None):
         self.prompt, self.cache = np.asarray(prompt, np.int32), cache
         state, self.logits = (None, None) if cache is None else cache.restore(self.prompt,
                                                                                context)
-        self.state = model.new_state(context) if state is None else state
+        self.state = model.new_state(context, positions) if state is None else state
         self.n_cached = self._last_snapshot = self.state.position
 
     @property
@@ -271,19 +275,22 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
-             warn=None) -> "Engine":
+             warn=None, kv=None) -> "Engine":
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
-        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr)."""
+        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr); `kv`
+        the KV cache's kind (model.state.KvKind, default Q8_0)."""
         from fermijit import prefix_cache
         from fermijit.model.forward import load_model
+        from fermijit.model.state import DEFAULT_KV
         from fermijit.model.tokenizer import Tokenizer
 
-        cfg, model = load_model(model_dir, show_progress=show_progress)
+        kv = kv or DEFAULT_KV
+        cfg, model = load_model(model_dir, show_progress=show_progress, kv=kv)
         tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:
-            fingerprint = prefix_cache.model_fingerprint(model_dir,
+            fingerprint = prefix_cache.model_fingerprint(model_dir, kv,
                                                          hash_data=c.directory is not None)
             cache = prefix_cache.PrefixCache(fingerprint,
                                              c.mem_bytes, c.directory, c.snapshot_every,
@@ -371,9 +378,10 @@ class Engine:
 
 
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
-        cache_settings=None) -> Stats:
+        cache_settings=None, kv=None) -> Stats:
     """`generate` for the CLI: the continuation streams to `out` (bytes, default stdout) as
-    UTF-8, progress and the summary go to `err` (text, default stderr)."""
+    UTF-8, progress and the summary go to `err` (text, default stderr); `kv` the KV cache's
+    kind (default Q8_0)."""
     from fermijit import hybrid
 
     hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
@@ -384,7 +392,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     pictures = [image.open_image(path) for path in settings.images]  # bad files: before loading
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True))
+                         warn=lambda line: print(line, file=err, flush=True), kv=kv)
     model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 

@@ -108,9 +108,10 @@ def read_text(path: Path) -> str:
 
 def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
         out=None, err=None, prefill: str = "auto", gpu_mem: str | None = None,
-        pin_budget: str | None = None, verbose: bool = False) -> Score:
+        pin_budget: str | None = None, verbose: bool = False, kv=None) -> Score:
     """`eval` for the CLI: the figures to `out` (a table, or JSON), progress to `err`; `prefill`,
-    `gpu_mem`, `pin_budget`, `verbose` choose the prefiller (fermijit/hybrid.py)."""
+    `gpu_mem`, `pin_budget`, `verbose` choose the prefiller (fermijit/hybrid.py); `kv` the KV
+    cache's kind (default Q8_0)."""
     from tqdm import tqdm
 
     from fermijit import hybrid
@@ -122,7 +123,9 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
     err = err or sys.stderr
     hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # a bad size fails before loading
     text = read_text(text_path)
-    cfg, model = load_model(model_dir, show_progress=True)
+    from fermijit.model.state import DEFAULT_KV
+
+    cfg, model = load_model(model_dir, show_progress=True, kv=kv or DEFAULT_KV)
     tokens = Tokenizer(model_dir, cfg.text_config.eos_token_id).encode(text)
     if tokens.size < 2:
         raise FermijitError(f"{text_path}: {tokens.size} token, nothing to predict")
@@ -142,12 +145,14 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
         result = score(model, tokens, context, bar.update, prefiller)
     if as_json:
         print(json.dumps({"model": str(model_dir), "text": str(text_path),
-                          "is_quantized": model.is_quantized, **result.as_dict()}), file=out)
+                          "is_quantized": model.is_quantized, "kv_cache": model.kv_kind.value,
+                          **result.as_dict()}), file=out)
     else:
         for key, value in (("tokens", f"{result.n_tokens} ({result.n_scored} predicted, "
                                       f"{result.n_windows} windows of {context})"),
                            ("mean NLL", f"{result.mean_nll:.4f} nats/token"),
                            ("perplexity", f"{result.perplexity:.3f}"),
+                           ("KV cache", model.kv_kind.value),
                            ("tok/s", f"{result.tok_per_s:.1f}")):
             print(f"{key + ':':<12} {value}", file=out)
     return result

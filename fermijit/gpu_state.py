@@ -1,6 +1,10 @@
 """The GPU prefill's state on the device and back (issue 10 item 3): the host `State`'s KV caches
 and GDN states sent in before a prefill (fermijit/gpu_prefill.py) and handed back after it, for
-the CPU's decode."""
+the CPU's decode.
+
+The device's KV caches are fp32. A host cache of Q8_0 rows (issue 31) is sent in dequantised, and
+the new rows are rounded to Q8_0 on the GPU before the hand-off (ops/act_quant.py: the CPU's
+rounding), so the copy back is the codes and scales (0.28x fp32's bytes)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import numpy as np
 
 from fermijit.gpu_layout import F32
 from fermijit.model.state import GdnState, KvCache, State
+from fermijit.ops.kv_quant import Q8Rows
 
 if TYPE_CHECKING:
     from fermijit.gpu_prefill import DeviceModel
@@ -35,8 +40,10 @@ def upload_states(state: State, n_positions: int) -> list:
                     heads, _, dim = a.shape
                     dev = gpu.empty((heads, n_positions, dim))
                     for h in range(heads if held else 0):
-                        cuda.memcpy_htod(int(dev.gpudata) + h * n_positions * dim * F32,
-                                         np.ascontiguousarray(a[h, :held]))
+                        rows = a[h, :held]
+                        rows = (rows.dequantize() if isinstance(rows, Q8Rows)
+                                else np.ascontiguousarray(rows))
+                        cuda.memcpy_htod(int(dev.gpudata) + h * n_positions * dim * F32, rows)
                     pair.append(dev)
                 states.append(KvCache(*pair))
             elif held:
@@ -52,10 +59,29 @@ def upload_states(state: State, n_positions: int) -> list:
 
 def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
     """Per layer, the host arrays the hand-off writes (contiguous): each head's KV rows from
-    the state's position to `end`, the GDN conv and recurrent states."""
+    the state's position to `end` (k's heads, then v's; a Q8_0 row range as its codes then its
+    scales), the GDN conv and recurrent states."""
     start = state.position
-    return [[a[h, start:end] for a in (s.k, s.v) for h in range(a.shape[0])]
+
+    def head_rows(a, h):
+        rows = a[h, start:end]
+        return [rows.qs, rows.d] if isinstance(rows, Q8Rows) else [rows]
+
+    return [[x for a in (s.k, s.v) for h in range(a.shape[0]) for x in head_rows(a, h)]
             if isinstance(s, KvCache) else [s.conv, s.recurrent] for s in state.layers]
+
+
+def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
+    """A device cache [heads, positions, dim] fp32 rounded to Q8_0 on the GPU (in place: it is
+    not read again), and the addresses of each head's codes, then scales, from `start`."""
+    from fermijit.ops import act_quant
+
+    heads, positions, dim = dev_rows.shape
+    _, codes, scales = act_quant.gpu(dev_rows, out=dev_rows, codes=True)
+    nb = scales.shape[2]
+    return [address for h in range(heads) for address in (
+        int(codes.gpudata) + (h * positions + start) * dim,
+        int(scales.gpudata) + (h * positions + start) * nb * F32)], (codes, scales)
 
 
 def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
@@ -67,8 +93,16 @@ def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
 
     cuda, start = gpu.driver(), state.position
     pieces = []  # (host array to fill, device address), in handed_arrays' order
-    for d, host in zip(states, handed_arrays(state, end)):
-        if isinstance(d, KvCache):
+    held = []    # the rounded caches' device arrays, alive until copied
+    for d, s, host in zip(states, state.layers, handed_arrays(state, end)):
+        if isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
+            sources = []
+            for x in (d.k, d.v):
+                with gpu.check("rounding the KV cache to Q8_0"):
+                    addresses, arrays = _q8_sources(x, start)
+                sources += addresses
+                held.append(arrays)
+        elif isinstance(d, KvCache):
             heads, positions, dim = d.k.shape
             sources = [int(x.gpudata) + (h * positions + start) * dim * F32
                        for x in (d.k, d.v) for h in range(heads)]
@@ -76,6 +110,9 @@ def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
             sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
         pieces += zip(host, sources)
     buf = dev.host_buffer("state", sum(a.nbytes for a, _ in pieces))
+    if held:  # the rounding ran on the legacy stream; the copies go on another
+        with gpu.check("rounding the KV cache to Q8_0"):
+            cuda.Context.synchronize()
     with gpu.check("copying the state back"):
         at = 0
         for a, address in pieces:
@@ -86,7 +123,7 @@ def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
 
     def fill(n: int) -> None:
         a = pieces[n][0]
-        a[...] = buf[starts[n]:starts[n + 1]].view(np.float32).reshape(a.shape)
+        a[...] = buf[starts[n]:starts[n + 1]].view(a.dtype).reshape(a.shape)
 
     if COPY_THREADS > 1:                # numpy's copies release the GIL
         with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:

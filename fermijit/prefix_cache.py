@@ -80,17 +80,20 @@ class Node:
 
     @property
     def kv_nbytes(self) -> int:
-        return sum(c.k.nbytes + c.v.nbytes for c in self.kv)
+        return sum(c.nbytes for c in self.kv)
 
 
-def model_fingerprint(model_dir: str | Path, hash_data: bool = False) -> str:
+def model_fingerprint(model_dir: str | Path, kv=None, hash_data: bool = False) -> str:
     """sha256 naming a model's weights: a fermijit model's manifest (which holds a sha256 per
     tensor) and weight-file headers, or an HF checkpoint's source fingerprint (run in fp32:
-    other numbers, another key) and, with `hash_data` (snapshots kept on disk: issue 30 item 5),
-    the sha256 of its weight files' bytes: new weights of the same shapes keep the headers."""
+    other numbers, another key) and, with `hash_data` (snapshots kept on disk), the sha256 of
+    its weight files' bytes: new weights of the same shapes keep the headers; and the KV cache's
+    kind `kv` (model.state.KvKind, default Q8_0) but for fp32, whose key is as before Q8_0
+    caches were: its snapshots still load, Q8_0 runs never see them."""
     from fermijit.model import convert
     from fermijit.model.data_hash import file_sha256
     from fermijit.model.safetensors_io import Checkpoint
+    from fermijit.model.state import DEFAULT_KV, KvKind
 
     model_dir = Path(model_dir)
     h = hashlib.sha256(b"fermijit snapshot cache 1\n")
@@ -103,6 +106,9 @@ def model_fingerprint(model_dir: str | Path, hash_data: bool = False) -> str:
             for f in ckpt.files:
                 h.update(f"{f.path.name}:{file_sha256(f.path)}\n".encode())
     h.update(convert.source_fingerprint(model_dir, ckpt).encode())
+    kv = kv or DEFAULT_KV
+    if kv is not KvKind.F32:
+        h.update(f"kv {kv.value}\n".encode())
     return h.hexdigest()
 
 
@@ -196,11 +202,10 @@ class PrefixCache:
                 continue
             pieces = [next(rows) for rows in kv_rows]
             hkv, _, d = pieces[0].k.shape
-            k, v = (np.zeros((hkv, context, d), np.float32) for _ in range(2))
+            cache = KvCache.zeros(pieces[0].kind, hkv, context, d)
             for n, piece in zip(path, pieces):
-                k[:, n.start:n.end] = piece.k
-                v[:, n.start:n.end] = piece.v
-            layers.append(KvCache(k, v))
+                cache.put(n.start, piece)
+            layers.append(cache)
         return State(position, layers)
 
     # --- adding -------------------------------------------------------------------------------
@@ -234,7 +239,7 @@ class PrefixCache:
         while pos < tokens.size:
             child = node.children.get(int(tokens[pos]))
             if child is None:
-                rows = [KvCache(s.k[:, pos:].copy(), s.v[:, pos:].copy())
+                rows = [s.rows(pos, tokens.size).copy()
                         for s in self._kv_layers(state, tokens.size)]
                 child = Node(node, pos, tokens[pos:].copy(), rows)
                 node.children[int(tokens[pos])] = child
@@ -248,17 +253,16 @@ class PrefixCache:
 
     @staticmethod
     def _kv_layers(state: State, position: int) -> list[KvCache]:
-        return [KvCache(s.k[:, :position], s.v[:, :position]) for s in state.layers
-                if isinstance(s, KvCache)]
+        return [s.rows(0, position) for s in state.layers if isinstance(s, KvCache)]
 
     def _split(self, node: Node, m: int) -> Node:
         """Cut `node`'s edge after m tokens; returns the new upper part."""
         upper = Node(node.parent, node.start, node.tokens[:m].copy(),
-                     [KvCache(c.k[:, :m].copy(), c.v[:, :m].copy()) for c in node.kv])
+                     [c.rows(0, m).copy() for c in node.kv])
         node.parent.children[int(node.tokens[0])] = upper
         node.parent, node.start = upper, node.start + m
         node.tokens = node.tokens[m:].copy()
-        node.kv = [KvCache(c.k[:, m:].copy(), c.v[:, m:].copy()) for c in node.kv]
+        node.kv = [c.rows(m, c.context).copy() for c in node.kv]
         upper.children[int(node.tokens[0])] = node
         return upper
 

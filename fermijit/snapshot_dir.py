@@ -11,8 +11,9 @@ last token where known:
 
     b"FJSNAP1\\n" | header length (u64 LE) | header (JSON) | kv section | state section
 
-The header names the model's fingerprint, the tokens, the parent, the arrays of each section and
-each section's CRC-32. Headers are read when the directory is scanned (at each lookup, so other
+The header names the model's fingerprint, the tokens, the parent, the arrays of each section
+(shapes; "dtypes" where not all are fp32: a Q8_0 KV cache's int8 codes and fp32 scales, issue 31,
+with "kv_cache": "q8_0") and each section's CRC-32. Files of an fp32 cache are as before that. Headers are read when the directory is scanned (at each lookup, so other
 processes' files are seen); the arrays only when a snapshot is used (lazily), and only the KV
 section of its ancestors. A corrupt, truncated or foreign-model file, or one whose parent is
 missing, is skipped with one warning line, never used.
@@ -42,7 +43,8 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.model.files import open_regular, parse_json, short
-from fermijit.model.state import GdnState, KvCache, State
+from fermijit.model.state import GdnState, KvCache, KvKind, State
+from fermijit.ops.kv_quant import Q8Rows
 
 MAGIC = b"FJSNAP1\n"
 SUFFIX = ".snap"
@@ -64,6 +66,7 @@ class Entry:
     parent: str | None          # the parent's file name
     parent_position: int
     layers: tuple[str, ...]     # per layer "kv" or "gdn"
+    kv_kind: KvKind
     kv: dict                    # {"offset", "nbytes", "crc32", "arrays": [[shape], ...]}
     state: dict
     has_logits: bool
@@ -74,13 +77,19 @@ def file_name(fingerprint: str, tokens: np.ndarray) -> str:
     return h.hexdigest()[:40] + SUFFIX
 
 
+DTYPES = {"<f4": np.dtype("<f4"), "|i1": np.dtype("i1")}  # what sections hold
+
+
 def _section(arrays: list[np.ndarray], offset: int) -> tuple[dict, list[np.ndarray]]:
-    arrays = [np.ascontiguousarray(a, "<f4") for a in arrays]
+    arrays = [np.ascontiguousarray(a, "i1" if a.dtype == np.int8 else "<f4") for a in arrays]
     crc = 0
     for a in arrays:
         crc = zlib.crc32(memoryview(a).cast("B"), crc)
-    return ({"offset": offset, "nbytes": sum(a.nbytes for a in arrays), "crc32": crc,
-             "arrays": [list(a.shape) for a in arrays]}, arrays)
+    section = {"offset": offset, "nbytes": sum(a.nbytes for a in arrays), "crc32": crc,
+               "arrays": [list(a.shape) for a in arrays]}
+    if any(a.dtype != np.float32 for a in arrays):
+        section["dtypes"] = [a.dtype.str for a in arrays]
+    return section, arrays
 
 
 def _read_header(f, path: Path, fingerprint: str, key: bytes | None) -> Entry:
@@ -127,13 +136,16 @@ def _read_header(f, path: Path, fingerprint: str, key: bytes | None) -> Entry:
         raise Corrupt("layers are not a list of \"kv\" and \"gdn\"")
     if type(h.get("has_logits")) is not bool:
         raise Corrupt("has_logits is not true or false")
+    kv_cache = h.get("kv_cache", "f32")  # absent: written before Q8_0 caches
+    if kv_cache not in ("f32", "q8_0"):
+        raise Corrupt(f"kv_cache is not \"f32\" or \"q8_0\": {short(kv_cache)}")
     base = len(MAGIC) + 8 + n
     size = os.fstat(f.fileno()).st_size
     kv, state = (_checked_section(h.get(name), name, size - base) for name in ("kv", "state"))
     if size != base + kv["nbytes"] + state["nbytes"]:
         raise Corrupt(f"truncated or padded ({size} bytes)")
     return Entry(path, position, tokens, parent, parent_position, tuple(layers),
-                 {**kv, "offset": base + kv["offset"]}, {**state, "offset": base + state["offset"]},
+                 KvKind(kv_cache), {**kv, "offset": base + kv["offset"]}, {**state, "offset": base + state["offset"]},
                  h["has_logits"])
 
 
@@ -145,7 +157,8 @@ def _count(value, what: str, low: int, high: int) -> int:
 
 def _checked_section(section, name: str, room: int) -> dict:
     """A section's record: offset and nbytes within the `room` after the header, its arrays'
-    shapes (non-negative) adding up to nbytes."""
+    shapes (non-negative) and types (DTYPES; fp32 when "dtypes" is absent) adding up to
+    nbytes."""
     if not isinstance(section, dict):
         raise Corrupt(f"{name} is not an object")
     offset = _count(section.get("offset"), f"{name}.offset", 0, room)
@@ -156,7 +169,12 @@ def _checked_section(section, name: str, room: int) -> dict:
             isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
             for shape in shapes)):
         raise Corrupt(f"{name}.arrays are not shapes")
-    if sum(4 * math.prod(shape) for shape in shapes) != nbytes:  # Python ints: no overflow
+    dtypes = section.get("dtypes", ["<f4"] * len(shapes))
+    if not (isinstance(dtypes, list) and len(dtypes) == len(shapes)
+            and all(isinstance(t, str) and t in DTYPES for t in dtypes)):
+        raise Corrupt(f"{name}.dtypes are not one known type per array")
+    if sum(DTYPES[t].itemsize * math.prod(shape)  # Python ints: no overflow
+           for t, shape in zip(dtypes, shapes)) != nbytes:
         raise Corrupt(f"{name}: its arrays do not add up to its {nbytes} bytes")
     return section
 
@@ -172,10 +190,12 @@ def _read_section(f, section: dict, key: bytes | None) -> list[np.ndarray]:
                                                    _mac(key, [data])):
         raise Corrupt("a section does not match its --cache-key signature")
     arrays, at = [], 0
-    for shape in section["arrays"]:
-        n = 4 * int(np.prod(shape))
-        arrays.append(np.frombuffer(data, "<f4", n // 4, at).reshape(shape))
-        at += n
+    dtypes = section.get("dtypes", ["<f4"] * len(section["arrays"]))  # checked with the header
+    for shape, name in zip(section["arrays"], dtypes):
+        dtype = DTYPES[name]
+        n = math.prod(shape)
+        arrays.append(np.frombuffer(data, dtype, n, at).reshape(shape))
+        at += n * dtype.itemsize
     if at != len(data):
         raise Corrupt("sections do not add up")
     if any(a.dtype.kind == "f" and not np.isfinite(a).all() for a in arrays):
@@ -266,7 +286,8 @@ class SnapshotDir:
         while chain[-1].parent is not None:
             parent = self.entries.get(chain[-1].parent)
             if parent is None or parent.position != chain[-1].parent_position \
-                    or not np.array_equal(parent.tokens, entry.tokens[:parent.position]):
+                    or not np.array_equal(parent.tokens, entry.tokens[:parent.position]) \
+                    or parent.kv_kind is not entry.kv_kind:
                 raise Corrupt(f"its parent {chain[-1].parent} is missing or unusable")
             chain.append(parent)
         kv_pieces = []
@@ -288,6 +309,10 @@ class SnapshotDir:
                 raise Corrupt(f"its parent {e.path.name} is unusable") from None
         layers, n_gdn = [], 0
         n_kv = entry.layers.count("kv")
+        per_kv = 2 if entry.kv_kind is KvKind.F32 else 4  # k, v; or their codes and scales
+        if len(state_arrays) != 2 * entry.layers.count("gdn") + entry.has_logits \
+                or any(len(rows) != per_kv * n_kv for _, rows in kv_pieces):
+            raise Corrupt("sections do not match its layers")
         for i, kind in enumerate(entry.layers):
             if kind == "gdn":
                 conv, recurrent = state_arrays[2 * n_gdn:2 * n_gdn + 2]
@@ -295,14 +320,17 @@ class SnapshotDir:
                 n_gdn += 1
                 continue
             j = len(layers) - n_gdn
-            k = np.concatenate([rows[2 * j] for _, rows in kv_pieces], axis=1)
-            v = np.concatenate([rows[2 * j + 1] for _, rows in kv_pieces], axis=1)
-            layers.append(KvCache(k.astype(np.float32), v.astype(np.float32)))
-        if len(state_arrays) != 2 * n_gdn + entry.has_logits \
-                or any(len(rows) != 2 * n_kv for _, rows in kv_pieces):
-            raise Corrupt("sections do not match its layers")
+            try:
+                whole = [np.concatenate([rows[per_kv * j + a] for _, rows in kv_pieces], axis=1)
+                         for a in range(per_kv)]
+            except ValueError:
+                raise Corrupt("its KV rows do not fit together") from None
+            if per_kv == 2:
+                layers.append(KvCache(*whole))
+            else:
+                layers.append(KvCache(Q8Rows(*whole[:2]), Q8Rows(*whole[2:])))
         state = State(entry.position, layers)
-        if state.layers and any(isinstance(s, KvCache) and s.k.shape[1] != entry.position
+        if state.layers and any(isinstance(s, KvCache) and s.context != entry.position
                                 for s in state.layers):
             raise Corrupt("its KV rows do not add up to its position")
         if self.check is not None:
@@ -324,8 +352,8 @@ class SnapshotDir:
         parent = parents[0] if parents else None
         start = 0 if parent is None else parent.position
         position = tokens.size
-        kv_arrays = [a[:, start:position] for s in state.layers if isinstance(s, KvCache)
-                     for a in (s.k, s.v)]
+        kv_layers = [s for s in state.layers if isinstance(s, KvCache)]
+        kv_arrays = [a for s in kv_layers for a in s.rows(start, position).arrays]
         state_arrays = [a for s in state.layers if isinstance(s, GdnState)
                         for a in (s.conv, s.recurrent)]
         state_arrays += [] if logits is None else [logits]
@@ -336,7 +364,8 @@ class SnapshotDir:
             "tokens": [int(t) for t in tokens],
             "parent": None if parent is None else parent.path.name, "parent_position": start,
             "layers": ["kv" if isinstance(s, KvCache) else "gdn" for s in state.layers],
-            "kv": kv, "state": st, "has_logits": logits is not None}
+            "kv": kv, "state": st, "has_logits": logits is not None,
+            **({"kv_cache": state.kv_kind.value} if state.kv_kind is KvKind.Q8_0 else {})}
         if self.key is not None:  # --cache-key: each section signed, then the header
             kv["mac"], st["mac"] = _mac(self.key, kv_arrays), _mac(self.key, state_arrays)
             header["mac"] = _header_mac(self.key, header)

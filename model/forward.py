@@ -26,7 +26,7 @@ import numpy as np
 from fermijit import FermijitError, blas, numa
 from fermijit.jit import omp
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
-from fermijit.model.state import KvCache, State, new_state
+from fermijit.model.state import DEFAULT_KV, KvCache, KvKind, State, new_state, state_nbytes
 from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
                                     TextWeights)
 from fermijit.ops import (attention, attention_step, conv1d, embedding, fp32_rows, gated_delta,
@@ -328,6 +328,8 @@ class Model:
         self.norm = _host(weights.norm)
         self.lm_head = _matrix(weights.lm_head)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
+        # What new states' KV caches hold (--kv-cache; issue 31 item 1: Q8_0 by default).
+        self.kv_kind: KvKind = DEFAULT_KV
         # Decode a token as a few fused kernels a layer (_decode_fused) when the weights are
         # Q4_0; otherwise (and for tests, set False) the ops one by one, as prefill.
         self.fused_decode = self.is_quantized
@@ -339,32 +341,55 @@ class Model:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def new_state(self, context: int) -> State:
-        """Zeros, the KV caches allocated to `context` positions (at most the model's)."""
+    def new_state(self, context: int, positions: int | None = None) -> State:
+        """Zeros, the KV caches (of kind `kv_kind`) allocated to `context` positions (at most
+        the model's), taking memory as they are used; the memory of `positions` of them
+        (default: all) checked now (model/state.py)."""
         if not 1 <= context <= self.max_context:
             raise FermijitError(f"context must be between 1 and {self.max_context} "
                                 f"(max_position_embeddings), got {context}")
+        if self.kv_kind is KvKind.Q8_0 and self.head_dim % 32 and any(self.is_attention):
+            raise FermijitError(f"the model's head dim {self.head_dim} is not whole 32-blocks: "
+                                f"its KV cache cannot be q8_0 (use --kv-cache f32)")
         return new_state(self.is_attention, context, (self.n_kv_heads, self.head_dim),
                          (self.conv_dim, self.conv_taps - 1),
-                         (self.n_value_heads, self.key_dim, self.value_dim))
+                         (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind,
+                         positions)
+
+    def state_nbytes(self, positions: int) -> int:
+        """Memory a state of this model takes holding `positions` positions."""
+        return state_nbytes(self.is_attention, positions, (self.n_kv_heads, self.head_dim),
+                            (self.conv_dim, self.conv_taps - 1),
+                            (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind)
 
     def check_state(self, state: State) -> None:
-        """FermijitError unless `state` has this model's layers and shapes (a restored one)."""
+        """FermijitError unless `state` has this model's layers and shapes and KV kind (a
+        restored one)."""
         ref = self.new_state(1)
         if len(state.layers) != len(ref.layers):
             raise FermijitError(f"state has {len(state.layers)} layers, the model "
                                 f"{len(ref.layers)}")
+        if state.kv_kind not in (None, self.kv_kind):
+            raise FermijitError(f"state has a {state.kv_kind.value} KV cache, the model runs "
+                                f"{self.kv_kind.value} (--kv-cache)")
         for i, (s, r) in enumerate(zip(state.layers, ref.layers)):
             if type(s) is not type(r):
                 raise FermijitError(f"state layer {i} is a {type(s).__name__}, the model's a "
                                     f"{type(r).__name__}")
-            for field in dataclasses.fields(r):
-                a, want = getattr(s, field.name), getattr(r, field.name).shape
+            if isinstance(r, KvCache):
+                pairs = zip(("k", "v") if r.kind is KvKind.F32 else
+                            ("k codes", "k scales", "v codes", "v scales"), s.arrays, r.arrays)
+            else:
+                pairs = zip(("conv", "recurrent"), (s.conv, s.recurrent),
+                            (r.conv, r.recurrent))
+            for name, a, b in pairs:
+                want = b.shape
                 if isinstance(r, KvCache):
                     want = (want[0], state.context, want[2])               # any context
-                if a.dtype != np.float32 or a.shape != want:
-                    raise FermijitError(f"state layer {i} {field.name} is {a.dtype} "
-                                        f"{list(a.shape)}, the model needs float32 {list(want)}")
+                if a.dtype != b.dtype or a.shape != want:
+                    raise FermijitError(f"state layer {i} {name} is {a.dtype} "
+                                        f"{list(a.shape)}, the model needs {b.dtype} "
+                                        f"{list(want)}")
 
     # --- the two entry points -------------------------------------------------------------------
 
@@ -589,9 +614,7 @@ class Model:
         return out
 
     def _check_room(self, state: State, n_tokens: int) -> None:
-        if state.position + n_tokens > state.context:
-            raise FermijitError(f"context full: {state.position} positions seen plus "
-                                f"{n_tokens} new exceed the context of {state.context}")
+        state.check_room(n_tokens)
 
     # --- the forward (MODEL.md §4) --------------------------------------------------------------
 
@@ -668,11 +691,9 @@ class Model:
                 rope.mrope_cpu(x, ws.mrope, self.rotary_dim, self.theta, self.mrope_section,
                                out=x)
         for cache, seg in zip(caches, segments):                      # o ⊙ σ(gate), per sequence
-            r, start = seg.rows, seg.start
-            end = start + r.stop - r.start
-            cache.k[:, start:end] = ws.k[r].transpose(1, 0, 2)        # [Hkv, S, D]
-            cache.v[:, start:end] = ws.v[r].transpose(1, 0, 2)
-            attention.cpu(ws.q[r], cache.k, cache.v, ws.gate[r], start, out=ws.o[r])
+            r = seg.rows
+            cache.write(seg.start, ws.k[r], ws.v[r])                   # [Hkv, S, D] rows
+            attention.cpu(ws.q[r], cache.k, cache.v, ws.gate[r], seg.start, out=ws.o[r])
         o = ws.o.reshape(T, -1)
         ws.act_attn = self._quantized_input(o, ws.act_attn)
         linear(o, w.o_proj, ws.y, ws.act_attn)
@@ -728,9 +749,11 @@ class Model:
             dense_moe(ws.xn, ws.ids, ws.weights, w.experts, ws.y)
 
 
-def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Model]:
+def load_model(directory, show_progress: bool = False,
+               kv: KvKind = DEFAULT_KV) -> tuple[ModelConfig, Model]:
     """A fermijit model directory (memory-mapped, 4-bit), or an HF checkpoint directory as it is
-    (read into fp32 in memory: for reference runs of small models)."""
+    (read into fp32 in memory: for reference runs of small models); its states' KV caches of
+    kind `kv`."""
     import os
     from pathlib import Path
 
@@ -759,6 +782,7 @@ def load_model(directory, show_progress: bool = False) -> tuple[ModelConfig, Mod
                                     show_progress=show_progress)
     model = Model(cfg.text_config, weights)
     model.source = source
+    model.kv_kind = kv
     if source is not None and numa.selected() == "rows":
         from fermijit.jit import cpu
 

@@ -7,7 +7,8 @@ Quantised weights (`QuantTensor`) are dequantised, so the same code is the refer
 4-bit model; with `quantize_activations` their products also quantise the activations per
 32-block (`W4A8`, `quantize_q8`: spelled out here, not imported from the kernels' module, so a
 rounding bug there cannot hide in its own spec), which makes it the spec of the W4A8 path to fp32
-rounding.
+rounding. With `quantize_kv` the queries, keys and values are rounded the same way before
+attention (an 8-bit Q8_0 KV cache, issue 31; ops/kv_quant.py).
 
 Dimension legend: as model/weights.py; T tokens in this call, S cached positions.
 """
@@ -137,8 +138,9 @@ def rope(x, positions, rotary_dim, theta):
 
 
 def attention(x, w: AttentionWeights, cache: KvCache, positions, n_heads, n_kv_heads, head_dim,
-              rotary_dim, theta, eps):
-    """Gated GQA attention over the cache plus these tokens (MODEL.md §5); x [T, H]."""
+              rotary_dim, theta, eps, quantize_kv=False):
+    """Gated GQA attention over the cache plus these tokens (MODEL.md §5); x [T, H]. With
+    `quantize_kv`, q, k and v rounded to Q8_0 per head (the cache stores k, v so rounded)."""
     T, D = x.shape[0], head_dim
     qg = linear(x, w.q_proj).reshape(T, n_heads, 2 * D)          # per head: query | gate
     q, gate = qg[..., :D], qg[..., D:].reshape(T, n_heads * D)
@@ -146,6 +148,8 @@ def attention(x, w: AttentionWeights, cache: KvCache, positions, n_heads, n_kv_h
     v = linear(x, w.v_proj).reshape(T, n_kv_heads, D)
     q = rope(rmsnorm(q, w.q_norm, eps), positions, rotary_dim, theta)
     k = rope(rmsnorm(k, w.k_norm, eps), positions, rotary_dim, theta)
+    if quantize_kv:
+        q, k, v = quantize_q8(q), quantize_q8(k), quantize_q8(v)
     cache.k, cache.v = np.concatenate([cache.k, k]), np.concatenate([cache.v, v])
     S = cache.k.shape[0]
     kv = np.repeat(np.arange(n_kv_heads), n_heads // n_kv_heads)   # q head h reads kv head h//g
@@ -215,14 +219,16 @@ def swiglu(x, gate_up, down):
 class Reference:
     """The text model: holds the config's numbers and the weights; state is passed in and out."""
 
-    def __init__(self, cfg: TextConfig, weights: TextWeights, quantize_activations: bool = False):
+    def __init__(self, cfg: TextConfig, weights: TextWeights, quantize_activations: bool = False,
+                 quantize_kv: bool = False):
         self.w = as_w4a8(weights) if quantize_activations else weights
         self.layer_types = cfg.layer_types
         self.eps = cfg.rms_norm_eps
         self.top_k = cfg.num_experts_per_tok
         self.attn = dict(n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
                          head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
-                         theta=cfg.rope_parameters.rope_theta, eps=cfg.rms_norm_eps)
+                         theta=cfg.rope_parameters.rope_theta, eps=cfg.rms_norm_eps,
+                         quantize_kv=quantize_kv)
         self.gdn = dict(n_key_heads=cfg.linear_num_key_heads,
                         key_head_dim=cfg.linear_key_head_dim,
                         value_head_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)

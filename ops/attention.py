@@ -5,30 +5,40 @@
 One function serves prefill (T queries) and decode (T = 1): the queries are positions
 start..start+T-1 and the KV cache holds positions 0..S-1 with S >= start + T.
 
+The cache is fp32 or Q8_0 rows (ops/kv_quant.py, issue 31 item 1: the default). With Q8_0 the
+query is rounded to Q8_0 the same way and each score is integer dot products of the codes, block
+by block (pmaddubsw on SSSE3 and AVX2, vpdpbusd on AVX-512 VNNI), times the two blocks' scales;
+the values are converted from int8 and scaled in fp32 as they are accumulated.
+
 Letters: T queries, Hq query heads, Hkv kv heads, G = Hq/Hkv queries per kv head, D head dim,
-S cache length (the cache may be longer than the keys used), L = start + T keys used.
+S cache length (the cache may be longer than the keys used), L = start + T keys used,
+nb = D/32 blocks of a Q8_0 row.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+import numba
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import cpu as jit_cpu
-from fermijit.jit import mathf, omp, simd
-from fermijit.jit.cpu import kernel
-from fermijit.jit.simd import F32, I64, vec
-from fermijit.ops import fp32_rows
+from fermijit.jit import mathf, omp
+from fermijit.jit.cpu import Isa, bind, kernel
+from fermijit.ops import fp32_rows, kv_quant
+from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows,
+                                         group_scores, make_q8_scores, q8_scores_by_key, row_max,
+                                         transposed_keys, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
+from fermijit.ops.kv_quant import Q8Rows
 
 
 def reference(q, k, v, gate, start):
-    """q, gate [T, Hq, D]; k, v [Hkv, S, D]; start >= 0 -> o [T, Hq, D], fp32 or wider."""
+    """q, gate [T, Hq, D]; k, v [Hkv, S, D] fp32, or both Q8Rows (then q is rounded to Q8_0
+    first, and the arithmetic is float64); start >= 0 -> o [T, Hq, D], fp32 or wider."""
+    if isinstance(k, Q8Rows):
+        q = kv_quant.reference(q).dequantize(np.float64)
+        k, v = k.dequantize(np.float64), v.dequantize(np.float64)
     dt = np.result_type(q, k, v, gate, np.float32)
     T, Hq, D = q.shape
     L = start + T
@@ -47,170 +57,25 @@ def reference(q, k, v, gate, start):
 # --- CPU ----------------------------------------------------------------------------------------
 
 # Keys per online-softmax step: the [G, BLOCK] scores of one step stay in L1.
-BLOCK = 64
+BLOCK = BLOCK_KEYS  # 64
 # A query's keys are cut at multiples of RANGE_KEYS; each range's partial attention (the online
-# softmax over its blocks) is computed alone and the partials merged by `_combine`, one fixed
-# way. So a query's output has the same bits in a pass of any length and in a decode step (a
-# prompt split into passes, a prefix-cache resume), and decode can give a head's ranges to
-# different threads (flash-decoding: with Hkv = 2 there are too few heads to occupy the cores
-# otherwise). Shorter ranges cost more in set-up and merging than they save.
+# softmax over its blocks) is computed alone, and the partials are merged in range order by
+# `_merge_row`, one fixed way. So a query's output has the same bits in a pass of any length and
+# in a decode step (a prompt split into passes, a prefix-cache resume), and decode can give a
+# head's ranges to different threads (flash-decoding: with Hkv = 2 there are too few heads to
+# occupy the cores otherwise). Shorter ranges cost more in set-up and merging than they save.
 RANGE_KEYS = 256
 # Calls with fewer (query, kv head) pairs than this (decode, short passes) make every range an
-# item of its own over the threads and merge afterwards; others take a pair's ranges in turn in
-# one item and merge there. Either way the same bits, whatever the thread count (issue 9 item 7).
+# item of its own over the threads and merge afterwards; others take tiles of queries, whose
+# ranges they compute in turn, merging as they go. Either way the same bits, whatever the thread
+# count (issue 9 item 7).
 SPLIT_ITEMS = 16
-
-
-# Keys per score tile: the group's query rows against 4 key rows, 16-float accumulators
-# (fp32_rows.tile), every score summed in one fixed order whatever the tile (the bits).
-SCORE_KEYS = 4
-
-
-def head_groups() -> tuple:
-    """Sizes of the groups of query heads a score or weighted-value tile takes, tried in turn
-    (the first dividing the group's heads wins; else one head at a time): with 32 vector
-    registers (AVX-512) 4 or 3 heads x 4 keys, 16 or 12 accumulators, share each key row's loads
-    (the full-size model's 8 heads a kv head, the default model's 3); with 16 (AVX2, SSE) one
-    head's 4 accumulators already fill them. Decided when compiled, for the target compiled
-    for; only these shapes are compiled (each costs compile time on a first run)."""
-    return (4, 3) if "avx512f" in jit_cpu.target_features() else ()
-
-
-def _in_groups(builder, n, sizes, emit):
-    """emit(first, size) over consecutive groups of rows covering 0..n-1 (n an i64 value): all
-    of the first of `sizes` that divides n, else single rows."""
-    c = lambda x: ir.Constant(I64, x)  # noqa: E731
-    size = sizes[0] if sizes else 1
-    if size == 1:
-        with cgutils.for_range(builder, n) as i:
-            emit(i.index, 1)
-        return
-    with builder.if_else(builder.icmp_unsigned("==", builder.urem(n, c(size)), c(0))) as (
-            whole, other):
-        with whole:
-            with cgutils.for_range(builder, builder.udiv(n, c(size))) as i:
-                emit(builder.mul(i.index, c(size)), size)
-        with other:
-            _in_groups(builder, n, sizes[1:], emit)
-
-
-@intrinsic
-def _group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
-    """p[g, j + b] = q_t[h0 + g] · k_h[key + b] for g < n_heads, b < SCORE_KEYS, the heads in
-    head_groups(). The head dim must be a multiple of 16 (_attend_range's other path)."""
-    sig = types.none(q_t, k_h, p, h0, n_heads, key, j)
-
-    def codegen(context, builder, sig, args):
-        qa, ka, pa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in range(3))
-        h0v, nv, keyv, jv = args[3:7]
-        _in_groups(builder, nv, head_groups(), lambda g, heads: fp32_rows.emit_tile(
-            builder, qa, ka, pa, builder.add(h0v, g), keyv, g, jv, heads, SCORE_KEYS,
-            ragged=False))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-# Vectors of 16 floats of a row of `a` held in registers while the keys' weighted values are added.
-PV_VECTORS = 4
-
-
-@intrinsic
-def _weighted_rows(typingctx, p, v, a, j0, n):
-    """a[g] += Σ_{j < n} p[g, j] · v[j0 + j] for every row g of a: per run of PV_VECTORS 16-float
-    vectors of the rows (then single vectors, then leftover floats), head_groups()' rows at a
-    time held in registers over the keys, each key's run of v read once for them (from L1).
-    Every a[g, d] sums its keys in order: the rows taken together never change a bit."""
-    sig = types.none(p, v, a, j0, n)
-
-    def codegen(context, builder, sig, args):
-        pa, va, aa = (context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in range(3))
-        j0v, nv = args[3:5]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
-        v_stride = builder.extract_value(va.strides, 0)
-
-        def rows(row0, n_heads, width, offs):
-            """rows row0..row0+n_heads-1 of a, the floats at byte offsets offs (width 0:
-            single floats), over the n keys."""
-            ty = vec(F32, LANES) if width else F32
-            load = (lambda ptr, off: simd.load(builder, ptr, off, ty)) if width else (
-                lambda ptr, off: simd.load_scalar(builder, ptr, off, F32))
-            a_rows = [builder.mul(builder.add(row0, c(h)), builder.extract_value(aa.strides, 0))
-                      for h in range(n_heads)]
-            p_rows = [builder.mul(builder.add(row0, c(h)), builder.extract_value(pa.strides, 0))
-                      for h in range(n_heads)]
-            accs = [[cgutils.alloca_once_value(builder, load(aa.data, builder.add(r, o)))
-                     for o in offs] for r in a_rows]
-            with cgutils.for_range(builder, nv) as key:
-                v_row = builder.mul(builder.add(j0v, key.index), v_stride)
-                xs = [load(va.data, builder.add(v_row, o)) for o in offs]
-                for p_row, row_accs in zip(p_rows, accs):
-                    w = simd.load_scalar(builder, pa.data, builder.add(
-                        p_row, builder.mul(key.index, c(4))), F32)
-                    w = simd.splat(builder, w, LANES) if width else w
-                    for acc, x in zip(row_accs, xs):
-                        builder.store(builder.fadd(builder.load(acc), builder.fmul(w, x)), acc)
-            for r, row_accs in zip(a_rows, accs):
-                for acc, o in zip(row_accs, offs):
-                    dst = simd.byte_ptr(builder, aa.data, builder.add(r, o))
-                    builder.store(builder.load(acc), builder.bitcast(dst, ty.as_pointer()),
-                                  align=4)
-
-        def run(width, count, start):
-            """`count` runs of `width` vectors (width 0: single floats) from float `start`; the
-            rows in head_groups() for the runs of PV_VECTORS (all there is for head dims that
-            are multiples of 64), one at a time for the rest."""
-            lanes, n_vec = (LANES, width) if width else (1, 1)
-            with cgutils.for_range(builder, count) as run_loop:
-                col = builder.mul(builder.add(start, builder.mul(run_loop.index,
-                                                                 c(lanes * n_vec))), c(4))
-                offs = [builder.add(col, c(4 * lanes * u)) for u in range(n_vec)]
-                _in_groups(builder, n_rows, head_groups() if width == PV_VECTORS else (),
-                           lambda row0, heads: rows(row0, heads, width, offs))
-
-        n_vec = builder.udiv(d, c(LANES))
-        groups = builder.udiv(n_vec, c(PV_VECTORS))
-        run(PV_VECTORS, groups, c(0))
-        singles_from = builder.mul(groups, c(PV_VECTORS * LANES))
-        run(1, builder.sub(n_vec, builder.mul(groups, c(PV_VECTORS))), singles_from)
-        tail_from = builder.mul(n_vec, c(LANES))
-        run(0, builder.sub(d, tail_from), tail_from)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _row_max(typingctx, p, g, n, m0):
-    """max(m0, p[g, 0..n-1]) in 16-float vectors (compare and select: exact, so the order does
-    not matter). LLVM keeps a loop of scalar max() serial without the no-NaNs flag: one compare
-    and select of latency a score, most of the softmax's time."""
-    sig = types.float32(p, g, n, m0)
-
-    def codegen(context, builder, sig, args):
-        pa = context.make_array(sig.args[0])(context, builder, args[0])
-        gv, nv, m0v = args[1:4]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        vf = vec(F32, LANES)
-        row = builder.mul(gv, builder.extract_value(pa.strides, 0))
-        best = cgutils.alloca_once_value(builder, simd.splat(builder, m0v, LANES))
-        n_vec = builder.udiv(nv, c(LANES))
-        with cgutils.for_range(builder, n_vec) as loop:
-            off = builder.add(row, builder.mul(loop.index, c(4 * LANES)))
-            x = simd.load(builder, pa.data, off, vf)
-            b = builder.load(best)
-            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), best)
-        m = cgutils.alloca_once_value(builder, simd.hmax(builder, builder.load(best)))
-        with cgutils.for_range(builder, builder.sub(nv, builder.mul(n_vec, c(LANES)))) as loop:
-            j = builder.add(builder.mul(n_vec, c(LANES)), loop.index)
-            x = simd.load_scalar(builder, pa.data, builder.add(row, builder.mul(j, c(4))), F32)
-            b = builder.load(m)
-            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), m)
-        return builder.load(m)
-
-    return sig, codegen
+# Queries a prefill item takes together (issue 31 item 5): each block of keys, and its values
+# made fp32 once, is read from L1 by all of them, not from memory by each; their running and
+# range partials ([2, TILE, G, D] fp32, 256 KiB at full size) stay in L2. Fewer where the pass
+# has too few tiles for ITEMS_PER_THREAD each.
+TILE_QUERIES = 16
+ITEMS_PER_THREAD = 4
 
 
 @kernel
@@ -220,140 +85,212 @@ def n_ranges(n_keys):
 
 
 @kernel
-def _attend_range(q, k, v, t, hkv, j0, j1, a, m_t, l_t, p):
-    """Unnormalised partial attention of query t over keys j0..j1-1 of kv head hkv, for the G
-    query heads sharing it, so each key and value row is read once: a [G, D] = Σ_s e^(score - m)
-    v_s, m_t [G] the running max of the scores and l_t the sum of e^(score - m); p [G, BLOCK]
-    scratch. An empty range leaves m = -inf, l = 0, a = 0. Every caller passes a, m_t, l_t as
-    the same kind of view (of 4-D and 3-D arrays), so this compiles once: one code, one set of
-    bits."""
-    G, D = a.shape
+def _scores_f32(q, k, t, hkv, jb, n, p):
+    """p[g, j] = q[t, hkv·G + g] · k[hkv, jb + j] for j < n: every head of the group against 4
+    keys a tile (in L1) before the next ones; other head dims one score at a time. The fp32
+    cache: k = (k,)."""
+    G, D = p.shape[0], q.shape[2]
     h0 = hkv * G
+    q_t, k_h = q[t], k[0][hkv]                                        # [Hq, D], [S, D]
+    j = 0
+    while j + SCORE_KEYS <= n and D % LANES == 0:
+        group_scores(q_t, k_h, p, h0, G, jb + j, j)
+        j += SCORE_KEYS
+    for j in range(j, n):
+        for g in range(G):
+            fp32_rows.one(q_t, k_h, p, h0 + g, jb + j, g, j)
+
+
+def _scores_q8_by_key(q, k, t, hkv, jb, n, p):
+    """_scores_q8 with AVX-512 VNNI from the block's keys transposed (_keys_transposed: k =
+    (codes, scales) laid out for attention_simd.q8_scores_by_key): 16 keys a register, no
+    horizontal sums (4-5x fewer instructions than a key at a time)."""
+    G = p.shape[0]
+    q8_scores_by_key(q[0][t], q[1][t], q[2][t], k[0], k[1], p, hkv * G, G)
+
+
+@kernel
+def _keys_as_stored(k, hkv, jb, n, buffers):
+    """The keys scores read: the cache itself."""
+    return k
+
+
+@kernel
+def _keys_transposed(k, hkv, jb, n, buffers):
+    """Keys jb..jb+n-1 of kv head hkv transposed into buffers (attention_simd.transposed_keys),
+    once for every query of a tile."""
+    transposed_keys(k[0][hkv], k[1][hkv], buffers[0], buffers[1], jb, n)
+    return buffers
+
+
+def _scores_q8(q, k, t, hkv, jb, n, p):
+    """_scores_f32 over a Q8_0 cache, k = (codes [Hkv, S, D] int8, scales [Hkv, S, nb]), for
+    the query rounded to Q8_0: q = (codes [T, Hq, D], scales [T, Hq, nb], 128 · the codes' sum
+    per block [T, Hq, nb]). `q8_scores` is bound per ISA (attention_simd.make_q8_scores)."""
+    G = p.shape[0]
+    qq, qd, qc = q[0][t], q[1][t], q[2][t]
+    kq, kd = k[0][hkv], k[1][hkv]
+    for j in range(n):
+        q8_scores(qq, qd, qc, kq, kd, p, hkv * G, G, jb + j, j)
+
+
+@kernel
+def _staged_f32(v, hkv, jb, n, rows):
+    """(value rows, first row) of keys jb..jb+n-1: the fp32 cache's own."""
+    return v[0][hkv], jb
+
+
+@kernel
+def _staged_q8(v, hkv, jb, n, rows):
+    """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache: codes times scales, fp32
+    (the reference's values), into rows [BLOCK, D], once for every query that reads them."""
+    dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
+    return rows, 0
+
+
+@kernel
+def _online_softmax(p, n, a, m_t, l_t):
+    """The scores p[:, :n] of a block of keys (times 1/sqrt(D)) -> their weights e^(s - m), the
+    running maxima m_t, sums l_t and accumulated rows a rescaled to the new maxima."""
+    G, D = a.shape
     scale = np.float32(1 / np.sqrt(D))
-    a[:] = 0
-    m_t[:] = -np.inf
-    l_t[:] = 0
-    q_t, k_h, v_h = q[t], k[hkv], v[hkv]                              # [Hq, D], [S, D]
-    for jb in range(j0, j1, BLOCK):
-        n = min(BLOCK, j1 - jb)
-        # q·k: every head of the group against 4 keys a tile (in L1) before the next ones
-        j = 0
-        while j + SCORE_KEYS <= n and D % LANES == 0:  # other head dims: one score at a time
-            _group_scores(q_t, k_h, p, h0, G, jb + j, j)
-            j += SCORE_KEYS
-        for j in range(j, n):
-            for g in range(G):
-                fp32_rows.one(q_t, k_h, p, h0 + g, jb + j, g, j)
-        for g in range(G):
-            for j in range(n):
-                p[g, j] *= scale
-        for g in range(G):
-            m_new = _row_max(p, g, n, m_t[g])
-            rescale = np.exp(m_t[g] - m_new)
-            total = np.float32(0)
-            for j in range(n):
-                p[g, j] = mathf.exp(p[g, j] - m_new)
-                total += p[g, j]
-            l_t[g] = l_t[g] * rescale + total
-            m_t[g] = m_new
-            if rescale != 1:
-                for d in range(D):
-                    a[g, d] *= rescale
-        _weighted_rows(p, v_h, a, jb, n)
+    for g in range(G):
+        for j in range(n):
+            p[g, j] *= scale
+    for g in range(G):
+        m_new = row_max(p, g, n, m_t[g])
+        rescale = np.exp(m_t[g] - m_new)
+        total = np.float32(0)
+        for j in range(n):
+            p[g, j] = mathf.exp(p[g, j] - m_new)
+            total += p[g, j]
+        l_t[g] = l_t[g] * rescale + total
+        m_t[g] = m_new
+        if rescale != 1:
+            for d in range(D):
+                a[g, d] *= rescale
+
+
+def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, rows, key_buffers):
+    """Key range r of queries t0..t1-1 of kv head hkv (query t0 + i at row i of a [., G, D],
+    m, l [., G]: unnormalised Σ_s e^(score - m) v_s, the maximum and Σ e^(score - m) of its G
+    heads over the range; an empty range leaves m = -inf, l = 0, a = 0). Block by block of keys,
+    each block's values staged once (rows: scratch [BLOCK, D]); every query takes each of its
+    blocks through the same three steps, so it has the same bits alone (decode: t1 = t0 + 1) as
+    in any tile. `_scores`, `_staged` and `_staged_keys` (key_buffers: its scratch) are bound per
+    cache type and ISA."""
+    r0 = r * RANGE_KEYS
+    r1 = min(r0 + RANGE_KEYS, start + t1)                  # the tile's last query's keys
+    for i in range(t1 - t0):
+        a[i] = 0
+        m[i] = -np.inf
+        l[i] = 0
+    for jb in range(r0, r1, BLOCK):
+        v_rows, v0 = _staged(v, hkv, jb, min(BLOCK, r1 - jb), rows)
+        keys = _staged_keys(k, hkv, jb, min(BLOCK, r1 - jb), key_buffers)
+        for i in range(t1 - t0):
+            j1 = min(start + t0 + i + 1, r1)              # query t0 + i's last key + 1
+            if j1 > jb:
+                n = min(BLOCK, j1 - jb)
+                _scores(q, keys, t0 + i, hkv, jb, n, p)
+                _online_softmax(p, n, a[i], m[i], l[i])
+                weighted_rows(p, v_rows, a[i], v0, n)
+
+
+@kernel(fastmath=False)
+def _merge_row(a, m, l, a_r, m_r, l_r):
+    """A head's running partial (a [D], m, l) and the next range's (a_r, m_r, l_r), both scaled
+    to their common maximum and added: a in place, returns (m, l). No fast-math: the same bits
+    from every caller (decode merges after the ranges, prefill as they come)."""
+    m_new = max(m, m_r)
+    c, c_r = np.exp(m - m_new), np.exp(m_r - m_new)
+    for d in range(a.shape[0]):
+        a[d] = c * a[d] + c_r * a_r[d]
+    return m_new, c * l + c_r * l_r
+
+
+@kernel(fastmath=False)
+def _finish_row(a, l, gate_row, o_row):
+    """o_row = a / l · sigmoid(gate_row); a may be o_row itself."""
+    w = np.float32(1) / l
+    for d in range(o_row.shape[0]):
+        o_row[d] = w * a[d] * mathf.sigmoid(gate_row[d])
 
 
 @kernel
 def _query(item, T, Hkv, per):
-    """The query and kv head of an item: kv heads outermost, so a thread's run of items reads
-    one head's keys and values (at full size 1 MB for 512 keys: L2), not both in turn; queries
-    in pairs (t, T-1-t), so every contiguous run of items has the same causal work (each thread
-    takes a contiguous run). `per` items a (query, kv head) pair (its ranges)."""
+    """The query (or tile) and kv head of an item: kv heads outermost, so a thread's run of
+    items reads one head's keys and values (at full size 1 MB for 512 keys: L2), not both in
+    turn; queries in pairs (t, T-1-t), so every contiguous run of items has the same causal work
+    (each thread takes a contiguous run). `per` items a (query, kv head) pair (its ranges)."""
     hkv = (item // per) % Hkv
     rank = item // (per * Hkv)
     return (rank // 2 if rank % 2 == 0 else T - 1 - rank // 2), hkv
 
 
 def attend_share(thread, n_threads, args):
-    """A thread's contiguous run of items (jit.omp.fork; also ops/attention_step.py's). With
-    ranges in acc [R, T, Hq, D] (R > 0; m, l [R, T, Hq]): the items are (query, kv head, key
-    range) triples, range r of each pair into acc[r] (empty where the query has fewer keys),
-    merged later (combine_head). With R = 0: the items are (query, kv head) pairs, each its
-    ranges in turn into scratch (one range: into o itself) and merged into o there, without
-    partial outputs for the whole pass. The same calls either way, so the same bits; one call
-    site of each kernel (each site is optimised apart: a first run's compile time). A fork, not
-    a prange: called from inside another compiled function (attention_step), a prange launch
-    cost several times the work on 2 threads, and the parfors took 5 s of a first compile."""
-    q, k, v, start, acc, m, l, gate, o = args
+    """A thread's contiguous run of items (jit.omp.fork). With ranges in acc [R, T, Hq, D]
+    (R > 0; m, l [R, T, Hq]): the items are (query, kv head, key range) triples, range r of each
+    pair into acc[r] (none where the query has fewer keys), merged later (combine_head). With
+    R = 0: the items are (tile of `tile` queries, kv head) pairs, each its ranges in turn, the
+    first into a running partial and each next merged into it, then o. One call site of
+    `_tile_range` either way, so the same code and bits (and one compile). A fork, not a prange:
+    called from inside another compiled function (attention_step), a prange launch cost several
+    times the work on 2 threads, and the parfors took 5 s of a first compile."""
+    q, k, v, start, tile, acc, m, l, gate, o = args
     T, Hq, D = o.shape
-    Hkv = k.shape[0]
+    Hkv = k[0].shape[0]
     G = Hq // Hkv
     per_range = acc.shape[0] > 0
-    n_scratch = 0 if per_range else n_ranges(start + T)
-    part = np.empty((n_scratch, 1, G, D), dtype=np.float32)       # a pair's acc [R, 1, G, D]
-    pm = np.empty((n_scratch, 1, G), dtype=np.float32)
-    pl = np.empty((n_scratch, 1, G), dtype=np.float32)
+    width = 1 if per_range else tile
+    run_a = np.empty((2, width, G, D), dtype=np.float32)          # running | range partials
+    run_m = np.empty((2, width, G), dtype=np.float32)
+    run_l = np.empty((2, width, G), dtype=np.float32)
     p = np.empty((G, BLOCK), dtype=np.float32)
-    o4 = o.reshape(1, T, Hq, D)
+    rows = np.empty((BLOCK, D), dtype=np.float32)
+    key_buffers = (np.zeros((D // 32, 8, BLOCK), dtype=np.int32),   # _keys_transposed's
+                   np.zeros((D // 32, BLOCK), dtype=np.float32))
+    n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1
-    n_items = per * T * Hkv
+    n_items = per * n_tiles * Hkv
     for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
-        t, hkv = _query(item, T, Hkv, per)
+        first, hkv = _query(item, n_tiles, Hkv, per)
+        t0 = first * width
+        t1 = min(t0 + width, T)
         h0 = hkv * G
-        n_keys = start + t + 1
-        if per_range:
-            r0, r1 = item % per, item % per + 1
-            dst, dt, dh, mm, ll, mt, mh = acc, t, h0, m, l, t, h0
-        else:
-            r0, r1 = 0, n_ranges(n_keys)
-            dst, dt, dh = (o4, t, h0) if r1 == 1 else (part, 0, 0)
-            mm, ll, mt, mh = pm, pl, 0, 0
-        for r in range(r0, r1):
-            _attend_range(q, k, v, t, hkv, r * RANGE_KEYS, min(n_keys, (r + 1) * RANGE_KEYS),
-                          dst[r, dt, dh:dh + G], mm[r, mt, mh:mh + G], ll[r, mt, mh:mh + G], p)
-        if not per_range:
+        r_lo, r_hi = (item % per, item % per + 1) if per_range else (0, n_ranges(start + t1))
+        for r in range(r_lo, min(r_hi, n_ranges(start + t1))):
+            if per_range:
+                da, dm, dl = (acc[r, t0:t1, h0:h0 + G], m[r, t0:t1, h0:h0 + G],
+                              l[r, t0:t1, h0:h0 + G])
+            else:
+                s = min(r, 1)
+                da, dm, dl = (run_a[s, 0:t1 - t0, 0:G], run_m[s, 0:t1 - t0, 0:G],
+                              run_l[s, 0:t1 - t0, 0:G])
+            _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, rows, key_buffers)
+            for i in range(t1 - t0 if not per_range and r > 0 else 0):
+                if start + t0 + i + 1 > r * RANGE_KEYS:            # the query has keys in r
+                    for g in range(G):
+                        run_m[0, i, g], run_l[0, i, g] = _merge_row(
+                            run_a[0, i, g], run_m[0, i, g], run_l[0, i, g], run_a[1, i, g],
+                            run_m[1, i, g], run_l[1, i, g])
+        for i in range(t1 - t0 if not per_range else 0):
             for g in range(G):
-                _combine(dst, dt, dh + g, pm, pl, mt, g, r1, gate[t, h0 + g], o[t, h0 + g],
-                         r1 == 1)  # mt (0), not a literal 0: that compiled _combine twice
-
-
-@kernel(fastmath=False)
-def _combine(acc, at, ah, m, l, mt, mh, R, gate_row, o_row, in_place):
-    """o_row = the R key ranges' partials acc[s, at, ah] (maxima m[s, mt, mh], sums l) each
-    rescaled to the common max, / their sum · sigmoid(gate_row). No fast-math: the same bits from
-    every caller. in_place: acc[0, at, ah] is o_row itself (one range, accumulated in o), so the
-    loop reads and writes one array and vectorises."""
-    D = o_row.shape[0]
-    m_max = m[0, mt, mh]
-    for s in range(1, R):
-        m_max = max(m_max, m[s, mt, mh])
-    total = np.float32(0)
-    for s in range(R):
-        total += np.exp(m[s, mt, mh] - m_max) * l[s, mt, mh]
-    w = np.exp(m[0, mt, mh] - m_max) / total
-    if in_place:
-        for d in range(D):
-            o_row[d] = w * o_row[d] * mathf.sigmoid(gate_row[d])
-        return
-    a_row = acc[0, at, ah]
-    for d in range(D):
-        o_row[d] = w * a_row[d]
-    for s in range(1, R):
-        w = np.exp(m[s, mt, mh] - m_max) / total
-        a_row = acc[s, at, ah]
-        for d in range(D):
-            o_row[d] += w * a_row[d]
-    for d in range(D):
-        o_row[d] *= mathf.sigmoid(gate_row[d])
+                _finish_row(run_a[0, i, g], run_l[0, i, g], gate[t0 + i, h0 + g],
+                            o[t0 + i, h0 + g])
 
 
 @kernel
 def combine_head(acc, m, l, start, gate, o, th):
     """o[t, h] for th = t·Hq + h from attend_share's ranges (the query's own: n_ranges of its
-    keys). acc may be o itself, as [1, T, Hq, D] (one range)."""
+    keys), merged in range order into acc[0]. acc may be o itself, as [1, T, Hq, D] (one
+    range)."""
     Hq = o.shape[1]
     t, h = th // Hq, th % Hq
-    _combine(acc, t, h, m, l, t, h, n_ranges(start + t + 1), gate[t, h], o[t, h],
-             acc.shape[0] == 1 and acc.ctypes.data == o.ctypes.data)
+    for s in range(1, n_ranges(start + t + 1)):
+        m[0, t, h], l[0, t, h] = _merge_row(acc[0, t, h], m[0, t, h], l[0, t, h], acc[s, t, h],
+                                            m[s, t, h], l[s, t, h])
+    _finish_row(acc[0, t, h], l[0, t, h], gate[t, h], o[t, h])
 
 
 def _combine_share(thread, n_threads, args):
@@ -363,25 +300,76 @@ def _combine_share(thread, n_threads, args):
         combine_head(acc, m, l, start, gate, o, th)
 
 
-def _attention_body(q, k, v, start, acc, m, l, gate, o):
+def _attention_body(q, k, v, start, tile, acc, m, l, gate, o):
     """The items over the threads (one fork); with key ranges in acc, every (query, head)
     merged after them (another)."""
-    fork((q, k, v, start, acc, m, l, gate, o))
+    fork((q, k, v, start, tile, acc, m, l, gate, o))
     if acc.shape[0] > 0:
         fork_combine((acc, m, l, start, gate, o))
 
 
-_attention_kernel = omp.forking_kernel(_attention_body, fork=attend_share,
-                                       fork_combine=_combine_share)
+_kernels: dict = {}
 
 
-def cpu(q, k, v, gate, start, out=None):
-    """fp32 `reference`. Allocates only scratch: per-head maxima and sums, the [G, BLOCK] scores,
-    the partial outputs of key ranges ([R, T, Hq, D] for short passes, a query's for others)."""
+def _kernel(isa: Isa | None):
+    """The fp32 cache's kernel (isa None), or the Q8_0 cache's for `isa`: attend_share over
+    _tile_range with the cache type's scores and value staging."""
+    if isa not in _kernels:
+        keys = _keys_as_stored
+        if isa is None:
+            label, scores, staged = "f32", _scores_f32, _staged_f32
+        elif isa is Isa.AVX512VNNI:
+            label, staged = f"q8_{isa.label}", _staged_q8
+            scores = kernel(_scores_q8_by_key)
+            keys = _keys_transposed
+        else:
+            label, staged = f"q8_{isa.label}", _staged_q8
+            scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
+        tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
+                            _staged_keys=keys)
+        _kernels[isa] = omp.forking_kernel(
+            bind(_attention_body, label), fork=bind(attend_share, label, _tile_range=tile_range),
+            fork_combine=_combine_share)
+    return _kernels[isa]()
+
+
+@kernel(fastmath=False)
+def _quantize_queries(q, qq, qd, qc):
+    """q [T, Hq, D] -> its Q8_0 codes, scales and 128 · the codes' sum per block (the keys'
+    rounding: ops/kv_quant.py)."""
+    for t in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            kv_quant.quantize_row(q[t, h], qq[t, h], qd[t, h], qc[t, h])
+            for b in range(qc.shape[2]):
+                qc[t, h, b] *= 128
+
+
+def _check_cache(op: str, k, v, D: int) -> tuple[int, int]:
+    """(Hkv, S) of the caches k, v: fp32 [Hkv, S, D], or Q8Rows of that shape."""
+    if not isinstance(k, Q8Rows):
+        Hkv, S = check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
+        check_array(op, "v", v, np.float32, (Hkv, S, D))
+        return Hkv, S
+    if not isinstance(v, Q8Rows):
+        raise FermijitError(f"{op}: k is Q8_0 rows, v is not")
+    if D % kv_quant.BLOCK:
+        raise FermijitError(f"{op}: a Q8_0 cache needs a head dim of whole "
+                            f"{kv_quant.BLOCK}-blocks, got {D}")
+    Hkv, S = check_array(op, "k codes", k.qs, np.int8, (None, None, D)).shape[:2]
+    for name, rows in (("k", k), ("v", v)):
+        check_array(op, f"{name} codes", rows.qs, np.int8, (Hkv, S, D))
+        check_array(op, f"{name} scales", rows.d, np.float32, (Hkv, S, D // kv_quant.BLOCK))
+    return Hkv, S
+
+
+def cpu(q, k, v, gate, start, out=None, isa: Isa | None = None):
+    """`reference`, fp32 out. Allocates only scratch: per-head maxima and sums, the [G, BLOCK]
+    scores, the partial outputs of key ranges ([R, T, Hq, D] for short passes, a tile's for
+    others) and, for a Q8_0 cache, the rounded queries and a block of values. `isa`: the Q8_0
+    kernel's variant (the process's by default); the fp32 kernel has one."""
     op = "attention"
     T, Hq, D = check_array(op, "q", q, np.float32, ndim=3).shape
-    Hkv, S = check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
-    check_array(op, "v", v, np.float32, (Hkv, S, D))
+    Hkv, S = _check_cache(op, k, v, D)
     check_array(op, "gate", gate, np.float32, (T, Hq, D))
     if Hkv == 0 or Hq % Hkv:
         raise FermijitError(f"{op}: {Hq} query heads is not a multiple of {Hkv} kv heads")
@@ -389,35 +377,58 @@ def cpu(q, k, v, gate, start, out=None):
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
     o = output(op, out, (T, Hq, D))
-    attend(q, k, v, gate, int(start), o)
+    attend(q, k, v, gate, int(start), o, isa)
     return o
 
 
-def attend(q, k, v, gate, start: int, o) -> None:
+def tile_queries(n_queries: int, n_kv_heads: int) -> int:
+    """Queries a prefill item takes: TILE_QUERIES, fewer where that leaves a thread fewer than
+    ITEMS_PER_THREAD items (the bits are the same for any)."""
+    n_items = n_queries * n_kv_heads // (ITEMS_PER_THREAD * numba.get_num_threads())
+    return max(1, min(TILE_QUERIES, n_items))
+
+
+def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
     """`cpu` into o without its checks, for callers whose buffers were made right once (decode's
-    ops/attention_step.py). The one compiled kernel of prefill and decode: a second kernel
-    holding the same attention code took ~3 s more of a first run's compile (issue 9)."""
+    ops/attention_step.py). The one compiled kernel of prefill and decode (per cache type): a
+    second kernel holding the same attention code took ~3 s more of a first run's compile
+    (issue 9)."""
     T, Hq, D = o.shape
-    R = 0 if T * k.shape[0] >= SPLIT_ITEMS else n_ranges(start + T)
+    Hkv = k.shape[0]
+    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
     if R == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:
         acc = np.empty((R, T, Hq, D), dtype=np.float32)
     m = np.empty((R, T, Hq), dtype=np.float32)
     l = np.empty((R, T, Hq), dtype=np.float32)
-    _attention_kernel()(q, k, v, start, acc, m, l, gate, o)
+    tile = tile_queries(T, Hkv)
+    if not isinstance(k, Q8Rows):
+        _kernel(None)(q, (k,), (v,), start, tile, acc, m, l, gate, o)
+        return
+    nb = D // kv_quant.BLOCK
+    rounded = (np.empty((T, Hq, D), np.int8), np.empty((T, Hq, nb), np.float32),
+               np.empty((T, Hq, nb), np.int32))
+    _quantize_queries(q, *rounded)
+    _kernel(isa or jit_cpu.selected_isa())(rounded, (k.qs, k.d), (v.qs, v.d), start, tile, acc,
+                                           m, l, gate, o)
 
 
-# --- GPU (kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles) ----------
+# --- GPU ---------------------------------------------------------------------------------------
+# kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles (the GPU prefill's).
+# kernels_ptx/flash_attention.ptx (issue 31 item 4, `flash_gpu`): 32 rows of GQA heads x queries a
+# block sharing each 64-key tile, register tiles for QK and PV; written for long prompts, to be
+# measured on a GPU before the prefill takes it.
 
-GPU_HEAD_DIMS = (32, 64, 128, 256)  # the D attention.ptx is rendered for
+GPU_HEAD_DIMS = (32, 64, 128, 256)   # the D attention.ptx is rendered for
+FLASH_HEAD_DIMS = (64, 128, 256)     # flash_attention.ptx's
+FLASH_ROWS = 32                      # rows (query heads x positions) a flash block
 
 
-def gpu(q, k, v, gate, start, out=None):
-    """As `cpu`; arrays numpy or on the device (fermijit.jit.gpu)."""
+def _gpu_args(op, q, k, v, gate, start, out, head_dims):
+    """The checked shapes (T, Hq, Hkv, S, D), the device output and on_device."""
     from fermijit.jit import gpu as g
 
-    op = "attention"
     on_device = g.is_device(q) or g.is_device(out)
     T, Hq, D = g.check_array(op, "q", q, np.float32, ndim=3).shape
     Hkv, S = g.check_array(op, "k", k, np.float32, (None, None, D)).shape[:2]
@@ -425,15 +436,42 @@ def gpu(q, k, v, gate, start, out=None):
     g.check_array(op, "gate", gate, np.float32, (T, Hq, D))
     if Hkv == 0 or Hq % Hkv:
         raise FermijitError(f"{op}: {Hq} query heads is not a multiple of {Hkv} kv heads")
-    if D not in GPU_HEAD_DIMS:
-        raise FermijitError(f"{op}: the GPU kernel takes head dims {GPU_HEAD_DIMS}, got {D}")
+    if D not in head_dims:
+        raise FermijitError(f"{op}: the GPU kernel takes head dims {head_dims}, got {D}")
     if not isinstance(start, (int, np.integer)) or start < 0 or start + T > S:
         raise FermijitError(f"{op}: start {start!r} with {T} queries needs a cache of "
                             f"start + T positions, have {S}")
-    o = g.output(op, out, (T, Hq, D))
+    return (T, Hq, Hkv, S, D), g.output(op, out, (T, Hq, D)), on_device
+
+
+def gpu(q, k, v, gate, start, out=None):
+    """As `cpu` over an fp32 cache; arrays numpy or on the device (fermijit.jit.gpu)."""
+    from fermijit.jit import gpu as g
+
+    op = "attention"
+    (T, Hq, Hkv, S, D), o, on_device = _gpu_args(op, q, k, v, gate, start, out, GPU_HEAD_DIMS)
     if T and Hq:
         g.kernel("attention", HEAD_DIM=D)(
             (-(-T // 16), Hq), (256,), *(g.to_device(op, name, a, np.float32) for name, a in
                                          (("q", q), ("k", k), ("v", v), ("gate", gate))),
             o, T, Hq, Hkv, S, int(start), float(1 / np.sqrt(D)))
+    return g.result(op, o, out, on_device)
+
+
+def flash_gpu(q, k, v, gate, start, out=None):
+    """As `gpu`, by flash_attention.ptx: a block takes the largest power of 2 of a kv head's G
+    query heads (at most FLASH_ROWS) and FLASH_ROWS / that many queries."""
+    from fermijit.jit import gpu as g
+
+    op = "attention"
+    (T, Hq, Hkv, S, D), o, on_device = _gpu_args(op, q, k, v, gate, start, out, FLASH_HEAD_DIMS)
+    G = Hq // Hkv
+    group_heads = next(h for h in (32, 16, 8, 4, 2, 1) if G % h == 0)
+    positions = FLASH_ROWS // group_heads
+    if T and Hq:
+        g.kernel("flash_attention", HEAD_DIM=D)(
+            (-(-T // positions), Hkv * (G // group_heads)), (256,),
+            *(g.to_device(op, name, a, np.float32) for name, a in
+              (("q", q), ("k", k), ("v", v), ("gate", gate))),
+            o, T, Hq, Hkv, S, int(start), float(1 / np.sqrt(D)), group_heads)
     return g.result(op, o, out, on_device)

@@ -11,6 +11,9 @@ instead of ~9 checked calls (~120 us of Python an attention layer on the profile
 model, 1.2 ms a token over its 10 attention layers). Attention is not compiled into the step:
 the step's kernel held a second copy of it, ~3 s of a first run's compile (issue 9).
 
+The cache is fp32 or Q8_0 rows (ops/kv_quant.py): the new key and value are stored quantised by
+the step's kernel, then attention reads the codes (one kernel variant per cache type).
+
 Letters: Hq query heads, Hkv kv heads, D head dim, S cache positions, R rotary dims.
 """
 
@@ -19,14 +22,15 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit.cpu import kernel
-from fermijit.ops import attention, matvec, rmsnorm, rope
+from fermijit.ops import attention, kv_quant, matvec, rmsnorm, rope
+from fermijit.ops.kv_quant import Q8Rows
 from fermijit.ops.matvec import Q8Act
 
 
 def reference(qkv, q_norm, k_norm, eps, position, rotary_dim, theta, cache_k, cache_v):
     """The stages' references in order -> (o [1, Hq, D] gated, new cache_k, new cache_v); the
     inputs are left untouched. qkv [1, Hq·2D + 2·Hkv·D]: per head query | gate, then k, then v;
-    cache_k, cache_v [Hkv, S, D] hold positions < `position`."""
+    cache_k, cache_v [Hkv, S, D] (fp32 or Q8Rows) hold positions < `position`."""
     Hkv, _, D = cache_k.shape
     Hq = (qkv.shape[1] - 2 * Hkv * D) // (2 * D)
     qg = qkv[:, :Hq * 2 * D].reshape(1, Hq, 2 * D)
@@ -37,14 +41,15 @@ def reference(qkv, q_norm, k_norm, eps, position, rotary_dim, theta, cache_k, ca
     q = rope.reference(rmsnorm.reference(q, q_norm, eps), pos, rotary_dim, theta)
     k = rope.reference(rmsnorm.reference(k, k_norm, eps), pos, rotary_dim, theta)
     new_k, new_v = cache_k.copy(), cache_v.copy()
-    new_k[:, position] = k[0]
-    new_v[:, position] = v[0]
+    is_q8 = isinstance(cache_k, Q8Rows)
+    new_k[:, position] = kv_quant.reference(k[0]) if is_q8 else k[0]
+    new_v[:, position] = kv_quant.reference(v[0]) if is_q8 else v[0]
     return attention.reference(q, new_k, new_v, gate, position), new_k, new_v
 
 
 def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, q, gate):
     _, Hq, D = q.shape
-    Hkv = cache_k.shape[0]
+    Hkv = cache_k[0].shape[0]
     start = positions[0]
     for h in range(Hq):
         for d in range(D):
@@ -59,12 +64,26 @@ def _step_body(qkv, q_norm, k_norm, eps, positions, inv_freq, cache_k, cache_v, 
     rope._rope_serial(q, positions, inv_freq, q, in_place)
     rope._rope_serial(k, positions, inv_freq, k, in_place)
     for h in range(Hkv):
-        for d in range(D):
-            cache_k[h, start, d] = k[0, h, d]
-            cache_v[h, start, d] = v[0, h, d]
+        _store_row(cache_k, h, start, k[0, h])
+        _store_row(cache_v, h, start, v[0, h])
 
 
-_step_kernel = kernel(_step_body)
+@kernel
+def _store_f32(cache, h, position, row):
+    """cache = (rows [Hkv, S, D],): row h, position <- row."""
+    for d in range(row.shape[0]):
+        cache[0][h, position, d] = row[d]
+
+
+@kernel(fastmath=False)
+def _store_q8(cache, h, position, row):
+    """cache = (codes [Hkv, S, D], scales [Hkv, S, nb]): row h, position <- row, quantised."""
+    kv_quant.quantize_row(row, cache[0][h, position], cache[1][h, position],
+                          np.empty(0, np.int32))
+
+
+_step_kernels = {False: kernel(_step_body, variant="f32", _store_row=_store_f32),
+                 True: kernel(_step_body, variant="q8_0", _store_row=_store_q8)}
 
 
 def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
@@ -76,8 +95,11 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
     shapes and dtypes: only the kernels' signatures check them."""
     v_ = act.vec
     half = matvec.simd.HALF_OF.get(v_.isa)
-    _step_kernel(qkv, q_norm, k_norm, float(eps), positions,
-                 rope._inv_freq(int(rotary_dim), float(theta)), cache_k, cache_v, q, gate)
+    is_q8 = isinstance(cache_k, Q8Rows)
+    _step_kernels[is_q8](qkv, q_norm, k_norm, float(eps), positions,
+                         rope._inv_freq(int(rotary_dim), float(theta)),
+                         (cache_k.qs, cache_k.d) if is_q8 else (cache_k,),
+                         (cache_v.qs, cache_v.d) if is_q8 else (cache_v,), q, gate)
     attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
     matvec._quantize_act_kernel(o.reshape(1, -1), act.xq, act.dx, act.xsum8, v_.lanes,
                                 matvec.blocks_per_step(v_), half.lanes if half else 0)

@@ -151,10 +151,15 @@ def dot_u8s8(v: Vec, builder, pairs):
     if v.dpbusd:
         acc = ir.Constant(vec(I32, n // 4), None)
         for u, s in pairs:
-            acc = _call(builder, v.dpbusd, acc.type,
-                        [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
+            acc = dpbusd(v, builder, acc, u, s)
         return acc
     return widen_i16(v, builder, dot_u8s8_i16(v, builder, pairs))
+
+
+def dpbusd(v: Vec, builder, acc, u, s):
+    """acc (i32 [nbytes/4]) + each group of 4 adjacent u8·s8 products of u and s (VNNI)."""
+    return _call(builder, v.dpbusd, acc.type,
+                 [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
 
 
 def widen_i16(v: Vec, builder, s16):
@@ -219,6 +224,14 @@ def fp16_to_f32(v: Vec, builder, h):
     w = builder.ashr(w, ir.Constant(i32x, [3] * n))
     w = builder.and_(w, ir.Constant(i32x, [0x8FFFE000 - (1 << 32)] * n))
     return builder.fmul(builder.bitcast(w, vec(F32, n)), ir.Constant(vec(F32, n), [2.0 ** 112] * n))
+
+
+def muladd(builder, a, b, c):
+    """a · b + c, fused where the target has FMA (llvm.fmuladd: one rounding there, two on
+    SSE): the same bits wherever one compiled kernel runs it, not across targets."""
+    name = (f"llvm.fmuladd.v{a.type.count}f32" if isinstance(a.type, ir.VectorType)
+            else "llvm.fmuladd.f32")
+    return _call(builder, name, a.type, [a, b, c])
 
 
 def hsums(builder, xs):

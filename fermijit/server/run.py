@@ -32,7 +32,7 @@ def warm_up(engine, max_batch: int) -> None:
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False,
-          max_image_tokens: int | None = None) -> None:
+          max_image_tokens: int | None = None, kv=None, kv_mem: int | None = None) -> None:
     import uvicorn
 
     from fermijit import hybrid
@@ -46,7 +46,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     err = sys.stderr
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True))
+                         warn=lambda line: print(line, file=err, flush=True), kv=kv)
     times = {"load": time.perf_counter() - start}
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
     with hybrid.preparing(engine.prefiller) as gpu_ready:  # beside the CPU's warm-up
@@ -54,7 +54,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         times["kernels"] = time.perf_counter() - start - times["load"]
     if gpu_ready.get("seconds") is not None:
         times["gpu prefill"] = gpu_ready["seconds"]
-    scheduler = Scheduler(engine, max_batch, queue_size)
+    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem)
     parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())  # the last two overlap
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"

@@ -140,11 +140,16 @@ class GpuJob:
 class Scheduler:
     """Runs `engine` (fermijit/engine.py Engine) on its own thread; `submit` from any thread."""
 
-    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64):
+    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64,
+                 kv_mem: int | None = None):
         if max_batch < 1 or queue_size < 1:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
+        from fermijit.server import kv_budget
+
         self.engine, self.max_batch = engine, max_batch
+        # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
+        self.kv_mem = kv_budget.default_nbytes() if kv_mem is None else kv_mem
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.active: list[Sequence] = []       # decoding
         self.prefilling: list[Sequence] = []   # admitted, their prompts in progress
@@ -266,6 +271,7 @@ class Scheduler:
 
     def _start(self, job: Job) -> Sequence:
         from fermijit import engine as engine_module
+        from fermijit.server import kv_budget
 
         engine, model = self.engine, self.engine.model
         # Tokenised (and its images run through the tower) by the request's handler, and
@@ -273,6 +279,8 @@ class Scheduler:
         with_images, prompt = job.image_prompt, job.ids
         n_prompt, max_context = int(prompt.size), model.max_context
         max_tokens = job.max_tokens or min(max_context - n_prompt, DEFAULT_MAX_TOKENS)
+        kv_budget.admit(model, n_prompt + max_tokens,
+                        (s.prompt.size + s.max_tokens for s in self.active), self.kv_mem)
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)

@@ -64,7 +64,12 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     routed = sum(t.end - t.begin for n, t in stored.items() if ".experts_" in n)
     embed = stored["embed_tokens"].end - stored["embed_tokens"].begin
     expected = total - routed * (E - TOP_K) // E - embed * (V - 1) // V
-    assert r["bytes_per_token"]["total"] == expected
+    # and the KV cache's rows at the middle decode token's position (issue 31 item 3), Q8_0
+    from fermijit.model.forward import load_model
+
+    per_position = load_model(report)[1].new_state(1).position_nbytes
+    assert r["kv_cache"] == "q8_0" and r["bytes_per_token"]["kv"] == (8 + 3 // 2) * per_position
+    assert r["bytes_per_token"]["total"] == expected + r["bytes_per_token"]["kv"]
 
     rows = {row["op"]: row for row in r["profile"]}
     assert {"matvec.product", "moe.decode", "residual_step.cpu", "token"} <= set(rows)
@@ -108,7 +113,7 @@ def test_table_and_bad_input(report, capsys, monkeypatch):
     monkeypatch.setattr(bench_decode, "PROBE_BYTES", 64 << 20)
     bench_decode.run(report, None, 4, 2, None, as_json=False, profile=False)
     out = capsys.readouterr().out
-    for label in ("decode of ceiling", "weight bytes per token", "read bandwidth", "peak RSS",
+    for label in ("decode of ceiling", "bytes per token", "read bandwidth", "peak RSS",
                   "load to first token", "prefill of GEMM"):
         assert label in out, label
     with pytest.raises(FermijitError, match="one of --model"):

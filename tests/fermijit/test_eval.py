@@ -16,6 +16,7 @@ from fermijit import FermijitError, evaluate
 from fermijit.model import convert, forward
 from fermijit.model.config import load_config
 from fermijit.model.forward import load_model
+from fermijit.model.state import KvKind
 from fermijit.model.reference import Reference
 from fermijit.model.safetensors_io import Checkpoint
 from fermijit.model.tokenizer import Tokenizer
@@ -84,7 +85,7 @@ def test_token_nll_is_minus_log_softmax():
 def test_fp32_score_is_the_reference_nll(models, context):
     tokens = tokens_of(models["hf"])
     context = min(context, 256)                      # max_position_embeddings of the tiny model
-    result = evaluate.score(load_model(models["hf"])[1], tokens, context)
+    result = evaluate.score(load_model(models["hf"], kv=KvKind.F32)[1], tokens, context)
     expected = reference_nll_sum(models["hf"], tokens, context)
     assert abs(result.nll_sum - expected) <= FP32_NLL_REL * expected, (result.nll_sum, expected)
     assert result.n_tokens == tokens.size and result.n_scored == tokens.size - 1
@@ -93,7 +94,7 @@ def test_fp32_score_is_the_reference_nll(models, context):
 
 def test_windows_are_scored_from_a_fresh_state(models):
     """Windows of 4 tokens, each from a fresh state: the reference scored the same way."""
-    model, tokens = load_model(models["hf"])[1], tokens_of(models["hf"])
+    model, tokens = load_model(models["hf"], kv=KvKind.F32)[1], tokens_of(models["hf"])
     short = evaluate.score(model, tokens, 4)
     assert short.n_windows == math.ceil((tokens.size - 1) / 4)
     expected = reference_nll_sum(models["hf"], tokens, 4)
@@ -147,7 +148,8 @@ def test_table_lists_tokens_nll_perplexity_speed(models):
                               "--ctx", CONTEXT, *FLAGS)
     assert code == 0, err
     rows = dict(line.split(":", 1) for line in out.strip().splitlines())
-    assert list(rows) == ["tokens", "mean NLL", "perplexity", "tok/s"]
+    assert list(rows) == ["tokens", "mean NLL", "perplexity", "KV cache", "tok/s"]
+    assert rows["KV cache"].strip() == "q8_0"
     expected = evaluate.score(load_model(models["q4"])[1], tokens_of(models["q4"]), CONTEXT)
     n_windows = math.ceil(expected.n_scored / CONTEXT)
     assert rows["tokens"].strip() == (f"{expected.n_tokens} ({expected.n_scored} predicted, "

@@ -126,10 +126,14 @@ def test_bad_model_files_are_one_line(tmp_path, monkeypatch, capsys, file, chang
 
 
 def test_context_beyond_memory_is_one_line(tmp_path, monkeypatch, capsys):
-    """Case 7: a --ctx the config allows but memory does not: said before allocating."""
+    """Case 7: a --ctx the config allows but memory does not: said before allocating (the
+    positions it will use: memory for a whole --ctx is taken only as it is used)."""
+    from fermijit.engine import DEFAULT_MODEL
     from fermijit.model import state
+    from fermijit.model.forward import load_model
 
-    monkeypatch.setattr(state, "available_nbytes", lambda: 1 << 20)
+    nbytes = load_model(DEFAULT_MODEL)[1].state_nbytes(256)
+    monkeypatch.setattr(state, "available_nbytes", lambda: nbytes - 1)  # the warm-up's fits
     code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", "--ctx", 256,
                              "--threads", 1)
     assert out == ""

@@ -90,7 +90,7 @@ def prefill_both(model, prefiller, tokens):
 def assert_same_state(a, b):
     assert a.position == b.position
     for x, y in zip(a.layers, b.layers):
-        for u, v in zip(vars(x).values(), vars(y).values()):
+        for u, v in zip(x.arrays, y.arrays, strict=True):
             np.testing.assert_array_equal(u, v)
 
 
@@ -291,9 +291,10 @@ def test_handed_arrays_are_what_the_hand_off_writes(default_model):
     state.position = 7
     for s, arrays in zip(state.layers, gpu_state.handed_arrays(state, 300)):
         assert all(a.flags.c_contiguous for a in arrays)
-        if isinstance(s, KvCache):                  # each head's rows from the position on
-            assert [a.shape for a in arrays] == [(300 - 7, s.k.shape[2])] * 2 * s.k.shape[0]
-            assert all(np.shares_memory(a, s.k if n < s.k.shape[0] else s.v)
+        if isinstance(s, KvCache):  # each head's rows from the position on: codes, scales
+            heads, _, dim = s.k.shape
+            assert [a.shape for a in arrays] == [(300 - 7, dim), (300 - 7, dim // 32)] * 2 * heads
+            assert all(np.shares_memory(a, s.arrays[2 * (n >= 2 * heads) + n % 2])
                        for n, a in enumerate(arrays))
         else:
             assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent

@@ -17,7 +17,7 @@ from fermijit import engine, hybrid
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
-from fermijit.model.state import KvCache
+from fermijit.model.state import KvCache, KvKind
 from tests.fermijit.hybrid_models import tiny_e128
 from tests.gpu import MARKS, report_error
 from tests.model.oracle import assert_rel, assert_rel_but_flips, rel_error
@@ -84,7 +84,10 @@ def loaded(models):
     def get(name):
         if name not in made:
             cfg, weights, _ = convert.load_converted(models[name])
-            made[name] = (load_model(models[name])[1], Reference(cfg.text_config, weights),
+            # The fp32 KV cache: the tests below hold the GPU to the CPU's and the reference's
+            # numbers, and the GPU attends over fp32 keys (Q8_0: test_q8_0_hand_off_...).
+            made[name] = (load_model(models[name], kv=KvKind.F32)[1],
+                          Reference(cfg.text_config, weights),
                           Reference(cfg.text_config, weights, quantize_activations=True))
         return made[name]
 
@@ -371,3 +374,40 @@ def test_prefill_batch_is_each_prefill_alone(loaded, mode):
         assert_rel(f"item {k} logits", want, got[k], GPU_VS_GPU)
         for a, b in handed_off_pairs(item.state, alone, transposed=False):
             assert_rel(f"item {k} state", b, a, GPU_VS_GPU)
+
+
+def test_q8_0_hand_off_rounds_the_gpus_rows(models):
+    """Issue 31: with a Q8_0 cache the GPU prefill still attends over fp32 keys and values, and
+    rounds its rows to Q8_0 on the GPU before the hand-off (ops/act_quant.py, the CPU's
+    rounding). So the same tokens through an fp32-cache model's prefill hand off the rows
+    whose Q8_0 codes the Q8_0 model received: equal but where the two runs' fp32 values differ
+    (the expert GEMMs' atomic adds: GPU_VS_GPU) across a rounding boundary, one code step; the
+    logits and GDN states as two runs'."""
+    from fermijit.ops import kv_quant
+
+    f32 = load_model(models["tiny-e128"], kv=KvKind.F32)[1]
+    q8 = load_model(models["tiny-e128"], kv=KvKind.Q8_0)[1]
+    tokens = prompt(f32)
+    states, logits = {}, {}
+    for m in (f32, q8):
+        pf, _ = gpu_prefiller(m)
+        states[m.kv_kind] = m.new_state(N_PROMPT + 1)
+        logits[m.kv_kind] = pf.prefill(tokens, states[m.kv_kind])
+    assert_rel("logits", logits[KvKind.F32], logits[KvKind.Q8_0], GPU_VS_GPU)
+    n_codes = n_equal = 0
+    for a, b in zip(states[KvKind.F32].layers, states[KvKind.Q8_0].layers):
+        if not isinstance(a, KvCache):
+            for x, y in zip(a.arrays, b.arrays):
+                assert_rel("gdn state", x, y, GPU_VS_GPU)
+            continue
+        assert b.kind is KvKind.Q8_0
+        for rows, got in ((a.k[:, :N_PROMPT], b.k[:, :N_PROMPT]),
+                          (a.v[:, :N_PROMPT], b.v[:, :N_PROMPT])):
+            want = kv_quant.reference(rows)
+            assert np.abs(want.qs.astype(int) - got.qs).max() <= 1
+            np.testing.assert_allclose(got.d, want.d, rtol=GPU_VS_GPU * 10)
+            n_codes += want.qs.size
+            n_equal += int((want.qs == got.qs).sum())
+    assert n_equal >= 0.99 * n_codes, (n_equal, n_codes)
+    # and decode goes on from it (the CPU reads the codes)
+    assert np.isfinite(q8.decode(int(np.argmax(logits[KvKind.Q8_0])), states[KvKind.Q8_0])).all()

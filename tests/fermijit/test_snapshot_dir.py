@@ -168,3 +168,31 @@ def test_sizes():
 
     assert [SIZE.convert(v, None, None) for v in ("0", "1000", "512K", "64m", "2G", "1.5GiB")] \
         == [0, 1000, 512 << 10, 64 << 20, 2 << 30, 3 << 29]
+
+
+def test_q8_0_files_are_smaller_and_f32_ones_still_serve_f32_runs(models, tmp_path):
+    """A Q8_0 cache's snapshot stores codes and scales (issue 31): its KV section is (D + 4D/32)
+    / 4D of the fp32 one's. Files of an fp32 cache (the format before Q8_0) still load for an
+    fp32 run; a Q8_0 run has another key, and told to read them anyway skips them with one
+    warning line."""
+    from fermijit.model.state import KvKind
+
+    f32, q8 = (load_model(models["w4a8"], kv=kv)[1] for kv in (KvKind.F32, KvKind.Q8_0))
+    assert model_fingerprint(models["w4a8"], KvKind.F32) != model_fingerprint(models["w4a8"])
+    prompt = np.arange(10, 40, dtype=np.int32)
+    sections = {}
+    for model in (f32, q8):
+        cache, warnings = open_cache(model, tmp_path / model.kv_kind.value)
+        cached(model, cache, prompt)
+        assert not warnings
+        entry = next(iter(cache.disk.entries.values()))
+        sections[model.kv_kind] = entry.kv["nbytes"] / (entry.position - entry.parent_position)
+    D = q8.head_dim
+    assert sections[KvKind.Q8_0] / sections[KvKind.F32] == pytest.approx((D + 4 * D / 32) / (4 * D))
+    reader, warnings = open_cache(f32, tmp_path / "f32")
+    logits, n = cached(f32, reader, prompt)
+    assert n == 30 and not warnings
+    assert_rel("f32 from disk", uncached(f32, prompt), logits, HIT_REL)
+    reader, warnings = open_cache(q8, tmp_path / "f32")
+    assert cached(q8, reader, prompt)[1] == 0
+    assert warnings and all("f32 KV cache, the model runs q8_0" in w for w in warnings)

@@ -18,7 +18,7 @@ CHECK = textwrap.dedent("""
     import numpy as np
     from fermijit.jit import cpu
     isa = cpu.select_isa(sys.argv[1])
-    from fermijit.ops import fp32_rows, gemm, matvec, quant, quantize_rows
+    from fermijit.ops import attention, fp32_rows, gemm, kv_quant, matvec, quant, quantize_rows
     rng = np.random.default_rng(7)
     qs, d = quant.quantize_q4_0(rng.standard_normal((13, 1056)).astype(np.float32))
     x = rng.standard_normal((3, 1056)).astype(np.float32)
@@ -29,7 +29,15 @@ CHECK = textwrap.dedent("""
     ref += (matvec.q8_reference(q8s, q8d, x[0]),)
     y += (fp32_rows.cpu(x, x[:2], isa=isa),)  # the router and gates' fp32 product
     ref += (fp32_rows.reference(x, x[:2]),)
+    # attention over a Q8_0 KV cache (issue 31): a decode step split into key ranges, a prefill
+    k8, v8 = (kv_quant.reference(rng.standard_normal((2, 700, 64)).astype(np.float32))
+              for _ in range(2))
+    for t, start in ((1, 650), (40, 600)):
+        q, g = rng.standard_normal((2, t, 8, 64)).astype(np.float32)
+        y += (attention.cpu(q, k8, v8, g, start, isa=isa),)
+        ref += (attention.reference(q, k8, v8, g, start),)
     kernels = [matvec.gemv_kernel(isa), matvec._product(isa, matvec.GEMM_TILE)]
+    kernels.append(attention._kernel(isa))
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too

@@ -26,6 +26,12 @@ GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN = {tiny.UNIT.name: GOLDEN_DIR / "tiny_oracle.npz",
           tiny.HF_INIT.name: GOLDEN_DIR / "tiny_hf_init_oracle.npz",
           tiny.SENSITIVE.name: GOLDEN_DIR / "tiny_sensitive_oracle.npz"}
+# Issue 31 item 6: LONG_CONTEXT over a prompt of 4096 tokens, transformers' logits at every 512th
+# position (and the last) and its greedy continuation, in a file of its own: regenerate it with
+#     .venv/bin/python -m tests.model.oracle --long-context
+GOLDEN_LONG_CONTEXT = GOLDEN_DIR / "tiny_long_context_oracle.npz"
+LONG_CONTEXT_PROMPT = np.random.default_rng(4096).integers(0, 300, 4096)
+LONG_CONTEXT_ROWS = np.append(np.arange(0, 4096, 512), 4095)
 MODELS = (tiny.UNIT, tiny.HF_INIT, tiny.SENSITIVE)
 PROMPT = np.array([5, 17, 200, 33, 9, 100, 250, 7, 1, 300, 42, 64, 64, 3, 128, 77])
 N_DECODE = 32
@@ -156,6 +162,34 @@ def greedy_logits(model, prompt, n_decode: int) -> Outputs:
     return Outputs(prompt_logits, np.array(tokens), np.stack(decode_logits))
 
 
+def golden_long_context() -> Outputs:
+    """transformers over LONG_CONTEXT_PROMPT on tiny.LONG_CONTEXT: the logits at
+    LONG_CONTEXT_ROWS (prompt_logits), the greedy tokens after it and their logits."""
+    g = np.load(GOLDEN_LONG_CONTEXT)
+    assert int(g["format_version"]) == GOLDEN_FORMAT, "old golden format; regenerate it"
+    assert str(g["fingerprint"]) == fingerprint(tiny.LONG_CONTEXT), \
+        "tests/model/tiny.py changed the long-context model: regenerate its golden file"
+    np.testing.assert_array_equal(g["prompt"], LONG_CONTEXT_PROMPT, "the prompt changed")
+    np.testing.assert_array_equal(g["rows"], LONG_CONTEXT_ROWS, "the rows changed")
+    return Outputs(g["prompt_logits"], g["tokens"], g["decode_logits"])
+
+
+def write_golden_long_context(directory: Path) -> None:
+    import torch
+    import transformers
+
+    checkpoint = tiny.write_checkpoint(directory, model=tiny.LONG_CONTEXT)
+    out = greedy_logits(hf_model(checkpoint), LONG_CONTEXT_PROMPT, N_DECODE)
+    np.savez_compressed(
+        GOLDEN_LONG_CONTEXT, format_version=GOLDEN_FORMAT,
+        command=REGENERATE + " --long-context", fingerprint=fingerprint(tiny.LONG_CONTEXT),
+        model=tiny.LONG_CONTEXT.name,
+        versions=f"transformers {transformers.__version__}, torch {torch.__version__}",
+        prompt=LONG_CONTEXT_PROMPT, rows=LONG_CONTEXT_ROWS,
+        prompt_logits=out.prompt_logits[LONG_CONTEXT_ROWS].astype(np.float32),
+        tokens=out.tokens, decode_logits=out.decode_logits.astype(np.float32))
+
+
 def has_transformers() -> bool:
     from tests import hf
     return hf.available()
@@ -211,8 +245,14 @@ def write_golden(model: tiny.Model, directory: Path) -> None:
 
 
 if __name__ == "__main__":
+    import sys
     import tempfile
 
+    if "--long-context" in sys.argv:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_golden_long_context(Path(tmp) / tiny.LONG_CONTEXT.name)
+        print(f"wrote {GOLDEN_LONG_CONTEXT}")
+        sys.exit()
     for m in MODELS:
         with tempfile.TemporaryDirectory() as tmp:
             write_golden(m, Path(tmp) / m.name)

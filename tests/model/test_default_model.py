@@ -19,6 +19,7 @@ import pytest
 
 from fermijit.engine import DEFAULT_MODEL, generate
 from fermijit.model.forward import load_model
+from fermijit.model.state import KvKind
 from fermijit.ops.sampling import Sampler
 from tests.model import default_oracle as oracle, export
 from tests.model.oracle import assert_rel
@@ -149,7 +150,7 @@ def test_fp32_path_matches_transformers_on_the_dequantised_weights(dequantised):
     torch.set_num_threads(1)
     prompt = oracle.tokenizer().encode(oracle.PROMPT)
     live = tiny_oracle.greedy_logits(oracle.load_hf(dequantised), prompt, oracle.N_STORED)
-    model = load_model(dequantised)[1]
+    model = load_model(dequantised, kv=KvKind.F32)[1]
     state = model.new_state(model.max_context)
     ours = model.prefill(prompt, state, all_logits=True)
     decode = np.stack([model.decode(int(t), state).copy() for t in live.tokens])
@@ -166,9 +167,11 @@ def test_fp32_path_matches_the_oracle_perplexity():
     from fermijit.evaluate import score
 
     g = oracle.golden()
-    result = score(load_model(oracle.HF_DIR)[1], oracle.sample_tokens(), oracle.CONTEXT)
+    result = score(load_model(oracle.HF_DIR, kv=KvKind.F32)[1], oracle.sample_tokens(),
+                   oracle.CONTEXT)
     assert rel(result.nll_sum, g["nll_sum"]) <= FP32_PPL_REL, (result.nll_sum, g["nll_sum"])
-    assert greedy(load_model(oracle.HF_DIR)[1], oracle.N_STORED) == g["greedy"][oracle.PROMPT]
+    assert greedy(load_model(oracle.HF_DIR, kv=KvKind.F32)[1], oracle.N_STORED) == \
+        g["greedy"][oracle.PROMPT]
 
 
 @needs_live
@@ -181,7 +184,7 @@ def test_live_oracle(live_model, cli_eval):
     prompt = oracle.tokenizer().encode(oracle.PROMPT)
     live_tokens = oracle.live_greedy(live_model, prompt, oracle.N_GREEDY)
     assert live_tokens == g["greedy"][oracle.PROMPT][:oracle.N_GREEDY]
-    assert greedy(load_model(DEFAULT_MODEL)[1], oracle.N_GREEDY) == live_tokens
+    assert greedy(load_model(DEFAULT_MODEL, kv=KvKind.F32)[1], oracle.N_GREEDY) == live_tokens
 
 
 def test_golden_names_the_embedded_model():

@@ -15,10 +15,11 @@ import pytest
 from fermijit.model import convert, forward
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
+from fermijit.model.state import KvKind
 from tests.model import oracle, tiny
 from tests.model import flips
-from tests.model.oracle import LONG_PROMPT, LONG_ROWS, assert_rel
-from tests.model.test_forward import (FP32_STATE_REL, FP32_VS_ORACLE, W4A8_STATE_REL,
+from tests.model.oracle import LONG_PROMPT, LONG_ROWS, assert_rel, assert_rel_but_flips
+from tests.model.test_forward import (FP32_STATE_REL, FP32_VS_ORACLE, W4A8_FLIP, W4A8_STATE_REL,
                                       W4A8_VS_REFERENCE)
 
 FIRST, LAST = 500, 530  # one token at a time over these positions, across position 512
@@ -27,6 +28,10 @@ FIRST, LAST = 500, 530  # one token at a time over these positions, across posit
 # engine's fp32 state drifts from float64 with the positions, so the codes that flip lie up to
 # 9.2e-4 from their tie by the end), the same on AVX-512, AVX2 and SSSE3.
 HF_INIT_LONG_FLIPS = 41
+# With the Q8_0 cache a key or value code rounded the other way stays in the cache and moves every
+# later position a little, so flips compound (at position 94 no single flip explains the row):
+# counted instead, positions past W4A8_VS_REFERENCE measured 130 of 1100 (worst 1.8e-3).
+HF_INIT_LONG_Q8_KV_OFF = 130
 
 
 def passes(model, block: int) -> np.ndarray:
@@ -63,7 +68,7 @@ def assert_state_handoffs(model, rel, bitwise: bool = False):
 
 @pytest.fixture(scope="module")
 def sensitive_fp32(tiny_dir):
-    model = load_model(tiny_dir(tiny.SENSITIVE))[1]
+    model = load_model(tiny_dir(tiny.SENSITIVE), kv=KvKind.F32)[1]  # the oracle's fp32 cache
     return model, assert_state_handoffs(model, FP32_STATE_REL)
 
 
@@ -84,12 +89,20 @@ def test_fp32_path_matches_the_live_oracle(sensitive_fp32, tiny_dir):
     assert_rel("logits", live, logits[LONG_ROWS], FP32_VS_ORACLE)
 
 
-def test_w4a8_matches_the_reference_over_1100_tokens(tiny_dir, tmp_path):
+@pytest.mark.parametrize("kv", [KvKind.F32, KvKind.Q8_0], ids=["f32", "q8_0"])
+def test_w4a8_matches_the_reference_over_1100_tokens(tiny_dir, tmp_path, kv):
+    """With either KV cache: the Q8_0 one against the reference that rounds q, k, v so."""
     convert.convert(tiny_dir(tiny.HF_INIT_LONG), tmp_path / "q4", show_progress=False)
-    model = load_model(tmp_path / "q4")[1]
+    model = load_model(tmp_path / "q4", kv=kv)[1]
     ours = assert_state_handoffs(model, W4A8_STATE_REL, bitwise=True)
     cfg, weights, _ = convert.load_converted(tmp_path / "q4")
-    reference = Reference(cfg.text_config, weights, quantize_activations=True)
+    reference = Reference(cfg.text_config, weights, quantize_activations=True,
+                          quantize_kv=kv is KvKind.Q8_0)
+    if kv is KvKind.Q8_0:
+        expected = reference.forward(LONG_PROMPT, reference.new_state())
+        assert_rel_but_flips("logits", expected, ours, W4A8_VS_REFERENCE, W4A8_FLIP,
+                             HF_INIT_LONG_Q8_KV_OFF)
+        return
     found = flips.follow("logits", reference, LONG_PROMPT, ours, W4A8_VS_REFERENCE,
                          HF_INIT_LONG_FLIPS)
     print(f"\nHF_INIT_LONG W4A8 vs the float64 reference: {len(found)} flips, margins up to "

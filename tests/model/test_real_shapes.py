@@ -14,6 +14,7 @@ import pytest
 
 from fermijit.model import convert
 from fermijit.model.forward import load_model
+from fermijit.model.state import KvKind
 from tests.model import oracle, tiny
 from tests.model.oracle import assert_rel, assert_rel_but_flips
 from tests.model.test_forward import W4A8_FLIP
@@ -62,7 +63,7 @@ def hf_run(directory, w4a8: bool) -> oracle.Outputs:
 
 def fermijit_run(directory, tokens) -> tuple[np.ndarray, np.ndarray]:
     """Ours, teacher-forced on transformers' greedy tokens: (last prompt logits [1, V], decode)."""
-    model = load_model(directory)[1]
+    model = load_model(directory, kv=KvKind.F32)[1]
     state = model.new_state(PROMPT_LEN + N_DECODE)
     last = model.prefill(prompt(), state)[None].copy()
     return last, np.stack([model.decode(int(t), state).copy() for t in tokens])

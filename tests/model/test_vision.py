@@ -15,6 +15,7 @@ from fermijit.model import image as mi
 from fermijit.model import multimodal as mm
 from fermijit.model.config import load_config
 from fermijit.model.forward import load_model
+from fermijit.model.state import KvKind
 from tests.model import oracle
 from tests.model import vision_oracle as vo
 from tests.model.oracle import assert_rel
@@ -34,7 +35,7 @@ PIXEL_ATOL = 1e-6
 def vlm(tmp_path_factory):
     """(directory, config, text model, tower) of the tiny VLM in fp32."""
     directory = vo.write_model(tmp_path_factory.mktemp("vlm") / vo.MODEL.name)
-    cfg, model = load_model(directory)
+    cfg, model = load_model(directory, kv=KvKind.F32)  # the oracle's fp32 cache
     return directory, cfg, model, mm.load_tower(directory, cfg)
 
 

@@ -1,12 +1,16 @@
 """Causal GQA attention with the output gate: cpu against the numpy reference (prefill, decode
-after a prefix, split decode), the reference against torch's attention, bad inputs."""
+after a prefix, split decode) over an fp32 cache and a Q8_0 one (every ISA variant), the
+reference against torch's attention, bad inputs."""
 
 import numpy as np
 import pytest
 
 from fermijit import FermijitError
-from fermijit.ops import attention
+from fermijit.jit import cpu as jit_cpu
+from fermijit.ops import attention, kv_quant
 from tests.numerics import assert_close, poisoned
+
+ISAS = jit_cpu.variants_up_to(jit_cpu.selected_isa())
 
 # fp32 kernel (online softmax, fp32 sums over up to 3000 keys) vs float64 reference, |o| <= ~4.
 # Unit-variance scores: measured max abs error 8e-7 over 8 seeds; ~6x margin.
@@ -40,6 +44,10 @@ def _inputs(rng, T, Hq, Hkv, D, S, q_scale=1.0):
     v = rng.standard_normal((Hkv, S, D))
     gate = rng.standard_normal((T, Hq, D)) * 3
     return [x.astype(np.float32) for x in (q, k, v, gate)]
+
+
+def _q8(k, v):
+    return kv_quant.reference(k), kv_quant.reference(v)
 
 
 def _f64(xs):
@@ -121,3 +129,91 @@ def test_bad_inputs(rng):
             attention.cpu(q, k, v, gate, start)
     with pytest.raises(FermijitError, match="out"):
         attention.cpu(q, k, v, gate, 0, out=poisoned((3, 4, 9)))
+
+
+# --- the Q8_0 cache -----------------------------------------------------------------------------
+
+# Q8_0 kernel (integer block sums, fp32 scaling and softmax) vs the float64 reference over the same
+# codes: measured max abs error 3.3e-7 (unit-variance scores), as the fp32 kernel's: its margins.
+# Head dims of whole 32-blocks: 256 (the full-size model: two full AVX2 steps, one AVX-512
+# step), 64 and 32 (the default and tiny models: halving steps only), 96 and 160 (a full SSE or
+# AVX2 step and halving ones).
+Q8_CASES = {
+    "T1-Hq16-Hkv2-D256-S3000-start2500": (1, 16, 2, 256, 3000, 2500, 1.0),
+    "T1-Hq8-Hkv1-D64-S1100-start1030-peaked": (1, 8, 1, 64, 1100, 1030, 10.0),
+    "T37-Hq8-Hkv1-D32-S100-start20": (37, 8, 1, 32, 100, 20, 1.0),
+    "T40-Hq6-Hkv2-D64-S70-start10": (40, 6, 2, 64, 70, 10, 1.0),
+    "T9-Hq10-Hkv2-D96-S40-start5": (9, 10, 2, 96, 40, 5, 1.0),
+    "T63-Hq4-Hkv2-D160-S63-start0": (63, 4, 2, 160, 63, 0, 1.0),
+    "T1-Hq3-Hkv3-D32-S5-start0": (1, 3, 3, 32, 5, 0, 1.0),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("case", Q8_CASES.values(), ids=Q8_CASES.keys())
+def test_q8_cache_matches_reference(rng, isa, case):
+    T, Hq, Hkv, D, S, start, q_scale = case
+    q, k, v, gate = _inputs(rng, T, Hq, Hkv, D, S, q_scale)
+    k8, v8 = _q8(k, v)
+    expected = attention.reference(q, k8, v8, gate.astype(np.float64), start)
+    out = poisoned((T, Hq, D))
+    assert attention.cpu(q, k8, v8, gate, start, out=out, isa=isa) is out
+    atol, rtol = (ATOL, RTOL) if q_scale == 1 else (PEAKED_ATOL, PEAKED_RTOL)
+    assert_close(f"o[{isa.label}]", expected, out, atol, rtol)
+
+
+def test_q8_reference_is_the_dequantised_attention(rng):
+    """The spec: the query rounded to Q8_0 as the keys are, then fp attention over the
+    dequantised cache; and that stays near the fp32 cache's attention (~1 % of |o| here)."""
+    q, k, v, gate = _inputs(rng, 5, 4, 2, 64, 20)
+    k8, v8 = _q8(k, v)
+    q8 = kv_quant.reference(q).dequantize(np.float64)
+    expected = attention.reference(q8, k8.dequantize(np.float64), v8.dequantize(np.float64),
+                                   gate.astype(np.float64), 15)
+    np.testing.assert_array_equal(attention.reference(q, k8, v8, gate.astype(np.float64), 15),
+                                  expected)
+    f32 = attention.reference(*_f64([q, k, v, gate]), 15)
+    assert np.abs(expected - f32).max() < 0.05
+
+
+@pytest.mark.parametrize("heads", [(16, 2), (6, 2)], ids=["G8", "G3"])
+def test_q8_query_has_the_same_bits_in_any_pass(rng, heads):
+    """As test_a_query_has_the_same_bits_in_any_pass, over a Q8_0 cache."""
+    Hq, Hkv = heads
+    q, k, v, gate = _inputs(rng, 530, Hq, Hkv, 64, 540)
+    k8, v8 = _q8(k, v)
+    whole = attention.cpu(q, k8, v8, gate, 0)
+    for t in (0, 255, 256, 529):
+        assert np.array_equal(attention.cpu(q[t:t + 1], k8, v8, gate[t:t + 1], t),
+                              whole[t:t + 1]), t
+    for lo, hi in ((250, 259), (508, 517)):
+        assert np.array_equal(attention.cpu(q[lo:hi], k8, v8, gate[lo:hi], lo), whole[lo:hi]), lo
+
+
+def test_q8_bad_inputs(rng):
+    q, k, v, gate = _inputs(rng, 3, 4, 2, 32, 10)
+    k8, v8 = _q8(k, v)
+    with pytest.raises(FermijitError, match="k is Q8_0 rows, v is not"):
+        attention.cpu(q, k8, v, gate, 0)
+    with pytest.raises(FermijitError, match="whole 32-blocks"):
+        attention.cpu(q[..., :16].copy(), k8, v8, gate[..., :16].copy(), 0)
+    with pytest.raises(FermijitError, match="v scales has shape"):
+        attention.cpu(q, k8, kv_quant.Q8Rows(v8.qs, v8.d[:, :5].copy()), gate, 0)
+    with pytest.raises(FermijitError, match="k codes has dtype"):
+        attention.cpu(q, kv_quant.Q8Rows(k8.qs.view(np.uint8), k8.d), v8, gate, 0)
+    with pytest.raises(FermijitError, match="start"):
+        attention.cpu(q, k8, v8, gate, 8)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+def test_tiles_of_any_size_give_the_same_bits(rng, monkeypatch, q8):
+    """A prefill item takes a tile of queries (issue 31 item 5): each query has the same bits
+    in a tile of 1, 5 or 16, with any thread count's tiles."""
+    q, k, v, gate = _inputs(rng, 300, 8, 2, 64, 700)
+    if q8:
+        k, v = _q8(k, v)
+    outs = []
+    for tile in (1, 5, 16):
+        monkeypatch.setattr(attention, "tile_queries", lambda n_queries, n_kv_heads: tile)
+        outs.append(attention.cpu(q, k, v, gate, 390))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])

@@ -43,6 +43,40 @@ def test_attention_gpu(rng, shape):
     report_error("attention o", expected, out)
 
 
+# flash_gpu (issue 31 item 4): ragged against its 32-row blocks and 64-key tiles; GQA groups of
+# 8 (one block: 8 heads x 4 queries), 3 (1 head x 32 queries), 2; a long cache of the model's
+# shape past several tiles; a continuation; decode.
+FLASH_SHAPES = {
+    "T37-Hq6-Hkv2-D64-start0": (37, 6, 2, 64, 0, 37),
+    "T70-Hq16-Hkv2-D256-start0": (70, 16, 2, 256, 0, 70),
+    "T33-Hq16-Hkv2-D256-start600-S700": (33, 16, 2, 256, 600, 700),
+    "T1-Hq8-Hkv2-D128-start299-S300": (1, 8, 2, 128, 299, 300),
+    "T130-Hq4-Hkv2-D128-start5-S140": (130, 4, 2, 128, 5, 140),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", FLASH_SHAPES.values(), ids=FLASH_SHAPES.keys())
+def test_flash_attention_gpu(rng, shape):
+    n_queries, n_heads, n_kv_heads, d, start, cache_len = shape
+    q, k, v, gate = make_inputs(rng, n_queries, n_heads, n_kv_heads, d, cache_len)
+    out = poisoned(q.shape)
+    assert attention.flash_gpu(q, k, v, gate, start, out=out) is out
+    expected = attention.reference(q, k, v, gate, start)
+    assert_close("o", expected, out, ATOL, RTOL)
+    report_error("flash attention o", expected, out)
+
+
+@needs_gpu
+def test_flash_peaked_scores(rng):
+    q, k, v, gate = make_inputs(rng, 150, 8, 1, 64, 150)
+    q *= 8
+    expected = attention.reference(q, k, v, gate, 0)
+    actual = attention.flash_gpu(q, k, v, gate, 0)
+    assert_close("o", expected, actual, ATOL, RTOL)
+    report_error("flash attention o (peaked)", expected, actual)
+
+
 @needs_gpu
 def test_peaked_scores(rng):
     """Large scores (q scaled by 8): the online max moves between tiles, rescaling matters."""

@@ -147,3 +147,30 @@ def test_mrope(rng, case):
     assert_close("in place", out, y, 0, 0)
     with pytest.raises(FermijitError, match="positions"):
         rope.mrope_cpu(x, positions[:2], rotary_dim, MODEL_THETA, section)
+
+
+# --- far positions (issue 31 item 6: contexts past 64k) ----------------------------------------
+
+FAR = np.array([65536, 65537, 100003, 131071, 131072, 200000, 262142, 262143], np.int64)
+
+
+def test_far_positions_match_the_reference(rng):
+    """Positions past 65,536 up to the model's last (262,143), where an fp32 angle would be off
+    by far more than the rotation's tolerance: angles are fp64 (pos · inv_j), cos and sin
+    rounded once. One-token calls (decode) and a table-sized call (prefill), and MRoPE."""
+    n = FAR.size
+    x = (3 * rng.standard_normal((n, 32, 256))).astype(np.float32)
+    assert x.size >= rope.TABLE_MIN_ELEMENTS
+    expected = rope.reference(x, FAR, 64, MODEL_THETA)
+    assert_close("rope, table", expected, rope.cpu(x, FAR, 64, MODEL_THETA), ATOL, RTOL)
+    for t in range(n):
+        assert_close(f"rope at {FAR[t]}", expected[t:t + 1],
+                     rope.cpu(x[t:t + 1], FAR[t:t + 1], 64, MODEL_THETA), ATOL, RTOL)
+    positions = np.stack([FAR, FAR[::-1], FAR // 2])                   # T, H, W
+    assert_close("mrope", rope.mrope_reference(x, positions, 64, MODEL_THETA, (11, 11, 10)),
+                 rope.mrope_cpu(x, positions, 64, MODEL_THETA, (11, 11, 10)), ATOL, RTOL)
+    # An fp32 angle is what the tolerance guards against: at these positions it moves the
+    # rotation by far more (so the test can fail).
+    inv = MODEL_THETA ** (-np.arange(32) * 2 / 64)
+    fp32_angle = (FAR[:, None].astype(np.float32) * inv.astype(np.float32)).astype(np.float64)
+    assert np.abs(fp32_angle - FAR[:, None] * inv).max() * 3 > 100 * ATOL

@@ -1,0 +1,44 @@
+"""The server's KV memory budget (`serve --kv-mem`, issue 31 item 2): requests are admitted while
+the states of the running sequences fit it, so a burst of long requests is answered with an error
+instead of growing the caches until the OOM killer ends the server.
+
+A sequence's state holds its KV caches for prompt + max_tokens positions and its GDN states
+(model.state_nbytes). Its caches take memory only as its positions are used (model/state.py), but
+a sequence admitted may use them all, so each counts whole. A request whose state alone exceeds
+the budget can never run: a 400. One that does not fit beside the running sequences: a 503 (its
+client retries once some have ended).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fermijit.model.state import available_nbytes
+from fermijit.server.protocol import ApiError
+
+# --kv-mem's default: this share of the memory available once the model is loaded and warm.
+DEFAULT_SHARE = 0.5
+MIB = 2 ** 20
+
+
+def default_nbytes() -> int:
+    return int(DEFAULT_SHARE * available_nbytes())
+
+
+def admit(model, n_positions: int, running: Iterable[int], budget: int) -> int:
+    """The bytes a sequence of `n_positions` positions (prompt + max_tokens) holds, if it fits
+    `budget` beside running sequences of `running` positions each; else ApiError 400 / 503."""
+    need = model.state_nbytes(n_positions)
+    if need > budget:
+        raise ApiError(400, f"this request's {n_positions} positions (prompt + max_tokens) need "
+                            f"{need / MIB:.0f} MiB of KV cache and state, more than the server's "
+                            f"--kv-mem of {budget / MIB:.0f} MiB: shorten the prompt or "
+                            f"max_tokens", "max_tokens", "kv_memory_exceeded")
+    running = list(running)
+    held = sum(model.state_nbytes(n) for n in running)
+    if held + need > budget:
+        raise ApiError(503, f"the server's KV memory is in use ({held / MIB:.0f} of "
+                            f"{budget / MIB:.0f} MiB --kv-mem, by {len(running)} running "
+                            f"requests; this one needs {need / MIB:.0f} MiB): retry later",
+                       code="kv_memory_full", kind="server_error")
+    return need

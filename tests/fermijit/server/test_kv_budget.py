@@ -1,0 +1,65 @@
+"""The server's KV memory budget (--kv-mem, issue 31 item 2): a request whose state can never fit
+is a 400, one that does not fit beside the running ones a 503, both with a message that says so;
+what fits runs."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from fermijit.server import kv_budget
+from fermijit.server.protocol import ApiError
+
+
+def test_admit_counts_prompt_plus_max_tokens(engine):
+    model = engine.model
+    need = model.state_nbytes
+    budget = need(100) + need(150)
+    assert kv_budget.admit(model, 100, [150], budget) == need(100)
+    too_long = (budget - need(0)) // (need(1) - need(0)) + 1          # alone past the budget
+    with pytest.raises(ApiError, match=f"{too_long} positions .* more than the server's "
+                                       f"--kv-mem") as e:
+        kv_budget.admit(model, too_long, [], budget)
+    assert e.value.status == 400 and e.value.code == "kv_memory_exceeded"
+    with pytest.raises(ApiError, match="in use .* by 2 running requests.*retry later") as e:
+        kv_budget.admit(model, 100, [150, 60], budget)
+    assert e.value.status == 503 and e.value.code == "kv_memory_full"
+
+
+@contextmanager
+def serving(engine, kv_mem):
+    from fermijit.server.app import make_app
+    from fermijit.server.run import ServerThread
+    from fermijit.server.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, max_batch=4, queue_size=8, kv_mem=kv_mem)
+    scheduler.start()
+    server = ServerThread(make_app(scheduler, "m"))
+    try:
+        yield f"{server.url}/v1/completions"
+    finally:
+        server.stop()
+        scheduler.stop()
+
+
+def test_server_refuses_what_does_not_fit(engine):
+    need = engine.model.state_nbytes
+    prompt = "a b"
+    n_prompt = engine.tokenizer.encode(prompt).size
+    with serving(engine, need(n_prompt + 100)) as url:
+        r = httpx.post(url, json={"prompt": prompt, "max_tokens": 101}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_memory_exceeded"
+        assert "--kv-mem" in r.json()["error"]["message"]
+    with serving(engine, need(n_prompt + 700) + need(n_prompt + 100)) as url:
+        with httpx.stream("POST", url, timeout=60, json={
+                "prompt": prompt, "max_tokens": 700, "stream": True, "ignore_eos": True}) as first:
+            lines = first.iter_lines()
+            data = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(data[6:])["choices"]                     # it runs, holding 700+
+            r = httpx.post(url, json={"prompt": prompt, "max_tokens": 101}, timeout=60)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "kv_memory_full"
+            r = httpx.post(url, json={"prompt": prompt, "max_tokens": 100}, timeout=60)
+            assert r.status_code == 200                                 # this one fits beside
