@@ -60,6 +60,7 @@ class Settings:
     pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
     images: tuple = ()            # --image paths: in the user turn, before the text (chat)
+    draft: int = 0                # --speculative mtp --draft N: N drafts a step; 0: off
 
 
 @dataclasses.dataclass
@@ -68,9 +69,11 @@ class Stats:
     n_cached: int | None = None  # prompt tokens restored from the cache; None without one
     prefill_s: float = 0.0
     n_generated: int = 0        # tokens streamed (the eos that stops is not one)
-    n_decode_steps: int = 0     # forwards of one token
+    n_decode_steps: int = 0     # forwards: of one token, or speculative verify steps
+    n_decode_tokens: int = 0    # tokens the decode loop sampled (the eos that stops included)
     decode_s: float = 0.0       # the decode loop, sampling and streaming included
     stop: Stop | None = None
+    speculative: object = None  # speculative.Counts with --speculative mtp
 
     @property
     def prefill_tok_per_s(self) -> float:
@@ -80,15 +83,19 @@ class Stats:
 
     @property
     def decode_tok_per_s(self) -> float:
-        return self.n_decode_steps / self.decode_s if self.decode_s else float("nan")
+        return self.n_decode_tokens / self.decode_s if self.decode_s else float("nan")
 
     def summary(self) -> str:
         cached = "" if self.n_cached is None else f" ({self.n_cached} from the cache)"
         rate = (f"{self.prefill_tok_per_s:.1f} tok/s" if self.n_cached != self.n_prompt
                 else "restored")
+        spec = self.speculative
+        drafts = ("" if spec is None else
+                  f", {self.n_decode_tokens / max(spec.steps, 1):.2f} tok/step, "
+                  f"{100 * spec.acceptance:.0f}% of {spec.drafted} drafts accepted")
         return (f"prompt {self.n_prompt} tokens{cached}; prefill {self.prefill_s:.3f} s "
                 f"({rate}); generated {self.n_generated} tokens, "
-                f"decode {self.decode_tok_per_s:.1f} tok/s ({self.stop.value}); "
+                f"decode {self.decode_tok_per_s:.1f} tok/s{drafts} ({self.stop.value}); "
                 f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
 
 
@@ -98,30 +105,59 @@ def peak_rss_bytes() -> int:
 
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
              eos_ids: frozenset[int], on_token: Callable[[int], None],
-             progress_to=None, cache=None, prefiller=None) -> tuple[list[int], Stats]:
+             progress_to=None, cache=None, prefiller=None,
+             n_draft: int = 0) -> tuple[list[int], Stats]:
     """Prefill `prompt` (through `prefiller`, default the CPU's), then sample and decode until an
     eos id, `max_tokens` or the end of the context; `on_token` gets each generated token as it is
     made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
     passes shows a progress bar there. With `cache` (a prefix_cache.PrefixCache of this model),
     the prompt resumes from its longest cached prefix, and the state is snapshotted on the way
     and at the end. `prompt` may be a model/multimodal.py Prompt (with images): prefilled on the
-    CPU, without the cache (an image's placeholder ids do not say which image it was)."""
+    CPU, without the cache (an image's placeholder ids do not say which image it was). With
+    `n_draft` > 0, decoding is speculative with the model's MTP head (fermijit/speculative.py;
+    the cache then holds states with its layer: Engine.load(speculative=True)); a prompt with
+    images decodes without it (the head's rows of image tokens are not computed)."""
     from fermijit.model import multimodal
 
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
     if isinstance(prompt, multimodal.Prompt):
-        state, cache, n_cached = model.new_state(context), None, 0
+        state, cache, n_cached, n_draft = model.new_state(context), None, 0, 0
         logits = multimodal.prefill(model, prompt, state)
         prompt = prompt.ids
     else:
         prompt = np.asarray(prompt, np.int32)
-        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller)
+        state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller,
+                                          mtp=n_draft > 0)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
-    tokens: list[int] = []
     start = time.perf_counter()
+    if n_draft > 0:
+        from fermijit.speculative import Speculator
+
+        speculator = Speculator(model, sampler, n_draft)
+        tokens, logits = _decode_speculative(speculator, state, token, max_tokens, context,
+                                             eos_ids, on_token, stats)
+        speculator.settle(state)
+        stats.speculative = speculator.counts
+    else:
+        tokens, logits = _decode(model, state, token, logits, sampler, max_tokens, context,
+                                 eos_ids, on_token, stats)
+    stats.decode_s = time.perf_counter() - start
+    stats.n_generated = len(tokens)
+    if cache is not None and state.position > prompt.size:  # what was fed: the prompt and answer
+        fed = np.concatenate([prompt, np.asarray(tokens[:state.position - prompt.size],
+                                                 np.int32)])
+        cache.add(fed, state, logits)
+    return tokens, stats
+
+
+def _decode(model, state, token, logits, sampler, max_tokens, context, eos_ids, on_token,
+            stats) -> tuple[list[int], np.ndarray]:
+    """The decode loop from `token` (sampled from `logits`): (the tokens generated, the logits
+    after the last fed)."""
+    tokens: list[int] = []
     while True:
         if token in eos_ids:
             stats.stop = Stop.EOS
@@ -137,25 +173,51 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
         logits = model.decode(token, state)
         token = sampler.sample(logits)
         stats.n_decode_steps += 1
-    stats.decode_s = time.perf_counter() - start
-    stats.n_generated = len(tokens)
-    if cache is not None and state.position > prompt.size:  # what was fed: the prompt and answer
-        fed = np.concatenate([prompt, np.asarray(tokens[:state.position - prompt.size],
-                                                 np.int32)])
-        cache.add(fed, state, logits)
-    return tokens, stats
+        stats.n_decode_tokens += 1
+    return tokens, logits
+
+
+def _decode_speculative(speculator, state, token, max_tokens, context, eos_ids, on_token,
+                        stats) -> tuple[list[int], np.ndarray | None]:
+    """`_decode` by draft-and-verify steps: each step's tokens are taken one at a time exactly
+    as `_decode` takes them, and where the generation stops inside a step, the state is taken
+    back to what `_decode` would have fed (Speculator.truncate). Returns (the tokens, the logits
+    after the last fed; None when nothing was fed)."""
+    tokens: list[int] = []
+    new, logits = [token], None
+    while True:
+        base = state.position - len(new)  # where the step's first fed token went
+        for i, t in enumerate(new):
+            stop = None
+            if t in eos_ids:
+                stop = Stop.EOS
+            else:
+                tokens.append(t)
+                on_token(t)
+                if len(tokens) == max_tokens:
+                    stop = Stop.MAX_TOKENS
+                elif base + i + 1 == context:
+                    stop = Stop.CONTEXT
+            if stop is not None:
+                stats.stop = stop
+                if logits is not None:          # the step fed i + 1 of its tokens
+                    logits = speculator.truncate(state, i + 1)
+                return tokens, logits
+        new, logits = speculator.step(state, new[-1])
+        stats.n_decode_steps += 1
+        stats.n_decode_tokens += len(new)
 
 
 def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None,
-            prefiller=None):
+            prefiller=None, mtp: bool = False):
     """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
     `context`, the logits after it, and how many of its tokens were restored from `cache` (the
     longest cached prefix; the rest is prefilled by `prefiller`, default the CPU's, snapshotted
-    on the way and at the end)."""
+    on the way and at the end). With `mtp`, the state carries the MTP layer (model/mtp.py)."""
     prompt = np.asarray(prompt, np.int32)
     state, logits = (None, None) if cache is None else cache.restore(prompt, context)
     if state is None:
-        state = model.new_state(context)
+        state = model.new_state(context, mtp=mtp)
     n_cached = state.position
     if logits is None:
         logits = _prefill_rest(model, prompt, state, cache, progress_to, prefiller)
@@ -236,8 +298,11 @@ class Engine:
     snapshot prefix cache (None: off). What the CLI and any other caller (the server) use."""
 
     def __init__(self, model, tokenizer, cache=None, prefiller=None, config=None,
-                 directory: Path | None = None):
+                 directory: Path | None = None, speculative: bool = False):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        # Whether its states carry the MTP layer (speculative decoding, fermijit/speculative.py):
+        # so do the cache's snapshots, under their own fingerprint.
+        self.speculative = speculative
         self.prefiller = prefiller  # fermijit/hybrid.py; None: the CPU's
         # For images (model/multimodal.py): the whole config.json, and where the tower's
         # weights and preprocessor_config.json are; the tower is loaded on first use.
@@ -246,22 +311,28 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
-             warn=None) -> "Engine":
+             warn=None, speculative: bool = False) -> "Engine":
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
-        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr)."""
+        memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr);
+        `speculative`: decode with the model's MTP head (FermijitError if it has none)."""
         from fermijit import prefix_cache
         from fermijit.model.forward import load_model
         from fermijit.model.tokenizer import Tokenizer
 
         cfg, model = load_model(model_dir, show_progress=show_progress)
+        if speculative and model.mtp is None:
+            raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* "
+                                f"weights; a model converted before fermijit kept them has "
+                                f"none: convert it again)")
         tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:
-            cache = prefix_cache.PrefixCache(prefix_cache.model_fingerprint(model_dir),
-                                             c.mem_bytes, c.directory, c.snapshot_every,
-                                             check=model.check_state, warn=warn)
-        return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))
+            cache = prefix_cache.PrefixCache(
+                prefix_cache.model_fingerprint(model_dir, with_mtp=speculative), c.mem_bytes,
+                c.directory, c.snapshot_every, check=model.check_state, warn=warn)
+        return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir),
+                   speculative=speculative)
 
     def image_prompt(self, messages: list[dict], images: list, encode=None):
         """A model/multimodal.py Prompt (what `generate` takes) from chat `messages` whose
@@ -309,9 +380,12 @@ class Engine:
         if ids.ndim != 1 or ids.size == 0:
             raise FermijitError("the prompt is empty (no tokens)")
         context = context_length(settings, int(prompt.size), self.model.max_context)
+        if settings.draft and not self.speculative:
+            raise FermijitError("this engine was loaded without speculative decoding "
+                                "(Engine.load(speculative=True))")
         return generate(self.model, prompt, self.sampler(settings), settings.max_tokens, context,
                         self.tokenizer.eos_ids, on_token, progress_to, self.cache,
-                        self.prefiller)
+                        self.prefiller, n_draft=settings.draft if self.speculative else 0)
 
 
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
@@ -328,7 +402,8 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     pictures = [image.open_image(path) for path in settings.images]  # bad files: before loading
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True))
+                         warn=lambda line: print(line, file=err, flush=True),
+                         speculative=settings.draft > 0)
     model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 

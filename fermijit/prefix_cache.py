@@ -57,11 +57,13 @@ class Snapshot:
     gdn: list[GdnState | None]   # per layer; None at attention layers
     logits: np.ndarray | None    # [V] after the last token, where known
     credit: float = 0.0          # GreedyDual-Size: evicted lowest first
+    hidden: np.ndarray | None = None  # State.hidden: with the MTP layer (model/mtp.py)
 
     @property
     def nbytes(self) -> int:
         return (sum(s.conv.nbytes + s.recurrent.nbytes for s in self.gdn if s is not None)
-                + (0 if self.logits is None else self.logits.nbytes))
+                + (0 if self.logits is None else self.logits.nbytes)
+                + (0 if self.hidden is None else self.hidden.nbytes))
 
 
 class Node:
@@ -82,9 +84,10 @@ class Node:
         return sum(c.k.nbytes + c.v.nbytes for c in self.kv)
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
+def model_fingerprint(model_dir: str | Path, with_mtp: bool = False) -> str:
     """sha256 naming a model's weights: a fermijit model's manifest and weight-file headers, or
-    an HF checkpoint's source fingerprint (run in fp32: other numbers, another key)."""
+    an HF checkpoint's source fingerprint (run in fp32: other numbers, another key); `with_mtp`:
+    of its states with the MTP layer (speculative decoding: other arrays, another key)."""
     from fermijit.model import convert
     from fermijit.model.safetensors_io import Checkpoint
 
@@ -95,6 +98,8 @@ def model_fingerprint(model_dir: str | Path) -> str:
     else:
         h.update(b"hf fp32\n")
     h.update(convert.source_fingerprint(model_dir, Checkpoint(model_dir)).encode())
+    if with_mtp:
+        h.update(b"with the MTP layer\n")
     return h.hexdigest()
 
 
@@ -192,7 +197,8 @@ class PrefixCache:
                 k[:, n.start:n.end] = piece.k
                 v[:, n.start:n.end] = piece.v
             layers.append(KvCache(k, v))
-        return State(position, layers)
+        hidden = node.snapshot.hidden
+        return State(position, layers, hidden=None if hidden is None else hidden.copy())
 
     # --- adding -------------------------------------------------------------------------------
 
@@ -203,6 +209,9 @@ class PrefixCache:
         if tokens.size != state.position or tokens.size == 0:
             raise FermijitError(f"snapshot: {tokens.size} tokens for a state at position "
                                 f"{state.position}")
+        if state.hidden is not None and state.hidden.shape[0] != 1:
+            raise FermijitError(f"snapshot: the MTP layer waits on {state.hidden.shape[0]} "
+                                f"hidden states (1 at rest: Speculator.settle)")
         node = self._insert_path(tokens, state)
         gdn = [GdnState(s.conv.copy(), s.recurrent.copy()) if isinstance(s, GdnState) else None
                for s in state.layers]
@@ -211,7 +220,8 @@ class PrefixCache:
         if old is not None:
             self.nbytes -= old.nbytes
             logits = old.logits if logits is None else logits
-        node.snapshot = Snapshot(gdn, logits)
+        node.snapshot = Snapshot(gdn, logits,
+                                 hidden=None if state.hidden is None else state.hidden.copy())
         self.nbytes += node.snapshot.nbytes
         self.snapshots.add(node)
         self._credit(node)
@@ -235,7 +245,17 @@ class PrefixCache:
             if m < child.tokens.size:
                 child = self._split(child, m)
             node, pos = child, child.end
+            if pos < tokens.size and state.hidden is not None:
+                self._refresh_mtp_row(node, state)
         return node
+
+    def _refresh_mtp_row(self, node: Node, state: State) -> None:
+        """The MTP layer's KV row of node's last position, from a state past it: its cache lags
+        the model by one position (model/state.py), so a snapshot's last row of it was not yet
+        computed, and an edge ending at one holds it stale until a longer state passes."""
+        c, s = node.kv[-1], state.layers[-1]
+        c.k[:, -1] = s.k[:, node.end - 1]
+        c.v[:, -1] = s.v[:, node.end - 1]
 
     @staticmethod
     def _kv_layers(state: State, position: int) -> list[KvCache]:

@@ -7,7 +7,9 @@ changed once written: written to a temporary name in the same directory, then re
 snapshot, and either copy serves. A file holds the KV rows since its parent (the deepest
 snapshot on disk that is a prefix of it, named in its header: rows are stored once along a
 sequence, as in memory) and every GDN layer's conv and recurrent state, plus the logits after its
-last token where known:
+last token where known. A state with the MTP layer (model/state.py) also keeps its waiting hidden
+state, and its KV rows start one row before its parent's end (`kv_from`): the parent's last row of
+the MTP layer's cache, which lags the model by one position, was not computed when it was written.
 
     b"FJSNAP1\\n" | header length (u64 LE) | header (JSON) | kv section | state section
 
@@ -56,6 +58,8 @@ class Entry:
     kv: dict                    # {"offset", "nbytes", "crc32", "arrays": [[shape], ...]}
     state: dict
     has_logits: bool
+    kv_from: int = 0            # the first KV row it holds: parent_position, or one before
+    has_hidden: bool = False    # State.hidden (the MTP layer), in the state section
 
 
 def file_name(fingerprint: str, tokens: np.ndarray) -> str:
@@ -89,7 +93,9 @@ def _read_header(f, path: Path, fingerprint: str) -> Entry:
         tokens = np.asarray(h["tokens"], np.int32)
         base = len(MAGIC) + 8 + n
         entry = Entry(path, int(h["position"]), tokens, h["parent"], int(h["parent_position"]),
-                      tuple(h["layers"]), h["kv"], h["state"], bool(h["has_logits"]))
+                      tuple(h["layers"]), h["kv"], h["state"], bool(h["has_logits"]),
+                      int(h.get("kv_from", h["parent_position"])),
+                      bool(h.get("has_hidden", False)))
         sections = [(entry.kv["offset"], entry.kv["nbytes"]),
                     (entry.state["offset"], entry.state["nbytes"])]
     except (ValueError, KeyError, TypeError) as e:
@@ -188,7 +194,7 @@ class SnapshotDir:
                     fresh = _read_header(f, e.path, self.fingerprint)  # this inode's own
                     if fresh.position != e.position:
                         raise Corrupt("changed on disk")
-                    kv_pieces.append((fresh.parent_position, _read_section(f, fresh.kv)))
+                    kv_pieces.append((fresh.kv_from, _read_section(f, fresh.kv)))
                     if e is entry:
                         state_arrays = _read_section(f, fresh.state)
             except (Corrupt, OSError) as err:
@@ -199,6 +205,16 @@ class SnapshotDir:
                 raise Corrupt(f"its parent {e.path.name} is unusable") from None
         layers, n_gdn = [], 0
         n_kv = entry.layers.count("kv")
+        if len(state_arrays) != 2 * entry.layers.count("gdn") + entry.has_hidden \
+                + entry.has_logits or any(len(rows) != 2 * n_kv for _, rows in kv_pieces):
+            raise Corrupt("sections do not match its layers")
+        end = 0
+        for start, rows in kv_pieces:  # each piece from its kv_from: at or one before the last end
+            if rows and not (end - 1 <= start <= end and (start == 0) == (end == 0)):
+                raise Corrupt("its KV rows do not add up to its position")
+            end = start + (rows[0].shape[1] if rows else 0)
+        if n_kv and end != entry.position:
+            raise Corrupt("its KV rows do not add up to its position")
         for i, kind in enumerate(entry.layers):
             if kind == "gdn":
                 conv, recurrent = state_arrays[2 * n_gdn:2 * n_gdn + 2]
@@ -206,16 +222,15 @@ class SnapshotDir:
                 n_gdn += 1
                 continue
             j = len(layers) - n_gdn
-            k = np.concatenate([rows[2 * j] for _, rows in kv_pieces], axis=1)
-            v = np.concatenate([rows[2 * j + 1] for _, rows in kv_pieces], axis=1)
-            layers.append(KvCache(k.astype(np.float32), v.astype(np.float32)))
-        if len(state_arrays) != 2 * n_gdn + entry.has_logits \
-                or any(len(rows) != 2 * n_kv for _, rows in kv_pieces):
-            raise Corrupt("sections do not match its layers")
-        state = State(entry.position, layers)
-        if state.layers and any(isinstance(s, KvCache) and s.k.shape[1] != entry.position
-                                for s in state.layers):
-            raise Corrupt("its KV rows do not add up to its position")
+            first = kv_pieces[0][1][2 * j]
+            shape = (first.shape[0], entry.position, first.shape[2])
+            k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
+            for start, rows in kv_pieces:  # later pieces overwrite the row they overlap
+                k[:, start:start + rows[2 * j].shape[1]] = rows[2 * j]
+                v[:, start:start + rows[2 * j + 1].shape[1]] = rows[2 * j + 1]
+            layers.append(KvCache(k, v))
+        hidden = state_arrays[2 * n_gdn].astype(np.float32) if entry.has_hidden else None
+        state = State(entry.position, layers, hidden=hidden)
         if self.check is not None:
             try:
                 self.check(state)
@@ -234,11 +249,13 @@ class SnapshotDir:
         parents = self._prefixes(tokens[:-1], 0)
         parent = parents[0] if parents else None
         start = 0 if parent is None else parent.position
+        kv_from = start - 1 if start and state.hidden is not None else start  # the MTP row
         position = tokens.size
-        kv_arrays = [a[:, start:position] for s in state.layers if isinstance(s, KvCache)
+        kv_arrays = [a[:, kv_from:position] for s in state.layers if isinstance(s, KvCache)
                      for a in (s.k, s.v)]
         state_arrays = [a for s in state.layers if isinstance(s, GdnState)
                         for a in (s.conv, s.recurrent)]
+        state_arrays += [] if state.hidden is None else [state.hidden]
         state_arrays += [] if logits is None else [logits]
         kv, kv_arrays = _section(kv_arrays, 0)
         st, state_arrays = _section(state_arrays, kv["nbytes"])
@@ -247,7 +264,8 @@ class SnapshotDir:
             "tokens": [int(t) for t in tokens],
             "parent": None if parent is None else parent.path.name, "parent_position": start,
             "layers": ["kv" if isinstance(s, KvCache) else "gdn" for s in state.layers],
-            "kv": kv, "state": st, "has_logits": logits is not None}).encode()
+            "kv": kv, "state": st, "has_logits": logits is not None, "kv_from": kv_from,
+            "has_hidden": state.hidden is not None}).encode()
         tmp = None
         try:
             with tempfile.NamedTemporaryFile(dir=self.dir, prefix=".tmp-", suffix=".part",

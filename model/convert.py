@@ -7,7 +7,8 @@ fingerprint, REAP record). Tensors are named by weight-field path (model/weights
 layout, structure of arrays, with a layer's experts contiguous ([E, rows, ...]).
 
 Quantised: the big matrices (Q4_0) and the lm_head (Q8_0 by default: it is the matrix most
-sensitive to error). The embedding is fp16: exact for bf16 sources in the normal range, one row
+sensitive to error); the MTP head (`mtp.*`, where the checkpoint has it: MODEL.md §10) is stored as
+a decoder layer is, its fc [H, 2H] Q4_0. The embedding is fp16: exact for bf16 sources in the normal range, one row
 is read per token so its size costs no speed, and its error would enter the residual stream
 undiluted (in Q4_0, 8.6% RMS per row, it alone moved the tiny model's logits by 54% of their
 max). Kept fp32: norms, conv taps, A_log, dt_bias, and the small matrices whose outputs are
@@ -42,7 +43,7 @@ from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, 
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
 from fermijit.model.state import available_nbytes
-from fermijit.model.weights import (QuantTensor, TextWeights, assemble,
+from fermijit.model.weights import (MTP_PREFIX, QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
 
 WEIGHTS = "model.safetensors"
@@ -57,8 +58,9 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 # Weight fields stored as Q4_0 (the last component of the field path).
 Q4_0_FIELDS = frozenset({"in_proj_qkv", "in_proj_z", "out_proj", "q_proj",
                          "k_proj", "v_proj", "o_proj", "experts_gate_up", "experts_down",
-                         "shared_gate_up", "shared_down"})
+                         "shared_gate_up", "shared_down", "fc"})  # fc: the MTP head's [H, 2H]
 LM_HEAD_CHOICES = ("q8_0", "q4_0")
+MTP_FC = MTP_PREFIX + "fc"  # in a manifest: the model has its MTP head (older ones dropped it)
 CHUNK_BYTES = 64 << 20  # fp32 bytes per streamed piece: ~3x this is the converter's working set
 
 
@@ -343,7 +345,7 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
         raise FermijitError(f"{directory}: not a fermijit model (no {MANIFEST}; convert it first)")
     manifest = read_manifest(directory)
     cfg = load_config(directory)
-    expected = text_weight_shapes(cfg.text_config)
+    expected = text_weight_shapes(cfg.text_config, mtp=MTP_FC in manifest.tensors)
     for name, shape in expected.items():
         if name not in manifest.tensors:
             raise FermijitError(f"{path}: missing tensor {name}")

@@ -256,6 +256,11 @@ class Model:
         self.layers = tuple(_layer(w) for w in weights.layers)
         self.norm = _host(weights.norm)
         self.lm_head = _matrix(weights.lm_head)
+        # The MTP head (model/mtp.py), for speculative decoding; None where the model has none.
+        self.mtp = None
+        if weights.mtp is not None:
+            from fermijit.model import mtp
+            self.mtp = mtp.head(weights.mtp)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
         # Decode a token as a few fused kernels a layer (_decode_fused) when the weights are
         # Q4_0; otherwise (and for tests, set False) the ops one by one, as prefill.
@@ -268,18 +273,31 @@ class Model:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def new_state(self, context: int) -> State:
-        """Zeros, the KV caches allocated to `context` positions (at most the model's)."""
+    def new_state(self, context: int, mtp: bool = False) -> State:
+        """Zeros, the KV caches allocated to `context` positions (at most the model's); with
+        `mtp`, the MTP layer's cache last and no hidden state waiting (model/mtp.py)."""
         if not 1 <= context <= self.max_context:
             raise FermijitError(f"context must be between 1 and {self.max_context} "
                                 f"(max_position_embeddings), got {context}")
-        return new_state(self.is_attention, context, (self.n_kv_heads, self.head_dim),
-                         (self.conv_dim, self.conv_taps - 1),
-                         (self.n_value_heads, self.key_dim, self.value_dim))
+        if mtp and self.mtp is None:
+            raise FermijitError("this model has no MTP head (mtp.* weights)")
+        state = new_state(self.is_attention + ((True,) if mtp else ()), context,
+                          (self.n_kv_heads, self.head_dim), (self.conv_dim, self.conv_taps - 1),
+                          (self.n_value_heads, self.key_dim, self.value_dim))
+        if mtp:
+            state.hidden = np.empty((0, self.hidden), np.float32)
+        return state
 
     def check_state(self, state: State) -> None:
         """FermijitError unless `state` has this model's layers and shapes (a restored one)."""
-        ref = self.new_state(1)
+        with_mtp = state.hidden is not None
+        ref = self.new_state(1, mtp=with_mtp)
+        if with_mtp and (state.hidden.dtype != np.float32 or state.hidden.ndim != 2
+                         or state.hidden.shape[1] != self.hidden
+                         or not 0 <= state.hidden.shape[0] <= state.position):
+            raise FermijitError(f"state hidden is {state.hidden.dtype} "
+                                f"{list(state.hidden.shape)}, the model needs float32 "
+                                f"[<= {state.position}, {self.hidden}]")
         if len(state.layers) != len(ref.layers):
             raise FermijitError(f"state has {len(state.layers)} layers, the model "
                                 f"{len(ref.layers)}")
@@ -322,6 +340,9 @@ class Model:
             ws = self._prefill_workspace(block.size)
             ws.tokens[:] = block
             self.forward(ws.tokens, state, ws)
+            if state.hidden is not None:                    # the MTP layer's rows (model/mtp.py)
+                from fermijit.model import mtp
+                mtp.after_block(self, state, block, ws.x)
             if on_block is not None:
                 on_block(block.size)
             if all_logits:
@@ -355,6 +376,8 @@ class Model:
         if self.fused_decode:
             return self._decode_fused(state, ws)
         self.forward(ws.tokens, state, ws)
+        if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
+            state.hidden = np.concatenate([state.hidden, rmsnorm.cpu(ws.x, self.norm, self.eps)])
         return self.logits(ws.x, ws.logits)[0]
 
     def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
@@ -402,6 +425,8 @@ class Model:
             moe.decode(ws.xn, ws.act, ws.ids, ws.weights, w.experts, ws.y, ws.moe_scratch)
         state.position += 1
         residual_step.cpu(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)
+        if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
+            state.hidden = np.concatenate([state.hidden, ws.xn])
         linear(ws.xn, self.lm_head, ws.logits, ws.act)
         return ws.logits[0]
 

@@ -7,6 +7,12 @@ ops.attention reads (MODEL.md §5.7: post-norm, post-RoPE); per GDN layer the co
 [Hv, dk, dv] (MODEL.md §6), all fp32; and the position, the number of tokens seen. Cache rows at
 or past `position` are never read, so copies and files hold only rows [0, position).
 
+A state for speculative decoding with the model's MTP head (MODEL.md §10; model/mtp.py) has one
+more attention layer, last: the MTP layer's own KV cache, whose row q is the pair (token q+1,
+hidden state q), so it lags the model by one position (rows [0, position - 1) at rest; the last
+row a copy or file holds may be stale); and `hidden`, the final normed hidden states the head
+has not consumed yet (one at rest: the last position's).
+
 Dimension legend: as model/weights.py; S the context length.
 """
 
@@ -44,6 +50,9 @@ class State:
     # RoPE position minus `position` from here on: negative after images, whose tokens take
     # fewer positions than their count (model/multimodal.py); 0 for text.
     rope_delta: int = 0
+    # With the MTP layer (its cache the last of `layers`): the final normed hidden states of
+    # positions [position - k, position), [k, H] fp32, the MTP rows not computed yet; else None.
+    hidden: np.ndarray | None = None
 
     @property
     def context(self) -> int:
@@ -53,7 +62,8 @@ class State:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for s in self.layers for a in dataclasses.astuple(s))
+        return (sum(a.nbytes for s in self.layers for a in dataclasses.astuple(s))
+                + (0 if self.hidden is None else self.hidden.nbytes))
 
     def copy(self, context: int | None = None) -> "State":
         """An independent copy, its caches allocated to `context` (default: this one's)."""
@@ -67,7 +77,8 @@ class State:
                 layers.append(KvCache(*(_resized(a, context, self.position) for a in (s.k, s.v))))
             else:
                 layers.append(GdnState(s.conv.copy(), s.recurrent.copy()))
-        return State(self.position, layers, self.rope_delta)
+        return State(self.position, layers, self.rope_delta,
+                     None if self.hidden is None else self.hidden.copy())
 
     def save(self, path: str | Path) -> None:
         """An .npz file (uncompressed: the recurrent state is noise-like fp32)."""
@@ -80,6 +91,8 @@ class State:
                 arrays[f"{i}.context"] = np.int64(s.k.shape[1])
             else:
                 arrays[f"{i}.conv"], arrays[f"{i}.recurrent"] = s.conv, s.recurrent
+        if self.hidden is not None:
+            arrays["hidden"] = self.hidden
         with open(path, "wb") as f:
             np.savez(f, **arrays)
 
@@ -108,7 +121,9 @@ class State:
                 layers.append(GdnState(np.ascontiguousarray(arrays[f"{i}.conv"], np.float32),
                                        np.ascontiguousarray(arrays[f"{i}.recurrent"], np.float32)))
             i += 1
-        return cls(position, layers, int(arrays.get("rope_delta", 0)))
+        hidden = arrays.get("hidden")
+        return cls(position, layers, int(arrays.get("rope_delta", 0)),
+                   None if hidden is None else np.ascontiguousarray(hidden, np.float32))
 
 
 def _resized(cache: np.ndarray, context: int, position: int) -> np.ndarray:

@@ -1,0 +1,162 @@
+"""The multi-token-prediction head (MODEL.md §10) on the CPU: one more full-attention MoE decoder
+layer that, from the model's final normed hidden state at position q and the embedding of token
+q+1, predicts token q+2:
+
+    e = rmsnorm(embed(x[q+1]), pre_fc_norm_embedding)        h = rmsnorm(hidden[q], pre_fc_norm_hidden)
+    x = fc · [e; h]                                           (embedding first)
+    x = x + attention(rmsnorm(x, input_norm))                 (its own KV cache, RoPE position q)
+    x = x + moe(rmsnorm(x, post_norm))
+    out = rmsnorm(x, norm);  logits = lm_head · out           (the model's LM head)
+
+as vLLM's qwen3_5_mtp / qwen3_next_mtp and llama.cpp's qwen35moe MTP graph define it. Its row q
+pairs hidden state q with token q+1, so it lags the model by one position: a state run with the
+head (Model.new_state(..., mtp=True)) keeps the layer's cache as its last layer, rows [0, q0),
+and in `state.hidden` the hidden states of positions [q0, position) not consumed yet (one at
+rest: row position - 1 waits for the next token). `consume` computes the waiting rows once their
+next tokens are known; `chain` drafts further from the head's own output (the previous row's
+`out` as the hidden state, as both references chain a one-layer head), writing rows past the
+model's position that the next `consume` overwrites.
+
+The layer runs through the model's own prefill ops (Model.attention and Model.moe on a
+Workspace of the rows), so the REAP observer sees its MoE too. Dimension legend: as
+model/forward.py; T rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model.state import KvCache, State
+from fermijit.ops import embedding, rmsnorm
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The head's weights as the forward takes them (forward.Layer for its decoder layer)."""
+
+    pre_fc_norm_embedding: np.ndarray  # [H]  zero-centred
+    pre_fc_norm_hidden: np.ndarray     # [H]  zero-centred
+    fc: object                         # [H, 2H]  Q4Matrix or fp32
+    layer: object                      # forward.Layer, full attention
+    norm: np.ndarray                   # [H]  zero-centred
+
+
+def head(weights) -> Head:
+    """weights.MtpWeights as the forward takes them."""
+    from fermijit.model.forward import _host, _layer, _matrix
+
+    return Head(_host(weights.pre_fc_norm_embedding), _host(weights.pre_fc_norm_hidden),
+                _matrix(weights.fc), _layer(weights.layer), _host(weights.norm))
+
+
+def has_head(model, state: State) -> bool:
+    """Whether `state` carries the MTP layer (its cache last, `hidden` set)."""
+    return state.hidden is not None and len(state.layers) == len(model.layers) + 1
+
+
+def cache(model, state: State) -> KvCache:
+    if not has_head(model, state):
+        raise FermijitError("this state was made without the MTP layer "
+                            "(Model.new_state(..., mtp=True))")
+    return state.layers[len(model.layers)]
+
+
+class Workspace:
+    """A pass of T rows: the model's forward.Workspace and the [T, 2H] input of fc."""
+
+    def __init__(self, model, n_rows: int):
+        from fermijit.model.forward import Workspace as ForwardWorkspace
+
+        self.ws = ForwardWorkspace(model, n_rows)
+        self.cat = np.empty((n_rows, 2 * model.hidden), np.float32)   # e | h, normed
+        self.logits = np.empty((1, model.vocab_size), np.float32)
+
+
+def _workspace(model, n_rows: int) -> Workspace:
+    """One per row count, kept on the model (drafts use 1 to N+1 rows; prefill blocks more)."""
+    spaces = model.__dict__.setdefault("_mtp_ws", {})
+    ws = spaces.get(n_rows)
+    if ws is None:
+        ws = spaces[n_rows] = Workspace(model, n_rows)
+    return ws
+
+
+def forward_rows(model, kv: KvCache, start: int, tokens, hidden,
+                 with_logits: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """The head over rows [start, start + T): tokens [T] (token q+1 of row q), hidden [T, H]
+    (hidden state q, or the head's own output when chaining); writes their keys and values into
+    `kv`, which holds rows [0, start). Returns (out [T, H], the normed output; logits [V] of the
+    last row, or None). Both are views of buffers the next call of as many rows overwrites."""
+    from fermijit.model.forward import linear
+
+    m = model.mtp
+    tokens = np.asarray(tokens, np.int32)
+    T, H, eps = tokens.size, model.hidden, model.eps
+    model._check_token(tokens)
+    if np.shape(hidden) != (T, H):
+        raise FermijitError(f"mtp: hidden has shape {list(np.shape(hidden))}, expected [{T}, {H}]")
+    if start + T > kv.k.shape[1]:
+        raise FermijitError(f"mtp: rows up to {start + T} exceed the context of {kv.k.shape[1]}")
+    w = _workspace(model, T)
+    ws = w.ws
+    # hidden first: chaining passes the last call's output, a view of this workspace's xn
+    rmsnorm.cpu(np.ascontiguousarray(hidden, np.float32), m.pre_fc_norm_hidden, eps, out=ws.y)
+    ws.tokens[:] = tokens
+    embedding.cpu(ws.tokens, model.embed, out=ws.x)
+    rmsnorm.cpu(ws.x, m.pre_fc_norm_embedding, eps, out=ws.xn)
+    np.concatenate([ws.xn, ws.y], axis=1, out=w.cat)
+    linear(w.cat, m.fc, ws.x)                                            # x = fc · [e; h]
+    np.add(ws.offsets, start, out=ws.positions)
+    layer = m.layer
+    rmsnorm.residual_cpu(ws.x, None, layer.input_norm, eps, out=ws.xn)
+    model.attention(layer.mixer, layer.joined_in, kv, start, ws)        # ws.y
+    rmsnorm.residual_cpu(ws.x, ws.y, layer.post_norm, eps, out=ws.xn)   # x += attention
+    model.moe(layer, ws)
+    ws.x += ws.y
+    rmsnorm.cpu(ws.x, m.norm, eps, out=ws.xn)
+    if not with_logits:
+        return ws.xn, None
+    linear(ws.xn[-1:], model.lm_head, w.logits)
+    return ws.xn, w.logits[0]
+
+
+def consume(model, state: State, tokens, with_logits: bool = True):
+    """The rows of the first len(tokens) waiting hidden states, `tokens` their next tokens
+    (token q+1 of waiting position q): (out [T, H], logits [V] of the last row or None), as
+    forward_rows. The waiting states not consumed stay in `state.hidden`."""
+    kv = cache(model, state)
+    tokens = np.asarray(tokens, np.int32)
+    n_waiting = state.hidden.shape[0]
+    if not 0 < tokens.size <= n_waiting:
+        raise FermijitError(f"mtp: {tokens.size} tokens for {n_waiting} waiting hidden states")
+    start = state.position - n_waiting
+    out = forward_rows(model, kv, start, tokens, state.hidden[:tokens.size], with_logits)
+    state.hidden = state.hidden[tokens.size:]
+    return out
+
+
+def chain(model, state: State, row: int, token: int, hidden) -> tuple[np.ndarray, np.ndarray]:
+    """A further draft: row `row` (past the rows consumed) from `token` and the head's own
+    output `hidden` [H] of the row before. Returns (out [1, H], logits [V])."""
+    kv = cache(model, state)
+    return forward_rows(model, kv, row, [token], np.asarray(hidden, np.float32)[None])
+
+
+def after_block(model, state: State, block, x) -> None:
+    """Prefill's share: the model has just run `block` (tokens [T]) with final residual x [T, H];
+    their normed hidden states wait, and every waiting row whose next token is now known (all
+    but the last) is computed. At rest one row waits, so the rows' next tokens are the block's
+    own (all of them after the first block, all but the first in it)."""
+    hidden = rmsnorm.cpu(x, model.norm, model.eps)
+    waiting = np.concatenate([state.hidden, hidden])
+    if waiting.shape[0] - 1 > block.size:
+        raise FermijitError(f"mtp: {state.hidden.shape[0]} hidden states waiting before a "
+                            f"prefill (1 at rest)")
+    state.hidden = waiting
+    n = waiting.shape[0] - 1
+    if n:
+        consume(model, state, block[block.size - n:], with_logits=False)
+    state.hidden = np.ascontiguousarray(state.hidden)
