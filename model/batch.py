@@ -36,6 +36,12 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
             for b in range(act.xq.shape[0])]
 
 
+# One sequence's verify step of at most this many rows runs decode's fused MoE kernel row by row
+# (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
+# through the grouped launches (allocations, sorting), (fill in) with per-row decode MoE.
+ROW_MOE_MAX_ROWS = 4
+
+
 def can_batch(model: Model) -> bool:
     """Whether `decode_batch` takes this model: decode's fused path, joined input projections."""
     return model.fused_decode and all(w.joined_in is not None for w in model.layers)
@@ -82,6 +88,8 @@ class BatchWorkspace:
         self.ids = np.empty((B, model.top_k), np.int32)
         self.weights = np.empty((B, model.top_k), f)
         self.logits = np.empty((B, model.vocab_size), f)
+        # A verify step's few rows take decode's own MoE per row (decode_rows): one for all.
+        self.moe_scratch = moe.Scratch.make(model.layers[0].experts, model.top_k)
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
@@ -114,7 +122,9 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
         raise FermijitError("decode_batch needs a 4-bit fermijit model with Q4_0 mixers and "
                             "joined input projections (convert the model again)")
     offsets = _offsets(states)
-    for s in {id(s): s for s in states}.values():
+    distinct = list({id(s): s for s in states}.values())
+    n_seqs = len(distinct)
+    for s in distinct:
         model._check_room(s, sum(t is s for t in states))
     model._check_token(tokens)
     if ws is None or ws.n_seqs != B:
@@ -146,11 +156,17 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
         _residual(ws, y, w.post_norm, eps, w.router, ws.router_logits, routed=True)
         if model.moe_observer is not None:
             model.moe_observer(w, ws.xn, ws.ids, ws.weights)
-        moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
+        if n_seqs == 1 and B <= ROW_MOE_MAX_ROWS:
+            for b in range(B):
+                r = slice(b, b + 1)
+                moe.decode(ws.xn[r], ws.act_rows[b], ws.ids[r], ws.weights[r], w.experts,
+                           ws.y[r], ws.moe_scratch)
+        else:
+            moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
     for s in states:
         s.position += 1
     _residual(ws, y, model.norm, eps, ws.no_product, None)
-    for s in {id(s): s for s in states}.values():
+    for s in distinct:
         if s.hidden is not None:  # the MTP head's inputs (model/mtp.py)
             rows = [b for b, t in enumerate(states) if t is s]
             s.hidden = np.concatenate([s.hidden, ws.xn[rows]])

@@ -176,6 +176,9 @@ REAL_SHAPES = Model("real-shapes", {
     "max_position_embeddings": 4224,
 }, weight_std=0.02, embed_std=1.0, router_gain=1.0, norm_offset_std=0.1, on_grid=True)
 
+# HF_INIT with its whole MTP head (MODEL.md §10): the head's tests and speculative decoding's.
+MTP = dataclasses.replace(HF_INIT, name="hf-init-mtp", mtp=True)
+
 # SENSITIVE with a tower whose output fits its hidden size, two blocks, a 6×6 position grid (so
 # the interpolation resamples both up and down): the oracle of prompts with images
 # (tests/model/vision_oracle.py).

@@ -1,0 +1,144 @@
+"""The MTP head (model/mtp.py, MODEL.md §10; issue 32 item 1): kept by convert, and the layer
+against the float64 numpy model of it (model/reference.py `Reference.mtp`: transformers has no
+MTP, so the spec written from vLLM's qwen3_5_mtp and llama.cpp's qwen35moe MTP graph is the
+oracle), on a tiny model with a random head: the rows prefill computes, a draft's rows, chained
+drafts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError
+from fermijit.model import convert, mtp
+from fermijit.model.forward import load_model
+from fermijit.model.reference import Reference
+from fermijit.model.weights import MTP_PREFIX
+from tests.model import tiny
+from tests.numerics import assert_close
+
+# W4A8 against the float64 reference over the same 4-bit weights with the activations quantised
+# (Reference(quantize_activations=True)): fp32 rounding, and the main model's own error in the
+# hidden states the head reads (tests/model/test_forward.py W4A8_VS_REFERENCE, 1e-5). Measured
+# on the rows here: 1.7e-7 (logits), 1.7e-6 of the keys' max.
+W4A8_VS_REFERENCE = 1e-5
+# fp32 (an HF checkpoint run unquantised) against the float64 reference: summation order.
+FP32_VS_REFERENCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    hf = tiny.write_checkpoint(root / "hf", model=tiny.MTP)
+    convert.convert(hf, root / "fj", show_progress=False)
+    return hf, root / "fj"
+
+
+def rel(expected, actual) -> float:
+    return float(np.abs(np.asarray(expected) - actual).max() / np.abs(expected).max())
+
+
+def test_convert_keeps_the_head(converted, tmp_path):
+    hf, fj = converted
+    manifest = convert.read_manifest(fj)
+    kept = {n: t.quant for n, t in manifest.tensors.items() if n.startswith(MTP_PREFIX)}
+    assert kept["mtp.fc"] == "q4_0" and kept["mtp.layers.0.self_attn.q_proj"] == "q4_0"
+    assert kept["mtp.layers.0.mlp.experts_gate_up"] == "q4_0"
+    assert kept["mtp.pre_fc_norm_hidden"] == kept["mtp.norm"] == "f32"
+    assert len(kept) == 3 + 14 + 1  # pre-fc norms, fc; the layer's fields; the final norm
+    _, model = load_model(fj)
+    assert model.mtp is not None
+    # A checkpoint with only the lone mtp.fc most files here carry has no head.
+    lone = tiny.write_checkpoint(tmp_path / "hf", model=tiny.HF_INIT)
+    convert.convert(lone, tmp_path / "fj", show_progress=False)
+    assert not any(n.startswith(MTP_PREFIX) for n in convert.read_manifest(tmp_path / "fj").tensors)
+    assert load_model(tmp_path / "fj")[1].mtp is None
+    with pytest.raises(FermijitError, match="no MTP head"):
+        load_model(tmp_path / "fj")[1].new_state(8, mtp=True)
+
+
+def _compare(model, ref, prompt, tolerance):
+    """Prefill `prompt` with the head; then a draft's row and two chained ones; each against the
+    reference."""
+    state = model.new_state(64, mtp=True)
+    rs = ref.new_state()
+    hidden = ref.hidden(prompt, rs)                                 # [P, H]
+    cache = ref.new_mtp_cache()
+    ref.mtp(prompt[1:], hidden[:-1], cache)                         # prefill's rows 0 .. P-2
+    model.prefill(prompt, state)
+    assert state.hidden.shape == (1, model.hidden)
+    assert rel(hidden[-1:], state.hidden) < tolerance
+    kv = mtp.cache(model, state)
+    n = prompt.size - 1
+    assert rel(cache.k, kv.k[:, :n].transpose(1, 0, 2)) < tolerance
+    assert rel(cache.v, kv.v[:, :n].transpose(1, 0, 2)) < tolerance
+    kv.k[:, n:] = np.nan                                            # rows not yet written
+    kv.v[:, n:] = np.nan
+    token = 7
+    want_logits, want_out = ref.mtp([token], hidden[-1:], cache)    # row P-1
+    out, logits = mtp.consume(model, state, [token])
+    assert state.hidden.shape == (0, model.hidden)
+    assert rel(want_logits[0], logits) < tolerance
+    assert rel(want_out, out) < tolerance
+    for step, draft in enumerate((11, 3)):                          # chained: own output as hidden
+        want_logits, next_out = ref.mtp([draft], want_out, cache)
+        out, logits = mtp.chain(model, state, prompt.size + step, draft, out[-1])
+        assert rel(want_logits[0], logits) < tolerance, step
+        want_out = next_out
+    assert not np.isnan(kv.k[:, :prompt.size + 2]).any()
+
+
+def test_layer_w4a8_matches_the_reference(converted, rng):
+    cfg, model = load_model(converted[1])
+    _, weights, _ = convert.load_converted(converted[1])
+    ref = Reference(cfg.text_config, weights, quantize_activations=True)
+    for n in (2, 9, 20):
+        _compare(model, ref, rng.integers(0, model.vocab_size, n).astype(np.int32),
+                 W4A8_VS_REFERENCE)
+
+
+def test_layer_fp32_matches_the_reference(converted, rng):
+    from fermijit.model.config import load_config
+    from fermijit.model.safetensors_io import Checkpoint
+    from fermijit.model.weights import load_text_weights
+
+    hf = converted[0]
+    cfg, model = load_model(hf)                                     # fp32, as the HF file
+    weights = load_text_weights(cfg.text_config, Checkpoint(hf))
+    assert weights.mtp is not None and load_config(hf).text_config.mtp_num_hidden_layers == 1
+    ref = Reference(cfg.text_config, weights)
+    _compare(model, ref, rng.integers(0, model.vocab_size, 13).astype(np.int32),
+             FP32_VS_REFERENCE)
+
+
+def test_prefill_in_blocks_gives_the_same_rows(converted, rng, monkeypatch):
+    # The head's rows cross prefill passes (a pass's last hidden state waits for the next pass's
+    # first token): passes of 5 against one pass.
+    from fermijit.model import forward
+
+    _, model = load_model(converted[1])
+    prompt = rng.integers(0, model.vocab_size, 23).astype(np.int32)
+    whole = model.new_state(32, mtp=True)
+    model.prefill(prompt, whole)
+    monkeypatch.setattr(forward, "PREFILL_BLOCK", 5)
+    parts = model.new_state(32, mtp=True)
+    model.prefill(prompt, parts)
+    n = prompt.size - 1
+    assert rel(whole.layers[-1].k[:, :n], parts.layers[-1].k[:, :n]) < W4A8_VS_REFERENCE
+    assert rel(whole.hidden, parts.hidden) < W4A8_VS_REFERENCE
+
+
+def test_bad_calls_are_refused(converted):
+    _, model = load_model(converted[1])
+    plain = model.new_state(8)
+    with pytest.raises(FermijitError, match="without the MTP layer"):
+        mtp.consume(model, plain, [1])
+    state = model.new_state(8, mtp=True)
+    model.prefill(np.array([1, 2, 3], np.int32), state)
+    with pytest.raises(FermijitError, match="2 tokens for 1 waiting"):
+        mtp.consume(model, state, [1, 2])
+    with pytest.raises(FermijitError, match="token ids"):
+        mtp.consume(model, state, [model.vocab_size])
+    with pytest.raises(FermijitError, match="exceed the context"):
+        mtp.chain(model, state, 8, 1, np.zeros(model.hidden, np.float32))
