@@ -1,0 +1,222 @@
+"""Speculative decoding with the MTP head (fermijit/speculative.py, issue 32 items 2 and 5): at
+temperature 0 the tokens are greedy decoding's and the final state is its state bit for bit;
+a rollback leaves the state as if the rejected tokens had never been fed; the prefix cache
+snapshots only settled states.
+
+A tiny model's random head is rejected almost always, so the loop is also run with an oracle
+drafter: the head still runs (its rows are kept as ever) but the drafts are the greedy
+continuation, each wrong with probability WRONG, which exercises acceptances, partial ones and
+stops inside a step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fermijit import engine, speculative
+from fermijit.jit import cpu
+from fermijit.model import batch, convert
+from fermijit.model.forward import load_model
+from fermijit.model.state import GdnState, KvCache
+from fermijit.ops.sampling import Sampler
+from tests.model import tiny
+
+WRONG = 0.3  # the oracle drafter's share of wrong drafts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    convert.convert(tiny.write_checkpoint(root / "hf", model=tiny.MTP), root / "fj",
+                    show_progress=False)
+    return root / "fj"
+
+
+@pytest.fixture(params=["default", "ssse3"])
+def model(request, model_dir, monkeypatch):
+    """The model decoding in jit.cpu.decode_isa's variant: the process's, or SSSE3 (a fresh
+    model: its decode workspace is laid out on first use), as tests/model/test_batch.py."""
+    if request.param == "ssse3":
+        if cpu.selected_isa() is cpu.Isa.SSSE3:
+            pytest.skip("the process's variant is SSSE3 already")
+        monkeypatch.setattr(cpu, "_decode", cpu.Isa.SSSE3)
+    return load_model(model_dir)[1]
+
+
+def greedy():
+    return Sampler(320, temperature=0, top_k=0, top_p=1.0, seed=0)
+
+
+class Oracle(speculative.Speculator):
+    """Drafts the greedy continuation `truth` (prompt included), wrong with probability WRONG."""
+
+    def __init__(self, model, sampler, n_draft, truth, rng):
+        super().__init__(model, sampler, n_draft)
+        self.truth, self.rng = truth, rng
+
+    def draft(self, state, token, n):
+        drafts, dists = super().draft(state, token, n)
+        at = state.position + 1                          # truth index of the first draft
+        for i in range(n):
+            if at + i < len(self.truth) and self.rng.random() > WRONG:
+                drafts[i] = self.truth[at + i]
+        return drafts, dists
+
+
+def assert_states_equal(a, b, what=""):
+    """Every array a state holds, bit for bit: KV rows [0, position), GDN states, the head's
+    waiting hidden states and its cache rows below them (rows past are never read)."""
+    assert a.position == b.position, what
+    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
+        assert type(x) is type(y)
+        if isinstance(x, KvCache):
+            n = a.position if i < len(a.layers) - (a.hidden is not None) else \
+                a.position - a.hidden.shape[0]
+            np.testing.assert_array_equal(x.k[:, :n], y.k[:, :n], f"{what} layer {i} k")
+            np.testing.assert_array_equal(x.v[:, :n], y.v[:, :n], f"{what} layer {i} v")
+        else:
+            np.testing.assert_array_equal(x.conv, y.conv, f"{what} layer {i} conv")
+            np.testing.assert_array_equal(x.recurrent, y.recurrent, f"{what} layer {i} state")
+    assert len(a.layers) == len(b.layers)
+    if a.hidden is not None or b.hidden is not None:
+        np.testing.assert_array_equal(a.hidden, b.hidden, f"{what} hidden")
+
+
+def run(model, prompt, max_tokens, eos=frozenset(), context=96, n_draft=0, speculator=None,
+        cache=None):
+    """generate's decode, with `speculator` in place of its own (the oracle's)."""
+    original = speculative.Speculator
+    if speculator is not None:
+        speculative.Speculator = lambda *args: speculator
+    try:
+        tokens, stats = engine.generate(model, prompt, greedy(), max_tokens, context, eos,
+                                        lambda t: None, cache=cache, n_draft=n_draft)
+    finally:
+        speculative.Speculator = original
+    return tokens, stats
+
+
+def test_greedy_text_and_state_are_decodings(model, rng):
+    for trial in range(6):
+        prompt = rng.integers(0, 300, int(rng.integers(1, 30))).astype(np.int32)
+        max_tokens = int(rng.integers(1, 40))
+        want, _ = run(model, prompt, max_tokens)
+        truth = list(prompt) + want
+        # an eos inside the text (decoding stops there), or none
+        eos = frozenset({want[len(want) // 2]} if trial % 2 and len(want) > 2 else set())
+        want_eos, _ = run(model, prompt, max_tokens, eos)
+        for n_draft in (1, 2, 3):
+            for kind in ("head", "oracle"):
+                oracle = (Oracle(model, greedy(), n_draft, truth, rng) if kind == "oracle"
+                          else None)
+                got, stats = run(model, prompt, max_tokens, eos, n_draft=n_draft,
+                                 speculator=oracle)
+                assert got == (want_eos if eos else want), (trial, n_draft, kind)
+                assert stats.speculative is not None
+                if kind == "oracle" and len(got) > 4:
+                    assert stats.speculative.accepted > 0
+
+
+def test_final_state_is_decodings(model, rng):
+    # The state speculative decoding leaves (and snapshots) is plain decoding's, bit for bit.
+    prompt = rng.integers(0, 300, 11).astype(np.int32)
+    want, _ = run(model, prompt, 30)
+    truth = list(prompt) + want
+    for max_tokens in (1, 2, 7, 30):
+        for n_draft in (1, 3):
+            states = []
+            for speculator in (None, Oracle(model, greedy(), n_draft, truth, rng)):
+                cache = Spy()
+                run(model, prompt, max_tokens, n_draft=n_draft if speculator else 0,
+                    speculator=speculator, cache=cache)
+                states.append(cache.added[-1])  # the prompt's, then the generation's
+            (tokens, plain, _), (tokens_spec, spec, _) = states
+            assert np.array_equal(tokens, tokens_spec)
+            assert spec.hidden.shape[0] == 1                  # settled: one waiting
+            spec.layers, spec.hidden = spec.layers[:-1], None  # the head's part aside
+            assert_states_equal(plain, spec, f"max_tokens {max_tokens}, {n_draft} drafts")
+
+
+class Spy:
+    """A prefix cache that records copies of what it is asked to snapshot (and restores
+    nothing)."""
+
+    snapshot_every = 1 << 30
+
+    def __init__(self):
+        self.added = []
+
+    def restore(self, prompt, context):
+        return None, None
+
+    def add(self, tokens, state, logits=None):
+        self.added.append((np.array(tokens), state.copy(), None if logits is None
+                           else np.array(logits)))
+
+
+def test_rollback_is_never_having_seen_the_tokens(model, rng):
+    prompt = rng.integers(0, 300, 9).astype(np.int32)
+    tokens = rng.integers(0, 300, 4).astype(np.int32)
+    for n_rows in (2, 3, 4):
+        for kept in range(1, n_rows + 1):
+            state = model.new_state(32, mtp=True)
+            model.prefill(prompt, state)
+            fresh = state.copy()
+            ws, saves = batch.BatchWorkspace(model, n_rows), batch.GdnSaves(model, n_rows)
+            got = batch.decode_rows(model, tokens[:n_rows], [state] * n_rows, ws,
+                                    [saves] * n_rows).copy()
+            batch.rollback(model, state, saves, n_rows, kept)
+            for t in tokens[:kept]:
+                want = model.decode(int(t), fresh)
+            np.testing.assert_array_equal(got[kept - 1], want)
+            assert_states_equal(fresh, state, f"{n_rows} rows, {kept} kept")
+
+
+def test_prefix_cache_snapshots_settled_states(model, rng):
+    # A generation's end snapshot is its fed tokens' state with one hidden state waiting (the
+    # head's rows settled), which a later prompt extending it resumes from: its prefill and the
+    # head's rows then equal a fresh speculative run's.
+    from fermijit.prefix_cache import PrefixCache
+
+    prompt = rng.integers(0, 300, 10).astype(np.int32)
+    want, _ = run(model, prompt, 25)
+    truth = list(prompt) + want
+    cache = PrefixCache("test", snapshot_every=4)
+    added = []
+    original_add = cache.add
+
+    def spy(tokens, state, logits=None, to_disk=True):
+        assert state.position == len(tokens) and state.hidden.shape[0] == 1
+        added.append((np.array(tokens), state.copy()))
+        original_add(tokens, state, logits, to_disk)
+
+    cache.add = spy
+    got, _ = run(model, prompt, 25, n_draft=3, cache=cache,
+                 speculator=Oracle(model, greedy(), 3, truth, rng))
+    assert got == want
+    tokens, state = added[-1]
+    assert list(tokens) == truth[:len(tokens)] and len(tokens) == len(truth) - 1
+    # Its head rows (and the restored state's) are a fresh prefill's of the same tokens.
+    fresh = model.new_state(96, mtp=True)
+    model.prefill(tokens, fresh)
+    for a, b, what in ((state, fresh, "snapshot"),
+                       (cache.restore(np.asarray(truth + [5], np.int32), 96)[0], fresh,
+                        "restored")):
+        kv, kv_fresh = a.layers[-1], b.layers[-1]
+        n = a.position - 1
+        err = np.abs(kv.k[:, :n] - kv_fresh.k[:, :n]).max() / np.abs(kv_fresh.k[:, :n]).max()
+        assert err < 1e-4, what  # decode's and prefill's bits differ by rounding only
+        assert np.abs(a.hidden - b.hidden).max() < 1e-4 * np.abs(b.hidden).max(), what
+
+
+def test_bad_settings_are_refused(model_dir, tmp_path):
+    from fermijit import FermijitError
+
+    _, model = load_model(model_dir)
+    with pytest.raises(FermijitError, match="--draft must be between"):
+        speculative.Speculator(model, greedy(), 0)
+    lone = tiny.write_checkpoint(tmp_path / "hf", model=tiny.HF_INIT)
+    convert.convert(lone, tmp_path / "fj", show_progress=False)
+    with pytest.raises(FermijitError, match="no MTP head"):
+        engine.Engine.load(tmp_path / "fj", speculative=True)
