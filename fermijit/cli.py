@@ -72,6 +72,12 @@ numa_option = click.option(
          "nodes, else off).")
 
 
+draft_option = click.option(
+    "--draft", type=click.IntRange(min=1), default=1, show_default=True,
+    help="With --speculative mtp: tokens the MTP head drafts per step (more chain the head on "
+         "its own output; at most fermijit/speculative.py MAX_DRAFT).")
+
+
 def prefill_options(command):
     """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate and eval."""
     for option in reversed((
@@ -495,11 +501,17 @@ def verify(model_dir: Path) -> None:
               help="An image file for the user turn, before the text (repeatable; implies "
                    "--chat; the model needs its vision tower).")
 @prefill_options
+@click.option("--speculative", type=click.Choice(["none", "mtp"]), default="none",
+              show_default=True,
+              help="mtp: draft tokens with the model's MTP head and verify them in one step "
+                   "(the same text at temperature 0, the same distribution sampling).")
+@draft_option
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
-             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool) -> None:
+             prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool,
+             speculative: str, draft: int) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -511,7 +523,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
-                               verbose=verbose, images=images)
+                               verbose=verbose, images=images,
+                               draft=draft if speculative == "mtp" else 0)
     cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
     from fermijit.model import files
 
@@ -539,10 +552,15 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @numa_option
 @cache_options
 @prefill_options
+@click.option("--speculative", type=click.Choice(["auto", "mtp", "none"]), default="auto",
+              show_default=True,
+              help="Draft with the model's MTP head while one request is decoding (auto: where "
+                   "the model has one; none: off).")
+@draft_option
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
-          pin_budget: str | None, verbose: bool) -> None:
+          pin_budget: str | None, verbose: bool, speculative: str, draft: int) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -560,7 +578,8 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     cpu.configure_threads(threads)
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
-              prefill, gpu_mem, pin_budget, verbose)
+              prefill, gpu_mem, pin_budget, verbose,
+              speculative={"auto": None, "mtp": True, "none": False}[speculative], n_draft=draft)
 
 
 @cli.command("eval")

@@ -311,15 +311,18 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
-             warn=None, speculative: bool = False) -> "Engine":
+             warn=None, speculative: bool | None = False) -> "Engine":
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
         memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr);
-        `speculative`: decode with the model's MTP head (FermijitError if it has none)."""
+        `speculative`: decode with the model's MTP head (FermijitError if it has none; None:
+        where it has one)."""
         from fermijit import prefix_cache
         from fermijit.model.forward import load_model
         from fermijit.model.tokenizer import Tokenizer
 
         cfg, model = load_model(model_dir, show_progress=show_progress)
+        if speculative is None:
+            speculative = model.mtp is not None
         if speculative and model.mtp is None:
             raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* "
                                 f"weights; a model converted before fermijit kept them has "
@@ -432,6 +435,12 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
     ids = getattr(prompt, "ids", prompt)  # a multimodal.Prompt's, or the ids themselves
     warm_up_s = warm_up(model, ids, sampler=engine.sampler(settings))  # a twin: warming draws
+    if settings.draft and not pictures:
+        from fermijit import speculative
+
+        start = time.perf_counter()
+        speculative.warm_up(model, engine.sampler(settings), settings.draft)
+        warm_up_s += time.perf_counter() - start
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
     # A prompt with images is prefilled on the CPU (engine.generate): no GPU prefill to set up,
     # nor its weights to take GPU memory beside the vision tower's.

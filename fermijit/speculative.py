@@ -32,6 +32,11 @@ from fermijit.ops import sampling
 MAX_DRAFT = 8  # --draft: the head is one layer; chained drafts' acceptance falls quickly
 
 
+def check_draft(n_draft: int) -> None:
+    if not 1 <= n_draft <= MAX_DRAFT:
+        raise FermijitError(f"--draft must be between 1 and {MAX_DRAFT}, got {n_draft}")
+
+
 @dataclasses.dataclass
 class Counts:
     """What the drafts did (bench decode and the generate summary report them)."""
@@ -55,8 +60,7 @@ class Speculator:
             raise FermijitError("--speculative mtp: the model has no MTP head (mtp.* weights)")
         if not batch.can_batch(model):
             raise FermijitError("--speculative mtp needs a 4-bit fermijit model (convert it)")
-        if not 1 <= n_draft <= MAX_DRAFT:
-            raise FermijitError(f"--draft must be between 1 and {MAX_DRAFT}, got {n_draft}")
+        check_draft(n_draft)
         self.model, self.sampler, self.n_draft = model, sampler, n_draft
         self.is_greedy = sampler.temperature == 0
         self.counts = Counts()
@@ -131,6 +135,8 @@ class Speculator:
     def truncate(self, state, n_fed: int) -> np.ndarray:
         """Keep only the first `n_fed` tokens the last step fed (>= 1: its `token`); returns
         the logits after them."""
+        if self._last is None:
+            raise FermijitError("speculative: no step to take back")
         rows, kept = self._last
         if not 1 <= n_fed <= kept:
             raise FermijitError(f"speculative: keep {n_fed} of the {kept} tokens fed")
@@ -141,9 +147,29 @@ class Speculator:
             self._last = (rows, n_fed)
         return self._logits[n_fed - 1]
 
+    def fed(self, token: int) -> None:
+        """`token` was fed by a step of another kind (a server's batched decode): its head row
+        waits for the next draft."""
+        self._tail.append(token)
+        self._last = None
+
     def settle(self, state) -> None:
         """The head's rows of the fed tokens that wait on it, all but the last position's, so
         that the state is as a prefill leaves it (what the snapshot cache stores)."""
         if self._tail:
             mtp.consume(self.model, state, self._tail, with_logits=False)
             self._tail = []
+
+
+def warm_up(model, sampler, n_draft: int) -> None:
+    """Compile (or load) the kernels of a speculative step (the head's rows, a verify step of
+    n_draft + 1 rows, a rollback) on the warm-up's sample of the model (fermijit/warm.py) and a
+    throwaway state; `sampler` a twin of the real one (drafting draws from its generator)."""
+    from fermijit.warm import kernel_sample
+
+    sample = kernel_sample(model)
+    state = sample.new_state(n_draft + 4, mtp=True)
+    sample.prefill(np.zeros(2, np.int32), state)
+    speculator = Speculator(sample, sampler, n_draft)
+    tokens, _ = speculator.step(state, 0)
+    speculator.step(state, tokens[-1])

@@ -75,12 +75,19 @@ class Workspace:
         self.logits = np.empty((1, model.vocab_size), np.float32)
 
 
+KEPT_ROWS = 16  # workspaces of up to this many rows are kept (a step's: 1 to N+1 rows)
+
+
 def _workspace(model, n_rows: int) -> Workspace:
-    """One per row count, kept on the model (drafts use 1 to N+1 rows; prefill blocks more)."""
+    """One per row count, kept on the model: every size up to KEPT_ROWS, and the two last of
+    more (prefill passes, whose last one is shorter)."""
     spaces = model.__dict__.setdefault("_mtp_ws", {})
     ws = spaces.get(n_rows)
     if ws is None:
         ws = spaces[n_rows] = Workspace(model, n_rows)
+        large = [n for n in spaces if n > KEPT_ROWS and n != n_rows]
+        for n in large[:-1]:
+            del spaces[n]
     return ws
 
 

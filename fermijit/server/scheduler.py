@@ -9,6 +9,11 @@ snapshot prefix cache, so a second chat turn prefills only what the cache lacks 
 ("stop"), at max_tokens ("length"), or when its client is gone; its state is then snapshotted
 (prompt and answer), as `generate` does, for the next turn. Stop strings are held back from the
 stream until they can no longer match (`StopMatcher`).
+
+With an engine loaded for speculative decoding (fermijit/speculative.py: the default where the
+model has an MTP head, `serve --speculative none` turns it off), a step with one sequence
+active drafts and verifies (`_speculative_step`); with several, the batched step reads the
+weights once for all of them, and each sequence's head catches up at its next draft.
 """
 
 from __future__ import annotations
@@ -77,16 +82,19 @@ class Sequence:
     generated: list[int] = dataclasses.field(default_factory=list)
     is_done: bool = False
     has_images: bool = False     # not snapshotted: image tokens' ids do not say which image
+    speculator: object = None    # speculative.Speculator, where the engine drafts
+    n_fed: int | None = None     # in a speculative step: its tokens fed before the one accepted
 
 
 class Scheduler:
     """Runs `engine` (fermijit/engine.py Engine) on its own thread; `submit` from any thread."""
 
-    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64):
+    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64, n_draft: int = 1):
         if max_batch < 1 or queue_size < 1:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
         self.engine, self.max_batch = engine, max_batch
+        self.n_draft = n_draft if engine.speculative else 0  # drafts a speculative step
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.active: list[Sequence] = []
         self.n_steps = 0             # batched decode steps run
@@ -196,7 +204,8 @@ class Scheduler:
         sampler = engine.sampler(settings)
         if with_images is None:
             state, logits, n_cached = engine_module.prefill(model, prompt, n_prompt + max_tokens,
-                                                            engine.cache, None, engine.prefiller)
+                                                            engine.cache, None, engine.prefiller,
+                                                            mtp=self.n_draft > 0)
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
 
@@ -205,6 +214,10 @@ class Scheduler:
         seq = Sequence(job, prompt, n_cached, max_tokens, state, sampler,
                        engine.tokenizer.stream(), StopMatcher(job.stop),
                        has_images=with_images is not None)
+        if self.n_draft and with_images is None:
+            from fermijit.speculative import Speculator
+
+            seq.speculator = Speculator(model, sampler, self.n_draft)
         job.emit(Started(n_prompt, n_cached))
         self._accept(seq, sampler.sample(logits), logits)
         return seq
@@ -223,6 +236,10 @@ class Scheduler:
         self.active = live
         if not live:
             return
+        if len(live) == 1 and live[0].speculator is not None:
+            self._speculative_step(live[0])
+            self.active = [s for s in live if not s.is_done]
+            return
         if len(live) > 1 and can_batch(model):
             ws = self._workspaces.get(len(live))
             if ws is None:
@@ -232,8 +249,22 @@ class Scheduler:
             logits = np.stack([model.decode(s.token, s.state) for s in live])
         self.n_steps += 1
         for s, row in zip(live, logits):
+            if s.speculator is not None:
+                s.speculator.fed(s.token)
             self._accept(s, s.sampler.sample(row), row)
         self.active = [s for s in live if not s.is_done]
+
+    def _speculative_step(self, s: Sequence) -> None:
+        """One draft-and-verify step of `s`; its tokens are accepted one at a time as a plain
+        step's, and where the sequence ends inside the step `_finish` takes the state back."""
+        tokens, _ = s.speculator.step(s.state, s.token)
+        self.n_steps += 1
+        for i, token in enumerate(tokens):
+            s.n_fed = i + 1
+            self._accept(s, token, None)
+            if s.is_done:
+                break
+        s.n_fed = None
 
     def _accept(self, s: Sequence, token: int, logits: np.ndarray) -> None:
         """`token`, sampled from `logits` (after all `s.state` has seen): stream it or end."""
@@ -257,6 +288,10 @@ class Scheduler:
     def _finish(self, s: Sequence, reason: str | None, logits) -> None:
         """End `s` (reason None: its client is gone) and snapshot what it fed the model."""
         s.is_done = True
+        if s.speculator is not None and s.n_fed is not None:  # inside a speculative step
+            logits = s.speculator.truncate(s.state, s.n_fed) if reason is not None else None
+        if s.speculator is not None:
+            s.speculator.settle(s.state)              # a snapshot holds settled states only
         cache, n_prompt = self.engine.cache, int(s.prompt.size)
         if (cache is not None and not s.has_images and s.state.position > n_prompt
                 and logits is not None):
