@@ -377,3 +377,48 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
                                        weights_file.raw(name + ".d"))
     check_small_tensors(weights_file, manifest)
     return cfg, assemble(cfg.text_config, arrays), manifest
+
+
+def add_mtp_head(src: str | Path, head: str | Path, dst: str | Path,
+                 show_progress: bool = False) -> Manifest:
+    """A copy of fermijit model `src` into `dst` with the MTP head (MODEL.md §10) read from the
+    HF-named `mtp.*` tensors of checkpoint directory `head` (model/train_default.py `train_mtp`
+    writes one), quantised as `convert` stores a head; the model's own tensors are copied as
+    stored, its other files too, config.json with mtp_num_hidden_layers 1."""
+    from fermijit.model.weights import plan_mtp_weights
+
+    src, dst = Path(src), Path(dst)
+    cfg, _, manifest = load_converted(src)
+    if MTP_FC in manifest.tensors:
+        raise FermijitError(f"{src} has an MTP head already")
+    config = read_json(src / "config.json")
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    head_cfg = dataclasses.replace(cfg.text_config, mtp_num_hidden_layers=1)
+    ckpt = Checkpoint(head)
+    plans = plan_mtp_weights(head_cfg, ckpt)
+    lm_head = manifest.tensors["lm_head"].quant
+    weights = SafetensorsFile(src / manifest.weights)
+    shapes = {name: entry.shape for name, entry in manifest.tensors.items()}
+    shapes.update({name: plan.shape for name, plan in plans.items()})
+    quants = {name: entry.quant for name, entry in manifest.tensors.items()}
+    quants.update({name: quantisation(name, lm_head) for name in plans})
+
+    def fill(name: str, out):
+        if name in plans:
+            yield from stream(name, plans[name].shape, quants[name],
+                              lambda lead, rows: plans[name].read(ckpt, lead, rows),
+                              out, CHUNK_BYTES)
+            return
+        for stored, _, _ in stored_specs(name, shapes[name], quants[name]):
+            out.write(stored, weights.raw(stored))
+        yield int(np.prod(shapes[name]))
+
+    def other_files(out: Path) -> None:
+        for path in sorted(src.iterdir()):
+            if path.is_file() and path.name not in (WEIGHTS, MANIFEST, "config.json"):
+                shutil.copyfile(path, out / path.name)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return write_model(dst, shapes, lm_head, fill, manifest.source, other_files, "add mtp",
+                       show_progress, manifest.reap, quants)

@@ -202,37 +202,50 @@ def plan_text_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan
     """Every text-model tensor, in file order (embedding, layers, norm, lm_head, the MTP head's
     where `has_mtp`), checked."""
     prefix = text_prefix(ckpt)
-    mtp = has_mtp(cfg, ckpt)
-    shapes = text_weight_shapes(cfg, mtp)
+    shapes = text_weight_shapes(cfg)
     plans: list[TensorPlan] = []
-
-    def one(name: str, source: str, stored: tuple[int, ...] | None = None):
-        shape = shapes[name]
-        _check(ckpt, source, stored or shape)
-        plans.append(TensorPlan(name, shape, (Piece(source, None, 0, shape[0]),)))
-
+    one = _one_source(ckpt, shapes, plans)
     one("embed_tokens", prefix + "embed_tokens.weight")
     for i, kind in enumerate(cfg.layer_types):
-        plans.extend(_layer_plans(cfg, ckpt, shapes, f"layers.{i}.", f"{prefix}layers.{i}.", kind,
-                                  one))
+        _layer_plans(cfg, ckpt, shapes, f"layers.{i}.", f"{prefix}layers.{i}.", kind, one, plans)
     one("norm", prefix + "norm.weight")
     if "lm_head.weight" in ckpt or not cfg.tie_word_embeddings:
         one("lm_head", "lm_head.weight")
     else:
         one("lm_head", prefix + "embed_tokens.weight")
-    if mtp:
-        for field in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"):
-            one(MTP_PREFIX + field, MTP_PREFIX + field + ".weight")
-        plans.extend(_layer_plans(cfg, ckpt, shapes, MTP_LAYER, MTP_LAYER, FULL_ATTENTION, one))
-        one(MTP_PREFIX + "norm", MTP_PREFIX + "norm.weight")
+    out = {plan.name: plan for plan in plans}
+    return out | plan_mtp_weights(cfg, ckpt) if has_mtp(cfg, ckpt) else out
+
+
+def plan_mtp_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan]:
+    """The MTP head's tensors (`mtp.*`, MODEL.md §10), in file order, checked."""
+    shapes = {n: s for n, s in text_weight_shapes(cfg, mtp=True).items()
+              if n.startswith(MTP_PREFIX)}
+    plans: list[TensorPlan] = []
+    one = _one_source(ckpt, shapes, plans)
+    for field in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"):
+        one(MTP_PREFIX + field, MTP_PREFIX + field + ".weight")
+    _layer_plans(cfg, ckpt, shapes, MTP_LAYER, MTP_LAYER, FULL_ATTENTION, one, plans)
+    one(MTP_PREFIX + "norm", MTP_PREFIX + "norm.weight")
     return {plan.name: plan for plan in plans}
 
 
-def _layer_plans(cfg: TextConfig, ckpt: Checkpoint, shapes, n: str, p: str, kind: str,
-                 one) -> list[TensorPlan]:
-    """Field prefix `n`'s decoder layer from checkpoint prefix `p`: the one-source tensors go
-    through `one` (which records them), the assembled ones are returned."""
-    H, plans = cfg.hidden_size, []
+def _one_source(ckpt: Checkpoint, shapes, plans: list):
+    """one(name, source, stored=None): field `name` is checkpoint tensor `source` (checked;
+    `stored` its on-disk shape where it differs), its plan appended to `plans`."""
+    def one(name: str, source: str, stored: tuple[int, ...] | None = None):
+        shape = shapes[name]
+        _check(ckpt, source, stored or shape)
+        plans.append(TensorPlan(name, shape, (Piece(source, None, 0, shape[0]),)))
+
+    return one
+
+
+def _layer_plans(cfg: TextConfig, ckpt: Checkpoint, shapes, n: str, p: str, kind: str, one,
+                 plans: list) -> None:
+    """Field prefix `n`'s decoder layer from checkpoint prefix `p`, appended to `plans` in file
+    order (the one-source tensors through `one`)."""
+    H = cfg.hidden_size
     one(n + "input_layernorm", p + "input_layernorm.weight")
     one(n + "post_attention_layernorm", p + "post_attention_layernorm.weight")
     if kind == FULL_ATTENTION:
@@ -260,7 +273,6 @@ def _layer_plans(cfg: TextConfig, ckpt: Checkpoint, shapes, n: str, p: str, kind
         Piece(s + "shared_expert.up_proj.weight", None, Is, Is))))
     one(m + "shared_down", s + "shared_expert.down_proj.weight")
     one(m + "shared_expert_gate", s + "shared_expert_gate.weight")
-    return plans
 
 
 def _expert_plans(ckpt: Checkpoint, m: str, s: str, E: int, I: int, H: int) -> list[TensorPlan]:
