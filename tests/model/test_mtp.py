@@ -142,3 +142,51 @@ def test_bad_calls_are_refused(converted):
         mtp.consume(model, state, [model.vocab_size])
     with pytest.raises(FermijitError, match="exceed the context"):
         mtp.chain(model, state, 8, 1, np.zeros(model.hidden, np.float32))
+
+
+def test_prune_keeps_the_heads_experts_consistently(converted, tmp_path, rng):
+    # The head's experts are pruned by their own row of kept ids (kept[L]); an HF checkpoint
+    # pruned then converted is the fermijit model pruned directly; both run.
+    import safetensors.numpy
+
+    from fermijit.model import prune
+
+    hf, fj = converted
+    cfg = convert.load_converted(fj)[0].text_config
+    L, E = cfg.num_hidden_layers, cfg.num_experts
+    kept = np.sort(np.stack([rng.permutation(E)[:E - 5] for _ in range(L + 1)]), axis=1)
+    with pytest.raises(FermijitError, match="kept experts must be"):
+        prune.prune_fermijit(fj, tmp_path / "short", kept[:L], {"criterion": "random"})
+    prune.prune_fermijit(fj, tmp_path / "direct", kept, {"criterion": "random"})
+    prune.prune_hf(hf, tmp_path / "hf", kept, {"criterion": "random"})
+    convert.convert(tmp_path / "hf", tmp_path / "converted", show_progress=False)
+    a = safetensors.numpy.load_file(tmp_path / "converted" / convert.WEIGHTS)
+    b = safetensors.numpy.load_file(tmp_path / "direct" / convert.WEIGHTS)
+    before = safetensors.numpy.load_file(fj / convert.WEIGHTS)
+    assert set(a) == set(b) == set(before)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], name)
+    for field in ("gate", "experts_gate_up.qs", "experts_down.d"):
+        name = f"mtp.layers.0.mlp.{field}"
+        np.testing.assert_array_equal(b[name], before[name][kept[L]], name)
+    for d in (tmp_path / "direct", tmp_path / "converted"):
+        _, model = load_model(d)
+        assert model.mtp.layer.router.shape[0] == E - 5
+        state = model.new_state(16, mtp=True)
+        model.prefill(np.arange(5, dtype=np.int32), state)
+        assert np.isfinite(mtp.consume(model, state, [3])[1]).all()
+
+
+def test_calibration_counts_the_heads_rows(converted, rng):
+    # REAP sees the head's MoE as layer L: every row the prefill computes (all but a window's
+    # last, which waits for its next token) routed to top_k experts.
+    from fermijit.model import reap
+
+    _, model = load_model(converted[1])
+    context, n_windows = 16, 3
+    tokens = rng.integers(0, model.vocab_size, context * n_windows).astype(np.int32)
+    cal = reap.calibrate(model, tokens, context, "random")
+    L = len(model.layers)
+    assert cal.counts.shape == (L + 1, model.n_experts)
+    assert cal.counts[L].sum() == n_windows * (context - 1) * model.top_k
+    assert cal.counts[0].sum() == n_windows * context * model.top_k
