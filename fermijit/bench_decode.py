@@ -258,7 +258,10 @@ def windows(n_tokens: int) -> list[range]:
 # --- the run ------------------------------------------------------------------------------------
 
 def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: int,
-        n_threads: int | None, as_json: bool, profile: bool) -> dict:
+        n_threads: int | None, as_json: bool, profile: bool, speculative=None,
+        layers: int | None = None) -> dict:
+    """`speculative` (text file or None, prompts, drafts) measures speculative decoding against
+    plain instead (fermijit/bench_speculative.py); `layers` cuts a synthetic model."""
     from fermijit.jit import cpu
 
     if (model_dir is None) == (synthetic is None):
@@ -267,16 +270,23 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
     report: dict = {"isa": cpu.selected_isa().label, "decode_isa": cpu.decode_isa().label,
                     "cpu": cpu.target_cpu_name(),
                     "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens}
+    def measure(directory: Path) -> dict:
+        if speculative is None:
+            return _measure(directory, report, as_json, profile)
+        from fermijit import bench_speculative
+
+        return bench_speculative.run(directory, report, *speculative, as_json)
+
     if model_dir is not None:
-        return _measure(Path(model_dir), report, as_json, profile)
+        return measure(Path(model_dir))
     from fermijit.model import synth
 
     with tempfile.TemporaryDirectory(prefix="fermijit-synth-") as tmp:
         _progress(f"building {synthetic} in {tmp}")
-        written = synth.synth(synthetic, Path(tmp) / synthetic)
-        report["synthetic"] = {"name": synthetic, "build_s": written.seconds,
+        written = synth.synth(synthetic, Path(tmp) / synthetic, layers=layers)
+        report["synthetic"] = {"name": synthetic, "layers": layers, "build_s": written.seconds,
                                "bytes": written.nbytes}
-        return _measure(written.path, report, as_json, profile)
+        return measure(written.path)
 
 
 def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dict:

@@ -186,15 +186,30 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="With --synthetic: only the first N layers (a slice of the full size).")
+@click.option("--speculative", type=click.Choice(["none", "mtp"]), default="none",
+              show_default=True,
+              help="mtp: speculative decoding with the MTP head against plain decoding, same "
+                   "prompts (tok/s, tokens per step, acceptance, bytes per accepted token, step "
+                   "costs, the projection at 0.7-0.8 acceptance).")
+@draft_option
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="With --speculative: prompts from windows of this text.")
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=4, show_default=True,
+              help="With --speculative: prompts decoded each way.")
 def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
-                 threads: int | None, as_json: bool, profile: bool) -> None:
+                 threads: int | None, as_json: bool, profile: bool, layers: int | None,
+                 speculative: str, draft: int, text_path: Path | None, n_prompts: int) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
     from fermijit import bench_decode as bench_decode_module
 
     if model_dir is not None:
         synthetic = None
-    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile)
+    bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile,
+                            (text_path, n_prompts, draft) if speculative == "mtp" else None,
+                            layers)
 
 
 @bench.command("serve")
