@@ -152,18 +152,20 @@ def chain(model, state: State, row: int, token: int, hidden) -> tuple[np.ndarray
     return forward_rows(model, kv, row, [token], np.asarray(hidden, np.float32)[None])
 
 
-def after_block(model, state: State, block, x) -> None:
-    """Prefill's share: the model has just run `block` (tokens [T]) with final residual x [T, H];
-    their normed hidden states wait, and every waiting row whose next token is now known (all
-    but the last) is computed. At rest one row waits, so the rows' next tokens are the block's
-    own (all of them after the first block, all but the first in it)."""
-    hidden = rmsnorm.cpu(x, model.norm, model.eps)
-    waiting = np.concatenate([state.hidden, hidden])
-    if waiting.shape[0] - 1 > block.size:
+def after_block(model, state: State, block, x, end: int | None = None) -> None:
+    """Prefill's share: the model has just run `block` (tokens [T]), ending at position `end`
+    (default the state's), with final residual x [T, H]; their normed hidden states wait, and
+    every waiting row whose next token is now known (all but the last) is computed. At rest one
+    row waits, so the rows' next tokens are the block's own (all of them after the first block,
+    all but the first in it)."""
+    end = state.position if end is None else end
+    waiting = np.concatenate([state.hidden, rmsnorm.cpu(np.ascontiguousarray(x, np.float32),
+                                                        model.norm, model.eps)])
+    n = waiting.shape[0] - 1
+    if n > block.size:
         raise FermijitError(f"mtp: {state.hidden.shape[0]} hidden states waiting before a "
                             f"prefill (1 at rest)")
-    state.hidden = waiting
-    n = waiting.shape[0] - 1
     if n:
-        consume(model, state, block[block.size - n:], with_logits=False)
-    state.hidden = np.ascontiguousarray(state.hidden)
+        forward_rows(model, cache(model, state), end - waiting.shape[0], block[block.size - n:],
+                     waiting[:n], with_logits=False)
+    state.hidden = waiting[n:].copy()
