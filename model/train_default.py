@@ -566,10 +566,12 @@ def mtp_loss(head, ids, hidden, top_ids, top_p, k: int, aux_coef: float):
 
 def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes: float | None,
               seed: int = 0, batch: int = 8, lr: float = 1e-3, n_windows: int = MTP_WINDOWS,
-              quiet: bool = False) -> dict:
+              quiet: bool = False, states: Path | None = None) -> dict:
     """Train an MTP head for fermijit model `model_dir` (frozen) on `data`'s train split; write
     `out/head/model.safetensors` (the head under HF names, fp32) and `out/mtp_log.json`; returns
-    the log. The budget as `train`'s: --steps, or --minutes to fix them after timing the first."""
+    the log. The budget as `train`'s: --steps, or --minutes to fix them after timing the first.
+    `states`: an .npz file of the model's states (`model_states`), made there once and read on
+    later runs (on a busy 2-core machine they took longer than the training)."""
     import numpy as np
     from safetensors.torch import save_file
 
@@ -587,13 +589,19 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     config = json.loads((Path(model_dir) / "config.json").read_text())
     context = min(512, model.max_context)
     torch.manual_seed(seed)
+    names = ("ids", "hidden", "top_ids", "top_p")
+    saved = dict(np.load(states)) if states is not None and Path(states).is_file() else {}
     splits = {}
     for split, n in (("train", n_windows), ("heldout", max(8, n_windows // 20))):
         t0 = time.monotonic()
-        splits[split] = [torch.from_numpy(np.asarray(a)) for a in
-                         model_states(model, load_tokens(data, split).numpy(), context, n)]
+        if f"{split}.ids" not in saved:
+            arrays = model_states(model, load_tokens(data, split).numpy(), context, n)
+            saved.update({f"{split}.{k}": a for k, a in zip(names, arrays)})
+        splits[split] = [torch.from_numpy(saved[f"{split}.{k}"]) for k in names]
         say({"states": split, "windows": int(splits[split][0].shape[0]),
              "s": round(time.monotonic() - t0, 1)})
+    if states is not None and not Path(states).is_file():
+        np.savez(states, **saved)
     head = MtpHead(config, *_frozen(model))
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -682,6 +690,8 @@ def main(argv: list[str] | None = None) -> None:
                              "(MODEL with the head)")
     parser.add_argument("--mtp-windows", type=int, default=MTP_WINDOWS,
                         help="with --mtp-for: training windows of 512 tokens")
+    parser.add_argument("--mtp-states", type=Path, default=None,
+                        help="with --mtp-for: the model's states in this .npz (made once)")
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
         parser.error("give --steps, --minutes or both")
@@ -693,7 +703,7 @@ def main(argv: list[str] | None = None) -> None:
         from fermijit.model.convert import add_mtp_head
 
         train_mtp(args.mtp_for, args.data, args.out, args.steps, args.minutes, seed=args.seed,
-                  n_windows=args.mtp_windows)
+                  n_windows=args.mtp_windows, states=args.mtp_states)
         add_mtp_head(args.mtp_for, args.out / "head", args.out / "model")
         print(json.dumps({"saved": str(args.out / "model")}), flush=True)
         return

@@ -220,3 +220,41 @@ def test_bad_settings_are_refused(model_dir, tmp_path):
     convert.convert(lone, tmp_path / "fj", show_progress=False)
     with pytest.raises(FermijitError, match="no MTP head"):
         engine.Engine.load(tmp_path / "fj", speculative=True)
+
+
+ISA_RUN = """
+import json, sys
+import numpy as np
+from fermijit.jit import cpu
+cpu.select_isa(sys.argv[2])
+from fermijit import engine
+from fermijit.model.forward import load_model
+from fermijit.ops.sampling import Sampler
+_, model = load_model(sys.argv[1])
+rng = np.random.default_rng(5)
+same = []
+for n in (3, 11, 20, 7):
+    prompt = rng.integers(0, 300, n).astype(np.int32)
+    runs = [engine.generate(model, prompt, Sampler(model.vocab_size, temperature=0, top_k=0,
+                                                   top_p=1.0, seed=0), 24, 64, frozenset(),
+                            lambda t: None, n_draft=d)[0] for d in (0, 1, 3)]
+    same.append(runs[0] == runs[1] == runs[2])
+print(json.dumps({"isa": cpu.selected_isa().label, "same": same}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["ssse3", "avx2", "avx512vnni"])
+def test_greedy_text_is_decodings_on_every_isa(model_dir, isa):
+    # The whole process at `--isa`: prefill and decode kernels of that variant (SSSE3 also
+    # compiled for Westmere), greedy text with 1 and 3 drafts against plain decoding's.
+    import json
+    import subprocess
+    import sys
+
+    if not cpu.supported(next(i for i in cpu.Isa if i.label == isa)):
+        pytest.skip(f"this CPU has no {isa}")
+    out = subprocess.run([sys.executable, "-c", ISA_RUN, str(model_dir), isa],
+                         capture_output=True, text=True, timeout=900, env=cpu.child_env())
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["isa"] == isa and all(result["same"]), result
