@@ -61,14 +61,14 @@ def prompts(model_dir: Path, model, text: Path | None, n_prompts: int, n_tokens:
     return [ids[s:s + n_tokens].astype(np.int32) for s in starts]
 
 
-def _generate(model, prompt, n_tokens, n_draft):
-    """Greedy tokens after `prompt`, plainly (n_draft 0) or speculatively: (tokens, the
+def _generate(model, prompt, n_tokens, drafts):
+    """Greedy tokens after `prompt`, plainly (drafts None) or speculatively: (tokens, the
     engine's Stats)."""
     from fermijit import engine
 
     context = prompt.size + n_tokens + 1
     return engine.generate(model, prompt, _greedy(model), n_tokens, context, frozenset(),
-                           lambda t: None, n_draft=n_draft)
+                           lambda t: None, drafts=drafts)
 
 
 @dataclasses.dataclass
@@ -81,35 +81,36 @@ class Costs:
     draft_bytes: int
 
 
-def step_costs(model, prompt, n_draft: int) -> Costs:
+def step_costs(model, prompt, drafts) -> Costs:
     """The parts of a step on `prompt`'s state, timed interleaved, and the bytes they read."""
     from fermijit.bench_decode import token_bytes
     from fermijit.model import batch
     from fermijit.speculative import Speculator
 
+    n_draft = drafts.n
     rows = n_draft + 1
     plain = model.new_state(prompt.size + 2)
     token = int(np.argmax(model.prefill(prompt, plain)))
     state = model.new_state(prompt.size + rows + n_draft + 2, mtp=True)
     model.prefill(prompt, state)
     ws, saves = batch.BatchWorkspace(model, rows), batch.GdnSaves(model, rows)
-    speculator = Speculator(model, _greedy(model), n_draft)
+    speculator = Speculator(model, _greedy(model), drafts)
     waiting = state.hidden.copy()
-    drafts = [token] * n_draft
+    proposed = [token] * n_draft
 
     def decode():
         model.decode(token, plain)
         plain.position -= 1
 
     def verify():
-        batch.decode_rows(model, [token] + drafts, [state] * rows, ws, [saves] * rows)
+        batch.decode_rows(model, [token] + proposed, [state] * rows, ws, [saves] * rows)
         batch.rollback(model, state, saves, rows, 1)
         state.position -= 1
         state.hidden = waiting.copy()
 
     def draft():
-        nonlocal drafts
-        drafts, _ = speculator.draft(state, token, n_draft)
+        nonlocal proposed
+        proposed, _ = speculator.draft(state, token, n_draft)
         state.hidden = waiting.copy()
 
     parts = {"decode": decode, "verify": verify, "draft": draft}
@@ -143,8 +144,9 @@ def step_costs(model, prompt, n_draft: int) -> Costs:
         head.layer.experts.routed[0].shape[0]
     dense = sum(a.nbytes for a in _arrays_of(head))
     draft_experts = sum(n for _, n in selected["draft"]) * per_expert
+    head_rows = (drafts.vocab or model.vocab_size) / model.vocab_size  # a draft vocabulary's
     return Costs(1e3 * best["decode"], 1e3 * best["verify"], 1e3 * best["draft"], tb.total,
-                 tv.total, dense + draft_experts + n_draft * tb.lm_head)
+                 tv.total, dense + draft_experts + int(n_draft * head_rows * tb.lm_head))
 
 
 def _arrays_of(head):
@@ -155,8 +157,9 @@ def _arrays_of(head):
     return [a for a in _arrays(head) if id(a) not in routed]
 
 
-def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, n_draft: int,
+def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts,
         as_json: bool) -> dict:
+    """`drafts` a speculative.Drafts."""
     from fermijit import engine
     from fermijit.model.forward import load_model
 
@@ -164,19 +167,19 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, n_draf
     if model.mtp is None:
         raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* weights)")
     n_prompt, n_tokens = report["prompt_tokens"], report["decode_tokens"]
-    if n_prompt + n_tokens + 2 * n_draft + 4 > model.max_context:
+    if n_prompt + n_tokens + 2 * drafts.n + 4 > model.max_context:
         raise FermijitError(f"prompt plus tokens exceed the context of {model.max_context}")
     chosen = prompts(model_dir, model, text, n_prompts, n_prompt)
     engine.warm_up(model, chosen[0])
     from fermijit import speculative
 
-    speculative.warm_up(model, _greedy(model), n_draft)
+    speculative.warm_up(model, _greedy(model), drafts)
     plain_s = spec_s = 0.0
     n_plain = n_spec = steps = drafted = accepted = 0
     identical = True
     for prompt in chosen:
-        want, stats = _generate(model, prompt, n_tokens, 0)
-        got, spec = _generate(model, prompt, n_tokens, n_draft)
+        want, stats = _generate(model, prompt, n_tokens, None)
+        got, spec = _generate(model, prompt, n_tokens, drafts)
         identical &= got == want
         plain_s += stats.decode_s
         n_plain += stats.n_decode_tokens
@@ -185,12 +188,13 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, n_draf
         steps += spec.speculative.steps
         drafted += spec.speculative.drafted
         accepted += spec.speculative.accepted
-    costs = step_costs(model, chosen[-1], n_draft)
+    costs = step_costs(model, chosen[-1], drafts)
     a = accepted / drafted if drafted else float("nan")
     per_step = n_spec / steps
     step_ms = costs.verify_ms + costs.draft_ms
     report.update({
-        "model": str(model_dir), "draft": n_draft, "prompts": len(chosen),
+        "model": str(model_dir), "draft": drafts.n, "draft_vocab": drafts.vocab,
+        "prompts": len(chosen),
         "text": None if text is None else str(text), "identical_text": bool(identical),
         "plain_tok_s": n_plain / plain_s, "speculative_tok_s": n_spec / spec_s,
         "speedup": (n_spec / spec_s) / (n_plain / plain_s),
@@ -203,7 +207,7 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, n_draf
         "projection": [{"acceptance": x,
                         "speedup": (1 + x) * costs.decode_ms / step_ms,
                         "speedup_verify_only": (1 + x) * costs.decode_ms / costs.verify_ms}
-                       for x in ACCEPTANCE] if n_draft == 1 else None,
+                       for x in ACCEPTANCE] if drafts.n == 1 else None,
     })
     print(json.dumps(report, indent=2) if as_json else format_report(report))
     return report
@@ -222,7 +226,8 @@ def format_report(r: dict) -> str:
         f"cpu {r['cpu']}, isa {r['isa']} (decode {r['decode_isa']}), {r['threads']} threads",
         f"{r['prompts']} prompts of {r['prompt_tokens']} tokens "
         f"({r['text'] or 'built-in text'}), {r['decode_tokens']} greedy tokens each, "
-        f"{r['draft']} draft(s) a step",
+        f"{r['draft']} draft(s) a step"
+        + (f" from the first {r['draft_vocab']} ids" if r["draft_vocab"] else ""),
         f"{'plain decode':<28} {r['plain_tok_s']:9.2f} tok/s",
         f"{'speculative (mtp)':<28} {r['speculative_tok_s']:9.2f} tok/s  "
         f"({r['speedup']:.2f}x; text identical: {'yes' if r['identical_text'] else 'NO'})",

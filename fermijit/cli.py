@@ -72,10 +72,26 @@ numa_option = click.option(
          "nodes, else off).")
 
 
-draft_option = click.option(
-    "--draft", type=click.IntRange(min=1), default=1, show_default=True,
-    help="With --speculative mtp: tokens the MTP head drafts per step (more chain the head on "
-         "its own output; at most fermijit/speculative.py MAX_DRAFT).")
+def draft_option(command):
+    """--draft, --draft-vocab (fermijit/speculative.py Drafts), for generate, serve and bench."""
+    for option in reversed((
+            click.option("--draft", type=click.IntRange(min=1), default=1, show_default=True,
+                         help="With --speculative mtp: tokens the MTP head drafts per step (more "
+                              "chain the head on its own output; at most 8)."),
+            click.option("--draft-vocab", type=click.IntRange(min=1), default=None,
+                         help="With --speculative mtp: draft from the first N token ids only "
+                              "(the most frequent: a cheaper draft LM head; default all)."))):
+        command = option(command)
+    return command
+
+
+def _drafts(speculative: str, draft: int, draft_vocab: int | None):
+    """speculative.Drafts for --speculative mtp (and auto), None for none."""
+    if speculative == "none":
+        return None
+    from fermijit.speculative import Drafts
+
+    return Drafts(draft, draft_vocab)
 
 
 def prefill_options(command):
@@ -200,7 +216,8 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
               help="With --speculative: prompts decoded each way.")
 def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
                  threads: int | None, as_json: bool, profile: bool, layers: int | None,
-                 speculative: str, draft: int, text_path: Path | None, n_prompts: int) -> None:
+                 speculative: str, draft: int, draft_vocab: int | None, text_path: Path | None,
+                 n_prompts: int) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
     from fermijit import bench_decode as bench_decode_module
@@ -208,7 +225,8 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
     if model_dir is not None:
         synthetic = None
     bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile,
-                            (text_path, n_prompts, draft) if speculative == "mtp" else None,
+                            (text_path, n_prompts, _drafts(speculative, draft, draft_vocab))
+                            if speculative == "mtp" else None,
                             layers)
 
 
@@ -526,7 +544,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, images: tuple[Path, ...],
              prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool,
-             speculative: str, draft: int) -> None:
+             speculative: str, draft: int, draft_vocab: int | None) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -539,7 +557,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
                                verbose=verbose, images=images,
-                               draft=draft if speculative == "mtp" else 0)
+                               drafts=_drafts(speculative, draft, draft_vocab))
     cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every)
     from fermijit.model import files
 
@@ -575,7 +593,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, prefill: str, gpu_mem: str | None,
-          pin_budget: str | None, verbose: bool, speculative: str, draft: int) -> None:
+          pin_budget: str | None, verbose: bool, speculative: str, draft: int,
+          draft_vocab: int | None) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -594,7 +613,8 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every),
               prefill, gpu_mem, pin_budget, verbose,
-              speculative={"auto": None, "mtp": True, "none": False}[speculative], n_draft=draft)
+              speculative={"auto": None, "mtp": True, "none": False}[speculative],
+              drafts=_drafts(speculative, draft, draft_vocab))
 
 
 @cli.command("eval")

@@ -60,7 +60,7 @@ class Settings:
     pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
     images: tuple = ()            # --image paths: in the user turn, before the text (chat)
-    draft: int = 0                # --speculative mtp --draft N: N drafts a step; 0: off
+    drafts: object = None         # --speculative mtp: a speculative.Drafts; None: off
 
 
 @dataclasses.dataclass
@@ -106,37 +106,38 @@ def peak_rss_bytes() -> int:
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
              eos_ids: frozenset[int], on_token: Callable[[int], None],
              progress_to=None, cache=None, prefiller=None,
-             n_draft: int = 0) -> tuple[list[int], Stats]:
+             drafts=None) -> tuple[list[int], Stats]:
     """Prefill `prompt` (through `prefiller`, default the CPU's), then sample and decode until an
     eos id, `max_tokens` or the end of the context; `on_token` gets each generated token as it is
     made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
     passes shows a progress bar there. With `cache` (a prefix_cache.PrefixCache of this model),
     the prompt resumes from its longest cached prefix, and the state is snapshotted on the way
     and at the end. `prompt` may be a model/multimodal.py Prompt (with images): prefilled on the
-    CPU, without the cache (an image's placeholder ids do not say which image it was). With
-    `n_draft` > 0, decoding is speculative with the model's MTP head (fermijit/speculative.py;
-    the cache then holds states with its layer: Engine.load(speculative=True)); a prompt with
-    images decodes without it (the head's rows of image tokens are not computed)."""
+    CPU, without the cache (an image's placeholder ids do not say which image it was).
+    `drafts`: a speculative.Drafts, decoding speculatively with the model's MTP head
+    (fermijit/speculative.py; the cache then holds states with its layer:
+    Engine.load(speculative=True)); None: plainly. A prompt with images decodes plainly (the
+    head's rows of image tokens are not computed)."""
     from fermijit.model import multimodal
 
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
     if isinstance(prompt, multimodal.Prompt):
-        state, cache, n_cached, n_draft = model.new_state(context), None, 0, 0
+        state, cache, n_cached, drafts = model.new_state(context), None, 0, None
         logits = multimodal.prefill(model, prompt, state)
         prompt = prompt.ids
     else:
         prompt = np.asarray(prompt, np.int32)
         state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller,
-                                          mtp=n_draft > 0)
+                                          mtp=drafts is not None)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    if n_draft > 0:
+    if drafts is not None:
         from fermijit.speculative import Speculator
 
-        speculator = Speculator(model, sampler, n_draft)
+        speculator = Speculator(model, sampler, drafts)
         tokens, logits = _decode_speculative(speculator, state, token, max_tokens, context,
                                              eos_ids, on_token, stats)
         speculator.settle(state)
@@ -383,12 +384,12 @@ class Engine:
         if ids.ndim != 1 or ids.size == 0:
             raise FermijitError("the prompt is empty (no tokens)")
         context = context_length(settings, int(prompt.size), self.model.max_context)
-        if settings.draft and not self.speculative:
+        if settings.drafts is not None and not self.speculative:
             raise FermijitError("this engine was loaded without speculative decoding "
                                 "(Engine.load(speculative=True))")
         return generate(self.model, prompt, self.sampler(settings), settings.max_tokens, context,
                         self.tokenizer.eos_ids, on_token, progress_to, self.cache,
-                        self.prefiller, n_draft=settings.draft if self.speculative else 0)
+                        self.prefiller, drafts=settings.drafts)
 
 
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
@@ -406,7 +407,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
                          warn=lambda line: print(line, file=err, flush=True),
-                         speculative=settings.draft > 0)
+                         speculative=settings.drafts is not None)
     model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 
@@ -435,11 +436,11 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     print(f"loaded {model_dir} ({kind}) in {load_s:.2f} s", file=err, flush=True)
     ids = getattr(prompt, "ids", prompt)  # a multimodal.Prompt's, or the ids themselves
     warm_up_s = warm_up(model, ids, sampler=engine.sampler(settings))  # a twin: warming draws
-    if settings.draft and not pictures:
+    if settings.drafts is not None and not pictures:
         from fermijit import speculative
 
         start = time.perf_counter()
-        speculative.warm_up(model, engine.sampler(settings), settings.draft)
+        speculative.warm_up(model, engine.sampler(settings), settings.drafts)
         warm_up_s += time.perf_counter() - start
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
     # A prompt with images is prefilled on the CPU (engine.generate): no GPU prefill to set up,

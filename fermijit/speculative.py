@@ -32,9 +32,19 @@ from fermijit.ops import sampling
 MAX_DRAFT = 8  # --draft: the head is one layer; chained drafts' acceptance falls quickly
 
 
-def check_draft(n_draft: int) -> None:
-    if not 1 <= n_draft <= MAX_DRAFT:
-        raise FermijitError(f"--draft must be between 1 and {MAX_DRAFT}, got {n_draft}")
+@dataclasses.dataclass(frozen=True)
+class Drafts:
+    """How a step drafts: `n` tokens (chained after the first), from the first `vocab` ids only
+    (model/mtp.py lm_head_rows; None: the whole vocabulary)."""
+
+    n: int = 1
+    vocab: int | None = None
+
+    def __post_init__(self):
+        if not 1 <= self.n <= MAX_DRAFT:
+            raise FermijitError(f"--draft must be between 1 and {MAX_DRAFT}, got {self.n}")
+        if self.vocab is not None and self.vocab < 1:
+            raise FermijitError(f"--draft-vocab must be at least 1, got {self.vocab}")
 
 
 @dataclasses.dataclass
@@ -55,13 +65,15 @@ class Speculator:
     `truncate` takes back the last ones of a step (the generation stopped inside it);
     `settle` computes the head's rows of every fed token but the last (before a snapshot)."""
 
-    def __init__(self, model, sampler, n_draft: int = 1):
+    def __init__(self, model, sampler, drafts: Drafts = Drafts()):
         if model.mtp is None:
             raise FermijitError("--speculative mtp: the model has no MTP head (mtp.* weights)")
         if not batch.can_batch(model):
             raise FermijitError("--speculative mtp needs a 4-bit fermijit model (convert it)")
-        check_draft(n_draft)
-        self.model, self.sampler, self.n_draft = model, sampler, n_draft
+        self.model, self.sampler, self.n_draft = model, sampler, drafts.n
+        self.draft_vocab = None if drafts.vocab in (None, model.vocab_size) else drafts.vocab
+        if self.draft_vocab is not None:
+            mtp.lm_head_rows(model, self.draft_vocab)  # checks it against the model
         self.is_greedy = sampler.temperature == 0
         self.counts = Counts()
         self._spaces: dict[int, tuple[batch.BatchWorkspace, batch.GdnSaves]] = {}
@@ -77,8 +89,11 @@ class Speculator:
         return space
 
     def _probabilities(self, logits) -> np.ndarray:
+        """The sampler's distribution over the vocabulary from `logits` ([V], or a draft
+        vocabulary's first ids: 0 past them)."""
         s = self.sampler
-        return sampling.probabilities(logits, s.temperature, s.top_k, s.top_p)
+        p = sampling.probabilities(logits, s.temperature, min(s.top_k, logits.size), s.top_p)
+        return p if p.size == s.vocab_size else np.pad(p, (0, s.vocab_size - p.size))
 
     def draft(self, state, token: int, n: int) -> tuple[list[int], list[np.ndarray]]:
         """n drafts after `token` and, when sampling, the distributions they were drawn from."""
@@ -87,7 +102,7 @@ class Speculator:
             raise FermijitError(f"speculative: {len(tokens)} tokens for the head's "
                                 f"{0 if state.hidden is None else state.hidden.shape[0]} "
                                 f"waiting hidden states")
-        out, logits = mtp.consume(self.model, state, tokens)
+        out, logits = mtp.consume(self.model, state, tokens, vocab=self.draft_vocab)
         drafts, dists = [], []
         for i in range(n):
             if self.is_greedy:
@@ -97,7 +112,7 @@ class Speculator:
                 drafts.append(sampling.draw(dists[-1], self.sampler.rng.random()))
             if i + 1 < n:
                 out, logits = mtp.chain(self.model, state, state.position + i, drafts[-1],
-                                        out[-1])
+                                        out[-1], self.draft_vocab)
         self._tail = []
         return drafts, dists
 
@@ -161,15 +176,15 @@ class Speculator:
             self._tail = []
 
 
-def warm_up(model, sampler, n_draft: int) -> None:
+def warm_up(model, sampler, drafts: Drafts) -> None:
     """Compile (or load) the kernels of a speculative step (the head's rows, a verify step of
-    n_draft + 1 rows, a rollback) on the warm-up's sample of the model (fermijit/warm.py) and a
+    n + 1 rows, a rollback) on the warm-up's sample of the model (fermijit/warm.py) and a
     throwaway state; `sampler` a twin of the real one (drafting draws from its generator)."""
     from fermijit.warm import kernel_sample
 
     sample = kernel_sample(model)
-    state = sample.new_state(n_draft + 4, mtp=True)
+    state = sample.new_state(drafts.n + 4, mtp=True)
     sample.prefill(np.zeros(2, np.int32), state)
-    speculator = Speculator(sample, sampler, n_draft)
+    speculator = Speculator(sample, sampler, drafts)
     tokens, _ = speculator.step(state, 0)
     speculator.step(state, tokens[-1])

@@ -526,14 +526,25 @@ class MtpHead(torch.nn.Module):
         x = self.layer(x, position_embeddings=self.rotary(x, positions))
         return self.rmsnorm(x, self.norm) @ self.lm_head.T
 
-    def hf_tensors(self) -> dict:
-        """The head under the published names (`mtp.*`, fused experts), fp32."""
+    def load_hf_tensors(self, tensors: dict) -> None:
+        """`hf_tensors`' inverse: continue from a saved head."""
+        own = {n: p for n, p in self.named_parameters()}
+        with torch.no_grad():
+            for name, p in self._hf_params().items():
+                p.copy_(tensors[name])
+        assert len(own) == len(tensors)
+
+    def _hf_params(self) -> dict:
         out = {"mtp.pre_fc_norm_embedding.weight": self.pre_fc_norm_embedding,
                "mtp.pre_fc_norm_hidden.weight": self.pre_fc_norm_hidden,
                "mtp.fc.weight": self.fc.weight, "mtp.norm.weight": self.norm}
         for name, p in self.layer.named_parameters():
             out[f"mtp.layers.0.{name}"] = p
-        return {n: p.detach().float().contiguous() for n, p in out.items()}
+        return out
+
+    def hf_tensors(self) -> dict:
+        """The head under the published names (`mtp.*`, fused experts), fp32."""
+        return {n: p.detach().float().contiguous() for n, p in self._hf_params().items()}
 
 
 def _frozen(model):
@@ -566,14 +577,16 @@ def mtp_loss(head, ids, hidden, top_ids, top_p, k: int, aux_coef: float):
 
 def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes: float | None,
               seed: int = 0, batch: int = 8, lr: float = 1e-3, n_windows: int = MTP_WINDOWS,
-              quiet: bool = False, states: Path | None = None) -> dict:
+              quiet: bool = False, states: Path | None = None,
+              init: Path | None = None) -> dict:
     """Train an MTP head for fermijit model `model_dir` (frozen) on `data`'s train split; write
     `out/head/model.safetensors` (the head under HF names, fp32) and `out/mtp_log.json`; returns
     the log. The budget as `train`'s: --steps, or --minutes to fix them after timing the first.
     `states`: an .npz file of the model's states (`model_states`), made there once and read on
-    later runs (on a busy 2-core machine they took longer than the training)."""
+    later runs (on a busy 2-core machine they took longer than the training). `init`: a head
+    directory (`out/head` of an earlier run) to continue from."""
     import numpy as np
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     from fermijit.model.forward import load_model
 
@@ -603,6 +616,8 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     if states is not None and not Path(states).is_file():
         np.savez(states, **saved)
     head = MtpHead(config, *_frozen(model))
+    if init is not None:
+        head.load_hf_tensors(load_file(str(Path(init) / "model.safetensors")))
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -692,6 +707,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --mtp-for: training windows of 512 tokens")
     parser.add_argument("--mtp-states", type=Path, default=None,
                         help="with --mtp-for: the model's states in this .npz (made once)")
+    parser.add_argument("--mtp-init", type=Path, default=None,
+                        help="with --mtp-for: continue from this head directory (OUT/head)")
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
         parser.error("give --steps, --minutes or both")
@@ -703,7 +720,7 @@ def main(argv: list[str] | None = None) -> None:
         from fermijit.model.convert import add_mtp_head
 
         train_mtp(args.mtp_for, args.data, args.out, args.steps, args.minutes, seed=args.seed,
-                  n_windows=args.mtp_windows, states=args.mtp_states)
+                  n_windows=args.mtp_windows, states=args.mtp_states, init=args.mtp_init)
         add_mtp_head(args.mtp_for, args.out / "head", args.out / "model")
         print(json.dumps({"saved": str(args.out / "model")}), flush=True)
         return

@@ -14,10 +14,10 @@ import numpy as np
 from fermijit import FermijitError
 
 
-def warm_up(engine, max_batch: int, n_draft: int = 0) -> None:
+def warm_up(engine, max_batch: int, drafts=None) -> None:
     """Compile (or load) every kernel a request meets: prefill, decode, sampling and the batched
     step at 1 and 2 sequences (grouped launches differ from 1 row on), on throwaway states; with
-    `n_draft`, a speculative step's (fermijit/speculative.py)."""
+    `drafts` (speculative.Drafts), a speculative step's."""
     from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
 
@@ -28,17 +28,18 @@ def warm_up(engine, max_batch: int, n_draft: int = 0) -> None:
         for n in sorted({1, min(2, max_batch)}):
             states = [sample.new_state(2) for _ in range(n)]
             decode_batch(sample, np.zeros(n, np.int32), states)
-    if n_draft:
+    if drafts is not None:
         from fermijit import speculative
 
-        speculative.warm_up(model, engine.sampler(Settings()), n_draft)
+        speculative.warm_up(model, engine.sampler(Settings()), drafts)
 
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "cpu", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False, speculative: bool | None = None,
-          n_draft: int = 1) -> None:
-    """`speculative`: draft with the MTP head (None: where the model has one)."""
+          drafts=None) -> None:
+    """`speculative`: draft with the MTP head (None: where the model has one), as `drafts`
+    says (speculative.Drafts)."""
     import uvicorn
 
     from fermijit import hybrid
@@ -53,19 +54,19 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
                          warn=lambda line: print(line, file=err, flush=True),
                          speculative=speculative)
-    if engine.speculative:
-        from fermijit.speculative import check_draft
-
-        check_draft(n_draft)
-    warm_up(engine, max_batch, n_draft if engine.speculative else 0)
+    if engine.speculative and drafts is None:
+        from fermijit.speculative import Drafts
+        drafts = Drafts()
+    drafts = drafts if engine.speculative else None
+    warm_up(engine, max_batch, drafts)
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
     if prefill != "cpu":
         engine.prefiller.prepare()
-    scheduler = Scheduler(engine, max_batch, queue_size, n_draft)
-    drafts = f", MTP drafts {n_draft}" if engine.speculative else ""
+    scheduler = Scheduler(engine, max_batch, queue_size, drafts)
+    said = f", MTP drafts {drafts.n}" if drafts is not None else ""
     print(f"loaded {model_dir} and its kernels in {time.perf_counter() - start:.1f} s; serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
-          f"{drafts}{', API key required' if api_key else ''})", file=err, flush=True)
+          f"{said}{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
     try:
         config = uvicorn.Config(make_app(scheduler, model_name(model_dir), api_key),

@@ -89,12 +89,17 @@ class Sequence:
 class Scheduler:
     """Runs `engine` (fermijit/engine.py Engine) on its own thread; `submit` from any thread."""
 
-    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64, n_draft: int = 1):
+    def __init__(self, engine, max_batch: int = 8, queue_size: int = 64, drafts=None):
+        """`drafts` (speculative.Drafts, default one draft a step) where the engine was loaded
+        for speculative decoding."""
         if max_batch < 1 or queue_size < 1:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
         self.engine, self.max_batch = engine, max_batch
-        self.n_draft = n_draft if engine.speculative else 0  # drafts a speculative step
+        if engine.speculative and drafts is None:
+            from fermijit.speculative import Drafts
+            drafts = Drafts()
+        self.drafts = drafts if engine.speculative else None
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.active: list[Sequence] = []
         self.n_steps = 0             # batched decode steps run
@@ -205,7 +210,7 @@ class Scheduler:
         if with_images is None:
             state, logits, n_cached = engine_module.prefill(model, prompt, n_prompt + max_tokens,
                                                             engine.cache, None, engine.prefiller,
-                                                            mtp=self.n_draft > 0)
+                                                            mtp=self.drafts is not None)
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
 
@@ -214,10 +219,10 @@ class Scheduler:
         seq = Sequence(job, prompt, n_cached, max_tokens, state, sampler,
                        engine.tokenizer.stream(), StopMatcher(job.stop),
                        has_images=with_images is not None)
-        if self.n_draft and with_images is None:
+        if self.drafts is not None and with_images is None:
             from fermijit.speculative import Speculator
 
-            seq.speculator = Speculator(model, sampler, self.n_draft)
+            seq.speculator = Speculator(model, sampler, self.drafts)
         job.emit(Started(n_prompt, n_cached))
         self._accept(seq, sampler.sample(logits), logits)
         return seq

@@ -13,6 +13,7 @@ from fermijit.engine import Engine, Settings
 from fermijit.model import convert
 from fermijit.server.protocol import Finished, Job, Started, Text
 from fermijit.server.scheduler import Scheduler
+from fermijit.speculative import Drafts
 from tests.model import tiny
 
 
@@ -62,7 +63,7 @@ def test_answers_are_plain_decodings(model_dir, rng):
     requests.append((prompts[3], 30, (text[len(text) // 2:len(text) // 2 + 3],)))
     want += [a[:2] for a in answers(plain, requests[4:])]
     for n_draft in (1, 3):
-        spec = Scheduler(spec_engine, max_batch=4, n_draft=n_draft)
+        spec = Scheduler(spec_engine, max_batch=4, drafts=Drafts(n_draft))
         for i, r in enumerate(requests):                     # alone: speculative steps
             assert answers(spec, [r])[0][:2] == want[i], (n_draft, i)
         together = answers(spec, requests[:4])               # together: batched, then alone
@@ -72,7 +73,7 @@ def test_answers_are_plain_decodings(model_dir, rng):
 
 def test_next_turn_resumes_from_a_speculative_snapshot(model_dir, rng):
     engine, plain = Engine.load(model_dir, speculative=True), Engine.load(model_dir)
-    spec = Scheduler(engine, max_batch=2, n_draft=2)
+    spec = Scheduler(engine, max_batch=2, drafts=Drafts(2, vocab=200))
 
     def greedy(ids, n):
         return plain.generate(np.asarray(ids, np.int32), Settings(max_tokens=n, temperature=0),
