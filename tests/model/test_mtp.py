@@ -7,6 +7,8 @@ drafts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -190,3 +192,85 @@ def test_calibration_counts_the_heads_rows(converted, rng):
     assert cal.counts.shape == (L + 1, model.n_experts)
     assert cal.counts[L].sum() == n_windows * (context - 1) * model.top_k
     assert cal.counts[0].sum() == n_windows * context * model.top_k
+
+
+def with_nextn_block(src, dst, hf_weights: dict) -> None:
+    """A copy of GGUF `src` (llama.cpp's conversion of a tiny model without its head) with the
+    head added as llama.cpp's converter writes it: block blk.{L} after the L layers
+    (block_count + 1, nextn_predict_layers 1), its layer under the block names, nextn.eh_proj /
+    enorm / hnorm / shared_head_norm, the routed experts' gate_up split, every norm but the GDN
+    one stored 1 + w (model/gguf_io.py undoes each)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    L = int(reader.fields["qwen35moe.block_count"].contents())
+    writer = GGUFWriter(dst, "qwen35moe")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "qwen35moe.block_count":
+            value = L + 1
+        elif key == "qwen35moe.attention.recurrent_layers":
+            value = list(value) + [False]
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub)
+    writer.add_key_value("qwen35moe.nextn_predict_layers", 1, GGUFValueType.UINT32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    b, m = f"blk.{L}.", "mtp.layers.0."
+
+    def norm(name):
+        return (1 + hf_weights[name]).astype(np.float32)
+
+    gate_up = hf_weights[m + "mlp.experts.gate_up_proj"]
+    half = gate_up.shape[1] // 2
+    head = {"nextn.eh_proj.weight": hf_weights["mtp.fc.weight"],
+            "nextn.enorm.weight": norm("mtp.pre_fc_norm_embedding.weight"),
+            "nextn.hnorm.weight": norm("mtp.pre_fc_norm_hidden.weight"),
+            "nextn.shared_head_norm.weight": norm("mtp.norm.weight"),
+            "attn_norm.weight": norm(m + "input_layernorm.weight"),
+            "post_attention_norm.weight": norm(m + "post_attention_layernorm.weight"),
+            "attn_q_norm.weight": norm(m + "self_attn.q_norm.weight"),
+            "attn_k_norm.weight": norm(m + "self_attn.k_norm.weight"),
+            "ffn_gate_exps.weight": gate_up[:, :half], "ffn_up_exps.weight": gate_up[:, half:],
+            "ffn_down_exps.weight": hf_weights[m + "mlp.experts.down_proj"]}
+    for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                         ("o_proj", "attn_output")):
+        head[theirs + ".weight"] = hf_weights[f"{m}self_attn.{ours}.weight"]
+    for ours, theirs in (("gate", "ffn_gate_inp"), ("shared_expert.gate_proj", "ffn_gate_shexp"),
+                         ("shared_expert.up_proj", "ffn_up_shexp"),
+                         ("shared_expert.down_proj", "ffn_down_shexp"),
+                         ("shared_expert_gate", "ffn_gate_inp_shexp")):
+        head[theirs + ".weight"] = hf_weights[f"{m}mlp.{ours}.weight"]
+    for name, a in head.items():
+        writer.add_tensor(b + name, np.ascontiguousarray(a, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_nextn_block_converts_as_the_hf_head(tmp_path):
+    # llama.cpp's layout of the head (its qwen35moe MTP graph's tensors) converts to the same
+    # fermijit tensors as the HF checkpoint's mtp.*: quantised ones byte for byte, norms within
+    # the ulp that storing 1 + w costs.
+    from fermijit.model.safetensors_io import SafetensorsFile
+    from tests.model import gguf_data
+
+    model = dataclasses.replace(tiny.UNIT, mtp=True)
+    hf = gguf_data.write_checkpoint(tmp_path / "hf", model)
+    with_nextn_block(gguf_data.F32, tmp_path / "mtp.gguf", tiny.random_weights(0, model))
+    convert.convert(hf, tmp_path / "ours", show_progress=False)
+    convert.convert(tmp_path / "mtp.gguf", tmp_path / "theirs", show_progress=False)
+    a = SafetensorsFile(tmp_path / "ours" / convert.WEIGHTS)
+    b = SafetensorsFile(tmp_path / "theirs" / convert.WEIGHTS)
+    head = sorted(n for n in a.tensors if n.startswith(MTP_PREFIX))
+    assert head and head == sorted(n for n in b.tensors if n.startswith(MTP_PREFIX))
+    for name in head:
+        x, y = np.asarray(a.raw(name)), np.asarray(b.raw(name))
+        if x.dtype == np.float32:
+            assert_close(name, x, y, atol=2 * np.finfo(np.float32).eps * 4, rtol=0)
+        else:
+            assert x.tobytes() == y.tobytes(), name
+    assert load_model(tmp_path / "theirs")[1].mtp is not None
