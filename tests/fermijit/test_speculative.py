@@ -265,3 +265,16 @@ def test_greedy_text_is_decodings_on_every_isa(model_dir, isa):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["isa"] == isa and all(result["same"]), result
+
+
+def test_the_end_of_the_context(model_dir, rng):
+    # Steps shrink their drafts to the room left, the last position is a plain decode, and the
+    # text stops where decoding's does.
+    _, model = load_model(model_dir)
+    prompt = rng.integers(0, 300, 10).astype(np.int32)
+    for context in (11, 12, 13, 16):
+        want, stats = run(model, prompt, 40, context=context)
+        assert stats.stop is engine.Stop.CONTEXT
+        for n_draft in (1, 3):
+            got, spec = run(model, prompt, 40, context=context, n_draft=n_draft)
+            assert got == want and spec.stop is engine.Stop.CONTEXT, (context, n_draft)
