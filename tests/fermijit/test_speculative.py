@@ -278,3 +278,74 @@ def test_the_end_of_the_context(model_dir, rng):
         for n_draft in (1, 3):
             got, spec = run(model, prompt, 40, context=context, n_draft=n_draft)
             assert got == want and spec.stop is engine.Stop.CONTEXT, (context, n_draft)
+
+
+# The sampling loop end to end on the embedded model (its trained head accepts a share of the
+# drafts), top-k 2 at temperature 1. (1) What the loop hands the rejection rule (ops.sampling
+# .speculative, tested statistically on its own in tests/ops/test_sampling.py): p[i] is exactly
+# the model's distribution after the fed token and drafts d_1..d_i (plain decodes of them), q[i]
+# a distribution whose support holds d_i. (2) The first two tokens' joint distribution over
+# SAMPLING_RUNS runs against the model's own, computed exactly by decoding each of the 2 + 4
+# prefixes: each of the 4 probabilities within SAMPLING_SIGMAS binomial standard deviations (a
+# coarse check on this 2-core machine: ~0.3 s a run under load).
+SAMPLING_RUNS = 600
+SAMPLING_SIGMAS = 5
+
+
+def test_sampling_hands_the_rule_the_models_distributions(monkeypatch):
+    from fermijit.ops import sampling
+
+    _, model = load_model(engine.DEFAULT_MODEL)
+    if model.mtp is None:
+        pytest.skip("the embedded model has no MTP head")
+    prompt = np.array([0, 1500, 44, 302, 17, 9, 251], np.int32)
+    settings = dict(temperature=1.0, top_k=2, top_p=1.0)
+    base = model.new_state(prompt.size + 12, mtp=True)
+    first = model.prefill(prompt, base)
+
+    def dist(logits):
+        return sampling.probabilities(logits, **settings)
+
+    calls = []
+    rule = sampling.speculative
+    monkeypatch.setattr(sampling, "speculative",
+                        lambda p, q, d, rng: calls.append(([x.copy() for x in p],
+                                                           [x.copy() for x in q], list(d)))
+                        or rule(p, q, d, rng))
+    sampler = Sampler(model.vocab_size, seed=3, **settings)
+    state, plain = base.copy(), base.copy()
+    speculator = speculative.Speculator(model, sampler, speculative.Drafts(2))
+    token = sampler.sample(first)
+    for _ in range(4):
+        fed_before = state.position
+        new, _ = speculator.step(state, token)
+        p, q, drafts = calls[-1]
+        shadow = plain.copy()
+        for i, t in enumerate([token] + drafts):
+            np.testing.assert_array_equal(p[i], dist(model.decode(int(t), shadow)))
+        for i, d in enumerate(drafts):
+            assert abs(q[i].sum() - 1) < 1e-9 and q[i][d] > 0
+        for t in [token] + new[:-1]:                  # the plain state follows what was fed
+            model.decode(int(t), plain)
+        assert plain.position == state.position == fed_before + len(new)
+        token = new[-1]
+    monkeypatch.setattr(sampling, "speculative", rule)
+
+    p1 = dist(first)
+    exact = {}
+    for a in np.flatnonzero(p1):
+        p2 = dist(model.decode(int(a), base.copy()))
+        exact.update({(a, b): p1[a] * p2[b] for b in np.flatnonzero(p2)})
+    counts = dict.fromkeys(exact, 0)
+    accepted = 0
+    for _ in range(SAMPLING_RUNS):
+        speculator = speculative.Speculator(model, sampler, speculative.Drafts(1))
+        out = [sampler.sample(first)]
+        out += speculator.step(base.copy(), out[0])[0]
+        counts[tuple(out[:2])] += 1
+        accepted += speculator.counts.accepted
+    assert accepted > SAMPLING_RUNS // 20                      # the rule's accept path ran
+    for key, p in exact.items():
+        freq = counts[key] / SAMPLING_RUNS
+        bound = SAMPLING_SIGMAS * np.sqrt(p * (1 - p) / SAMPLING_RUNS) + 1e-9
+        assert abs(freq - p) <= bound, (key, freq, p)
