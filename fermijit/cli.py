@@ -588,7 +588,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
 @click.option("--speculative", type=click.Choice(["auto", "mtp", "none"]), default="auto",
               show_default=True,
               help="Draft with the model's MTP head while one request is decoding (auto: where "
-                   "the model has one; none: off).")
+                   "the model has one and its decode reads enough bytes for it to pay; none: "
+                   "off).")
 @draft_option
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,

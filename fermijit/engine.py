@@ -316,14 +316,16 @@ class Engine:
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
         memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr);
         `speculative`: decode with the model's MTP head (FermijitError if it has none; None:
-        where it has one)."""
+        where it has one and it pays: speculative.pays)."""
         from fermijit import prefix_cache
         from fermijit.model.forward import load_model
         from fermijit.model.tokenizer import Tokenizer
 
         cfg, model = load_model(model_dir, show_progress=show_progress)
         if speculative is None:
-            speculative = model.mtp is not None
+            from fermijit.speculative import pays
+
+            speculative = model.mtp is not None and pays(model)
         if speculative and model.mtp is None:
             raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* "
                                 f"weights; a model converted before fermijit kept them has "

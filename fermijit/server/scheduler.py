@@ -11,9 +11,9 @@ snapshot prefix cache, so a second chat turn prefills only what the cache lacks 
 stream until they can no longer match (`StopMatcher`).
 
 With an engine loaded for speculative decoding (fermijit/speculative.py: the default where the
-model has an MTP head, `serve --speculative none` turns it off), a step with one sequence
-active drafts and verifies (`_speculative_step`); with several, the batched step reads the
-weights once for all of them, and each sequence's head catches up at its next draft.
+model has an MTP head and it pays, `serve --speculative none` turns it off), a step with one
+sequence active drafts and verifies (`_speculative_step`); with several, the batched step reads
+the weights once for all of them, and each sequence's head catches up at its next draft.
 """
 
 from __future__ import annotations
