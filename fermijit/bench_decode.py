@@ -264,10 +264,13 @@ def windows(n_tokens: int) -> list[range]:
 
 def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: int,
         n_threads: int | None, as_json: bool, profile: bool,
-        sweep: tuple[int, ...] = (), sweep_tokens: int = SWEEP_TOKENS, kv=None) -> dict:
+        sweep: tuple[int, ...] = (), sweep_tokens: int = SWEEP_TOKENS, kv=None, speculative=None,
+        layers: int | None = None) -> dict:
     """`sweep`: thread counts at which decode is measured again after the main run (each
     `sweep_tokens` tokens in paired windows, then a profiled token: `--threads-sweep`); `kv` the
-    KV cache's kind (default Q8_0)."""
+    KV cache's kind (default Q8_0); `speculative` (text file or None, prompts, drafts) measures
+    speculative decoding against plain instead (fermijit/bench_speculative.py); `layers` cuts a
+    synthetic model."""
     import numba
 
     from fermijit.jit import cpu
@@ -286,16 +289,24 @@ def run(model_dir: Path | None, synthetic: str | None, n_prompt: int, n_tokens: 
                     "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_tokens,
                     "sweep_threads": list(sweep), "sweep_tokens": sweep_tokens,
                     "kv_cache": (kv or DEFAULT_KV).value}
+
+    def measure(directory: Path) -> dict:
+        if speculative is None:
+            return _measure(directory, report, as_json, profile)
+        from fermijit import bench_speculative
+
+        return bench_speculative.run(directory, report, *speculative, as_json)
+
     if model_dir is not None:
-        return _measure(Path(model_dir), report, as_json, profile)
+        return measure(Path(model_dir))
     from fermijit.model import synth
 
     with tempfile.TemporaryDirectory(prefix="fermijit-synth-") as tmp:
         _progress(f"building {synthetic} in {tmp}")
-        written = synth.synth(synthetic, Path(tmp) / synthetic)
-        report["synthetic"] = {"name": synthetic, "build_s": written.seconds,
+        written = synth.synth(synthetic, Path(tmp) / synthetic, layers=layers)
+        report["synthetic"] = {"name": synthetic, "layers": layers, "build_s": written.seconds,
                                "bytes": written.nbytes}
-        return _measure(written.path, report, as_json, profile)
+        return measure(written.path)
 
 
 def _decode_windows(model, state, token: int, n_tokens: int, probe: ProbeChild):

@@ -119,6 +119,28 @@ def _int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def draft_option(command):
+    """--draft, --draft-vocab (fermijit/speculative.py Drafts), for generate, serve and bench."""
+    for option in reversed((
+            click.option("--draft", type=click.IntRange(min=1), default=1, show_default=True,
+                         help="With --speculative mtp: tokens the MTP head drafts per step (more "
+                              "chain the head on its own output; at most 8)."),
+            click.option("--draft-vocab", type=click.IntRange(min=1), default=None,
+                         help="With --speculative mtp: draft from the first N token ids only "
+                              "(the most frequent: a cheaper draft LM head; default all)."))):
+        command = option(command)
+    return command
+
+
+def _drafts(speculative: str, draft: int, draft_vocab: int | None):
+    """speculative.Drafts for --speculative mtp (and auto), None for none."""
+    if speculative == "none":
+        return None
+    from fermijit.speculative import Drafts
+
+    return Drafts(draft, draft_vocab)
+
+
 def prefill_options(command):
     """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate, eval,
     serve and prune."""
@@ -261,10 +283,24 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
                    "of the ceiling (paired), a profiled token's split (kernels, fork/join, idle).")
 @click.option("--sweep-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="Tokens decoded at each count of --threads-sweep.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="With --synthetic: only the first N layers (a slice of the full size).")
+@click.option("--speculative", type=click.Choice(["none", "mtp"]), default="none",
+              show_default=True,
+              help="mtp: speculative decoding with the MTP head against plain decoding, same "
+                   "prompts (tok/s, tokens per step, acceptance, bytes per accepted token, step "
+                   "costs, the projection at 0.7-0.8 acceptance).")
+@draft_option
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="With --speculative: prompts from windows of this text.")
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=4, show_default=True,
+              help="With --speculative: prompts decoded each way.")
 @kv_option
 def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
                  threads: int | None, as_json: bool, profile: bool, sweep: tuple | None,
-                 sweep_tokens: int, kv_cache: str) -> None:
+                 sweep_tokens: int, layers: int | None, speculative: str, draft: int,
+                 draft_vocab: int | None, text_path: Path | None, n_prompts: int,
+                 kv_cache: str) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
     from fermijit import bench_decode as bench_decode_module
@@ -272,7 +308,10 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
     if model_dir is not None:
         synthetic = None
     bench_decode_module.run(model_dir, synthetic, prompt_tokens, tokens, threads, as_json, profile,
-                            sweep or (), sweep_tokens, _kv(kv_cache))
+                            sweep or (), sweep_tokens, _kv(kv_cache),
+                            (text_path, n_prompts, _drafts(speculative, draft, draft_vocab))
+                            if speculative == "mtp" else None,
+                            layers)
 
 
 @bench.command("llama-cpp")
@@ -653,12 +692,18 @@ def verify(model_dir: Path) -> None:
 @max_image_tokens_option
 @prefill_options
 @kv_option
+@click.option("--speculative", type=click.Choice(["none", "mtp"]), default="none",
+              show_default=True,
+              help="mtp: draft tokens with the model's MTP head and verify them in one step "
+                   "(the same text at temperature 0, the same distribution sampling).")
+@draft_option
 def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temperature: float | None,
              top_k: int | None, top_p: float | None, seed: int, threads: int | None,
              context: int | None, chat: bool, no_cache: bool, cache_dir: Path | None,
              cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
              images: tuple[Path, ...], max_image_tokens: int, prefill: str,
-             gpu_mem: str | None, pin_budget: str | None, verbose: bool, kv_cache: str) -> None:
+             gpu_mem: str | None, pin_budget: str | None, verbose: bool, kv_cache: str,
+             speculative: str, draft: int, draft_vocab: int | None) -> None:
     """Continue PROMPT (read from stdin when absent); the continuation streams to stdout, a summary
     of timings to stderr. The prompt resumes from the longest prefix of it snapshotted before
     (in this process, or in --cache-dir)."""
@@ -671,7 +716,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                                top_p=top_p, seed=seed, context=context, is_chat=chat,
                                prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget,
                                verbose=verbose, images=images,
-                               max_image_tokens=max_image_tokens)
+                               max_image_tokens=max_image_tokens,
+                               drafts=_drafts(speculative, draft, draft_vocab))
     cache = _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every, cache_key)
     from fermijit.model import files
 
@@ -708,11 +754,18 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
               help="Memory the running requests' KV caches and states may hold, e.g. 4G; a "
                    "request that cannot fit is a 400 (ever) or 503 (now). Default: half the "
                    "memory available once the model is loaded.")
+@click.option("--speculative", type=click.Choice(["auto", "mtp", "none"]), default="auto",
+              show_default=True,
+              help="Draft with the model's MTP head while one request is decoding (auto: where "
+                   "the model has one and its decode reads enough bytes for it to pay; none: "
+                   "off).")
+@draft_option
 def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
           cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
           max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
-          verbose: bool, kv_cache: str, kv_mem: int | None) -> None:
+          verbose: bool, kv_cache: str, kv_mem: int | None, speculative: str, draft: int,
+          draft_vocab: int | None) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
@@ -732,7 +785,8 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every,
                                           cache_key),
               prefill, gpu_mem, pin_budget, verbose, max_image_tokens, kv=_kv(kv_cache),
-              kv_mem=kv_mem)
+              kv_mem=kv_mem, speculative={"auto": None, "mtp": True, "none": False}[speculative],
+              drafts=_drafts(speculative, draft, draft_vocab))
 
 
 @cli.command("eval")

@@ -62,6 +62,7 @@ class Settings:
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
     images: tuple = ()            # --image paths: in the user turn, before the text (chat)
     max_image_tokens: int | None = None  # --max-image-tokens (default: model/image.py's)
+    drafts: object = None         # --speculative mtp: a speculative.Drafts; None: off
 
 
 @dataclasses.dataclass
@@ -70,9 +71,11 @@ class Stats:
     n_cached: int | None = None  # prompt tokens restored from the cache; None without one
     prefill_s: float = 0.0
     n_generated: int = 0        # tokens streamed (the eos that stops is not one)
-    n_decode_steps: int = 0     # forwards of one token
+    n_decode_steps: int = 0     # forwards: of one token, or speculative verify steps
+    n_decode_tokens: int = 0    # tokens the decode loop sampled (the eos that stops included)
     decode_s: float = 0.0       # the decode loop, sampling and streaming included
     stop: Stop | None = None
+    speculative: object = None  # speculative.Counts with --speculative mtp
 
     @property
     def prefill_tok_per_s(self) -> float:
@@ -82,15 +85,19 @@ class Stats:
 
     @property
     def decode_tok_per_s(self) -> float:
-        return self.n_decode_steps / self.decode_s if self.decode_s else float("nan")
+        return self.n_decode_tokens / self.decode_s if self.decode_s else float("nan")
 
     def summary(self) -> str:
         cached = "" if self.n_cached is None else f" ({self.n_cached} from the cache)"
         rate = (f"{self.prefill_tok_per_s:.1f} tok/s" if self.n_cached != self.n_prompt
                 else "restored")
+        spec = self.speculative
+        drafts = ("" if spec is None else
+                  f", {self.n_decode_tokens / max(spec.steps, 1):.2f} tok/step, "
+                  f"{100 * spec.acceptance:.0f}% of {spec.drafted} drafts accepted")
         return (f"prompt {self.n_prompt} tokens{cached}; prefill {self.prefill_s:.3f} s "
                 f"({rate}); generated {self.n_generated} tokens, "
-                f"decode {self.decode_tok_per_s:.1f} tok/s ({self.stop.value}); "
+                f"decode {self.decode_tok_per_s:.1f} tok/s{drafts} ({self.stop.value}); "
                 f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
 
 
@@ -100,32 +107,61 @@ def peak_rss_bytes() -> int:
 
 def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
              eos_ids: frozenset[int], on_token: Callable[[int], None],
-             progress_to=None, cache=None, prefiller=None) -> tuple[list[int], Stats]:
+             progress_to=None, cache=None, prefiller=None,
+             drafts=None) -> tuple[list[int], Stats]:
     """Prefill `prompt` (through `prefiller`, default the CPU's), then sample and decode until an
     eos id, `max_tokens` or the end of the context; `on_token` gets each generated token as it is
     made. Returns (tokens, stats). With `progress_to` (a text stream), a prompt of several prefill
     passes shows a progress bar there. With `cache` (a prefix_cache.PrefixCache of this model),
     the prompt resumes from its longest cached prefix, and the state is snapshotted on the way
     and at the end. `prompt` may be a model/multimodal.py Prompt (with images): prefilled on the
-    CPU, without the cache (an image's placeholder ids do not say which image it was)."""
+    CPU, without the cache (an image's placeholder ids do not say which image it was).
+    `drafts`: a speculative.Drafts, decoding speculatively with the model's MTP head
+    (fermijit/speculative.py; the cache then holds states with its layer:
+    Engine.load(speculative=True)); None: plainly. A prompt with images decodes plainly (the
+    head's rows of image tokens are not computed)."""
     from fermijit.model import multimodal
 
     stats = Stats(n_prompt=int(prompt.size))
     start = time.perf_counter()
     if isinstance(prompt, multimodal.Prompt):
         state = model.new_state(context, int(prompt.size) + max_tokens)
-        cache, n_cached = None, 0
+        cache, n_cached, drafts = None, 0, None
         logits = multimodal.prefill(model, prompt, state)
         prompt = prompt.ids
     else:
         prompt = np.asarray(prompt, np.int32)
         state, logits, n_cached = prefill(model, prompt, context, cache, progress_to, prefiller,
-                                          prompt.size + max_tokens)
+                                          prompt.size + max_tokens, mtp=drafts is not None)
     stats.n_cached = None if cache is None else n_cached
     token = sampler.sample(logits)
     stats.prefill_s = time.perf_counter() - start
-    tokens: list[int] = []
     start = time.perf_counter()
+    if drafts is not None:
+        from fermijit.speculative import Speculator
+
+        speculator = Speculator(model, sampler, drafts)
+        tokens, logits = _decode_speculative(speculator, state, token, max_tokens, context,
+                                             eos_ids, on_token, stats)
+        speculator.settle(state)
+        stats.speculative = speculator.counts
+    else:
+        tokens, logits = _decode(model, state, token, logits, sampler, max_tokens, context,
+                                 eos_ids, on_token, stats)
+    stats.decode_s = time.perf_counter() - start
+    stats.n_generated = len(tokens)
+    if cache is not None and state.position > prompt.size:  # what was fed: the prompt and answer
+        fed = np.concatenate([prompt, np.asarray(tokens[:state.position - prompt.size],
+                                                 np.int32)])
+        cache.add(fed, state, logits)
+    return tokens, stats
+
+
+def _decode(model, state, token, logits, sampler, max_tokens, context, eos_ids, on_token,
+            stats) -> tuple[list[int], np.ndarray]:
+    """The decode loop from `token` (sampled from `logits`): (the tokens generated, the logits
+    after the last fed)."""
+    tokens: list[int] = []
     while True:
         if token in eos_ids:
             stats.stop = Stop.EOS
@@ -141,26 +177,52 @@ def generate(model, prompt: np.ndarray, sampler, max_tokens: int, context: int,
         logits = model.decode(token, state)
         token = sampler.sample(logits)
         stats.n_decode_steps += 1
-    stats.decode_s = time.perf_counter() - start
-    stats.n_generated = len(tokens)
-    if cache is not None and state.position > prompt.size:  # what was fed: the prompt and answer
-        fed = np.concatenate([prompt, np.asarray(tokens[:state.position - prompt.size],
-                                                 np.int32)])
-        cache.add(fed, state, logits)
-    return tokens, stats
+        stats.n_decode_tokens += 1
+    return tokens, logits
+
+
+def _decode_speculative(speculator, state, token, max_tokens, context, eos_ids, on_token,
+                        stats) -> tuple[list[int], np.ndarray | None]:
+    """`_decode` by draft-and-verify steps: each step's tokens are taken one at a time exactly
+    as `_decode` takes them, and where the generation stops inside a step, the state is taken
+    back to what `_decode` would have fed (Speculator.truncate). Returns (the tokens, the logits
+    after the last fed; None when nothing was fed)."""
+    tokens: list[int] = []
+    new, logits = [token], None
+    while True:
+        base = state.position - len(new)  # where the step's first fed token went
+        for i, t in enumerate(new):
+            stop = None
+            if t in eos_ids:
+                stop = Stop.EOS
+            else:
+                tokens.append(t)
+                on_token(t)
+                if len(tokens) == max_tokens:
+                    stop = Stop.MAX_TOKENS
+                elif base + i + 1 == context:
+                    stop = Stop.CONTEXT
+            if stop is not None:
+                stats.stop = stop
+                if logits is not None:          # the step fed i + 1 of its tokens
+                    logits = speculator.truncate(state, i + 1)
+                return tokens, logits
+        new, logits = speculator.step(state, new[-1])
+        stats.n_decode_steps += 1
+        stats.n_decode_tokens += len(new)
 
 
 def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=None,
-            prefiller=None, positions: int | None = None):
+            prefiller=None, positions: int | None = None, mtp: bool = False):
     """(state, logits, n_cached): the state after `prompt` with its KV caches allocated to
     `context` (taking memory as used: `positions` of them checked now, default all), the logits
     after it, and how many of its tokens were restored from `cache` (the longest cached prefix;
     the rest is prefilled by `prefiller`, default the CPU's, snapshotted on the way and at the
-    end)."""
+    end). With `mtp`, the state carries the MTP layer (model/mtp.py)."""
     from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
 
-    p = PromptPrefill(model, prompt, context, cache, positions)
+    p = PromptPrefill(model, prompt, context, cache, positions, mtp)
     if p.logits is None:
         prefiller = prefiller or CpuPrefiller(model)
         bar = on_block = None
@@ -189,14 +251,15 @@ class PromptPrefill:
     (with the logits when that is the whole prompt), KV caches allocated to `context`; the
     tokens left (`rest`); snapshots where a pass ends at a multiple of `snapshot_every` (passes
     are aligned to them: `align`) or `snapshot_every` past the last one (a prefill that cannot
-    align), and at the end (`finish`)."""
+    align), and at the end (`finish`). With `mtp`, the state carries the MTP layer
+    (model/mtp.py)."""
 
     def __init__(self, model, prompt: np.ndarray, context: int, cache=None,
-                 positions: int | None = None):
+                 positions: int | None = None, mtp: bool = False):
         self.prompt, self.cache = np.asarray(prompt, np.int32), cache
         state, self.logits = (None, None) if cache is None else cache.restore(self.prompt,
                                                                                context)
-        self.state = model.new_state(context, positions) if state is None else state
+        self.state = model.new_state(context, positions, mtp) if state is None else state
         self.n_cached = self._last_snapshot = self.state.position
 
     @property
@@ -262,8 +325,11 @@ class Engine:
     snapshot prefix cache (None: off). What the CLI and any other caller (the server) use."""
 
     def __init__(self, model, tokenizer, cache=None, prefiller=None, config=None,
-                 directory: Path | None = None):
+                 directory: Path | None = None, speculative: bool = False):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        # Whether its states carry the MTP layer (speculative decoding, fermijit/speculative.py):
+        # so do the cache's snapshots, under their own fingerprint.
+        self.speculative = speculative
         self.prefiller = prefiller  # fermijit/hybrid.py; None: the CPU's
         # For images (model/multimodal.py): the whole config.json, and where the tower's
         # weights and preprocessor_config.json are; the tower is loaded on first use.
@@ -275,10 +341,12 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
-             warn=None, kv=None) -> "Engine":
+             warn=None, kv=None, speculative: bool | None = False) -> "Engine":
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
         memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr); `kv`
-        the KV cache's kind (model.state.KvKind, default Q8_0)."""
+        the KV cache's kind (model.state.KvKind, default Q8_0); `speculative`: decode with the
+        model's MTP head (FermijitError if it has none; None: where it has one and it pays:
+        speculative.pays)."""
         from fermijit import prefix_cache
         from fermijit.model.forward import load_model
         from fermijit.model.state import DEFAULT_KV
@@ -286,16 +354,25 @@ class Engine:
 
         kv = kv or DEFAULT_KV
         cfg, model = load_model(model_dir, show_progress=show_progress, kv=kv)
+        if speculative is None:
+            from fermijit.speculative import pays
+
+            speculative = model.mtp is not None and pays(model)
+        if speculative and model.mtp is None:
+            raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* "
+                                f"weights; a model converted before fermijit kept them has "
+                                f"none: convert it again)")
         tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:
-            fingerprint = prefix_cache.model_fingerprint(model_dir, kv,
+            fingerprint = prefix_cache.model_fingerprint(model_dir, kv, speculative,
                                                          hash_data=c.directory is not None)
             cache = prefix_cache.PrefixCache(fingerprint,
                                              c.mem_bytes, c.directory, c.snapshot_every,
                                              check=model.check_state, warn=warn, key=c.key)
-        return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir))
+        return cls(model, tokenizer, cache, config=cfg, directory=Path(model_dir),
+                   speculative=speculative)
 
     def image_prompt(self, messages: list[dict], images: list, encode=None,
                      max_image_tokens: int | None = None,
@@ -372,9 +449,12 @@ class Engine:
         if ids.ndim != 1 or ids.size == 0:
             raise FermijitError("the prompt is empty (no tokens)")
         context = context_length(settings, int(prompt.size), self.model.max_context)
+        if settings.drafts is not None and not self.speculative:
+            raise FermijitError("this engine was loaded without speculative decoding "
+                                "(Engine.load(speculative=True))")
         return generate(self.model, prompt, self.sampler(settings), settings.max_tokens, context,
                         self.tokenizer.eos_ids, on_token, progress_to, self.cache,
-                        self.prefiller)
+                        self.prefiller, drafts=settings.drafts)
 
 
 def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=None,
@@ -392,7 +472,8 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     pictures = [image.open_image(path) for path in settings.images]  # bad files: before loading
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True), kv=kv)
+                         warn=lambda line: print(line, file=err, flush=True), kv=kv,
+                         speculative=settings.drafts is not None)
     model, tokenizer = engine.model, engine.tokenizer
     load_s = time.perf_counter() - start
 
@@ -429,6 +510,12 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
                                                settings.verbose, err)
     with hybrid.preparing(prefiller) as gpu_ready:  # the GPU's start beside the CPU's warm-up
         warm_up_s = warm_up(model, ids, sampler=engine.sampler(settings))  # a twin: warming draws
+        if settings.drafts is not None and not pictures:
+            from fermijit import speculative
+
+            start = time.perf_counter()
+            speculative.warm_up(model, engine.sampler(settings), settings.drafts)
+            warm_up_s += time.perf_counter() - start
     print(f"kernels ready in {warm_up_s:.2f} s", file=err, flush=True)
     if gpu_ready.get("seconds") is not None:
         print(f"gpu prefill ready in {gpu_ready['seconds']:.2f} s", file=err, flush=True)

@@ -334,9 +334,20 @@ class GpuPrefiller:
         import time
 
         from fermijit import gpu_prefill, gpu_state
+        from fermijit.jit import gpu
 
         clock = [time.perf_counter()]
         phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
+        # A state with the MTP layer (speculative decoding): the GPU runs the model's layers on
+        # the others; the head's rows run on the CPU from each pass's last hidden states.
+        from fermijit.model import mtp
+        from fermijit.model.state import State
+
+        with_head = state if mtp.has_head(self.model, state) else None
+        if with_head is not None:
+            state = State(state.position, state.layers[:len(self.model.layers)],
+                          state.rope_delta)
+        passes = []
 
         def phase(name: str) -> None:
             clock.append(time.perf_counter())
@@ -368,12 +379,20 @@ class GpuPrefiller:
             if all_logits or last:
                 logits.append(run.logits(all_logits))
             phase("logits")
+            if with_head is not None:
+                with gpu.check("reading the hidden states back"):
+                    passes.append((block, run.x.get(), start + t0 + block.size))
             if on_block is not None:
                 on_block(block.size)
             self.last_pass = run
             observed += run.observed
         gpu_state.hand_off(self.device, states, state, start + tokens.size)
         phase("state out")
+        if with_head is not None:
+            with_head.position = state.position
+            for block, x, end in passes:
+                mtp.after_block(self.model, with_head, block, x, end)
+            phase("mtp head (cpu)")
         for layer, experts, weights, norms in observed:
             self.observer(layer, experts, weights, norms)
         return np.concatenate(logits) if all_logits else logits[-1]

@@ -58,11 +58,13 @@ class Snapshot:
     gdn: list[GdnState | None]   # per layer; None at attention layers
     logits: np.ndarray | None    # [V] after the last token, where known
     credit: float = 0.0          # GreedyDual-Size: evicted lowest first
+    hidden: np.ndarray | None = None  # State.hidden: with the MTP layer (model/mtp.py)
 
     @property
     def nbytes(self) -> int:
         return (sum(s.conv.nbytes + s.recurrent.nbytes for s in self.gdn if s is not None)
-                + (0 if self.logits is None else self.logits.nbytes))
+                + (0 if self.logits is None else self.logits.nbytes)
+                + (0 if self.hidden is None else self.hidden.nbytes))
 
 
 class Node:
@@ -83,13 +85,15 @@ class Node:
         return sum(c.nbytes for c in self.kv)
 
 
-def model_fingerprint(model_dir: str | Path, kv=None, hash_data: bool = False) -> str:
+def model_fingerprint(model_dir: str | Path, kv=None, with_mtp: bool = False,
+                      hash_data: bool = False) -> str:
     """sha256 naming a model's weights: a fermijit model's manifest (which holds a sha256 per
     tensor) and weight-file headers, or an HF checkpoint's source fingerprint (run in fp32:
     other numbers, another key) and, with `hash_data` (snapshots kept on disk), the sha256 of
-    its weight files' bytes: new weights of the same shapes keep the headers; and the KV cache's
+    its weight files' bytes: new weights of the same shapes keep the headers; the KV cache's
     kind `kv` (model.state.KvKind, default Q8_0) but for fp32, whose key is as before Q8_0
-    caches were: its snapshots still load, Q8_0 runs never see them."""
+    caches were: its snapshots still load, Q8_0 runs never see them; `with_mtp`: of its states
+    with the MTP layer (speculative decoding: other arrays, another key)."""
     from fermijit.model import convert
     from fermijit.model.data_hash import file_sha256
     from fermijit.model.safetensors_io import Checkpoint
@@ -109,6 +113,8 @@ def model_fingerprint(model_dir: str | Path, kv=None, hash_data: bool = False) -
     kv = kv or DEFAULT_KV
     if kv is not KvKind.F32:
         h.update(f"kv {kv.value}\n".encode())
+    if with_mtp:
+        h.update(b"with the MTP layer\n")
     return h.hexdigest()
 
 
@@ -206,7 +212,8 @@ class PrefixCache:
             for n, piece in zip(path, pieces):
                 cache.put(n.start, piece)
             layers.append(cache)
-        return State(position, layers)
+        hidden = node.snapshot.hidden
+        return State(position, layers, hidden=None if hidden is None else hidden.copy())
 
     # --- adding -------------------------------------------------------------------------------
 
@@ -217,6 +224,9 @@ class PrefixCache:
         if tokens.size != state.position or tokens.size == 0:
             raise FermijitError(f"snapshot: {tokens.size} tokens for a state at position "
                                 f"{state.position}")
+        if state.hidden is not None and state.hidden.shape[0] != 1:
+            raise FermijitError(f"snapshot: the MTP layer waits on {state.hidden.shape[0]} "
+                                f"hidden states (1 at rest: Speculator.settle)")
         node = self._insert_path(tokens, state)
         gdn = [GdnState(s.conv.copy(), s.recurrent.copy()) if isinstance(s, GdnState) else None
                for s in state.layers]
@@ -225,7 +235,8 @@ class PrefixCache:
         if old is not None:
             self.nbytes -= old.nbytes
             logits = old.logits if logits is None else logits
-        node.snapshot = Snapshot(gdn, logits)
+        node.snapshot = Snapshot(gdn, logits,
+                                 hidden=None if state.hidden is None else state.hidden.copy())
         self.nbytes += node.snapshot.nbytes
         self.snapshots.add(node)
         self._credit(node)
@@ -249,7 +260,17 @@ class PrefixCache:
             if m < child.tokens.size:
                 child = self._split(child, m)
             node, pos = child, child.end
+            if pos < tokens.size and state.hidden is not None:
+                self._refresh_mtp_row(node, state)
         return node
+
+    def _refresh_mtp_row(self, node: Node, state: State) -> None:
+        """The MTP layer's KV row of node's last position, from a state past it: its cache lags
+        the model by one position (model/state.py), so a snapshot's last row of it was not yet
+        computed, and an edge ending at one holds it stale until a longer state passes."""
+        c, s = node.kv[-1], state.layers[-1]
+        c.k[:, -1] = s.k[:, node.end - 1]
+        c.v[:, -1] = s.v[:, node.end - 1]
 
     @staticmethod
     def _kv_layers(state: State, position: int) -> list[KvCache]:

@@ -7,7 +7,9 @@ changed once written: written to a temporary name in the same directory, then re
 snapshot, and either copy serves. A file holds the KV rows since its parent (the deepest
 snapshot on disk that is a prefix of it, named in its header: rows are stored once along a
 sequence, as in memory) and every GDN layer's conv and recurrent state, plus the logits after its
-last token where known:
+last token where known. A state with the MTP layer (model/state.py) also keeps its waiting hidden
+state, and its KV rows start one row before its parent's end (`kv_from`): the parent's last row of
+the MTP layer's cache, which lags the model by one position, was not computed when it was written.
 
     b"FJSNAP1\\n" | header length (u64 LE) | header (JSON) | kv section | state section
 
@@ -70,6 +72,8 @@ class Entry:
     kv: dict                    # {"offset", "nbytes", "crc32", "arrays": [[shape], ...]}
     state: dict
     has_logits: bool
+    kv_from: int = 0            # the first KV row it holds: parent_position, or one before
+    has_hidden: bool = False    # State.hidden (the MTP layer), in the state section
 
 
 def file_name(fingerprint: str, tokens: np.ndarray) -> str:
@@ -136,6 +140,12 @@ def _read_header(f, path: Path, fingerprint: str, key: bytes | None) -> Entry:
         raise Corrupt("layers are not a list of \"kv\" and \"gdn\"")
     if type(h.get("has_logits")) is not bool:
         raise Corrupt("has_logits is not true or false")
+    # the MTP layer's cache lags one row: a file of such a state holds its KV rows from one
+    # before its parent's end (absent: written before MTP states, from the parent's end)
+    kv_from = _count(h.get("kv_from", parent_position), "kv_from", max(parent_position - 1, 0),
+                     parent_position)
+    if type(h.get("has_hidden", False)) is not bool:
+        raise Corrupt("has_hidden is not true or false")
     kv_cache = h.get("kv_cache", "f32")  # absent: written before Q8_0 caches
     if kv_cache not in ("f32", "q8_0"):
         raise Corrupt(f"kv_cache is not \"f32\" or \"q8_0\": {short(kv_cache)}")
@@ -145,8 +155,9 @@ def _read_header(f, path: Path, fingerprint: str, key: bytes | None) -> Entry:
     if size != base + kv["nbytes"] + state["nbytes"]:
         raise Corrupt(f"truncated or padded ({size} bytes)")
     return Entry(path, position, tokens, parent, parent_position, tuple(layers),
-                 KvKind(kv_cache), {**kv, "offset": base + kv["offset"]}, {**state, "offset": base + state["offset"]},
-                 h["has_logits"])
+                 KvKind(kv_cache), {**kv, "offset": base + kv["offset"]},
+                 {**state, "offset": base + state["offset"]}, h["has_logits"], kv_from,
+                 h.get("has_hidden", False))
 
 
 def _count(value, what: str, low: int, high: int) -> int:
@@ -297,8 +308,7 @@ class SnapshotDir:
                     fresh = _read_header(f, e.path, self.fingerprint, self.key)  # this inode's
                     if fresh.position != e.position:
                         raise Corrupt("changed on disk")
-                    kv_pieces.append((fresh.parent_position,
-                                      _read_section(f, fresh.kv, self.key)))
+                    kv_pieces.append((fresh.kv_from, _read_section(f, fresh.kv, self.key)))
                     if e is entry:
                         state_arrays = _read_section(f, fresh.state, self.key)
             except (Corrupt, OSError) as err:
@@ -310,9 +320,18 @@ class SnapshotDir:
         layers, n_gdn = [], 0
         n_kv = entry.layers.count("kv")
         per_kv = 2 if entry.kv_kind is KvKind.F32 else 4  # k, v; or their codes and scales
-        if len(state_arrays) != 2 * entry.layers.count("gdn") + entry.has_logits \
-                or any(len(rows) != per_kv * n_kv for _, rows in kv_pieces):
+        if len(state_arrays) != 2 * entry.layers.count("gdn") + entry.has_hidden \
+                + entry.has_logits or any(len(rows) != per_kv * n_kv for _, rows in kv_pieces):
             raise Corrupt("sections do not match its layers")
+        if any(a.ndim != 3 for _, rows in kv_pieces for a in rows):
+            raise Corrupt("its KV rows are not [heads, positions, dim]")
+        end = 0
+        for start, rows in kv_pieces:  # each piece from its kv_from: at or one before the last end
+            if rows and not (end - 1 <= start <= end and (start == 0) == (end == 0)):
+                raise Corrupt("its KV rows do not add up to its position")
+            end = start + (rows[0].shape[1] if rows else 0)
+        if n_kv and end != entry.position:
+            raise Corrupt("its KV rows do not add up to its position")
         for i, kind in enumerate(entry.layers):
             if kind == "gdn":
                 conv, recurrent = state_arrays[2 * n_gdn:2 * n_gdn + 2]
@@ -320,19 +339,18 @@ class SnapshotDir:
                 n_gdn += 1
                 continue
             j = len(layers) - n_gdn
+            first = kv_pieces[0][1][per_kv * j]
+            cache = KvCache.zeros(entry.kv_kind, first.shape[0], entry.position, first.shape[2])
             try:
-                whole = [np.concatenate([rows[per_kv * j + a] for _, rows in kv_pieces], axis=1)
-                         for a in range(per_kv)]
+                for start, rows in kv_pieces:  # later pieces overwrite the row they overlap
+                    mine = rows[per_kv * j:per_kv * (j + 1)]
+                    cache.put(start, KvCache(*mine) if per_kv == 2 else
+                              KvCache(Q8Rows(*mine[:2]), Q8Rows(*mine[2:])))
             except ValueError:
                 raise Corrupt("its KV rows do not fit together") from None
-            if per_kv == 2:
-                layers.append(KvCache(*whole))
-            else:
-                layers.append(KvCache(Q8Rows(*whole[:2]), Q8Rows(*whole[2:])))
-        state = State(entry.position, layers)
-        if state.layers and any(isinstance(s, KvCache) and s.context != entry.position
-                                for s in state.layers):
-            raise Corrupt("its KV rows do not add up to its position")
+            layers.append(cache)
+        hidden = state_arrays[2 * n_gdn].astype(np.float32) if entry.has_hidden else None
+        state = State(entry.position, layers, hidden=hidden)
         if self.check is not None:
             try:
                 self.check(state)
@@ -351,11 +369,13 @@ class SnapshotDir:
         parents = self._prefixes(tokens[:-1], 0)
         parent = parents[0] if parents else None
         start = 0 if parent is None else parent.position
+        kv_from = start - 1 if start and state.hidden is not None else start  # the MTP row
         position = tokens.size
         kv_layers = [s for s in state.layers if isinstance(s, KvCache)]
-        kv_arrays = [a for s in kv_layers for a in s.rows(start, position).arrays]
+        kv_arrays = [a for s in kv_layers for a in s.rows(kv_from, position).arrays]
         state_arrays = [a for s in state.layers if isinstance(s, GdnState)
                         for a in (s.conv, s.recurrent)]
+        state_arrays += [] if state.hidden is None else [state.hidden]
         state_arrays += [] if logits is None else [logits]
         kv, kv_arrays = _section(kv_arrays, 0)
         st, state_arrays = _section(state_arrays, kv["nbytes"])
@@ -364,7 +384,8 @@ class SnapshotDir:
             "tokens": [int(t) for t in tokens],
             "parent": None if parent is None else parent.path.name, "parent_position": start,
             "layers": ["kv" if isinstance(s, KvCache) else "gdn" for s in state.layers],
-            "kv": kv, "state": st, "has_logits": logits is not None,
+            "kv": kv, "state": st, "has_logits": logits is not None, "kv_from": kv_from,
+            "has_hidden": state.hidden is not None,
             **({"kv_cache": state.kv_kind.value} if state.kv_kind is KvKind.Q8_0 else {})}
         if self.key is not None:  # --cache-key: each section signed, then the header
             kv["mac"], st["mac"] = _mac(self.key, kv_arrays), _mac(self.key, state_arrays)

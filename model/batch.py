@@ -26,7 +26,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit.cpu import decode_isa
 from fermijit.model.forward import L2NORM_EPS, Model, linear
-from fermijit.model.state import State
+from fermijit.model.state import KvCache, State
 from fermijit.ops import attention_step, embedding, gdn_step, matvec, moe, residual_step
 
 
@@ -34,6 +34,12 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
     """One Q8Act per row of `act`, each a view of it (so per-row kernels fill the batch's)."""
     return [matvec.Q8Act(act.xq[b:b + 1], act.dx[b:b + 1], act.xsum8[b:b + 1], act.vec)
             for b in range(act.xq.shape[0])]
+
+
+# One sequence's verify step of at most this many rows runs decode's fused MoE kernel row by row
+# (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
+# through the grouped launches (allocations, sorting), (fill in) with per-row decode MoE.
+ROW_MOE_MAX_ROWS = 4
 
 
 def can_batch(model: Model) -> bool:
@@ -82,6 +88,8 @@ class BatchWorkspace:
         self.ids = np.empty((B, model.top_k), np.int32)
         self.weights = np.empty((B, model.top_k), f)
         self.logits = np.empty((B, model.vocab_size), f)
+        # A verify step's few rows take decode's own MoE per row (decode_rows): one for all.
+        self.moe_scratch = moe.Scratch.make(model.layers[0].experts, model.top_k)
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
@@ -92,6 +100,19 @@ def decode_batch(model: Model, tokens, states: list[State],
     """Logits [B, V] after tokens[b] for each sequence b (`states[b]` advanced by one); row b is
     `model.decode(tokens[b], states[b])` bit for bit. `ws` (a BatchWorkspace of B) avoids
     allocating one per step; the result is a view of it."""
+    if len({id(s) for s in states}) != len(states):
+        raise FermijitError("decode_batch: a state appears twice")
+    return decode_rows(model, tokens, states, ws)
+
+
+def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | None = None,
+                saves: "list[GdnSaves | None] | None" = None) -> np.ndarray:
+    """`decode_batch` where a sequence may take several rows: consecutive rows of one state are
+    its next positions (a speculative verify step, fermijit/speculative.py), each bit for bit
+    `model.decode` of that token after the ones before it, the GDN state advanced token by
+    token. With `saves` (per row, its state's GdnSaves or None), the GDN states after each row
+    but the last of a state are kept (`rollback` returns to them). A state with the MTP layer
+    gets the rows' hidden states."""
     tokens = np.asarray(tokens, np.int32)
     B = len(states)
     if tokens.shape != (B,) or B == 0:
@@ -100,17 +121,19 @@ def decode_batch(model: Model, tokens, states: list[State],
     if not can_batch(model):
         raise FermijitError("decode_batch needs a 4-bit fermijit model with Q4_0 mixers and "
                             "joined input projections (convert the model again)")
-    if len({id(s) for s in states}) != B:
-        raise FermijitError("decode_batch: a state appears twice")
-    for s in states:
-        model._check_room(s, 1)
+    offsets = _offsets(states)
+    distinct = list({id(s): s for s in states}.values())
+    n_seqs = len(distinct)
+    for s in distinct:
+        model._check_room(s, sum(t is s for t in states))
     model._check_token(tokens)
     if ws is None or ws.n_seqs != B:
         ws = BatchWorkspace(model, B)
     ws.tokens[:] = tokens
-    ws.positions[:] = [s.position + s.rope_delta for s in states]  # delta: after images
+    ws.positions[:] = [s.position + s.rope_delta + o for s, o in zip(states, offsets)]
     embedding.cpu(ws.tokens, model.embed, out=ws.x)
     eps, y = model.eps, None                                         # y: the sublayer output
+    n_gdn = 0
     for i, w in enumerate(model.layers):
         mixer, layer_states = w.mixer, [s.layers[i] for s in states]
         if model.is_attention[i]:
@@ -125,17 +148,70 @@ def decode_batch(model: Model, tokens, states: list[State],
         else:
             _residual(ws, y, w.input_norm, eps, w.gates_in, ws.gates_in)    # b | a
             linear(ws.xn, w.joined_in, ws.gdn_in, ws.act, like_gemv=True)   # qkv | z
-            _gdn_steps(model, mixer, layer_states, ws)
+            _gdn_steps(model, mixer, layer_states, ws,
+                       None if saves is None else (saves, offsets, n_gdn))
             linear(ws.go.reshape(B, -1), mixer.out_proj, ws.y, ws.act_gdn, like_gemv=True)
+            n_gdn += 1
         y = ws.y
         _residual(ws, y, w.post_norm, eps, w.router, ws.router_logits, routed=True)
         if model.moe_observer is not None:
             model.moe_observer(w, ws.xn, ws.ids, ws.weights)
-        moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
+        if n_seqs == 1 and B <= ROW_MOE_MAX_ROWS:
+            for b in range(B):
+                r = slice(b, b + 1)
+                moe.decode(ws.xn[r], ws.act_rows[b], ws.ids[r], ws.weights[r], w.experts,
+                           ws.y[r], ws.moe_scratch)
+        else:
+            moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
     for s in states:
         s.position += 1
     _residual(ws, y, model.norm, eps, ws.no_product, None)
+    for s in distinct:
+        if s.hidden is not None:  # the MTP head's inputs (model/mtp.py)
+            rows = [b for b, t in enumerate(states) if t is s]
+            s.hidden = np.concatenate([s.hidden, ws.xn[rows]])
     return linear(ws.xn, model.lm_head, ws.logits, ws.act, like_gemv=True)
+
+
+def _offsets(states: list[State]) -> list[int]:
+    """Each row's position past its state's: 0, 1, ... along a state's consecutive rows."""
+    offsets, seen = [], {}
+    for b, s in enumerate(states):
+        if id(s) in seen and states[b - 1] is not s:
+            raise FermijitError("decode_rows: a state's rows must be consecutive")
+        offsets.append(seen.get(id(s), -1) + 1)
+        seen[id(s)] = offsets[-1]
+    return offsets
+
+
+class GdnSaves:
+    """The GDN states of one sequence after each of the first R rows of a step (R = rows - 1:
+    the last row's state is the live one), preallocated: what `rollback` returns to."""
+
+    def __init__(self, model: Model, n_rows: int):
+        n_gdn = sum(not a for a in model.is_attention)
+        R = max(n_rows - 1, 0)
+        self.n_rows = n_rows
+        self.conv = np.empty((R, n_gdn, model.conv_dim, model.conv_taps - 1), np.float32)
+        self.recurrent = np.empty((R, n_gdn, model.n_value_heads, model.key_dim,
+                                   model.value_dim), np.float32)
+
+
+def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: int) -> None:
+    """Undo the last `n_rows - n_kept` rows of a `decode_rows` step of `n_rows` rows of `state`:
+    its GDN states those after row n_kept - 1 (from `saves`), its position n_kept past the
+    step's start (KV rows past it are never read), the rejected rows' hidden states dropped."""
+    if not 1 <= n_kept <= n_rows <= saves.n_rows:
+        raise FermijitError(f"rollback: keep {n_kept} of {n_rows} rows (saved: {saves.n_rows})")
+    if n_kept == n_rows:
+        return
+    gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
+    for g, s in enumerate(gdn):
+        s.conv[...] = saves.conv[n_kept - 1, g]
+        s.recurrent[...] = saves.recurrent[n_kept - 1, g]
+    state.position -= n_rows - n_kept
+    if state.hidden is not None:
+        state.hidden = state.hidden[:state.hidden.shape[0] - (n_rows - n_kept)]
 
 
 def _residual(ws: BatchWorkspace, y, norm_w, eps, w, p, routed: bool = False) -> None:
@@ -148,7 +224,10 @@ def _residual(ws: BatchWorkspace, y, norm_w, eps, w, p, routed: bool = False) ->
                           ws.act_rows[b], w, ws.no_p if p is None else p[rows], *extra)
 
 
-def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace) -> None:
+def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace, saving=None) -> None:
+    """Each row's GDN step, in order (a state's later rows see its earlier ones); `saving`
+    (each row's GdnSaves or None, the rows' offsets, this layer's GDN index): the state after
+    each row that a later row of the same state follows, copied into the row's saves."""
     C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
     for b, s in enumerate(gdn_states):
         row = ws.gdn_in[b:b + 1]
@@ -156,4 +235,8 @@ def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace) -> None:
                      ws.gates_in[b:b + 1, :Hv], mixer.conv1d, s.conv, mixer.A_log,
                      mixer.dt_bias, mixer.norm, model.eps, L2NORM_EPS, s.recurrent, ws.gq,
                      ws.gk, ws.gv, ws.g, ws.beta, ws.go[b:b + 1], ws.act_gdn_rows[b])
-
+        if saving is not None and b + 1 < len(gdn_states) and gdn_states[b + 1] is s:
+            saves, offsets, g = saving
+            if saves[b] is not None:
+                saves[b].conv[offsets[b], g] = s.conv
+                saves[b].recurrent[offsets[b], g] = s.recurrent

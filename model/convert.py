@@ -7,7 +7,8 @@ fingerprint, REAP record). Tensors are named by weight-field path (model/weights
 layout, structure of arrays, with a layer's experts contiguous ([E, rows, ...]).
 
 Quantised: the big matrices (Q4_0) and the lm_head (Q8_0 by default: it is the matrix most
-sensitive to error). The embedding is fp16: exact for bf16 sources in the normal range, one row
+sensitive to error); the MTP head (`mtp.*`, where the checkpoint has it: MODEL.md §10) is stored as
+a decoder layer is, its fc [H, 2H] Q4_0. The embedding is fp16: exact for bf16 sources in the normal range, one row
 is read per token so its size costs no speed, and its error would enter the residual stream
 undiluted (in Q4_0, 8.6% RMS per row, it alone moved the tiny model's logits by 54% of their
 max). Kept fp32: norms, conv taps, A_log, dt_bias, and the small matrices whose outputs are
@@ -42,7 +43,7 @@ from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, 
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
 from fermijit.model.state import available_nbytes
-from fermijit.model.weights import (QuantTensor, TextWeights, assemble,
+from fermijit.model.weights import (MTP_PREFIX, QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
 
 WEIGHTS = "model.safetensors"
@@ -57,8 +58,9 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 # Weight fields stored as Q4_0 (the last component of the field path).
 Q4_0_FIELDS = frozenset({"in_proj_qkv", "in_proj_z", "out_proj", "q_proj",
                          "k_proj", "v_proj", "o_proj", "experts_gate_up", "experts_down",
-                         "shared_gate_up", "shared_down"})
+                         "shared_gate_up", "shared_down", "fc"})  # fc: the MTP head's [H, 2H]
 LM_HEAD_CHOICES = ("q8_0", "q4_0")
+MTP_FC = MTP_PREFIX + "fc"  # in a manifest: the model has its MTP head (older ones dropped it)
 CHUNK_BYTES = 64 << 20  # fp32 bytes per streamed piece: ~3x this is the converter's working set
 
 
@@ -351,7 +353,7 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
         raise FermijitError(f"{directory}: not a fermijit model (no {MANIFEST}; convert it first)")
     manifest = read_manifest(directory)
     cfg = load_config(directory)
-    expected = text_weight_shapes(cfg.text_config)
+    expected = text_weight_shapes(cfg.text_config, mtp=MTP_FC in manifest.tensors)
     for name, shape in expected.items():
         if name not in manifest.tensors:
             raise FermijitError(f"{path}: missing tensor {name}")
@@ -383,3 +385,48 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
                                        weights_file.raw(name + ".d"))
     check_at_load(weights_file, manifest)
     return cfg, arrays, manifest
+
+
+def add_mtp_head(src: str | Path, head: str | Path, dst: str | Path,
+                 show_progress: bool = False) -> Manifest:
+    """A copy of fermijit model `src` into `dst` with the MTP head (MODEL.md §10) read from the
+    HF-named `mtp.*` tensors of checkpoint directory `head` (model/train_default.py `train_mtp`
+    writes one), quantised as `convert` stores a head; the model's own tensors are copied as
+    stored, its other files too, config.json with mtp_num_hidden_layers 1."""
+    from fermijit.model.weights import plan_mtp_weights
+
+    src, dst = Path(src), Path(dst)
+    cfg, _, manifest = load_converted(src)
+    if MTP_FC in manifest.tensors:
+        raise FermijitError(f"{src} has an MTP head already")
+    config = read_json(src / "config.json")
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    head_cfg = dataclasses.replace(cfg.text_config, mtp_num_hidden_layers=1)
+    ckpt = Checkpoint(head)
+    plans = plan_mtp_weights(head_cfg, ckpt)
+    lm_head = manifest.tensors["lm_head"].quant
+    weights = SafetensorsFile(src / manifest.weights)
+    shapes = {name: entry.shape for name, entry in manifest.tensors.items()}
+    shapes.update({name: plan.shape for name, plan in plans.items()})
+    quants = {name: entry.quant for name, entry in manifest.tensors.items()}
+    quants.update({name: quantisation(name, lm_head) for name in plans})
+
+    def fill(name: str, out):
+        if name in plans:
+            yield from stream(name, plans[name].shape, quants[name],
+                              lambda lead, rows: plans[name].read(ckpt, lead, rows),
+                              out, CHUNK_BYTES)
+            return
+        for stored, _, _ in stored_specs(name, shapes[name], quants[name]):
+            out.write(stored, weights.raw(stored))
+        yield int(np.prod(shapes[name]))
+
+    def other_files(out: Path) -> None:
+        for path in sorted(src.iterdir()):
+            if path.is_file() and path.name not in (WEIGHTS, MANIFEST, "config.json"):
+                shutil.copyfile(path, out / path.name)
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return write_model(dst, shapes, lm_head, fill, manifest.source, other_files, "add mtp",
+                       show_progress, manifest.reap, quants)

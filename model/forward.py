@@ -327,6 +327,11 @@ class Model:
         self.layers = tuple(_layer(w) for w in weights.layers)
         self.norm = _host(weights.norm)
         self.lm_head = _matrix(weights.lm_head)
+        # The MTP head (model/mtp.py), for speculative decoding; None where the model has none.
+        self.mtp = None
+        if weights.mtp is not None:
+            from fermijit.model import mtp
+            self.mtp = mtp.head(weights.mtp)
         self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
         # What new states' KV caches hold (--kv-cache; issue 31 item 1: Q8_0 by default).
         self.kv_kind: KvKind = DEFAULT_KV
@@ -341,20 +346,26 @@ class Model:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def new_state(self, context: int, positions: int | None = None) -> State:
+    def new_state(self, context: int, positions: int | None = None, mtp: bool = False) -> State:
         """Zeros, the KV caches (of kind `kv_kind`) allocated to `context` positions (at most
         the model's), taking memory as they are used; the memory of `positions` of them
-        (default: all) checked now (model/state.py)."""
+        (default: all) checked now (model/state.py); with `mtp`, the MTP layer's cache last and
+        no hidden state waiting (model/mtp.py)."""
         if not 1 <= context <= self.max_context:
             raise FermijitError(f"context must be between 1 and {self.max_context} "
                                 f"(max_position_embeddings), got {context}")
         if self.kv_kind is KvKind.Q8_0 and self.head_dim % 32 and any(self.is_attention):
             raise FermijitError(f"the model's head dim {self.head_dim} is not whole 32-blocks: "
                                 f"its KV cache cannot be q8_0 (use --kv-cache f32)")
-        return new_state(self.is_attention, context, (self.n_kv_heads, self.head_dim),
-                         (self.conv_dim, self.conv_taps - 1),
-                         (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind,
-                         positions)
+        if mtp and self.mtp is None:
+            raise FermijitError("this model has no MTP head (mtp.* weights)")
+        state = new_state(self.is_attention + ((True,) if mtp else ()), context,
+                          (self.n_kv_heads, self.head_dim), (self.conv_dim, self.conv_taps - 1),
+                          (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind,
+                          positions)
+        if mtp:
+            state.hidden = np.empty((0, self.hidden), np.float32)
+        return state
 
     def state_nbytes(self, positions: int) -> int:
         """Memory a state of this model takes holding `positions` positions."""
@@ -365,7 +376,14 @@ class Model:
     def check_state(self, state: State) -> None:
         """FermijitError unless `state` has this model's layers and shapes and KV kind (a
         restored one)."""
-        ref = self.new_state(1)
+        with_mtp = state.hidden is not None
+        ref = self.new_state(1, mtp=with_mtp)
+        if with_mtp and (state.hidden.dtype != np.float32 or state.hidden.ndim != 2
+                         or state.hidden.shape[1] != self.hidden
+                         or not 0 <= state.hidden.shape[0] <= state.position):
+            raise FermijitError(f"state hidden is {state.hidden.dtype} "
+                                f"{list(state.hidden.shape)}, the model needs float32 "
+                                f"[<= {state.position}, {self.hidden}]")
         if len(state.layers) != len(ref.layers):
             raise FermijitError(f"state has {len(state.layers)} layers, the model "
                                 f"{len(ref.layers)}")
@@ -416,6 +434,9 @@ class Model:
             ws = self._prefill_workspace(block.size)
             ws.tokens[:] = block
             self.forward(ws.tokens, state, ws)
+            if state.hidden is not None:                    # the MTP layer's rows (model/mtp.py)
+                from fermijit.model import mtp
+                mtp.after_block(self, state, block, ws.x)
             if on_block is not None:
                 on_block(block.size)
             if all_logits:
@@ -457,7 +478,12 @@ class Model:
         done = [0] * len(states)
         logits: list[np.ndarray | None] = [None] * len(states)
 
-        def fed(b: int, n: int, x_last) -> None:
+        def fed(b: int, n: int, x) -> None:
+            """n tokens of sequence b have run, x [n, H] their final residuals."""
+            if states[b].hidden is not None:  # the MTP layer's rows (model/mtp.py)
+                from fermijit.model import mtp
+                mtp.after_block(self, states[b], tokens_list[b][done[b]:done[b] + n], x)
+            x_last = x[-1:]
             done[b] += n
             if on_block is not None:
                 on_block(b, n)
@@ -491,7 +517,7 @@ class Model:
             with blas.single_threaded() if self.is_quantized else contextlib.nullcontext():
                 self._forward(ws.tokens, [states[b] for b, _ in pieces], segments, ws)
             for (b, n), seg in zip(pieces, segments):
-                fed(b, n, ws.x[seg.rows.stop - 1:seg.rows.stop])
+                fed(b, n, ws.x[seg.rows])
 
     def _prefill_workspace(self, n_tokens: int) -> Workspace:
         """A pass's Workspace, kept for the passes and calls after: fresh buffers (its own and
@@ -517,6 +543,8 @@ class Model:
         if self.fused_decode:
             return self._decode_fused(state, ws)
         self.forward(ws.tokens, state, ws)
+        if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
+            state.hidden = np.concatenate([state.hidden, rmsnorm.cpu(ws.x, self.norm, self.eps)])
         return self.logits(ws.x, ws.logits)[0]
 
     def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
@@ -530,6 +558,8 @@ class Model:
                                  self._decode_steps(state, ws))
         run_steps(ws.plan.steps)
         state.position += 1
+        if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
+            state.hidden = np.concatenate([state.hidden, ws.xn])
         return ws.logits[0]
 
     def _decode_steps(self, state: State, ws: Workspace) -> list:

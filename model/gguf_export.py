@@ -43,7 +43,7 @@ def export(model_dir: str | Path, dst: str | Path, show_progress: bool = False) 
     dst = Path(dst)
     cfg, arrays, _ = convert.converted_arrays(model_dir)
     text = cfg.text_config
-    plan = field_plan(text, has_output=True)
+    plan = field_plan(text)
     writer = GGUFWriter(dst, ARCH)
     _metadata(writer, text)
     _tokenizer(writer, Path(model_dir), text)

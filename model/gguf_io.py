@@ -16,7 +16,11 @@ the HF tensors in these ways, each undone here:
   conv, the rows of in_proj_z, in_proj_a/b, A_log and dt_bias, the columns of out_proj. Undone
   by the inverse permutation, exactly (on quantised blocks too: a head's dv columns are whole
   32-blocks);
-- the attention q_proj (query and gate rows interleaved per head) is stored as it is.
+- the attention q_proj (query and gate rows interleaved per head) is stored as it is;
+- the MTP head (`nextn_predict_layers` 1) is block `blk.{L}` after the L layers: a full-attention
+  layer's tensors plus `nextn.eh_proj` (mtp.fc), `nextn.enorm` / `nextn.hnorm` (the pre-fc norms
+  of the embedding and the hidden state) and `nextn.shared_head_norm` (mtp.norm; llama.cpp falls
+  back to output_norm without it, and so does this), its norms 1 + w as the layers'.
 
 Quantised tensors: Q4_0 and Q8_0 blocks (18 and 34 bytes: fp16 d, then the quants) are split
 bit for bit into fermijit's qs/d arrays where the field is a quantised matrix (Q8_0 experts
@@ -37,7 +41,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.model import convert as fj
 from fermijit.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig, parse_config
-from fermijit.model.weights import text_weight_shapes
+from fermijit.model.weights import MTP_PREFIX, text_weight_shapes
 
 ARCH = "qwen35moe"
 MAGIC = b"GGUF"
@@ -60,6 +64,9 @@ SOURCES = {
     "shared_gate_up": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
     "shared_down": ("ffn_down_shexp.weight",), "shared_expert_gate": ("ffn_gate_inp_shexp.weight",),
 }
+# The MTP head's own fields (mtp.<field>), in its block; each a zero-centred norm but fc.
+MTP_SOURCES = {"fc": "nextn.eh_proj.weight", "pre_fc_norm_embedding": "nextn.enorm.weight",
+               "pre_fc_norm_hidden": "nextn.hnorm.weight", "norm": "nextn.shared_head_norm.weight"}
 
 
 class GgufFile:
@@ -146,7 +153,8 @@ def text_config(g: GgufFile) -> dict:
             raise FermijitError(f"{g.path}: {ARCH}.{key} must be one integer, got {value!r}")
         return value
 
-    n_layers = count("block_count") - g.arch("nextn_predict_layers", 0)  # MTP blocks come last
+    n_mtp = g.arch("nextn_predict_layers", 0)
+    n_layers = count("block_count") - n_mtp  # MTP blocks come last
     head_dim, n_value_heads = count("attention.key_length"), count("ssm.time_step_rank")
     recurrent = g.arch("attention.recurrent_layers", None)
     interval = count("full_attention_interval")
@@ -180,6 +188,7 @@ def text_config(g: GgufFile) -> dict:
                             "partial_rotary_factor": count("rope.dimension_count") / head_dim,
                             "mrope_section": sections, "mrope_interleaved": True},
         "tie_word_embeddings": "output.weight" not in g.tensors,
+        "mtp_num_hidden_layers": n_mtp,
         "bos_token_id": g.value("tokenizer.ggml.bos_token_id", None),
         "eos_token_id": g.value("tokenizer.ggml.eos_token_id", None),
         "pad_token_id": g.value("tokenizer.ggml.padding_token_id", None),
@@ -220,26 +229,40 @@ def grouped_from_tiled(n_key_heads: int, n_value_heads: int, head: int) -> np.nd
 
 def plan_fields(cfg: TextConfig, g: GgufFile) -> dict[str, Field]:
     """Every text weight field, in file order, its sources checked (present, right shape)."""
-    fields = field_plan(cfg, has_output="output.weight" in g.tensors)
+    fields = field_plan(cfg, g.tensors)
     for field in fields.values():
         _check_sources(g, field)
     return fields
 
 
-def field_plan(cfg: TextConfig, has_output: bool = True) -> dict[str, Field]:
-    """Every text weight field, in file order, and how llama.cpp's converter stores it (also
-    model/gguf_export.py's plan, run the other way); `has_output`: an LM head of its own."""
+def field_plan(cfg: TextConfig, names=None) -> dict[str, Field]:
+    """Every text weight field, in file order, and how llama.cpp's converter stores it, for a
+    file holding the tensors `names`: an LM head of its own where it has `output.weight`, the
+    MTP head where it has the nextn block. `names` None: model/gguf_export.py's plan (run the
+    other way: an LM head, no MTP head)."""
+    has_output = names is None or "output.weight" in names
     Hk, Hv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
     reorder = Hk != Hv
     v_rows = grouped_from_tiled(Hk, Hv, dv) if reorder else None
     head_rows = grouped_from_tiled(Hk, Hv, 1) if reorder else None
     qk = 2 * cfg.linear_key_dim
+    mtp_block = f"blk.{cfg.num_hidden_layers}."
+    mtp = (names is not None and cfg.mtp_num_hidden_layers == 1
+           and mtp_block + MTP_SOURCES["fc"] in names)
     fields = {}
-    for name, shape in text_weight_shapes(cfg).items():
+    for name, shape in text_weight_shapes(cfg, mtp).items():
         parts = name.split(".")
         last = parts[-1]
         rows, col_perm, kind = None, None, ""
-        if name == "embed_tokens":
+        if name.startswith(MTP_PREFIX) and last in MTP_SOURCES and parts[1] != "layers":
+            source = mtp_block + MTP_SOURCES[last]
+            if last == "norm" and source not in names:
+                source = "output_norm.weight"
+            sources, kind = (source,), ("" if last == "fc" else "minus_1")
+        elif name.startswith(MTP_PREFIX):     # mtp.layers.0.<field>: the block after the layers
+            sources = tuple(mtp_block + s for s in SOURCES[last])
+            kind = "minus_1" if last in SHIFTED_NORMS else ""
+        elif name == "embed_tokens":
             sources = ("token_embd.weight",)
         elif name == "lm_head":
             sources = ("output.weight" if has_output else "token_embd.weight",)

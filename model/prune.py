@@ -9,8 +9,11 @@ so the remaining experts keep their order):
 * an HF checkpoint: every tensor copied in its own dtype, the fused `experts.*_proj` [E, ...]
   sliced, split `experts.{e}.*` renumbered 0..keep-1, one output file per input shard (and the
   index); the record goes to `reap.json` (config.json takes no unknown keys), which `convert`
-  carries into the fermijit manifest. The MTP head (`mtp.*`) is dropped and
-  mtp_num_hidden_layers set to 0: its experts are not calibrated (fermijit never runs it).
+  carries into the fermijit manifest.
+The MTP head (`mtp.*`, MODEL.md §10), where the model has one, is pruned with its own row of
+kept ids, kept[L] (its layer calibrated on the head's rows: model/reap.py), so that its router
+and experts match num_experts as the layers' do; a lone `mtp.*` tensor that is no head is
+dropped, and mtp_num_hidden_layers set to 0.
 Experts are copied one at a time: memory stays at one expert's tensor (4 MiB in the real model).
 """
 
@@ -28,24 +31,27 @@ from fermijit.model import convert
 from fermijit.model.config import load_config
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
+from fermijit.model.weights import MTP_LAYER, MTP_PREFIX
 
 # Fields of a fermijit model whose first dimension is the expert: layers.{i}.mlp.<field>
 EXPERT_FIELDS = ("gate", "experts_gate_up", "experts_down")
 
 
-def pruned_config(config: dict, keep: int) -> dict:
-    """config.json with num_experts = keep (in text_config when composite) and no MTP head."""
+def pruned_config(config: dict, keep: int, has_mtp: bool) -> dict:
+    """config.json with num_experts = keep (in text_config when composite), and no MTP head
+    unless `has_mtp` (the head, pruned too, kept)."""
     config = json.loads(json.dumps(config))
     text = config.get("text_config", config)
     text["num_experts"] = keep
-    if text.get("mtp_num_hidden_layers"):
+    if text.get("mtp_num_hidden_layers") and not has_mtp:
         text["mtp_num_hidden_layers"] = 0
     return config
 
 
-def _check_kept(kept: np.ndarray, text) -> np.ndarray:
-    """`kept` as int64 [L, keep], each row ascending ids of `text`'s (TextConfig) experts."""
-    n_layers, n_experts = text.num_hidden_layers, text.num_experts
+def _check_kept(kept: np.ndarray, text, has_mtp: bool) -> np.ndarray:
+    """`kept` as int64 [L (+1 for the MTP layer), keep], each row ascending ids of `text`'s
+    (TextConfig) experts."""
+    n_layers, n_experts = text.num_hidden_layers + has_mtp, text.num_experts
     kept = np.asarray(kept, dtype=np.int64)
     if (kept.ndim != 2 or kept.shape[0] != n_layers or kept.shape[1] < text.num_experts_per_tok
             or kept.min() < 0 or kept.max() >= n_experts
@@ -61,7 +67,8 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
     src, dst = Path(src), Path(dst)
     cfg, _, manifest = convert.load_converted(src)
     text = cfg.text_config
-    kept = _check_kept(kept, text)
+    has_mtp = convert.MTP_FC in manifest.tensors
+    kept = _check_kept(kept, text, has_mtp)
     lm_head = manifest.tensors["lm_head"].quant
     weights = SafetensorsFile(src / manifest.weights)
     shapes, rows = {}, {}          # rows: the kept ids of a tensor whose first axis is experts
@@ -72,7 +79,8 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
         shapes[name] = entry.shape
         layer, _, field = name.partition(".mlp.")
         if field in EXPERT_FIELDS:
-            rows[name] = kept[int(layer.split(".")[1])]
+            i = text.num_hidden_layers if name.startswith(MTP_PREFIX) else int(layer.split(".")[1])
+            rows[name] = kept[i]
             shapes[name] = (rows[name].size,) + shapes[name][1:]
 
     def fill(name: str, out: SafetensorsWriter):
@@ -86,8 +94,8 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
             if (src / file).is_file():
                 shutil.copyfile(src / file, out / file)
         config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-        (out / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
-                                                    indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1],
+                                                                  has_mtp), indent=2) + "\n")
 
     return convert.write_model(dst, shapes, lm_head, fill, manifest.source, other_files,
                                "prune", show_progress,
@@ -111,25 +119,27 @@ def _copy_rows(out: SafetensorsWriter, name: str, view: np.ndarray, ids) -> None
 
 
 def _hf_expert_pattern(ckpt: Checkpoint) -> re.Pattern:
+    """layer (a number, or the MTP layer's "mtp." prefix) | fused or router tensor | split
+    expert id, rest of its name."""
     from fermijit.model.weights import text_prefix
 
-    p = re.escape(text_prefix(ckpt))
-    # layer | fused or router tensor | split expert id, rest of its name
-    return re.compile(rf"{p}layers\.(\d+)\.mlp\.(?:(gate\.weight|experts\.gate_up_proj|"
+    layer = rf"{re.escape(text_prefix(ckpt))}layers\.(\d+)\.|({re.escape(MTP_LAYER)})"
+    return re.compile(rf"(?:{layer})mlp\.(?:(gate\.weight|experts\.gate_up_proj|"
                       rf"experts\.down_proj)|experts\.(\d+)\.(.+))$")
 
 
 def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     """Prune HF checkpoint directory `src` into `dst` (a pruned HF checkpoint); returns the REAP
     record written beside it."""
-    from fermijit.model.weights import plan_text_weights
+    from fermijit.model.weights import has_mtp, plan_text_weights
 
     src, dst = Path(src), Path(dst)
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plan_text_weights(cfg.text_config, ckpt)       # a bad checkpoint fails before any write
     text = cfg.text_config
-    kept = _check_kept(kept, text)
+    with_mtp = has_mtp(text, ckpt)
+    kept = _check_kept(kept, text, with_mtp)
     expert = _hf_expert_pattern(ckpt)
     convert.check_output_dir(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -137,16 +147,18 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     for f in ckpt.files:
         plan = []                                   # (name out, name in, kept ids or None)
         for name in f.tensors:
-            if name.startswith("mtp."):
+            if name.startswith(MTP_PREFIX) and not with_mtp:
                 continue
             m = expert.match(name)
             if m is None:
                 plan.append((name, name, None))
-            elif m[2] is not None:                  # router rows or fused experts
-                plan.append((name, name, kept[int(m[1])]))
-            elif int(m[3]) in kept[int(m[1])]:      # split: renumbered in kept order
-                j = int(np.searchsorted(kept[int(m[1])], int(m[3])))
-                plan.append((name[:m.start(3)] + f"{j}." + m[4], name, None))
+                continue
+            ids = kept[text.num_hidden_layers if m[2] else int(m[1])]
+            if m[3] is not None:                    # router rows or fused experts
+                plan.append((name, name, ids))
+            elif int(m[4]) in ids:                  # split: renumbered in kept order
+                j = int(np.searchsorted(ids, int(m[4])))
+                plan.append((name[:m.start(4)] + f"{j}." + m[5], name, None))
         specs = []
         for out_name, name, ids in plan:
             info = f.tensors[name]
@@ -168,9 +180,18 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     record = _record(record, src, kept, text.num_experts, convert.reap_record(src))
     (dst / convert.REAP_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    (dst / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1]),
+    (dst / "config.json").write_text(json.dumps(pruned_config(config, kept.shape[1], with_mtp),
                                                 indent=2) + "\n")
     return record
+
+
+def _has_mtp(directory: Path) -> bool:
+    """Whether a fermijit model or HF checkpoint directory holds an MTP head."""
+    from fermijit.model.weights import has_mtp
+
+    if convert.is_fermijit_model(directory):
+        return convert.MTP_FC in convert.read_manifest(directory).tensors
+    return has_mtp(load_config(directory).text_config, Checkpoint(directory))
 
 
 def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
@@ -208,6 +229,10 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
         raise FermijitError(f"{calibrate_with} has {len(model.layers)} layers of "
                             f"{model.n_experts} experts, {src} {text.num_hidden_layers} of "
                             f"{text.num_experts}")
+    if _has_mtp(src) != (model.mtp is not None):
+        raise FermijitError(f"{src} and {calibrate_with} differ in having an MTP head (its "
+                            f"experts are pruned by its own calibration: give a calibration "
+                            f"model that has one where the model does, or none)")
     context = reap.check_context(context, model.max_context)
     tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id).encode(read_text(text_path))
     n_tokens = reap.windows(tokens.size, context, max_tokens).size * context

@@ -1,8 +1,9 @@
 """REAP expert pruning (Router-weighted Expert Activation Pruning, issue 15): calibration and the
 choice of the experts kept. model/prune.py writes the pruned model.
 
-Calibration runs the engine's prefill over windows of a text. At each MoE layer (through
-`Model.moe_observer`), for expert j and the tokens X_j the router sends to it:
+Calibration runs the engine's prefill over windows of a text, with the MTP head's rows where the
+model has one (its layer is row L of the statistics, after the L layers: model/mtp.py). At each
+MoE layer (through `Model.moe_observer`), for expert j and the tokens X_j the router sends to it:
     count_j    = |X_j|
     saliency_j = (1 / |X_j|) · Σ_{x ∈ X_j} g_j(x) · ‖E_j(x)‖₂            (0 when X_j is empty)
 g_j(x) the renormalised router weight (ops.router), E_j(x) the expert's SwiGLU output without the
@@ -29,8 +30,8 @@ CRITERIA = ("reap", "frequency", "random")
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    counts: np.ndarray    # [L, E] int64: tokens routed to each expert
-    saliency: np.ndarray  # [L, E] float64: REAP saliency, 0 where never routed
+    counts: np.ndarray    # [L (+1: the MTP layer), E] int64: tokens routed to each expert
+    saliency: np.ndarray  # [L (+1), E] float64: REAP saliency, 0 where never routed
     source: str           # what text it came from
     n_tokens: int         # tokens run through the model
     n_windows: int
@@ -90,8 +91,9 @@ class Collector:
     """The MoE observer: per layer and expert, the routed count and Σ g·‖E(x)‖."""
 
     def __init__(self, model):
-        self._layer_of = {id(w): i for i, w in enumerate(model.layers)}
-        shape = (len(model.layers), model.n_experts)
+        layers = moe_layers(model)
+        self._layer_of = {id(w): i for i, w in enumerate(layers)}
+        shape = (len(layers), model.n_experts)
         self.counts = np.zeros(shape, np.int64)
         self.weighted_norms = np.zeros(shape, np.float64)
 
@@ -115,6 +117,11 @@ class Collector:
     def saliency(self) -> np.ndarray:
         return np.divide(self.weighted_norms, self.counts, out=np.zeros_like(self.weighted_norms),
                          where=self.counts > 0)
+
+
+def moe_layers(model) -> tuple:
+    """The model's MoE layers: its L layers, then its MTP head's (model/mtp.py) if it has one."""
+    return model.layers + ((model.mtp.layer,) if model.mtp is not None else ())
 
 
 def check_context(context: int | None, max_context: int) -> int:
@@ -161,10 +168,11 @@ def calibrate(model, tokens, context: int, source: str, max_tokens: int | None =
     try:
         for s in starts:
             window = tokens[s:s + context]
+            state = model.new_state(context, mtp=model.mtp is not None)  # the head's rows too
             if prefiller is None:
-                model.prefill(window, model.new_state(context), on_block=on_tokens)
+                model.prefill(window, state, on_block=on_tokens)
             else:
-                prefiller.prefill(window, model.new_state(context), on_block=on_tokens)
+                prefiller.prefill(window, state, on_block=on_tokens)
     finally:
         model.moe_observer = None
         if observed_on_gpu:

@@ -246,13 +246,39 @@ class Reference:
 
     def forward(self, tokens, state: State) -> np.ndarray:
         """Logits [T, V] for `tokens` [T] following the `state.position` tokens seen; updates state."""
+        return linear(self.hidden(tokens, state), self.w.lm_head)
+
+    def hidden(self, tokens, state: State) -> np.ndarray:
+        """The final normed hidden states [T, H] of `tokens` (what the LM head and the MTP head
+        read); updates state."""
         positions = np.arange(state.position, state.position + len(tokens))
         x = embed(self.w.embed_tokens, np.asarray(tokens))                  # [T, H]
         for w, s in zip(self.w.layers, state.layers):
-            h = x + self.mixer(rmsnorm(x, w.input_layernorm, self.eps), w.mixer, s, positions)
-            x = h + moe(rmsnorm(h, w.post_attention_layernorm, self.eps), w.mlp, self.top_k)
+            x = self.layer(x, w, s, positions)
         state.position += len(tokens)
-        return linear(rmsnorm(x, self.w.norm, self.eps), self.w.lm_head)
+        return rmsnorm(x, self.w.norm, self.eps)
+
+    def layer(self, x, w, s, positions):
+        """A decoder layer (MODEL.md §4): the mixer, then the MoE, each on a residual."""
+        h = x + self.mixer(rmsnorm(x, w.input_layernorm, self.eps), w.mixer, s, positions)
+        return h + moe(rmsnorm(h, w.post_attention_layernorm, self.eps), w.mlp, self.top_k)
+
+    def new_mtp_cache(self) -> KvCache:
+        return KvCache(np.zeros((0,) + self.kv_shape), np.zeros((0,) + self.kv_shape))
+
+    def mtp(self, tokens, hidden, cache: KvCache):
+        """The MTP head (MODEL.md §10) over rows [S, S + T), S the rows `cache` holds: row q takes
+        token q+1 (`tokens` [T]) and the final normed hidden state of position q (`hidden`
+        [T, H], or the head's own output of the row before when chaining). Returns (logits
+        [T, V] of token q+2, the normed output [T, H]); the cache gets the rows."""
+        m = self.w.mtp
+        positions = np.arange(cache.k.shape[0], cache.k.shape[0] + len(tokens))
+        e = rmsnorm(embed(self.w.embed_tokens, np.asarray(tokens)), m.pre_fc_norm_embedding,
+                    self.eps)
+        h = rmsnorm(np.asarray(hidden, np.float64), m.pre_fc_norm_hidden, self.eps)
+        x = linear(np.concatenate([e, h], axis=-1), m.fc)                  # embedding first
+        out = rmsnorm(self.layer(x, m.layer, cache, positions), m.norm, self.eps)
+        return linear(out, self.w.lm_head), out
 
     def mixer(self, x, w, s, positions):
         if isinstance(w, AttentionWeights):

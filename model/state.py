@@ -16,6 +16,12 @@ are reached. `new_state` checks the memory of the positions a caller expects to 
 state checks each further GROW_POSITIONS as it grows (`check_room`): a context that cannot grow
 is a one-line error, not the OOM killer.
 
+A state for speculative decoding with the model's MTP head (MODEL.md §10; model/mtp.py) has one
+more attention layer, last: the MTP layer's own KV cache, whose row q is the pair (token q+1,
+hidden state q), so it lags the model by one position (rows [0, position - 1) at rest; the last
+row a copy or file holds may be stale); and `hidden`, the final normed hidden states the head
+has not consumed yet (one at rest: the last position's).
+
 Dimension legend: as model/weights.py; S the context length.
 """
 
@@ -159,6 +165,9 @@ class State:
     # RoPE position minus `position` from here on: negative after images, whose tokens take
     # fewer positions than their count (model/multimodal.py); 0 for text.
     rope_delta: int = 0
+    # With the MTP layer (its cache the last of `layers`): the final normed hidden states of
+    # positions [position - k, position), [k, H] fp32, the MTP rows not computed yet; else None.
+    hidden: np.ndarray | None = None
     # Positions whose memory was checked (check_room).
     memory_checked_to: int = dataclasses.field(default=0, repr=False, compare=False)
 
@@ -176,7 +185,8 @@ class State:
     @property
     def nbytes(self) -> int:
         """Bytes of its arrays (the KV caches' whole context: address space, not memory)."""
-        return sum(s.nbytes for s in self.layers)
+        return (sum(s.nbytes for s in self.layers)
+                + (0 if self.hidden is None else self.hidden.nbytes))
 
     @property
     def position_nbytes(self) -> int:
@@ -219,7 +229,8 @@ class State:
                 layers.append(s.resized(context, self.position))
             else:
                 layers.append(GdnState(s.conv.copy(), s.recurrent.copy()))
-        return State(self.position, layers, self.rope_delta)
+        return State(self.position, layers, self.rope_delta,
+                     None if self.hidden is None else self.hidden.copy())
 
     def save(self, path: str | Path) -> None:
         """An .npz file (uncompressed: the recurrent state is noise-like fp32)."""
@@ -236,6 +247,8 @@ class State:
                 arrays[f"{i}.context"] = np.int64(s.context)
             else:
                 arrays[f"{i}.conv"], arrays[f"{i}.recurrent"] = s.conv, s.recurrent
+        if self.hidden is not None:
+            arrays["hidden"] = self.hidden
         with open(path, "wb") as f:
             np.savez(f, **arrays)
 
@@ -276,7 +289,9 @@ class State:
                 layers.append(GdnState(np.ascontiguousarray(arrays[f"{i}.conv"], np.float32),
                                        np.ascontiguousarray(arrays[f"{i}.recurrent"], np.float32)))
             i += 1
-        return cls(position, layers, int(arrays.get("rope_delta", 0)))
+        hidden = arrays.get("hidden")
+        return cls(position, layers, int(arrays.get("rope_delta", 0)),
+                   None if hidden is None else np.ascontiguousarray(hidden, np.float32))
 
 
 def available_nbytes() -> int:

@@ -229,8 +229,8 @@ def _fill_hashed(name: str, shape: tuple[int, ...], quant: str, seed: int, out, 
                          n_blocks, step, digest):
             pass
         return
-    if field in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm") \
-            or name == "norm":
+    if field in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm",
+                 "pre_fc_norm_embedding", "pre_fc_norm_hidden") or name in ("norm", "mtp.norm"):
         values = np.zeros(shape)                        # zero-centred: scale 1 + w = 1
     elif field in ("norm", "dt_bias"):                  # the GDN's gated norm: a plain weight
         values = np.ones(shape)
@@ -306,7 +306,7 @@ def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
     raw = config_for(name, layers, overrides)
     cfg = parse_config(raw).text_config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
-    shapes = text_weight_shapes(cfg)
+    shapes = text_weight_shapes(cfg, mtp=cfg.mtp_num_hidden_layers == 1)  # the real: one
     quants = {n: convert.quantisation(n, "q8_0") for n in shapes}
 
     def other_files(out: Path) -> None:

@@ -15,6 +15,8 @@ preset's `max_epochs` passes over the data (the default model reaches that first
 about 4 minutes of an H200). N is printed; `--steps N` reproduces the schedule (CUDA kernels are
 not bitwise deterministic). Held-out loss and perplexity are logged `--evals` times.
 
+`--mtp-for MODEL` trains an MTP head for a converted model instead (`train_mtp` below).
+
 Output (`--out`): a text-only HF checkpoint that transformers and fermijit's converter read:
 config.json (`qwen3_5_moe_text`, fields that model/config.py knows), safetensors under the
 in-memory names (`model.layers.{i}...`, fused experts `mlp.experts.gate_up_proj` [E, 2I, H]),
@@ -430,6 +432,252 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+# --- the MTP head (issue 32 item 3) ---------------------------------------------------------------
+# A multi-token-prediction head (MODEL.md §10) for a converted model, trained with the model frozen:
+# row q reads the model's final normed hidden state q (as fermijit's 4-bit forward computes it:
+# the states the head meets when drafting) and token q+1, and learns the model's own distribution
+# of token q+2 (its logits at position q+1, top MTP_TEACHER_TOP of them): a draft is accepted when
+# it is what the model would say, so the model, not the text, is the teacher. The head's layer is
+# transformers' Qwen3.5-MoE full-attention decoder layer; the embedding and LM head are the model's
+# (fp16 and Q8_0 as stored, dequantised), frozen.
+
+MTP_TEACHER_TOP = 32    # teacher probabilities kept per position (the rest of the mass dropped)
+MTP_LAYER_INDEX = 3     # a full-attention index of the presets' layer_types, for the HF layer
+MTP_WINDOWS = 1200      # training windows of the model's context (1200 x 512 = 614k tokens)
+
+
+def model_states(model, tokens, context: int, n_windows: int, on_window=lambda: None):
+    """The model's final normed hidden states and its top teacher probabilities over windows of
+    `context` tokens spread over `tokens`, each from a fresh state: (ids [W, T] int64, hidden
+    [W, T, H] fp16, teacher ids [W, T, K] int64, teacher p [W, T, K] fp16); position t's teacher
+    is the model's distribution of token t+1."""
+    import numpy as np
+
+    from fermijit.model.forward import Workspace, linear
+    from fermijit.ops import rmsnorm
+
+    tokens = np.asarray(tokens, np.int32)
+    n_whole = (len(tokens) - 1) // context
+    starts = np.round(np.linspace(0, n_whole - 1, min(n_windows, n_whole))).astype(int) * context
+    W, T, H, K = len(starts), context, model.hidden, MTP_TEACHER_TOP
+    ids = np.empty((W, T), np.int64)
+    hidden = np.empty((W, T, H), np.float16)
+    top_ids = np.empty((W, T, K), np.int64)
+    top_p = np.empty((W, T, K), np.float16)
+    ws = Workspace(model, T)
+    logits = np.empty((T, model.vocab_size), np.float32)
+    for w, s in enumerate(starts):
+        ws.tokens[:] = tokens[s:s + T]
+        model.forward(ws.tokens, model.new_state(T), ws)
+        h = rmsnorm.cpu(ws.x, model.norm, model.eps)
+        linear(h, model.lm_head, logits)
+        top = np.argpartition(-logits, K - 1, axis=1)[:, :K]
+        m = logits.max(axis=1, keepdims=True)
+        total = np.exp(logits - m).sum(axis=1, keepdims=True)
+        ids[w], hidden[w], top_ids[w] = ws.tokens, h, top
+        top_p[w] = np.exp(np.take_along_axis(logits, top, axis=1) - m) / total
+        on_window()
+    return ids, hidden, top_ids, top_p
+
+
+class MtpHead(torch.nn.Module):
+    """The head in torch (MODEL.md §10), its layer transformers' own; embedding and LM head
+    frozen buffers."""
+
+    def __init__(self, config: dict, embed: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        from transformers import Qwen3_5MoeTextConfig
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+        cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in config.items() if k != "architectures"})
+        cfg._attn_implementation = "sdpa"  # causal without a mask (training windows)
+        assert cfg.layer_types[MTP_LAYER_INDEX] == "full_attention"
+        H = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.pre_fc_norm_embedding = torch.nn.Parameter(torch.zeros(H))
+        self.pre_fc_norm_hidden = torch.nn.Parameter(torch.zeros(H))
+        self.fc = torch.nn.Linear(2 * H, H, bias=False)
+        torch.nn.init.normal_(self.fc.weight, std=cfg.initializer_range)
+        self.layer = hf.Qwen3_5MoeDecoderLayer(cfg, MTP_LAYER_INDEX)
+        for name, p in self.layer.named_parameters():  # as transformers' _init_weights
+            if name.endswith("norm.weight"):
+                torch.nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                torch.nn.init.normal_(p, std=cfg.initializer_range)
+        self.norm = torch.nn.Parameter(torch.zeros(H))
+        self.rotary = hf.Qwen3_5MoeTextRotaryEmbedding(cfg)
+        self.register_buffer("embed", embed, persistent=False)
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.router_logits = None
+        self.layer.mlp.gate.register_forward_hook(
+            lambda module, args, out: setattr(self, "router_logits", out[0]))
+
+    def rmsnorm(self, x, w):
+        x32 = x.float()
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + w)
+
+    def forward(self, next_ids, hidden):
+        """next_ids [B, T] (token q+1 of row q), hidden [B, T, H] -> logits [B, T, V]."""
+        e = self.rmsnorm(self.embed[next_ids], self.pre_fc_norm_embedding)
+        h = self.rmsnorm(hidden, self.pre_fc_norm_hidden)
+        x = self.fc(torch.cat([e, h], dim=-1))                         # embedding first
+        B, T = next_ids.shape
+        positions = torch.arange(T).expand(3, B, T)                     # text: T = H = W axes
+        x = self.layer(x, position_embeddings=self.rotary(x, positions))
+        return self.rmsnorm(x, self.norm) @ self.lm_head.T
+
+    def load_hf_tensors(self, tensors: dict) -> None:
+        """`hf_tensors`' inverse: continue from a saved head."""
+        own = {n: p for n, p in self.named_parameters()}
+        with torch.no_grad():
+            for name, p in self._hf_params().items():
+                p.copy_(tensors[name])
+        assert len(own) == len(tensors)
+
+    def _hf_params(self) -> dict:
+        out = {"mtp.pre_fc_norm_embedding.weight": self.pre_fc_norm_embedding,
+               "mtp.pre_fc_norm_hidden.weight": self.pre_fc_norm_hidden,
+               "mtp.fc.weight": self.fc.weight, "mtp.norm.weight": self.norm}
+        for name, p in self.layer.named_parameters():
+            out[f"mtp.layers.0.{name}"] = p
+        return out
+
+    def hf_tensors(self) -> dict:
+        """The head under the published names (`mtp.*`, fused experts), fp32."""
+        return {n: p.detach().float().contiguous() for n, p in self._hf_params().items()}
+
+
+def _frozen(model):
+    """The fermijit model's embedding and LM head as fp32 torch tensors (dequantised)."""
+    import numpy as np
+
+    from fermijit.model.reference import dense
+    from fermijit.model.weights import QuantTensor
+    from fermijit.ops import matvec
+
+    head = model.lm_head
+    if isinstance(head, matvec.Q4Matrix):
+        head = QuantTensor("q4_0", head.qs, head.d_bits.view(np.float16))
+    return (torch.from_numpy(np.asarray(model.embed, np.float32)),
+            torch.from_numpy(dense(head).astype(np.float32)))
+
+
+def mtp_loss(head, ids, hidden, top_ids, top_p, k: int, aux_coef: float):
+    """(soft cross-entropy against the model's top probabilities of token q+2, the balance
+    loss, the share of rows whose argmax is the model's) over rows q = 0 .. T-2 of a batch."""
+    logits = head(ids[:, 1:], hidden[:, :-1].float())                  # row q: token q+1, h_q
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    p = top_p[:, 1:].float()                                           # the model at q+1
+    ce = -(p * torch.gather(log_q, -1, top_ids[:, 1:])).sum(-1).mean()
+    aux = load_balancing_loss((head.router_logits,), k)
+    agree = (logits.argmax(-1) == top_ids[:, 1:].gather(
+        -1, top_p[:, 1:].float().argmax(-1, keepdim=True))[..., 0]).float().mean()
+    return ce, aux, agree
+
+
+def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes: float | None,
+              seed: int = 0, batch: int = 8, lr: float = 1e-3, n_windows: int = MTP_WINDOWS,
+              quiet: bool = False, states: Path | None = None,
+              init: Path | None = None) -> dict:
+    """Train an MTP head for fermijit model `model_dir` (frozen) on `data`'s train split; write
+    `out/head/model.safetensors` (the head under HF names, fp32) and `out/mtp_log.json`; returns
+    the log. The budget as `train`'s: --steps, or --minutes to fix them after timing the first.
+    `states`: an .npz file of the model's states (`model_states`), made there once and read on
+    later runs (on a busy 2-core machine they took longer than the training). `init`: a head
+    directory (`out/head` of an earlier run) to continue from."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from fermijit.model.forward import load_model
+
+    if steps is None and minutes is None:
+        raise ValueError("give steps, minutes or both")
+    t_start = time.monotonic()
+
+    def say(record: dict) -> None:
+        if not quiet:
+            print(json.dumps(record), flush=True)
+
+    cfg, model = load_model(model_dir)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    context = min(512, model.max_context)
+    torch.manual_seed(seed)
+    names = ("ids", "hidden", "top_ids", "top_p")
+    saved = dict(np.load(states)) if states is not None and Path(states).is_file() else {}
+    splits = {}
+    for split, n in (("train", n_windows), ("heldout", max(8, n_windows // 20))):
+        t0 = time.monotonic()
+        if f"{split}.ids" not in saved:
+            arrays = model_states(model, load_tokens(data, split).numpy(), context, n)
+            saved.update({f"{split}.{k}": a for k, a in zip(names, arrays)})
+        splits[split] = [torch.from_numpy(saved[f"{split}.{k}"]) for k in names]
+        say({"states": split, "windows": int(splits[split][0].shape[0]),
+             "s": round(time.monotonic() - t0, 1)})
+    if states is not None and not Path(states).is_file():
+        np.savez(states, **saved)
+    head = MtpHead(config, *_frozen(model))
+    if init is not None:
+        head.load_hf_tensors(load_file(str(Path(init) / "model.safetensors")))
+    params = [p for p in head.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    generator = torch.Generator().manual_seed(seed)
+    train_set, held = splits["train"], splits["heldout"]
+    k = config["num_experts_per_tok"]
+    aux_coef = config.get("router_aux_loss_coef", 0.01)
+    log = {"model": str(model_dir), "data": str(data), "seed": seed, "batch": batch, "lr": lr,
+           "context": context, "windows": {s: int(v[0].shape[0]) for s, v in splits.items()},
+           "parameters": n_params, "torch_threads": torch.get_num_threads(),
+           "curve": [], "evals": []}
+
+    def heldout() -> dict:
+        head.eval()
+        with torch.no_grad():
+            rows = [mtp_loss(head, *(a[i:i + batch] for a in held), k, aux_coef)
+                    for i in range(0, held[0].shape[0], batch)]
+        head.train()
+        return {"loss": round(float(np.mean([r[0].item() for r in rows])), 4),
+                "agree": round(float(np.mean([r[2].item() for r in rows])), 4)}
+
+    n_steps = steps or 10 ** 9
+    step, t_train = 0, time.monotonic()
+    while step < n_steps:
+        if steps is None and step == 5:
+            per_step = (time.monotonic() - t_train) / 5
+            n_steps = max(6, int((60 * minutes - (time.monotonic() - t_start) - 60) / per_step))
+            log["schedule"] = {"step_s": round(per_step, 3), "steps": n_steps}
+            say(log["schedule"])
+        pick = torch.randint(0, train_set[0].shape[0], (batch,), generator=generator)
+        ce, aux, agree = mtp_loss(head, *(a[pick] for a in train_set), k, aux_coef)
+        warmup = min(50, max(1, n_steps // 20))
+        rate = lr_at(step, n_steps, lr, warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        optimizer.zero_grad(set_to_none=True)
+        (ce + aux_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        if step % 20 == 0 or step == 1 or step == n_steps:
+            record = {"step": step, "loss": round(ce.item(), 4), "aux": round(aux.item(), 4),
+                      "agree": round(agree.item(), 4), "lr": round(rate, 6),
+                      "elapsed_s": round(time.monotonic() - t_start, 1)}
+            log["curve"].append(record)
+            say(record)
+        if minutes is not None and time.monotonic() - t_start > 60 * minutes - 30:
+            say({"stopped": "wall-clock budget", "step": step})
+            break
+    log["steps_done"] = step
+    log["evals"].append({"step": step, **heldout()})
+    say({"heldout": log["evals"][-1]})
+    log["train_s"] = round(time.monotonic() - t_start, 1)
+    (out / "head").mkdir(parents=True, exist_ok=True)
+    save_file(head.hf_tensors(), str(out / "head" / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "mtp_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    return log
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fermijit.model.train_default",
                                      description=__doc__.split("\n")[0])
@@ -451,6 +699,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="transformers' routed-expert kernel (same function, other speed)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--mtp-for", type=Path, default=None, metavar="MODEL",
+                        help="train an MTP head for the converted fermijit MODEL instead (frozen; "
+                             "issue 32): OUT gets head/ (its tensors), mtp_log.json and model/ "
+                             "(MODEL with the head)")
+    parser.add_argument("--mtp-windows", type=int, default=MTP_WINDOWS,
+                        help="with --mtp-for: training windows of 512 tokens")
+    parser.add_argument("--mtp-states", type=Path, default=None,
+                        help="with --mtp-for: the model's states in this .npz (made once)")
+    parser.add_argument("--mtp-init", type=Path, default=None,
+                        help="with --mtp-for: continue from this head directory (OUT/head)")
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
         parser.error("give --steps, --minutes or both")
@@ -458,6 +716,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.out} exists and is not empty")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mtp_for is not None:
+        from fermijit.model.convert import add_mtp_head
+
+        train_mtp(args.mtp_for, args.data, args.out, args.steps, args.minutes, seed=args.seed,
+                  n_windows=args.mtp_windows, states=args.mtp_states, init=args.mtp_init)
+        add_mtp_head(args.mtp_for, args.out / "head", args.out / "model")
+        print(json.dumps({"saved": str(args.out / "model")}), flush=True)
+        return
     train(args.data, args.out, PRESETS[args.preset], args.steps, args.minutes, seed=args.seed,
           evals=args.evals, eval_tokens=args.eval_tokens, device=args.device,
           max_epochs=args.max_epochs, experts=args.experts)

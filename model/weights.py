@@ -8,7 +8,9 @@ A checkpoint tensor reaches a field through a `TensorPlan`: the field's name and
 checkpoint slices that fill it. The plan is built and checked (every source present, float, of
 the right shape) before anything is read, so a bad checkpoint fails at once, naming the tensor.
 It absorbs the layout differences: the `model.language_model.` (VLM) or `model.` (text-only)
-prefix, fused 3-D experts or per-expert matrices, the [C, 1, Kc] conv weight. `mtp.*` is ignored;
+prefix, fused 3-D experts or per-expert matrices, the [C, 1, Kc] conv weight. The MTP head
+(`mtp.*`, MODEL.md §10) is planned when the checkpoint has it and config.json's
+mtp_num_hidden_layers is 1 (a lone or partial `mtp.*` is left out, as transformers leaves it);
 `model.visual.*` names are listed by `visual_tensor_names` for the vision tower.
 """
 
@@ -82,11 +84,24 @@ class LayerWeights:
 
 
 @dataclasses.dataclass(frozen=True)
+class MtpWeights:
+    """The multi-token-prediction head (MODEL.md §10): its own norms, projection and one
+    full-attention decoder layer; the embedding and LM head are the model's."""
+
+    pre_fc_norm_embedding: np.ndarray  # [H]  zero-centred
+    pre_fc_norm_hidden: np.ndarray     # [H]  zero-centred
+    fc: Tensor                         # [H, 2H]  columns: embedding H | hidden H
+    layer: LayerWeights                # a full-attention MoE decoder layer
+    norm: np.ndarray                   # [H]  zero-centred, the head's own final norm
+
+
+@dataclasses.dataclass(frozen=True)
 class TextWeights:
     embed_tokens: Tensor             # [V, H]
     layers: tuple[LayerWeights, ...]  # L
     norm: np.ndarray                 # [H]  zero-centred
     lm_head: Tensor                  # [V, H]
+    mtp: MtpWeights | None = None    # the MTP head, where the model has one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,85 +143,136 @@ class TensorPlan:
         return self.read(ckpt)
 
 
-def text_weight_shapes(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
-    """Every text weight field's shape, from the config alone, in file order."""
+MTP_PREFIX = "mtp."
+MTP_LAYER = MTP_PREFIX + "layers.0."  # the head's decoder layer, named as a layer's fields
+
+
+def text_weight_shapes(cfg: TextConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every text weight field's shape, from the config alone, in file order; with `mtp`, the
+    MTP head's last (`mtp.*`)."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    C, Hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (V, H)}
     for i, kind in enumerate(cfg.layer_types):
-        n = f"layers.{i}."
-        shapes[n + "input_layernorm"] = shapes[n + "post_attention_layernorm"] = (H,)
-        if kind == FULL_ATTENTION:
-            a = n + "self_attn."
-            shapes.update({a + "q_proj": (Hq * 2 * D, H), a + "k_proj": (Hkv * D, H),
-                           a + "v_proj": (Hkv * D, H), a + "o_proj": (H, Hq * D),
-                           a + "q_norm": (D,), a + "k_norm": (D,)})
-        else:
-            a = n + "linear_attn."
-            shapes.update({a + "in_proj_qkv": (C, H), a + "in_proj_z": (Hv * dv, H),
-                           a + "in_proj_b": (Hv, H), a + "in_proj_a": (Hv, H),
-                           a + "conv1d": (C, cfg.linear_conv_kernel_dim), a + "A_log": (Hv,),
-                           a + "dt_bias": (Hv,), a + "norm": (dv,),
-                           a + "out_proj": (H, Hv * dv)})
-        m = n + "mlp."
-        shapes.update({m + "gate": (E, H), m + "experts_gate_up": (E, 2 * I, H),
-                       m + "experts_down": (E, H, I), m + "shared_gate_up": (2 * Is, H),
-                       m + "shared_down": (H, Is), m + "shared_expert_gate": (1, H)})
+        shapes.update(_layer_shapes(cfg, f"layers.{i}.", kind))
     shapes["norm"] = (H,)
     shapes["lm_head"] = (V, H)
+    if mtp:
+        m = MTP_PREFIX
+        shapes.update({m + "pre_fc_norm_embedding": (H,), m + "pre_fc_norm_hidden": (H,),
+                       m + "fc": (H, 2 * H)})
+        shapes.update(_layer_shapes(cfg, MTP_LAYER, FULL_ATTENTION))
+        shapes[m + "norm"] = (H,)
     return shapes
 
 
+def _layer_shapes(cfg: TextConfig, n: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's fields, named from prefix `n`."""
+    H = cfg.hidden_size
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    C, Hv, dv = cfg.linear_conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    shapes = {n + "input_layernorm": (H,), n + "post_attention_layernorm": (H,)}
+    if kind == FULL_ATTENTION:
+        a = n + "self_attn."
+        shapes.update({a + "q_proj": (Hq * 2 * D, H), a + "k_proj": (Hkv * D, H),
+                       a + "v_proj": (Hkv * D, H), a + "o_proj": (H, Hq * D),
+                       a + "q_norm": (D,), a + "k_norm": (D,)})
+    else:
+        a = n + "linear_attn."
+        shapes.update({a + "in_proj_qkv": (C, H), a + "in_proj_z": (Hv * dv, H),
+                       a + "in_proj_b": (Hv, H), a + "in_proj_a": (Hv, H),
+                       a + "conv1d": (C, cfg.linear_conv_kernel_dim), a + "A_log": (Hv,),
+                       a + "dt_bias": (Hv,), a + "norm": (dv,), a + "out_proj": (H, Hv * dv)})
+    m = n + "mlp."
+    shapes.update({m + "gate": (E, H), m + "experts_gate_up": (E, 2 * I, H),
+                   m + "experts_down": (E, H, I), m + "shared_gate_up": (2 * Is, H),
+                   m + "shared_down": (H, Is), m + "shared_expert_gate": (1, H)})
+    return shapes
+
+
+def has_mtp(cfg: TextConfig, ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint holds the MTP head fermijit runs: one layer (config.json's
+    mtp_num_hidden_layers 1) with its decoder layer present (tiny test files carry a lone
+    `mtp.fc`, as transformers ignores the head)."""
+    return (cfg.mtp_num_hidden_layers == 1 and MTP_PREFIX + "fc.weight" in ckpt
+            and MTP_LAYER + "input_layernorm.weight" in ckpt)
+
+
 def plan_text_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan]:
-    """Every text-model tensor, in file order (embedding, layers, norm, lm_head), checked."""
+    """Every text-model tensor, in file order (embedding, layers, norm, lm_head, the MTP head's
+    where `has_mtp`), checked."""
     prefix = text_prefix(ckpt)
     shapes = text_weight_shapes(cfg)
     plans: list[TensorPlan] = []
-
-    def one(name: str, source: str, stored: tuple[int, ...] | None = None):
-        shape = shapes[name]
-        _check(ckpt, source, stored or shape)
-        plans.append(TensorPlan(name, shape, (Piece(source, None, 0, shape[0]),)))
-
-    H = cfg.hidden_size
+    one = _one_source(ckpt, shapes, plans)
     one("embed_tokens", prefix + "embed_tokens.weight")
     for i, kind in enumerate(cfg.layer_types):
-        p, n = f"{prefix}layers.{i}.", f"layers.{i}."
-        one(n + "input_layernorm", p + "input_layernorm.weight")
-        one(n + "post_attention_layernorm", p + "post_attention_layernorm.weight")
-        if kind == FULL_ATTENTION:
-            a, s = n + "self_attn.", p + "self_attn."
-            for field in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-                one(a + field, s + field + ".weight")
-        else:
-            a, s = n + "linear_attn.", p + "linear_attn."
-            for field in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
-                one(a + field, s + field + ".weight")
-            C, Kc = shapes[a + "conv1d"]
-            one(a + "conv1d", s + "conv1d.weight", stored=(C, 1, Kc))
-            one(a + "A_log", s + "A_log")
-            one(a + "dt_bias", s + "dt_bias")
-            one(a + "norm", s + "norm.weight")
-            one(a + "out_proj", s + "out_proj.weight")
-        E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        m, s = n + "mlp.", p + "mlp."
-        one(m + "gate", s + "gate.weight")
-        plans.extend(_expert_plans(ckpt, m, s, E, I, H))
-        _check(ckpt, s + "shared_expert.gate_proj.weight", (Is, H))
-        _check(ckpt, s + "shared_expert.up_proj.weight", (Is, H))
-        plans.append(TensorPlan(m + "shared_gate_up", (2 * Is, H), (
-            Piece(s + "shared_expert.gate_proj.weight", None, 0, Is),
-            Piece(s + "shared_expert.up_proj.weight", None, Is, Is))))
-        one(m + "shared_down", s + "shared_expert.down_proj.weight")
-        one(m + "shared_expert_gate", s + "shared_expert_gate.weight")
+        _layer_plans(cfg, ckpt, shapes, f"layers.{i}.", f"{prefix}layers.{i}.", kind, one, plans)
     one("norm", prefix + "norm.weight")
     if "lm_head.weight" in ckpt or not cfg.tie_word_embeddings:
         one("lm_head", "lm_head.weight")
     else:
         one("lm_head", prefix + "embed_tokens.weight")
+    out = {plan.name: plan for plan in plans}
+    return out | plan_mtp_weights(cfg, ckpt) if has_mtp(cfg, ckpt) else out
+
+
+def plan_mtp_weights(cfg: TextConfig, ckpt: Checkpoint) -> dict[str, TensorPlan]:
+    """The MTP head's tensors (`mtp.*`, MODEL.md §10), in file order, checked."""
+    shapes = {n: s for n, s in text_weight_shapes(cfg, mtp=True).items()
+              if n.startswith(MTP_PREFIX)}
+    plans: list[TensorPlan] = []
+    one = _one_source(ckpt, shapes, plans)
+    for field in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc"):
+        one(MTP_PREFIX + field, MTP_PREFIX + field + ".weight")
+    _layer_plans(cfg, ckpt, shapes, MTP_LAYER, MTP_LAYER, FULL_ATTENTION, one, plans)
+    one(MTP_PREFIX + "norm", MTP_PREFIX + "norm.weight")
     return {plan.name: plan for plan in plans}
+
+
+def _one_source(ckpt: Checkpoint, shapes, plans: list):
+    """one(name, source, stored=None): field `name` is checkpoint tensor `source` (checked;
+    `stored` its on-disk shape where it differs), its plan appended to `plans`."""
+    def one(name: str, source: str, stored: tuple[int, ...] | None = None):
+        shape = shapes[name]
+        _check(ckpt, source, stored or shape)
+        plans.append(TensorPlan(name, shape, (Piece(source, None, 0, shape[0]),)))
+
+    return one
+
+
+def _layer_plans(cfg: TextConfig, ckpt: Checkpoint, shapes, n: str, p: str, kind: str, one,
+                 plans: list) -> None:
+    """Field prefix `n`'s decoder layer from checkpoint prefix `p`, appended to `plans` in file
+    order (the one-source tensors through `one`)."""
+    H = cfg.hidden_size
+    one(n + "input_layernorm", p + "input_layernorm.weight")
+    one(n + "post_attention_layernorm", p + "post_attention_layernorm.weight")
+    if kind == FULL_ATTENTION:
+        a, s = n + "self_attn.", p + "self_attn."
+        for field in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            one(a + field, s + field + ".weight")
+    else:
+        a, s = n + "linear_attn.", p + "linear_attn."
+        for field in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            one(a + field, s + field + ".weight")
+        C, Kc = shapes[a + "conv1d"]
+        one(a + "conv1d", s + "conv1d.weight", stored=(C, 1, Kc))
+        one(a + "A_log", s + "A_log")
+        one(a + "dt_bias", s + "dt_bias")
+        one(a + "norm", s + "norm.weight")
+        one(a + "out_proj", s + "out_proj.weight")
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    m, s = n + "mlp.", p + "mlp."
+    one(m + "gate", s + "gate.weight")
+    plans.extend(_expert_plans(ckpt, m, s, E, I, H))
+    _check(ckpt, s + "shared_expert.gate_proj.weight", (Is, H))
+    _check(ckpt, s + "shared_expert.up_proj.weight", (Is, H))
+    plans.append(TensorPlan(m + "shared_gate_up", (2 * Is, H), (
+        Piece(s + "shared_expert.gate_proj.weight", None, 0, Is),
+        Piece(s + "shared_expert.up_proj.weight", None, Is, Is))))
+    one(m + "shared_down", s + "shared_expert.down_proj.weight")
+    one(m + "shared_expert_gate", s + "shared_expert_gate.weight")
 
 
 def _expert_plans(ckpt: Checkpoint, m: str, s: str, E: int, I: int, H: int) -> list[TensorPlan]:
@@ -256,20 +322,26 @@ def visual_tensor_names(ckpt: Checkpoint) -> list[str]:
 
 
 def assemble(cfg: TextConfig, tensors: Mapping[str, Tensor]) -> TextWeights:
-    """The dataclasses from field-path names (those of `plan_text_weights`)."""
+    """The dataclasses from field-path names (those of `plan_text_weights`); the MTP head where
+    its fields are there."""
     def fields(cls, base: str):
         return cls(**{f.name: tensors[base + f.name] for f in dataclasses.fields(cls)})
 
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        n = f"layers.{i}."
+    def layer(n: str, kind: str) -> LayerWeights:
         mixer = (fields(AttentionWeights, n + "self_attn.") if kind == FULL_ATTENTION
                  else fields(GatedDeltaNetWeights, n + "linear_attn."))
-        layers.append(LayerWeights(input_layernorm=tensors[n + "input_layernorm"], mixer=mixer,
-                                   post_attention_layernorm=tensors[n + "post_attention_layernorm"],
-                                   mlp=fields(MoeWeights, n + "mlp.")))
-    return TextWeights(embed_tokens=tensors["embed_tokens"], layers=tuple(layers),
-                       norm=tensors["norm"], lm_head=tensors["lm_head"])
+        return LayerWeights(input_layernorm=tensors[n + "input_layernorm"], mixer=mixer,
+                            post_attention_layernorm=tensors[n + "post_attention_layernorm"],
+                            mlp=fields(MoeWeights, n + "mlp."))
+
+    layers = tuple(layer(f"layers.{i}.", kind) for i, kind in enumerate(cfg.layer_types))
+    mtp = None
+    if MTP_PREFIX + "fc" in tensors:
+        m = MTP_PREFIX
+        mtp = MtpWeights(tensors[m + "pre_fc_norm_embedding"], tensors[m + "pre_fc_norm_hidden"],
+                         tensors[m + "fc"], layer(MTP_LAYER, FULL_ATTENTION), tensors[m + "norm"])
+    return TextWeights(embed_tokens=tensors["embed_tokens"], layers=layers,
+                       norm=tensors["norm"], lm_head=tensors["lm_head"], mtp=mtp)
 
 
 def load_text_weights(cfg: TextConfig, ckpt: Checkpoint, dtype=np.float32,

@@ -9,7 +9,12 @@ temperature 0 is greedy: the first maximum (lowest id on ties). Otherwise, with 
 This is the order of HF's warpers (temperature, top-k, top-p). u is uniform in [0, 1), drawn by
 the caller (`Sampler`) from a seeded generator, so reference and cpu are compared draw by draw;
 they differ only if u falls within rounding (~1e-15) of a cumulative boundary.
-Dimensions: V vocabulary (248320), k = top_k.
+
+Speculative decoding (fermijit/speculative.py) needs the distribution itself: `probabilities`
+is what `reference` draws from, as a vector; `speculative` is the standard rejection rule
+(Leviathan et al. 2023, Chen et al. 2023) that turns drafts from a distribution q into tokens
+distributed as the model's p.
+Dimensions: V vocabulary (248320), k = top_k, N drafts.
 """
 
 from __future__ import annotations
@@ -57,6 +62,56 @@ def reference(logits, temperature, top_k, top_p, u):
     cdf = np.cumsum(p) / p.sum()
     i = np.searchsorted(cdf, u, side="right")                     # first cdf > u
     return int(order[min(i, p.size - 1)])                         # (rounding: cdf[-1] < u)
+
+
+def probabilities(logits, temperature, top_k, top_p) -> np.ndarray:
+    """The distribution `reference` draws from at temperature > 0: [V] float64, 0 outside the
+    tokens top-k and top-p keep. The top-k candidates are found by a partition (V log V for a
+    sort of the real vocabulary was ~20 ms), ties to the lower id as `reference` breaks them."""
+    check_settings(temperature, top_k, top_p)
+    if temperature == 0:
+        raise FermijitError("sampling: probabilities need a temperature > 0 (0 is greedy)")
+    logits = np.asarray(logits, np.float32)
+    vocab = logits.shape[0]
+    if 0 < top_k < vocab:
+        kth = np.partition(logits, vocab - top_k)[vocab - top_k]          # the k-th largest
+        above = np.flatnonzero(logits > kth)
+        ids = np.concatenate([above, np.flatnonzero(logits == kth)[:top_k - above.size]])
+    else:
+        ids = np.arange(vocab)
+    if top_p < 1.0 or 0 < top_k < vocab:                                    # descending, ties by id
+        ids = ids[np.lexsort((ids, -logits[ids]))]
+    z = logits[ids].astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        n = np.searchsorted(np.cumsum(p), top_p) + 1                        # as `reference`
+        ids, p = ids[:n], p[:n] / p[:n].sum()
+    out = np.zeros(vocab)
+    out[ids] = p
+    return out
+
+
+def draw(p, u: float) -> int:
+    """A token of distribution p [V] (float64, summing to 1) at uniform u: the first in id order
+    whose cumulative probability exceeds u."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), p.size - 1))
+
+
+def speculative(p, q, drafts, rng) -> tuple[int, int]:
+    """Drafts d_i drawn from q[i] (q [N, V]), the model's distributions p [N+1, V] after each of
+    them (p[i] the one for d_i's position) -> (n accepted, the token that follows them): d_i is
+    accepted with probability min(1, p[i][d_i] / q[i][d_i]); at the first rejection the token
+    is drawn from the residual max(0, p[i] - q[i]), normalised; after N acceptances from p[N].
+    Every token is then distributed as p: the standard rule (Leviathan et al. 2023, Theorem 1).
+    `rng` a numpy Generator: one draw per test and one for the token."""
+    for i, d in enumerate(drafts):
+        if rng.random() * q[i][d] < p[i][d]:
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        return i, draw(residual / residual.sum(), rng.random())
+    return len(drafts), draw(p[len(drafts)], rng.random())
 
 
 # --- kernels ------------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ import numpy as np
 from fermijit import FermijitError
 
 
-def warm_up(engine, max_batch: int) -> None:
+def warm_up(engine, max_batch: int, drafts=None) -> None:
     """Compile (or load) every kernel a request meets: prefill, decode, sampling and the batched
-    step at 1 and 2 sequences (grouped launches differ from 1 row on), on throwaway states."""
+    step at 1 and 2 sequences (grouped launches differ from 1 row on), on throwaway states; with
+    `drafts` (speculative.Drafts), a speculative step's."""
     from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
 
@@ -27,12 +28,19 @@ def warm_up(engine, max_batch: int) -> None:
         for n in sorted({1, min(2, max_batch)}):
             states = [sample.new_state(2) for _ in range(n)]
             decode_batch(sample, np.zeros(n, np.int32), states)
+    if drafts is not None:
+        from fermijit import speculative
+
+        speculative.warm_up(model, engine.sampler(Settings()), drafts)
 
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False,
-          max_image_tokens: int | None = None, kv=None, kv_mem: int | None = None) -> None:
+          max_image_tokens: int | None = None, kv=None, kv_mem: int | None = None,
+          speculative: bool | None = None, drafts=None) -> None:
+    """`speculative`: draft with the MTP head (None: where the model has one and it pays), as
+    `drafts` says (speculative.Drafts)."""
     import uvicorn
 
     from fermijit import hybrid
@@ -46,19 +54,25 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     err = sys.stderr
     start = time.perf_counter()
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
-                         warn=lambda line: print(line, file=err, flush=True), kv=kv)
+                         warn=lambda line: print(line, file=err, flush=True), kv=kv,
+                         speculative=speculative)
+    if engine.speculative and drafts is None:
+        from fermijit.speculative import Drafts
+        drafts = Drafts()
+    drafts = drafts if engine.speculative else None
     times = {"load": time.perf_counter() - start}
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
     with hybrid.preparing(engine.prefiller) as gpu_ready:  # beside the CPU's warm-up
-        warm_up(engine, max_batch)
+        warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
     if gpu_ready.get("seconds") is not None:
         times["gpu prefill"] = gpu_ready["seconds"]
-    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem)
+    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts)
+    said = f", MTP drafts {drafts.n}" if drafts is not None else ""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())  # the last two overlap
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
-          f"{', API key required' if api_key else ''})", file=err, flush=True)
+          f"{said}{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
     try:
         config = uvicorn_config(make_app(scheduler, model_name(model_dir), api_key,

@@ -4,8 +4,8 @@ batch between steps, and every step decodes all active sequences in one forward
 
 A job arrives tokenised (server/prompts.py, on the request's handler thread) and joins by being
 restored from the engine's snapshot prefix cache, so a second chat turn prefills only what the
-cache lacks and `cached_tokens` says how much it had. The rest of its prompt is prefilled in chunks between
-decode steps (issue 28 item 5; `_prefill_chunk`): each chunk is one `prefill_batch` call of the
+cache lacks and `cached_tokens` says how much it had. The rest of its prompt is prefilled in
+chunks between decode steps (issue 28 item 5; `_prefill_chunk`): each chunk is one `prefill_batch` call of the
 engine's prefiller over the next pieces of every prompt waiting (prompts that arrive together
 are prefilled together, weights read once for all), at most `prefiller.chunk_tokens` tokens
 but for a newly arrived prompt's first piece, which runs at once; while streams decode, later
@@ -22,6 +22,11 @@ A sequence ends at an end-of-sequence id or a stop string ("stop"), at max_token
 when its client is gone; its state is then snapshotted (prompt and answer), as `generate` does,
 for the next turn. Stop strings are held back from the stream until they can no longer match
 (`StopMatcher`).
+
+With an engine loaded for speculative decoding (fermijit/speculative.py: the default where the
+model has an MTP head and it pays, `serve --speculative none` turns it off), a step with one
+sequence active drafts and verifies (`_speculative_step`); with several, the batched step reads
+the weights once for all of them, and each sequence's head catches up at its next draft.
 """
 
 from __future__ import annotations
@@ -104,6 +109,9 @@ class Sequence:
     is_new: bool = True
     is_in_flight: bool = False   # its prompt on the GPU's own thread (GpuJob)
 
+    speculator: object = None    # speculative.Speculator, where the engine drafts
+    n_fed: int | None = None     # in a speculative step: its tokens fed before the one accepted
+
 
 class GpuJob:
     """One prefill_batch call of a prefiller that runs beside decode (the GPU's: its kernels and
@@ -141,7 +149,10 @@ class Scheduler:
     """Runs `engine` (fermijit/engine.py Engine) on its own thread; `submit` from any thread."""
 
     def __init__(self, engine, max_batch: int = 8, queue_size: int = 64,
-                 kv_mem: int | None = None):
+                 kv_mem: int | None = None, drafts=None):
+        """`kv_mem`: bytes the running sequences' states may hold (--kv-mem); `drafts`
+        (speculative.Drafts, default one draft a step) where the engine was loaded for
+        speculative decoding."""
         if max_batch < 1 or queue_size < 1:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
@@ -150,6 +161,10 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
         self.kv_mem = kv_budget.default_nbytes() if kv_mem is None else kv_mem
+        if engine.speculative and drafts is None:
+            from fermijit.speculative import Drafts
+            drafts = Drafts()
+        self.drafts = drafts if engine.speculative else None
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.active: list[Sequence] = []       # decoding
         self.prefilling: list[Sequence] = []   # admitted, their prompts in progress
@@ -285,7 +300,8 @@ class Scheduler:
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)
         if with_images is None:  # restored from the cache; the rest by _prefill_chunk
-            p = engine_module.PromptPrefill(model, prompt, n_prompt + max_tokens, engine.cache)
+            p = engine_module.PromptPrefill(model, prompt, n_prompt + max_tokens, engine.cache,
+                                              mtp=self.drafts is not None)
             state, logits, n_cached = p.state, p.logits, p.n_cached
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
@@ -295,6 +311,10 @@ class Scheduler:
         seq = Sequence(job, prompt, n_cached, max_tokens, state, sampler,
                        engine.tokenizer.stream(), StopMatcher(job.stop),
                        has_images=with_images is not None)
+        if self.drafts is not None and with_images is None:
+            from fermijit.speculative import Speculator
+
+            seq.speculator = Speculator(model, sampler, self.drafts)
         job.emit(Started(n_prompt, n_cached))
         if logits is None:
             seq.prefill, seq.prefiller = p, self._prefiller()
@@ -425,7 +445,8 @@ class Scheduler:
         for s in seqs:
             p = s.prefill
             s.prefill = engine_module.PromptPrefill(self.engine.model, p.prompt,
-                                                    p.state.context, self.engine.cache)
+                                                    p.state.context, self.engine.cache,
+                                                    mtp=self.drafts is not None)
             s.state, s.prefiller, s.is_alone = s.prefill.state, self._cpu(), True
             if s.prefill.logits is not None:  # all of it snapshotted before the failure
                 self._prefilled(s, s.prefill.logits)
@@ -444,6 +465,10 @@ class Scheduler:
         self.active = live
         if not live:
             return
+        if len(live) == 1 and live[0].speculator is not None:
+            self._speculative_step(live[0])
+            self.active = [s for s in live if not s.is_done]
+            return
         if len(live) > 1 and can_batch(model):
             ws = self._workspaces.get(len(live))
             if ws is None:
@@ -453,8 +478,22 @@ class Scheduler:
             logits = np.stack([model.decode(s.token, s.state) for s in live])
         self.n_steps += 1
         for s, row in zip(live, logits):
+            if s.speculator is not None:
+                s.speculator.fed(s.token)
             self._accept(s, s.sampler.sample(row), row)
         self.active = [s for s in live if not s.is_done]
+
+    def _speculative_step(self, s: Sequence) -> None:
+        """One draft-and-verify step of `s`; its tokens are accepted one at a time as a plain
+        step's, and where the sequence ends inside the step `_finish` takes the state back."""
+        tokens, _ = s.speculator.step(s.state, s.token)
+        self.n_steps += 1
+        for i, token in enumerate(tokens):
+            s.n_fed = i + 1
+            self._accept(s, token, None)
+            if s.is_done:
+                break
+        s.n_fed = None
 
     def _accept(self, s: Sequence, token: int, logits: np.ndarray) -> None:
         """`token`, sampled from `logits` (after all `s.state` has seen): stream it or end."""
@@ -478,6 +517,10 @@ class Scheduler:
     def _finish(self, s: Sequence, reason: str | None, logits) -> None:
         """End `s` (reason None: its client is gone) and snapshot what it fed the model."""
         s.is_done = True
+        if s.speculator is not None and s.n_fed is not None:  # inside a speculative step
+            logits = s.speculator.truncate(s.state, s.n_fed) if reason is not None else None
+        if s.speculator is not None:
+            s.speculator.settle(s.state)              # a snapshot holds settled states only
         cache, n_prompt = self.engine.cache, int(s.prompt.size)
         if (cache is not None and not s.has_images and s.state.position > n_prompt
                 and logits is not None):

@@ -128,6 +128,7 @@ class Model:
     # fp16: converting then loses nothing, and W4A8 differs from fp32 by the 8-bit activations
     # alone, which a tight tolerance can hold.
     on_grid: bool = False
+    mtp: bool = False  # the whole MTP head, not the lone mtp.fc most of these models carry
     vision_config: dict = dataclasses.field(default_factory=lambda: VISION_CONFIG)
 
 
@@ -179,6 +180,9 @@ REAL_SHAPES = Model("real-shapes", {
     "max_position_embeddings": 4224,
 }, weight_std=0.02, embed_std=1.0, router_gain=1.0, norm_offset_std=0.1, on_grid=True)
 
+# HF_INIT with its whole MTP head (MODEL.md §10): the head's tests and speculative decoding's.
+MTP = dataclasses.replace(HF_INIT, name="hf-init-mtp", mtp=True)
+
 # SENSITIVE with a tower whose output fits its hidden size, two blocks, a 6×6 position grid (so
 # the interpolation resamples both up and down): the oracle of prompts with images
 # (tests/model/vision_oracle.py).
@@ -226,8 +230,8 @@ def random_weights(seed: int = 0, model: Model = UNIT) -> dict[str, np.ndarray]:
     p = "model.language_model."
     w[p + "embed_tokens.weight"] = (np.float32(model.embed_std)
                                     * rng.standard_normal((V, H), dtype=np.float32))
-    for i, kind in enumerate(t["layer_types"]):
-        q = f"{p}layers.{i}."
+
+    def layer(q: str, kind: str) -> None:  # decoder layer weights under prefix q
         w[q + "input_layernorm.weight"] = offset(H)
         w[q + "post_attention_layernorm.weight"] = offset(H)
         if kind == "full_attention":
@@ -257,6 +261,8 @@ def random_weights(seed: int = 0, model: Model = UNIT) -> dict[str, np.ndarray]:
         w[m + "shared_expert.up_proj.weight"] = linear(Is, H)
         w[m + "shared_expert.down_proj.weight"] = np.float32(model.moe_gain) * linear(H, Is)
         w[m + "shared_expert_gate.weight"] = linear(1, H)
+    for i, kind in enumerate(t["layer_types"]):
+        layer(f"{p}layers.{i}.", kind)
     w[p + "norm.weight"] = offset(H)
     w["lm_head.weight"] = linear(V, H)
 
@@ -280,8 +286,14 @@ def random_weights(seed: int = 0, model: Model = UNIT) -> dict[str, np.ndarray]:
                                                                           offset(merged))
     w[s + "merger.linear_fc2.weight"], w[s + "merger.linear_fc2.bias"] = (linear(out, merged),
                                                                           offset(out))
-    # One MTP tensor: present in published files, ignored by transformers and by us.
+    # One MTP tensor: present in published files, ignored by transformers; the whole head
+    # (MODEL.md §10) with `mtp`, drawn after the rest, which keeps the rest's values.
     w["mtp.fc.weight"] = linear(H, 2 * H)
+    if model.mtp:
+        w["mtp.pre_fc_norm_embedding.weight"] = offset(H)
+        w["mtp.pre_fc_norm_hidden.weight"] = offset(H)
+        layer("mtp.layers.0.", "full_attention")
+        w["mtp.norm.weight"] = offset(H)
     return on_grid(w) if model.on_grid else w
 
 

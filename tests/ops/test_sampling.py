@@ -160,3 +160,86 @@ def test_bad_inputs():
         sampling.cpu(logits, 1.0, 3, 1.0, 0.5, scratch=np.zeros(9, np.int64))
     with pytest.raises(FermijitError, match="shape"):
         sampling.Sampler(10, temperature=1.0, top_k=0, top_p=1.0, seed=0).sample(logits[:9])
+
+
+# --- speculative decoding (fermijit/speculative.py) ----------------------------------------------
+
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+def test_probabilities_are_what_reference_draws_from(rng, settings):
+    # Exactly the reference's distribution: every u of a grid maps to a token of it, the mass
+    # before that token (in reference's descending order) at most u.
+    temperature, top_k, top_p = settings
+    vocab = 4099
+    for logits in (_logits(rng, vocab), np.round(_logits(rng, vocab, 1.0) * 2) / 2):
+        logits = logits.astype(np.float32)
+        p = sampling.probabilities(logits, temperature, top_k, top_p)
+        assert p.shape == (vocab,) and abs(p.sum() - 1) < 1e-12 and (p >= 0).all()
+        kept = np.flatnonzero(p > 0)
+        order = np.argsort(-logits, kind="stable")
+        n = kept.size
+        assert set(order[:n].tolist()) == set(kept.tolist())  # the top of reference's order
+        cdf = np.cumsum(p[order[:n]])
+        for u in rng.random(50):
+            token = sampling.reference(logits, temperature, top_k, top_p, float(u))
+            i = int(np.flatnonzero(order[:n] == token)[0])
+            assert (cdf[i - 1] if i else 0.0) <= u + 1e-12 and u < cdf[i] + 1e-12
+
+
+def test_probabilities_small_case():
+    p = np.array([0.15, 0.5, 0.1, 0.25])
+    logits = np.log(p).astype(np.float32)
+    np.testing.assert_allclose(sampling.probabilities(logits, 1.0, 0, 0.7), [0, 2 / 3, 0, 1 / 3],
+                               atol=1e-7)
+    np.testing.assert_allclose(sampling.probabilities(logits, 1.0, 3, 1.0),
+                               [0.15 / 0.9, 0.5 / 0.9, 0, 0.25 / 0.9], atol=1e-7)
+    with pytest.raises(FermijitError, match="temperature > 0"):
+        sampling.probabilities(logits, 0.0, 0, 1.0)
+
+
+# The statistical test of the rejection rule: a target Markov chain over a tiny vocabulary (the
+# model) and another (the drafter) that disagrees with it. The tokens the rule emits for the first
+# three positions must be distributed as the target's own chain; every joint probability of the
+# 5^3 sequences within SPEC_SIGMAS binomial standard deviations.
+SPEC_VOCAB = 5
+SPEC_RUNS = 40000
+SPEC_SIGMAS = 5
+
+
+def _chain(rng, sharpness):
+    m = rng.random((SPEC_VOCAB, SPEC_VOCAB)) ** sharpness
+    return m / m.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3])
+def test_speculative_rule_keeps_the_distribution(rng, n_draft):
+    target, drafter = _chain(rng, 2.0), _chain(rng, 1.0)
+    draws = np.random.default_rng(int(rng.integers(2 ** 32)))
+    start = 0
+    counts = np.zeros((SPEC_VOCAB,) * 3)
+    for _ in range(SPEC_RUNS):
+        out, last = [], start
+        while len(out) < 3:
+            drafts, q = [], []
+            for _ in range(n_draft):                         # drafts from the drafter's chain
+                prev = drafts[-1] if drafts else last
+                q.append(drafter[prev])
+                drafts.append(sampling.draw(q[-1], draws.random()))
+            p = [target[t] for t in [last] + drafts]         # the target after each fed token
+            n_ok, token = sampling.speculative(p, q, drafts, draws)
+            out += drafts[:n_ok] + [token]
+            last = out[-1]
+        counts[tuple(out[:3])] += 1
+    expected = (target[start][:, None, None] * target[:, :, None]
+                * target[None, :, :])                       # p(a) p(b|a) p(c|b)
+    freq = counts / SPEC_RUNS
+    bound = SPEC_SIGMAS * np.sqrt(expected * (1 - expected) / SPEC_RUNS) + 1e-12
+    assert (np.abs(freq - expected) <= bound).all(), np.abs(freq - expected).max()
+    # and the drafter's own chain would have failed this (it is far from the target)
+    drafted = drafter[start][:, None, None] * drafter[:, :, None] * drafter[None, :, :]
+    assert (np.abs(drafted - expected) > bound).any()
+
+
+def test_speculative_rule_accepts_a_perfect_drafter(rng):
+    p = [np.eye(SPEC_VOCAB)[t] for t in (2, 4, 1)]
+    n_ok, token = sampling.speculative(p, p[:2], [2, 4], rng)
+    assert (n_ok, token) == (2, 1)

@@ -1,0 +1,69 @@
+"""The GPU prefill of a state with the MTP layer (fermijit/hybrid.py, issue 32): the model's layers
+on the GPU, the head's rows on the CPU from each pass's last hidden states, so a speculative
+decode can follow a GPU prefill. On a tiny model with a random head: the head's cache rows and
+waiting hidden state against an all-CPU prefill's, one pass and chunked; greedy text after it
+equal to plain decoding's from the same handed-off state."""
+
+import numpy as np
+import pytest
+
+from fermijit import engine, hybrid
+from fermijit.model import convert, mtp
+from fermijit.model.forward import load_model
+from fermijit.ops.sampling import Sampler
+from tests.gpu import MARKS
+from tests.model import tiny
+
+pytestmark = MARKS
+
+# The handed-off state against the all-CPU run's on a tiny model: fp32 rounding and 8-bit flips
+# (tests/fermijit/test_hybrid_gpu.py GPU_STATE_VS_CPU["tiny-e128"]); the head reads those states.
+GPU_STATE_VS_CPU = 1e-2
+N_PROMPT = 60
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-gpu")
+    convert.convert(tiny.write_checkpoint(root / "hf", model=tiny.MTP), root / "fj",
+                    show_progress=False)
+    return load_model(root / "fj")[1]
+
+
+def rel(expected, actual):
+    return float(np.abs(expected - actual).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_head_rows_follow_the_cpus(model, chunked):
+    tokens = np.random.default_rng(0).integers(0, 300, N_PROMPT).astype(np.int32)
+    cpu_state = model.new_state(N_PROMPT + 8, mtp=True)
+    model.prefill(tokens, cpu_state)
+    budget = None
+    if chunked:
+        plan = hybrid.plan(model, N_PROMPT, 0, 1 << 40, 1 << 40)
+        budget = plan.total - plan.activations // 2
+    pf = hybrid.GpuPrefiller(model, gpu_mem=budget)
+    assert pf.prepare()
+    gpu_state = model.new_state(N_PROMPT + 8, mtp=True)
+    pf.prefill(tokens, gpu_state)
+    assert not chunked or pf.last_plan.n_chunks > 1
+    n = N_PROMPT - 1
+    a, b = mtp.cache(model, cpu_state), mtp.cache(model, gpu_state)
+    assert rel(a.k[:, :n], b.k[:, :n]) < GPU_STATE_VS_CPU
+    assert rel(a.v[:, :n], b.v[:, :n]) < GPU_STATE_VS_CPU
+    assert gpu_state.hidden.shape == (1, model.hidden)
+    assert rel(cpu_state.hidden, gpu_state.hidden) < GPU_STATE_VS_CPU
+
+
+def test_speculative_decode_after_a_gpu_prefill(model):
+    prompt = np.random.default_rng(1).integers(0, 300, N_PROMPT).astype(np.int32)
+    pf = hybrid.GpuPrefiller(model)
+    assert pf.prepare()
+    texts = []
+    for n_draft in (0, 2):
+        sampler = Sampler(model.vocab_size, temperature=0, top_k=0, top_p=1.0, seed=0)
+        tokens, _ = engine.generate(model, prompt, sampler, 24, N_PROMPT + 30, frozenset(),
+                                    lambda t: None, prefiller=pf, n_draft=n_draft)
+        texts.append(tokens)
+    assert texts[0] == texts[1]
