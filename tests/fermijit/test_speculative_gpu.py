@@ -7,10 +7,14 @@ equal to plain decoding's from the same handed-off state."""
 import numpy as np
 import pytest
 
-from fermijit import engine, hybrid
+import dataclasses
+
+from fermijit import engine, hybrid, speculative
 from fermijit.model import convert, mtp
 from fermijit.model.forward import load_model
+from fermijit.model.state import KvKind
 from fermijit.ops.sampling import Sampler
+from tests.fermijit.hybrid_models import E128
 from tests.gpu import MARKS
 from tests.model import tiny
 
@@ -24,10 +28,13 @@ N_PROMPT = 60
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    # the tiny 128-expert model the GPU kernels take (tiny.MTP's key dim 32 they do not), with
+    # the whole MTP head; fp32 caches: the rows are compared in values
     root = tmp_path_factory.mktemp("spec-gpu")
-    convert.convert(tiny.write_checkpoint(root / "hf", model=tiny.MTP), root / "fj",
+    head = dataclasses.replace(E128, name="e128-mtp", mtp=True)
+    convert.convert(tiny.write_checkpoint(root / "hf", model=head), root / "fj",
                     show_progress=False)
-    return load_model(root / "fj")[1]
+    return load_model(root / "fj", kv=KvKind.F32)[1]
 
 
 def rel(expected, actual):
@@ -64,6 +71,7 @@ def test_speculative_decode_after_a_gpu_prefill(model):
     for n_draft in (0, 2):
         sampler = Sampler(model.vocab_size, temperature=0, top_k=0, top_p=1.0, seed=0)
         tokens, _ = engine.generate(model, prompt, sampler, 24, N_PROMPT + 30, frozenset(),
-                                    lambda t: None, prefiller=pf, n_draft=n_draft)
+                                    lambda t: None, prefiller=pf,
+                                    drafts=speculative.Drafts(n_draft) if n_draft else None)
         texts.append(tokens)
     assert texts[0] == texts[1]
