@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import dataclasses
+import io
 
 from fermijit import engine, hybrid, speculative
 from fermijit.model import convert, mtp
@@ -43,19 +44,22 @@ def rel(expected, actual):
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_head_rows_follow_the_cpus(model, chunked):
-    tokens = np.random.default_rng(0).integers(0, 300, N_PROMPT).astype(np.int32)
-    cpu_state = model.new_state(N_PROMPT + 8, mtp=True)
+    n_prompt = 200 if chunked else N_PROMPT  # chunks: a budget of half the activations of 200
+    tokens = np.random.default_rng(0).integers(0, 300, n_prompt).astype(np.int32)
+    cpu_state = model.new_state(n_prompt + 8, mtp=True)
     model.prefill(tokens, cpu_state)
     budget = None
     if chunked:
-        plan = hybrid.plan(model, N_PROMPT, 0, 1 << 40, 1 << 40)
+        plan = hybrid.plan(model, n_prompt, 0, 1 << 40, 1 << 40)
         budget = plan.total - plan.activations // 2
-    pf = hybrid.GpuPrefiller(model, gpu_mem=budget)
-    assert pf.prepare()
-    gpu_state = model.new_state(N_PROMPT + 8, mtp=True)
+    err = io.StringIO()
+    pf = hybrid.GpuPrefiller(model, gpu_mem=budget, err=err)
+    assert pf.prepare(), err.getvalue()
+    gpu_state = model.new_state(n_prompt + 8, mtp=True)
     pf.prefill(tokens, gpu_state)
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
     assert not chunked or pf.last_plan.n_chunks > 1
-    n = N_PROMPT - 1
+    n = n_prompt - 1
     a, b = mtp.cache(model, cpu_state), mtp.cache(model, gpu_state)
     assert rel(a.k[:, :n], b.k[:, :n]) < GPU_STATE_VS_CPU
     assert rel(a.v[:, :n], b.v[:, :n]) < GPU_STATE_VS_CPU
@@ -65,8 +69,9 @@ def test_head_rows_follow_the_cpus(model, chunked):
 
 def test_speculative_decode_after_a_gpu_prefill(model):
     prompt = np.random.default_rng(1).integers(0, 300, N_PROMPT).astype(np.int32)
-    pf = hybrid.GpuPrefiller(model)
-    assert pf.prepare()
+    err = io.StringIO()
+    pf = hybrid.GpuPrefiller(model, err=err)
+    assert pf.prepare(), err.getvalue()
     texts = []
     for n_draft in (0, 2):
         sampler = Sampler(model.vocab_size, temperature=0, top_k=0, top_p=1.0, seed=0)
@@ -74,4 +79,5 @@ def test_speculative_decode_after_a_gpu_prefill(model):
                                     lambda t: None, prefiller=pf,
                                     drafts=speculative.Drafts(n_draft) if n_draft else None)
         texts.append(tokens)
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
     assert texts[0] == texts[1]
