@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from fermijit import FermijitError
+from fermijit import FermijitError, __version__
 
 ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
 
@@ -59,6 +59,8 @@ THREAD_COUNTS = CountList()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="fermijit",
+                      message="%(prog)s %(version)s")
 @click.option("--isa", type=click.Choice(ISA_CHOICES), envvar="FERMIJIT_ISA", default=None,
               help="CPU kernel variant (default: the best this CPU has; env FERMIJIT_ISA). "
                    "ssse3 also compiles for a Westmere target.")

@@ -18,6 +18,13 @@ def test_help_lists_the_subcommands():
     assert r.returncode == 0 and "kernels" in r.stdout
 
 
+def test_version_is_the_package_s():
+    import fermijit as package
+
+    r = fermijit("--version")
+    assert r.returncode == 0 and r.stdout == f"fermijit {package.__version__}\n"
+
+
 def test_help_does_not_import_numba():
     code = ("import sys; from fermijit.cli import cli; "
             "print('numba' in sys.modules, 'pycuda' in sys.modules)")
