@@ -39,7 +39,9 @@ FP32_VS_ORACLE = 2e-5
 # reference. The flips each comparison may need: what it measured (AVX-512, AVX2 and SSSE3 alike).
 W4A8_VS_REFERENCE = 1e-5
 HF_INIT_FLIPS = 0
-SENSITIVE_FLIPS = 1
+# SENSITIVE: 2 since the Q8_0 cache's merge (attention's key ranges merged in order, tiles of
+# queries: another summation order), the second at position 38, 3.8e-6 from its tie.
+SENSITIVE_FLIPS = 2
 # (b) W4A8 vs transformers as the W4A8 oracle (oracle.w4a8_activations) on SENSITIVE, whose
 # weights are on the 4-bit grid: the same arithmetic in fp32 on both sides. Measured: every
 # prompt position within 4.5e-7, 45 of the 48 positions within 3.4e-6; three decode steps off
@@ -284,8 +286,8 @@ def test_q8_cache_fp32_path_matches_the_reference_and_stays_near_the_oracle(tiny
     prompt, decode = run_forced(m, golden.tokens)
     ref_prompt, ref_decode = run_forced(_fp32_reference(tiny_dir(MODELS[model]),
                                                         quantize_kv=True), golden.tokens)
-    assert_rel_but_flips("prompt logits", ref_prompt, prompt, FP32_VS_ORACLE, W4A8_FLIP)
-    assert_rel_but_flips("decode logits", ref_decode, decode, FP32_VS_ORACLE, W4A8_FLIP)
+    assert_rel_but_flips("prompt logits", ref_prompt, prompt, FP32_VS_ORACLE, W4A8_FLIP, 0)
+    assert_rel_but_flips("decode logits", ref_decode, decode, FP32_VS_ORACLE, W4A8_FLIP, 0)
     assert_rel("prompt logits vs oracle", golden.prompt_logits, prompt, Q8_KV_NOISE)
     assert_rel("decode logits vs oracle", golden.decode_logits, decode, Q8_KV_NOISE)
     assert rel_error(golden.prompt_logits, prompt) > 1e-5, "a Q8_0 cache yet fp32 accuracy?"
@@ -298,8 +300,8 @@ def test_w4a8_q8_cache_matches_the_reference(converted):
     cfg, weights, _ = convert.load_converted(converted(tiny.HF_INIT))
     reference = Reference(cfg.text_config, weights, quantize_activations=True, quantize_kv=True)
     ref_prompt, ref_decode = run_forced(reference, golden.tokens)
-    assert_rel_but_flips("prompt logits", ref_prompt, prompt, W4A8_VS_REFERENCE, W4A8_FLIP)
-    assert_rel_but_flips("decode logits", ref_decode, decode, W4A8_VS_REFERENCE, W4A8_FLIP)
+    assert_rel_but_flips("prompt logits", ref_prompt, prompt, W4A8_VS_REFERENCE, W4A8_FLIP, 0)
+    assert_rel_but_flips("decode logits", ref_decode, decode, W4A8_VS_REFERENCE, W4A8_FLIP, 0)
 
 
 # --- (c) state: prefill(n) + decode(m) == prefill(n + m), across a snapshot ----------------------
@@ -441,8 +443,9 @@ def test_context_and_tokens_are_checked(converted):
 def test_decode_allocates_nothing_big(converted):
     """After the first token, a decode step's numpy allocations are a few small op scratch
     arrays (Q8 activations of H values, the LM head's normed input, attention's per-head
-    maxima), not workspace or state: measured 4.2 KiB at peak on HF_INIT, whose state is
-    248 KiB."""
+    maxima; with the Q8_0 cache, the default, the query's Q8_0 rows and the values made fp32 a
+    block at a time), not workspace or state: measured 4.2 KiB at peak on HF_INIT with the fp32
+    cache, 25.1 KiB with the Q8_0 one, whose state is 248 KiB (fp32)."""
     _, m = load_model(converted(tiny.HF_INIT))
     state = m.new_state(CONTEXT)
     m.prefill(PROMPT, state)
@@ -454,7 +457,7 @@ def test_decode_allocates_nothing_big(converted):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 8 * 1024, f"decode allocated {peak} B at peak"
+    assert peak < 32 * 1024, f"decode allocated {peak} B at peak"
 
 
 # --- the fused decode path (Model._decode_fused) against the ops one by one ---------------------
