@@ -18,7 +18,7 @@ CHECK = textwrap.dedent("""
     import numpy as np
     from fermijit.jit import cpu
     isa = cpu.select_isa(sys.argv[1])
-    from fermijit.ops import fp32_rows, gemm, matvec, quant, quantize_rows
+    from fermijit.ops import fp32_rows, gemm, kquant, kquant_matvec, matvec, quant, quantize_rows
     rng = np.random.default_rng(7)
     qs, d = quant.quantize_q4_0(rng.standard_normal((13, 1056)).astype(np.float32))
     x = rng.standard_normal((3, 1056)).astype(np.float32)
@@ -29,11 +29,19 @@ CHECK = textwrap.dedent("""
     ref += (matvec.q8_reference(q8s, q8d, x[0]),)
     y += (fp32_rows.cpu(x, x[:2], isa=isa),)  # the router and gates' fp32 product
     ref += (fp32_rows.reference(x, x[:2]),)
+    kb = rng.integers(0, 256, (5, kquant.Q4_K.n_bytes(512)), dtype=np.uint8)
+    kb.reshape(5, 2, 144)[..., :4] = np.array([0.01, 0.002], np.float16).view(np.uint8)
+    x512 = np.ascontiguousarray(x[:, :512])
+    y += (kquant_matvec.cpu(kquant.Q4_K, kb, x512[0], isa=isa),
+          kquant_matvec.cpu(kquant.Q4_K, kb, x512, isa=isa))
+    ref += (kquant.reference(kquant.Q4_K, kb, x512[0]), kquant.reference(kquant.Q4_K, kb, x512))
     kernels = [matvec.gemv_kernel(isa), matvec._product(isa, matvec.GEMM_TILE)]
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
     kernels.append(fp32_rows._kernels[isa])
+    kernels += [kquant_matvec.product_kernel(isa, s) for s in (kquant_matvec.GEMV_TILE,
+                                                                kquant_matvec.GEMM_TILE)]
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
     err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, ref))
     print(json.dumps({"err": err, "cpu": cpu.target_cpu_name(),

@@ -1,0 +1,350 @@
+"""K-quant products on the CPU: GGUF Q4_K blocks, as imported, times Q8_K activations (issue 34;
+the spec is ops/kquant.py `reference`).
+
+    y[t, r] = sum_blocks  d·dx·(sum_j sc_j · sum_i q_ji·x_ji)  −  dmin·dx·(sum_j m_j · bsum_j)
+
+Letters: T tokens, R rows, K inputs, nb = K/256 super-blocks, j the 8 sub-blocks of 32.
+
+llama.cpp's q4_K x q8_K dot (ggml-cpu arch/x86 quants.c `ggml_vec_dot_q4_K_q8_K`) in LLVM IR:
+the 12 packed bytes of scales and mins unpacked with 32-bit masks and shifts (its `utmp`
+kmask code) and widened to 16 i16; each 32-value sub-block's nibbles times its activations by
+`pmaddubsw` (unsigned nibble, signed byte: pairs in i16, at most 2·15·127), scaled and paired
+into i32 by one `pmaddwd` with the sub-block scale broadcast; the mins' term from the
+activations' 16-value sums by `pmaddwd` with each min twice. A super-block's integer sum is one
+i32 vector (Q8_K has one scale per 256), so there is one fp32 multiply-add per super-block and
+register, not per 32-block as in Q4_0.
+
+Widths: SSSE3 16 bytes, AVX2 32; the AVX-512 VNNI variant runs the 256-bit code (decode's
+width there, jit.cpu.DECODE_VARIANT). vpdpbusd would not shorten it: its i32 sums would still
+need a multiply by the scale, where pmaddwd scales and pairs in the one instruction.
+
+One tile of rows x tokens serves the decode GEMV (1 x 1, prefetching its weight stream) and the
+prefill GEMM (GEMM_TILE: each row's unpacked nibbles meet several tokens). A launch forks one
+OpenMP team (fermijit.jit.omp); each thread takes a contiguous run of row groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from fermijit import FermijitError
+from fermijit.jit import omp, simd
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import Isa, bind, decode_isa, kernel, selected_isa, supported
+from fermijit.jit.simd import F32, I8, I16, I32, I64, Vec, vec
+from fermijit.ops import kquant
+from fermijit.ops.kquant import QK_K, Q8K_GROUP
+
+# The weight stream prefetched this far ahead (as ops/matvec.py PREFETCH_BYTES: one sequential
+# stream per thread with one row a tile).
+PREFETCH_BYTES = 4096
+# Rows x tokens of the prefill tile: a row's unpacked nibbles are read by 4 tokens.
+GEMM_TILE = (2, 4)
+GEMV_TILE = (1, 1)
+VEC_OF = {Isa.SSSE3: simd.SSE, Isa.AVX2: simd.AVX2, Isa.AVX512VNNI: simd.AVX512VNNI_256}
+_KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
+_PMADDWD_128 = "llvm.x86.sse2.pmadd.wd"
+
+
+@dataclass(frozen=True)
+class Q8KAct:
+    """Activations in Q8_K (ops/kquant.py quantize_q8_k), natural order."""
+
+    xq: np.ndarray     # [T, K] int8
+    d: np.ndarray      # [T, K/256] float32
+    bsums: np.ndarray  # [T, K/16] int16: the sums of each 16 values
+
+    def __post_init__(self):
+        check_array("Q8KAct", "xq", self.xq, np.int8, ndim=2)
+        n_tok, k = self.xq.shape
+        check_array("Q8KAct", "d", self.d, np.float32, (n_tok, k // QK_K))
+        check_array("Q8KAct", "bsums", self.bsums, np.int16, (n_tok, k // Q8K_GROUP))
+        if k % QK_K:
+            raise FermijitError(f"Q8KAct: {k} inputs are not whole {QK_K}-blocks")
+
+
+# --- activation quantisation --------------------------------------------------------------------
+
+@kernel(fastmath=False)
+def _quantize_q8_k_kernel(x, xq, d, bsums):
+    """quantize_row_q8_K_ref per 256-block (no fast-math: the rounding is the reference's)."""
+    n_tok, k = x.shape
+    for t in range(n_tok):
+        for b in range(k // 256):
+            xb = x[t, b * 256:(b + 1) * 256]
+            amax = np.float32(0.0)
+            mx = np.float32(0.0)
+            for j in range(256):
+                ax = abs(xb[j])
+                if ax > amax:
+                    amax = ax
+                    mx = xb[j]
+            if amax == 0:
+                d[t, b] = 0
+                for j in range(256):
+                    xq[t, b * 256 + j] = 0
+                for g in range(16):
+                    bsums[t, b * 16 + g] = 0
+                continue
+            iscale = np.float32(-127.0) / mx
+            for g in range(16):
+                total = 0
+                for j in range(g * 16, g * 16 + 16):
+                    q = min(127, np.int32(np.rint(iscale * xb[j])))
+                    xq[t, b * 256 + j] = q
+                    total += q
+                bsums[t, b * 16 + g] = total
+            d[t, b] = np.float32(1.0) / iscale
+
+
+def quantize_act(x: np.ndarray, out: Q8KAct | None = None) -> Q8KAct:
+    """x float32 [K] or [T, K] -> Q8KAct (ops/kquant.py quantize_q8_k, bit for bit)."""
+    x2 = check_array("kquant.quantize_act", "x", np.atleast_2d(x), np.float32, ndim=2)
+    n_tok, k = x2.shape
+    if k % QK_K:
+        raise FermijitError(f"kquant.quantize_act: {k} inputs are not whole {QK_K}-blocks")
+    if out is None:
+        out = Q8KAct(np.empty((n_tok, k), np.int8), np.empty((n_tok, k // QK_K), np.float32),
+                     np.empty((n_tok, k // Q8K_GROUP), np.int16))
+    elif out.xq.shape != x2.shape:
+        raise FermijitError(f"kquant.quantize_act: out holds {list(out.xq.shape)}, x is "
+                            f"{list(x2.shape)}")
+    _quantize_q8_k_kernel(x2, out.xq, out.d, out.bsums)
+    return out
+
+
+# --- the tile, in IR ----------------------------------------------------------------------------
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module,
+                                        ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _scales_mins(builder, wp, off):
+    """The 12 packed bytes at wp + off + 4 -> <16 x i16>: sc[0..7], then m[0..7]
+    (llama.cpp's utmp/kmask unpacking of get_scale_min_k4)."""
+    c = lambda n: ir.Constant(I32, n)  # noqa: E731
+    u0, u1, u2 = (simd.load_scalar(builder, wp, builder.add(off, ir.Constant(I64, 4 + 4 * i)),
+                                   I32) for i in range(3))
+    and_, shr, shl, or_ = builder.and_, builder.lshr, builder.shl, builder.or_
+    m_hi = or_(and_(shr(u2, c(4)), c(_KMASK2)), shl(and_(shr(u1, c(6)), c(_KMASK3)), c(4)))
+    m_lo = and_(u1, c(_KMASK1))
+    s_hi = or_(and_(u2, c(_KMASK2)), shl(and_(shr(u0, c(6)), c(_KMASK3)), c(4)))
+    s_lo = and_(u0, c(_KMASK1))
+    words = ir.Constant(vec(I32, 4), None)
+    for i, w in enumerate((s_lo, s_hi, m_lo, m_hi)):
+        words = builder.insert_element(words, w, c(i))
+    return builder.zext(builder.bitcast(words, vec(I8, 16)), vec(I16, 16))
+
+
+def _lanes(builder, v16, idx):
+    return builder.shuffle_vector(v16, v16, ir.Constant(vec(I32, len(idx)), idx))
+
+
+def _madd16(builder, a, b):
+    """Σ a_i·b_i over 16 i16 lanes, by two 128-bit pmaddwd (every ISA has them) -> i32."""
+    lo, hi = ([builder.shuffle_vector(x, x, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
+               for x in (a, b)] for h in (0, 8))
+    s = builder.add(_call(builder, _PMADDWD_128, vec(I32, 4), [lo[0], lo[1]]),
+                    _call(builder, _PMADDWD_128, vec(I32, 4), [hi[0], hi[1]]))
+    return simd.hsum(builder, s)
+
+
+def _make_tile(v: Vec, n_rows: int, n_tok: int):
+    """An intrinsic: out[t0 + t, r0 + r] for r < n_rows, t < n_tok (Q4_K rows, Q8_K tokens)."""
+    w = v.nbytes
+    n_parts = 32 // w  # registers per 32-value sub-block
+    fmt = kquant.Q4_K
+
+    def codegen(context, builder, sig, args):
+        blocks_a, xq_a, d_a, bs_a, out_a = [context.make_array(ty)(context, builder, val)
+                                            for ty, val in zip(sig.args[:5], args[:5])]
+        r0, t0 = args[5], args[6]
+        c = lambda n: ir.Constant(I64, n)  # noqa: E731
+        _, row_bytes = cgutils.unpack_tuple(builder, blocks_a.shape, 2)
+        _, k = cgutils.unpack_tuple(builder, xq_a.shape, 2)
+        _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
+        nb = builder.udiv(k, c(QK_K))
+
+        def at(base, index, stride):
+            return simd.byte_ptr(builder, base, builder.mul(index, stride))
+
+        rows = [builder.add(r0, c(i)) for i in range(n_rows)]
+        toks = [builder.add(t0, c(t)) for t in range(n_tok)]
+        w_row = [at(blocks_a.data, r, row_bytes) for r in rows]
+        x_row = [at(xq_a.data, t, k) for t in toks]
+        d_row = [at(d_a.data, t, builder.mul(nb, c(4))) for t in toks]
+        b_row = [at(bs_a.data, t, builder.mul(nb, c(32))) for t in toks]
+        facc = vec(F32, w // 4)
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
+                for _ in range(n_tok)] for _ in range(n_rows)]
+        macc = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+                 for _ in range(n_tok)] for _ in range(n_rows)]
+        nibble = ir.Constant(vec(I8, w), [0x0F] * w)
+        four = ir.Constant(vec(I8, w), [4] * w)
+
+        with cgutils.for_range(builder, nb) as loop:
+            sb = loop.index
+            w_off = builder.mul(sb, c(fmt.block_bytes))
+            x_off = builder.mul(sb, c(QK_K))
+            sm, dd = [], []
+            for i in range(n_rows):
+                for line in range(0, fmt.block_bytes, 64):
+                    simd.prefetch(builder, w_row[i], builder.add(w_off, c(PREFETCH_BYTES + line)))
+                sm.append(_scales_mins(builder, w_row[i], w_off))
+                dm = simd.fp16_to_f32(v, builder, simd.load(builder, w_row[i], w_off,
+                                                             vec(I16, 2)))
+                dd.append([builder.extract_element(dm, ir.Constant(I32, j)) for j in (0, 1)])
+            dx, summ = [], [[None] * n_tok for _ in range(n_rows)]
+            for t in range(n_tok):
+                dx.append(simd.load_scalar(builder, d_row[t], builder.mul(sb, c(4)), F32))
+                bs = simd.load(builder, b_row[t], builder.mul(sb, c(32)), vec(I16, 16))
+                for i in range(n_rows):  # Σ_j m_j·(bsum_2j + bsum_2j+1)
+                    mins = _lanes(builder, sm[i], [8 + g // 2 for g in range(16)])
+                    summ[i][t] = _madd16(builder, bs, mins)
+            sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
+            for chunk in range(4):  # 64 values: sub-blocks 2·chunk (low nibbles), 2·chunk + 1
+                units = []
+                for i in range(n_rows):
+                    lo, hi = [], []
+                    for p in range(n_parts):
+                        q = simd.load(builder, w_row[i], builder.add(
+                            w_off, c(16 + 32 * chunk + w * p)), vec(I8, w))
+                        lo.append(builder.and_(q, nibble))
+                        hi.append(builder.lshr(q, four))
+                    scale = [_lanes(builder, sm[i], [2 * chunk + h] * (w // 2)) for h in (0, 1)]
+                    units.append((lo, hi, scale))
+                for t in range(n_tok):
+                    xs = [[simd.load(builder, x_row[t], builder.add(
+                        x_off, c(64 * chunk + 32 * h + w * p)), vec(I8, w)) for p in range(n_parts)]
+                        for h in (0, 1)]
+                    for i, (lo, hi, scale) in enumerate(units):
+                        for h, qv in enumerate((lo, hi)):
+                            s16 = None
+                            for p in range(n_parts):  # i16 pairs: at most 2·2·15·127 = 7620
+                                part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
+                                             [qv[p], xs[h][p]])
+                                s16 = part if s16 is None else builder.add(s16, part)
+                            s32 = _call(builder, v.pmaddwd, vec(I32, w // 4), [s16, scale[h]])
+                            sumi[i][t] = builder.add(sumi[i][t], s32)
+            for i in range(n_rows):
+                for t in range(n_tok):
+                    dxd = builder.fmul(dd[i][0], dx[t])
+                    scaled = builder.fmul(builder.sitofp(sumi[i][t], facc),
+                                          simd.splat(builder, dxd, w // 4))
+                    builder.store(builder.fadd(builder.load(acc[i][t]), scaled), acc[i][t])
+                    mterm = builder.fmul(builder.fmul(dd[i][1], dx[t]),
+                                         builder.sitofp(summ[i][t], F32))
+                    builder.store(builder.fadd(builder.load(macc[i][t]), mterm), macc[i][t])
+
+        for i in range(n_rows):
+            for t in range(n_tok):
+                y = builder.fsub(simd.hsum(builder, builder.load(acc[i][t])),
+                                 builder.load(macc[i][t]))
+                index = builder.add(builder.mul(toks[t], out_cols), rows[i])
+                builder.store(y, builder.bitcast(at(out_a.data, index, c(4)), F32.as_pointer()))
+        return context.get_dummy_value()
+
+    @intrinsic
+    def tile(typingctx, blocks, xq, d, bsums, out, r0, t0):
+        return types.none(blocks, xq, d, bsums, out, r0, t0), codegen
+
+    return tile
+
+
+# --- launches -----------------------------------------------------------------------------------
+
+def _share(thread, n_threads, args):
+    """One thread's contiguous run of row groups, each over every token in tiles of TOKS."""
+    blocks, xq, d, bsums, out = args
+    groups = blocks.shape[0] // ROWS
+    n_tok = xq.shape[0]
+    tok_whole = n_tok // TOKS * TOKS
+    first = thread * groups // n_threads
+    last = (thread + 1) * groups // n_threads
+    for g in range(first, last):
+        for t in range(0, tok_whole, TOKS):
+            tile(blocks, xq, d, bsums, out, g * ROWS, t)
+        for t in range(tok_whole, n_tok):
+            rows_by_1(blocks, xq, d, bsums, out, g * ROWS, t)
+
+
+def _body(blocks, xq, d, bsums, out):
+    fork((blocks, xq, d, bsums, out))
+    for r in range(blocks.shape[0] // ROWS * ROWS, blocks.shape[0]):
+        for t in range(xq.shape[0]):
+            one_by_1(blocks, xq, d, bsums, out, r, t)
+
+
+def _array(dtype, ndim, readonly=False):
+    return types.Array(dtype, ndim, "C", readonly=readonly)
+
+
+_SIGNATURE = types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True),
+                        _array(types.float32, 2, True), _array(types.int16, 2, True),
+                        _array(types.float32, 2))
+_kernels: dict = {}
+
+
+def product_kernel(isa: Isa, shape: tuple[int, int]):
+    """The Q4_K kernel of an ISA and tile shape, made on first use (no AVX2 code is compiled for
+    a Westmere target: notes/cpu-kernels.md pitfall 5)."""
+    key = (isa, shape)
+    if key not in _kernels:
+        if not supported(isa):
+            raise FermijitError(f"kquant: this CPU or Numba target cannot run {isa.label}")
+        v = VEC_OF[isa]
+        n_rows, n_tok = shape
+        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(v, n_rows, n_tok),
+                     rows_by_1=_make_tile(v, n_rows, 1), one_by_1=_make_tile(v, 1, 1))
+        threads = "omp" if omp.available() else "serial"
+        variant = f"q4_k-{isa.label}-{n_rows}x{n_tok}-{threads}"
+        _kernels[key] = kernel(_body, fastmath=False, variant=variant, signatures=[_SIGNATURE],
+                               fork=omp.fork(bind(_share, variant, **tiles)), **tiles)
+    return _kernels[key]
+
+
+def default_isa(n_tokens: int) -> Isa:
+    return decode_isa() if n_tokens == 1 else selected_isa()
+
+
+def product(fmt: kquant.Format, blocks: np.ndarray, act: Q8KAct, out: np.ndarray,
+            isa: Isa | None = None) -> np.ndarray:
+    """out [T, R] (or [R] for one token) = W · x for prepared activations; the GEMV for one
+    token, the GEMM tile for several."""
+    if fmt is not kquant.Q4_K:
+        raise FermijitError(f"kquant: no CPU kernel for {fmt.name} weights")
+    n_tok, k = act.xq.shape
+    rows = blocks.shape[0]
+    if blocks.shape[1] != fmt.n_bytes(k):
+        raise FermijitError(f"kquant: {fmt.name} rows of {blocks.shape[1]} bytes for x of {k} "
+                            f"inputs (need {fmt.n_bytes(k)})")
+    out2 = out.reshape(1, rows) if out.ndim == 1 else out
+    if out2.shape != (n_tok, rows):
+        raise FermijitError(f"kquant: out has shape {list(out.shape)}, expected [{n_tok}, "
+                            f"{rows}]")
+    isa = isa or default_isa(n_tok)
+    kernel_ = product_kernel(isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
+    try:
+        kernel_(blocks, act.xq, act.d, act.bsums, out2)
+    except TypeError:
+        raise FermijitError("kquant: an array has the wrong dtype or layout (need "
+                            "C-contiguous; out writable float32)") from None
+    return out
+
+
+def cpu(fmt: kquant.Format, blocks: np.ndarray, x, out=None, *, isa: Isa | None = None):
+    """`kquant.reference` on the CPU: x float32 [K] or [T, K], or a Q8KAct -> [R] or [T, R]."""
+    check_array("kquant", "blocks", blocks, np.uint8, ndim=2)
+    act = x if isinstance(x, Q8KAct) else quantize_act(x)
+    n_tok = act.xq.shape[0]
+    is_vector = isinstance(x, np.ndarray) and x.ndim == 1
+    y = output("kquant", out, (blocks.shape[0],) if is_vector else (n_tok, blocks.shape[0]))
+    return product(fmt, blocks, act, y, isa)
