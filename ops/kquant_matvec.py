@@ -157,11 +157,117 @@ def _madd16(builder, a, b):
     return simd.hsum(builder, s)
 
 
-def _make_tile(v: Vec, n_rows: int, n_tok: int):
-    """An intrinsic: out[t0 + t, r0 + r] for r < n_rows, t < n_tok (Q4_K rows, Q8_K tokens)."""
-    w = v.nbytes
-    n_parts = 32 // w  # registers per 32-value sub-block
+def _splat8(n, value):
+    return ir.Constant(vec(I8, n), [value] * n)
+
+
+class _Emit:
+    """How the tile reads one format's super-block (the rest of the tile is shared):
+    `header` per row and block (scales, as IR values); `offset` the integer term subtracted
+    per token (i32 from the activations' 16-value sums) and its fp32 factor; `units` of chunk c:
+    ([(quant register, activation byte offset)], scale per i16 lane) whose pmaddubsw pairs are
+    added in i16 and scaled and paired by one pmaddwd."""
+
+    def __init__(self, builder, v: Vec, wp, w_off):
+        self.b, self.v, self.w = builder, v, v.nbytes
+        self.wp, self.w_off = wp, w_off
+
+    def load(self, offset):
+        return simd.load(self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, offset)),
+                         vec(I8, self.w))
+
+    def fp16s(self, offset, n):
+        h = simd.fp16_to_f32(self.v, self.b, simd.load(
+            self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, offset)), vec(I16, n)))
+        return [self.b.extract_element(h, ir.Constant(I32, j)) for j in range(n)]
+
+
+class _Q4K(_Emit):
     fmt = kquant.Q4_K
+    chunks = 4           # 64 values each: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    qs_offset = 16
+
+    def header(self):
+        self.sm = _scales_mins(self.b, self.wp, self.w_off)   # sc[0..7], m[0..7] as i16
+        self.d, self.dmin = self.fp16s(0, 2)
+
+    def offset(self, bsums):  # the mins: Σ_j m_j·(bsum_2j + bsum_2j+1), times dmin
+        mins = _lanes(self.b, self.sm, [8 + g // 2 for g in range(16)])
+        return self.dmin, _madd16(self.b, bsums, mins)
+
+    def high_bits(self, chunk, part):
+        return None, None
+
+    def units(self, chunk):
+        b, w = self.b, self.w
+        out = []
+        for h in (0, 1):
+            regs = []
+            for p in range(32 // w):
+                q = self.load(self.qs_offset + 32 * chunk + w * p)
+                q = b.and_(q, _splat8(w, 0x0F)) if h == 0 else b.lshr(q, _splat8(w, 4))
+                extra = self.high_bits(chunk, p)[h]
+                if extra is not None:
+                    q = b.or_(q, extra)
+                regs.append((q, 64 * chunk + 32 * h + w * p))
+            out.append((regs, _lanes(b, self.sm, [2 * chunk + h] * (w // 2))))
+        return out
+
+
+class _Q5K(_Q4K):
+    fmt = kquant.Q5_K
+    qs_offset = 48
+
+    def high_bits(self, chunk, part):
+        """The fifth bits of sub-blocks 2c and 2c + 1: bits 2c and 2c + 1 of qh[l], as 16."""
+        b, w = self.b, self.w
+        qh = self.load(16 + w * part)
+        return tuple(b.shl(b.and_(b.lshr(qh, _splat8(w, 2 * chunk + h)), _splat8(w, 1)),
+                           _splat8(w, 4)) for h in (0, 1))
+
+
+class _Q6K(_Emit):
+    fmt = kquant.Q6_K
+    chunks = 2           # 128 values each: ql 64 bytes, qh 32 bytes, 8 scales of 16 values
+
+    def header(self):
+        sc = simd.load(self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, 192)),
+                       vec(I8, 16))
+        self.sc = self.b.sext(sc, vec(I16, 16))
+        (self.d,) = self.fp16s(208, 1)
+        self.d32 = self.b.fmul(self.d, ir.Constant(F32, 32.0))
+
+    def offset(self, bsums):  # q − 32: 32·Σ_g sc_g·bsum_g, times d
+        return self.d32, _madd16(self.b, bsums, self.sc)
+
+    def units(self, chunk):
+        b, w = self.b, self.w
+        out = []
+        for p in range(32 // w):
+            ql = [self.load(64 * chunk + 32 * half + w * p) for half in (0, 1)]
+            qh = self.load(128 + 32 * chunk + w * p)
+            for nib in (0, 1):
+                for half in (0, 1):
+                    m = 2 * nib + half                  # values 32m + l of this 128
+                    lo = (b.and_(ql[half], _splat8(w, 0x0F)) if nib == 0
+                          else b.lshr(ql[half], _splat8(w, 4)))
+                    hi = b.and_(b.lshr(qh, _splat8(w, 2 * m)), _splat8(w, 3))
+                    q = b.or_(lo, b.shl(hi, _splat8(w, 4)))   # 0..63: pairs at most 16002
+                    first = 128 * chunk + 32 * m + w * p
+                    groups = [8 * chunk + (32 * m + w * p + 2 * lane) // 16
+                              for lane in range(w // 2)]
+                    out.append(([(q, first)], _lanes(b, self.sc, groups)))
+        return out
+
+
+EMITTERS = {e.fmt.name: e for e in (_Q4K, _Q5K, _Q6K)}
+
+
+def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
+    """An intrinsic: out[t0 + t, r0 + r] for r < n_rows, t < n_tok (rows of `fmt` blocks, Q8_K
+    tokens)."""
+    w = v.nbytes
+    emit = EMITTERS[fmt.name]
 
     def codegen(context, builder, sig, args):
         blocks_a, xq_a, d_a, bs_a, out_a = [context.make_array(ty)(context, builder, val)
@@ -187,62 +293,48 @@ def _make_tile(v: Vec, n_rows: int, n_tok: int):
                 for _ in range(n_tok)] for _ in range(n_rows)]
         macc = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
                  for _ in range(n_tok)] for _ in range(n_rows)]
-        nibble = ir.Constant(vec(I8, w), [0x0F] * w)
-        four = ir.Constant(vec(I8, w), [4] * w)
 
         with cgutils.for_range(builder, nb) as loop:
             sb = loop.index
             w_off = builder.mul(sb, c(fmt.block_bytes))
             x_off = builder.mul(sb, c(QK_K))
-            sm, dd = [], []
+            ems = []
             for i in range(n_rows):
                 for line in range(0, fmt.block_bytes, 64):
                     simd.prefetch(builder, w_row[i], builder.add(w_off, c(PREFETCH_BYTES + line)))
-                sm.append(_scales_mins(builder, w_row[i], w_off))
-                dm = simd.fp16_to_f32(v, builder, simd.load(builder, w_row[i], w_off,
-                                                             vec(I16, 2)))
-                dd.append([builder.extract_element(dm, ir.Constant(I32, j)) for j in (0, 1)])
-            dx, summ = [], [[None] * n_tok for _ in range(n_rows)]
+                e = emit(builder, v, w_row[i], w_off)
+                e.header()
+                ems.append(e)
+            dx = [simd.load_scalar(builder, d_row[t], builder.mul(sb, c(4)), F32)
+                  for t in range(n_tok)]
             for t in range(n_tok):
-                dx.append(simd.load_scalar(builder, d_row[t], builder.mul(sb, c(4)), F32))
                 bs = simd.load(builder, b_row[t], builder.mul(sb, c(32)), vec(I16, 16))
-                for i in range(n_rows):  # Σ_j m_j·(bsum_2j + bsum_2j+1)
-                    mins = _lanes(builder, sm[i], [8 + g // 2 for g in range(16)])
-                    summ[i][t] = _madd16(builder, bs, mins)
+                for i, e in enumerate(ems):
+                    factor, corr = e.offset(bs)
+                    term = builder.fmul(builder.fmul(factor, dx[t]), builder.sitofp(corr, F32))
+                    builder.store(builder.fadd(builder.load(macc[i][t]), term), macc[i][t])
             sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
-            for chunk in range(4):  # 64 values: sub-blocks 2·chunk (low nibbles), 2·chunk + 1
-                units = []
-                for i in range(n_rows):
-                    lo, hi = [], []
-                    for p in range(n_parts):
-                        q = simd.load(builder, w_row[i], builder.add(
-                            w_off, c(16 + 32 * chunk + w * p)), vec(I8, w))
-                        lo.append(builder.and_(q, nibble))
-                        hi.append(builder.lshr(q, four))
-                    scale = [_lanes(builder, sm[i], [2 * chunk + h] * (w // 2)) for h in (0, 1)]
-                    units.append((lo, hi, scale))
+            for chunk in range(emit.chunks):
+                units = [e.units(chunk) for e in ems]
                 for t in range(n_tok):
-                    xs = [[simd.load(builder, x_row[t], builder.add(
-                        x_off, c(64 * chunk + 32 * h + w * p)), vec(I8, w)) for p in range(n_parts)]
-                        for h in (0, 1)]
-                    for i, (lo, hi, scale) in enumerate(units):
-                        for h, qv in enumerate((lo, hi)):
+                    xs = {}
+                    for i in range(n_rows):
+                        for regs, scale in units[i]:
                             s16 = None
-                            for p in range(n_parts):  # i16 pairs: at most 2·2·15·127 = 7620
+                            for q, x_at in regs:  # i16 pairs, within range (see the formats)
+                                if x_at not in xs:
+                                    xs[x_at] = simd.load(builder, x_row[t], builder.add(
+                                        x_off, c(x_at)), vec(I8, w))
                                 part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
-                                             [qv[p], xs[h][p]])
+                                             [q, xs[x_at]])
                                 s16 = part if s16 is None else builder.add(s16, part)
-                            s32 = _call(builder, v.pmaddwd, vec(I32, w // 4), [s16, scale[h]])
+                            s32 = _call(builder, v.pmaddwd, vec(I32, w // 4), [s16, scale])
                             sumi[i][t] = builder.add(sumi[i][t], s32)
-            for i in range(n_rows):
+            for i, e in enumerate(ems):
                 for t in range(n_tok):
-                    dxd = builder.fmul(dd[i][0], dx[t])
                     scaled = builder.fmul(builder.sitofp(sumi[i][t], facc),
-                                          simd.splat(builder, dxd, w // 4))
+                                          simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4))
                     builder.store(builder.fadd(builder.load(acc[i][t]), scaled), acc[i][t])
-                    mterm = builder.fmul(builder.fmul(dd[i][1], dx[t]),
-                                         builder.sitofp(summ[i][t], F32))
-                    builder.store(builder.fadd(builder.load(macc[i][t]), mterm), macc[i][t])
 
         for i in range(n_rows):
             for t in range(n_tok):
@@ -293,19 +385,19 @@ _SIGNATURE = types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True
 _kernels: dict = {}
 
 
-def product_kernel(isa: Isa, shape: tuple[int, int]):
-    """The Q4_K kernel of an ISA and tile shape, made on first use (no AVX2 code is compiled for
-    a Westmere target: notes/cpu-kernels.md pitfall 5)."""
-    key = (isa, shape)
+def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
+    """The kernel of a K-quant format, ISA and tile shape, made on first use (no AVX2 code is
+    compiled for a Westmere target: notes/cpu-kernels.md pitfall 5)."""
+    key = (fmt.name, isa, shape)
     if key not in _kernels:
         if not supported(isa):
             raise FermijitError(f"kquant: this CPU or Numba target cannot run {isa.label}")
         v = VEC_OF[isa]
         n_rows, n_tok = shape
-        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(v, n_rows, n_tok),
-                     rows_by_1=_make_tile(v, n_rows, 1), one_by_1=_make_tile(v, 1, 1))
+        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
+                     rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
         threads = "omp" if omp.available() else "serial"
-        variant = f"q4_k-{isa.label}-{n_rows}x{n_tok}-{threads}"
+        variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
         _kernels[key] = kernel(_body, fastmath=False, variant=variant, signatures=[_SIGNATURE],
                                fork=omp.fork(bind(_share, variant, **tiles)), **tiles)
     return _kernels[key]
@@ -319,8 +411,8 @@ def product(fmt: kquant.Format, blocks: np.ndarray, act: Q8KAct, out: np.ndarray
             isa: Isa | None = None) -> np.ndarray:
     """out [T, R] (or [R] for one token) = W · x for prepared activations; the GEMV for one
     token, the GEMM tile for several."""
-    if fmt is not kquant.Q4_K:
-        raise FermijitError(f"kquant: no CPU kernel for {fmt.name} weights")
+    if fmt.name not in EMITTERS:
+        raise FermijitError(f"kquant: no K-quant CPU kernel for {fmt.name} weights")
     n_tok, k = act.xq.shape
     rows = blocks.shape[0]
     if blocks.shape[1] != fmt.n_bytes(k):
@@ -331,7 +423,7 @@ def product(fmt: kquant.Format, blocks: np.ndarray, act: Q8KAct, out: np.ndarray
         raise FermijitError(f"kquant: out has shape {list(out.shape)}, expected [{n_tok}, "
                             f"{rows}]")
     isa = isa or default_isa(n_tok)
-    kernel_ = product_kernel(isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
+    kernel_ = product_kernel(fmt, isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
     try:
         kernel_(blocks, act.xq, act.d, act.bsums, out2)
     except TypeError:

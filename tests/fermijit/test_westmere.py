@@ -40,8 +40,8 @@ CHECK = textwrap.dedent("""
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
     kernels.append(fp32_rows._kernels[isa])
-    kernels += [kquant_matvec.product_kernel(isa, s) for s in (kquant_matvec.GEMV_TILE,
-                                                                kquant_matvec.GEMM_TILE)]
+    kernels += [kquant_matvec.product_kernel(kquant.Q4_K, isa, s)
+                for s in (kquant_matvec.GEMV_TILE, kquant_matvec.GEMM_TILE)]
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
     err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, ref))
     print(json.dumps({"err": err, "cpu": cpu.target_cpu_name(),

@@ -19,7 +19,7 @@ RTOL, ATOL_OF_MAX = 1e-5, 2e-6
 # super-blocks.
 SHAPES = {"R1-K256-T1": (1, 256, 1), "R5-K768-T1": (5, 768, 1), "R33-K2048-T1": (33, 2048, 1),
           "R7-K512-T5": (7, 512, 5), "R12-K1024-T9": (12, 1024, 9), "R3-K256-T4": (3, 256, 4)}
-FORMATS = [kquant.Q4_K]
+FORMATS = [kquant.Q4_K, kquant.Q5_K, kquant.Q6_K]
 
 
 def _check(name, expected, actual):
