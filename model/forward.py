@@ -26,10 +26,11 @@ import numpy as np
 from fermijit import FermijitError, blas
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model.state import KvCache, State, new_state
-from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
-                                    TextWeights)
+from fermijit.model.weights import (AttentionWeights, BlockTensor, GatedDeltaNetWeights,
+                                    QuantTensor, TextWeights)
 from fermijit.ops import (attention, attention_step, conv1d, embedding, fp32_rows, gated_delta,
-                          gdn_step, l2norm, matvec, moe, residual_step, rmsnorm, rope, router)
+                          gdn_step, kquant, kquant_matvec, l2norm, matvec, moe, residual_step,
+                          rmsnorm, rope, router)
 
 # Tokens per prefill pass: the GEMMs are batched over this many tokens while the workspace stays
 # bounded: 103 MiB for the real model at 512 (1.1 MiB at T = 1, most of it the logits).
@@ -97,6 +98,8 @@ def _host(a):
     """A memmap view as a plain ndarray view (no copy), as the Numba kernels want."""
     if isinstance(a, QuantTensor):
         return QuantTensor(a.kind, np.asarray(a.qs), np.asarray(a.d))
+    if isinstance(a, BlockTensor):
+        return BlockTensor(a.kind, np.asarray(a.blocks))
     return np.asarray(a)
 
 
@@ -168,6 +171,8 @@ def linear(x, w, out, act=None, *, like_gemv: bool = False):
     if isinstance(w, matvec.Q4Matrix):
         return matvec.product(w, matvec.quantize_act(x) if act is None else act, out,
                               like_gemv=like_gemv)
+    if isinstance(w, BlockTensor):  # its own activation blocks (ops/kquant.py), x quantised here
+        return kquant_matvec.cpu(kquant.FORMATS[w.kind], w.blocks, x, out=out)
     if not isinstance(w, QuantTensor):
         return np.matmul(x, w.T, out=out)
     if w.kind == "q8_0":

@@ -20,23 +20,47 @@ from fermijit import FermijitError
 from fermijit.model import convert as fj
 from fermijit.model.manifest import Source
 from fermijit.model.gguf_io import (MOE_MATRICES, Field, GgufFile, plan_fields, read_blocks,
-                                    read_config, read_float)
+                                    read_config, read_float, read_raw_blocks)
+from fermijit.ops import kquant, kquant_matvec
+
+
+# The GGUF block kinds kept as their blocks (ops/kquant.py FORMATS), by GGML type id, and where:
+# the matrices fermijit quantises that its K-quant and Q5 products read (the dense projections
+# and the LM head: ops/kquant_matvec.py; not yet the MoE experts), and the embedding, whose rows
+# are dequantised as they are looked up (ops/embedding.py).
+BLOCK_KINDS = {type_id: kind for kind, type_id in kquant.GGML_TYPE.items()}
+
+
+def _block_kind(field: Field, g: GgufFile, target: str) -> str | None:
+    kinds = {int(t.tensor_type) for t in field.tensors(g)}
+    if len(kinds) != 1 or (kind := BLOCK_KINDS.get(kinds.pop())) is None:
+        return None
+    if kind not in kquant_matvec.PRODUCTS and target != "f16":
+        return None
+    if field.name.rsplit(".", 1)[-1] in MOE_MATRICES:
+        return None
+    whole_blocks = field.col_perm is None or field.col_head % kquant.FORMATS[kind].block_values == 0
+    return kind if whole_blocks and target in ("q4_0", "q8_0", "f16") else None
 
 
 def storage(field: Field, g: GgufFile, target: str) -> tuple[str, bool]:
     """(the quant fermijit stores the field in, whether its blocks are imported bit for bit).
     Q4_0/Q8_0 GGUF blocks are kept where fermijit stores a quantised matrix and its kernels read
-    that kind; otherwise the values are read as floats and stored as `convert` would."""
+    that kind, and the block kinds of BLOCK_KINDS where `_block_kind` says; otherwise the values
+    are read as floats and stored as `convert` would."""
     from gguf import GGMLQuantizationType as T
 
     kinds = {t.tensor_type for t in field.tensors(g)}
     whole_blocks = field.col_perm is None or field.col_head % fj.BLOCK == 0
     if target in ("q4_0", "q8_0") and len(kinds) == 1 and whole_blocks:
-        kind = kinds.pop()
+        kind = next(iter(kinds))
         if kind == T.Q4_0:
             return "q4_0", True
         if kind == T.Q8_0 and field.name.rsplit(".", 1)[-1] not in MOE_MATRICES:
             return "q8_0", True
+    block_kind = _block_kind(field, g, target)
+    if block_kind is not None:
+        return block_kind, True
     return target, False
 
 
@@ -72,8 +96,8 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
         n = len(requantised)
         print(f"warning: {src.name}: {n} tensor{'s' if n > 1 else ''} ({mib:.1f} MiB of "
               f"{', '.join(kinds)}) dequantised and requantised to fermijit's Q4_0/Q8_0/F16 "
-              f"(its kernels read Q4_0 and Q8_0 blocks only; MoE experts Q4_0 only)",
-              file=sys.stderr)
+              f"(its kernels read Q4_0, Q8_0, {'/'.join(k.upper() for k in kquant_matvec.PRODUCTS)}"
+              f" blocks; MoE experts Q4_0 only)", file=sys.stderr)
 
     def fill(name: str, out):
         field = fields[name]
@@ -104,14 +128,19 @@ def _read_float(field: Field, g: GgufFile, lead, rows) -> np.ndarray:
 
 
 def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int):
-    """Copy a field's Q4_0/Q8_0 blocks in row chunks; yields the elements done per chunk."""
+    """Copy a field's blocks in row chunks; yields the elements done per chunk."""
     rows, cols = field.shape[-2], field.shape[-1]
     leads = range(field.shape[0]) if len(field.shape) == 3 else [None]
     step = max(1, chunk_bytes // (4 * cols))
     for e, lead in enumerate(leads):
         for r0 in range(0, rows, step):
-            qs, d = read_blocks(field, g, lead, slice(r0, r0 + step), quant)
             first_row = e * rows + r0
+            if quant in kquant.FORMATS:
+                blocks = read_raw_blocks(field, g, lead, slice(r0, r0 + step), quant)
+                out.write(field.name + ".blocks", blocks, start=first_row * blocks.shape[-1])
+                yield blocks.shape[0] * cols
+                continue
+            qs, d = read_blocks(field, g, lead, slice(r0, r0 + step), quant)
             out.write(field.name + ".qs", qs, start=first_row * qs.shape[-1])
             out.write(field.name + ".d", d, start=first_row * d.shape[-1])
             yield qs.shape[0] * cols

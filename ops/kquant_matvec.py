@@ -261,6 +261,7 @@ class _Q6K(_Emit):
 
 
 EMITTERS = {e.fmt.name: e for e in (_Q4K, _Q5K, _Q6K)}
+PRODUCTS = tuple(EMITTERS)  # the block kinds this module multiplies (model/gguf_convert.py)
 
 
 def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
