@@ -38,7 +38,7 @@ from fermijit.jit import omp, simd
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, bind, decode_isa, kernel, selected_isa, supported
 from fermijit.jit.simd import F32, I8, I16, I32, I64, Vec, vec
-from fermijit.ops import kquant
+from fermijit.ops import kquant, matvec, q5_tile
 from fermijit.ops.kquant import QK_K, Q8K_GROUP
 
 # The weight stream prefetched this far ahead (as ops/matvec.py PREFETCH_BYTES: one sequential
@@ -261,7 +261,9 @@ class _Q6K(_Emit):
 
 
 EMITTERS = {e.fmt.name: e for e in (_Q4K, _Q5K, _Q6K)}
-PRODUCTS = tuple(EMITTERS)  # the block kinds this module multiplies (model/gguf_convert.py)
+# The block kinds this module multiplies (model/gguf_convert.py): the K-quants by the tile below,
+# Q5_0/Q5_1 (on Q8_0 activations) by ops/q5_tile.py's.
+PRODUCTS = tuple(EMITTERS) + ("q5_0", "q5_1")
 
 
 def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
@@ -380,9 +382,10 @@ def _array(dtype, ndim, readonly=False):
     return types.Array(dtype, ndim, "C", readonly=readonly)
 
 
-_SIGNATURE = types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True),
-                        _array(types.float32, 2, True), _array(types.int16, 2, True),
-                        _array(types.float32, 2))
+# (blocks, xq, scales, sums, out): Q8_K's sums are int16 per 16 values, Q8Act's int32 per 32.
+_SIGNATURES = [types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True),
+                          _array(types.float32, 2, True), _array(sums, 2, True),
+                          _array(types.float32, 2)) for sums in (types.int16, types.int32)]
 _kernels: dict = {}
 
 
@@ -395,11 +398,13 @@ def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
             raise FermijitError(f"kquant: this CPU or Numba target cannot run {isa.label}")
         v = VEC_OF[isa]
         n_rows, n_tok = shape
-        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
-                     rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
+        make = _make_tile if fmt.name in EMITTERS else q5_tile.make_tile
+        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=make(fmt, v, n_rows, n_tok),
+                     rows_by_1=make(fmt, v, n_rows, 1), one_by_1=make(fmt, v, 1, 1))
         threads = "omp" if omp.available() else "serial"
         variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
-        _kernels[key] = kernel(_body, fastmath=False, variant=variant, signatures=[_SIGNATURE],
+        sums = _SIGNATURES[0 if fmt.name in EMITTERS else 1]
+        _kernels[key] = kernel(_body, fastmath=False, variant=variant, signatures=[sums],
                                fork=omp.fork(bind(_share, variant, **tiles)), **tiles)
     return _kernels[key]
 
@@ -408,12 +413,26 @@ def default_isa(n_tokens: int) -> Isa:
     return decode_isa() if n_tokens == 1 else selected_isa()
 
 
-def product(fmt: kquant.Format, blocks: np.ndarray, act: Q8KAct, out: np.ndarray,
+def is_k_quant(fmt: kquant.Format) -> bool:
+    """True for the formats that take Q8_K activations (else Q8_0: matvec.Q8Act)."""
+    return fmt.name in EMITTERS
+
+
+def quantize_for(fmt: kquant.Format, x: np.ndarray):
+    """x float32 [K] or [T, K] as `fmt`'s products take it: Q8KAct, or a Q8Act in natural
+    order (SSSE3's layout) for Q5_0/Q5_1."""
+    return quantize_act(x) if is_k_quant(fmt) else matvec.quantize_act(x, Isa.SSSE3)
+
+
+def product(fmt: kquant.Format, blocks: np.ndarray, act, out: np.ndarray,
             isa: Isa | None = None) -> np.ndarray:
-    """out [T, R] (or [R] for one token) = W · x for prepared activations; the GEMV for one
-    token, the GEMM tile for several."""
-    if fmt.name not in EMITTERS:
-        raise FermijitError(f"kquant: no K-quant CPU kernel for {fmt.name} weights")
+    """out [T, R] (or [R] for one token) = W · x for activations from `quantize_for`; the GEMV
+    for one token, the GEMM tile for several."""
+    if fmt.name not in PRODUCTS:
+        raise FermijitError(f"kquant: no CPU kernel for {fmt.name} weights")
+    wants = Q8KAct if is_k_quant(fmt) else matvec.Q8Act
+    if not isinstance(act, wants) or (wants is matvec.Q8Act and act.vec.isa is not Isa.SSSE3):
+        raise FermijitError(f"kquant: {fmt.name} takes activations from quantize_for")
     n_tok, k = act.xq.shape
     rows = blocks.shape[0]
     if blocks.shape[1] != fmt.n_bytes(k):
@@ -425,8 +444,9 @@ def product(fmt: kquant.Format, blocks: np.ndarray, act: Q8KAct, out: np.ndarray
                             f"{rows}]")
     isa = isa or default_isa(n_tok)
     kernel_ = product_kernel(fmt, isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
+    sums = (act.d, act.bsums) if is_k_quant(fmt) else (act.dx, act.xsum8)
     try:
-        kernel_(blocks, act.xq, act.d, act.bsums, out2)
+        kernel_(blocks, act.xq, *sums, out2)
     except TypeError:
         raise FermijitError("kquant: an array has the wrong dtype or layout (need "
                             "C-contiguous; out writable float32)") from None
@@ -434,9 +454,16 @@ def product(fmt: kquant.Format, blocks: np.ndarray, act: Q8KAct, out: np.ndarray
 
 
 def cpu(fmt: kquant.Format, blocks: np.ndarray, x, out=None, *, isa: Isa | None = None):
-    """`kquant.reference` on the CPU: x float32 [K] or [T, K], or a Q8KAct -> [R] or [T, R]."""
+    """`kquant.reference` on the CPU: x float32 [K] or [T, K] (or activations from
+    `quantize_for`) -> [R] or [T, R]."""
     check_array("kquant", "blocks", blocks, np.uint8, ndim=2)
-    act = x if isinstance(x, Q8KAct) else quantize_act(x)
+    if isinstance(x, np.ndarray):
+        if x.shape[-1] % fmt.block_values:
+            raise FermijitError(f"kquant: {x.shape[-1]} inputs are not whole "
+                                f"{fmt.block_values}-blocks")
+        act = quantize_for(fmt, x)
+    else:
+        act = x
     n_tok = act.xq.shape[0]
     is_vector = isinstance(x, np.ndarray) and x.ndim == 1
     y = output("kquant", out, (blocks.shape[0],) if is_vector else (n_tok, blocks.shape[0]))

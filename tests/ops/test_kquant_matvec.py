@@ -19,7 +19,7 @@ RTOL, ATOL_OF_MAX = 1e-5, 2e-6
 # super-blocks.
 SHAPES = {"R1-K256-T1": (1, 256, 1), "R5-K768-T1": (5, 768, 1), "R33-K2048-T1": (33, 2048, 1),
           "R7-K512-T5": (7, 512, 5), "R12-K1024-T9": (12, 1024, 9), "R3-K256-T4": (3, 256, 4)}
-FORMATS = [kquant.Q4_K, kquant.Q5_K, kquant.Q6_K]
+FORMATS = list(kquant.FORMATS.values())
 
 
 def _check(name, expected, actual):
@@ -63,7 +63,7 @@ def test_gemv_row_is_the_gemm_row_for_one_token(rng):
 def test_bad_shapes_are_one_line(rng):
     fmt = kquant.Q4_K
     blocks = random_blocks(rng, fmt, 4, 512)
-    with pytest.raises(FermijitError, match="not whole 256-blocks"):
+    with pytest.raises(FermijitError, match="300 inputs are not whole 256-blocks"):
         kquant_matvec.cpu(fmt, blocks, np.zeros(300, np.float32))
     with pytest.raises(FermijitError, match="rows of 288 bytes for x of 256"):
         kquant_matvec.cpu(fmt, blocks, np.zeros(256, np.float32))
