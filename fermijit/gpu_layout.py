@@ -12,7 +12,8 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.model.forward import Model
 from fermijit.model.weights import BlockTensor, GatedDeltaNetWeights, QuantTensor
-from fermijit.ops import attention, conv1d, expert_matmul, gated_delta, matvec, quant, router
+from fermijit.ops import (attention, conv1d, expert_matmul, gated_delta, matvec, moe, quant,
+                          router)
 
 F32 = 4
 
@@ -38,11 +39,13 @@ def check_supported(model: Model) -> None:
         (f"layers.{i}.{name}", getattr(w.mixer, name)) for i, w in enumerate(model.layers)
         for name in ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj",
                      "o_proj") if hasattr(w.mixer, name)]
-    blocks = [(name, m.kind) for name, m in mats if isinstance(m, BlockTensor)]
+    blocks = [(name, m.kind.upper()) for name, m in mats if isinstance(m, BlockTensor)]
+    blocks += [(f"layers.{i}.mlp", "non-Q4_0 expert") for i, w in enumerate(model.layers)
+               if not isinstance(w.experts, moe.MoeWeights)]
     if blocks:
-        kinds = sorted({kind.upper() for _, kind in blocks})
-        raise FermijitError(f"the GPU prefill has no kernels for {'/'.join(kinds)} weights yet "
-                            f"({len(blocks)} matrices of this model, e.g. {blocks[0][0]})")
+        kinds = "/".join(sorted({kind for _, kind in blocks}))
+        raise FermijitError(f"the GPU prefill has no kernels for {kinds} weights yet "
+                            f"({len(blocks)} tensors of this model, e.g. {blocks[0][0]})")
     limits = [(model.head_dim in attention.GPU_HEAD_DIMS, f"head_dim {model.head_dim}",
                attention.GPU_HEAD_DIMS),
               (model.key_dim in gated_delta.GPU_KEY_DIMS, f"linear key dim {model.key_dim}",

@@ -19,15 +19,15 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.model import convert as fj
 from fermijit.model.manifest import Source
-from fermijit.model.gguf_io import (MOE_MATRICES, Field, GgufFile, plan_fields, read_blocks,
+from fermijit.model.gguf_io import (Field, GgufFile, plan_fields, read_blocks,
                                     read_config, read_float, read_raw_blocks)
 from fermijit.ops import kquant, kquant_matvec
 
 
 # The GGUF block kinds kept as their blocks (ops/kquant.py FORMATS), by GGML type id, and where:
-# the matrices fermijit quantises that its K-quant and Q5 products read (the dense projections
-# and the LM head: ops/kquant_matvec.py; not yet the MoE experts), and the embedding, whose rows
-# are dequantised as they are looked up (ops/embedding.py).
+# the matrices fermijit quantises that its K-quant and Q5 products read (ops/kquant_matvec.py:
+# the dense projections, the LM head, the MoE experts through model/block_moe.py), and the
+# embedding, whose rows are dequantised as they are looked up (ops/embedding.py).
 BLOCK_KINDS = {type_id: kind for kind, type_id in kquant.GGML_TYPE.items()}
 
 
@@ -37,17 +37,15 @@ def _block_kind(field: Field, g: GgufFile, target: str) -> str | None:
         return None
     if kind not in kquant_matvec.PRODUCTS and target != "f16":
         return None
-    if field.name.rsplit(".", 1)[-1] in MOE_MATRICES:
-        return None
     whole_blocks = field.col_perm is None or field.col_head % kquant.FORMATS[kind].block_values == 0
     return kind if whole_blocks and target in ("q4_0", "q8_0", "f16") else None
 
 
 def storage(field: Field, g: GgufFile, target: str) -> tuple[str, bool]:
     """(the quant fermijit stores the field in, whether its blocks are imported bit for bit).
-    Q4_0/Q8_0 GGUF blocks are kept where fermijit stores a quantised matrix and its kernels read
-    that kind, and the block kinds of BLOCK_KINDS where `_block_kind` says; otherwise the values
-    are read as floats and stored as `convert` would."""
+    Q4_0/Q8_0 GGUF blocks are kept where fermijit stores a quantised matrix (Q8_0 experts run
+    through model/block_moe.py), and the block kinds of BLOCK_KINDS where `_block_kind` says;
+    otherwise the values are read as floats and stored as `convert` would."""
     from gguf import GGMLQuantizationType as T
 
     kinds = {t.tensor_type for t in field.tensors(g)}
@@ -56,7 +54,7 @@ def storage(field: Field, g: GgufFile, target: str) -> tuple[str, bool]:
         kind = next(iter(kinds))
         if kind == T.Q4_0:
             return "q4_0", True
-        if kind == T.Q8_0 and field.name.rsplit(".", 1)[-1] not in MOE_MATRICES:
+        if kind == T.Q8_0:
             return "q8_0", True
     block_kind = _block_kind(field, g, target)
     if block_kind is not None:
@@ -97,7 +95,7 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
         print(f"warning: {src.name}: {n} tensor{'s' if n > 1 else ''} ({mib:.1f} MiB of "
               f"{', '.join(kinds)}) dequantised and requantised to fermijit's Q4_0/Q8_0/F16 "
               f"(its kernels read Q4_0, Q8_0, {'/'.join(k.upper() for k in kquant_matvec.PRODUCTS)}"
-              f" blocks; MoE experts Q4_0 only)", file=sys.stderr)
+              f" blocks)", file=sys.stderr)
 
     def fill(name: str, out):
         field = fields[name]

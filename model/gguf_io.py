@@ -19,11 +19,10 @@ the HF tensors in these ways, each undone here:
 - the attention q_proj (query and gate rows interleaved per head) is stored as it is.
 
 Quantised tensors: Q4_0 and Q8_0 blocks (18 and 34 bytes: fp16 d, then the quants) are split
-bit for bit into fermijit's qs/d arrays where the field is a quantised matrix (Q8_0 experts
-excepted: the MoE kernels read Q4_0 only); K-quants and Q5_0/Q5_1 (ops/kquant.py FORMATS) are kept
+bit for bit into fermijit's qs/d arrays where the field is a quantised matrix; K-quants and Q5_0/Q5_1 (ops/kquant.py FORMATS) are kept
 as their blocks, bit for bit, where fermijit has kernels for them (model/gguf_convert.py
 `storage`); where the field is kept in fp32 they are dequantised (exact). Float tensors are
-quantised as `convert` does an HF checkpoint. Everything else (IQ*, Q8_0 experts...) is
+quantised as `convert` does an HF checkpoint. Everything else (IQ*, Q4_1, ...) is
 dequantised by the gguf package and requantised as `convert` would, with one warning naming how
 many tensors and bytes.
 """
@@ -45,7 +44,6 @@ ARCH = "qwen35moe"
 MAGIC = b"GGUF"
 # The fields whose GGUF tensors hold 1 + w (conversion/qwen.py Qwen3NextModel.modify_tensors).
 SHIFTED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
-MOE_MATRICES = frozenset({"experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})
 # A field's GGUF sources, concatenated along rows, by the field's last name component.
 SOURCES = {
     "input_layernorm": ("attn_norm.weight",),
