@@ -31,7 +31,6 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from fermijit import FermijitError
 from fermijit.jit import omp, simd
@@ -40,6 +39,7 @@ from fermijit.jit.cpu import Isa, bind, decode_isa, kernel, selected_isa, suppor
 from fermijit.jit.simd import F32, I8, I16, I32, I64, Vec, vec
 from fermijit.ops import kquant, matvec, q5_tile
 from fermijit.ops.kquant import QK_K, Q8K_GROUP
+from fermijit.ops.tile_frame import Frame, tile_intrinsic
 
 # The weight stream prefetched this far ahead (as ops/matvec.py PREFETCH_BYTES: one sequential
 # stream per thread with one row a tile).
@@ -273,49 +273,28 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
     emit = EMITTERS[fmt.name]
 
     def codegen(context, builder, sig, args):
-        blocks_a, xq_a, d_a, bs_a, out_a = [context.make_array(ty)(context, builder, val)
-                                            for ty, val in zip(sig.args[:5], args[:5])]
-        r0, t0 = args[5], args[6]
-        c = lambda n: ir.Constant(I64, n)  # noqa: E731
-        _, row_bytes = cgutils.unpack_tuple(builder, blocks_a.shape, 2)
-        _, k = cgutils.unpack_tuple(builder, xq_a.shape, 2)
-        _, out_cols = cgutils.unpack_tuple(builder, out_a.shape, 2)
-        nb = builder.udiv(k, c(QK_K))
-
-        def at(base, index, stride):
-            return simd.byte_ptr(builder, base, builder.mul(index, stride))
-
-        rows = [builder.add(r0, c(i)) for i in range(n_rows)]
-        toks = [builder.add(t0, c(t)) for t in range(n_tok)]
-        w_row = [at(blocks_a.data, r, row_bytes) for r in rows]
-        x_row = [at(xq_a.data, t, k) for t in toks]
-        d_row = [at(d_a.data, t, builder.mul(nb, c(4))) for t in toks]
-        b_row = [at(bs_a.data, t, builder.mul(nb, c(32))) for t in toks]
-        facc = vec(F32, w // 4)
-        acc = [[cgutils.alloca_once_value(builder, ir.Constant(facc, None))
-                for _ in range(n_tok)] for _ in range(n_rows)]
-        macc = [[cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
-                 for _ in range(n_tok)] for _ in range(n_rows)]
-
-        with cgutils.for_range(builder, nb) as loop:
+        f = Frame(context, builder, sig, args, n_rows, n_tok, w, QK_K, 32)
+        c = f.c
+        with cgutils.for_range(builder, f.nb) as loop:
             sb = loop.index
             w_off = builder.mul(sb, c(fmt.block_bytes))
             x_off = builder.mul(sb, c(QK_K))
             ems = []
             for i in range(n_rows):
                 for line in range(0, fmt.block_bytes, 64):
-                    simd.prefetch(builder, w_row[i], builder.add(w_off, c(PREFETCH_BYTES + line)))
-                e = emit(builder, v, w_row[i], w_off)
+                    simd.prefetch(builder, f.w_row[i], builder.add(w_off,
+                                                                   c(PREFETCH_BYTES + line)))
+                e = emit(builder, v, f.w_row[i], w_off)
                 e.header()
                 ems.append(e)
-            dx = [simd.load_scalar(builder, d_row[t], builder.mul(sb, c(4)), F32)
+            dx = [simd.load_scalar(builder, f.s_row[t], builder.mul(sb, c(4)), F32)
                   for t in range(n_tok)]
             for t in range(n_tok):
-                bs = simd.load(builder, b_row[t], builder.mul(sb, c(32)), vec(I16, 16))
+                bs = simd.load(builder, f.m_row[t], builder.mul(sb, c(32)), vec(I16, 16))
                 for i, e in enumerate(ems):
                     factor, corr = e.offset(bs)
-                    term = builder.fmul(builder.fmul(factor, dx[t]), builder.sitofp(corr, F32))
-                    builder.store(builder.fadd(builder.load(macc[i][t]), term), macc[i][t])
+                    f.add(f.macc[i][t], builder.fmul(builder.fmul(factor, dx[t]),
+                                                     builder.sitofp(corr, F32)))
             sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
             for chunk in range(emit.chunks):
                 units = [e.units(chunk) for e in ems]
@@ -326,7 +305,7 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
                             s16 = None
                             for q, x_at in regs:  # i16 pairs, within range (see the formats)
                                 if x_at not in xs:
-                                    xs[x_at] = simd.load(builder, x_row[t], builder.add(
+                                    xs[x_at] = simd.load(builder, f.x_row[t], builder.add(
                                         x_off, c(x_at)), vec(I8, w))
                                 part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
                                              [q, xs[x_at]])
@@ -335,23 +314,13 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
                             sumi[i][t] = builder.add(sumi[i][t], s32)
             for i, e in enumerate(ems):
                 for t in range(n_tok):
-                    scaled = builder.fmul(builder.sitofp(sumi[i][t], facc),
-                                          simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4))
-                    builder.store(builder.fadd(builder.load(acc[i][t]), scaled), acc[i][t])
-
-        for i in range(n_rows):
-            for t in range(n_tok):
-                y = builder.fsub(simd.hsum(builder, builder.load(acc[i][t])),
-                                 builder.load(macc[i][t]))
-                index = builder.add(builder.mul(toks[t], out_cols), rows[i])
-                builder.store(y, builder.bitcast(at(out_a.data, index, c(4)), F32.as_pointer()))
+                    f.add(f.acc[i][t], builder.fmul(
+                        builder.sitofp(sumi[i][t], f.facc),
+                        simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4)))
+        f.finish()
         return context.get_dummy_value()
 
-    @intrinsic
-    def tile(typingctx, blocks, xq, d, bsums, out, r0, t0):
-        return types.none(blocks, xq, d, bsums, out, r0, t0), codegen
-
-    return tile
+    return tile_intrinsic(codegen)
 
 
 # --- launches -----------------------------------------------------------------------------------

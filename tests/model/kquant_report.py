@@ -15,9 +15,14 @@ empty state):
   of 256): the file's type counts are printed.
 Rows: fermijit fp32 (the HF checkpoint, unquantised), llama.cpp on the F32 GGUF and on the
 Q4_K_M GGUF (libllama, tests/model/llama_logits.py), fermijit on its import of the Q4_K_M GGUF
-(model/gguf_convert.py: native where it can, else requantised; the tensor counts are printed).
+(model/gguf_convert.py: native where it can, else requantised; the tensor counts are printed),
+and fermijit on the Q4_K_M's values with fp32 activations (the same weights, no 8-bit rounding
+of the products' inputs): how much activation rounding alone moves the NLL, the scale against
+which fermijit's and llama.cpp's NLL on the same file are compared (their activation rounding
+differs in detail: llama.cpp's Q8_0 keeps fp16 scales, fermijit's fp32; its KV cache is fp16).
 Columns: mean NLL (nats), perplexity, and against the fp32 row: mean KL(fp32 || row) per token
-and the mean |NLL difference| per token; the last column is against llama.cpp on the same GGUF.
+and the mean |NLL difference| per token; the last two against llama.cpp on the same GGUF: the
+mean |NLL difference| per token, and the difference of the mean NLLs.
 The random wide model's perplexity is near its vocabulary size by construction: its KL columns
 are the figures that show quantisation error there.
 """
@@ -50,12 +55,19 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
 
 
-def fermijit_logprobs(model_dir: Path, tokens: np.ndarray, context: int):
-    """Per window: log-softmax [n, V] of fermijit's prefill (CPU) of that window."""
+def fermijit_logprobs(model_dir, tokens: np.ndarray, context: int):
+    """Per window: log-softmax [n, V] of fermijit's prefill (CPU) of that window; `model_dir` a
+    model directory, or a GGUF file whose values run unquantised (fp32 weights and activations:
+    gguf_convert.load_float_weights)."""
     from fermijit.hybrid import CpuPrefiller
-    from fermijit.model.forward import load_model
+    from fermijit.model import gguf_convert
+    from fermijit.model.forward import Model, load_model
 
-    _, model = load_model(model_dir)
+    if Path(model_dir).is_file():
+        cfg, weights = gguf_convert.load_float_weights(model_dir)
+        model = Model(cfg.text_config, weights)
+    else:
+        _, model = load_model(model_dir)
     prefiller = CpuPrefiller(model)
     for inputs, _ in windows(tokens, context):
         state = model.new_state(inputs.size)
@@ -94,6 +106,7 @@ def gguf_types(path: Path) -> str:
 
 def report(title: str, hf: Path, ggufs: dict[str, Path], imports: dict[str, Path],
            tokenizer_dir: Path, libllama: str, n_threads: int, out: dict) -> None:
+    """`imports`: fermijit runs by name (a model directory, or a GGUF run in fp32)."""
     from fermijit.model.tokenizer import Tokenizer
     from fermijit.model.config import load_config
 
@@ -104,6 +117,8 @@ def report(title: str, hf: Path, ggufs: dict[str, Path], imports: dict[str, Path
     for name, path in ggufs.items():
         print(f"{name}: {path.stat().st_size / 2**20:.2f} MiB, {gguf_types(path)}")
     for name, path in imports.items():
+        if path.is_file():
+            continue
         manifest = json.loads((path / "fermijit.json").read_text())
         kinds = collections.Counter(t["quant"] for t in manifest["tensors"].values())
         requant = manifest["source"].get("requantised", {})
@@ -123,7 +138,7 @@ def report(title: str, hf: Path, ggufs: dict[str, Path], imports: dict[str, Path
                                  tokens, context, ref_lp)
         results.append((label, nll, np.concatenate(kl)))
     print(f"{'run':<44} {'mean NLL':>9} {'ppl':>9} {'KL/tok':>9} {'|dNLL|':>8} "
-          f"{'vs llama':>9}")
+          f"{'|d| llama':>9} {'d llama':>9}")
     rows = []
     for label, nll, kl in results:
         same = next((llama_nll[g] for g in llama_nll if label.startswith("fermijit")
@@ -131,12 +146,14 @@ def report(title: str, hf: Path, ggufs: dict[str, Path], imports: dict[str, Path
         row = {"run": label, "mean_nll": float(nll.mean()), "ppl": float(np.exp(nll.mean())),
                "kl": None if kl is None else float(kl.mean()),
                "abs_dnll": float(np.abs(nll - ref_nll).mean()),
-               "vs_llama": None if same is None else float(np.abs(nll - same).mean())}
+               "vs_llama": None if same is None else float(np.abs(nll - same).mean()),
+               "mean_nll_minus_llama": None if same is None else float(nll.mean() - same.mean())}
         rows.append(row)
         kl_s = "-" if row["kl"] is None else f"{row['kl']:.5f}"
         vs = "-" if row["vs_llama"] is None else f"{row['vs_llama']:.5f}"
+        d = "-" if same is None else f"{row['mean_nll_minus_llama']:+.5f}"
         print(f"{label:<44} {row['mean_nll']:>9.4f} {row['ppl']:>9.3f} {kl_s:>9} "
-              f"{row['abs_dnll']:>8.5f} {vs:>9}", flush=True)
+              f"{row['abs_dnll']:>8.5f} {vs:>9} {d:>9}", flush=True)
     out[title] = {"tokens": int(tokens.size), "context": context, "rows": rows}
 
 
@@ -159,6 +176,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("work", type=Path)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path)
+    p.add_argument("--tag", default="native", help="names the imports in WORKDIR (a converter "
+                   "change wants a new tag)")
     a = p.parse_args(argv)
     work = a.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -170,11 +189,12 @@ def main(argv: list[str]) -> None:
     wide_f32 = work / "wide-f32.gguf"
     if not wide_f32.exists():
         _to_gguf(a.llama_cpp, wide_hf, wide_f32, "qwen35")
-    wide_import = work / "fj-wide-q4_k_m"
+    wide_import = work / f"fj-wide-q4_k_m-{a.tag}"
     if not wide_import.exists():
         convert.convert(gguf_data.Q4_K_M, wide_import, show_progress=False)
     report("wide tiny model (random)", wide_hf, {"F32": wide_f32, "Q4_K_M": gguf_data.Q4_K_M},
-           {"Q4_K_M import": wide_import}, wide_hf, a.libllama, a.threads, out)
+           {"Q4_K_M import": wide_import, "Q4_K_M values, fp32 activations": gguf_data.Q4_K_M},
+           wide_hf, a.libllama, a.threads, out)
 
     hf = work / "default-hf"
     if not hf.exists():
@@ -184,11 +204,12 @@ def main(argv: list[str]) -> None:
         _to_gguf(a.llama_cpp, hf, f32, "qwen2")  # the default tokenizer's split is Qwen2's
     if not q4km.exists():
         quantize(a.libllama, str(f32), str(q4km), "Q4_K_M", n_threads=a.threads)
-    default_import = work / "fj-default-q4_k_m"
+    default_import = work / f"fj-default-q4_k_m-{a.tag}"
     if not default_import.exists():
         convert.convert(q4km, default_import, show_progress=False)
     report("default model", hf, {"F32": f32, "Q4_K_M": q4km},
-           {"Q4_K_M import": default_import}, hf, a.libllama, a.threads, out)
+           {"Q4_K_M import": default_import, "Q4_K_M values, fp32 activations": q4km}, hf,
+           a.libllama, a.threads, out)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1) + "\n")
 
