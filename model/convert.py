@@ -343,6 +343,17 @@ def is_fermijit_model(directory: str | Path) -> bool:
 POPULATE_SHARE = 0.8
 
 
+def tiled_input_order(t) -> np.ndarray:
+    """The input columns of a GDN out_proj kept in llama.cpp's tiled value-head order: column j
+    of its blocks multiplies input (grouped order) in_perm[j] (model/gguf_io.py
+    grouped_from_tiled: grouped head i is tiled head perm[i])."""
+    from fermijit.model.gguf_io import grouped_from_tiled
+
+    perm = grouped_from_tiled(t.linear_num_key_heads, t.linear_num_value_heads,
+                              t.linear_value_head_dim)
+    return np.argsort(perm).astype(np.int64)
+
+
 def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Manifest]:
     """A converted model: (config, weights as memmap views, manifest). Nothing is copied. The
     manifest is checked against config.json and the weights file's header, and the smallest
@@ -381,7 +392,9 @@ def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Man
         if entry.quant in ("f32", "f16"):
             arrays[name] = weights_file.raw(name)
         elif stored_specs(name, entry.shape, entry.quant)[0][0].endswith(".blocks"):
-            arrays[name] = BlockTensor(entry.quant, weights_file.raw(name + ".blocks"))
+            in_perm = (tiled_input_order(cfg.text_config)
+                       if name in manifest.source.tiled_inputs else None)
+            arrays[name] = BlockTensor(entry.quant, weights_file.raw(name + ".blocks"), in_perm)
         else:
             arrays[name] = QuantTensor(entry.quant, weights_file.raw(name + ".qs"),
                                        weights_file.raw(name + ".d"))

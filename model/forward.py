@@ -101,7 +101,7 @@ def _host(a):
     if isinstance(a, QuantTensor):
         return QuantTensor(a.kind, np.asarray(a.qs), np.asarray(a.d))
     if isinstance(a, BlockTensor):
-        return BlockTensor(a.kind, np.asarray(a.blocks))
+        return BlockTensor(a.kind, np.asarray(a.blocks), a.in_perm)
     return np.asarray(a)
 
 
@@ -175,6 +175,8 @@ def linear(x, w, out, act=None, *, like_gemv: bool = False):
         return matvec.product(w, matvec.quantize_act(x) if act is None else act, out,
                               like_gemv=like_gemv)
     if isinstance(w, BlockTensor):  # its own activation blocks (ops/kquant.py), x quantised here
+        if w.in_perm is not None:  # its columns in another order (BlockTensor.in_perm)
+            x = np.take(x, w.in_perm, axis=-1)
         return kquant_matvec.cpu(kquant.FORMATS[w.kind], w.blocks, x, out=out)
     if not isinstance(w, QuantTensor):
         return np.matmul(x, w.T, out=out)

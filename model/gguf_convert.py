@@ -37,8 +37,15 @@ def _block_kind(field: Field, g: GgufFile, target: str) -> str | None:
         return None
     if kind not in kquant_matvec.PRODUCTS and target != "f16":
         return None
-    whole_blocks = field.col_perm is None or field.col_head % kquant.FORMATS[kind].block_values == 0
-    return kind if whole_blocks and target in ("q4_0", "q8_0", "f16") else None
+    return kind if target in ("q4_0", "q8_0", "f16") else None
+
+
+def keeps_tiled_input(field: Field, kind: str) -> bool:
+    """True where a block field's columns cannot be put back in grouped head order (a head's
+    columns are not whole blocks: the real model's out_proj, 128 per head against Q4_K's 256):
+    its blocks stay in llama.cpp's tiled order and its product permutes the input instead
+    (manifest source.tiled_inputs; model/convert.py tiled_input_order)."""
+    return field.col_perm is not None and field.col_head % kquant.FORMATS[kind].block_values != 0
 
 
 def storage(field: Field, g: GgufFile, target: str) -> tuple[str, bool]:
@@ -77,9 +84,12 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
     raw_config, cfg = read_config(g)
     fields = plan_fields(cfg.text_config, g)          # every tensor checked before any write
     files = tokenizer_files(g)
-    quants, imported, requantised = {}, set(), {}
+    quants, imported, requantised, tiled = {}, set(), {}, set()
     for name, field in fields.items():
         quants[name], is_import = storage(field, g, fj.quantisation(name, lm_head))
+        if is_import and quants[name] in kquant.FORMATS and keeps_tiled_input(field,
+                                                                               quants[name]):
+            tiled.add(name)
         fj.stored_specs(name, field.shape, quants[name])  # quantisable: checked before any write
         if is_import:
             imported.add(name)
@@ -100,7 +110,7 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
     def fill(name: str, out):
         field = fields[name]
         if name in imported:
-            return _write_blocks(field, g, quants[name], out, chunk_bytes)
+            return _write_blocks(field, g, quants[name], out, chunk_bytes, name in tiled)
         return fj.stream(name, field.shape, quants[name],
                          lambda lead, rows: _read_float(field, g, lead, rows), out, chunk_bytes)
 
@@ -111,7 +121,7 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
 
     source = Source(path=str(Path(src).resolve()), fingerprint=g.fingerprint(),
                     files=(Path(src).name,), format="gguf",
-                    imported_blocks=tuple(sorted(imported)),
+                    imported_blocks=tuple(sorted(imported)), tiled_inputs=tuple(sorted(tiled)),
                     requantised={name: kind for name, (kind, _) in requantised.items()})
     return fj.write_model(dst, {name: f.shape for name, f in fields.items()}, lm_head, fill,
                           source, other_files, desc="convert", show_progress=show_progress,
@@ -125,8 +135,10 @@ def _read_float(field: Field, g: GgufFile, lead, rows) -> np.ndarray:
         raise FermijitError(f"{g.path}: {field.sources}: {e}") from None
 
 
-def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int):
-    """Copy a field's blocks in row chunks; yields the elements done per chunk."""
+def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int,
+                  keep_columns: bool = False):
+    """Copy a field's blocks in row chunks (`keep_columns`: in the GGUF's column order);
+    yields the elements done per chunk."""
     rows, cols = field.shape[-2], field.shape[-1]
     leads = range(field.shape[0]) if len(field.shape) == 3 else [None]
     step = max(1, chunk_bytes // (4 * cols))
@@ -134,7 +146,8 @@ def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int):
         for r0 in range(0, rows, step):
             first_row = e * rows + r0
             if quant in kquant.FORMATS:
-                blocks = read_raw_blocks(field, g, lead, slice(r0, r0 + step), quant)
+                blocks = read_raw_blocks(field, g, lead, slice(r0, r0 + step), quant,
+                                         keep_columns)
                 out.write(field.name + ".blocks", blocks, start=first_row * blocks.shape[-1])
                 yield blocks.shape[0] * cols
                 continue

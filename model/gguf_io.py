@@ -349,9 +349,11 @@ def read_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: 
     return (qs if kind == "q4_0" else qs.view(np.int8)), d
 
 
-def read_raw_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: str):
+def read_raw_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: str,
+                    keep_columns: bool = False):
     """uint8 [n, K/Q·S]: rows of a field in a GGUF block kind (ops/kquant.py FORMATS), its
-    blocks as stored (columns permuted in whole blocks: `col_head` must be whole blocks)."""
+    blocks as stored: columns permuted in whole blocks (`col_head` must be whole blocks), or
+    with `keep_columns` left in the GGUF's order."""
     from fermijit.ops.kquant import FORMATS, scales_f16
 
     fmt = FORMATS[kind]
@@ -360,7 +362,10 @@ def read_raw_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, ki
     raw = np.concatenate(raw) if len(raw) > 1 else raw[0]
     n, nb = raw.shape[0], field.shape[-1] // fmt.block_values
     blocks = raw.reshape(n, nb, fmt.block_bytes)
-    if field.col_perm is not None:
+    if field.col_perm is not None and not keep_columns:
+        if field.col_head % fmt.block_values:
+            raise FermijitError(f"{g.path}: {field.name}: heads of {field.col_head} columns are "
+                                f"not whole {kind} blocks")
         per_head = field.col_head // fmt.block_values
         blocks = blocks.reshape(n, -1, per_head, fmt.block_bytes)[:, field.col_perm]
     blocks = np.ascontiguousarray(blocks).reshape(n, nb * fmt.block_bytes)

@@ -66,6 +66,9 @@ class Source:
     files: tuple[str, ...]
     format: str = "safetensors"              # or "gguf", "synthetic"
     imported_blocks: tuple[str, ...] = ()    # GGUF: tensors whose blocks were copied bit for bit
+    # GGUF: block tensors whose input columns stay in llama.cpp's tiled value-head order (a
+    # head's columns are not whole blocks: model/gguf_convert.py), permuted at run time instead
+    tiled_inputs: tuple[str, ...] = ()
     requantised: dict[str, str] = dataclasses.field(default_factory=dict)  # GGUF: name -> type
 
 

@@ -62,7 +62,7 @@ def as_w4a8(tree):
     if isinstance(tree, QuantTensor):
         return W4A8(tree.kind, tree.qs, tree.d)
     if isinstance(tree, BlockTensor):
-        return BlockA8(tree.kind, tree.blocks)
+        return BlockA8(tree.kind, tree.blocks, tree.in_perm)
     if isinstance(tree, tuple):
         return tuple(as_w4a8(t) for t in tree)
     if dataclasses.is_dataclass(tree):
@@ -86,7 +86,9 @@ def dense(w) -> np.ndarray:
         deq = quant.dequantize_q4_0 if w.kind == "q4_0" else quant.dequantize_q8_0
         return deq(np.asarray(w.qs), np.asarray(w.d)).astype(np.float64)
     if isinstance(w, BlockTensor):
-        return kquant.dequantize(kquant.FORMATS[w.kind], np.asarray(w.blocks)).astype(np.float64)
+        deq = kquant.dequantize(kquant.FORMATS[w.kind], np.asarray(w.blocks)).astype(np.float64)
+        # columns in input order: the blocks' column j multiplies input in_perm[j]
+        return deq if w.in_perm is None else deq[..., np.argsort(w.in_perm)]
     return np.asarray(w, dtype=np.float64)
 
 
@@ -114,9 +116,11 @@ def linear(x, w):
     8 bits: the kernels' exact integer block sums, scaled, are this same sum in float64."""
     if isinstance(w, W4A8):
         x = quantize_q8(x)
-    if isinstance(w, BlockA8):
-        x = quantize_q8(x) if kquant.FORMATS[w.kind].block_values != kquant.QK_K else \
-            quantize_q8_k(x)
+    if isinstance(w, BlockA8):  # the activations as the kernel rounds them: in its column order
+        xs = x if w.in_perm is None else np.take(x, w.in_perm, axis=-1)
+        xs = quantize_q8(xs) if kquant.FORMATS[w.kind].block_values != kquant.QK_K else \
+            quantize_q8_k(xs)
+        x = xs if w.in_perm is None else xs[..., np.argsort(w.in_perm)]
     return x @ dense(w).T
 
 

@@ -44,6 +44,9 @@ class BlockTensor:
 
     kind: str          # a key of ops.kquant.FORMATS
     blocks: np.ndarray  # uint8 [..., K/Q·S]: Q values per block of S bytes
+    # None, or the order of the inputs the blocks' columns hold: the product reads x[..., in_perm]
+    # (a GGUF's out_proj in llama.cpp's tiled value-head order: model/gguf_convert.py)
+    in_perm: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

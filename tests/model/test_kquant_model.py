@@ -55,3 +55,32 @@ def test_gpu_prefill_refuses_k_quant_weights_in_one_line(imported):
                                             r"expert weights yet \(\d+ tensors of this model, "
                                             r"e\.g\. lm_head\)"):
         gpu_layout.check_supported(model)
+
+
+def test_out_proj_in_tiled_order_is_the_grouped_matrix(rng):
+    """A GDN out_proj whose heads are not whole K-quant blocks (the real model's: Hk 16, Hv 32,
+    128 columns a head; here Hk 4, Hv 8, 64) keeps llama.cpp's tiled column order
+    (model/gguf_convert.py keeps_tiled_input); its product permutes the input. As a matrix it is
+    the one gguf_io.read_float puts back in grouped order, and fermijit's product is the
+    reference's over it."""
+    import types
+
+    from fermijit.model import gguf_io, reference
+    from fermijit.model.convert import tiled_input_order
+    from fermijit.model.forward import linear
+    from fermijit.model.weights import BlockTensor
+    from fermijit.ops import kquant
+    from tests.ops.test_kquant import random_blocks
+
+    hk, hv, dv, rows = 4, 8, 64, 5
+    t = types.SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv,
+                              linear_value_head_dim=dv)
+    blocks = random_blocks(rng, kquant.Q4_K, rows, hv * dv)
+    tiled = kquant.dequantize(kquant.Q4_K, blocks)
+    grouped = tiled.reshape(rows, hv, dv)[:, gguf_io.grouped_from_tiled(hk, hv, 1)]
+    w = BlockTensor("q4_k", blocks, tiled_input_order(t))
+    np.testing.assert_array_equal(reference.dense(w), grouped.reshape(rows, -1))
+    x = rng.standard_normal((3, hv * dv)).astype(np.float32)
+    expected = reference.linear(x, reference.as_w4a8(w))
+    got = linear(x, w, np.empty((3, rows), np.float32))
+    assert np.abs(got - expected).max() <= VS_REFERENCE * np.abs(expected).max()
