@@ -10,6 +10,7 @@ from fermijit import FermijitError
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
+from tests.gpu import needs_gpu
 from tests.model import gguf_data
 from tests.model.oracle import assert_rel_but_flips
 
@@ -84,3 +85,33 @@ def test_out_proj_in_tiled_order_is_the_grouped_matrix(rng):
     expected = reference.linear(x, reference.as_w4a8(w))
     got = linear(x, w, np.empty((3, rows), np.float32))
     assert np.abs(got - expected).max() <= VS_REFERENCE * np.abs(expected).max()
+
+
+def _gpu_prefill_falls_back(model, **kwargs):
+    import io
+
+    from fermijit import hybrid
+
+    err = io.StringIO()
+    tokens = np.arange(40, dtype=np.int32) % model.vocab_size
+    gpu = hybrid.GpuPrefiller(model, err=err, **kwargs)
+    got = gpu.prefill(tokens, model.new_state(48), all_logits=True)
+    expected = model.prefill(tokens, model.new_state(48), all_logits=True)
+    np.testing.assert_array_equal(got, expected)   # the CPU's prefill, not the GPU's
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "prefilling on the CPU" in lines[0], lines
+    assert "no kernels for" in lines[0] and "Traceback" not in err.getvalue()
+
+
+def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_with_one_line(imported, monkeypatch):
+    """The refusal reaches `--prefill gpu` as the one fallback line (no device needed: the
+    model is refused before any is touched)."""
+    from fermijit.jit import gpu
+
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    _gpu_prefill_falls_back(load_model(imported)[1], gpu_mem=1 << 30, pin_budget=1 << 24)
+
+
+@needs_gpu
+def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_on_a_device(imported):
+    _gpu_prefill_falls_back(load_model(imported)[1])
