@@ -6,9 +6,9 @@ Q4_0 kernels cannot take.
 
 One product per expert that some token chose (ops/kquant_matvec.py for the block kinds, ops/matvec.py
 for Q4_0/Q8_0), each on the tokens that chose it; the input is quantised once per format for all
-the experts that read it. ops/moe.py's launches fuse all experts of a projection into one: this
-path pays a launch per expert (decode: top-k + 1 per projection), the price of reading the
-experts as they were imported; the full-size speed target (issue 34 item 4) wants them fused.
+the experts that read it. Decode (one token, routed experts in block kinds) runs each projection's
+routed experts in one gathered launch (kquant_matvec.gathered) and the shared expert's in its
+own: 4 launches a layer, where ops/moe.py's fused Q4_0 path also folds the SwiGLU and the sum.
 """
 
 from __future__ import annotations
@@ -74,10 +74,24 @@ def product(inputs: _Inputs, w) -> np.ndarray:
 
 
 def _swiglu(inputs: _Inputs, gate_up, down) -> np.ndarray:
-    gu = product(inputs, gate_up)
+    return product(_Inputs(_silu_mul(product(inputs, gate_up))), down)
+
+
+def _silu_mul(gu: np.ndarray) -> np.ndarray:
     g, u = np.split(gu, 2, axis=-1)
-    h = np.ascontiguousarray(g / (np.float32(1) + np.exp(-g)) * u, dtype=np.float32)
-    return product(_Inputs(h), down)
+    return np.ascontiguousarray(g / (np.float32(1) + np.exp(-g)) * u, dtype=np.float32)
+
+
+def _routed_one_token(every: _Inputs, ids: np.ndarray, weights: np.ndarray, w: BlockExperts,
+                      out: np.ndarray) -> None:
+    """out[0] += Σ_k weights[k] · expert ids[k] of x[0]: each projection one gathered launch."""
+    idx = np.ascontiguousarray(ids[0], dtype=np.int32)
+    gu_fmt, down_fmt = kquant.FORMATS[w.gate_up.kind], kquant.FORMATS[w.down.kind]
+    gu = kquant_matvec.gathered(gu_fmt, w.gate_up.blocks, idx, every.of(w.gate_up))  # [k, 2I]
+    h = _silu_mul(gu)                                                                # [k, I]
+    y = kquant_matvec.gathered(down_fmt, w.down.blocks, idx,
+                               kquant_matvec.quantize_for(down_fmt, h))              # [k, H]
+    out[0] += weights[0] @ y
 
 
 def run(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w: BlockExperts,
@@ -86,6 +100,9 @@ def run(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, w: BlockExperts,
     every = _Inputs(x)
     gate = np.float32(1) / (np.float32(1) + np.exp(-(x.astype(np.float64) @ w.shared_gate)))
     out[...] = gate.astype(np.float32)[:, None] * _swiglu(every, w.shared_gate_up, w.shared_down)
+    if x.shape[0] == 1 and isinstance(w.gate_up, BlockTensor) and isinstance(w.down, BlockTensor):
+        _routed_one_token(every, ids, weights, w, out)
+        return out
     for e in np.unique(ids):
         t, k = np.nonzero(ids == e)                                       # a token picks e once
         # Every token (decode's one): its activations as quantised for the shared expert.

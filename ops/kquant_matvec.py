@@ -335,16 +335,41 @@ def _share(thread, n_threads, args):
     last = (thread + 1) * groups // n_threads
     for g in range(first, last):
         for t in range(0, tok_whole, TOKS):
-            tile(blocks, xq, d, bsums, out, g * ROWS, t)
+            tile(blocks, xq, d, bsums, out, g * ROWS, t, t)
         for t in range(tok_whole, n_tok):
-            rows_by_1(blocks, xq, d, bsums, out, g * ROWS, t)
+            rows_by_1(blocks, xq, d, bsums, out, g * ROWS, t, t)
 
 
 def _body(blocks, xq, d, bsums, out):
     fork((blocks, xq, d, bsums, out))
     for r in range(blocks.shape[0] // ROWS * ROWS, blocks.shape[0]):
         for t in range(xq.shape[0]):
-            one_by_1(blocks, xq, d, bsums, out, r, t)
+            one_by_1(blocks, xq, d, bsums, out, r, t, t)
+
+
+def _gathered_share(thread, n_threads, args):
+    """One thread's run of (expert, row) jobs, expert by expert: out[i, r] = W[idx[i]][r] · x
+    (x one token, shared) or x[i]."""
+    blocks, idx, xq, d, sums, out = args
+    n_rows = blocks.shape[1]
+    first = thread * idx.size * n_rows // n_threads
+    last = (thread + 1) * idx.size * n_rows // n_threads
+    shared_x = xq.shape[0] == 1
+    i = first // n_rows
+    while i * n_rows < last:
+        w = blocks[idx[i]]
+        t = 0 if shared_x else i
+        for r in range(max(first - i * n_rows, 0), min(last - i * n_rows, n_rows)):
+            one_by_1(w, xq, d, sums, out, r, t, i)
+        i += 1
+
+
+def _gathered_body(blocks, idx, xq, d, sums, out):
+    """The MoE decode's routed experts of one projection in one launch (model/block_moe.py)."""
+    for i in range(idx.size):
+        if idx[i] < 0 or idx[i] >= blocks.shape[0]:
+            raise IndexError("expert index out of range")
+    gathered_fork((blocks, idx, xq, d, sums, out))
 
 
 def _array(dtype, ndim, readonly=False):
@@ -355,6 +380,10 @@ def _array(dtype, ndim, readonly=False):
 _SIGNATURES = [types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True),
                           _array(types.float32, 2, True), _array(sums, 2, True),
                           _array(types.float32, 2)) for sums in (types.int16, types.int32)]
+_GATHERED_SIGNATURES = [types.void(_array(types.uint8, 3, True), _array(types.int32, 1, True),
+                                   _array(types.int8, 2, True), _array(types.float32, 2, True),
+                                   _array(sums, 2, True), _array(types.float32, 2))
+                        for sums in (types.int16, types.int32)]
 _kernels: dict = {}
 
 
@@ -372,10 +401,22 @@ def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
                      rows_by_1=make(fmt, v, n_rows, 1), one_by_1=make(fmt, v, 1, 1))
         threads = "omp" if omp.available() else "serial"
         variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
-        sums = _SIGNATURES[0 if fmt.name in EMITTERS else 1]
-        _kernels[key] = kernel(_body, fastmath=False, variant=variant, signatures=[sums],
+        sums = 0 if fmt.name in EMITTERS else 1
+        _kernels[key] = kernel(_body, fastmath=False, variant=variant,
+                               signatures=[_SIGNATURES[sums]],
                                fork=omp.fork(bind(_share, variant, **tiles)), **tiles)
+        _kernels[key + ("gathered",)] = kernel(
+            _gathered_body, fastmath=False, variant=variant,
+            signatures=[_GATHERED_SIGNATURES[sums]],
+            gathered_fork=omp.fork(bind(_gathered_share, variant, **tiles)))
     return _kernels[key]
+
+
+def gathered_kernel(fmt: kquant.Format, isa: Isa):
+    """The gathered launch of a format and ISA: (blocks [E, R, bytes], idx, xq, scales, sums,
+    out [n, R])."""
+    product_kernel(fmt, isa, GEMV_TILE)
+    return _kernels[(fmt.name, isa, GEMV_TILE, "gathered")]
 
 
 def default_isa(n_tokens: int) -> Isa:
@@ -437,3 +478,26 @@ def cpu(fmt: kquant.Format, blocks: np.ndarray, x, out=None, *, isa: Isa | None 
     is_vector = isinstance(x, np.ndarray) and x.ndim == 1
     y = output("kquant", out, (blocks.shape[0],) if is_vector else (n_tok, blocks.shape[0]))
     return product(fmt, blocks, act, y, isa)
+
+
+def gathered(fmt: kquant.Format, blocks: np.ndarray, idx: np.ndarray, act, out=None, *,
+             isa: Isa | None = None) -> np.ndarray:
+    """out [n, R] = W[idx[i]] · x for the experts idx (int32 [n]) of blocks [E, R, bytes]; `act`
+    (from `quantize_for`) one token for all, or one row per expert: the MoE decode's routed
+    experts of a projection in one parallel launch."""
+    check_array("kquant.gathered", "blocks", blocks, np.uint8, ndim=3)
+    check_array("kquant.gathered", "idx", idx, np.int32, ndim=1)
+    n_act, k = act.xq.shape
+    if blocks.shape[2] != fmt.n_bytes(k) or n_act not in (1, idx.size):
+        raise FermijitError(f"kquant.gathered: {fmt.name} experts {list(blocks.shape)} for "
+                            f"{n_act} activation rows of {k} (need 1 or {idx.size}, and rows "
+                            f"of {fmt.n_bytes(k)} bytes)")
+    y = output("kquant.gathered", out, (idx.size, blocks.shape[1]))
+    sums = (act.d, act.bsums) if is_k_quant(fmt) else (act.dx, act.xsum8)
+    try:
+        gathered_kernel(fmt, isa or decode_isa())(blocks, idx, act.xq, *sums, y)
+    except TypeError:
+        raise FermijitError("kquant.gathered: an array has the wrong dtype or layout") from None
+    except IndexError as e:
+        raise FermijitError(f"kquant.gathered: {e}") from None
+    return y

@@ -69,3 +69,22 @@ def test_bad_shapes_are_one_line(rng):
         kquant_matvec.cpu(fmt, blocks, np.zeros(256, np.float32))
     with pytest.raises(FermijitError, match="out has shape"):
         kquant_matvec.cpu(fmt, blocks, np.zeros(512, np.float32), out=np.empty(5, np.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_gathered_is_each_experts_product(rng, fmt, isa):
+    n_experts, rows, k = 5, 7, 512
+    blocks = np.stack([random_blocks(rng, fmt, rows, k) for _ in range(n_experts)])
+    idx = np.array([3, 0, 4], np.int32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for act_rows in (x[:1], x):  # one token for every expert, or one row each
+        act = kquant_matvec.quantize_for(fmt, act_rows)
+        out = poisoned((3, rows))
+        kquant_matvec.gathered(fmt, blocks, idx, act, out, isa=isa)
+        for i, e in enumerate(idx):
+            _check(f"{fmt.name} {isa.label} expert {e}",
+                   kquant.reference(fmt, blocks[e], act_rows[min(i, len(act_rows) - 1)]), out[i])
+    with pytest.raises(FermijitError, match="expert index out of range"):
+        kquant_matvec.gathered(fmt, blocks, np.array([5], np.int32),
+                               kquant_matvec.quantize_for(fmt, x[:1]))
