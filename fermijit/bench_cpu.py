@@ -25,9 +25,12 @@ from numba.extending import intrinsic
 from fermijit import FermijitError, machine
 from fermijit.jit import cpu, simd
 from fermijit.jit.simd import I8, I64, vec
-from fermijit.ops import matvec, quant
+from fermijit.ops import kquant, kquant_matvec, matvec, quant
 
 GEMV_SHAPES = ((2048, 2048), (512, 2048), (4096, 2048))  # rows x K
+# The GGUF block kinds whose decode GEMVs are measured beside Q4_0's (issue 34 item 4): a Q4_K_M
+# file is mostly Q4_K, with Q6_K for the LM head and some down projections.
+KQUANT_GEMVS = (kquant.Q4_K, kquant.Q6_K)
 HOT_SHAPE = (2048, 2048)
 HOT_WALKS = 20
 LAUNCHES = 2000
@@ -161,6 +164,57 @@ def _cold_set(rows, k, nbytes, rng):
     return mats, count * per
 
 
+def _block_cold_set(fmt: kquant.Format, rows: int, k: int, nbytes: int, rng):
+    """Distinct matrices of GGUF blocks totalling >= nbytes, back to back as a converted file
+    lays them out: random bytes with small finite fp16 scales."""
+    per = rows * fmt.n_bytes(k)
+    count = max(2, -(-nbytes // per))
+    flat = _page_backed(count * per)
+    _fill(flat, lambda n: rng.integers(0, 256, n, dtype=np.uint8))
+    view = flat.reshape(-1, fmt.block_bytes)
+    for offset in fmt.scale_offsets:
+        view[:, offset:offset + 2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    return [flat[i * per:(i + 1) * per].reshape(rows, -1) for i in range(count)], count * per
+
+
+def _kquant_gemv_rows(isas, n_all: int, nbytes: int, read, buf, rng) -> list[Row]:
+    """The K-quant GEMVs cold, each walk paired with a read pass and with a Q4_0 walk of the same
+    shape (their ratio: the same fraction of the read bandwidth is 1.0)."""
+    rows_out = []
+    r, k = GEMV_SHAPES[0]
+    q4, q4_total = _cold_set(r, k, nbytes, rng)
+    x = rng.standard_normal(k).astype(np.float32)
+    y = np.empty(r, np.float32)
+    for fmt in KQUANT_GEMVS:
+        mats, total = _block_cold_set(fmt, r, k, nbytes, rng)
+        act = kquant_matvec.quantize_for(fmt, x)
+        for isa in isas:
+            _progress(f"gemv {r}x{k} {fmt.name} {isa.label}")
+            q4_act = matvec.quantize_act(x, isa)
+            kquant_matvec.product(fmt, mats[0], act, y, isa)
+            matvec.product(q4[0], q4_act, y, isa=isa)
+            ratios, vs_q4, best = [], [], 0.0
+            for _ in range(PAIRS):
+                read_gbs = buf.nbytes / _best_seconds(lambda: read(buf), 1) / 1e9
+                t = time.perf_counter()
+                for w in mats:
+                    kquant_matvec.product(fmt, w, act, y, isa)
+                gbs = total / (time.perf_counter() - t) / 1e9
+                t = time.perf_counter()
+                for w in q4:
+                    matvec.product(w, q4_act, y, isa=isa)
+                q4_gbs = q4_total / (time.perf_counter() - t) / 1e9
+                ratios.append(gbs / read_gbs)
+                vs_q4.append(gbs / q4_gbs)
+                best = max(best, gbs)
+            rows_out.append(Row(f"gemv {r}x{k} cold {fmt.name}", isa.label, n_all, best, "GB/s",
+                                float(np.median(ratios))))
+            rows_out.append(Row(f"gemv {r}x{k} {fmt.name}/q4_0", isa.label, n_all,
+                                float(np.median(vs_q4)), "ratio"))
+        del mats
+    return rows_out
+
+
 def _westmere_rows(n_threads: int, gib: float) -> list[Row]:
     """The SSSE3 kernels as a Westmere runs them: Numba's target is fixed per process (notes,
     pitfall 2), so a child process compiled for `westmere` measures them, bandwidth included."""
@@ -242,6 +296,7 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
             pair_ratios[isa] += ratios
             gemv_rows.append((r, k, isa, best, float(np.median(ratios))))
         del mats
+    kquant_rows = _kquant_gemv_rows(isas, n_all, nbytes, read, buf, rng)
     del buf
 
     # The compute ceiling: the same products on weights already in cache (two matrices, ~5 MB,
@@ -288,6 +343,7 @@ def run(as_json: bool, n_threads: int | None, gib: float) -> None:
         mix_gbs = sum(b for b, _ in walked) / sum(b / g for b, g in walked)
         rows.append(Row("gemv all shapes", isa.label, n_all, mix_gbs, "GB/s",
                         float(np.median(ratios))))
+    rows += kquant_rows
     rows += hot_rows
 
     for n_tok, r, k in GEMM_SHAPES:

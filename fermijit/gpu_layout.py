@@ -11,8 +11,9 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.model.forward import Model
-from fermijit.model.weights import GatedDeltaNetWeights, QuantTensor
-from fermijit.ops import attention, conv1d, expert_matmul, gated_delta, matvec, quant, router
+from fermijit.model.weights import BlockTensor, GatedDeltaNetWeights, QuantTensor
+from fermijit.ops import (attention, conv1d, expert_matmul, gated_delta, matvec, moe, quant,
+                          router)
 
 F32 = 4
 
@@ -31,6 +32,20 @@ def check_supported(model: Model) -> None:
     if not model.is_quantized:
         raise FermijitError("the GPU prefill needs a 4-bit model (convert it first); this one is "
                             "an fp32 checkpoint")
+    # GGUF block kinds kept as imported (K-quants, Q5_0/Q5_1: issue 34) have CPU kernels only
+    # so far: refused here, so the CPU prefills such a model rather than the GPU computing it
+    # wrong.
+    mats = [("lm_head", model.lm_head)] + [
+        (f"layers.{i}.{name}", getattr(w.mixer, name)) for i, w in enumerate(model.layers)
+        for name in ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj",
+                     "o_proj") if hasattr(w.mixer, name)]
+    blocks = [(name, m.kind.upper()) for name, m in mats if isinstance(m, BlockTensor)]
+    blocks += [(f"layers.{i}.mlp", "non-Q4_0 expert") for i, w in enumerate(model.layers)
+               if not isinstance(w.experts, moe.MoeWeights)]
+    if blocks:
+        kinds = "/".join(sorted({kind for _, kind in blocks}))
+        raise FermijitError(f"the GPU prefill has no kernels for {kinds} weights yet "
+                            f"({len(blocks)} tensors of this model, e.g. {blocks[0][0]})")
     limits = [(model.head_dim in attention.GPU_HEAD_DIMS, f"head_dim {model.head_dim}",
                attention.GPU_HEAD_DIMS),
               (model.key_dim in gated_delta.GPU_KEY_DIMS, f"linear key dim {model.key_dim}",

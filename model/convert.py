@@ -43,7 +43,7 @@ from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, 
 from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
                                            SafetensorsWriter)
 from fermijit.model.state import available_nbytes
-from fermijit.model.weights import (MTP_PREFIX, QuantTensor, TextWeights, assemble,
+from fermijit.model.weights import (MTP_PREFIX, BlockTensor, QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
 
 WEIGHTS = "model.safetensors"
@@ -187,11 +187,19 @@ def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
 
     quants = quants or {name: quantisation(name, lm_head) for name in shapes}
     specs = {name: stored_specs(name, shape, quants[name]) for name, shape in shapes.items()}
-    # .qs first: each is a multiple of 16 bytes, so every one starts 16-byte aligned; then the
-    # other 4-byte-multiple tensors (F32), so the F32 ones stay 4-byte aligned. A layer's
-    # matrices that read one input stay back to back (decode reads them as one: model/forward.py).
+    # .qs first (and GGUF blocks of a 16-byte multiple, Q4_K's 144): each is a multiple of 16
+    # bytes, so every one starts 16-byte aligned; then the other 4-byte-multiple tensors (F32),
+    # so the F32 ones stay 4-byte aligned; the odd-sized blocks (Q6_K's 210, Q5_0's 22) last.
+    # A layer's matrices that read one input stay back to back (decode reads them as one:
+    # model/forward.py).
+    def place(spec) -> int:
+        stored, dtype, shape = spec
+        if stored.endswith(".blocks"):
+            return 0 if int(np.prod(shape)) % 16 == 0 else 3
+        return 0 if stored.endswith(".qs") else 1 if dtype == "F32" else 2
+
     flat = [s for name in shapes for s in specs[name]]
-    order = sorted(flat, key=lambda s: (0 if s[0].endswith(".qs") else 1 if s[1] == "F32" else 2))
+    order = sorted(flat, key=place)
     partial = dst / (WEIGHTS + PARTIAL_SUFFIX)
     total = sum(int(np.prod(shape)) for shape in shapes.values())
     with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
@@ -241,8 +249,9 @@ def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ..
 def describe(manifest: Manifest) -> str:
     """One line for the CLI: what was written."""
     kinds = [t.quant for t in manifest.tensors.values()]
-    counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("q4_0", "q8_0", "f16", "f32")
-                       if k in kinds)
+    order = ("q4_0", "q8_0", "f16", "f32") + tuple(sorted(set(kinds) - {"q4_0", "q8_0", "f16",
+                                                                        "f32"}))
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in order if k in kinds)
     return f"{len(kinds)} tensors ({counts}), lm_head {manifest.tensors['lm_head'].quant}"
 
 
@@ -336,6 +345,17 @@ def is_fermijit_model(directory: str | Path) -> bool:
 POPULATE_SHARE = 0.8
 
 
+def tiled_input_order(t) -> np.ndarray:
+    """The input columns of a GDN out_proj kept in llama.cpp's tiled value-head order: column j
+    of its blocks multiplies input (grouped order) in_perm[j] (model/gguf_io.py
+    grouped_from_tiled: grouped head i is tiled head perm[i])."""
+    from fermijit.model.gguf_io import grouped_from_tiled
+
+    perm = grouped_from_tiled(t.linear_num_key_heads, t.linear_num_value_heads,
+                              t.linear_value_head_dim)
+    return np.argsort(perm).astype(np.int64)
+
+
 def load_converted(directory: str | Path) -> tuple[ModelConfig, TextWeights, Manifest]:
     """A converted model: (config, weights as memmap views, manifest). Nothing is copied. The
     manifest is checked against config.json and the weights file's header, and the smallest
@@ -380,6 +400,10 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
                                     f"{list(info.shape)}, expected {dtype} {list(shape)}")
         if entry.quant in ("f32", "f16"):
             arrays[name] = weights_file.raw(name)
+        elif stored_specs(name, entry.shape, entry.quant)[0][0].endswith(".blocks"):
+            in_perm = (tiled_input_order(cfg.text_config)
+                       if name in manifest.source.tiled_inputs else None)
+            arrays[name] = BlockTensor(entry.quant, weights_file.raw(name + ".blocks"), in_perm)
         else:
             arrays[name] = QuantTensor(entry.quant, weights_file.raw(name + ".qs"),
                                        weights_file.raw(name + ".d"))

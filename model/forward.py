@@ -26,11 +26,14 @@ import numpy as np
 from fermijit import FermijitError, blas, numa
 from fermijit.jit import omp
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
+from fermijit.model import block_moe
+from fermijit.model.block_moe import BlockExperts
 from fermijit.model.state import DEFAULT_KV, KvCache, KvKind, State, new_state, state_nbytes
-from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, QuantTensor,
-                                    TextWeights)
+from fermijit.model.weights import (AttentionWeights, BlockTensor, GatedDeltaNetWeights,
+                                    QuantTensor, TextWeights)
 from fermijit.ops import (attention, attention_step, conv1d, embedding, fp32_rows, gated_delta,
-                          gdn_step, l2norm, matvec, moe, residual_step, rmsnorm, rope, router)
+                          gdn_step, kquant, kquant_matvec, l2norm, matvec, moe, residual_step,
+                          rmsnorm, rope, router)
 
 # Tokens per prefill pass: the GEMMs are batched over this many tokens while the workspace stays
 # bounded: 103 MiB for the real model at 512 (1.1 MiB at T = 1, most of it the logits).
@@ -86,7 +89,7 @@ class Layer:
     mixer: GatedDeltaNetWeights | AttentionWeights  # Q4_0 or fp32 projections
     post_norm: np.ndarray                           # [H]  zero-centred
     router: np.ndarray                              # [E, H] fp32
-    experts: moe.MoeWeights | DenseExperts
+    experts: moe.MoeWeights | DenseExperts | BlockExperts
     # Decode reads the mixer's input projections in one launch where they lie back to back in
     # memory (a converted file stores them so): GDN [qkv; z] [C + Hv·dv, H], attention
     # [q; k; v] [Hq·2D + 2·Hkv·D, H]; None otherwise. GDN's [b; a] [2Hv, H] fp32 always.
@@ -98,6 +101,8 @@ def _host(a):
     """A memmap view as a plain ndarray view (no copy), as the Numba kernels want."""
     if isinstance(a, QuantTensor):
         return QuantTensor(a.kind, np.asarray(a.qs), np.asarray(a.d))
+    if isinstance(a, BlockTensor):
+        return BlockTensor(a.kind, np.asarray(a.blocks), a.in_perm)
     return np.asarray(a)
 
 
@@ -110,15 +115,16 @@ def _matrix(a):
     return a
 
 
-def _experts(mlp) -> moe.MoeWeights | DenseExperts:
-    """The MoE weights as ops.moe wants them; the shared expert as an expert tensor of one ([1, ...]
+def _experts(mlp) -> moe.MoeWeights | DenseExperts | BlockExperts:
+    """The MoE weights as ops.moe wants them (Q4_0), or as model/block_moe.py does (GGUF
+    blocks kept as imported, Q8_0); the shared expert as an expert tensor of one ([1, ...]
     views, no copy)."""
     shared_gate = _host(mlp.shared_expert_gate)[0]                       # [H]
-    if isinstance(mlp.experts_gate_up, QuantTensor):
+    if isinstance(mlp.experts_gate_up, (QuantTensor, BlockTensor)):
         parts = [_host(mlp.experts_gate_up), _host(mlp.experts_down)]
         shared = [_host(mlp.shared_gate_up), _host(mlp.shared_down)]
-        if any(q.kind != "q4_0" for q in parts + shared):
-            raise FermijitError("the MoE experts must be Q4_0 (convert the model again)")
+        if any(isinstance(q, BlockTensor) or q.kind != "q4_0" for q in parts + shared):
+            return BlockExperts(*parts, *shared, shared_gate)
         return moe.MoeWeights(parts[0].qs, parts[0].d, parts[1].qs, parts[1].d,
                               shared[0].qs[None], shared[0].d[None], shared[1].qs[None],
                               shared[1].d[None], shared_gate)
@@ -169,6 +175,10 @@ def linear(x, w, out, act=None, *, like_gemv: bool = False):
     if isinstance(w, matvec.Q4Matrix):
         return matvec.product(w, matvec.quantize_act(x) if act is None else act, out,
                               like_gemv=like_gemv)
+    if isinstance(w, BlockTensor):  # its own activation blocks (ops/kquant.py), x quantised here
+        if w.in_perm is not None:  # its columns in another order (BlockTensor.in_perm)
+            x = np.take(x, w.in_perm, axis=-1)
+        return kquant_matvec.cpu(kquant.FORMATS[w.kind], w.blocks, x, out=out)
     if not isinstance(w, QuantTensor):
         return np.matmul(x, w.T, out=out)
     if w.kind == "q8_0":
@@ -289,7 +299,7 @@ class Workspace:
                             if isinstance(experts, moe.MoeWeights) else None)
         self.logits = empty((1, model.vocab_size)) if T == 1 else None
         self.plan: DecodePlan | None = None  # decode's calls, made by its first token
-        if T == 1 and model.is_quantized:
+        if T == 1 and isinstance(experts, moe.MoeWeights):
             self._fused_decode_buffers(model)
 
     def _fused_decode_buffers(self, model: "Model") -> None:
@@ -332,12 +342,12 @@ class Model:
         if weights.mtp is not None:
             from fermijit.model import mtp
             self.mtp = mtp.head(weights.mtp)
-        self.is_quantized = isinstance(self.layers[0].experts, moe.MoeWeights)
+        self.is_quantized = isinstance(self.layers[0].experts, (moe.MoeWeights, BlockExperts))
         # What new states' KV caches hold (--kv-cache; issue 31 item 1: Q8_0 by default).
         self.kv_kind: KvKind = DEFAULT_KV
         # Decode a token as a few fused kernels a layer (_decode_fused) when the weights are
         # Q4_0; otherwise (and for tests, set False) the ops one by one, as prefill.
-        self.fused_decode = self.is_quantized
+        self.fused_decode = isinstance(self.layers[0].experts, moe.MoeWeights)
         self._decode_ws: Workspace | None = None
         self._prefill_ws: dict[int, Workspace] = {}  # by pass size: _prefill_workspace
         # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
@@ -775,6 +785,8 @@ class Model:
             self.moe_observer(w, ws.xn, ws.ids, ws.weights)
         if isinstance(w.experts, moe.MoeWeights):
             moe.cpu(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y, scratch=ws.moe_scratch)
+        elif isinstance(w.experts, BlockExperts):
+            block_moe.run(ws.xn, ws.ids, ws.weights, w.experts, ws.y)
         else:
             dense_moe(ws.xn, ws.ids, ws.weights, w.experts, ws.y)
 

@@ -19,24 +19,53 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.model import convert as fj
 from fermijit.model.manifest import Source
-from fermijit.model.gguf_io import (MOE_MATRICES, Field, GgufFile, plan_fields, read_blocks,
-                                    read_config, read_float)
+from fermijit.model.gguf_io import (Field, GgufFile, plan_fields, read_blocks,
+                                    read_config, read_float, read_raw_blocks)
+from fermijit.ops import kquant, kquant_matvec
+
+
+# The GGUF block kinds kept as their blocks (ops/kquant.py FORMATS), by GGML type id, and where:
+# the matrices fermijit quantises that its K-quant and Q5 products read (ops/kquant_matvec.py:
+# the dense projections, the LM head, the MoE experts through model/block_moe.py), and the
+# embedding, whose rows are dequantised as they are looked up (ops/embedding.py).
+BLOCK_KINDS = {type_id: kind for kind, type_id in kquant.GGML_TYPE.items()}
+
+
+def _block_kind(field: Field, g: GgufFile, target: str) -> str | None:
+    kinds = {int(t.tensor_type) for t in field.tensors(g)}
+    if len(kinds) != 1 or (kind := BLOCK_KINDS.get(kinds.pop())) is None:
+        return None
+    if kind not in kquant_matvec.PRODUCTS and target != "f16":
+        return None
+    return kind if target in ("q4_0", "q8_0", "f16") else None
+
+
+def keeps_tiled_input(field: Field, kind: str) -> bool:
+    """True where a block field's columns cannot be put back in grouped head order (a head's
+    columns are not whole blocks: the real model's out_proj, 128 per head against Q4_K's 256):
+    its blocks stay in llama.cpp's tiled order and its product permutes the input instead
+    (manifest source.tiled_inputs; model/convert.py tiled_input_order)."""
+    return field.col_perm is not None and field.col_head % kquant.FORMATS[kind].block_values != 0
 
 
 def storage(field: Field, g: GgufFile, target: str) -> tuple[str, bool]:
     """(the quant fermijit stores the field in, whether its blocks are imported bit for bit).
-    Q4_0/Q8_0 GGUF blocks are kept where fermijit stores a quantised matrix and its kernels read
-    that kind; otherwise the values are read as floats and stored as `convert` would."""
+    Q4_0/Q8_0 GGUF blocks are kept where fermijit stores a quantised matrix (Q8_0 experts run
+    through model/block_moe.py), and the block kinds of BLOCK_KINDS where `_block_kind` says;
+    otherwise the values are read as floats and stored as `convert` would."""
     from gguf import GGMLQuantizationType as T
 
     kinds = {t.tensor_type for t in field.tensors(g)}
     whole_blocks = field.col_perm is None or field.col_head % fj.BLOCK == 0
     if target in ("q4_0", "q8_0") and len(kinds) == 1 and whole_blocks:
-        kind = kinds.pop()
+        kind = next(iter(kinds))
         if kind == T.Q4_0:
             return "q4_0", True
-        if kind == T.Q8_0 and field.name.rsplit(".", 1)[-1] not in MOE_MATRICES:
+        if kind == T.Q8_0:
             return "q8_0", True
+    block_kind = _block_kind(field, g, target)
+    if block_kind is not None:
+        return block_kind, True
     return target, False
 
 
@@ -55,9 +84,12 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
     raw_config, cfg = read_config(g)
     fields = plan_fields(cfg.text_config, g)          # every tensor checked before any write
     files = tokenizer_files(g)
-    quants, imported, requantised = {}, set(), {}
+    quants, imported, requantised, tiled = {}, set(), {}, set()
     for name, field in fields.items():
         quants[name], is_import = storage(field, g, fj.quantisation(name, lm_head))
+        if is_import and quants[name] in kquant.FORMATS and keeps_tiled_input(field,
+                                                                               quants[name]):
+            tiled.add(name)
         fj.stored_specs(name, field.shape, quants[name])  # quantisable: checked before any write
         if is_import:
             imported.add(name)
@@ -72,13 +104,13 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
         n = len(requantised)
         print(f"warning: {src.name}: {n} tensor{'s' if n > 1 else ''} ({mib:.1f} MiB of "
               f"{', '.join(kinds)}) dequantised and requantised to fermijit's Q4_0/Q8_0/F16 "
-              f"(its kernels read Q4_0 and Q8_0 blocks only; MoE experts Q4_0 only)",
-              file=sys.stderr)
+              f"(its kernels read Q4_0, Q8_0, {'/'.join(k.upper() for k in kquant_matvec.PRODUCTS)}"
+              f" blocks)", file=sys.stderr)
 
     def fill(name: str, out):
         field = fields[name]
         if name in imported:
-            return _write_blocks(field, g, quants[name], out, chunk_bytes)
+            return _write_blocks(field, g, quants[name], out, chunk_bytes, name in tiled)
         return fj.stream(name, field.shape, quants[name],
                          lambda lead, rows: _read_float(field, g, lead, rows), out, chunk_bytes)
 
@@ -89,7 +121,7 @@ def convert(src: Path, dst: Path, lm_head: str = "q8_0", show_progress: bool = T
 
     source = Source(path=str(Path(src).resolve()), fingerprint=g.fingerprint(),
                     files=(Path(src).name,), format="gguf",
-                    imported_blocks=tuple(sorted(imported)),
+                    imported_blocks=tuple(sorted(imported)), tiled_inputs=tuple(sorted(tiled)),
                     requantised={name: kind for name, (kind, _) in requantised.items()})
     return fj.write_model(dst, {name: f.shape for name, f in fields.items()}, lm_head, fill,
                           source, other_files, desc="convert", show_progress=show_progress,
@@ -103,15 +135,23 @@ def _read_float(field: Field, g: GgufFile, lead, rows) -> np.ndarray:
         raise FermijitError(f"{g.path}: {field.sources}: {e}") from None
 
 
-def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int):
-    """Copy a field's Q4_0/Q8_0 blocks in row chunks; yields the elements done per chunk."""
+def _write_blocks(field: Field, g: GgufFile, quant: str, out, chunk_bytes: int,
+                  keep_columns: bool = False):
+    """Copy a field's blocks in row chunks (`keep_columns`: in the GGUF's column order);
+    yields the elements done per chunk."""
     rows, cols = field.shape[-2], field.shape[-1]
     leads = range(field.shape[0]) if len(field.shape) == 3 else [None]
     step = max(1, chunk_bytes // (4 * cols))
     for e, lead in enumerate(leads):
         for r0 in range(0, rows, step):
-            qs, d = read_blocks(field, g, lead, slice(r0, r0 + step), quant)
             first_row = e * rows + r0
+            if quant in kquant.FORMATS:
+                blocks = read_raw_blocks(field, g, lead, slice(r0, r0 + step), quant,
+                                         keep_columns)
+                out.write(field.name + ".blocks", blocks, start=first_row * blocks.shape[-1])
+                yield blocks.shape[0] * cols
+                continue
+            qs, d = read_blocks(field, g, lead, slice(r0, r0 + step), quant)
             out.write(field.name + ".qs", qs, start=first_row * qs.shape[-1])
             out.write(field.name + ".d", d, start=first_row * d.shape[-1])
             yield qs.shape[0] * cols

@@ -23,11 +23,12 @@ the HF tensors in these ways, each undone here:
   back to output_norm without it, and so does this), its norms 1 + w as the layers'.
 
 Quantised tensors: Q4_0 and Q8_0 blocks (18 and 34 bytes: fp16 d, then the quants) are split
-bit for bit into fermijit's qs/d arrays where the field is a quantised matrix (Q8_0 experts
-excepted: the MoE kernels read Q4_0 only); where the field is kept in fp32 they are dequantised
-(exact). Float tensors are quantised as `convert` does an HF checkpoint. Everything else (K-quants,
-IQ*, Q8_0 experts) is dequantised by the gguf package and requantised as `convert` would, with one
-warning naming how many tensors and bytes.
+bit for bit into fermijit's qs/d arrays where the field is a quantised matrix; K-quants and Q5_0/Q5_1 (ops/kquant.py FORMATS) are kept
+as their blocks, bit for bit, where fermijit has kernels for them (model/gguf_convert.py
+`storage`); where the field is kept in fp32 they are dequantised (exact). Float tensors are
+quantised as `convert` does an HF checkpoint. Everything else (IQ*, Q4_1, ...) is
+dequantised by the gguf package and requantised as `convert` would, with one warning naming how
+many tensors and bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ ARCH = "qwen35moe"
 MAGIC = b"GGUF"
 # The fields whose GGUF tensors hold 1 + w (conversion/qwen.py Qwen3NextModel.modify_tensors).
 SHIFTED_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm")
-MOE_MATRICES = frozenset({"experts_gate_up", "experts_down", "shared_gate_up", "shared_down"})
 # A field's GGUF sources, concatenated along rows, by the field's last name component.
 SOURCES = {
     "input_layernorm": ("attn_norm.weight",),
@@ -377,3 +377,29 @@ def read_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: 
                             f"infinite block scales")
     qs = np.ascontiguousarray(blocks[..., 2:]).reshape(n, -1)
     return (qs if kind == "q4_0" else qs.view(np.int8)), d
+
+
+def read_raw_blocks(field: Field, g: GgufFile, lead: int | None, rows: slice, kind: str,
+                    keep_columns: bool = False):
+    """uint8 [n, K/Q·S]: rows of a field in a GGUF block kind (ops/kquant.py FORMATS), its
+    blocks as stored: columns permuted in whole blocks (`col_head` must be whole blocks), or
+    with `keep_columns` left in the GGUF's order."""
+    from fermijit.ops.kquant import FORMATS, scales_f16
+
+    fmt = FORMATS[kind]
+    r0, r1, _ = rows.indices(field.shape[-2])
+    raw = [_raw(t, len(field.shape), lead, idx) for t, idx in _source_runs(field, g, r0, r1)]
+    raw = np.concatenate(raw) if len(raw) > 1 else raw[0]
+    n, nb = raw.shape[0], field.shape[-1] // fmt.block_values
+    blocks = raw.reshape(n, nb, fmt.block_bytes)
+    if field.col_perm is not None and not keep_columns:
+        if field.col_head % fmt.block_values:
+            raise FermijitError(f"{g.path}: {field.name}: heads of {field.col_head} columns are "
+                                f"not whole {kind} blocks")
+        per_head = field.col_head // fmt.block_values
+        blocks = blocks.reshape(n, -1, per_head, fmt.block_bytes)[:, field.col_perm]
+    blocks = np.ascontiguousarray(blocks).reshape(n, nb * fmt.block_bytes)
+    if not np.isfinite(scales_f16(fmt, blocks)).all():
+        raise FermijitError(f"{g.path}: tensor {', '.join(field.sources)} holds NaN or "
+                            f"infinite block scales")
+    return blocks

@@ -6,8 +6,10 @@ Format 2 (format 1 had no checksums):
     {"format_version": 2, "converter": "fermijit 0.1.0",
      "source": {"path": str, "fingerprint": str, "files": [str]},
      "weights": "model.safetensors",           a bare file name beside fermijit.json
-     "tensors": {field path: {"shape": [int], "quant": "q4_0" | "q8_0" | "f16" | "f32",
-                              "checksum": sha256 hex of the stored bytes, `.qs` then `.d`}},
+     "tensors": {field path: {"shape": [int], "quant": "q4_0" | "q8_0" | "f16" | "f32"
+                                       | a GGUF block kind (ops/kquant.py FORMATS),
+                              "checksum": sha256 hex of the stored bytes, `.qs` then `.d`
+                                          (`.blocks` for a block kind)}},
      "reap": null or the REAP record}
 Writers do not build this by hand: model/convert.py `write_manifest` is the one writer.
 
@@ -36,7 +38,7 @@ from fermijit.model.safetensors_io import SafetensorsFile
 
 FORMAT_VERSION = 2
 MANIFEST = "fermijit.json"
-Quant = typing.Literal["q4_0", "q8_0", "f16", "f32"]
+Quant = typing.Literal["q4_0", "q8_0", "f16", "f32", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1"]
 BLOCK = 32
 # Smallest tensors first. On the default model 4 MiB is 111 of 133 tensors, 41-98 ms of a
 # 200 ms load_converted (3 runs on this 2-core machine under a load average of ~13).
@@ -64,6 +66,9 @@ class Source:
     files: tuple[str, ...]
     format: str = "safetensors"              # or "gguf", "synthetic"
     imported_blocks: tuple[str, ...] = ()    # GGUF: tensors whose blocks were copied bit for bit
+    # GGUF: block tensors whose input columns stay in llama.cpp's tiled value-head order (a
+    # head's columns are not whole blocks: model/gguf_convert.py), permuted at run time instead
+    tiled_inputs: tuple[str, ...] = ()
     requantised: dict[str, str] = dataclasses.field(default_factory=dict)  # GGUF: name -> type
 
 
@@ -80,14 +85,26 @@ class Manifest:
         return dataclasses.asdict(self)
 
 
+def block_values(quant: str) -> int:
+    """Values per block along the inner dimension of a quantised kind."""
+    from fermijit.ops.kquant import FORMATS
+
+    return FORMATS[quant].block_values if quant in FORMATS else BLOCK
+
+
 def stored_specs(name: str, shape: tuple[int, ...], quant: str) -> list[tuple[str, str, tuple]]:
-    """The safetensors entries of one weight: `<name>.qs`, `<name>.d` or plain `<name>`."""
+    """The safetensors entries of one weight: `<name>.qs`, `<name>.d`, plain `<name>`, or
+    `<name>.blocks` (a GGUF block kind, its blocks as imported)."""
+    from fermijit.ops.kquant import FORMATS
+
     if quant in ("f32", "f16"):
         return [(name, quant.upper(), shape)]
     lead, k = shape[:-1], shape[-1]
-    if k % BLOCK:
+    if k % block_values(quant):
         raise FermijitError(f"cannot quantise {name} {list(shape)}: its inner dimension is not a "
-                            f"multiple of {BLOCK}")
+                            f"multiple of {block_values(quant)}")
+    if quant in FORMATS:
+        return [(name + ".blocks", "U8", lead + (FORMATS[quant].n_bytes(k),))]
     qs = (name + ".qs", "U8", lead + (k // 2,)) if quant == "q4_0" else (name + ".qs", "I8", shape)
     return [qs, (name + ".d", "F16", lead + (k // BLOCK,))]
 
@@ -112,9 +129,9 @@ def read_manifest(directory: str | Path) -> Manifest:
         for what, digest in (("checksum", e.checksum), ("sample", e.sample or "0" * 64)):
             if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
                 raise FermijitError(f"{where}: {what} is not a sha256 hex digest")
-        if e.quant not in ("f16", "f32") and e.shape[-1] % BLOCK:
+        if e.quant not in ("f16", "f32") and e.shape[-1] % block_values(e.quant):
             raise FermijitError(f"{where}: a {e.quant} tensor's inner dimension must be a "
-                                f"multiple of {BLOCK}, got {list(e.shape)}")
+                                f"multiple of {block_values(e.quant)}, got {list(e.shape)}")
     return manifest
 
 
@@ -141,7 +158,12 @@ def check_tensor(weights: SafetensorsFile, name: str, entry: TensorEntry, on_byt
     if checksum(weights, name, entry, on_bytes) != entry.checksum:
         raise FermijitError(f"{weights.path}: tensor {name} does not match its checksum in "
                             f"{MANIFEST} (the file is damaged or was changed)")
-    floats = weights.raw(name if entry.quant in ("f16", "f32") else name + ".d")
+    from fermijit.ops.kquant import FORMATS, scales_f16
+
+    if entry.quant in FORMATS:
+        floats = scales_f16(FORMATS[entry.quant], weights.raw(name + ".blocks"))
+    else:
+        floats = weights.raw(name if entry.quant in ("f16", "f32") else name + ".d")
     if not np.isfinite(floats).all():
         raise FermijitError(f"{weights.path}: tensor {name} holds NaN or infinite values")
 

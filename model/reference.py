@@ -3,12 +3,14 @@
 Short and obvious, not fast: the GDN recurrence runs token by token, attention recomputes full
 score matrices. Any number of tokens goes through `forward` with an explicit `State`, so a prompt
 is one call and a decode step is another with one token; both return logits for every token.
-Quantised weights (`QuantTensor`) are dequantised, so the same code is the reference of the
-4-bit model; with `quantize_activations` their products also quantise the activations per
-32-block (`W4A8`, `quantize_q8`: spelled out here, not imported from the kernels' module, so a
-rounding bug there cannot hide in its own spec), which makes it the spec of the W4A8 path to fp32
-rounding. With `quantize_kv` the queries, keys and values are rounded the same way before
-attention (an 8-bit Q8_0 KV cache, issue 31; ops/kv_quant.py).
+Quantised weights (`QuantTensor`, and GGUF blocks kept as imported, `BlockTensor`) are
+dequantised, so the same code is the reference of the 4-bit model; with `quantize_activations`
+their products also quantise the activations per 32-block (`W4A8`, `quantize_q8`: spelled out
+here, not imported from the kernels' module, so a rounding bug there cannot hide in its own
+spec), or per 256-block for the K-quants (`BlockA8`: ops/kquant.py's numpy Q8_K, llama.cpp's
+rounding), which makes it the spec of the quantised path to fp32 rounding.
+With `quantize_kv` the queries, keys and values are rounded the same way before attention (an
+8-bit Q8_0 KV cache; ops/kv_quant.py).
 
 Dimension legend: as model/weights.py; T tokens in this call, S cached positions.
 """
@@ -20,9 +22,9 @@ import dataclasses
 import numpy as np
 
 from fermijit.model.config import FULL_ATTENTION, TextConfig
-from fermijit.model.weights import (AttentionWeights, GatedDeltaNetWeights, MoeWeights,
-                                    QuantTensor, TextWeights)
-from fermijit.ops import quant
+from fermijit.model.weights import (AttentionWeights, BlockTensor, GatedDeltaNetWeights,
+                                    MoeWeights, QuantTensor, TextWeights)
+from fermijit.ops import kquant, quant
 
 L2NORM_EPS = 1e-6  # inside the root, added to the sum of squares (MODEL.md §6.4)
 
@@ -50,10 +52,19 @@ class W4A8(QuantTensor):
     """A quantised weight whose products quantise their input to Q8_0, as ops.matvec does."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockA8(BlockTensor):
+    """GGUF blocks whose products quantise their input as the format's dot wants (Q8_K for the
+    K-quants, Q8_0 for Q5_0/Q5_1), as ops/kquant_matvec.py does."""
+
+
 def as_w4a8(tree):
-    """Weights (a dataclass tree) with every QuantTensor a W4A8; nothing is copied."""
+    """Weights (a dataclass tree) with every QuantTensor a W4A8 (BlockTensor a BlockA8);
+    nothing is copied."""
     if isinstance(tree, QuantTensor):
         return W4A8(tree.kind, tree.qs, tree.d)
+    if isinstance(tree, BlockTensor):
+        return BlockA8(tree.kind, tree.blocks, tree.in_perm)
     if isinstance(tree, tuple):
         return tuple(as_w4a8(t) for t in tree)
     if dataclasses.is_dataclass(tree):
@@ -66,6 +77,8 @@ def expert(w, e):
     """Expert `e` of a stacked [E, ...] weight, quantised or not."""
     if isinstance(w, QuantTensor):
         return dataclasses.replace(w, qs=w.qs[e], d=w.d[e])
+    if isinstance(w, BlockTensor):
+        return dataclasses.replace(w, blocks=w.blocks[e])
     return w[e]
 
 
@@ -74,6 +87,10 @@ def dense(w) -> np.ndarray:
     if isinstance(w, QuantTensor):
         deq = quant.dequantize_q4_0 if w.kind == "q4_0" else quant.dequantize_q8_0
         return deq(np.asarray(w.qs), np.asarray(w.d)).astype(np.float64)
+    if isinstance(w, BlockTensor):
+        deq = kquant.dequantize(kquant.FORMATS[w.kind], np.asarray(w.blocks)).astype(np.float64)
+        # columns in input order: the blocks' column j multiplies input in_perm[j]
+        return deq if w.in_perm is None else deq[..., np.argsort(w.in_perm)]
     return np.asarray(w, dtype=np.float64)
 
 
@@ -101,7 +118,20 @@ def linear(x, w):
     8 bits: the kernels' exact integer block sums, scaled, are this same sum in float64."""
     if isinstance(w, W4A8):
         x = quantize_q8(x)
+    if isinstance(w, BlockA8):  # the activations as the kernel rounds them: in its column order
+        xs = x if w.in_perm is None else np.take(x, w.in_perm, axis=-1)
+        xs = quantize_q8(xs) if kquant.FORMATS[w.kind].block_values != kquant.QK_K else \
+            quantize_q8_k(xs)
+        x = xs if w.in_perm is None else xs[..., np.argsort(w.in_perm)]
     return x @ dense(w).T
+
+
+def quantize_q8_k(x):
+    """x [..., K] as a K-quant product sees it: llama.cpp's Q8_K (ops/kquant.py), dequantised."""
+    x2 = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
+    q, d, _ = kquant.quantize_q8_k(x2)
+    deq = q.astype(np.float64) * np.repeat(d.astype(np.float64), kquant.QK_K, axis=1)
+    return deq.reshape(np.shape(x))
 
 
 def silu(x):
@@ -290,4 +320,6 @@ def embed(table, tokens):
     """Rows of the embedding (only those rows are dequantised)."""
     if isinstance(table, QuantTensor):
         return dense(QuantTensor(table.kind, table.qs[tokens], table.d[tokens]))
+    if isinstance(table, BlockTensor):
+        return dense(BlockTensor(table.kind, table.blocks[tokens]))
     return dense(table[tokens])

@@ -39,7 +39,31 @@ class QuantTensor:
         return self.d.shape[:-1] + (self.d.shape[-1] * 32,)
 
 
-Tensor = np.ndarray | QuantTensor  # the big matrices may be quantised; vectors never are
+@dataclasses.dataclass(frozen=True)
+class BlockTensor:
+    """A matrix in a GGUF block format kept as imported, bit for bit (ops/kquant.py FORMATS:
+    Q4_K, Q5_K, Q6_K, Q5_0, Q5_1): every row its blocks, array of structures."""
+
+    kind: str          # a key of ops.kquant.FORMATS
+    blocks: np.ndarray  # uint8 [..., K/Q·S]: Q values per block of S bytes
+    # None, or the order of the inputs the blocks' columns hold: the product reads x[..., in_perm]
+    # (a GGUF's out_proj in llama.cpp's tiled value-head order: model/gguf_convert.py)
+    in_perm: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        from fermijit.ops.kquant import FORMATS
+
+        fmt = FORMATS[self.kind]
+        return self.blocks.shape[:-1] + (self.blocks.shape[-1] // fmt.block_bytes
+                                         * fmt.block_values,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+Tensor = np.ndarray | QuantTensor | BlockTensor  # big matrices may be quantised; vectors never
 
 
 @dataclasses.dataclass(frozen=True)

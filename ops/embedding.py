@@ -64,8 +64,20 @@ def _check(op, ids, table, check):
 
 
 def cpu(ids, table, out=None):
-    """ids [T] int32, table [V, H] float16/float32 -> y [T, H] fp32."""
+    """ids [T] int32, table [V, H] float16/float32 (or a GGUF block table, model/weights.py
+    BlockTensor: its rows dequantised as llama.cpp does, ops/kquant.py) -> y [T, H] fp32."""
     op = "embedding"
+    if hasattr(table, "blocks"):
+        from fermijit.ops import kquant
+
+        vocab, hidden = table.shape
+        check_array(op, "ids", ids, np.int32, (None,))
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise FermijitError(f"{op}: token ids must be in [0, {vocab}), got "
+                                f"[{ids.min()}, {ids.max()}]")
+        y = output(op, out, (ids.shape[0], hidden))
+        y[...] = kquant.dequantize(kquant.FORMATS[table.kind], table.blocks[ids])
+        return y
     n_tokens, _, hidden = _check(op, ids, table, check_array)
     y = output(op, out, (n_tokens, hidden))
     is_parallel = y.size >= PARALLEL_MIN_ELEMENTS

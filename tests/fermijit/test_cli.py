@@ -68,7 +68,7 @@ def test_bench_kernels_reports_every_shape_and_variant():
     """The smallest cold set: the report's structure, not its speeds (timed tests are noise)."""
     import json
 
-    from fermijit.bench_cpu import GEMM_SHAPES, GEMV_SHAPES
+    from fermijit.bench_cpu import GEMM_SHAPES, GEMV_SHAPES, KQUANT_GEMVS
     from fermijit.jit import cpu
 
     r = fermijit("bench", "kernels", "--gib", "0.0625", "--json")
@@ -81,6 +81,11 @@ def test_bench_kernels_reports_every_shape_and_variant():
     for rows_, k in GEMV_SHAPES:
         for variant in variants:
             assert (f"gemv {rows_}x{k} cold", variant) in got
+    rows_, k = GEMV_SHAPES[0]
+    for fmt in KQUANT_GEMVS:  # issue 34 item 4: beside Q4_0's, with the ratio of the two
+        for variant in variants:
+            assert (f"gemv {rows_}x{k} cold {fmt.name}", variant) in got
+            assert (f"gemv {rows_}x{k} {fmt.name}/q4_0", variant) in got
     for variant in variants:
         assert ("gemv all shapes", variant) in got
         for kind in (" hot", "gemv launch"):

@@ -18,7 +18,8 @@ CHECK = textwrap.dedent("""
     import numpy as np
     from fermijit.jit import cpu
     isa = cpu.select_isa(sys.argv[1])
-    from fermijit.ops import attention, fp32_rows, gemm, kv_quant, matvec, quant, quantize_rows
+    from fermijit.ops import (attention, fp32_rows, gemm, kquant, kquant_matvec, kv_quant, matvec,
+                              quant, quantize_rows)
     rng = np.random.default_rng(7)
     qs, d = quant.quantize_q4_0(rng.standard_normal((13, 1056)).astype(np.float32))
     x = rng.standard_normal((3, 1056)).astype(np.float32)
@@ -36,12 +37,20 @@ CHECK = textwrap.dedent("""
         q, g = rng.standard_normal((2, t, 8, 64)).astype(np.float32)
         y += (attention.cpu(q, k8, v8, g, start, isa=isa),)
         ref += (attention.reference(q, k8, v8, g, start),)
+    kb = rng.integers(0, 256, (5, kquant.Q4_K.n_bytes(512)), dtype=np.uint8)
+    kb.reshape(5, 2, 144)[..., :4] = np.array([0.01, 0.002], np.float16).view(np.uint8)
+    x512 = np.ascontiguousarray(x[:, :512])
+    y += (kquant_matvec.cpu(kquant.Q4_K, kb, x512[0], isa=isa),
+          kquant_matvec.cpu(kquant.Q4_K, kb, x512, isa=isa))
+    ref += (kquant.reference(kquant.Q4_K, kb, x512[0]), kquant.reference(kquant.Q4_K, kb, x512))
     kernels = [matvec.gemv_kernel(isa), matvec._product(isa, matvec.GEMM_TILE)]
     kernels.append(attention._kernel(isa))
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
     kernels.append(fp32_rows._kernels[isa])
+    kernels += [kquant_matvec.product_kernel(kquant.Q4_K, isa, s)
+                for s in (kquant_matvec.GEMV_TILE, kquant_matvec.GEMM_TILE)]
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
     err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, ref))
     print(json.dumps({"err": err, "cpu": cpu.target_cpu_name(),

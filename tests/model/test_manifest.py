@@ -52,8 +52,9 @@ BAD_MANIFESTS = {
     "weights-null": (lambda r: r.update(weights=None), "weights: expected str, got null"),
     "weights-number": (lambda r: r.update(weights=3), "weights: expected str, got 3"),
     "missing-quant": (lambda r: entry(r).pop("quant"), "missing required field 'quant'"),
-    "unknown-quant": (lambda r: entry(r).update(quant="q5_k"),
-                      "quant: expected one of q4_0, q8_0, f16, f32, got 'q5_k'"),
+    "unknown-quant": (lambda r: entry(r).update(quant="q2_k"),
+                      "quant: expected one of q4_0, q8_0, f16, f32, q4_k, q5_k, q6_k, q5_0, "
+                      "q5_1, got 'q2_k'"),
     "version-string": (lambda r: r.update(format_version="1"),
                        "format_version: expected int, got '1'"),
     "version-1": (lambda r: r.update(format_version=1), "format version 1, this fermijit reads 2"),

@@ -1,0 +1,503 @@
+"""K-quant products on the CPU: GGUF Q4_K blocks, as imported, times Q8_K activations (issue 34;
+the spec is ops/kquant.py `reference`).
+
+    y[t, r] = sum_blocks  d·dx·(sum_j sc_j · sum_i q_ji·x_ji)  −  dmin·dx·(sum_j m_j · bsum_j)
+
+Letters: T tokens, R rows, K inputs, nb = K/256 super-blocks, j the 8 sub-blocks of 32.
+
+llama.cpp's q4_K x q8_K dot (ggml-cpu arch/x86 quants.c `ggml_vec_dot_q4_K_q8_K`) in LLVM IR:
+the 12 packed bytes of scales and mins unpacked with 32-bit masks and shifts (its `utmp`
+kmask code) and widened to 16 i16; each 32-value sub-block's nibbles times its activations by
+`pmaddubsw` (unsigned nibble, signed byte: pairs in i16, at most 2·15·127), scaled and paired
+into i32 by one `pmaddwd` with the sub-block scale broadcast; the mins' term from the
+activations' 16-value sums by `pmaddwd` with each min twice. A super-block's integer sum is one
+i32 vector (Q8_K has one scale per 256), so there is one fp32 multiply-add per super-block and
+register, not per 32-block as in Q4_0.
+
+Widths: SSSE3 16 bytes, AVX2 32; the AVX-512 VNNI variant runs the 256-bit code (decode's
+width there, jit.cpu.DECODE_VARIANT). vpdpbusd would not shorten it: its i32 sums would still
+need a multiply by the scale, where pmaddwd scales and pairs in the one instruction.
+
+One tile of rows x tokens serves the decode GEMV (1 x 1, prefetching its weight stream) and the
+prefill GEMM (GEMM_TILE: each row's unpacked nibbles meet several tokens). A launch forks one
+OpenMP team (fermijit.jit.omp); each thread takes a contiguous run of row groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+
+from fermijit import FermijitError
+from fermijit.jit import omp, simd
+from fermijit.jit.checks import check_array, output
+from fermijit.jit.cpu import Isa, bind, decode_isa, kernel, selected_isa, supported
+from fermijit.jit.simd import F32, I8, I16, I32, I64, Vec, vec
+from fermijit.ops import kquant, matvec, q5_tile
+from fermijit.ops.kquant import QK_K, Q8K_GROUP
+from fermijit.ops.tile_frame import Frame, tile_intrinsic
+
+# The weight stream prefetched this far ahead (as ops/matvec.py PREFETCH_BYTES: one sequential
+# stream per thread with one row a tile).
+PREFETCH_BYTES = 4096
+# Rows x tokens of the prefill tile: a row's unpacked nibbles are read by 4 tokens.
+GEMM_TILE = (2, 4)
+GEMV_TILE = (1, 1)
+VEC_OF = {Isa.SSSE3: simd.SSE, Isa.AVX2: simd.AVX2, Isa.AVX512VNNI: simd.AVX512VNNI_256}
+_KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
+_PMADDWD_128 = "llvm.x86.sse2.pmadd.wd"
+
+
+@dataclass(frozen=True)
+class Q8KAct:
+    """Activations in Q8_K (ops/kquant.py quantize_q8_k), natural order."""
+
+    xq: np.ndarray     # [T, K] int8
+    d: np.ndarray      # [T, K/256] float32
+    bsums: np.ndarray  # [T, K/16] int16: the sums of each 16 values
+
+    def __post_init__(self):
+        check_array("Q8KAct", "xq", self.xq, np.int8, ndim=2)
+        n_tok, k = self.xq.shape
+        check_array("Q8KAct", "d", self.d, np.float32, (n_tok, k // QK_K))
+        check_array("Q8KAct", "bsums", self.bsums, np.int16, (n_tok, k // Q8K_GROUP))
+        if k % QK_K:
+            raise FermijitError(f"Q8KAct: {k} inputs are not whole {QK_K}-blocks")
+
+
+# --- activation quantisation --------------------------------------------------------------------
+
+@kernel(fastmath=False)
+def _quantize_q8_k_kernel(x, xq, d, bsums):
+    """quantize_row_q8_K_ref per 256-block (no fast-math: the rounding is the reference's)."""
+    n_tok, k = x.shape
+    for t in range(n_tok):
+        for b in range(k // 256):
+            xb = x[t, b * 256:(b + 1) * 256]
+            amax = np.float32(0.0)
+            mx = np.float32(0.0)
+            for j in range(256):
+                ax = abs(xb[j])
+                if ax > amax:
+                    amax = ax
+                    mx = xb[j]
+            if amax == 0:
+                d[t, b] = 0
+                for j in range(256):
+                    xq[t, b * 256 + j] = 0
+                for g in range(16):
+                    bsums[t, b * 16 + g] = 0
+                continue
+            iscale = np.float32(-127.0) / mx
+            for g in range(16):
+                total = 0
+                for j in range(g * 16, g * 16 + 16):
+                    q = min(127, np.int32(np.rint(iscale * xb[j])))
+                    xq[t, b * 256 + j] = q
+                    total += q
+                bsums[t, b * 16 + g] = total
+            d[t, b] = np.float32(1.0) / iscale
+
+
+def quantize_act(x: np.ndarray, out: Q8KAct | None = None) -> Q8KAct:
+    """x float32 [K] or [T, K] -> Q8KAct (ops/kquant.py quantize_q8_k, bit for bit)."""
+    x2 = check_array("kquant.quantize_act", "x", np.atleast_2d(x), np.float32, ndim=2)
+    n_tok, k = x2.shape
+    if k % QK_K:
+        raise FermijitError(f"kquant.quantize_act: {k} inputs are not whole {QK_K}-blocks")
+    if out is None:
+        out = Q8KAct(np.empty((n_tok, k), np.int8), np.empty((n_tok, k // QK_K), np.float32),
+                     np.empty((n_tok, k // Q8K_GROUP), np.int16))
+    elif out.xq.shape != x2.shape:
+        raise FermijitError(f"kquant.quantize_act: out holds {list(out.xq.shape)}, x is "
+                            f"{list(x2.shape)}")
+    _quantize_q8_k_kernel(x2, out.xq, out.d, out.bsums)
+    return out
+
+
+# --- the tile, in IR ----------------------------------------------------------------------------
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module,
+                                        ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _scales_mins(builder, wp, off):
+    """The 12 packed bytes at wp + off + 4 -> <16 x i16>: sc[0..7], then m[0..7]
+    (llama.cpp's utmp/kmask unpacking of get_scale_min_k4)."""
+    c = lambda n: ir.Constant(I32, n)  # noqa: E731
+    u0, u1, u2 = (simd.load_scalar(builder, wp, builder.add(off, ir.Constant(I64, 4 + 4 * i)),
+                                   I32) for i in range(3))
+    and_, shr, shl, or_ = builder.and_, builder.lshr, builder.shl, builder.or_
+    m_hi = or_(and_(shr(u2, c(4)), c(_KMASK2)), shl(and_(shr(u1, c(6)), c(_KMASK3)), c(4)))
+    m_lo = and_(u1, c(_KMASK1))
+    s_hi = or_(and_(u2, c(_KMASK2)), shl(and_(shr(u0, c(6)), c(_KMASK3)), c(4)))
+    s_lo = and_(u0, c(_KMASK1))
+    words = ir.Constant(vec(I32, 4), None)
+    for i, w in enumerate((s_lo, s_hi, m_lo, m_hi)):
+        words = builder.insert_element(words, w, c(i))
+    return builder.zext(builder.bitcast(words, vec(I8, 16)), vec(I16, 16))
+
+
+def _lanes(builder, v16, idx):
+    return builder.shuffle_vector(v16, v16, ir.Constant(vec(I32, len(idx)), idx))
+
+
+def _madd16(builder, a, b):
+    """Σ a_i·b_i over 16 i16 lanes, by two 128-bit pmaddwd (every ISA has them) -> i32."""
+    lo, hi = ([builder.shuffle_vector(x, x, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
+               for x in (a, b)] for h in (0, 8))
+    s = builder.add(_call(builder, _PMADDWD_128, vec(I32, 4), [lo[0], lo[1]]),
+                    _call(builder, _PMADDWD_128, vec(I32, 4), [hi[0], hi[1]]))
+    return simd.hsum(builder, s)
+
+
+def _splat8(n, value):
+    return ir.Constant(vec(I8, n), [value] * n)
+
+
+class _Emit:
+    """How the tile reads one format's super-block (the rest of the tile is shared):
+    `header` per row and block (scales, as IR values); `offset` the integer term subtracted
+    per token (i32 from the activations' 16-value sums) and its fp32 factor; `units` of chunk c:
+    ([(quant register, activation byte offset)], scale per i16 lane) whose pmaddubsw pairs are
+    added in i16 and scaled and paired by one pmaddwd."""
+
+    def __init__(self, builder, v: Vec, wp, w_off):
+        self.b, self.v, self.w = builder, v, v.nbytes
+        self.wp, self.w_off = wp, w_off
+
+    def load(self, offset):
+        return simd.load(self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, offset)),
+                         vec(I8, self.w))
+
+    def fp16s(self, offset, n):
+        h = simd.fp16_to_f32(self.v, self.b, simd.load(
+            self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, offset)), vec(I16, n)))
+        return [self.b.extract_element(h, ir.Constant(I32, j)) for j in range(n)]
+
+
+class _Q4K(_Emit):
+    fmt = kquant.Q4_K
+    chunks = 4           # 64 values each: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    qs_offset = 16
+
+    def header(self):
+        self.sm = _scales_mins(self.b, self.wp, self.w_off)   # sc[0..7], m[0..7] as i16
+        self.d, self.dmin = self.fp16s(0, 2)
+
+    def offset(self, bsums):  # the mins: Σ_j m_j·(bsum_2j + bsum_2j+1), times dmin
+        mins = _lanes(self.b, self.sm, [8 + g // 2 for g in range(16)])
+        return self.dmin, _madd16(self.b, bsums, mins)
+
+    def high_bits(self, chunk, part):
+        return None, None
+
+    def units(self, chunk):
+        b, w = self.b, self.w
+        out = []
+        for h in (0, 1):
+            regs = []
+            for p in range(32 // w):
+                q = self.load(self.qs_offset + 32 * chunk + w * p)
+                q = b.and_(q, _splat8(w, 0x0F)) if h == 0 else b.lshr(q, _splat8(w, 4))
+                extra = self.high_bits(chunk, p)[h]
+                if extra is not None:
+                    q = b.or_(q, extra)
+                regs.append((q, 64 * chunk + 32 * h + w * p))
+            out.append((regs, _lanes(b, self.sm, [2 * chunk + h] * (w // 2))))
+        return out
+
+
+class _Q5K(_Q4K):
+    fmt = kquant.Q5_K
+    qs_offset = 48
+
+    def high_bits(self, chunk, part):
+        """The fifth bits of sub-blocks 2c and 2c + 1: bits 2c and 2c + 1 of qh[l], as 16."""
+        b, w = self.b, self.w
+        qh = self.load(16 + w * part)
+        return tuple(b.shl(b.and_(b.lshr(qh, _splat8(w, 2 * chunk + h)), _splat8(w, 1)),
+                           _splat8(w, 4)) for h in (0, 1))
+
+
+class _Q6K(_Emit):
+    fmt = kquant.Q6_K
+    chunks = 2           # 128 values each: ql 64 bytes, qh 32 bytes, 8 scales of 16 values
+
+    def header(self):
+        sc = simd.load(self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, 192)),
+                       vec(I8, 16))
+        self.sc = self.b.sext(sc, vec(I16, 16))
+        (self.d,) = self.fp16s(208, 1)
+        self.d32 = self.b.fmul(self.d, ir.Constant(F32, 32.0))
+
+    def offset(self, bsums):  # q − 32: 32·Σ_g sc_g·bsum_g, times d
+        return self.d32, _madd16(self.b, bsums, self.sc)
+
+    def units(self, chunk):
+        b, w = self.b, self.w
+        out = []
+        for p in range(32 // w):
+            ql = [self.load(64 * chunk + 32 * half + w * p) for half in (0, 1)]
+            qh = self.load(128 + 32 * chunk + w * p)
+            for nib in (0, 1):
+                for half in (0, 1):
+                    m = 2 * nib + half                  # values 32m + l of this 128
+                    lo = (b.and_(ql[half], _splat8(w, 0x0F)) if nib == 0
+                          else b.lshr(ql[half], _splat8(w, 4)))
+                    hi = b.and_(b.lshr(qh, _splat8(w, 2 * m)), _splat8(w, 3))
+                    q = b.or_(lo, b.shl(hi, _splat8(w, 4)))   # 0..63: pairs at most 16002
+                    first = 128 * chunk + 32 * m + w * p
+                    groups = [8 * chunk + (32 * m + w * p + 2 * lane) // 16
+                              for lane in range(w // 2)]
+                    out.append(([(q, first)], _lanes(b, self.sc, groups)))
+        return out
+
+
+EMITTERS = {e.fmt.name: e for e in (_Q4K, _Q5K, _Q6K)}
+# The block kinds this module multiplies (model/gguf_convert.py): the K-quants by the tile below,
+# Q5_0/Q5_1 (on Q8_0 activations) by ops/q5_tile.py's.
+PRODUCTS = tuple(EMITTERS) + ("q5_0", "q5_1")
+
+
+def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
+    """An intrinsic: out[t0 + t, r0 + r] for r < n_rows, t < n_tok (rows of `fmt` blocks, Q8_K
+    tokens)."""
+    w = v.nbytes
+    emit = EMITTERS[fmt.name]
+
+    def codegen(context, builder, sig, args):
+        f = Frame(context, builder, sig, args, n_rows, n_tok, w, QK_K, 32)
+        c = f.c
+        with cgutils.for_range(builder, f.nb) as loop:
+            sb = loop.index
+            w_off = builder.mul(sb, c(fmt.block_bytes))
+            x_off = builder.mul(sb, c(QK_K))
+            ems = []
+            for i in range(n_rows):
+                for line in range(0, fmt.block_bytes, 64):
+                    simd.prefetch(builder, f.w_row[i], builder.add(w_off,
+                                                                   c(PREFETCH_BYTES + line)))
+                e = emit(builder, v, f.w_row[i], w_off)
+                e.header()
+                ems.append(e)
+            dx = [simd.load_scalar(builder, f.s_row[t], builder.mul(sb, c(4)), F32)
+                  for t in range(n_tok)]
+            for t in range(n_tok):
+                bs = simd.load(builder, f.m_row[t], builder.mul(sb, c(32)), vec(I16, 16))
+                for i, e in enumerate(ems):
+                    factor, corr = e.offset(bs)
+                    f.add(f.macc[i][t], builder.fmul(builder.fmul(factor, dx[t]),
+                                                     builder.sitofp(corr, F32)))
+            sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
+            for chunk in range(emit.chunks):
+                units = [e.units(chunk) for e in ems]
+                for t in range(n_tok):
+                    xs = {}
+                    for i in range(n_rows):
+                        for regs, scale in units[i]:
+                            s16 = None
+                            for q, x_at in regs:  # i16 pairs, within range (see the formats)
+                                if x_at not in xs:
+                                    xs[x_at] = simd.load(builder, f.x_row[t], builder.add(
+                                        x_off, c(x_at)), vec(I8, w))
+                                part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
+                                             [q, xs[x_at]])
+                                s16 = part if s16 is None else builder.add(s16, part)
+                            s32 = _call(builder, v.pmaddwd, vec(I32, w // 4), [s16, scale])
+                            sumi[i][t] = builder.add(sumi[i][t], s32)
+            for i, e in enumerate(ems):
+                for t in range(n_tok):
+                    f.add(f.acc[i][t], builder.fmul(
+                        builder.sitofp(sumi[i][t], f.facc),
+                        simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4)))
+        f.finish()
+        return context.get_dummy_value()
+
+    return tile_intrinsic(codegen)
+
+
+# --- launches -----------------------------------------------------------------------------------
+
+def _share(thread, n_threads, args):
+    """One thread's contiguous run of row groups, each over every token in tiles of TOKS."""
+    blocks, xq, d, bsums, out = args
+    groups = blocks.shape[0] // ROWS
+    n_tok = xq.shape[0]
+    tok_whole = n_tok // TOKS * TOKS
+    first = thread * groups // n_threads
+    last = (thread + 1) * groups // n_threads
+    for g in range(first, last):
+        for t in range(0, tok_whole, TOKS):
+            tile(blocks, xq, d, bsums, out, g * ROWS, t, t)
+        for t in range(tok_whole, n_tok):
+            rows_by_1(blocks, xq, d, bsums, out, g * ROWS, t, t)
+
+
+def _body(blocks, xq, d, bsums, out):
+    fork((blocks, xq, d, bsums, out))
+    for r in range(blocks.shape[0] // ROWS * ROWS, blocks.shape[0]):
+        for t in range(xq.shape[0]):
+            one_by_1(blocks, xq, d, bsums, out, r, t, t)
+
+
+def _gathered_share(thread, n_threads, args):
+    """One thread's run of (expert, row) jobs, expert by expert: out[i, r] = W[idx[i]][r] · x
+    (x one token, shared) or x[i]."""
+    blocks, idx, xq, d, sums, out = args
+    n_rows = blocks.shape[1]
+    first = thread * idx.size * n_rows // n_threads
+    last = (thread + 1) * idx.size * n_rows // n_threads
+    shared_x = xq.shape[0] == 1
+    i = first // n_rows
+    while i * n_rows < last:
+        w = blocks[idx[i]]
+        t = 0 if shared_x else i
+        for r in range(max(first - i * n_rows, 0), min(last - i * n_rows, n_rows)):
+            one_by_1(w, xq, d, sums, out, r, t, i)
+        i += 1
+
+
+def _gathered_body(blocks, idx, xq, d, sums, out):
+    """The MoE decode's routed experts of one projection in one launch (model/block_moe.py)."""
+    for i in range(idx.size):
+        if idx[i] < 0 or idx[i] >= blocks.shape[0]:
+            raise IndexError("expert index out of range")
+    gathered_fork((blocks, idx, xq, d, sums, out))
+
+
+def _array(dtype, ndim, readonly=False):
+    return types.Array(dtype, ndim, "C", readonly=readonly)
+
+
+# (blocks, xq, scales, sums, out): Q8_K's sums are int16 per 16 values, Q8Act's int32 per 32.
+_SIGNATURES = [types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True),
+                          _array(types.float32, 2, True), _array(sums, 2, True),
+                          _array(types.float32, 2)) for sums in (types.int16, types.int32)]
+_GATHERED_SIGNATURES = [types.void(_array(types.uint8, 3, True), _array(types.int32, 1, True),
+                                   _array(types.int8, 2, True), _array(types.float32, 2, True),
+                                   _array(sums, 2, True), _array(types.float32, 2))
+                        for sums in (types.int16, types.int32)]
+_kernels: dict = {}
+
+
+def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
+    """The kernel of a K-quant format, ISA and tile shape, made on first use (no AVX2 code is
+    compiled for a Westmere target: notes/cpu-kernels.md pitfall 5)."""
+    key = (fmt.name, isa, shape)
+    if key not in _kernels:
+        if not supported(isa):
+            raise FermijitError(f"kquant: this CPU or Numba target cannot run {isa.label}")
+        v = VEC_OF[isa]
+        n_rows, n_tok = shape
+        make = _make_tile if fmt.name in EMITTERS else q5_tile.make_tile
+        tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=make(fmt, v, n_rows, n_tok),
+                     rows_by_1=make(fmt, v, n_rows, 1), one_by_1=make(fmt, v, 1, 1))
+        threads = "omp" if omp.available() else "serial"
+        variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
+        sums = 0 if fmt.name in EMITTERS else 1
+        _kernels[key] = kernel(_body, fastmath=False, variant=variant,
+                               signatures=[_SIGNATURES[sums]],
+                               fork=omp.fork(bind(_share, variant, **tiles)), **tiles)
+        _kernels[key + ("gathered",)] = kernel(
+            _gathered_body, fastmath=False, variant=variant,
+            signatures=[_GATHERED_SIGNATURES[sums]],
+            gathered_fork=omp.fork(bind(_gathered_share, variant, **tiles)))
+    return _kernels[key]
+
+
+def gathered_kernel(fmt: kquant.Format, isa: Isa):
+    """The gathered launch of a format and ISA: (blocks [E, R, bytes], idx, xq, scales, sums,
+    out [n, R])."""
+    product_kernel(fmt, isa, GEMV_TILE)
+    return _kernels[(fmt.name, isa, GEMV_TILE, "gathered")]
+
+
+def default_isa(n_tokens: int) -> Isa:
+    return decode_isa() if n_tokens == 1 else selected_isa()
+
+
+def is_k_quant(fmt: kquant.Format) -> bool:
+    """True for the formats that take Q8_K activations (else Q8_0: matvec.Q8Act)."""
+    return fmt.name in EMITTERS
+
+
+def quantize_for(fmt: kquant.Format, x: np.ndarray):
+    """x float32 [K] or [T, K] as `fmt`'s products take it: Q8KAct, or a Q8Act in natural
+    order (SSSE3's layout) for Q5_0/Q5_1."""
+    return quantize_act(x) if is_k_quant(fmt) else matvec.quantize_act(x, Isa.SSSE3)
+
+
+def product(fmt: kquant.Format, blocks: np.ndarray, act, out: np.ndarray,
+            isa: Isa | None = None) -> np.ndarray:
+    """out [T, R] (or [R] for one token) = W · x for activations from `quantize_for`; the GEMV
+    for one token, the GEMM tile for several."""
+    if fmt.name not in PRODUCTS:
+        raise FermijitError(f"kquant: no CPU kernel for {fmt.name} weights")
+    wants = Q8KAct if is_k_quant(fmt) else matvec.Q8Act
+    if not isinstance(act, wants) or (wants is matvec.Q8Act and act.vec.isa is not Isa.SSSE3):
+        raise FermijitError(f"kquant: {fmt.name} takes activations from quantize_for")
+    n_tok, k = act.xq.shape
+    rows = blocks.shape[0]
+    if blocks.shape[1] != fmt.n_bytes(k):
+        raise FermijitError(f"kquant: {fmt.name} rows of {blocks.shape[1]} bytes for x of {k} "
+                            f"inputs (need {fmt.n_bytes(k)})")
+    out2 = out.reshape(1, rows) if out.ndim == 1 else out
+    if out2.shape != (n_tok, rows):
+        raise FermijitError(f"kquant: out has shape {list(out.shape)}, expected [{n_tok}, "
+                            f"{rows}]")
+    isa = isa or default_isa(n_tok)
+    kernel_ = product_kernel(fmt, isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
+    sums = (act.d, act.bsums) if is_k_quant(fmt) else (act.dx, act.xsum8)
+    try:
+        kernel_(blocks, act.xq, *sums, out2)
+    except TypeError:
+        raise FermijitError("kquant: an array has the wrong dtype or layout (need "
+                            "C-contiguous; out writable float32)") from None
+    return out
+
+
+def cpu(fmt: kquant.Format, blocks: np.ndarray, x, out=None, *, isa: Isa | None = None):
+    """`kquant.reference` on the CPU: x float32 [K] or [T, K] (or activations from
+    `quantize_for`) -> [R] or [T, R]."""
+    check_array("kquant", "blocks", blocks, np.uint8, ndim=2)
+    if isinstance(x, np.ndarray):
+        if x.shape[-1] % fmt.block_values:
+            raise FermijitError(f"kquant: {x.shape[-1]} inputs are not whole "
+                                f"{fmt.block_values}-blocks")
+        act = quantize_for(fmt, x)
+    else:
+        act = x
+    n_tok = act.xq.shape[0]
+    is_vector = isinstance(x, np.ndarray) and x.ndim == 1
+    y = output("kquant", out, (blocks.shape[0],) if is_vector else (n_tok, blocks.shape[0]))
+    return product(fmt, blocks, act, y, isa)
+
+
+def gathered(fmt: kquant.Format, blocks: np.ndarray, idx: np.ndarray, act, out=None, *,
+             isa: Isa | None = None) -> np.ndarray:
+    """out [n, R] = W[idx[i]] · x for the experts idx (int32 [n]) of blocks [E, R, bytes]; `act`
+    (from `quantize_for`) one token for all, or one row per expert: the MoE decode's routed
+    experts of a projection in one parallel launch."""
+    check_array("kquant.gathered", "blocks", blocks, np.uint8, ndim=3)
+    check_array("kquant.gathered", "idx", idx, np.int32, ndim=1)
+    n_act, k = act.xq.shape
+    if blocks.shape[2] != fmt.n_bytes(k) or n_act not in (1, idx.size):
+        raise FermijitError(f"kquant.gathered: {fmt.name} experts {list(blocks.shape)} for "
+                            f"{n_act} activation rows of {k} (need 1 or {idx.size}, and rows "
+                            f"of {fmt.n_bytes(k)} bytes)")
+    y = output("kquant.gathered", out, (idx.size, blocks.shape[1]))
+    sums = (act.d, act.bsums) if is_k_quant(fmt) else (act.dx, act.xsum8)
+    try:
+        gathered_kernel(fmt, isa or decode_isa())(blocks, idx, act.xq, *sums, y)
+    except TypeError:
+        raise FermijitError("kquant.gathered: an array has the wrong dtype or layout") from None
+    except IndexError as e:
+        raise FermijitError(f"kquant.gathered: {e}") from None
+    return y
