@@ -12,11 +12,11 @@ calibration (reap.layer_spread): the effective number of experts of the routing 
 the saliencies' spread (std/mean) and their rank correlation with the counts: a flat routing
 leaves no choice that spares much, and saliencies that follow the counts make REAP frequency.
 
-Issue 36's evaluation model (the real checkpoint's routing recipe; model/train_default.py
-`--routing real`, 150 CPU steps) and its bench:
+Issue 36's evaluation model (the real checkpoint's routing recipe over the `small` preset;
+model/train_default.py `--routing real`, ~1 h of one CPU core) and its bench:
 
     python -m fermijit.model.train_default --data CORPUS --out /tmp/reapeval/hf --routing real \
-        --steps 150 --evals 3 --eval-tokens 16384 --device cpu
+        --preset small --steps 2400 --evals 4 --eval-tokens 65536 --device cpu --threads 1
     python -m fermijit convert /tmp/reapeval/hf /tmp/reapeval/fj
     python -m fermijit bench prune --model /tmp/reapeval/fj --text CORPUS/train.txt \
         --heldout CORPUS/heldout.txt --ratio 0.25 --ratio 0.5 --max-tokens 65536

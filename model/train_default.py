@@ -17,14 +17,15 @@ config's coefficient belongs to: Switch's E·Σ_e f_e·P_e with f and P pooled o
 when balanced); every other size, the data, optimiser and schedule the preset's. Its pull on one
 router probability, relative to the LM loss, is coef·k/L when balanced: 1e-3 with 8 layers (the
 real model's 40: 2e-4; the default recipe's coef/L: 1.25e-3), but only the sum over layers of
-expert e's load is balanced, so one layer may concentrate. The evaluation model (issue 36), on
-2 CPU cores (~24 s a step, so 150 steps, 0.52 epoch, instead of the preset's 3.5 epochs):
+expert e's load is balanced, so one layer may concentrate. The evaluation model (issue 36) on one
+CPU core (the `default` preset there took 24-80 s a step and 13.5 GB; `small`, 1.4 s, 1.6 GB), 2400
+steps (2.1 epochs of the preset's 3.5):
 
     python -m fermijit.model.train_default --data CORPUS --out /tmp/reapeval/hf --routing real \
-        --steps 150 --evals 3 --eval-tokens 16384 --device cpu
+        --preset small --steps 2400 --evals 4 --eval-tokens 65536 --device cpu --threads 1
     python -m fermijit convert /tmp/reapeval/hf /tmp/reapeval/fj
 
-(on a GPU `--minutes 10` alone trains the preset's 3.5 epochs).
+On a GPU, `--routing real --minutes 10` alone trains the `default` preset's 3.5 epochs.
 
 Budget: `--steps N` trains N steps (`--minutes` then only stops it early); `--minutes M` alone
 times the first steps and fixes N so that the run ends in about M minutes, but at most the
