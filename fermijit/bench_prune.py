@@ -2,7 +2,9 @@
 
 The model is calibrated once on `--text`, then pruned to the same expert count by each criterion
 of model/reap.py (REAP saliency, routed-token frequency, seeded random), and the full model and
-each pruned one score `--heldout` as `eval` does (windows of 512 from a fresh state, W4A8).
+each pruned one score `--heldout` as `eval` does (W4A8, windows from a fresh state: `--ctx`, the
+calibration's, default 512 at most max_position_embeddings; a model trained on shorter windows,
+as `train_default --preset small`'s 128, is best scored at its own).
 Keep the two texts disjoint: e.g. the default corpus' train split for calibration and its held-out
 split (or tests/model/data/heldout_sample.txt, one held-out document) for scoring.
 
@@ -19,7 +21,7 @@ model/train_default.py `--routing real`, ~1 h of one CPU core) and its bench:
         --preset small --steps 2400 --evals 4 --eval-tokens 65536 --device cpu --threads 1
     python -m fermijit convert /tmp/reapeval/hf /tmp/reapeval/fj
     python -m fermijit bench prune --model /tmp/reapeval/fj --text CORPUS/train.txt \
-        --heldout CORPUS/heldout.txt --ratio 0.25 --ratio 0.5 --max-tokens 65536
+        --heldout CORPUS/heldout.txt --ratio 0.25 --ratio 0.5 --max-tokens 65536 --ctx 128
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
     pruned) each criterion's; calibration runs once."""
     from tqdm import tqdm
 
-    from fermijit.evaluate import DEFAULT_CONTEXT, read_text, score
+    from fermijit.evaluate import read_text, score
     from fermijit.model import convert, prune, reap
     from fermijit.model.forward import load_model
     from fermijit.model.tokenizer import Tokenizer
@@ -62,7 +64,6 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
     tokenizer = Tokenizer(model_dir, text.eos_token_id)
     calibration = tokenizer.encode(read_text(text_path))
     heldout = tokenizer.encode(read_text(heldout_path))
-    eval_context = min(DEFAULT_CONTEXT, model.max_context)
     n_cal = reap.windows(calibration.size, context, max_tokens).size * context
     with tqdm(total=n_cal, desc="calibrate", unit="tok", file=sys.stderr) as bar:
         cal = reap.calibrate(model, calibration, context, str(text_path), max_tokens, bar.update)
@@ -73,7 +74,7 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
         routed = m.moe_observer = reap.RoutedCounts(m) if count_routing else None
         with tqdm(total=heldout.size - 1, desc=f"eval {label}", unit="tok",
                   file=sys.stderr) as bar:
-            return score(m, heldout, eval_context, bar.update).perplexity, routed
+            return score(m, heldout, context, bar.update).perplexity, routed
 
     full, routed = evaluate(model_dir, "full", count_routing=True)
     rows = [{"model": "full", "experts": text.num_experts, "perplexity": full,
@@ -92,7 +93,7 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
                              "weights_nbytes": _nbytes(dst)})
     layers = reap.layer_spread(cal)
     info = {"model": str(model_dir), "calibration": cal.as_dict(), "heldout": str(heldout_path),
-            "heldout_tokens": int(heldout.size), "eval_context": eval_context, "seed": seed,
+            "heldout_tokens": int(heldout.size), "eval_context": context, "seed": seed,
             "layers": layers}
     if as_json:
         print(json.dumps({**info, "rows": rows}))

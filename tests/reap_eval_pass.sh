@@ -33,7 +33,8 @@ if [ ! -f "$model/fermijit.json" ]; then
 fi
 bench() {  # the table to OUT/bench-prune.txt, or with --json the JSON to OUT/bench-prune.json
   $py -m fermijit bench prune --model "$model" --text "$data/train.txt" \
-    --heldout "$data/heldout.txt" --ratio 0.25 --ratio 0.5 --max-tokens "${MAX_TOKENS:-65536}" "$@"
+    --heldout "$data/heldout.txt" --ratio 0.25 --ratio 0.5 --max-tokens "${MAX_TOKENS:-65536}" \
+    ${CTX:+--ctx "$CTX"} "$@"
 }
 bench --json >"$out/bench-prune.json" 2>"$out/bench-prune.log" || { echo "bench failed:";
   tail -3 "$out/bench-prune.log"; exit 1; }

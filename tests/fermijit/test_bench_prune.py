@@ -37,6 +37,7 @@ def test_bench_prune_reports_every_criterion(planted, tmp_path, monkeypatch, cap
         ("frequency", 4), ("random", 4)]
     rows = {r["model"]: r for r in report["rows"] if r["experts"] in (6, 8)}
     assert report["calibration"]["n_tokens"] == 128 and report["heldout_tokens"] > 10
+    assert report["eval_context"] == 32  # scored in windows of --ctx, as calibrated
     full = rows["full"]
     for name in ("reap", "frequency"):
         assert abs(rows[name]["perplexity"] / full["perplexity"] - 1) <= PRUNED_VS_FULL
