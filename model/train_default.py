@@ -25,7 +25,8 @@ steps (2.1 epochs of the preset's 3.5):
         --preset small --steps 2400 --evals 4 --eval-tokens 65536 --device cpu --threads 1
     python -m fermijit convert /tmp/reapeval/hf /tmp/reapeval/fj
 
-On a GPU, `--routing real --minutes 10` alone trains the `default` preset's 3.5 epochs.
+On the GPU machine tests/reap_eval_pass.sh trains the `default` preset this way (`--minutes 7`:
+up to its 3.5 epochs) and benches it.
 
 Budget: `--steps N` trains N steps (`--minutes` then only stops it early); `--minutes M` alone
 times the first steps and fixes N so that the run ends in about M minutes, but at most the
