@@ -22,6 +22,13 @@ model/train_default.py `--routing real`, ~1 h of one CPU core) and its bench:
     python -m fermijit convert /tmp/reapeval/hf /tmp/reapeval/fj
     python -m fermijit bench prune --model /tmp/reapeval/fj --text CORPUS/train.txt \
         --heldout CORPUS/heldout.txt --ratio 0.25 --ratio 0.5 --max-tokens 65536 --ctx 128
+
+Measured there (2026-12-02; held-out 151,932 tokens; full model 40.11): at 192 of 256 experts REAP
++1.28 %, frequency +2.84 %, random +15.3 %; at 128 REAP +10.17 % (+9.84 % calibrated on 262,144
+tokens), frequency +11.6 %, random +60.4 %. REAP drops 24 % of the held-out routed slots at 128,
+frequency 6 %: the routing is concentrated (60-70 effective experts of 256 in layers 1-3, 151 in
+layer 0) and the saliencies spread widely (cv 1.1-4.2) with little rank agreement with the counts
+(-0.2 to 0.4): rarely routed experts that matter are what REAP keeps and frequency drops.
 """
 
 from __future__ import annotations
