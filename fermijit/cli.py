@@ -445,7 +445,7 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
               help="Fraction of the experts pruned per layer, as well as or instead of --keep "
                    "(repeat for several).")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
-              help="Tokens per calibration window (default: 512, at most "
+              help="Tokens per calibration and scoring window (default: 512, at most "
                    "max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Calibrate on at most this many tokens, spread over the text.")

@@ -87,18 +87,28 @@ def expert_output(experts, e: int, x: np.ndarray) -> np.ndarray:
     return (silu(g) * u) @ experts.down[e].T
 
 
-class Collector:
-    """The MoE observer: per layer and expert, the routed count and Σ g·‖E(x)‖."""
+class RoutedCounts:
+    """An MoE observer (Model.moe_observer) counting the routed slots per layer and expert."""
 
     def __init__(self, model):
-        layers = moe_layers(model)
+        layers = moe_layers(model)  # the MTP head's MoE last, where the model has one
         self._layer_of = {id(w): i for i, w in enumerate(layers)}
-        shape = (len(layers), model.n_experts)
-        self.counts = np.zeros(shape, np.int64)
-        self.weighted_norms = np.zeros(shape, np.float64)
+        self.counts = np.zeros((len(layers), model.n_experts), np.int64)
 
     def __call__(self, layer, x, ids, weights) -> None:
-        """Model.moe_observer: the CPU forward's layer, its MoE input x [T, H], routing."""
+        """The CPU forward's layer, its MoE input x [T, H], routing ids and weights [T, k]."""
+        i = self._layer_of[id(layer)]
+        self.counts[i] += np.bincount(ids.reshape(-1), minlength=self.counts.shape[1])
+
+
+class Collector(RoutedCounts):
+    """The calibration's MoE observer: per layer and expert, the routed count and Σ g·‖E(x)‖."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.weighted_norms = np.zeros(self.counts.shape, np.float64)
+
+    def __call__(self, layer, x, ids, weights) -> None:
         i = self._layer_of[id(layer)]
         for e in np.unique(ids):
             t, k = np.nonzero(ids == e)                      # a token picks an expert once
@@ -122,6 +132,41 @@ class Collector:
 def moe_layers(model) -> tuple:
     """The model's MoE layers: its L layers, then its MTP head's (model/mtp.py) if it has one."""
     return model.layers + ((model.mtp.layer,) if model.mtp is not None else ())
+
+
+def dropped_share(counts: np.ndarray, kept: np.ndarray) -> float:
+    """Mean over layers of the share of the routed slots (counts [L, E]) that went to experts
+    outside kept [L, keep]: what pruning to `kept` takes from the routing it was measured on."""
+    total = counts.sum(axis=1)
+    kept_slots = np.take_along_axis(counts, kept, axis=1).sum(axis=1)
+    return float(np.mean(1 - kept_slots / np.maximum(total, 1)))
+
+
+def _ranks(a: np.ndarray) -> np.ndarray:
+    """Ranks of a [E] from 0, ties given their mean rank."""
+    _, value_of, n_tied = np.unique(a, return_inverse=True, return_counts=True)
+    first = np.cumsum(n_tied) - n_tied
+    return (first + (n_tied - 1) / 2)[value_of]
+
+
+def layer_spread(cal: Calibration) -> list[dict]:
+    """Per layer, how much there is to choose from (issue 36): `effective_experts` exp(entropy)
+    of the routed-slot distribution (E when flat: pruning half drops half the slots whatever the
+    criterion), `saliency_cv` std/mean of the saliencies over the experts (0: REAP cannot tell
+    them apart), `rank_corr` Spearman's between saliency and count (1: REAP keeps what frequency
+    keeps)."""
+    rows = []
+    for counts, saliency in zip(cal.counts.astype(np.float64), cal.saliency):
+        p = counts / max(counts.sum(), 1)
+        entropy = -float(np.sum(p[p > 0] * np.log(p[p > 0])))
+        mean = saliency.mean()
+        by_saliency, by_count = _ranks(saliency), _ranks(counts)
+        constant = by_saliency.std() == 0 or by_count.std() == 0       # no order to agree with
+        rows.append({"effective_experts": float(np.exp(entropy)),
+                     "saliency_cv": float(saliency.std() / mean) if mean > 0 else 0.0,
+                     "rank_corr": 0.0 if constant else
+                     float(np.corrcoef(by_saliency, by_count)[0, 1])})
+    return rows
 
 
 def check_context(context: int | None, max_context: int) -> int:

@@ -6,8 +6,27 @@ layer MoE with a sigmoid-gated shared expert, rope_parameters explicit (theta 1e
 the head; MODEL.md §8). Data: `train.txt` / `heldout.txt` and the tokenizer from
 model/default_corpus.py (`--data`); documents are joined with `<|endoftext|>` and the model sees
 random windows of `context + 1` tokens (seeded). Training: AdamW, linear warm-up then cosine decay
-to 10%, gradient clipping, bf16 autocast on CUDA (fp32 master weights), fp32 on CPU; a
-per-layer load-balancing loss (coefficient 0.01) keeps every expert in use.
+to 10%, gradient clipping, bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
+
+Routing (`--routing`, ROUTINGS): `default`, the embedded model's: the preset's experts and top-k,
+a per-layer load-balancing loss at coefficient 0.01 that keeps every expert in use (its routing is
+nearly flat). `real` (issue 36, REAP's evaluation model), fixed before its first run and not tuned
+to the result: the real checkpoint's routing recipe (model/synth.py REAL_TEXT_CONFIG): 256 experts,
+top-8, router_aux_loss_coef 0.001 on transformers' own `load_balancing_loss_func` (the form the
+config's coefficient belongs to: Switch's E·Σ_e f_e·P_e with f and P pooled over all layers, k
+when balanced); every other size, the data, optimiser and schedule the preset's. Its pull on one
+router probability, relative to the LM loss, is coef·k/L when balanced: 1e-3 with 8 layers (the
+real model's 40: 2e-4; the default recipe's coef/L: 1.25e-3), but only the sum over layers of
+expert e's load is balanced, so one layer may concentrate. The evaluation model (issue 36) on one
+CPU core (the `default` preset there took 24-80 s a step and 13.5 GB; `small`, 1.4 s, 1.6 GB), 2400
+steps (2.1 epochs of the preset's 3.5):
+
+    python -m fermijit.model.train_default --data CORPUS --out /tmp/reapeval/hf --routing real \
+        --preset small --steps 2400 --evals 4 --eval-tokens 65536 --device cpu --threads 1
+    python -m fermijit convert /tmp/reapeval/hf /tmp/reapeval/fj
+
+On the GPU machine tests/reap_eval_pass.sh trains the `default` preset this way (`--minutes 7`:
+up to its 3.5 epochs) and benches it.
 
 Budget: `--steps N` trains N steps (`--minutes` then only stops it early); `--minutes M` alone
 times the first steps and fixes N so that the run ends in about M minutes, but at most the
@@ -45,6 +64,7 @@ COPIED_FROM_DATA = ("tokenizer.json", "tokenizer_config.json", "generation_confi
                     "NOTICE.txt", "copyright")
 SHARD_BYTES = 15 << 20  # each file < 16 MiB: what one file from the GPU machine may be
 ROPE_THETA = 1e7        # the real model's (MODEL.md §2); transformers' fallback is 1e4
+PROGRESS_S = 30         # a progress line at least this often (the curve keeps every 10th step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +88,33 @@ class Shape:
     batch: int       # windows per step
     lr: float        # peak learning rate
     max_epochs: float  # with --minutes alone: at most this many passes over train.txt
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The routed experts' shape and load-balancing recipe laid over a preset."""
+
+    num_experts: int | None           # None: the preset's
+    num_experts_per_tok: int | None   # None: the preset's
+    aux_coef: float                   # config.json's router_aux_loss_coef
+    aux_form: str                     # "per-layer" (load_balancing_loss) | "pooled" (transformers')
+
+
+def _real_routing() -> Routing:
+    from fermijit.model.synth import REAL_TEXT_CONFIG as real
+
+    return Routing(real["num_experts"], real["num_experts_per_tok"],
+                   real["router_aux_loss_coef"], "pooled")
+
+
+ROUTINGS = {"default": lambda: Routing(None, None, 0.01, "per-layer"), "real": _real_routing}
+
+
+def routed(shape: "Shape", routing: Routing) -> "Shape":
+    """`shape` with `routing`'s expert count and top-k."""
+    return dataclasses.replace(
+        shape, num_experts=routing.num_experts or shape.num_experts,
+        num_experts_per_tok=routing.num_experts_per_tok or shape.num_experts_per_tok)
 
 
 PRESETS = {
@@ -100,7 +147,8 @@ PRESETS = {
 }
 
 
-def text_config(shape: Shape, vocab_size: int, eot_id: int, pad_id: int) -> dict:
+def text_config(shape: Shape, vocab_size: int, eot_id: int, pad_id: int,
+                aux_coef: float = 0.01) -> dict:
     """config.json: only fields model/config.py's TextConfig knows (it rejects the rest)."""
     n = shape.num_hidden_layers
     return {
@@ -137,7 +185,7 @@ def text_config(shape: Shape, vocab_size: int, eot_id: int, pad_id: int) -> dict
         "mamba_ssm_dtype": "float32",
         "mtp_num_hidden_layers": 0,
         "output_router_logits": False,
-        "router_aux_loss_coef": 0.01,
+        "router_aux_loss_coef": aux_coef,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": eot_id,
@@ -221,6 +269,14 @@ def load_balancing_loss(router_logits: tuple, k: int) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
+def aux_loss_of(routing: Routing, router_logits: tuple, n_experts: int, k: int) -> torch.Tensor:
+    if routing.aux_form == "pooled":
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
+
+        return load_balancing_loss_func(router_logits, n_experts, k)
+    return load_balancing_loss(router_logits, k)
+
+
 def lr_at(step: int, n_steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -302,10 +358,14 @@ def save_checkpoint(model, config: dict, data: Path, out: Path, log: dict) -> li
 def train(data: Path, out: Path, shape: Shape, steps: int | None, minutes: float | None,
           seed: int = 0, evals: int = 10, eval_tokens: int = 1 << 17, device: str | None = None,
           warmup: int | None = None, weight_decay: float = 0.1, max_epochs: float | None = None,
-          experts: str = "grouped_mm", quiet: bool = False) -> dict:
-    """Train, evaluate, save; returns the log (also written to out/train_log.json)."""
+          experts: str = "grouped_mm", routing: Routing | None = None,
+          quiet: bool = False) -> dict:
+    """Train, evaluate, save; returns the log (also written to out/train_log.json). `routing`
+    (default ROUTINGS["default"]) sets the experts, top-k and balancing loss over `shape`."""
     if steps is None and minutes is None:
         raise ValueError("give steps, minutes or both")
+    routing = routing or ROUTINGS["default"]()
+    shape = routed(shape, routing)
     t_start = time.monotonic()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -317,13 +377,14 @@ def train(data: Path, out: Path, shape: Shape, steps: int | None, minutes: float
 
     tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
     config = text_config(shape, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOT),
-                         tokenizer.token_to_id("<|pad|>"))
+                         tokenizer.token_to_id("<|pad|>"), routing.aux_coef)
     train_tokens, heldout_tokens = load_tokens(data, "train"), load_tokens(data, "heldout")
     model = build_model(config, seed, experts).to(dev)
     counts = parameter_counts(model, config)
     log = {"args": {"data": str(data), "steps": steps, "minutes": minutes, "seed": seed,
                     "device": str(dev), "shape": dataclasses.asdict(shape),
-                    "weight_decay": weight_decay, "max_epochs": max_epochs, "experts": experts},
+                    "weight_decay": weight_decay, "max_epochs": max_epochs, "experts": experts,
+                    "routing": dataclasses.asdict(routing)},
            "torch": torch.__version__, "transformers": _transformers_version(),
            "train_tokens": len(train_tokens), "heldout_tokens": len(heldout_tokens),
            "parameters": counts, "converted_nbytes_estimate": converted_nbytes(model),
@@ -350,7 +411,7 @@ def train(data: Path, out: Path, shape: Shape, steps: int | None, minutes: float
 
     warmup_steps = warmup_for(n_steps)
     eval_every = max(1, n_steps // evals) if steps is not None else None
-    timing_steps, t_train = 10, None
+    timing_steps, t_train, last_said = 10, None, 0.0
     model.train()
     step = 0
     while step < n_steps:
@@ -379,20 +440,25 @@ def train(data: Path, out: Path, shape: Shape, steps: int | None, minutes: float
         logits = result.logits.float()
         lm_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                     x[:, 1:].reshape(-1))
-        aux_loss = load_balancing_loss(result.router_logits, shape.num_experts_per_tok)
+        aux_loss = aux_loss_of(routing, result.router_logits, shape.num_experts,
+                               shape.num_experts_per_tok)
         loss = lm_loss + config["router_aux_loss_coef"] * aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        if step % 10 == 0 or step == 1 or step == n_steps:
-            record = {"step": step, "loss": round(lm_loss.item(), 4),
+        elapsed = time.monotonic() - t_start
+        logged = step % 10 == 0 or step == 1 or step == n_steps
+        if logged or elapsed - last_said > PROGRESS_S:  # a CPU step can take many seconds
+            record = {"step": step, "of": n_steps, "loss": round(lm_loss.item(), 4),
                       "aux": round(aux_loss.item(), 4),
                       "grad_norm": round(grad_norm.item(), 3), "lr": round(lr, 6),
-                      "elapsed_s": round(time.monotonic() - t_start, 1)}
-            log["curve"].append(record)
+                      "elapsed_s": round(elapsed, 1)}
+            if logged:
+                log["curve"].append(record)
             say(record)
+            last_said = elapsed
         if eval_every and (step % eval_every == 0 or step == n_steps):
             heldout = {"step": step, **evaluate(model, heldout_tokens, shape.context, shape.batch,
                                                 dev, eval_tokens)}
@@ -697,6 +763,9 @@ def main(argv: list[str] | None = None) -> None:
                              "(default: the preset's)")
     parser.add_argument("--experts", choices=EXPERTS_IMPLEMENTATIONS, default="grouped_mm",
                         help="transformers' routed-expert kernel (same function, other speed)")
+    parser.add_argument("--routing", choices=sorted(ROUTINGS), default="default",
+                        help="experts, top-k and balancing loss: the default model's, or the "
+                             "real checkpoint's (256 experts, top-8, transformers' loss at 0.001)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--mtp-for", type=Path, default=None, metavar="MODEL",
@@ -726,7 +795,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     train(args.data, args.out, PRESETS[args.preset], args.steps, args.minutes, seed=args.seed,
           evals=args.evals, eval_tokens=args.eval_tokens, device=args.device,
-          max_epochs=args.max_epochs, experts=args.experts)
+          max_epochs=args.max_epochs, experts=args.experts, routing=ROUTINGS[args.routing]())
 
 
 if __name__ == "__main__":

@@ -161,3 +161,38 @@ def _safetensors_state(directory, torch):
     for path in sorted(directory.glob("*.safetensors")):
         state.update({name: t.float() for name, t in load_file(str(path)).items()})
     return state
+
+
+def test_real_routing_recipe_trains_the_published_routing_shape(data_dir, tmp_path):
+    """`--routing real` (issue 36): the published config's experts, top-k and balancing
+    coefficient, with transformers' pooled balancing loss (k, not 1, for a near-flat router),
+    over a preset's other sizes; saved as a checkpoint the converter reads with 256 experts."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from fermijit.model import train_default
+    from fermijit.model.config import load_config
+    from fermijit.model.convert import convert
+
+    published = json.loads((Path(__file__).parent / "data" / "qwen3.6-35b-a3b.config.json")
+                           .read_text())["text_config"]
+    torch.set_num_threads(1)
+    shape = dataclasses.replace(train_default.PRESETS["tiny"], context=32, batch=4)
+    out = tmp_path / "ckpt"
+    log = train_default.train(data_dir, out, shape, steps=2, minutes=None, evals=1,
+                              device="cpu", routing=train_default.ROUTINGS["real"](), quiet=True)
+
+    config = json.loads((out / "config.json").read_text())
+    fields = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    assert {f: config[f] for f in fields} == {f: published[f] for f in fields}
+    assert config["hidden_size"] == shape.hidden_size and config["moe_intermediate_size"] == 32
+    assert log["args"]["routing"]["aux_form"] == "pooled"
+    assert 8 <= log["curve"][0]["aux"] < 8.5  # E·Σ f·P pooled: k when flat (per-layer form: 1)
+    text = load_config(out).text_config
+    assert (text.num_experts, text.num_experts_per_tok) == (256, 8)
+    state = _safetensors_state(out, torch)
+    assert state["model.layers.0.mlp.gate.weight"].shape == (256, 64)
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (256, 64, 64)
+    manifest = convert(out, tmp_path / "fermijit", show_progress=False)
+    assert manifest.tensors["layers.0.mlp.experts_gate_up"].shape[0] == 256

@@ -135,6 +135,21 @@ def test_choose_keeps_the_highest_scores_in_expert_order():
     assert not np.array_equal(r.scores("random", 3), r.scores("random", 4))
 
 
+def test_dropped_share_and_layer_spread():
+    counts = np.array([[4, 0, 4, 0], [1, 1, 1, 1], [0, 0, 0, 8]], np.int64)
+    # kept [0, 2] loses nothing of layer 0, half of layer 1, all of layer 2's
+    assert reap.dropped_share(counts, np.array([[0, 2], [0, 1], [0, 1]])) == pytest.approx(0.5)
+    saliency = np.array([[2.0, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 3]])
+    spread = reap.layer_spread(reap.Calibration(counts, saliency, "x", 8, 1, 8))
+    assert [round(r["effective_experts"], 9) for r in spread] == [2, 4, 1]  # exp(entropy)
+    assert spread[1]["saliency_cv"] == 0 and spread[0]["saliency_cv"] == pytest.approx(
+        np.std([2, 0, 1, 0]) / 0.75)
+    # ranks with ties averaged: saliency [2, 0, 1, 0] vs counts [4, 0, 4, 0]
+    assert spread[0]["rank_corr"] == pytest.approx(np.corrcoef([3, 0.5, 2, 0.5],
+                                                               [2.5, 0.5, 2.5, 0.5])[0, 1])
+    assert spread[1]["rank_corr"] == 0 and spread[2]["rank_corr"] == pytest.approx(1)
+
+
 def test_windows_are_whole_and_spread_over_the_text():
     np.testing.assert_array_equal(reap.windows(100, 10), np.arange(10) * 10)
     np.testing.assert_array_equal(reap.windows(105, 10, max_tokens=30), [0, 40, 90])
