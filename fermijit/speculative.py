@@ -53,6 +53,14 @@ class Drafts:
             raise FermijitError(f"--draft-vocab must be at least 1, got {self.vocab}")
 
 
+def engine_drafts(engine, drafts: Drafts | None = None) -> Drafts | None:
+    """What a server built on `engine` drafts: `drafts` (default one a step) where the engine
+    was loaded for speculative decoding, else None."""
+    if not engine.speculative:
+        return None
+    return Drafts() if drafts is None else drafts
+
+
 @dataclasses.dataclass
 class Counts:
     """What the drafts did (bench decode and the generate summary report them)."""

@@ -47,6 +47,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     from fermijit.engine import Engine
     from fermijit.server.app import check_api_key, make_app
     from fermijit.server.scheduler import Scheduler
+    from fermijit.speculative import engine_drafts
 
     hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # bad: before loading
     check_api_key(api_key)
@@ -56,10 +57,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     engine = Engine.load(model_dir, cache_settings, show_progress=True,
                          warn=lambda line: print(line, file=err, flush=True), kv=kv,
                          speculative=speculative)
-    if engine.speculative and drafts is None:
-        from fermijit.speculative import Drafts
-        drafts = Drafts()
-    drafts = drafts if engine.speculative else None
+    drafts = engine_drafts(engine, drafts)
     times = {"load": time.perf_counter() - start}
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget, verbose, err)
     with hybrid.preparing(engine.prefiller) as gpu_ready:  # beside the CPU's warm-up

@@ -161,10 +161,9 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
         self.kv_mem = kv_budget.default_nbytes() if kv_mem is None else kv_mem
-        if engine.speculative and drafts is None:
-            from fermijit.speculative import Drafts
-            drafts = Drafts()
-        self.drafts = drafts if engine.speculative else None
+        from fermijit.speculative import engine_drafts
+
+        self.drafts = engine_drafts(engine, drafts)
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.active: list[Sequence] = []       # decoding
         self.prefilling: list[Sequence] = []   # admitted, their prompts in progress
