@@ -11,6 +11,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.model.forward import Model
+from fermijit.model.reap import moe_layers
 from fermijit.model.weights import BlockTensor, GatedDeltaNetWeights, QuantTensor
 from fermijit.ops import (attention, conv1d, expert_matmul, gated_delta, matvec, moe, quant,
                           router)
@@ -35,12 +36,15 @@ def check_supported(model: Model) -> None:
     # GGUF block kinds kept as imported (K-quants, Q5_0/Q5_1: issue 34) have CPU kernels only
     # so far: refused here, so the CPU prefills such a model rather than the GPU computing it
     # wrong.
+    # (the MTP head's layer is layer L, after the model's L: model/reap.py moe_layers)
     mats = [("lm_head", model.lm_head)] + [
-        (f"layers.{i}.{name}", getattr(w.mixer, name)) for i, w in enumerate(model.layers)
+        (f"layers.{i}.{name}", getattr(w.mixer, name)) for i, w in enumerate(moe_layers(model))
         for name in ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj",
                      "o_proj") if hasattr(w.mixer, name)]
+    if model.mtp is not None:
+        mats.append(("mtp.fc", model.mtp.fc))
     blocks = [(name, m.kind.upper()) for name, m in mats if isinstance(m, BlockTensor)]
-    blocks += [(f"layers.{i}.mlp", "non-Q4_0 expert") for i, w in enumerate(model.layers)
+    blocks += [(f"layers.{i}.mlp", "non-Q4_0 expert") for i, w in enumerate(moe_layers(model))
                if not isinstance(w.experts, moe.MoeWeights)]
     if blocks:
         kinds = "/".join(sorted({kind for _, kind in blocks}))
@@ -64,10 +68,11 @@ def check_supported(model: Model) -> None:
 
 
 def dense_arrays(model: Model) -> list[dict[str, np.ndarray]]:
-    """Per layer, the host arrays that stay resident on the GPU (names -> arrays)."""
+    """Per layer, the host arrays that stay resident on the GPU (names -> arrays); the MTP
+    head's layer last where the model has one, with the head's fc and pre-fc norms."""
     check_supported(model)
     layers = []
-    for w in model.layers:
+    for w in moe_layers(model):
         m, e = w.mixer, w.experts
         a = {"input_norm": w.input_norm, "post_norm": w.post_norm, "router": w.router,
              "shared_gate": e.shared_gate[None],
@@ -84,6 +89,11 @@ def dense_arrays(model: Model) -> list[dict[str, np.ndarray]]:
                 a[f"{name}_qs"], a[f"{name}_d"] = _q4(getattr(m, name))
             a.update(q_norm=m.q_norm, k_norm=m.k_norm)
         layers.append(a)
+    if model.mtp is not None:
+        h = model.mtp
+        layers[-1]["fc_qs"], layers[-1]["fc_d"] = _q4(h.fc)
+        layers[-1].update(pre_fc_norm_embedding=h.pre_fc_norm_embedding,
+                          pre_fc_norm_hidden=h.pre_fc_norm_hidden)
     return layers
 
 
@@ -119,9 +129,10 @@ def head_bytes(model: Model) -> int:
     return rows * k + rows * nb * (2 + 2 + 4) + nb * k * 4
 
 
-def activation_bytes(model: Model, n_tokens: int) -> int:
+def activation_bytes(model: Model, n_tokens: int, with_head: bool = False) -> int:
     """Device bytes of one pass's intermediates over `n_tokens` (what `Workspace` holds, plus the
-    GDN chunk scratch, the routed slots and xn rounded to 8 bits)."""
+    GDN chunk scratch, the routed slots, xn rounded to 8 bits and the final norm's output);
+    `with_head`: the MTP head's rows too (its hidden input and fc's [T, 2H] input)."""
     H, Hq, Hkv, D = model.hidden, model.n_heads, model.n_kv_heads, model.head_dim
     Hk, Hv, dk, dv = model.n_key_heads, model.n_value_heads, model.key_dim, model.value_dim
     experts = model.layers[0].experts
@@ -129,17 +140,19 @@ def activation_bytes(model: Model, n_tokens: int) -> int:
     shared_inter = experts.shared_down_qs.shape[2] * 2
     per_token = (4 * H + 4 * Hq * D + 2 * Hkv * D + 2 * model.conv_dim + 2 * Hv * dv
                  + 2 * Hk * dk + 2 * Hv * dv + 4 * Hv + model.n_experts
-                 + model.top_k * (2 + inter + 2) + shared_inter + 3)
+                 + model.top_k * (2 + inter + 2) + shared_inter + 3 + H
+                 + (3 * H if with_head else 0))
     chunks = -(-n_tokens // gated_delta.GPU_CHUNK)
     gdn_scratch = Hv * chunks * gated_delta.GPU_CHUNK * (1 + 2 * gated_delta.GPU_CHUNK)
     rope_tables = n_tokens * model.rotary_dim
     return F32 * (n_tokens * per_token + gdn_scratch + rope_tables)
 
 
-def state_bytes(model: Model, n_positions: int) -> int:
-    """Device bytes of the KV caches (for `n_positions`) and the GDN states."""
+def state_bytes(model: Model, n_positions: int, with_head: bool = False) -> int:
+    """Device bytes of the KV caches (for `n_positions`) and the GDN states; `with_head`: the
+    MTP head's cache too (a full-attention layer's)."""
     total = 0
-    for is_attention in model.is_attention:
+    for is_attention in model.is_attention + ((True,) if with_head else ()):
         if is_attention:
             total += 2 * model.n_kv_heads * n_positions * model.head_dim
         else:

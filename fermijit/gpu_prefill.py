@@ -39,7 +39,7 @@ import numpy as np
 
 from fermijit.gpu_layout import F32, dense_arrays, head_arrays, route_slots
 from fermijit.model.forward import L2NORM_EPS, Model
-from fermijit.model.state import GdnState, KvCache
+from fermijit.model.reap import moe_layers
 from fermijit.ops import (act_quant, attention, conv1d, embedding, expert_matmul, f32_gemm,
                           gated_delta, l2norm, matmul, rmsnorm, rope, router)
 
@@ -58,11 +58,14 @@ class DeviceModel:
         # too, so their uploads below run as DMA (the LM head's 0.5 GB included).
         start = time.perf_counter()
         self.model = model
-        self.streamer = expert_stream.Streamer([w.experts for w in model.layers],
+        self.streamer = expert_stream.Streamer([w.experts for w in moe_layers(model)],
                                                "mapped" if source == "pinned" else source,
                                                ring_slot_bytes)
-        model.layers = tuple(dataclasses.replace(w, experts=self.streamer.rebind(i, w.experts))
-                             for i, w in enumerate(model.layers))
+        rebound = tuple(dataclasses.replace(w, experts=self.streamer.rebind(i, w.experts))
+                        for i, w in enumerate(moe_layers(model)))
+        model.layers = rebound[:len(model.layers)]
+        if model.mtp is not None:  # its layer is the streamer's layer L
+            model.mtp = dataclasses.replace(model.mtp, layer=rebound[-1])
         self.prepare_s = {f"experts ({self.streamer.source})": time.perf_counter() - start}
         start = time.perf_counter()
         self.layers = [{k: gpu.to_device("gpu prefill", k, np.ascontiguousarray(v), v.dtype)
@@ -98,16 +101,44 @@ class LayerTiming:
     copy: tuple     # (start, end) on the copy stream, or () when nothing was copied
 
 
-class Pass:
-    """The device buffers of one prefill over `n_tokens` after `start` positions."""
+@dataclasses.dataclass
+class Segment:
+    """One sequence's rows of a pass. A pass runs several sequences' rows together
+    (hybrid.GpuPrefiller.prefill_batch): what reads weights (norms, projections, router,
+    experts: each layer's experts fetched once for all the rows) over all its rows, what carries
+    a sequence's state (the conv and the delta rule, attention over its KV cache, RoPE
+    positions) per segment, as Model.prefill_batch does on the CPU."""
 
-    def __init__(self, dev: DeviceModel, states: list, n_tokens: int, start: int,
-                 observe: bool = False, w4a8: bool = True):
+    rows: slice           # its rows of the pass
+    start: int            # positions its state holds before them
+    states: list          # its device states per layer (gpu_state.upload_states), the MTP
+    #                       head's KV cache last where the state has the head
+    waiting: object = None  # with the head: its hidden states waiting (model/mtp.py), device
+    #                         [w, H], w = 0 (a fresh state) or 1; the pass leaves its last there
+
+
+def copy_rows(dst, src) -> None:
+    """Device rows [n, ...] of src into dst, as many, on the legacy stream."""
+    from fermijit.jit import gpu
+
+    width = src.nbytes // src.shape[0]
+    gpu.copy_2d(dst.gpudata, width, src.gpudata, width, width, src.shape[0])
+
+
+class Pass:
+    """The device buffers of one prefill pass over the rows of `segments` (one or several
+    sequences); with the MTP head where their states have it (all of them or none)."""
+
+    def __init__(self, dev: DeviceModel, segments: list[Segment], observe: bool = False,
+                 w4a8: bool = True):
         from fermijit.jit import gpu
 
         m = dev.model
-        self.dev, self.m, self.T, self.start, self.states = dev, m, n_tokens, start, states
-        T, H = n_tokens, m.hidden
+        self.dev, self.m, self.segments = dev, m, segments
+        self.T = T = segments[-1].rows.stop
+        H = m.hidden
+        self.has_head = segments[0].waiting is not None
+        self.n_layers = len(m.layers) + self.has_head      # the head's is layer L (moe_layers)
         e = gpu.empty
         self.x, self.xn = e((T, H)), e((T, H))
         self.w4a8 = w4a8
@@ -126,7 +157,11 @@ class Pass:
         self.tiles = gpu.to_device(op, "tiles", tiles, np.int32)
         self.ones = gpu.to_device(op, "ones", np.ones(T * m.top_k, np.float32), np.float32)
         self.n_tiles = len(tiles)
-        self.positions = np.arange(start, start + T, dtype=np.int64)
+        self.positions = np.concatenate([np.arange(s.start, s.start + s.rows.stop - s.rows.start)
+                                         for s in segments]).astype(np.int64)
+        self.out = e((T, H))                 # rmsnorm(x) after the last layer: the LM head's input
+        self.is_pad = np.zeros(T, bool)      # the head's rows that are no prediction (`head`)
+        self.time_layers = False
         self.timings: list[LayerTiming] = []
         self.copy_events: tuple = ()
         self.prediction: int | None = None
@@ -178,7 +213,7 @@ class Pass:
             (-(-self.m.hidden // expert_matmul.DOWN_TILE_COLS), self.n_tiles), (256,),
             src, qs, d, self.x, self.tiles, self.rows, self.ones, 0, self.m.hidden, src.shape[1])
 
-    def gdn(self, w, s: GdnState) -> None:
+    def gdn(self, w, i: int) -> None:
         from fermijit.jit import gpu
 
         m, T = self.m, self.T
@@ -190,7 +225,8 @@ class Pass:
         self.mark("dense gemm")
         g, beta = f32_gemm.gates_gpu(self.xn, w["w_ba"], w["A_log"], w["dt_bias"],
                                      out=(e((T, Hv)), e((T, Hv))))
-        conv1d.gpu(mixed, w["conv1d"], s.conv, out=mixed)
+        for seg in self.segments:
+            conv1d.gpu(mixed[seg.rows], w["conv1d"], seg.states[i].conv, out=mixed[seg.rows])
         parts = [e((T, Hk, dk)), e((T, Hk, dk)), e((T, Hv, dv))]
         at = 0
         for part in parts:
@@ -202,7 +238,9 @@ class Pass:
         l2norm.gpu(k, L2NORM_EPS, out=k)
         o = e((T, Hv, dv))
         self.mark("small ops")
-        gated_delta.gpu(q, k, v, g, beta, s.recurrent, out=o)
+        for seg in self.segments:
+            r = seg.rows
+            gated_delta.gpu(q[r], k[r], v[r], g[r], beta[r], seg.states[i].recurrent, out=o[r])
         self.mark("gated delta")
         rmsnorm.gated_gpu(o, z.reshape(T, Hv, dv), w["norm"], m.eps, out=o)
         self.mark("small ops")
@@ -210,7 +248,9 @@ class Pass:
         self.add_projection(o, w["out_proj_qs"], w["out_proj_d"])
         self.mark("dense gemm")
 
-    def attention(self, w, cache: KvCache) -> None:
+    def attention(self, w, spans: list, positions: np.ndarray) -> None:
+        """Gated attention (MODEL.md §5) of the rows at `positions` [T]; `spans`: (rows, start,
+        device KvCache) per sequence, its rows' keys and values written from `start` on."""
         from fermijit.jit import gpu
 
         m, T, D = self.m, self.T, self.m.head_dim
@@ -227,18 +267,22 @@ class Pass:
         k, v = k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         rmsnorm.gpu(q, w["q_norm"], m.eps, out=q)
         rmsnorm.gpu(k, w["k_norm"], m.eps, out=k)
-        rope.gpu(q, self.positions, m.rotary_dim, m.theta, out=q)
-        rope.gpu(k, self.positions, m.rotary_dim, m.theta, out=k)
-        positions = cache.k.shape[1]
-        for src, dst in ((k, cache.k), (v, cache.v)):      # [T, Hkv, D] -> [Hkv, S, D] rows
-            for h in range(Hkv):
-                gpu.copy_2d(int(dst.gpudata) + (h * positions + self.start) * D * F32, D * F32,
-                            int(src.gpudata) + h * D * F32, Hkv * D * F32, D * F32, T)
+        rope.gpu(q, positions, m.rotary_dim, m.theta, out=q)
+        rope.gpu(k, positions, m.rotary_dim, m.theta, out=k)
+        for rows, start, cache in spans:
+            held = cache.k.shape[1]
+            for src, dst in ((k, cache.k), (v, cache.v)):  # [T, Hkv, D] -> [Hkv, S, D] rows
+                for h in range(Hkv):
+                    gpu.copy_2d(int(dst.gpudata) + (h * held + start) * D * F32, D * F32,
+                                int(src.gpudata) + (rows.start * Hkv + h) * D * F32,
+                                Hkv * D * F32, D * F32, rows.stop - rows.start)
         self.mark("small ops")
         # the flash kernel where it takes the head dim: 1.9x attention.ptx's rate at 16k tokens
         # (17.6 vs 9.5 TFLOP/s, H200, full-size heads), the same at 1k (10.2 vs 6.6)
         attend = attention.flash_gpu if D in attention.FLASH_HEAD_DIMS else attention.gpu
-        o = attend(q, cache.k, cache.v, gate, self.start, out=e((T, Hq, D)))
+        o = e((T, Hq, D))
+        for rows, start, cache in spans:
+            attend(q[rows], cache.k, cache.v, gate[rows], start, out=o[rows])
         self.mark("attention")
         o = self.rounded(o.reshape(T, Hq * D))
         self.add_projection(o, w["o_proj_qs"], w["o_proj_d"])
@@ -247,7 +291,7 @@ class Pass:
     def predict(self, layer: int, xn) -> None:
         """Start copying the experts layer `layer`'s router picks for `xn` into its buffer."""
         m = self.m
-        if layer >= len(m.layers) or layer in self.on_device:
+        if layer >= self.n_layers or layer in self.on_device:
             return
         f32_gemm.gpu(xn, self.dev.layers[layer]["router"], out=self.logits_next)
         router.gpu(self.logits_next, m.top_k, out=(self.ids_next, self.weights_next))
@@ -358,7 +402,7 @@ class Pass:
         self.mark("expert gemm")
         self.rounded(self.h)
         if self.observing:
-            self.observe(i, ids, slot_weights, (dn_qs, dn_d), n_tiles)
+            self.observe(i, ids, rows, slot_weights, (dn_qs, dn_d), n_tiles)
         gpu.kernel("q4_gemm", MODE="expert_down")(
             (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
             self.h, dn_qs, dn_d, self.x, self.slot_tiles, self.slot_rows, self.slot_weights, 0,
@@ -373,11 +417,12 @@ class Pass:
             self.host_s["prefetch"] = self.host_s.get("prefetch", 0.0) + time.perf_counter() - t5
         self.mark("expert gemm")
 
-    def observe(self, i: int, ids, slot_weights, down, n_tiles: int) -> None:
+    def observe(self, i: int, ids, rows, slot_weights, down, n_tiles: int) -> None:
         """REAP calibration (model/reap.py, issue 15): each slot's expert output E_j(x) without
         the routing weight (the down GEMM into a zeroed [S, H] buffer, slot s to row s, weight
         1), its L2 norm in float64 on the host; kept in `observed` as (layer, expert of each
-        slot, its weight, the norm) until the pass has succeeded."""
+        slot, its weight, the norm) until the pass has succeeded. `rows`: each slot's row (the
+        head's rows that predict nothing are not counted)."""
         from fermijit.jit import gpu
 
         S, hidden, inter = ids.size, self.m.hidden, self.h.shape[1]
@@ -392,13 +437,18 @@ class Pass:
             norms = np.linalg.norm(y.get().astype(np.float64), axis=1)
         experts = np.repeat(np.arange(self.m.n_experts),
                             np.bincount(ids.reshape(-1), minlength=self.m.n_experts))
-        self.observed.append((i, experts, slot_weights.astype(np.float64), norms))
+        keep = ~self.is_pad[rows] if i == len(self.m.layers) else slice(None)
+        self.observed.append((i, experts[keep], slot_weights[keep].astype(np.float64),
+                              norms[keep]))
 
     def run(self, tokens: np.ndarray, time_layers: bool = False) -> None:
-        """Every layer over `tokens` [T] int32; x holds the last hidden states after."""
+        """Every layer over `tokens` [T] int32 (the segments' rows), then the MTP head's where
+        the states have it; `out` holds the normed last hidden states after, and `x` the last
+        residuals (the head's, where it ran)."""
         from fermijit.jit import gpu
 
         m = self.m
+        self.time_layers = time_layers
         self.mark("start")
         x = embedding.cpu(tokens, m.embed)
         with gpu.check("copying the embeddings in"):
@@ -409,33 +459,87 @@ class Pass:
             predicted = self.ids_next.get()
         self.fetch(0, np.bincount(predicted.reshape(-1), minlength=m.n_experts) > 0)
         self.mark("embedding")
-        for i, (w, s) in enumerate(zip(self.dev.layers, self.states)):
-            self.layer = i
-            start = gpu.event() if time_layers else None
-            if start is not None:
-                start.record()
-            rmsnorm.gpu(self.x, w["input_norm"], m.eps, out=self.xn)
-            self.mark("small ops")
-            if isinstance(s, KvCache):
-                self.attention(w, s)
+        for i, w in enumerate(self.dev.layers[:len(m.layers)]):
+            if m.is_attention[i]:
+                spans = [(s.rows, s.start, s.states[i]) for s in self.segments]
+                self.decoder_layer(i, w, lambda: self.attention(w, spans, self.positions))
             else:
-                self.gdn(w, s)
-            rmsnorm.gpu(self.x, w["post_norm"], m.eps, out=self.xn)
-            self.mark("small ops")
-            self.moe(i, w)
-            if start is not None:
-                end = gpu.event()
-                end.record()
-                self.timings.append(LayerTiming((start, end), self.copy_events))
+                self.decoder_layer(i, w, lambda: self.gdn(w, i))
+        rmsnorm.gpu(self.x, self.dev.norm, m.eps, out=self.out)
+        self.mark("small ops")
+        if self.has_head:
+            self.head(tokens)
 
-    def logits(self, all_logits: bool = False) -> np.ndarray:
-        """Logits [V] of the last token ([T, V] of every token with `all_logits`)."""
+    def decoder_layer(self, i: int, w, mixer) -> None:
+        """h = x + mixer(rmsnorm(x)); x = h + moe(rmsnorm(h)) (MODEL.md §4), layer i's weights
+        `w`; `mixer()` adds into x from xn."""
         from fermijit.jit import gpu
 
         m = self.m
-        self.layer = len(m.layers)
-        x = self.x if all_logits else self.x[self.T - 1:self.T]
-        xn = rmsnorm.gpu(x, self.dev.norm, m.eps, out=gpu.empty(x.shape))
+        self.layer = i
+        start = gpu.event() if self.time_layers else None
+        if start is not None:
+            start.record()
+        rmsnorm.gpu(self.x, w["input_norm"], m.eps, out=self.xn)
+        self.mark("small ops")
+        mixer()
+        rmsnorm.gpu(self.x, w["post_norm"], m.eps, out=self.xn)
+        self.mark("small ops")
+        self.moe(i, w)
+        if start is not None:
+            end = gpu.event()
+            end.record()
+            self.timings.append(LayerTiming((start, end), self.copy_events))
+
+    def head(self, tokens: np.ndarray) -> None:
+        """The MTP head's rows (model/mtp.py, MODEL.md §10), one per row of the pass, as layer L:
+        x = fc · [rmsnorm(embed(token)); rmsnorm(hidden)], then a full-attention MoE layer over
+        the head's own cache. A sequence with w hidden states waiting (1, or 0 on a fresh
+        state) has rows pairing hidden state p with token p + 1 from p = start - w: its waiting
+        one's, then its own but the last w. With w = 0 its last row has no next token yet: it
+        runs on token 0, so every buffer keeps the pass's T rows; its cache row (the sequence's
+        last position) is not handed back, and a later pass's first row overwrites it."""
+        from fermijit.jit import gpu
+
+        m, T, H, L = self.m, self.T, self.m.hidden, len(self.m.layers)
+        w = self.dev.layers[L]
+        hidden, cat = gpu.empty((T, H)), gpu.empty((T, 2 * H))
+        head_tokens, positions = np.zeros(T, np.int32), np.empty(T, np.int64)
+        spans = []
+        for seg in self.segments:
+            a, b, n_wait = seg.rows.start, seg.rows.stop, seg.waiting.shape[0]
+            if n_wait:
+                copy_rows(hidden[a:a + n_wait], seg.waiting)
+            copy_rows(hidden[a + n_wait:b], self.out[a:b - n_wait])
+            head_tokens[a:b - 1 + n_wait] = tokens[a + 1 - n_wait:b]
+            self.is_pad[b - 1 + n_wait:b] = True
+            start = seg.start - n_wait
+            positions[a:b] = np.arange(start, start + b - a)
+            spans.append((seg.rows, start, seg.states[L]))
+            seg.waiting = gpu.empty((1, H))
+            copy_rows(seg.waiting, self.out[b - 1:b])
+        with gpu.check("copying the embeddings in"):
+            self.x.set(embedding.cpu(head_tokens, m.embed))
+        rmsnorm.gpu(self.x, w["pre_fc_norm_embedding"], m.eps, out=self.xn)
+        rmsnorm.gpu(hidden, w["pre_fc_norm_hidden"], m.eps, out=hidden)
+        for at, half in ((0, self.xn), (H * F32, hidden)):             # [e; h], embedding first
+            gpu.copy_2d(int(cat.gpudata) + at, 2 * H * F32, half.gpudata, H * F32, H * F32, T)
+        self.mark("small ops")
+        matmul.gpu(self.rounded(cat), w["fc_qs"], w["fc_d"], out=self.x)
+        self.mark("dense gemm")
+        self.decoder_layer(L, w, lambda: self.attention(w, spans, positions))
+
+    def logits(self, rows: list[int] | None = None) -> np.ndarray:
+        """Logits [len(rows), V] of those rows of the pass (default: every row)."""
+        from fermijit.jit import gpu
+
+        m = self.m
+        self.layer = self.n_layers
+        xn = gpu.empty((self.T if rows is None else len(rows), m.hidden))
+        if rows is None:
+            copy_rows(xn, self.out)
+        for k, r in enumerate(rows or ()):     # rounded below: a copy, not `out` itself
+            copy_rows(xn[k:k + 1], self.out[r:r + 1])
         self.mark("small ops")
         xn = self.rounded(xn)
         head = self.dev.head
@@ -451,4 +555,4 @@ class Pass:
                 hi, lo, bias = (t.get() for t in terms)
             out = hi + lo + np.float32(8) * bias
         self.mark("lm head")
-        return out if all_logits else out[0]
+        return out

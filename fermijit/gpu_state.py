@@ -27,8 +27,10 @@ COPY_THREADS = 4
 
 def upload_states(state: State, n_positions: int) -> list:
     """The host state on the device: KV caches with room for `n_positions` holding the
-    state's positions, GDN states. A state at position 0 is the empty one (Model.new_state):
-    its device copy is cleared, not sent (~100 MB for the full-size shapes)."""
+    state's positions, GDN states (and the MTP head's cache, last, where the state has it: its
+    row at position - 1 is sent too, unwritten yet, and the prefill writes it first). A state at
+    position 0 is the empty one (Model.new_state): its device copy is cleared, not sent (~100
+    MB for the full-size shapes)."""
     from fermijit.jit import gpu
 
     cuda, states, held = gpu.driver(), [], state.position
@@ -57,18 +59,27 @@ def upload_states(state: State, n_positions: int) -> list:
     return states
 
 
-def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
-    """Per layer, the host arrays the hand-off writes (contiguous): each head's KV rows from
-    the state's position to `end` (k's heads, then v's; a Q8_0 row range as its codes then its
-    scales), the GDN conv and recurrent states."""
-    start = state.position
+def handed_rows(state: State, end: int) -> list[tuple[int, int]]:
+    """Per layer, the positions [a, b) of its KV rows the hand-off writes: the state's position
+    to `end`; the MTP head's cache (the last layer, where `state.hidden` is set) lags one
+    position (model/mtp.py): from its first waiting hidden state's position to end - 1."""
+    rows = [(state.position, end)] * len(state.layers)
+    if state.hidden is not None:
+        rows[-1] = (state.position - state.hidden.shape[0], end - 1)
+    return rows
 
-    def head_rows(a, h):
-        rows = a[h, start:end]
+
+def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
+    """Per layer, the host arrays the hand-off writes (contiguous): each head's KV rows
+    (`handed_rows`: k's heads, then v's; a Q8_0 row range as its codes then its scales), the
+    GDN conv and recurrent states."""
+    def head_rows(a, h, start, stop):
+        rows = a[h, start:stop]
         return [rows.qs, rows.d] if isinstance(rows, Q8Rows) else [rows]
 
-    return [[x for a in (s.k, s.v) for h in range(a.shape[0]) for x in head_rows(a, h)]
-            if isinstance(s, KvCache) else [s.conv, s.recurrent] for s in state.layers]
+    return [[x for a in (s.k, s.v) for h in range(a.shape[0]) for x in head_rows(a, h, *rows)]
+            if isinstance(s, KvCache) else [s.conv, s.recurrent]
+            for s, rows in zip(state.layers, handed_rows(state, end))]
 
 
 def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
@@ -84,31 +95,38 @@ def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
         int(scales.gpudata) + (h * positions + start) * nb * F32)], (codes, scales)
 
 
-def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
-    """The device caches (the positions from the host state's to `end`) and states into the
-    host `State`, which then holds `end` positions. Everything is read back (into one
-    page-locked buffer: DMA at the link's rate) before the host state changes, so a failure
-    leaves it as it was."""
+def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
+    """Each sequence's (device states, host `State`, end, waiting) device caches (the positions
+    from the host state's to `end`: `handed_rows`) and states into the host state, which then
+    holds `end` positions; with the MTP head, `waiting` (device [1, H]) becomes its hidden state
+    waiting (else None). Everything is read back (into one page-locked buffer: DMA at the link's
+    rate) before any host state changes, so a failure leaves them all as they were."""
     from fermijit.jit import gpu
 
-    cuda, start = gpu.driver(), state.position
+    cuda = gpu.driver()
     pieces = []  # (host array to fill, device address), in handed_arrays' order
     held = []    # the rounded caches' device arrays, alive until copied
-    for d, s, host in zip(states, state.layers, handed_arrays(state, end)):
-        if isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
-            sources = []
-            for x in (d.k, d.v):
-                with gpu.check("rounding the KV cache to Q8_0"):
-                    addresses, arrays = _q8_sources(x, start)
-                sources += addresses
-                held.append(arrays)
-        elif isinstance(d, KvCache):
-            heads, positions, dim = d.k.shape
-            sources = [int(x.gpudata) + (h * positions + start) * dim * F32
-                       for x in (d.k, d.v) for h in range(heads)]
-        else:
-            sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
-        pieces += zip(host, sources)
+    hidden = []  # the waiting hidden states' host arrays, or None
+    for states, state, end, waiting in sequences:
+        for d, s, host, (start, _) in zip(states, state.layers, handed_arrays(state, end),
+                                          handed_rows(state, end)):
+            if isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
+                sources = []
+                for x in (d.k, d.v):
+                    with gpu.check("rounding the KV cache to Q8_0"):
+                        addresses, arrays = _q8_sources(x, start)
+                    sources += addresses
+                    held.append(arrays)
+            elif isinstance(d, KvCache):
+                heads, positions, dim = d.k.shape
+                sources = [int(x.gpudata) + (h * positions + start) * dim * F32
+                           for x in (d.k, d.v) for h in range(heads)]
+            else:
+                sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
+            pieces += zip(host, sources)
+        hidden.append(None if waiting is None else np.empty(waiting.shape, np.float32))
+        if waiting is not None:
+            pieces.append((hidden[-1], int(waiting.gpudata)))
     buf = dev.host_buffer("state", sum(a.nbytes for a, _ in pieces))
     if held:  # the rounding ran on the legacy stream; the copies go on another
         with gpu.check("rounding the KV cache to Q8_0"):
@@ -131,4 +149,7 @@ def hand_off(dev: DeviceModel, states: list, state: State, end: int) -> None:
     else:
         for n in range(len(pieces)):
             fill(n)
-    state.position = end
+    for (_, state, end, _), h in zip(sequences, hidden):
+        state.position = end
+        if h is not None:
+            state.hidden = h

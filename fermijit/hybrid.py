@@ -110,24 +110,30 @@ def default_pin_budget() -> int:
 
 
 def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
-         all_logits: bool = False, resident: int | None = None) -> Plan:
+         all_logits: bool = False, resident: int | None = None,
+         ends: list[int] | None = None, with_head: bool = False) -> Plan:
     """The memory plan of a prefill of `n_tokens` after `start` positions; FermijitError when
     even a pass of MIN_CHUNK tokens does not fit `budget`. Needs no GPU. `resident`: the dense
     weights' bytes when known (DeviceModel.resident_bytes; counting them builds the joined
-    arrays again: 4 ms a prefill at full size, measured on the H200's host)."""
+    arrays again: 4 ms a prefill at full size, measured on the H200's host). Several sequences
+    together (`prefill_batch`): `n_tokens` all their rows, `ends` each one's end position (their
+    states are all on the device; default one, start + n_tokens). `with_head`: the states have
+    the MTP head (its cache, its rows' activations)."""
     from fermijit import expert_stream, gpu_layout
+    from fermijit.model.reap import moe_layers
 
     if resident is None:
         resident = sum(a.nbytes for layer in gpu_layout.dense_arrays(model)
                        for a in layer.values())
         resident += model.norm.nbytes + gpu_layout.head_bytes(model)
     layout = expert_stream.Layout.of(model.layers[0].experts)
-    states = gpu_layout.state_bytes(model, start + n_tokens)
+    ends = [start + n_tokens] if ends is None else ends
+    states = sum(gpu_layout.state_bytes(model, end, with_head) for end in ends)
     fixed = resident + 2 * layout.layer_bytes + states  # the expert buffer pair
 
     def activations(t: int) -> int:
-        logits = 4 * model.vocab_size * (t if all_logits else 1)
-        return int(POOL_SLACK * (gpu_layout.activation_bytes(model, t) + logits))
+        logits = 4 * model.vocab_size * (t if all_logits else min(t, len(ends)))
+        return int(POOL_SLACK * (gpu_layout.activation_bytes(model, t, with_head) + logits))
 
     chunk = n_tokens  # else the largest multiple of MIN_CHUNK that fits
     if fixed + activations(chunk) > budget:
@@ -137,7 +143,7 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
     if fixed + activations(chunk) > budget:
         raise FermijitError(f"the GPU prefill needs {(fixed + activations(chunk)) / MIB:,.0f} "
                             f"MiB of GPU memory, the budget is {budget / MIB:,.0f} MiB")
-    pool = layout.layer_bytes * len(model.layers)
+    pool = layout.layer_bytes * len(moe_layers(model))
     source = "pinned" if pool <= pin_budget else "ring"
     pinned = pool if source == "pinned" else expert_stream.RING_SLOTS * ring_slot_bytes(pin_budget)
     return Plan(n_tokens, chunk, budget, resident, 2 * layout.layer_bytes, layout.layer_bytes,
@@ -297,6 +303,28 @@ class GpuPrefiller:
         tokens = np.asarray(tokens, dtype=np.int32)
         if not self.prepare():
             return self.cpu.prefill(tokens, state, on_block, all_logits, align)
+        self._check(tokens, state)
+        return self._gpu_or_cpu(
+            [PrefillItem(tokens, state, on_block)], all_logits,
+            lambda: [self.cpu.prefill(tokens, state, on_block, all_logits)])[0]
+
+    def _gpu_or_cpu(self, items: list[PrefillItem], all_logits: bool, cpu) -> list:
+        """`run_batch(items)`; where the GPU path fails: said, the GPU given up, and `cpu()`
+        instead, from the states as they were (run_batch hands them back all or none)."""
+        positions = [i.state.position for i in items]
+        try:
+            logits = self.run_batch(items, all_logits)
+        except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
+            if [i.state.position for i in items] != positions:
+                raise  # after the hand-off: an on_block's or the observer's, not the GPU's
+            self._fall_back(one_line(e))
+            self.device = None
+            return cpu()
+        self.n_prefilled["gpu"] += sum(i.tokens.size for i in items)
+        return logits
+
+    def _check(self, tokens: np.ndarray, state) -> None:
+        """Bad input as the CPU's prefill says it (a FermijitError before any GPU work)."""
         if tokens.ndim != 1 or tokens.size == 0:
             raise FermijitError(f"prefill needs a non-empty 1-D token array, got shape "
                                 f"{list(tokens.shape)}")
@@ -304,98 +332,167 @@ class GpuPrefiller:
             raise FermijitError(f"token ids must be in [0, {self.model.vocab_size}), got "
                                 f"[{tokens.min()}, {tokens.max()}]")
         self.model._check_room(state, tokens.size)
-        try:
-            logits = self.run(tokens, state, all_logits, on_block)
-            self.n_prefilled["gpu"] += tokens.size
-            return logits
-        except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
-            self._fall_back(one_line(e))
-            self.device = None
-            return self.cpu.prefill(tokens, state, on_block, all_logits)
 
     def prefill_batch(self, items: list[PrefillItem], align: int | None = None) -> list:
         """Prefill each item's tokens after its state; the logits [V] after each item's last
-        token, in the items' order. The contract for a multi-sequence GPU pass to keep:
+        token, in the items' order. The contract:
         - every item's state ends as `prefill` of it alone leaves it: KV rows, GDN conv and
-          recurrent state, position advanced by its tokens; its logits within the tolerance the
-          GPU holds to the CPU's;
+          recurrent state, the MTP head's rows and waiting hidden state, position advanced by its
+          tokens; its logits within the tolerance the GPU holds to the CPU's;
         - `item.on_block(n)` after each pass that fed n of its tokens, once the host state holds
-          them (the prefix cache snapshots it there: passes should end at multiples of `align`
-          where they can; a pass that hands the state back only at its end calls it then);
-        - a failure falls back to the CPU (one line, as `prefill`), from the states as they were
-          before the failed pass; bad input (token ids, room) is a FermijitError.
-        For now a loop over `prefill`, one sequence at a time."""
-        return [self.prefill(i.tokens, i.state, i.on_block, align=align) for i in items]
+          them: the states are handed back at the end of a `run_batch` call, so then;
+        - a failure falls back to the CPU (one line, as `prefill`) for the items not yet done,
+          from their states as they were before (a `run_batch` call hands its states back all
+          or none); bad input (token ids, room) is a FermijitError.
+        One `run_batch` call (one or more passes over all their rows) per group of `_groups`.
+        `align` is not followed, as in `prefill`."""
+        items = [dataclasses.replace(i, tokens=np.asarray(i.tokens, np.int32)) for i in items]
+        if len({id(i.state) for i in items}) != len(items):
+            raise FermijitError("prefill_batch: a state appears twice")
+        if not self.prepare():
+            return self.cpu.prefill_batch(items, align)
+        for i in items:
+            self._check(i.tokens, i.state)
+        logits = [None] * len(items)
+        for group in self._groups(items):
+            mine = [items[k] for k in group]
+            on_cpu = lambda: self.cpu.prefill_batch(mine, align)  # noqa: E731
+            rows = on_cpu() if self.broken else self._gpu_or_cpu(mine, False, on_cpu)
+            for k, row in zip(group, rows):
+                logits[k] = row
+        return logits
+
+    def _groups(self, items: list[PrefillItem]) -> list[list[int]]:
+        """The items' indices by `run_batch` call: those whose states have the MTP head apart
+        from the others, and in each call as many items as the memory plan takes (all their
+        states on the device at once; an item alone that does not fit fails in its call)."""
+        from fermijit.model import mtp
+
+        groups = []
+        for with_head in (False, True):
+            group: list[int] = []
+            for k, item in enumerate(items):
+                if mtp.has_head(self.model, item.state) != with_head:
+                    continue
+                if group and not self._fits([items[j] for j in group + [k]], with_head):
+                    groups.append(group)
+                    group = []
+                group.append(k)
+            if group:
+                groups.append(group)
+        return groups
+
+    def _plan(self, items: list[PrefillItem], with_head: bool, all_logits: bool = False) -> Plan:
+        pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
+        return plan(self.model, sum(i.tokens.size for i in items), items[0].state.position,
+                    self.budget(), pin_budget, all_logits, self.device.resident_bytes,
+                    [i.state.position + i.tokens.size for i in items], with_head)
+
+    def _fits(self, items: list[PrefillItem], with_head: bool) -> bool:
+        try:
+            self._plan(items, with_head)
+            return True
+        except FermijitError:
+            return False
 
     def run(self, tokens, state, all_logits: bool = False, on_block=None,
             time_layers: bool = False, profile: bool = False):
-        """The GPU prefill itself, no fallback (`prefill` checks the input and falls back);
-        `time_layers` and `profile` keep CUDA events for `bench prefill` in `last_pass`."""
-        import time
+        """The GPU prefill of one sequence: `run_batch` of it alone."""
+        return self.run_batch([PrefillItem(tokens, state, on_block)], all_logits, time_layers,
+                              profile)[0]
 
+    def run_batch(self, items: list[PrefillItem], all_logits: bool = False,
+                  time_layers: bool = False, profile: bool = False) -> list:
+        """The GPU prefill itself, no fallback (`prefill_batch` checks the input and falls
+        back): the items' rows in passes of at most the plan's chunk (gpu_prefill.Pass, each
+        item a Segment), their states sent in first and handed back at the end; each item's
+        logits [V] ([T, V] with `all_logits`, for one item). The states have the MTP head all or
+        none (`_groups`). `time_layers` and `profile` keep CUDA events for `bench prefill` in
+        `last_pass`."""
         from fermijit import gpu_prefill, gpu_state
-        from fermijit.jit import gpu
+        from fermijit.model import mtp
 
         clock = [time.perf_counter()]
         phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
-        # A state with the MTP layer (speculative decoding): the GPU runs the model's layers on
-        # the others; the head's rows run on the CPU from each pass's last hidden states.
-        from fermijit.model import mtp
-        from fermijit.model.state import State
-
-        with_head = state if mtp.has_head(self.model, state) else None
-        if with_head is not None:
-            state = State(state.position, state.layers[:len(self.model.layers)],
-                          state.rope_delta)
-        passes = []
 
         def phase(name: str) -> None:
             clock.append(time.perf_counter())
             phases[name] = phases.get(name, 0.0) + clock[-1] - clock[-2]
 
-        pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
-        p = plan(self.model, tokens.size, state.position, self.budget(), pin_budget, all_logits,
-                 self.device.resident_bytes)
-        self.last_plan = p
-        if self.verbose and tokens.size > 2:
+        model = self.model
+        with_head = mtp.has_head(model, items[0].state)
+        if any(mtp.has_head(model, i.state) != with_head for i in items):
+            raise FermijitError("run_batch: the states have the MTP head all or none")
+        if all_logits and len(items) > 1:
+            raise FermijitError("run_batch: all_logits takes one sequence")
+        n_rows = sum(i.tokens.size for i in items)
+        p = self.last_plan = self._plan(items, with_head, all_logits)
+        if self.verbose and n_rows > 2:
             self._say(p.describe())
         if p.n_chunks > 1:
-            self._say(f"gpu prefill: activations of {tokens.size} tokens exceed --gpu-mem; "
+            self._say(f"gpu prefill: activations of {n_rows} tokens exceed --gpu-mem; "
                       f"{p.n_chunks} passes of <= {p.chunk} tokens")
-        start = state.position
         phase("plan")
-        states = gpu_state.upload_states(state, start + tokens.size)
+        ends = [i.state.position + i.tokens.size for i in items]
+        states = [gpu_state.upload_states(i.state, end) for i, end in zip(items, ends)]
+        waiting = [_waiting(model, i.state) if with_head else None for i in items]
         phase("state in")
-        logits, observed = [], []
-        for t0 in range(0, tokens.size, p.chunk):
-            block = tokens[t0:t0 + p.chunk]
-            last = t0 + p.chunk >= tokens.size
-            run = gpu_prefill.Pass(self.device, states, block.size, start + t0,
-                                   observe=self.observer is not None, w4a8=self.w4a8)
+        done = [0] * len(items)
+        logits: list = [[] if all_logits else None for _ in items]
+        fed, observed = [], []  # (item, tokens) per pass; REAP's observations
+        while any(d < i.tokens.size for d, i in zip(done, items)):
+            segments, pieces, row = [], [], 0
+            for b, item in enumerate(items):
+                n = min(item.tokens.size - done[b], p.chunk - row)
+                if n > 0:
+                    segments.append(gpu_prefill.Segment(slice(row, row + n),
+                                                        item.state.position + done[b],
+                                                        states[b], waiting[b]))
+                    pieces.append((b, n))
+                    row += n
+            run = gpu_prefill.Pass(self.device, segments, observe=self.observer is not None,
+                                   w4a8=self.w4a8)
             run.marks = [] if profile else None
             phase("pass buffers")
-            run.run(block, time_layers)
+            run.run(np.concatenate([items[b].tokens[done[b]:done[b] + n] for b, n in pieces]),
+                    time_layers)
             phase("layers")
-            if all_logits or last:
-                logits.append(run.logits(all_logits))
+            if all_logits:
+                logits[0].append(run.logits())
+            else:  # the rows of the items that end in this pass
+                last = [(b, seg.rows.stop - 1) for (b, n), seg in zip(pieces, segments)
+                        if done[b] + n == items[b].tokens.size]
+                for (b, _), row in zip(last, run.logits([r for _, r in last])):
+                    logits[b] = row
             phase("logits")
-            if with_head is not None:
-                with gpu.check("reading the hidden states back"):
-                    passes.append((block, run.x.get(), start + t0 + block.size))
-            if on_block is not None:
-                on_block(block.size)
+            for (b, n), seg in zip(pieces, segments):
+                done[b] += n
+                waiting[b] = seg.waiting
+            fed += pieces
             self.last_pass = run
             observed += run.observed
-        gpu_state.hand_off(self.device, states, state, start + tokens.size)
+        gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
+                                                 waiting)))
         phase("state out")
-        if with_head is not None:
-            with_head.position = state.position
-            for block, x, end in passes:
-                mtp.after_block(self.model, with_head, block, x, end)
-            phase("mtp head (cpu)")
+        for b, n in fed:
+            if items[b].on_block is not None:
+                items[b].on_block(n)
         for layer, experts, weights, norms in observed:
             self.observer(layer, experts, weights, norms)
-        return np.concatenate(logits) if all_logits else logits[-1]
+        return [np.concatenate(rows) for rows in logits] if all_logits else logits
+
+
+def _waiting(model, state):
+    """The state's MTP hidden states waiting on the device: [0, H] (a fresh state) or [1, H]."""
+    from fermijit.jit import gpu
+
+    n = state.hidden.shape[0]
+    if n > 1:  # as model/mtp.py after_block
+        raise FermijitError(f"mtp: {n} hidden states waiting before a prefill (1 at rest)")
+    if n == 0:
+        return gpu.empty((0, model.hidden))
+    return gpu.to_device("gpu prefill", "mtp hidden", np.ascontiguousarray(state.hidden),
+                         np.float32)
 
 
 class AutoPrefiller:

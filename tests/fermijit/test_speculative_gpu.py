@@ -1,8 +1,9 @@
-"""The GPU prefill of a state with the MTP layer (fermijit/hybrid.py, issue 32): the model's layers
-on the GPU, the head's rows on the CPU from each pass's last hidden states, so a speculative
-decode can follow a GPU prefill. On a tiny model with a random head: the head's cache rows and
-waiting hidden state against an all-CPU prefill's, one pass and chunked; greedy text after it
-equal to plain decoding's from the same handed-off state."""
+"""The GPU prefill of a state with the MTP layer (fermijit/hybrid.py, issues 32 and 28): the model's
+layers and then the head's rows on the GPU, in the same pass (gpu_prefill.Pass.head), so a
+speculative decode can follow a GPU prefill. On a tiny model with a random head: the head's cache
+rows and waiting hidden state against an all-CPU prefill's, one pass, chunked and continued; the
+REAP calibration's count of the head's rows; greedy text after it equal to plain decoding's from
+the same handed-off state."""
 
 import numpy as np
 import pytest
@@ -11,12 +12,12 @@ import dataclasses
 import io
 
 from fermijit import engine, hybrid, speculative
-from fermijit.model import convert, mtp
+from fermijit.model import convert, mtp, reap
 from fermijit.model.forward import load_model
 from fermijit.model.state import KvKind
 from fermijit.ops.sampling import Sampler
 from tests.fermijit.hybrid_models import E128
-from tests.gpu import MARKS
+from tests.gpu import MARKS, report_error
 from tests.model import tiny
 
 pytestmark = MARKS
@@ -25,6 +26,10 @@ pytestmark = MARKS
 # (tests/fermijit/test_hybrid_gpu.py GPU_STATE_VS_CPU["tiny-e128"]); the head reads those states.
 GPU_STATE_VS_CPU = 1e-2
 N_PROMPT = 60
+CALIBRATION_CONTEXT = 64
+# Routed slots of the head that the GPU's calibration may route elsewhere than the CPU's (router
+# logits that nearly tie, moved by the states' rounding): as tests/model/test_reap_gpu.py.
+MOVED_SLOTS = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +47,63 @@ def rel(expected, actual):
     return float(np.abs(expected - actual).max() / np.abs(expected).max())
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_head_rows_follow_the_cpus(model, chunked):
-    n_prompt = 200 if chunked else N_PROMPT  # chunks: a budget of half the activations of 200
+@pytest.mark.parametrize("how", ["one pass", "chunked", "continued"])
+def test_head_rows_follow_the_cpus(model, how, monkeypatch):
+    """The head's rows run on the GPU, in the pass (the CPU's head made to fail): its cache rows,
+    waiting hidden state and the logits against an all-CPU prefill's; chunked (the waiting row
+    carried from pass to pass on the device) and continued (a state that had seen tokens, as
+    after a restored prefix: its waiting row pairs with the first new token)."""
+    n_prompt = 200 if how == "chunked" else N_PROMPT  # chunks: half the activations of 200
+    n_seen = 17 if how == "continued" else 0
     tokens = np.random.default_rng(0).integers(0, 300, n_prompt).astype(np.int32)
     cpu_state = model.new_state(n_prompt + 8, mtp=True)
-    model.prefill(tokens, cpu_state)
+    cpu_logits = model.prefill(tokens, cpu_state)
+    gpu_state = model.new_state(n_prompt + 8, mtp=True)
+    if n_seen:
+        model.prefill(tokens[:n_seen], gpu_state)
     budget = None
-    if chunked:
-        plan = hybrid.plan(model, n_prompt, 0, 1 << 40, 1 << 40)
+    if how == "chunked":
+        plan = hybrid.plan(model, n_prompt, 0, 1 << 40, 1 << 40, with_head=True)
         budget = plan.total - plan.activations // 2
     err = io.StringIO()
     pf = hybrid.GpuPrefiller(model, gpu_mem=budget, err=err)
     assert pf.prepare(), err.getvalue()
-    gpu_state = model.new_state(n_prompt + 8, mtp=True)
-    pf.prefill(tokens, gpu_state)
+
+    def on_the_cpu(*args, **kwargs):
+        raise AssertionError("the MTP head ran on the CPU")
+
+    monkeypatch.setattr(mtp, "forward_rows", on_the_cpu)
+    logits = pf.prefill(tokens[n_seen:], gpu_state)
     assert "on the CPU" not in err.getvalue(), err.getvalue()
-    assert not chunked or pf.last_plan.n_chunks > 1
+    assert (how == "chunked") == (pf.last_plan.n_chunks > 1)
     n = n_prompt - 1
     a, b = mtp.cache(model, cpu_state), mtp.cache(model, gpu_state)
-    assert rel(a.k[:, :n], b.k[:, :n]) < GPU_STATE_VS_CPU
-    assert rel(a.v[:, :n], b.v[:, :n]) < GPU_STATE_VS_CPU
-    assert gpu_state.hidden.shape == (1, model.hidden)
-    assert rel(cpu_state.hidden, gpu_state.hidden) < GPU_STATE_VS_CPU
+    for what, x, y in (("k", a.k[:, :n], b.k[:, :n]), ("v", a.v[:, :n], b.v[:, :n]),
+                       ("hidden", cpu_state.hidden, gpu_state.hidden), ("logits", cpu_logits,
+                                                                        logits)):
+        report_error(f"gpu mtp head {what} vs all-CPU ({how})", x, y)
+        assert rel(x, y) < GPU_STATE_VS_CPU, what
+    assert gpu_state.hidden.shape == (1, model.hidden) and gpu_state.position == n_prompt
+
+
+def test_calibration_counts_the_heads_rows_once(model):
+    """REAP calibration through the GPU prefill observes the head's MoE as layer L, its rows
+    that predict nothing yet (a window's last: gpu_prefill.Pass.head) not counted: the slots
+    per layer as the CPU's calibration, and nearly the same routing."""
+    tokens = np.random.default_rng(5).integers(0, 300, 2 * CALIBRATION_CONTEXT)
+    err = io.StringIO()
+    pf = hybrid.GpuPrefiller(model, err=err)
+    assert pf.prepare(), err.getvalue()
+    gpu = reap.calibrate(model, tokens, CALIBRATION_CONTEXT, "random tokens", prefiller=pf)
+    assert pf.broken is None, err.getvalue()
+    cpu = reap.calibrate(model, tokens, CALIBRATION_CONTEXT, "random tokens")
+    L = len(model.layers)
+    assert gpu.counts.shape == cpu.counts.shape == (L + 1, model.n_experts)
+    np.testing.assert_array_equal(gpu.counts.sum(axis=1), cpu.counts.sum(axis=1))
+    assert cpu.counts[L].sum() == 2 * (CALIBRATION_CONTEXT - 1) * model.top_k
+    moved = np.abs(gpu.counts[L] - cpu.counts[L]).sum() / 2 / cpu.counts[L].sum()
+    print(f"gpu vs cpu calibration, the MTP head: {moved:.4f} of the routed slots moved")
+    assert moved <= MOVED_SLOTS
 
 
 def test_speculative_decode_after_a_gpu_prefill(model):
