@@ -53,6 +53,11 @@ IDLE_WAIT_S = 0.1  # how often an idle scheduler looks at `is_running`
 # room for the chunks' switching cost; measured in /work/notes/serve.md).
 PREFILL_SHARE = 0.4
 GPU_JOB_POLL_S = 0.005  # how often an otherwise idle scheduler looks for new requests meanwhile
+# An idle scheduler that gets a request admits those that follow it within this gap of each
+# other before it prefills, so prompts that arrive together are prefilled together (one GPU
+# pass over all their rows: issue 28 item 5's 8 concurrent prompts, whose requests reach it
+# milliseconds apart; the first one's GPU pass would otherwise start alone).
+GATHER_S = 0.005
 # ChatML (the Qwen family's format), for a model that ships no chat template (the embedded one).
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -257,10 +262,15 @@ class Scheduler:
             setattr(self, group, [])
 
     def _admit(self) -> None:
+        was_idle = not (self.active or self.prefilling)
         while len(self.active) + len(self.prefilling) < self.max_batch:
             try:
-                job = self.waiting.get(timeout=IDLE_WAIT_S) if not (
-                    self.active or self.prefilling) else self.waiting.get_nowait()
+                if not (self.active or self.prefilling):
+                    job = self.waiting.get(timeout=IDLE_WAIT_S)
+                elif was_idle:
+                    job = self.waiting.get(timeout=GATHER_S)
+                else:
+                    job = self.waiting.get_nowait()
             except queue.Empty:
                 return
             if job.cancelled.is_set():

@@ -342,38 +342,104 @@ def test_the_experts_are_in_host_ram_once(models, monkeypatch):
     np.testing.assert_array_equal(copy.decode(5, state.copy()), expected)
 
 
-@pytest.mark.parametrize("mode", ["gpu", "auto"])
+# Ragged prompts (issue 28 item 5: prompts that arrive together), after states that had seen
+# tokens before (a restored prefix) or none; auto's 31-token one goes to the CPU.
+BATCH_LENGTHS, BATCH_SEEN = (90, 3, 40, hybrid.AUTO_MIN_TOKENS - 1, 64), (0, 0, 17, 5, 33)
+
+
+def batch_items(model, lengths=BATCH_LENGTHS, seen=BATCH_SEEN, context=200):
+    """PrefillItems of prompts `lengths` long after states that had seen `seen` tokens, each
+    item's on_block into its list of `fed`; (items, fed)."""
+    fed = [[] for _ in lengths]
+    items = []
+    for k, (n, n_seen) in enumerate(zip(lengths, seen)):
+        state = model.new_state(context)
+        if n_seen:
+            model.prefill(prompt(model, n_seen, seed=10 + k), state)
+        items.append(hybrid.PrefillItem(prompt(model, n, seed=k), state, fed[k].append))
+    return items, fed
+
+
+@pytest.mark.parametrize("mode", ["gpu", "auto", "split"])
 def test_prefill_batch_is_each_prefill_alone(loaded, mode):
-    """The contract of GpuPrefiller.prefill_batch (the server's multi-sequence prefill; a loop
-    over `prefill` for now, a multi-sequence GPU pass later): each item's logits and state as its
-    prefill alone (to GPU rounding; auto's items under AUTO_MIN_TOKENS on the CPU, bit for bit),
-    states that had seen tokens before continue, on_block sums each item's tokens."""
+    """The contract of GpuPrefiller.prefill_batch (the server's multi-sequence prefill): one
+    pass over all the items' rows (auto: those of at least AUTO_MIN_TOKENS tokens), each item's
+    logits and state as its prefill alone on the GPU (to the GPU's own rounding; auto's short
+    item on the CPU, bit for bit), states that had seen tokens continue, on_block sums each
+    item's tokens. split: a budget of half the batch's activations, so the rows run in several
+    passes that cut sequences (their states carried on the device from pass to pass)."""
     model, _, _ = loaded("tiny-e128")
-    pf, _ = gpu_prefiller(model, w4a8=False)
+    items, fed = batch_items(model)
+    ends = [i.state.position + i.tokens.size for i in items]
+    whole = hybrid.plan(model, sum(i.tokens.size for i in items), 0, 1 << 40, 1 << 40,
+                        ends=ends)
+    budget = whole.total - whole.activations // 2 if mode == "split" else None
+    pf, err = gpu_prefiller(model, w4a8=False, gpu_mem=budget)
+    one = pf
     if mode == "auto":
         pf = hybrid.AutoPrefiller(pf)
-    lengths, seen = (90, 3, 40, hybrid.AUTO_MIN_TOKENS - 1), (0, 0, 17, 5)
-    prompts = [prompt(model, n, seed=k) for k, n in enumerate(lengths)]
-
-    def state_after(n_seen, k):
-        s = model.new_state(130)
-        if n_seen:
-            model.prefill(prompt(model, n_seen, seed=10 + k), s)
-        return s
-
-    fed = [[] for _ in prompts]
-    items = [hybrid.PrefillItem(p, state_after(n, k), fed[k].append)
-             for k, (p, n) in enumerate(zip(prompts, seen))]
     got = pf.prefill_batch(items, align=32)
-    for k, (p, n, item) in enumerate(zip(prompts, seen, items)):
-        alone = state_after(n, k)
-        want = pf.prefill(p, alone, align=32)
-        assert sum(fed[k]) == p.size and item.state.position == alone.position
-        if mode == "auto" and p.size < hybrid.AUTO_MIN_TOKENS:
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
+    on_gpu = [mode != "auto" or i.tokens.size >= hybrid.AUTO_MIN_TOKENS for i in items]
+    if mode == "split":
+        assert one.last_plan.n_chunks > 1 and one.last_pass.T <= one.last_plan.chunk
+    else:
+        assert one.last_pass.T == sum(i.tokens.size for i, g in zip(items, on_gpu) if g)
+    alone_pf, _ = gpu_prefiller(model, w4a8=False)
+    alone_items, _ = batch_items(model)
+    for k, (item, alone) in enumerate(zip(items, alone_items)):
+        want = alone_pf.prefill(alone.tokens, alone.state) if on_gpu[k] else \
+            model.prefill(alone.tokens, alone.state, align=32)
+        assert sum(fed[k]) == item.tokens.size and item.state.position == alone.state.position
+        if not on_gpu[k]:
             np.testing.assert_array_equal(got[k], want)
         assert_rel(f"item {k} logits", want, got[k], GPU_VS_GPU)
-        for a, b in handed_off_pairs(item.state, alone, transposed=False):
+        for a, b in handed_off_pairs(item.state, alone.state, transposed=False):
             assert_rel(f"item {k} state", b, a, GPU_VS_GPU)
+
+
+def test_prefill_batch_follows_the_cpus(loaded):
+    """W4A8 (the default): the batch on the GPU against Model.prefill_batch on the CPU, to the
+    tolerances the GPU prefill holds to the CPU's (a prompt's last logits, the handed-off
+    state)."""
+    model, _, _ = loaded("tiny-e128")
+    items, _ = batch_items(model)
+    pf, err = gpu_prefiller(model)
+    got = pf.prefill_batch(items)
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
+    cpu_items, _ = batch_items(model)
+    want = model.prefill_batch([i.tokens for i in cpu_items], [i.state for i in cpu_items])
+    for k, (item, cpu) in enumerate(zip(items, cpu_items)):
+        report_error(f"batch item {k} logits vs all-CPU", want[k], got[k])
+        assert_rel(f"item {k} logits", want[k], got[k], W4A8_FLIP)
+        for a, b in handed_off_pairs(item.state, cpu.state, transposed=False):
+            report_error(f"batch item {k} handed-off state vs all-CPU", b, a)
+            assert rel_error(b, a) <= GPU_STATE_VS_CPU["tiny-e128"]
+
+
+def test_a_failed_batch_falls_back_from_the_states_before(loaded, monkeypatch):
+    """A GPU fault (here: the hand-off raising after the passes ran) leaves every state as it
+    was, and the CPU prefills the items from there: the CPU's own prefill_batch, bit for bit;
+    on_block counts each token once."""
+    from fermijit import gpu_state
+
+    model, _, _ = loaded("tiny-e128")
+    items, fed = batch_items(model)
+    pf, err = gpu_prefiller(model)
+
+    def fault(*args):
+        raise RuntimeError("an injected fault")
+
+    monkeypatch.setattr(gpu_state, "hand_off", fault)
+    got = pf.prefill_batch(items)
+    assert "prefilling on the CPU: RuntimeError: an injected fault" in err.getvalue()
+    cpu_items, _ = batch_items(model)
+    want = model.prefill_batch([i.tokens for i in cpu_items], [i.state for i in cpu_items])
+    for k, (item, cpu) in enumerate(zip(items, cpu_items)):
+        np.testing.assert_array_equal(got[k], want[k])
+        assert sum(fed[k]) == item.tokens.size
+        for a, b in handed_off_pairs(item.state, cpu.state, transposed=False):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_q8_0_hand_off_rounds_the_gpus_rows(models):

@@ -26,6 +26,9 @@ pytestmark = MARKS
 # (tests/fermijit/test_hybrid_gpu.py GPU_STATE_VS_CPU["tiny-e128"]); the head reads those states.
 GPU_STATE_VS_CPU = 1e-2
 N_PROMPT = 60
+# Two GPU runs of the same tokens with fp32 activations differ only in the order of the experts'
+# atomic adds (tests/fermijit/test_hybrid_gpu.py GPU_VS_GPU).
+GPU_VS_GPU = 1e-5
 CALIBRATION_CONTEXT = 64
 # Routed slots of the head that the GPU's calibration may route elsewhere than the CPU's (router
 # logits that nearly tie, moved by the states' rounding): as tests/model/test_reap_gpu.py.
@@ -104,6 +107,65 @@ def test_calibration_counts_the_heads_rows_once(model):
     moved = np.abs(gpu.counts[L] - cpu.counts[L]).sum() / 2 / cpu.counts[L].sum()
     print(f"gpu vs cpu calibration, the MTP head: {moved:.4f} of the routed slots moved")
     assert moved <= MOVED_SLOTS
+
+
+def head_items(model, lengths=(60, 2, 33, 45), seen=(0, 0, 9, 21)):
+    """PrefillItems of ragged prompts after states with the head that had seen `seen` tokens
+    (prefilled on the CPU: their waiting hidden states set) or none."""
+    items = []
+    for k, (n, n_seen) in enumerate(zip(lengths, seen)):
+        rng = np.random.default_rng(20 + k)
+        state = model.new_state(n + n_seen + 8, mtp=True)
+        if n_seen:
+            model.prefill(rng.integers(0, 300, n_seen).astype(np.int32), state)
+        items.append(hybrid.PrefillItem(rng.integers(0, 300, n).astype(np.int32), state))
+    return items
+
+
+def head_arrays(model, state):
+    """The head's handed-off rows (its cache up to position - 1) and waiting hidden state."""
+    kv, n = mtp.cache(model, state), state.position - 1
+    return [kv.k[:, :n], kv.v[:, :n], state.hidden]
+
+
+@pytest.mark.parametrize("against", ["alone", "split", "cpu"])
+def test_a_batch_with_the_head_is_each_prefill_alone(model, against):
+    """prefill_batch over states with the head (one pass over all their rows, each sequence's
+    head rows lagging its own way: fresh or continued): the head's rows, waiting hidden state and
+    logits against each prompt's prefill alone on the GPU (fp32 activations: to the GPU's own
+    rounding); split: a budget of half the batch's activations, so passes cut the sequences
+    (their waiting rows carried on the device); cpu: W4A8 against Model.prefill_batch."""
+    w4a8 = against == "cpu"
+    items = head_items(model)
+    n_rows = sum(i.tokens.size for i in items)
+    budget = None
+    if against == "split":
+        whole = hybrid.plan(model, n_rows, 0, 1 << 40, 1 << 40, with_head=True,
+                            ends=[i.state.position + i.tokens.size for i in items])
+        budget = whole.total - whole.activations // 2
+    err = io.StringIO()
+    pf = hybrid.GpuPrefiller(model, gpu_mem=budget, err=err, w4a8=w4a8)
+    assert pf.prepare(), err.getvalue()
+    got = pf.prefill_batch(items)
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
+    assert (pf.last_plan.n_chunks > 1) == (against == "split")
+    if against != "split":
+        assert pf.last_pass.T == n_rows
+    others = head_items(model)
+    if against == "cpu":
+        want = model.prefill_batch([i.tokens for i in others], [i.state for i in others])
+        bound = GPU_STATE_VS_CPU
+    else:
+        alone = hybrid.GpuPrefiller(model, err=err, w4a8=False)
+        want = [alone.prefill(i.tokens, i.state) for i in others]
+        bound = GPU_VS_GPU
+    for k, (item, other) in enumerate(zip(items, others)):
+        assert item.state.position == other.state.position
+        pairs = zip(("k", "v", "hidden"), head_arrays(model, other.state),
+                    head_arrays(model, item.state))
+        for what, x, y in [*pairs, ("logits", want[k], got[k])]:
+            report_error(f"gpu batch mtp {what} vs {against}", x, y)
+            assert rel(x, y) <= bound, (k, what)
 
 
 def test_speculative_decode_after_a_gpu_prefill(model):

@@ -45,15 +45,14 @@ def _file_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file())
 
 
-def _start(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str, float]:
-    """A `serve` process; (process, base url, seconds from start to its "serving" line)."""
+def _start(model_dir: Path, log: Path, flags: tuple = ()) -> tuple[subprocess.Popen, str, float]:
+    """A `serve` process with the defaults a user gets (--prefill auto; --speculative auto,
+    which drafts with the MTP head synth writes: its rows then run in the GPU pass too) but
+    --gpu-mem GPU_MEM, then `flags`; (process, base url, seconds from start to its "serving"
+    line)."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "fermijit", "serve", "--model", str(model_dir),
-                             "--port", "0", "--gpu-mem", GPU_MEM, "--prefill", "auto",
-                             # synth writes an MTP head and auto drafts with it on a model this
-                             # size; its rows then run on the CPU after each GPU pass (1.76-1.92x
-                             # the GPU prefill's time at 1k-16k, H200 host): not this target's
-                             "--speculative", "none"],
+                             "--port", "0", "--gpu-mem", GPU_MEM, *flags],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     with open(log, "a") as out:
         for line in proc.stderr:
