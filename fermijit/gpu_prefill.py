@@ -121,8 +121,9 @@ def copy_rows(dst, src) -> None:
     """Device rows [n, ...] of src into dst, as many, on the legacy stream."""
     from fermijit.jit import gpu
 
-    width = src.nbytes // src.shape[0]
-    gpu.copy_2d(dst.gpudata, width, src.gpudata, width, width, src.shape[0])
+    if src.shape[0]:
+        width = src.nbytes // src.shape[0]
+        gpu.copy_2d(dst.gpudata, width, src.gpudata, width, width, src.shape[0])
 
 
 class Pass:
@@ -508,8 +509,7 @@ class Pass:
         spans = []
         for seg in self.segments:
             a, b, n_wait = seg.rows.start, seg.rows.stop, seg.waiting.shape[0]
-            if n_wait:
-                copy_rows(hidden[a:a + n_wait], seg.waiting)
+            copy_rows(hidden[a:a + n_wait], seg.waiting)
             copy_rows(hidden[a + n_wait:b], self.out[a:b - n_wait])
             head_tokens[a:b - 1 + n_wait] = tokens[a + 1 - n_wait:b]
             self.is_pad[b - 1 + n_wait:b] = True

@@ -441,6 +441,7 @@ class GpuPrefiller:
         logits: list = [[] if all_logits else None for _ in items]
         fed, observed = [], []  # (item, tokens) per pass; REAP's observations
         while any(d < i.tokens.size for d, i in zip(done, items)):
+            run = self.last_pass = None  # the last pass's buffers freed before the next's
             segments, pieces, row = [], [], 0
             for b, item in enumerate(items):
                 n = min(item.tokens.size - done[b], p.chunk - row)
@@ -462,8 +463,8 @@ class GpuPrefiller:
             else:  # the rows of the items that end in this pass
                 last = [(b, seg.rows.stop - 1) for (b, n), seg in zip(pieces, segments)
                         if done[b] + n == items[b].tokens.size]
-                for (b, _), row in zip(last, run.logits([r for _, r in last])):
-                    logits[b] = row
+                for (b, _), x in zip(last, run.logits([r for _, r in last]) if last else ()):
+                    logits[b] = x
             phase("logits")
             for (b, n), seg in zip(pieces, segments):
                 done[b] += n
