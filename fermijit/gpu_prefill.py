@@ -403,7 +403,7 @@ class Pass:
         self.mark("expert gemm")
         self.rounded(self.h)
         if self.observing:
-            self.observe(i, ids, rows, slot_weights, (dn_qs, dn_d), n_tiles)
+            self.observe(i, ids, (dn_qs, dn_d), n_tiles)
         gpu.kernel("q4_gemm", MODE="expert_down")(
             (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
             self.h, dn_qs, dn_d, self.x, self.slot_tiles, self.slot_rows, self.slot_weights, 0,
@@ -418,13 +418,14 @@ class Pass:
             self.host_s["prefetch"] = self.host_s.get("prefetch", 0.0) + time.perf_counter() - t5
         self.mark("expert gemm")
 
-    def observe(self, i: int, ids, rows, slot_weights, down, n_tiles: int) -> None:
-        """REAP calibration (model/reap.py, issue 15): each slot's expert output E_j(x) without
-        the routing weight (the down GEMM into a zeroed [S, H] buffer, slot s to row s, weight
-        1), its L2 norm in float64 on the host; kept in `observed` as (layer, expert of each
-        slot, its weight, the norm) until the pass has succeeded. `rows`: each slot's row (the
-        head's rows that predict nothing are not counted)."""
+    def observe(self, i: int, ids, down, n_tiles: int) -> None:
+        """REAP calibration (model/reap.py): each slot's expert output E_j(x) without the routing
+        weight (the down GEMM into a zeroed [S, H] buffer, slot s to row s, weight 1), its L2
+        norm in float64 on the host, and its g_j(x) from the router's logits; kept in `observed`
+        as (layer, expert of each slot, g, the norm) until the pass has succeeded. The MTP
+        head's rows that predict nothing (`head`) are not counted."""
         from fermijit.jit import gpu
+        from fermijit.model import reap
 
         S, hidden, inter = ids.size, self.m.hidden, self.h.shape[1]
         y = gpu.empty((S, hidden))
@@ -434,13 +435,13 @@ class Pass:
             (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
             self.h, down[0], down[1], y, self.slot_tiles, self.identity, self.ones, 0, hidden,
             inter)
-        with gpu.check("reading the expert outputs back"):
+        with gpu.check("reading the expert outputs and router logits back"):
             norms = np.linalg.norm(y.get().astype(np.float64), axis=1)
-        experts = np.repeat(np.arange(self.m.n_experts),
-                            np.bincount(ids.reshape(-1), minlength=self.m.n_experts))
-        keep = ~self.is_pad[rows] if i == len(self.m.layers) else slice(None)
-        self.observed.append((i, experts[keep], slot_weights[keep].astype(np.float64),
-                              norms[keep]))
+            logits = self.logits_r.get()
+        order = np.argsort(ids.reshape(-1), kind="stable")    # route_slots' slot order
+        g = reap.gate_probabilities(logits, ids).reshape(-1)[order]
+        keep = ~self.is_pad[order // ids.shape[1]]            # each slot's row
+        self.observed.append((i, ids.reshape(-1)[order][keep], g[keep], norms[keep]))
 
     def run(self, tokens: np.ndarray, time_layers: bool = False) -> None:
         """Every layer over `tokens` [T] int32 (the segments' rows), then the MTP head's where

@@ -6,8 +6,11 @@ model has one (its layer is row L of the statistics, after the L layers: model/m
 MoE layer (through `Model.moe_observer`), for expert j and the tokens X_j the router sends to it:
     count_j    = |X_j|
     saliency_j = (1 / |X_j|) · Σ_{x ∈ X_j} g_j(x) · ‖E_j(x)‖₂            (0 when X_j is empty)
-g_j(x) the renormalised router weight (ops.router), E_j(x) the expert's SwiGLU output without the
-weight (ops.moe), computed here with the engine's ops: W4A8 for a fermijit model, fp32 for an HF
+g_j(x) the router's softmax probability of j over all E experts (not the renormalised top-k weight
+the MoE scales by: CerebrasResearch/reap's observer default, `renormalize_router_weights=False`;
+on a top-8-of-256 model the top-k mass differs between tokens, and renormalising inflates the
+weight of tokens whose router was unsure), E_j(x) the expert's SwiGLU output without the weight
+(ops.moe), computed here with the engine's ops: W4A8 for a fermijit model, fp32 for an HF
 checkpoint. Pruning to `keep` experts per layer keeps the `keep` highest scores (ties to the lower
 id), in their original order. The score is the saliency (REAP), or for comparison the count
 (frequency) or a seeded random number.
@@ -75,6 +78,14 @@ def choose(scores: np.ndarray, keep: int) -> np.ndarray:
     return np.sort(best, axis=1)
 
 
+def gate_probabilities(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """[T, k] float64: REAP's g_j(x), the softmax over all experts of the router's `logits` [T, E]
+    at the chosen `ids` [T, k]."""
+    z = logits.astype(np.float64)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return np.take_along_axis(z, ids.astype(np.int64), axis=1) / z.sum(axis=1, keepdims=True)
+
+
 def expert_output(experts, e: int, x: np.ndarray) -> np.ndarray:
     """E_e(x) [n, H] for x [n, H] fp32: expert e's SwiGLU as the engine's MoE computes it."""
     from fermijit.model.forward import silu
@@ -110,16 +121,17 @@ class Collector(RoutedCounts):
 
     def __call__(self, layer, x, ids, weights) -> None:
         i = self._layer_of[id(layer)]
+        g = gate_probabilities(x @ layer.router.T, ids)     # the engine's fp32 logits
         for e in np.unique(ids):
             t, k = np.nonzero(ids == e)                      # a token picks an expert once
             y = expert_output(layer.experts, int(e), x[t])
             norms = np.linalg.norm(y.astype(np.float64), axis=1)
             self.counts[i, e] += t.size
-            self.weighted_norms[i, e] += float(weights[t, k].astype(np.float64) @ norms)
+            self.weighted_norms[i, e] += float(g[t, k] @ norms)
 
     def add_slots(self, i: int, experts, weights, norms) -> None:
         """The GPU prefill's observer (hybrid.GpuPrefiller.observer): layer i's routed slots, the
-        expert of each, its routing weight and ‖E(x)‖₂ (gpu_prefill.observe)."""
+        expert of each, its g_j(x) (gate_probabilities) and ‖E(x)‖₂ (gpu_prefill.observe)."""
         n = self.counts.shape[1]
         self.counts[i] += np.bincount(experts, minlength=n)
         self.weighted_norms[i] += np.bincount(experts, weights * norms, minlength=n)
@@ -234,10 +246,13 @@ def reference(x, router_w, gate_up, down, top_k):
     from fermijit.model.reference import expert, swiglu
 
     n_experts = router_w.shape[0]
-    ids, weights = router.reference(x.astype(np.float32) @ router_w.T, top_k)  # the engine's logits
+    logits = x.astype(np.float32) @ router_w.T                       # the engine's logits
+    ids, _ = router.reference(logits, top_k)
     counts, sums = np.zeros(n_experts, np.int64), np.zeros(n_experts)
     for t in range(x.shape[0]):
-        for e, g in zip(ids[t], weights[t].astype(np.float64)):
+        p = np.exp(logits[t].astype(np.float64) - logits[t].max())
+        for e in ids[t]:
+            g = p[e] / p.sum()
             y = swiglu(x[t:t + 1].astype(np.float64), expert(gate_up, e), expert(down, e))[0]
             counts[e] += 1
             sums[e] += g * np.linalg.norm(y)
