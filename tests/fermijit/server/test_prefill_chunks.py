@@ -83,6 +83,35 @@ def test_prompts_arriving_together_are_prefilled_in_one_chunk(engine, prompts, a
         assert scheduler.n_chunks == 1
 
 
+def test_prompts_prefilled_together_send_their_first_tokens_before_any_snapshot(
+        engine, prompts, monkeypatch):
+    """A snapshot copies a state (~45 ms at full size): taken between two prompts' first
+    tokens, it would delay the later ones."""
+    from fermijit import engine as engine_module
+
+    events = []
+    finish = engine_module.PromptPrefill.finish
+    monkeypatch.setattr(engine_module.PromptPrefill, "finish",
+                        lambda self, logits: (events.append("snapshot"), finish(self, logits)))
+    with serving(engine, start=False) as (url, scheduler):
+        accept = scheduler._accept
+
+        def first_tokens(s, token, logits):
+            if not s.generated:
+                events.append("first token")
+            accept(s, token, logits)
+
+        scheduler._accept = first_tokens
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = [pool.submit(complete, url, p) for p in prompts]
+            while scheduler.waiting.qsize() < len(prompts):
+                time.sleep(0.01)
+            scheduler.start()
+            [text(a.result()) for a in answers]
+    n = len(prompts)
+    assert events[:2 * n] == ["first token"] * n + ["snapshot"] * n
+
+
 def test_a_long_prompt_is_chunked_and_snapshotted_as_one_prefilled_whole(engine):
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, engine.model.vocab_size, 700)
