@@ -477,6 +477,9 @@ class GpuPrefiller:
         gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
                                                  waiting)))
         phase("state out")
+        if self.verbose and n_rows > 2:
+            self._say(f"gpu prefill of {len(items)} sequence(s), {n_rows} rows: " + ", ".join(
+                f"{k} {v:.3f} s" for k, v in phases.items()))
         for b, n in fed:
             if items[b].on_block is not None:
                 items[b].on_block(n)

@@ -1,7 +1,8 @@
 """Issue 28's serve figures on the GPU host (run by tests/gpu_serve_bench.sh): medians of ROUNDS
 interleaved rounds, each of three fresh processes in a rotating order:
   - `serve` with the defaults (--speculative auto: the MTP head synth writes drafts, so its rows
-    run in the GPU pass too): time to first token through HTTP at LENGTHS prompt tokens, then a
+    run in the GPU pass too) and --verbose (the GPU prefill says each call's sequences, rows and
+    phases in the log): time to first token through HTTP at LENGTHS prompt tokens, then a
     64-token prompt alone (the median of 3) and N_CONCURRENT of them at once (the last first
     token: were they prefilled together?);
   - `serve --speculative none`: the same LENGTHS;
@@ -78,8 +79,9 @@ def prefill_round(model_dir: Path, log: Path, seed: int) -> dict:
 
 def main(model_dir: Path, out: Path) -> None:
     runs = {"default": [], "none": [], "prefill": []}
-    jobs = [("default", lambda r: serve_round(model_dir, out / "serve-default.log", (), True,
-                                                  r)),
+    # --verbose: the GPU prefill says each call's sequences, rows and phases in the log
+    jobs = [("default", lambda r: serve_round(model_dir, out / "serve-default.log",
+                                              ("--verbose",), True, r)),
             ("none", lambda r: serve_round(model_dir, out / "serve-none.log",
                                            ("--speculative", "none"), False, r)),
             ("prefill", lambda r: prefill_round(model_dir, out / "prefill.log", r))]
