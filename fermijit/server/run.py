@@ -140,15 +140,21 @@ def _head_timeout_protocol():
     return HeadTimeoutProtocol
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default
+
+
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (0: any free port), or a one-line FermijitError; uvicorn's own
-    binding logs and exits on failure."""
+    """A socket bound to host:port (0: any free port) and listening, or a one-line FermijitError;
+    uvicorn's own binding logs and exits on failure. Listening here, not when uvicorn starts: a
+    client that connects as soon as "serving on" is printed waits in the backlog instead of being
+    refused (seen: a warm server's first request refused on the GPU machine)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port,
                                                              type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         raise FermijitError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     return sock

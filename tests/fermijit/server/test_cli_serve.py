@@ -55,6 +55,17 @@ def test_serve_answers_and_stops_on_ctrl_c():
     assert "serving on" in err and out == ""
 
 
+def test_the_socket_listens_before_uvicorn_runs():
+    """A client connecting right after the "serving on" line queues, it is not refused."""
+    from fermijit.server.run import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        socket.create_connection(sock.getsockname(), timeout=5).close()
+    finally:
+        sock.close()
+
+
 def test_port_in_use_is_one_line_and_exit_2():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
