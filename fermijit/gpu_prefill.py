@@ -11,7 +11,9 @@ Per layer, on the legacy stream (the ops' launches):
     copy stream: the routed experts of layer i not yet on the device, then the experts predicted
                  for layer i+1 into the other buffer of the pair (double buffer)
     x += σ(xn·w_sg) · shared(xn);  wait for layer i's copies;  x += routed experts(xn)
-then the final norm and the LM head for the last position. A layer's routing needs its own input,
+then the final norm and the LM head for the last position. A pass may hold several sequences'
+rows (`Segment`: what carries state runs per sequence), and the MTP head's rows run after the
+layers as one more (`Pass.head`), where the states have the head. A layer's routing needs its own input,
 so its copies could not start before its router ran; predicting it from the layer before (the
 residual stream changes little per layer) lets the copies of layer i+1 run under the experts of
 layer i and the mixer of layer i+1. A wrong prediction costs bytes, never correctness: whatever

@@ -8,7 +8,9 @@ a long one: fermijit/server/scheduler.py), `prefill_batch(items, align) -> [logi
 
   cpu   Model.prefill / Model.prefill_batch (W4A8 GEMMs on the CPU).
   gpu   fermijit/gpu_prefill.py: dense weights resident on the GPU, routed experts streamed from
-        page-locked host memory (fermijit/expert_stream.py), the state handed back to the host.
+        page-locked host memory (fermijit/expert_stream.py), the state handed back to the host;
+        a batch's sequences in one pass over all their rows (the experts fetched once for them),
+        and the MTP head's rows in the same pass where the states have it (model/mtp.py).
   auto  gpu for prompts of at least AUTO_MIN_TOKENS tokens, cpu for shorter ones; the default.
 
 The GPU path falls back to the CPU, with one line on stderr, whenever it cannot run: no pycuda,
@@ -475,6 +477,9 @@ class GpuPrefiller:
         gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
                                                  waiting)))
         phase("state out")
+        if self.verbose and n_rows > 2:
+            self._say(f"gpu prefill of {len(items)} sequence(s), {n_rows} rows: " + ", ".join(
+                f"{k} {v:.3f} s" for k, v in phases.items()))
         for b, n in fed:
             if items[b].on_block is not None:
                 items[b].on_block(n)

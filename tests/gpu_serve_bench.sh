@@ -16,3 +16,5 @@ full=/dev/shm/fermijit-reap128
 python3 -m tests.fermijit.server.serve_bench $full "$out" 2>"$out/serve-bench.log"
 echo "serve bench rc=$?"
 tail -5 "$out/serve-bench.log"
+echo "the default servers' GPU prefill calls (--verbose): sequences, rows, phases"
+grep -h "^gpu prefill of" "$out/serve-default.log"
