@@ -565,15 +565,21 @@ def kernels_check(ptxas: Path | None, as_json: bool) -> None:
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default="q8_0", show_default=True,
-              help="Quantisation of the output head, the matrix most sensitive to error.")
-def convert(src: Path, dst: Path, lm_head: str) -> None:
+@click.option("--quant", "mix", type=click.Choice(["q4_0", "q4_k_m"]), default="q4_0",
+              show_default=True,
+              help="Quantisation mix of an HF checkpoint: fermijit's Q4_0, or llama.cpp's "
+                   "Q4_K_M (Q4_K, Q6_K for the output head and some V/down projections; "
+                   "`bench quant` compares them on this CPU).")
+@click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default=None,
+              help="Quantisation of the output head, the matrix most sensitive to error "
+                   "[default: the mix's: q8_0 in q4_0, q6_k in q4_k_m].")
+def convert(src: Path, dst: Path, mix: str, lm_head: str | None) -> None:
     """Convert SRC, an HF checkpoint directory or a GGUF file (llama.cpp's qwen35moe), into a
     4-bit fermijit model directory DST."""
     # SRC is checked by the converter, not click.Path(exists=True): a usage error is 3 lines.
     from fermijit.model import convert as converter
 
-    manifest = converter.convert(src, dst, lm_head=lm_head)
+    manifest = converter.convert(src, dst, lm_head=lm_head, mix=mix)
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
 
 
