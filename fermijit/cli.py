@@ -468,6 +468,35 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
                            ratios, context, max_tokens, seed, as_json)
 
 
+@bench.command("quant")
+@click.option("--hf", "hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              required=True, help="An HF checkpoint directory, converted into each mix.")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 held-out text to score (the default model's: "
+                                  "build/default_corpus/heldout.txt, model/default_corpus.py).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per scoring window (default: 512, at most max_position_embeddings).")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None,
+              help="Score at most the text's first this many tokens.")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Decode tokens a round.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Decode rounds, alternating the mixes (medians shown).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def bench_quant(hf_dir: Path, text_path: Path, context: int | None, max_tokens: int | None,
+                decode_tokens: int, rounds: int, as_json: bool, threads: int | None) -> None:
+    """The quantisation mixes of `convert --quant` (q4_0, q4_k_m) of one checkpoint: held-out
+    perplexity (and fp32's), bytes a decode token reads, decode tok/s on this CPU."""
+    from fermijit import bench_quant as bench_quant_module
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bench_quant_module.run(hf_dir, text_path, context, max_tokens, decode_tokens, rounds,
+                           as_json)
+
+
 @bench.command("cache")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (default: the embedded model).")
