@@ -674,12 +674,15 @@ def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float 
               help="Decoder layers (default: the real 40).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random weights.")
-def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
+@click.option("--quant", "mix", type=click.Choice(["q4_0", "q4_k_m"]), default="q4_0",
+              show_default=True, help="The quantisation mix's kinds (as `convert --quant`).")
+def synth(name: str, dst: Path, layers: int | None, seed: int, mix: str) -> None:
     """Write a random-weight model of the real shapes of NAME into the new directory DST, in the
     converted format (qwen3.6-35b-a3b: 256 experts, 19.7 GB; -reap128: 128 experts, 11.2 GB)."""
     from fermijit.model import synth as synthetic
 
-    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed).summary(), err=True)
+    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed, mix=mix).summary(),
+               err=True)
 
 
 @cli.command()
