@@ -110,18 +110,23 @@ class TokenBytes:
 def token_bytes(model, selected: list[int], kv_nbytes: int = 0) -> TokenBytes:
     """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i and
     attends over `kv_nbytes` of KV rows."""
+    from fermijit.model.block_moe import BlockExperts
     from fermijit.ops import moe
 
     out = TokenBytes(lm_head=sum(a.nbytes for a in _arrays(model.lm_head)),
                      embedding=model.embed.nbytes // model.embed.shape[0], kv=kv_nbytes)
     for layer, n_selected in zip(model.layers, selected):
         experts = layer.experts
-        if not isinstance(experts, moe.MoeWeights):
+        if isinstance(experts, moe.MoeWeights):
+            routed, shared = experts.routed, experts.shared
+        elif isinstance(experts, BlockExperts):  # K-quant or Q8_0 experts (model/block_moe.py)
+            routed = [*_arrays(experts.gate_up), *_arrays(experts.down)]
+            shared = [*_arrays(experts.shared_gate_up), *_arrays(experts.shared_down)]
+        else:
             raise FermijitError("bench decode needs a fermijit (4-bit) model, not an HF checkpoint")
-        routed = experts.routed
         per_expert = sum(a.nbytes for a in routed) // routed[0].shape[0]
         out.experts += n_selected * per_expert
-        shared = sum(a.nbytes for a in experts.shared) + experts.shared_gate.nbytes
+        shared = sum(a.nbytes for a in shared) + experts.shared_gate.nbytes
         out.dense += shared + sum(a.nbytes for a in _arrays(layer.mixer)) \
             + layer.input_norm.nbytes + layer.post_norm.nbytes + layer.router.nbytes
     out.dense += model.norm.nbytes
@@ -371,6 +376,7 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
     from fermijit import engine
     from fermijit.model.forward import load_model
     from fermijit.model.state import KvKind
+    from fermijit.ops import moe
 
     memory = MemoryWatch()
     _progress("read bandwidth (before loading)")
@@ -426,15 +432,18 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         _progress(f"profile of a {n_prompt}-token prefill")
         prefill_profile = profiler.profile_prefill(model, prompt, model.new_state(n_prompt))
     sweep_rows = _sweep(model, state, token, sweep, report["sweep_tokens"], bytes_.total)
-    gemm = gemm_gflops(model, n_prompt)
+    # The prefill's GEMM figures are the Q4_0 GEMM's: none for a model of block-kind experts
+    is_q4_0 = isinstance(model.layers[0].experts, moe.MoeWeights)
+    gemm = gemm_gflops(model, n_prompt) if is_q4_0 else None
 
     decode_s = sum(times)
     tok_s = n_tokens / decode_s
     ceiling = bw * 1e9 / bytes_.total
     paired_gbs, paired = _paired(bytes_.total, times, spans, window_gbs)
-    dense_f, expert_f = matmul_flops_per_token(model)
+    dense_f, expert_f = matmul_flops_per_token(model) if is_q4_0 else (np.nan, np.nan)
     prefill_gflops = (dense_f + expert_f) * n_prompt / prefill_s / 1e9
-    ideal_s = n_prompt * (dense_f / gemm["dense"] + expert_f / gemm["expert"]) / 1e9
+    ideal_s = (n_prompt * (dense_f / gemm["dense"] + expert_f / gemm["expert"]) / 1e9
+               if gemm else np.nan)
     file_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     report.update({
         "model": str(model_dir), "model_file_bytes": file_bytes,
@@ -482,10 +491,15 @@ def format_report(r: dict) -> str:
         f"{'load to first token':<28} {r['first_token_s']:9.2f} s  (prefill included)",
         f"{'prefill':<28} {r['prefill_tok_s']:9.2f} tok/s  ({r['prompt_tokens']} tokens, "
         f"{r['prefill_gflops']:.1f} GFLOP/s)",
-        f"{'  W4A8 GEMM, dense':<28} {g['dense']:9.1f} GFLOP/s  (T x R x K {g['dense_shape']})",
-        f"{'  W4A8 GEMM, one expert':<28} {g['expert']:9.1f} GFLOP/s  "
-        f"(T x R x K {g['expert_shape']})",
-        f"{'  prefill of GEMM':<28} {100 * r['prefill_of_gemm']:9.1f} %",
+    ]
+    if g:  # the Q4_0 GEMM's (bench decode measures it on Q4_0 experts only)
+        lines += [
+            f"{'  W4A8 GEMM, dense':<28} {g['dense']:9.1f} GFLOP/s  (T x R x K "
+            f"{g['dense_shape']})",
+            f"{'  W4A8 GEMM, one expert':<28} {g['expert']:9.1f} GFLOP/s  "
+            f"(T x R x K {g['expert_shape']})",
+            f"{'  prefill of GEMM':<28} {100 * r['prefill_of_gemm']:9.1f} %"]
+    lines += [
         f"{'decode':<28} {r['decode_tok_s']:9.2f} tok/s  ({r['decode_tokens']} tokens, median "
         f"{r['decode_token_ms_median']:.1f} ms; CPU {r['decode_cpu_s']:.2f} s)",
         f"{'bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "

@@ -468,6 +468,35 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
                            ratios, context, max_tokens, seed, as_json)
 
 
+@bench.command("quant")
+@click.option("--hf", "hf_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              required=True, help="An HF checkpoint directory, converted into each mix.")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              required=True, help="UTF-8 held-out text to score (the default model's: "
+                                  "build/default_corpus/heldout.txt, model/default_corpus.py).")
+@click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
+              help="Tokens per scoring window (default: 512, at most max_position_embeddings).")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None,
+              help="Score at most the text's first this many tokens.")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Decode tokens a round.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Decode rounds, alternating the mixes (medians shown).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Numba threads (default: all cores).")
+def bench_quant(hf_dir: Path, text_path: Path, context: int | None, max_tokens: int | None,
+                decode_tokens: int, rounds: int, as_json: bool, threads: int | None) -> None:
+    """The quantisation mixes of `convert --quant` (q4_0, q4_k_m) of one checkpoint: held-out
+    perplexity (and fp32's), bytes a decode token reads, decode tok/s on this CPU."""
+    from fermijit import bench_quant as bench_quant_module
+    from fermijit.jit import cpu
+
+    cpu.configure_threads(threads)
+    bench_quant_module.run(hf_dir, text_path, context, max_tokens, decode_tokens, rounds,
+                           as_json)
+
+
 @bench.command("cache")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), default=None,
               help="A fermijit model directory (default: the embedded model).")
@@ -565,15 +594,21 @@ def kernels_check(ptxas: Path | None, as_json: bool) -> None:
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default="q8_0", show_default=True,
-              help="Quantisation of the output head, the matrix most sensitive to error.")
-def convert(src: Path, dst: Path, lm_head: str) -> None:
+@click.option("--quant", "mix", type=click.Choice(["q4_0", "q4_k_m"]), default="q4_0",
+              show_default=True,
+              help="Quantisation mix of an HF checkpoint: fermijit's Q4_0, or llama.cpp's "
+                   "Q4_K_M (Q4_K, Q6_K for the output head and some V/down projections; "
+                   "`bench quant` compares them on this CPU).")
+@click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default=None,
+              help="Quantisation of the output head, the matrix most sensitive to error "
+                   "[default: the mix's: q8_0 in q4_0, q6_k in q4_k_m].")
+def convert(src: Path, dst: Path, mix: str, lm_head: str | None) -> None:
     """Convert SRC, an HF checkpoint directory or a GGUF file (llama.cpp's qwen35moe), into a
     4-bit fermijit model directory DST."""
     # SRC is checked by the converter, not click.Path(exists=True): a usage error is 3 lines.
     from fermijit.model import convert as converter
 
-    manifest = converter.convert(src, dst, lm_head=lm_head)
+    manifest = converter.convert(src, dst, lm_head=lm_head, mix=mix)
     click.echo(f"wrote {dst}: {converter.describe(manifest)}", err=True)
 
 
@@ -639,12 +674,15 @@ def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float 
               help="Decoder layers (default: the real 40).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random weights.")
-def synth(name: str, dst: Path, layers: int | None, seed: int) -> None:
+@click.option("--quant", "mix", type=click.Choice(["q4_0", "q4_k_m"]), default="q4_0",
+              show_default=True, help="The quantisation mix's kinds (as `convert --quant`).")
+def synth(name: str, dst: Path, layers: int | None, seed: int, mix: str) -> None:
     """Write a random-weight model of the real shapes of NAME into the new directory DST, in the
     converted format (qwen3.6-35b-a3b: 256 experts, 19.7 GB; -reap128: 128 experts, 11.2 GB)."""
     from fermijit.model import synth as synthetic
 
-    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed).summary(), err=True)
+    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed, mix=mix).summary(),
+               err=True)
 
 
 @cli.command()

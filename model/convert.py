@@ -88,18 +88,28 @@ def source_fingerprint(src: Path, ckpt: Checkpoint) -> str:
     return h.hexdigest()
 
 
-def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progress: bool = True,
-            chunk_bytes: int = CHUNK_BYTES) -> Manifest:
+def convert(src: str | Path, dst: str | Path, lm_head: str | None = None,
+            show_progress: bool = True, chunk_bytes: int = CHUNK_BYTES,
+            mix: str = "q4_0") -> Manifest:
     """Convert an HF checkpoint directory, or a GGUF file (model/gguf_convert.py); returns the
-    manifest written to `dst/fermijit.json`. On any failure, SIGTERM included, what was written
-    is removed (a `.partial` file held the space of the model)."""
+    manifest written to `dst/fermijit.json`. `mix` (an HF checkpoint's): the quantisation mix,
+    model/quant_mix.py; `lm_head` replaces its LM head's kind (default: the mix's, Q8_0 in
+    q4_0). On any failure, SIGTERM included, what was written is removed (a `.partial` file held
+    the space of the model)."""
+    from fermijit.model import quant_mix
+
     src, dst = Path(src), Path(dst)
-    if lm_head not in LM_HEAD_CHOICES:
+    if lm_head is not None and lm_head not in LM_HEAD_CHOICES:
         raise FermijitError(f"--lm-head must be one of {', '.join(LM_HEAD_CHOICES)}")
+    if mix not in quant_mix.MIXES:
+        raise FermijitError(f"--quant must be one of {', '.join(quant_mix.MIXES)}, got {mix!r}")
     if src.is_file():
         from fermijit.model import gguf_convert
 
-        return gguf_convert.convert(src, dst, lm_head, show_progress, chunk_bytes)
+        if mix != "q4_0":
+            raise FermijitError(f"--quant {mix}: a GGUF file is imported in the kinds it holds "
+                                f"(its K-quants bit for bit); --quant is for HF checkpoints")
+        return gguf_convert.convert(src, dst, lm_head or "q8_0", show_progress, chunk_bytes)
     if not src.is_dir():
         raise FermijitError(f"no such model directory or GGUF file: {src}")
     cfg = load_config(src)
@@ -107,7 +117,8 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
     plans.update(vision.plan_weights(cfg, ckpt))     # the tower's, when the checkpoint has one
     _check_tokenizer(src)
-    quants = {name: quantisation(name, lm_head) for name in plans}
+    quants = mix_quants(cfg.text_config, {name: plan.shape for name, plan in plans.items()},
+                        mix, lm_head)
 
     def copy_files(out: Path) -> None:
         for file in COPIED_FILES:
@@ -117,12 +128,26 @@ def convert(src: str | Path, dst: str | Path, lm_head: str = "q8_0", show_progre
     source = Source(path=str(src.resolve()), fingerprint=source_fingerprint(src, ckpt),
                     files=tuple(f.path.name for f in ckpt.files))
     return write_model(
-        dst, {name: plan.shape for name, plan in plans.items()}, lm_head,
+        dst, {name: plan.shape for name, plan in plans.items()}, quants["lm_head"],
         lambda name, out: stream(name, plans[name].shape, quants[name],
                                  lambda lead, rows: plans[name].read(ckpt, lead, rows), out,
                                  chunk_bytes),
         source, other_files=copy_files, desc="convert", show_progress=show_progress,
-        reap=reap_record(src))
+        reap=reap_record(src), quants=quants, mix=mix)
+
+
+def mix_quants(t, shapes: dict[str, tuple[int, ...]], mix: str,
+               lm_head: str | None = None) -> dict[str, str]:
+    """Every field's kind in quantisation mix `mix` (model/quant_mix.py) for a model of text
+    config `t`; `lm_head`, if given, replaces the LM head's."""
+    from fermijit.model import quant_mix
+
+    base = {name: quantisation(name, "q8_0") for name in shapes}
+    quants = quant_mix.quants(mix, shapes, base, t.num_hidden_layers, t.num_experts,
+                              t.tie_word_embeddings)
+    if lm_head is not None:
+        quants["lm_head"] = lm_head
+    return quants
 
 
 def reap_record(src: Path) -> dict | None:
@@ -151,7 +176,7 @@ def check_output_dir(dst: Path) -> None:
 def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
                 source: Source, other_files, desc: str, show_progress: bool = True,
                 reap: dict | None = None, quants: dict[str, str] | None = None,
-                checksums: dict[str, str] | None = None) -> Manifest:
+                checksums: dict[str, str] | None = None, mix: str | None = None) -> Manifest:
     """The one writer of a model directory (`convert`, `model/synth.py`, `model/prune.py`,
     model/gguf_convert.py): the weights file, in which `fill(name, writer)` stores tensor `name`
     (quantised as `quantisation` says, or as `quants` does: a GGUF's imported blocks keep their
@@ -169,7 +194,7 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     try:
         with _terminate_as_exception():
             return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
-                               show_progress, reap, quants, checksums)
+                               show_progress, reap, quants, checksums, mix)
     except BaseException as e:
         _remove_output(dst, made_dir)
         if isinstance(e, OSError):
@@ -182,7 +207,7 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
 def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
                 source: Source, other_files, desc: str, show_progress: bool,
                 reap: dict | None, quants: dict[str, str] | None,
-                checksums: dict[str, str] | None) -> Manifest:
+                checksums: dict[str, str] | None, mix: str | None) -> Manifest:
     from tqdm import tqdm
 
     quants = quants or {name: quantisation(name, lm_head) for name in shapes}
@@ -211,12 +236,12 @@ def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     os.replace(partial, dst / WEIGHTS)
     other_files(dst)
     return write_manifest(dst, {name: (shape, quants[name]) for name, shape in shapes.items()},
-                          source, reap, checksums=checksums)
+                          source, reap, checksums=checksums, mix=mix)
 
 
 def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ...], str]],
                    source: Source, reap: dict | None = None, weights: str = WEIGHTS,
-                   checksums: dict[str, str] | None = None) -> Manifest:
+                   checksums: dict[str, str] | None = None, mix: str | None = None) -> Manifest:
     """Write `directory/fermijit.json` for the weights file `weights` already there: every writer
     of fermijit models (convert, REAP, GGUF import, synthetic models) calls this, so the format
     lives in one place. `tensors` maps each weight field path, in file order, to (shape, quant);
@@ -239,7 +264,8 @@ def write_manifest(directory: str | Path, tensors: dict[str, tuple[tuple[int, ..
         digest = checksums[name] if checksums else checksum(weights_file, name, entry)
         entries[name] = dataclasses.replace(entry, checksum=digest,
                                             sample=sample(weights_file, name, entry))
-    manifest = Manifest(FORMAT_VERSION, f"fermijit {__version__}", source, weights, entries, reap)
+    manifest = Manifest(FORMAT_VERSION, f"fermijit {__version__}", source, weights, entries, reap,
+                        mix)
     partial = directory / (MANIFEST + PARTIAL_SUFFIX)
     partial.write_text(json.dumps(manifest.as_json(), indent=1) + "\n")
     os.replace(partial, directory / MANIFEST)
@@ -252,7 +278,9 @@ def describe(manifest: Manifest) -> str:
     order = ("q4_0", "q8_0", "f16", "f32") + tuple(sorted(set(kinds) - {"q4_0", "q8_0", "f16",
                                                                         "f32"}))
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in order if k in kinds)
-    return f"{len(kinds)} tensors ({counts}), lm_head {manifest.tensors['lm_head'].quant}"
+    mix = f"mix {manifest.mix}, " if manifest.mix else ""
+    return (f"{mix}{len(kinds)} tensors ({counts}), lm_head "
+            f"{manifest.tensors['lm_head'].quant}")
 
 
 def _check_tokenizer(src: Path) -> None:
@@ -308,6 +336,7 @@ def stream(name: str, shape: tuple[int, ...], quant: str, read, out: Safetensors
     """Read, quantise and write one tensor in row chunks; `read(lead, rows)` gives fp32 rows
     [n, cols] (or [n]) of expert `lead` (None for 1-D and 2-D tensors). Yields the elements
     done per chunk."""
+    from fermijit.ops import kquant, kquant_quantize
     from fermijit.ops import quant as q
 
     rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[0], 1)
@@ -326,6 +355,11 @@ def stream(name: str, shape: tuple[int, ...], quant: str, read, out: Safetensors
                 if np.abs(x).max(initial=0) > np.finfo(np.float16).max:
                     raise FermijitError(f"{name}: values beyond the fp16 range")
                 out.write(name, x.astype(np.float16), start=first_row * cols)
+            elif quant in kquant.FORMATS:  # a mix's K-quant or 5-bit kind (model/quant_mix.py)
+                blocks = kquant_quantize.quantize_cpu(kquant.FORMATS[quant], x)
+                if not np.isfinite(kquant.scales_f16(kquant.FORMATS[quant], blocks)).all():
+                    raise FermijitError(f"{name}: block scales beyond the fp16 range")
+                out.write(name + ".blocks", blocks, start=first_row * blocks.shape[-1])
             else:
                 qs, d = q.quantize_q4_0_cpu(x) if quant == "q4_0" else q.quantize_q8_0(x)
                 if not np.isfinite(d).all():

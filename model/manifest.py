@@ -10,7 +10,8 @@ Format 2 (format 1 had no checksums):
                                        | a GGUF block kind (ops/kquant.py FORMATS),
                               "checksum": sha256 hex of the stored bytes, `.qs` then `.d`
                                           (`.blocks` for a block kind)}},
-     "reap": null or the REAP record}
+     "reap": null or the REAP record,
+     "mix": null or the quantisation mix written (model/quant_mix.py: "q4_0", "q4_k_m")}
 Writers do not build this by hand: model/convert.py `write_manifest` is the one writer.
 
 Checks: every load verifies the manifest against config.json and the weights file's header, the
@@ -80,6 +81,9 @@ class Manifest:
     weights: str
     tensors: dict[str, TensorEntry]
     reap: dict[str, object] | None = None  # no experts pruned; the REAP record otherwise
+    # The quantisation mix (model/quant_mix.py) convert or synth wrote; None: as a GGUF held its
+    # kinds, or written before mixes (q4_0)
+    mix: str | None = None
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -112,15 +112,32 @@ def _lut_body(out, key, first, lut):
                 out[4 * g + j] = lut[(r >> np.uint64(16 * j)) & np.uint64(0xFFFF)]
 
 
+def _block_lut_body(out, key, first, lut, table):
+    """_lut_body with a table per byte of a block: out[i] = lut[table[(first + i) % S], 16
+    random bits of element first + i], S = table.size bytes a block (`first` a multiple of 4).
+    A few distinct tables (lut [n, 65536] uint8: ~6, 384 KiB) stay in L2; one per byte (144 of
+    them, 9 MiB) ran 5 MB/s here."""
+    n = out.size
+    size = table.size
+    g0 = first // 4
+    for g in prange((n + 3) // 4):
+        r = mix(key ^ (np.uint64(g0 + g) * _GOLDEN))
+        for j in range(min(4, n - 4 * g)):
+            i = 4 * g + j
+            out[i] = lut[table[(first + i) % size], (r >> np.uint64(16 * j)) & np.uint64(0xFFFF)]
+
+
 _kernels = None
 
 
-def _get_kernel():
+def _get_kernel(per_block_byte: bool = False):
     global _kernels
     if _kernels is None:
         mix = cpu.kernel(_mix, fastmath=False)
-        _kernels = cpu.kernel(_lut_body, parallel=True, fastmath=False, variant="lut", mix=mix)
-    return _kernels
+        _kernels = (cpu.kernel(_lut_body, parallel=True, fastmath=False, variant="lut", mix=mix),
+                    cpu.kernel(_block_lut_body, parallel=True, fastmath=False, variant="lut",
+                               mix=mix))
+    return _kernels[per_block_byte]
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,6 +182,80 @@ def _scale_lut(std: float, kind: _Kind) -> np.ndarray:
     return (mean * jitter).astype(np.float16).view(np.uint16)
 
 
+# --- GGUF block kinds (synth --quant q4_k_m) ------------------------------------------------------
+# A block's bytes are drawn each from a table of its own position (_block_lut_body), so the
+# fields are independent draws: the fp16 scales' high and low bytes apart (the high byte sets the
+# magnitude: a value within the jitter, to the resolution of its two top mantissa bits), Q4_K's
+# scale and min of a sub-block apart (both 6-bit values in 48..63, dmin 8·d on average, so
+# d·sc·q − dmin·m is centred like Q4_0's (q − 8)·d in expectation; a sub-block's offset from it,
+# from the draws' spread, is ~1/4 of its values' std with the super-block scales jittered by
+# +-K_SCALE_JITTER, 1/2 at Q4_0's +-25 %), Q6_K's 2-bit high parts from (2, 6, 6, 2)/16 over
+# Q4_0's low nibbles (q − 32 centred, bell-shaped in −32..31), int8 scales 64..127.
+K_SCALE_JITTER = 0.05
+Q6_HIGH_TWO_BITS = np.repeat(np.arange(4), (2, 6, 6, 2))
+
+
+def _fp16_byte_luts(std_unit: float) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) byte tables of fp16 scales jittered +-K_SCALE_JITTER about `std_unit`."""
+    jitter = 1 + K_SCALE_JITTER * (2 * (np.arange(1 << 16) + 0.5) / (1 << 16) - 1)
+    bits = (std_unit * jitter).astype(np.float16).view(np.uint16)
+    return (bits & 0xFF).astype(np.uint8), (bits >> 8).astype(np.uint8)
+
+
+def _block_positions(quant: str, d_mean: float) -> list[np.ndarray]:
+    """One uint8 table of 65536 per byte of a `quant` block, its scale d about `d_mean`."""
+    idx = np.arange(1 << 16)
+    uniform = (idx & 0xFF).astype(np.uint8)
+    nibbles = _kind("q4_0").lut_qs                                  # Q4_0's: q − 8 ~ N(0, σ)
+    d_lo, d_hi = _fp16_byte_luts(d_mean)
+    if quant == "q4_k":  # d, dmin, 8 scale bytes (6-bit value | top bits of j+4's: 3), 4, qs
+        m_lo, m_hi = _fp16_byte_luts(8 * d_mean)
+        six = ((3 << 6) | (48 + (idx & 15))).astype(np.uint8)
+        return [d_lo, d_hi, m_lo, m_hi] + [six] * 8 + [uniform] * 4 + [nibbles] * 128
+    if quant == "q6_k":  # ql (two low nibbles), qh (four 2-bit high parts), int8 scales, d
+        high = sum(Q6_HIGH_TWO_BITS[(idx >> (4 * k)) & 15] << (2 * k) for k in range(4))
+        scales = (64 + (idx & 63)).astype(np.uint8)
+        return [nibbles] * 128 + [high.astype(np.uint8)] * 64 + [scales] * 16 + [d_lo, d_hi]
+    if quant == "q5_0":  # d, the fifth bits (uniform), the low nibbles: q − 16 centred
+        return [d_lo, d_hi] + [uniform] * 4 + [nibbles] * 16
+    raise FermijitError(f"synth: no random {quant} blocks (a mix's kinds for these shapes)")
+
+
+def _tables(positions: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct tables uint8 [n, 65536], each byte's table index int64 [S])."""
+    distinct: list[np.ndarray] = []
+    index = []
+    for lut in positions:
+        at = next((i for i, d in enumerate(distinct) if d is lut), None)
+        if at is None:
+            at = len(distinct)
+            distinct.append(lut)
+        index.append(at)
+    return np.ascontiguousarray(np.stack(distinct)), np.array(index, np.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_lut(quant: str, std: float) -> tuple[np.ndarray, np.ndarray]:
+    """The byte tables (_tables) of random `quant` blocks whose dequantised values have
+    standard deviation `std` in a sample of 4096 blocks: d's mean found by bisection (the fp16
+    bytes drawn apart make the std a continuous but not proportional function of it)."""
+    from fermijit.ops import kquant
+
+    fmt = kquant.FORMATS[quant]
+    draw = np.random.default_rng(0).integers(0, 1 << 16, (4096, fmt.block_bytes))
+
+    def sample_std(d_mean: float) -> float:
+        sample = np.stack(_block_positions(quant, d_mean))[np.arange(fmt.block_bytes), draw]
+        return float(kquant.dequantize(fmt, sample.reshape(-1)).std())
+
+    guess = std / sample_std(1.0)
+    lo, hi = guess / 2, guess * 2
+    for _ in range(24):                                # to 2^-24 of the bracket
+        mid = np.sqrt(lo * hi)
+        lo, hi = (mid, hi) if sample_std(mid) < std else (lo, mid)
+    return _tables(_block_positions(quant, np.sqrt(lo * hi)))
+
+
 def _normal_lut(std: float, dtype) -> np.ndarray:
     """65536 levels of N(0, std) in `dtype` (fp16 as its uint16 bits, for the kernel)."""
     lut = (std * _normal_quantiles(1 << 16)).astype(dtype)
@@ -178,12 +269,19 @@ def _key(seed: int, name: str) -> np.uint64:
 
 # --- what each tensor holds ---------------------------------------------------------------------
 
-def _random(out, stored: str, lut: np.ndarray, seed: int, n: int, step: int, digest):
-    """Tensor `stored` of n elements, each lut[16 random bits], written `step` at a time and
+def _random(out, stored: str, lut, seed: int, n: int, step: int, digest):
+    """Tensor `stored` of n elements, each lut[16 random bits] (or, lut = (tables, index) of
+    _block_lut, byte i of a block from tables[index[i % S]]), written `step` at a time and
     hashed into `digest`; yields the elements done per piece."""
-    fill = _get_kernel()
+    per_block_byte = isinstance(lut, tuple)
+    kernel = _get_kernel(per_block_byte)
+
+    def fill(piece, key, i0, lut):
+        return kernel(piece, key, i0, *lut) if per_block_byte else kernel(piece, key, i0, lut)
+
     key = _key(seed, stored)
-    bufs = [np.empty(min(n, step), lut.dtype) for _ in range(2)]
+    bufs = [np.empty(min(n, step), lut[0].dtype if per_block_byte else lut.dtype)
+            for _ in range(2)]
     dtype = out.dtype_of(stored)
 
     def write(piece, i0):
@@ -218,6 +316,16 @@ def _fill_hashed(name: str, shape: tuple[int, ...], quant: str, seed: int, out, 
     field = name.rsplit(".", 1)[-1]
     K = shape[-1]
     n = int(np.prod(shape))
+    if quant not in ("q4_0", "q8_0", "f16", "f32"):                 # a GGUF block kind
+        from fermijit.ops import kquant
+
+        fmt = kquant.FORMATS[quant]
+        lut = _block_lut(quant, 1.0 if name == "embed_tokens" else GAIN / np.sqrt(K))
+        n_bytes = n // fmt.block_values * fmt.block_bytes
+        step = CHUNK_BYTES // (4 * fmt.block_bytes) * 4 * fmt.block_bytes  # whole blocks
+        yield from (m * fmt.block_values // fmt.block_bytes for m in _random(
+            out, name + ".blocks", lut, seed, n_bytes, step, digest))
+        return
     if quant in ("q4_0", "q8_0"):
         kind = _kind(quant)
         n_blocks = n // BLOCK
@@ -300,14 +408,18 @@ class Written:
 
 
 def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
-          overrides: dict | None = None, show_progress: bool = True) -> Written:
-    """Write the synthetic model `name` (see NAMES) into the new directory `dst`."""
+          overrides: dict | None = None, show_progress: bool = True,
+          mix: str = "q4_0") -> Written:
+    """Write the synthetic model `name` (see NAMES) into the new directory `dst`, its weights
+    in the kinds of quantisation mix `mix` (model/quant_mix.py)."""
     dst = Path(dst)
     raw = config_for(name, layers, overrides)
     cfg = parse_config(raw).text_config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     shapes = text_weight_shapes(cfg, mtp=cfg.mtp_num_hidden_layers == 1)  # the real: one
-    quants = {n: convert.quantisation(n, "q8_0") for n in shapes}
+    quants = convert.mix_quants(cfg, shapes, mix)
+    for quant in set(quants.values()) - {"q4_0", "q8_0", "f16", "f32"}:
+        _block_positions(quant, 1.0)                   # a kind it cannot draw: before any write
 
     def other_files(out: Path) -> None:
         (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -317,13 +429,13 @@ def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
 
     start = time.perf_counter()
     checksums: dict[str, str] = {}  # filled as the tensors are written: no read-back pass
-    convert.write_model(dst, shapes, "q8_0",
+    convert.write_model(dst, shapes, quants["lm_head"],
                         lambda n, out: _fill(n, shapes[n], quants[n], seed, out, checksums),
                         source=Source(path=f"synthetic:{name}",
                                       fingerprint=f"seed {seed}, {cfg.num_hidden_layers} layers",
                                       files=(), format="synthetic"),
                         other_files=other_files, desc=f"synth {name}",
-                        show_progress=show_progress, checksums=checksums)
+                        show_progress=show_progress, checksums=checksums, quants=quants, mix=mix)
     seconds = time.perf_counter() - start
     return Written(dst, (dst / convert.WEIGHTS).stat().st_size, seconds)
 

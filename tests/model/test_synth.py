@@ -23,6 +23,10 @@ SMALL = dict(vocab_size=512, bos_token_id=300, eos_token_id=300, hidden_size=64,
              num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
              moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# SMALL with every inner dimension a multiple of 256: the q4_k_m mix then has no 32-block
+# fallbacks (Q4_K and Q6_K, as the real shapes).
+SMALL_K = dict(SMALL, hidden_size=256, head_dim=128, linear_value_head_dim=64,
+               moe_intermediate_size=256, shared_expert_intermediate_size=256)
 # Dequantised weights' std vs GAIN / sqrt(K): the +-25 % scale jitter and 8-bit nibble levels
 # leave the sample std of a few thousand blocks within ~2 % of it.
 STD_RTOL = 0.05
@@ -92,10 +96,13 @@ def test_tokenizer_covers_the_vocabulary(small):
     assert tok._tok.decode([400, 511]) == " t400 t511"
 
 
-def test_forward_stays_finite_over_40_layers(tmp_path):
+@pytest.mark.parametrize("mix, overrides", [("q4_0", SMALL), ("q4_k_m", SMALL_K)],
+                         ids=["q4_0", "q4_k_m"])
+def test_forward_stays_finite_over_40_layers(tmp_path, mix, overrides):
     """The scales' purpose: over the real depth the residual stream stays finite and grows
     gently, and routing spreads over many experts in every layer."""
-    synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "m", overrides=SMALL, show_progress=False)
+    synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "m", overrides=overrides,
+                show_progress=False, mix=mix)
     _, model = load_model(tmp_path / "m")
     tokens = np.random.default_rng(0).integers(0, 512, 16)
     rows = synth.layer_stats(model, tokens)
@@ -122,3 +129,63 @@ def test_checksums_hashed_while_writing_match_the_file(small):
     weights = convert.SafetensorsFile(small / convert.WEIGHTS)
     for name, entry in stored.tensors.items():
         assert entry.checksum == manifest.checksum(weights, name, entry), name
+
+
+@pytest.fixture(scope="module")
+def small_k(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("synth-k") / "m"
+    synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, overrides=SMALL_K, show_progress=False,
+                mix="q4_k_m")
+    return dst
+
+
+def test_q4_k_m_has_the_mixs_kinds_and_scales(small_k):
+    """synth --quant q4_k_m: convert's Q4_K_M kinds for the shapes, random blocks whose
+    dequantised values have the Q4_0 model's scales (std GAIN/sqrt(K), centred), a model that
+    runs."""
+    from fermijit.ops import kquant
+
+    cfg, w, manifest = convert.load_converted(small_k)
+    shapes = {name: e.shape for name, e in manifest.tensors.items()}
+    assert manifest.mix == "q4_k_m"
+    assert {n: e.quant for n, e in manifest.tensors.items()} == convert.mix_quants(
+        cfg.text_config, shapes, "q4_k_m")
+    for tensor, std in ((w.layers[0].mlp.experts_gate_up, synth.GAIN / np.sqrt(256)),
+                        (w.lm_head, 1 / np.sqrt(256)), (w.embed_tokens, 1.0)):
+        values = kquant.dequantize(kquant.FORMATS[tensor.kind], np.asarray(tensor.blocks[:256]))
+        assert abs(values.std() / std - 1) < STD_RTOL, tensor.kind
+        # centred in expectation (Q4_K's sub-block offsets: synth.K_SCALE_JITTER)
+        assert abs(values.mean()) < 0.03 * values.std(), tensor.kind
+    _, model = load_model(small_k)
+    state = model.new_state(16)
+    logits = model.prefill(np.arange(10, 20), state)
+    for _ in range(3):
+        logits = model.decode(int(np.argmax(logits)), state)
+        assert np.isfinite(logits).all()
+
+
+def test_q4_k_m_bytes_depend_only_on_the_seed(small_k, tmp_path, monkeypatch):
+    monkeypatch.setattr(synth, "CHUNK_BYTES", 4096)  # pieces of 7 Q4_K and 4 Q6_K blocks
+    synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "a", layers=4, overrides=SMALL_K,
+                show_progress=False, mix="q4_k_m")
+    assert (tmp_path / "a" / convert.WEIGHTS).read_bytes() == (
+        small_k / convert.WEIGHTS).read_bytes()
+    from fermijit.model import manifest
+
+    manifest.verify(small_k, show_progress=False)
+
+
+def test_q4_k_m_kinds_it_cannot_draw_are_refused_before_writing(tmp_path, monkeypatch):
+    """Q5_1 and Q5_K come only from llama.cpp's 8-expert rules (model/quant_mix.py), which no
+    synthetic model meets: synth draws Q4_K, Q6_K and the Q5_0 fallback, and refuses others
+    before it writes."""
+    mix_quants = convert.mix_quants
+
+    def with_q5_1(*args):
+        return {**mix_quants(*args), "layers.0.mlp.shared_down": "q5_1"}
+
+    monkeypatch.setattr(convert, "mix_quants", with_q5_1)
+    with pytest.raises(FermijitError, match="no random q5_1 blocks"):
+        synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "m", layers=4, overrides=SMALL,
+                    mix="q4_k_m", show_progress=False)
+    assert not (tmp_path / "m").exists()
