@@ -674,7 +674,16 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     for split, n in (("train", n_windows), ("heldout", max(8, n_windows // 20))):
         t0 = time.monotonic()
         if f"{split}.ids" not in saved:
-            arrays = model_states(model, load_tokens(data, split).numpy(), context, n)
+            done, last = [0], [t0]
+
+            def on_window() -> None:  # 0.5 s a window on one core: minutes for the train split
+                done[0] += 1
+                if time.monotonic() - last[0] > PROGRESS_S:
+                    last[0] = time.monotonic()
+                    say({"states": split, "windows_done": done[0],
+                         "s": round(last[0] - t0, 1)})
+
+            arrays = model_states(model, load_tokens(data, split).numpy(), context, n, on_window)
             saved.update({f"{split}.{k}": a for k, a in zip(names, arrays)})
         splits[split] = [torch.from_numpy(saved[f"{split}.{k}"]) for k in names]
         say({"states": split, "windows": int(splits[split][0].shape[0]),
@@ -707,6 +716,7 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
 
     n_steps = steps or 10 ** 9
     step, t_train = 0, time.monotonic()
+    t_said = t_train
     while step < n_steps:
         if steps is None and step == 5:
             per_step = (time.monotonic() - t_train) / 5
@@ -724,7 +734,9 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1
-        if step % 20 == 0 or step == 1 or step == n_steps:
+        if step % 20 == 0 or step == 1 or step == n_steps or \
+                time.monotonic() - t_said > PROGRESS_S:
+            t_said = time.monotonic()
             record = {"step": step, "loss": round(ce.item(), 4), "aux": round(aux.item(), 4),
                       "agree": round(agree.item(), 4), "lr": round(rate, 6),
                       "elapsed_s": round(time.monotonic() - t_start, 1)}
