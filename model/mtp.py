@@ -177,7 +177,7 @@ class DecodeRows:
         self.cat = np.empty((n_rows, 2 * H), f)                       # e | h, normed
         self.act_cat = matvec.quantize_act(self.cat, decode_isa())
         self.logits = np.empty((1, model.vocab_size), f)
-        self.kv: KvCache | None = None
+        self.kv: tuple | None = None   # the cache arrays the steps were made for
         self.steps: list = []
 
     def run(self, kv: KvCache, start: int, tokens, hidden, with_logits: bool,
@@ -185,8 +185,8 @@ class DecodeRows:
         from fermijit.model.forward import linear, run_steps
 
         ws, model = self.ws, self.model
-        if kv is not self.kv:
-            self.kv, self.steps = kv, self._steps(kv)
+        if self.kv is None or self.kv[0] is not kv.k or self.kv[1] is not kv.v:
+            self.kv, self.steps = (kv.k, kv.v), self._steps(kv)
         self.hidden[...] = hidden  # first: chaining passes a view of ws.xn
         ws.tokens[:] = tokens
         np.add(np.arange(self.n_rows), start, out=ws.positions)

@@ -717,15 +717,20 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     n_steps = steps or 10 ** 9
     step, t_train = 0, time.monotonic()
     t_said = t_train
+    deadline = t_start + 60 * (minutes or 0) - 60  # the held-out pass and the files after
     while step < n_steps:
-        if steps is None and step == 5:
-            per_step = (time.monotonic() - t_train) / 5
-            n_steps = max(6, int((60 * minutes - (time.monotonic() - t_start) - 60) / per_step))
-            log["schedule"] = {"step_s": round(per_step, 3), "steps": n_steps}
-            say(log["schedule"])
+        if steps is None and step >= 5:
+            # --minutes alone: the schedule follows the clock, its length the steps the pace so
+            # far fits before the deadline, so the cosine ends there however the load varies (a
+            # fixed count from the first steps' pace stopped one run at half its schedule: the
+            # 2-core machine's step went from 3.5 to 9 s as others' jobs came)
+            done = (time.monotonic() - t_train) / max(1e-3, deadline - t_train)
+            if done >= 1:
+                break
+            n_steps = max(step + 1, int(step / done))
         pick = torch.randint(0, train_set[0].shape[0], (batch,), generator=generator)
         ce, aux, agree = mtp_loss(head, *(a[pick] for a in train_set), k, aux_coef)
-        warmup = min(50, max(1, n_steps // 20))
+        warmup = min(50, max(1, n_steps // 20)) if steps else 50
         rate = lr_at(step, n_steps, lr, warmup)
         for group in optimizer.param_groups:
             group["lr"] = rate
@@ -742,10 +747,14 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
                       "elapsed_s": round(time.monotonic() - t_start, 1)}
             log["curve"].append(record)
             say(record)
-        if minutes is not None and time.monotonic() - t_start > 60 * minutes - 30:
+        if steps is not None and minutes is not None and \
+                time.monotonic() - t_start > 60 * minutes - 30:
             say({"stopped": "wall-clock budget", "step": step})
             break
     log["steps_done"] = step
+    if steps is None:
+        log["schedule"] = {"by": "wall clock", "steps": step,
+                           "step_s": round((time.monotonic() - t_train) / max(1, step), 3)}
     log["evals"].append({"step": step, **heldout()})
     say({"heldout": log["evals"][-1]})
     log["train_s"] = round(time.monotonic() - t_start, 1)
@@ -790,6 +799,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --mtp-for: the model's states in this .npz (made once)")
     parser.add_argument("--mtp-init", type=Path, default=None,
                         help="with --mtp-for: continue from this head directory (OUT/head)")
+    parser.add_argument("--mtp-lr", type=float, default=1e-3,
+                        help="with --mtp-for: peak learning rate (AdamW, batch 8)")
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
         parser.error("give --steps, --minutes or both")
@@ -801,8 +812,10 @@ def main(argv: list[str] | None = None) -> None:
         from fermijit.model.convert import add_mtp_head
 
         train_mtp(args.mtp_for, args.data, args.out, args.steps, args.minutes, seed=args.seed,
-                  n_windows=args.mtp_windows, states=args.mtp_states, init=args.mtp_init)
+                  lr=args.mtp_lr, n_windows=args.mtp_windows, states=args.mtp_states,
+                  init=args.mtp_init)
         add_mtp_head(args.mtp_for, args.out / "head", args.out / "model")
+        shutil.copyfile(args.out / "mtp_log.json", args.out / "model" / "mtp_log.json")
         print(json.dumps({"saved": str(args.out / "model")}), flush=True)
         return
     train(args.data, args.out, PRESETS[args.preset], args.steps, args.minutes, seed=args.seed,
