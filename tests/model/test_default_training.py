@@ -217,11 +217,11 @@ def test_mtp_head_learns_the_frozen_models_next_but_one_token(data_dir, tmp_path
     train_default.train(data_dir, tmp_path / "ckpt", shape, steps=30, minutes=None, evals=1,
                         device="cpu", quiet=True)
     before = convert(tmp_path / "ckpt", tmp_path / "fj", show_progress=False)
-    log = train_default.train_mtp(tmp_path / "fj", data_dir, tmp_path / "mtp", steps=40,
+    log = train_default.train_mtp(tmp_path / "fj", data_dir, tmp_path / "mtp", steps=30,
                                   minutes=None, batch=4, lr=3e-3, n_windows=16, quiet=True)
     curve = log["curve"]
-    assert curve[-1]["step"] == 40 and curve[-1]["loss"] < curve[0]["loss"] - 1.0, curve
-    assert log["windows"] == {"train": 16, "heldout": 8} and 0 < log["evals"][-1]["agree"] <= 1
+    assert curve[-1]["step"] == 30 and curve[-1]["loss"] < curve[0]["loss"] - 1.0, curve
+    assert log["windows"]["train"] == 16 and 0 < log["evals"][-1]["agree"] <= 1
 
     after = add_mtp_head(tmp_path / "fj", tmp_path / "mtp" / "head", tmp_path / "with")
     assert after.tensors["mtp.fc"].quant == "q4_0"
