@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -163,6 +164,7 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
     from fermijit import engine
     from fermijit.model.forward import load_model
 
+    load_before = os.getloadavg()[0]  # this machine may be shared: the figures' conditions
     _, model = load_model(model_dir)
     if model.mtp is None:
         raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* weights)")
@@ -194,6 +196,7 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
     step_ms = costs.verify_ms + costs.draft_ms
     report.update({
         "model": str(model_dir), "draft": drafts.n, "draft_vocab": drafts.vocab,
+        "load_1min": [load_before, os.getloadavg()[0]],
         "prompts": len(chosen),
         "text": None if text is None else str(text), "identical_text": bool(identical),
         "plain_tok_s": n_plain / plain_s, "speculative_tok_s": n_spec / spec_s,
@@ -223,7 +226,8 @@ def format_report(r: dict) -> str:
     c, mb = r["costs"], 1e6
     lines = [
         f"model {r['model']}",
-        f"cpu {r['cpu']}, isa {r['isa']} (decode {r['decode_isa']}), {r['threads']} threads",
+        f"cpu {r['cpu']}, isa {r['isa']} (decode {r['decode_isa']}), {r['threads']} threads, "
+        f"load {r['load_1min'][0]:.1f} -> {r['load_1min'][1]:.1f}",
         f"{r['prompts']} prompts of {r['prompt_tokens']} tokens "
         f"({r['text'] or 'built-in text'}), {r['decode_tokens']} greedy tokens each, "
         f"{r['draft']} draft(s) a step"

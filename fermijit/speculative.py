@@ -116,7 +116,8 @@ class Speculator:
             raise FermijitError(f"speculative: {len(tokens)} tokens for the head's "
                                 f"{0 if state.hidden is None else state.hidden.shape[0]} "
                                 f"waiting hidden states")
-        out, logits = mtp.consume(self.model, state, tokens, vocab=self.draft_vocab)
+        out, logits = mtp.consume(self.model, state, tokens, vocab=self.draft_vocab,
+                                  like_decode=True)
         drafts, dists = [], []
         for i in range(n):
             if self.is_greedy:
@@ -126,7 +127,7 @@ class Speculator:
                 drafts.append(sampling.draw(dists[-1], self.sampler.rng.random()))
             if i + 1 < n:
                 out, logits = mtp.chain(self.model, state, state.position + i, drafts[-1],
-                                        out[-1], self.draft_vocab)
+                                        out[-1], self.draft_vocab, like_decode=True)
         self._tail = []
         return drafts, dists
 
@@ -186,7 +187,7 @@ class Speculator:
         """The head's rows of the fed tokens that wait on it, all but the last position's, so
         that the state is as a prefill leaves it (what the snapshot cache stores)."""
         if self._tail:
-            mtp.consume(self.model, state, self._tail, with_logits=False)
+            mtp.consume(self.model, state, self._tail, with_logits=False, like_decode=True)
             self._tail = []
 
 

@@ -21,11 +21,15 @@ Dimension legend: as model/forward.py; B sequences in the batch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.jit import omp
 from fermijit.jit.cpu import decode_isa
-from fermijit.model.forward import L2NORM_EPS, Model, linear
+from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
+                                    linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import attention_step, embedding, gdn_step, matvec, moe, residual_step
 
@@ -93,6 +97,7 @@ class BatchWorkspace:
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
+        self.plan: RowsPlan | None = None  # one sequence's rows (decode_rows)
 
 
 def decode_batch(model: Model, tokens, states: list[State],
@@ -131,6 +136,8 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
         ws = BatchWorkspace(model, B)
     ws.tokens[:] = tokens
     ws.positions[:] = [s.position + s.rope_delta + o for s, o in zip(states, offsets)]
+    if n_seqs == 1 and B <= ROW_MOE_MAX_ROWS:
+        return _rows_of_one(model, states[0], ws, None if saves is None else saves[0])
     embedding.cpu(ws.tokens, model.embed, out=ws.x)
     eps, y = model.eps, None                                         # y: the sublayer output
     n_gdn = 0
@@ -156,13 +163,7 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
         _residual(ws, y, w.post_norm, eps, w.router, ws.router_logits, routed=True)
         if model.moe_observer is not None:
             model.moe_observer(w, ws.xn, ws.ids, ws.weights)
-        if n_seqs == 1 and B <= ROW_MOE_MAX_ROWS:
-            for b in range(B):
-                r = slice(b, b + 1)
-                moe.decode(ws.xn[r], ws.act_rows[b], ws.ids[r], ws.weights[r], w.experts,
-                           ws.y[r], ws.moe_scratch)
-        else:
-            moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
+        moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
     for s in states:
         s.position += 1
     _residual(ws, y, model.norm, eps, ws.no_product, None)
@@ -171,6 +172,89 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
             rows = [b for b, t in enumerate(states) if t is s]
             s.hidden = np.concatenate([s.hidden, ws.xn[rows]])
     return linear(ws.xn, model.lm_head, ws.logits, ws.act, like_gemv=True)
+
+
+def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
+    """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
+    of their calls made once per state and workspace (RowsPlan), as decode runs its token."""
+    plan = ws.plan
+    if plan is None or plan.saves is not saves or not plan.fits(state, model.moe_observer):
+        plan = ws.plan = RowsPlan(_state_arrays(state), model.moe_observer,
+                                  _rows_steps(model, state, ws, saves), saves)
+    if omp.in_forked_child:
+        omp.check_process()
+    run_steps(plan.steps)
+    state.position += ws.n_seqs
+    if state.hidden is not None:  # the MTP head's inputs (model/mtp.py)
+        state.hidden = np.concatenate([state.hidden, ws.xn])
+    return ws.logits
+
+
+@dataclasses.dataclass
+class RowsPlan(DecodePlan):
+    """A DecodePlan of one sequence's R rows (a speculative verify step), for these GDN saves."""
+
+    saves: "GdnSaves | None" = None
+
+
+def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
+    """The calls of `decode_rows` over ws's R rows of `state`, as `Model._decode_steps` lists a
+    token's: per row decode's own fused steps (residual, mixer, MoE), the products over the R
+    rows at once (`like_gemv`: each row the GEMV's bits), the GDN states after every row but
+    the last copied into `saves`. A verify step of 2 rows (default model, 1 thread): (fill in)."""
+    R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
+    rows = [slice(b, b + 1) for b in range(R)]
+
+    def residual(norm_w, w, p, routed=False):
+        for b, r in enumerate(rows):
+            extra = (ws.ids[r], ws.weights[r]) if routed else ()
+            yield ("residual_step.cpu", *residual_step.launch(
+                ws.x[r], None if y is None else y[r], norm_w, eps, ws.xn[r], ws.act_rows[b], w,
+                ws.no_p if p is None else p[r], *extra))
+
+    def product(x_act, w, out):
+        if isinstance(w, matvec.Q4Matrix):
+            return ("matvec.product", *matvec.launch(w, x_act, out, like_gemv=True))
+        return linear_step(ws.xn, w, out, x_act)  # the LM head: Q8_0 (or fp32: of xn)
+
+    steps = [("embedding.cpu", embedding.cpu, (ws.tokens, model.embed, ws.x))]
+    C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
+    n_gdn = 0
+    for i, (w, s) in enumerate(zip(model.layers, state.layers)):
+        mixer = w.mixer
+        if model.is_attention[i]:
+            steps += residual(w.input_norm, ws.no_product, None)
+            steps.append(product(ws.act, w.joined_in, ws.attn_in))       # q | k | v
+            steps += [("attention_step.cpu", attention_step.cpu, (
+                ws.attn_in[r], mixer.q_norm, mixer.k_norm, eps, ws.positions[r],
+                model.rotary_dim, model.theta, s.k, s.v, ws.q, ws.gate, ws.o[r],
+                ws.act_attn_rows[b])) for b, r in enumerate(rows)]
+            steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
+        else:
+            steps += residual(w.input_norm, w.gates_in, ws.gates_in)      # b | a
+            steps.append(product(ws.act, w.joined_in, ws.gdn_in))         # qkv | z
+            for b, r in enumerate(rows):
+                row = ws.gdn_in[r]
+                steps.append(("gdn_step.cpu", *gdn_step.launch(
+                    row[:, :C], row[:, C:].reshape(1, Hv, dv), ws.gates_in[r, Hv:],
+                    ws.gates_in[r, :Hv], mixer.conv1d, s.conv, mixer.A_log, mixer.dt_bias,
+                    mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
+                    ws.beta, ws.go[r], ws.act_gdn_rows[b])))
+                if saves is not None and b + 1 < R:
+                    steps += [("gdn save", np.copyto, (saves.conv[b, n_gdn], s.conv)),
+                              ("gdn save", np.copyto, (saves.recurrent[b, n_gdn], s.recurrent))]
+            steps.append(product(ws.act_gdn, mixer.out_proj, ws.y))
+            n_gdn += 1
+        y = ws.y
+        steps += residual(w.post_norm, w.router, ws.router_logits, routed=True)
+        if model.moe_observer is not None:
+            steps.append(("moe_observer", model.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
+        steps += [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
+                                                   ws.weights[r], w.experts, ws.y[r],
+                                                   ws.moe_scratch)) for b, r in enumerate(rows)]
+    steps += residual(model.norm, ws.no_product, None)
+    steps.append(product(ws.act, model.lm_head, ws.logits))
+    return steps
 
 
 def _offsets(states: list[State]) -> list[int]:

@@ -92,12 +92,15 @@ def _workspace(model, n_rows: int) -> Workspace:
 
 
 def forward_rows(model, kv: KvCache, start: int, tokens, hidden, with_logits: bool = True,
-                 vocab: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                 vocab: int | None = None,
+                 like_decode: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """The head over rows [start, start + T): tokens [T] (token q+1 of row q), hidden [T, H]
     (hidden state q, or the head's own output when chaining); writes their keys and values into
     `kv`, which holds rows [0, start). Returns (out [T, H], the normed output; logits of the
     last row, or None: [V], or the first `vocab` ids' [vocab] (a draft vocabulary: see
-    `lm_head_rows`)). Both are views of buffers the next call of as many rows overwrites."""
+    `lm_head_rows`)). Both are views of buffers the next call of as many rows overwrites.
+    `like_decode`: a draft's few rows through decode's kernels where the model takes them
+    (`DecodeRows`), else prefill's ops."""
     from fermijit.model.forward import Segment, linear
 
     m = model.mtp
@@ -108,6 +111,10 @@ def forward_rows(model, kv: KvCache, start: int, tokens, hidden, with_logits: bo
         raise FermijitError(f"mtp: hidden has shape {list(np.shape(hidden))}, expected [{T}, {H}]")
     if start + T > kv.k.shape[1]:
         raise FermijitError(f"mtp: rows up to {start + T} exceed the context of {kv.k.shape[1]}")
+    if like_decode and T <= DECODE_ROWS_MAX and _takes_decode_rows(model):
+        rows = model.__dict__.setdefault("_mtp_decode_rows", {})
+        plan = rows.get(T) or rows.setdefault(T, DecodeRows(model, T))
+        return plan.run(kv, start, tokens, hidden, with_logits, vocab)
     w = _workspace(model, T)
     ws = w.ws
     # hidden first: chaining passes the last call's output, a view of this workspace's xn
@@ -133,6 +140,103 @@ def forward_rows(model, kv: KvCache, start: int, tokens, hidden, with_logits: bo
     return ws.xn, w.logits[0, :n]
 
 
+DECODE_ROWS_MAX = 4  # a draft's head rows: the accepted tokens of a step and the next one
+
+
+def _takes_decode_rows(model) -> bool:
+    """Whether the head's rows can run through decode's kernels (DecodeRows): a 4-bit model
+    that batched decode takes, its head Q4_0 with joined q | k | v, no REAP observer watching
+    (it counts prefill's MoE calls)."""
+    from fermijit.model import batch
+    from fermijit.ops import matvec
+
+    m = model.mtp
+    return (model.moe_observer is None and batch.can_batch(model)
+            and isinstance(m.fc, matvec.Q4Matrix) and m.layer.joined_in is not None)
+
+
+class DecodeRows:
+    """The head over T rows as decode runs a token (model/batch.py's per-row fused steps and
+    like-GEMV products, a plan of calls made once per KV cache): a draft's row through prefill's
+    ops (Model.attention, Model.moe on a Workspace) cost (fill in) a decode token on the default
+    model, and its logits read the LM head as any decode token does. The rows' numbers differ
+    from prefill's by rounding only (another order of sums): the drafts are the head's either
+    way, and the model's verify decides every token."""
+
+    def __init__(self, model, n_rows: int):
+        from fermijit.jit.cpu import decode_isa
+        from fermijit.model.batch import BatchWorkspace
+        from fermijit.ops import matvec
+
+        f, H = np.float32, model.hidden
+        self.model, self.n_rows = model, n_rows
+        self.ws = BatchWorkspace(model, n_rows)
+        self.hidden = np.empty((n_rows, H), f)
+        self.e = np.empty((n_rows, H), f)
+        self.h = np.empty((n_rows, H), f)
+        self.cat = np.empty((n_rows, 2 * H), f)                       # e | h, normed
+        self.act_cat = matvec.quantize_act(self.cat, decode_isa())
+        self.logits = np.empty((1, model.vocab_size), f)
+        self.kv: tuple | None = None   # the cache arrays the steps were made for
+        self.steps: list = []
+
+    def run(self, kv: KvCache, start: int, tokens, hidden, with_logits: bool,
+            vocab: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        from fermijit.model.forward import linear, run_steps
+
+        ws, model = self.ws, self.model
+        if self.kv is None or self.kv[0] is not kv.k or self.kv[1] is not kv.v:
+            self.kv, self.steps = (kv.k, kv.v), self._steps(kv)
+        self.hidden[...] = hidden  # first: chaining passes a view of ws.xn
+        ws.tokens[:] = tokens
+        np.add(np.arange(self.n_rows), start, out=ws.positions)
+        run_steps(self.steps)
+        if not with_logits:
+            return ws.xn, None
+        n = model.vocab_size if vocab is None else vocab
+        linear(ws.xn[-1:], lm_head_rows(model, n), self.logits[:, :n])
+        return ws.xn, self.logits[0, :n]
+
+    def _steps(self, kv: KvCache) -> list:
+        from fermijit.ops import attention_step, matvec, moe, residual_step
+
+        model, ws, m = self.model, self.ws, self.model.mtp
+        layer, mixer, eps = m.layer, m.layer.mixer, model.eps
+        rows = [slice(b, b + 1) for b in range(self.n_rows)]
+
+        def product(act, w, out):
+            return ("matvec.product", *matvec.launch(w, act, out, like_gemv=True))
+
+        def residual(y, norm_w, w, p, routed=False):
+            for b, r in enumerate(rows):
+                extra = (ws.ids[r], ws.weights[r]) if routed else ()
+                yield ("residual_step.cpu", *residual_step.launch(
+                    ws.x[r], None if y is None else y[r], norm_w, eps, ws.xn[r],
+                    ws.act_rows[b], w, ws.no_p if p is None else p[r], *extra))
+
+        steps = [("rmsnorm.cpu", rmsnorm.cpu, (self.hidden, m.pre_fc_norm_hidden, eps, self.h)),
+                 ("embedding.cpu", embedding.cpu, (ws.tokens, model.embed, ws.x)),
+                 ("rmsnorm.cpu", rmsnorm.cpu, (ws.x, m.pre_fc_norm_embedding, eps, self.e)),
+                 ("concatenate", np.concatenate, ((self.e, self.h), 1, self.cat)),
+                 ("matvec.quantize_act", matvec.quantize_act, (self.cat, None, self.act_cat)),
+                 product(self.act_cat, m.fc, ws.x)]                   # x = fc · [e; h]
+        steps += residual(None, layer.input_norm, ws.no_product, None)
+        steps.append(product(ws.act, layer.joined_in, ws.attn_in))    # q | k | v
+        steps += [("attention_step.cpu", attention_step.cpu, (
+            ws.attn_in[r], mixer.q_norm, mixer.k_norm, eps, ws.positions[r], model.rotary_dim,
+            model.theta, kv.k, kv.v, ws.q, ws.gate, ws.o[r], ws.act_attn_rows[b]))
+            for b, r in enumerate(rows)]
+        steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
+        steps += residual(ws.y, layer.post_norm, layer.router, ws.router_logits, routed=True)
+        steps += [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
+                                                   ws.weights[r], layer.experts, ws.y[r],
+                                                   ws.moe_scratch))
+                  for b, r in enumerate(rows)]
+        steps += [("add", np.add, (ws.x, ws.y, ws.x)),                 # x += moe
+                  ("rmsnorm.cpu", rmsnorm.cpu, (ws.x, m.norm, eps, ws.xn))]
+        return steps
+
+
 def lm_head_rows(model, n: int):
     """The LM head's first n rows (views): a draft vocabulary. Byte-level BPE numbers its tokens
     in merge order, so the first ids are the most frequent ones (the default model's first 4096
@@ -154,7 +258,8 @@ def lm_head_rows(model, n: int):
     return head[:n]
 
 
-def consume(model, state: State, tokens, with_logits: bool = True, vocab: int | None = None):
+def consume(model, state: State, tokens, with_logits: bool = True, vocab: int | None = None,
+            like_decode: bool = False):
     """The rows of the first len(tokens) waiting hidden states, `tokens` their next tokens
     (token q+1 of waiting position q): (out [T, H], logits [V] of the last row or None), as
     forward_rows. The waiting states not consumed stay in `state.hidden`."""
@@ -164,18 +269,19 @@ def consume(model, state: State, tokens, with_logits: bool = True, vocab: int | 
     if not 0 < tokens.size <= n_waiting:
         raise FermijitError(f"mtp: {tokens.size} tokens for {n_waiting} waiting hidden states")
     start = state.position - n_waiting
-    out = forward_rows(model, kv, start, tokens, state.hidden[:tokens.size], with_logits, vocab)
+    out = forward_rows(model, kv, start, tokens, state.hidden[:tokens.size], with_logits, vocab,
+                       like_decode)
     state.hidden = state.hidden[tokens.size:]
     return out
 
 
 def chain(model, state: State, row: int, token: int, hidden,
-          vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+          vocab: int | None = None, like_decode: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A further draft: row `row` (past the rows consumed) from `token` and the head's own
     output `hidden` [H] of the row before. Returns (out [1, H], logits), as forward_rows."""
     kv = cache(model, state)
     return forward_rows(model, kv, row, [token], np.asarray(hidden, np.float32)[None],
-                        vocab=vocab)
+                        vocab=vocab, like_decode=like_decode)
 
 
 def after_block(model, state: State, block, x, end: int | None = None) -> None:

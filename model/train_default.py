@@ -674,7 +674,16 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     for split, n in (("train", n_windows), ("heldout", max(8, n_windows // 20))):
         t0 = time.monotonic()
         if f"{split}.ids" not in saved:
-            arrays = model_states(model, load_tokens(data, split).numpy(), context, n)
+            done, last = [0], [t0]
+
+            def on_window() -> None:  # 0.5 s a window on one core: minutes for the train split
+                done[0] += 1
+                if time.monotonic() - last[0] > PROGRESS_S:
+                    last[0] = time.monotonic()
+                    say({"states": split, "windows_done": done[0],
+                         "s": round(last[0] - t0, 1)})
+
+            arrays = model_states(model, load_tokens(data, split).numpy(), context, n, on_window)
             saved.update({f"{split}.{k}": a for k, a in zip(names, arrays)})
         splits[split] = [torch.from_numpy(saved[f"{split}.{k}"]) for k in names]
         say({"states": split, "windows": int(splits[split][0].shape[0]),
@@ -707,15 +716,21 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
 
     n_steps = steps or 10 ** 9
     step, t_train = 0, time.monotonic()
+    t_said = t_train
+    deadline = t_start + 60 * (minutes or 0) - 60  # the held-out pass and the files after
     while step < n_steps:
-        if steps is None and step == 5:
-            per_step = (time.monotonic() - t_train) / 5
-            n_steps = max(6, int((60 * minutes - (time.monotonic() - t_start) - 60) / per_step))
-            log["schedule"] = {"step_s": round(per_step, 3), "steps": n_steps}
-            say(log["schedule"])
+        if steps is None and step >= 5:
+            # --minutes alone: the schedule follows the clock, its length the steps the pace so
+            # far fits before the deadline, so the cosine ends there however the load varies (a
+            # fixed count from the first steps' pace stopped one run at half its schedule: the
+            # 2-core machine's step went from 3.5 to 9 s as others' jobs came)
+            done = (time.monotonic() - t_train) / max(1e-3, deadline - t_train)
+            if done >= 1:
+                break
+            n_steps = max(step + 1, int(step / done))
         pick = torch.randint(0, train_set[0].shape[0], (batch,), generator=generator)
         ce, aux, agree = mtp_loss(head, *(a[pick] for a in train_set), k, aux_coef)
-        warmup = min(50, max(1, n_steps // 20))
+        warmup = min(50, max(1, n_steps // 20)) if steps else 50
         rate = lr_at(step, n_steps, lr, warmup)
         for group in optimizer.param_groups:
             group["lr"] = rate
@@ -724,16 +739,22 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1
-        if step % 20 == 0 or step == 1 or step == n_steps:
+        if step % 20 == 0 or step == 1 or step == n_steps or \
+                time.monotonic() - t_said > PROGRESS_S:
+            t_said = time.monotonic()
             record = {"step": step, "loss": round(ce.item(), 4), "aux": round(aux.item(), 4),
                       "agree": round(agree.item(), 4), "lr": round(rate, 6),
                       "elapsed_s": round(time.monotonic() - t_start, 1)}
             log["curve"].append(record)
             say(record)
-        if minutes is not None and time.monotonic() - t_start > 60 * minutes - 30:
+        if steps is not None and minutes is not None and \
+                time.monotonic() - t_start > 60 * minutes - 30:
             say({"stopped": "wall-clock budget", "step": step})
             break
     log["steps_done"] = step
+    if steps is None:
+        log["schedule"] = {"by": "wall clock", "steps": step,
+                           "step_s": round((time.monotonic() - t_train) / max(1, step), 3)}
     log["evals"].append({"step": step, **heldout()})
     say({"heldout": log["evals"][-1]})
     log["train_s"] = round(time.monotonic() - t_start, 1)
@@ -778,6 +799,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --mtp-for: the model's states in this .npz (made once)")
     parser.add_argument("--mtp-init", type=Path, default=None,
                         help="with --mtp-for: continue from this head directory (OUT/head)")
+    parser.add_argument("--mtp-lr", type=float, default=1e-3,
+                        help="with --mtp-for: peak learning rate (AdamW, batch 8)")
     args = parser.parse_args(argv)
     if args.steps is None and args.minutes is None:
         parser.error("give --steps, --minutes or both")
@@ -789,8 +812,10 @@ def main(argv: list[str] | None = None) -> None:
         from fermijit.model.convert import add_mtp_head
 
         train_mtp(args.mtp_for, args.data, args.out, args.steps, args.minutes, seed=args.seed,
-                  n_windows=args.mtp_windows, states=args.mtp_states, init=args.mtp_init)
+                  lr=args.mtp_lr, n_windows=args.mtp_windows, states=args.mtp_states,
+                  init=args.mtp_init)
         add_mtp_head(args.mtp_for, args.out / "head", args.out / "model")
+        shutil.copyfile(args.out / "mtp_log.json", args.out / "model" / "mtp_log.json")
         print(json.dumps({"saved": str(args.out / "model")}), flush=True)
         return
     train(args.data, args.out, PRESETS[args.preset], args.steps, args.minutes, seed=args.seed,

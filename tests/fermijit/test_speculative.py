@@ -371,3 +371,27 @@ def test_prefill_batch_with_the_head_is_each_alone(model, rng):
     for b in range(len(prompts)):
         np.testing.assert_array_equal(got[b], want[b])
         assert_states_equal(alone[b], together[b], f"sequence {b}")
+
+
+def test_bench_decode_speculative_reports_steps_and_costs(model_dir, capsys):
+    """`bench decode --speculative mtp` (item 4): tok/s both ways from the same prompts, the
+    texts identical, tokens per step and acceptance from the steps' counts, the parts' costs,
+    and the projection at the reported acceptances by its printed formula."""
+    import json
+
+    from fermijit import bench_decode, bench_speculative
+
+    r = bench_decode.run(model_dir, None, 8, 6, 1, True, False,
+                         speculative=(None, 2, speculative.Drafts()))
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(r))
+    assert r["identical_text"] and r["prompts"] == 2 and r["steps"] >= 5
+    assert 0 <= r["acceptance"] <= 1 and 1 <= r["tokens_per_step"] <= 2  # one draft a step
+    c = r["costs"]
+    assert min(c.values()) > 0 and r["bytes_per_accepted_token"] > 0
+    assert r["verify_of_decode"] == pytest.approx(c["verify_ms"] / c["decode_ms"])
+    for p, a in zip(r["projection"], bench_speculative.ACCEPTANCE):
+        assert p["speedup"] == pytest.approx((1 + a) * c["decode_ms"] /
+                                             (c["verify_ms"] + c["draft_ms"]))
+    assert len(r["load_1min"]) == 2
+    text = bench_speculative.format_report(r)
+    assert "acceptance" in text and "(1 + a) * t_decode / (t_verify + t_draft)" in text

@@ -196,3 +196,46 @@ def test_real_routing_recipe_trains_the_published_routing_shape(data_dir, tmp_pa
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (256, 64, 64)
     manifest = convert(out, tmp_path / "fermijit", show_progress=False)
     assert manifest.tensors["layers.0.mlp.experts_gate_up"].shape[0] == 256
+
+
+def test_mtp_head_learns_the_frozen_models_next_but_one_token(data_dir, tmp_path):
+    """`--mtp-for` (issue 32 item 3): the head trains on the converted model's own states and
+    distributions (the model frozen), and `add_mtp_head` stores it beside the model's tensors,
+    which keep their bytes; the head then drafts, and speculative greedy decoding says what
+    plain decoding says."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from fermijit import engine
+    from fermijit.model import train_default
+    from fermijit.model.convert import add_mtp_head, convert
+    from fermijit.model.forward import load_model
+    from fermijit.ops.sampling import Sampler
+    from fermijit.speculative import Drafts
+
+    torch.set_num_threads(1)
+    shape = dataclasses.replace(train_default.PRESETS["tiny"], context=32, batch=4, lr=1e-2)
+    train_default.train(data_dir, tmp_path / "ckpt", shape, steps=30, minutes=None, evals=1,
+                        device="cpu", quiet=True)
+    before = convert(tmp_path / "ckpt", tmp_path / "fj", show_progress=False)
+    log = train_default.train_mtp(tmp_path / "fj", data_dir, tmp_path / "mtp", steps=30,
+                                  minutes=None, batch=4, lr=3e-3, n_windows=16, quiet=True)
+    curve = log["curve"]
+    assert curve[-1]["step"] == 30 and curve[-1]["loss"] < curve[0]["loss"] - 1.0, curve
+    assert log["windows"]["train"] == 16 and 0 < log["evals"][-1]["agree"] <= 1
+
+    after = add_mtp_head(tmp_path / "fj", tmp_path / "mtp" / "head", tmp_path / "with")
+    assert after.tensors["mtp.fc"].quant == "q4_0"
+    for name, entry in before.tensors.items():
+        assert after.tensors[name].checksum == entry.checksum, name
+    _, model = load_model(tmp_path / "with")
+    assert model.mtp is not None
+    prompt = np.arange(2, 14, dtype=np.int32)
+
+    def greedy(drafts):
+        sampler = Sampler(model.vocab_size, temperature=0, top_k=0, top_p=1.0, seed=0)
+        return engine.generate(model, prompt, sampler, 24, 64, frozenset(), lambda t: None,
+                               drafts=drafts)
+
+    plain, _ = greedy(None)
+    spec, stats = greedy(Drafts())
+    assert spec == plain and stats.speculative.drafted > 0

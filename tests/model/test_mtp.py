@@ -61,8 +61,9 @@ def test_convert_keeps_the_head(converted, tmp_path):
         load_model(tmp_path / "fj")[1].new_state(8, mtp=True)
 
 
-def _compare(model, ref, prompt, tolerance):
-    """Prefill `prompt` with the head; then a draft's row and two chained ones; each against the
+def _compare(model, ref, prompt, tolerance, like_decode=False):
+    """Prefill `prompt` with the head; then a draft's row and two chained ones (through
+    decode's kernels with `like_decode`, as the Speculator drafts); each against the
     reference."""
     state = model.new_state(64, mtp=True)
     rs = ref.new_state()
@@ -80,13 +81,14 @@ def _compare(model, ref, prompt, tolerance):
     kv.v[:, n:] = np.nan
     token = 7
     want_logits, want_out = ref.mtp([token], hidden[-1:], cache)    # row P-1
-    out, logits = mtp.consume(model, state, [token])
+    out, logits = mtp.consume(model, state, [token], like_decode=like_decode)
     assert state.hidden.shape == (0, model.hidden)
     assert rel(want_logits[0], logits) < tolerance
     assert rel(want_out, out) < tolerance
     for step, draft in enumerate((11, 3)):                          # chained: own output as hidden
         want_logits, next_out = ref.mtp([draft], want_out, cache)
-        out, logits = mtp.chain(model, state, prompt.size + step, draft, out[-1])
+        out, logits = mtp.chain(model, state, prompt.size + step, draft, out[-1],
+                                like_decode=like_decode)
         assert rel(want_logits[0], logits) < tolerance, step
         want_out = next_out
     assert not np.isnan(kv.k[:, :prompt.size + 2]).any()
@@ -98,9 +100,11 @@ def test_layer_w4a8_matches_the_reference(converted, rng):
     cfg, model = load_model(converted[1], kv=KvKind.F32)
     _, weights, _ = convert.load_converted(converted[1])
     ref = Reference(cfg.text_config, weights, quantize_activations=True)
+    assert mtp._takes_decode_rows(model)
     for n in (2, 9, 20):
-        _compare(model, ref, rng.integers(0, model.vocab_size, n).astype(np.int32),
-                 W4A8_VS_REFERENCE)
+        prompt = rng.integers(0, model.vocab_size, n).astype(np.int32)
+        for like_decode in (False, True):  # prefill's ops, decode's kernels (the drafts')
+            _compare(model, ref, prompt, W4A8_VS_REFERENCE, like_decode)
 
 
 def test_layer_fp32_matches_the_reference(converted, rng):

@@ -72,17 +72,28 @@ def test_same_bits_whatever_threads_and_tokens(rng):
     np.testing.assert_array_equal(one[:5], part)
 
 
-def test_like_gemv_gives_the_gemv_bits(rng):
-    """`like_gemv` (batched decode's choice): each token's row is the GEMV's, bit for bit."""
-    rows, k, n_tok = 12, 1024, 6
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_like_gemv_gives_the_gemv_bits(rng, isa):
+    """`like_gemv` (batched decode's choice) and the Q8_0 head's few-token tile (a verify
+    step's rows): each token's row is the GEMV's, bit for bit, at every token count (tiles of
+    2, 3 and 4 tokens, and 4 plus tails), rows with a tail."""
+    rows, k, n_tok = 13, 1024, 6
     qs, d = q4_weights(rng, rows, k)
     w = matvec.Q4Matrix.of(qs, d)
+    q8s, q8d = quant.quantize_q8_0(rng.standard_normal((rows, k)).astype(np.float32))
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    for n in range(2, n_tok + 1):
+        act = matvec.quantize_act(x[:n], isa)
+        y = matvec.product(w, act, poisoned((n, rows)), like_gemv=True)
+        y8 = matvec.q8_cpu(q8s, q8d, act, out=poisoned((n, rows)))
+        for t in range(n):
+            one = matvec.quantize_act(x[t], isa)
+            np.testing.assert_array_equal(y[t], matvec.product(w, one, poisoned(rows)))
+            np.testing.assert_array_equal(y8[t], matvec.q8_cpu(q8s, q8d, one,
+                                                               out=poisoned(rows)))
     isa = matvec.default_isa(1)  # decode's variant, as batched decode quantises its rows
+    x = x[:6]
     y = matvec.product(w, matvec.quantize_act(x, isa), poisoned((n_tok, rows)), like_gemv=True)
-    for t in range(n_tok):
-        np.testing.assert_array_equal(
-            y[t], matvec.product(w, matvec.quantize_act(x[t]), poisoned(rows)))
     offsets = np.array([0, 4, n_tok], np.int64)
     qs2, d2 = np.stack([qs, qs]), np.stack([d, d]).view(np.uint16)
     g = matvec.grouped(qs2, d2, offsets, matvec.quantize_act(x, isa), poisoned((n_tok, rows)),
