@@ -693,6 +693,8 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     head = MtpHead(config, *_frozen(model))
     if init is not None:
         head.load_hf_tensors(load_file(str(Path(init) / "model.safetensors")))
+        earlier = Path(init).parent / "mtp_log.json"  # the run that made it, kept in this log
+        log_before = json.loads(earlier.read_text()) if earlier.is_file() else None
     params = [p for p in head.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -701,9 +703,13 @@ def train_mtp(model_dir: Path, data: Path, out: Path, steps: int | None, minutes
     k = config["num_experts_per_tok"]
     aux_coef = config.get("router_aux_loss_coef", 0.01)
     log = {"model": str(model_dir), "data": str(data), "seed": seed, "batch": batch, "lr": lr,
+           "budget": {"steps": steps, "minutes": minutes}, "init": None if init is None else
+           str(init),
            "context": context, "windows": {s: int(v[0].shape[0]) for s, v in splits.items()},
            "parameters": n_params, "torch_threads": torch.get_num_threads(),
            "curve": [], "evals": []}
+    if init is not None:
+        log["continued_from"] = log_before
 
     def heldout() -> dict:
         head.eval()
