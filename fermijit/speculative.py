@@ -192,10 +192,16 @@ class Speculator:
 
 
 def pays(model) -> bool:
-    """Whether speculative decoding is expected to pay on `model` (PAYS_MIN_BYTES)."""
+    """Whether speculative decoding is expected to pay on `model` (PAYS_MIN_BYTES). A model
+    `token_bytes` does not count (an HF checkpoint's fp32 experts): no, `--speculative mtp`
+    turns it on."""
     from fermijit.bench_decode import token_bytes
 
-    return token_bytes(model, [model.top_k] * len(model.layers)).total >= PAYS_MIN_BYTES
+    try:
+        per_token = token_bytes(model, [model.top_k] * len(model.layers)).total
+    except FermijitError:
+        return False
+    return per_token >= PAYS_MIN_BYTES
 
 
 def warm_up(model, sampler, drafts: Drafts) -> None:

@@ -395,3 +395,12 @@ def test_bench_decode_speculative_reports_steps_and_costs(model_dir, capsys):
     assert len(r["load_1min"]) == 2
     text = bench_speculative.format_report(r)
     assert "acceptance" in text and "(1 + a) * t_decode / (t_verify + t_draft)" in text
+
+
+def test_an_hf_checkpoint_with_a_head_loads_with_the_default_speculation(model_dir):
+    """`serve` and `generate` default to --speculative auto, which asks whether drafting pays:
+    an HF checkpoint (fp32 experts, bytes not counted) loads with it off instead of failing."""
+    from fermijit.engine import Engine
+
+    engine = Engine.load(model_dir.parent / "hf", speculative=None)
+    assert not speculative.pays(engine.model)
