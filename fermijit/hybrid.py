@@ -442,31 +442,38 @@ class GpuPrefiller:
         done = [0] * len(items)
         logits: list = [[] if all_logits else None for _ in items]
         fed, observed = [], []  # (item, tokens) per pass; REAP's observations
-        with host_ready(self.device, items, ends):
-            while any(d < i.tokens.size for d, i in zip(done, items)):
-                run = self.last_pass = None  # the last pass's buffers freed before the next's
-                segments, pieces = next_pass(items, done, states, waiting, p.chunk)
-                run = gpu_prefill.Pass(self.device, segments, observe=self.observer is not None,
-                                       w4a8=self.w4a8)
-                run.marks = [] if profile else None
-                phase("pass buffers")
-                run.run(np.concatenate([items[b].tokens[done[b]:done[b] + n] for b, n in pieces]),
-                        time_layers)
-                phase("layers")
-                if all_logits:
-                    logits[0].append(run.logits())
-                else:  # the rows of the items that end in this pass
-                    last = [(b, seg.rows.stop - 1) for (b, n), seg in zip(pieces, segments)
-                            if done[b] + n == items[b].tokens.size]
-                    for (b, _), x in zip(last, run.logits([r for _, r in last]) if last else ()):
-                        logits[b] = x
-                phase("logits")
-                for (b, n), seg in zip(pieces, segments):
-                    done[b] += n
-                    waiting[b] = seg.waiting
-                fed += pieces
-                self.last_pass = run
-                observed += run.observed
+        while any(d < i.tokens.size for d, i in zip(done, items)):
+            run = self.last_pass = None  # the last pass's buffers freed before the next's
+            segments, pieces, row = [], [], 0
+            for b, item in enumerate(items):
+                n = min(item.tokens.size - done[b], p.chunk - row)
+                if n > 0:
+                    segments.append(gpu_prefill.Segment(slice(row, row + n),
+                                                        item.state.position + done[b],
+                                                        states[b], waiting[b]))
+                    pieces.append((b, n))
+                    row += n
+            run = gpu_prefill.Pass(self.device, segments, observe=self.observer is not None,
+                                   w4a8=self.w4a8)
+            run.marks = [] if profile else None
+            phase("pass buffers")
+            run.run(np.concatenate([items[b].tokens[done[b]:done[b] + n] for b, n in pieces]),
+                    time_layers)
+            phase("layers")
+            if all_logits:
+                logits[0].append(run.logits())
+            else:  # the rows of the items that end in this pass
+                last = [(b, seg.rows.stop - 1) for (b, n), seg in zip(pieces, segments)
+                        if done[b] + n == items[b].tokens.size]
+                for (b, _), x in zip(last, run.logits([r for _, r in last]) if last else ()):
+                    logits[b] = x
+            phase("logits")
+            for (b, n), seg in zip(pieces, segments):
+                done[b] += n
+                waiting[b] = seg.waiting
+            fed += pieces
+            self.last_pass = run
+            observed += run.observed
         gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
                                                  waiting)))
         phase("state out")
@@ -479,59 +486,6 @@ class GpuPrefiller:
         for layer, experts, weights, norms in observed:
             self.observer(layer, experts, weights, norms)
         return [np.concatenate(rows) for rows in logits] if all_logits else logits
-
-
-def next_pass(items: list[PrefillItem], done: list[int], states: list, waiting: list,
-              chunk: int) -> tuple[list, list]:
-    """The next pass of `run_batch`: the items' rows not `done` yet, in order, at most `chunk`
-    of them; (a gpu_prefill.Segment each, (item, its rows) each)."""
-    from fermijit import gpu_prefill
-
-    segments, pieces, row = [], [], 0
-    for b, item in enumerate(items):
-        n = min(item.tokens.size - done[b], chunk - row)
-        if n > 0:
-            segments.append(gpu_prefill.Segment(slice(row, row + n), item.state.position + done[b],
-                                                states[b], waiting[b]))
-            pieces.append((b, n))
-            row += n
-    return segments, pieces
-
-
-@contextlib.contextmanager
-def host_ready(dev, items: list[PrefillItem], ends: list[int]):
-    """Runs the block (the passes) while a thread makes ready what the hand-off will need on
-    the host: the page-locked buffer grown to its bytes, and the arrays of fresh states
-    (position 0: zeros, or rows not written yet) written once with zeros, so that their pages
-    are mapped before the hand-off fills them (a fresh server's first batch of 8 full-size
-    64-token prompts spent 0.30-0.34 s in its hand-off, later ones 0.06-0.10 s: H200 host).
-    Joined before the block ends or fails, so nothing else touches the states meanwhile."""
-    from fermijit import gpu_state
-    from fermijit.jit import gpu
-
-    def ready() -> None:
-        try:
-            handed = [[a for layer in gpu_state.handed_arrays(i.state, end) for a in layer]
-                      for i, end in zip(items, ends)]
-            waiting = [i.state.hidden[:1].nbytes if i.state.hidden is not None else 0
-                       for i in items]
-            dev.host_buffer("state", sum(a.nbytes for arrays in handed for a in arrays)
-                            + sum(waiting))
-            for i, arrays in zip(items, handed):
-                if i.state.position == 0:
-                    for a in arrays:
-                        a.fill(0)
-        except Exception:  # noqa: BLE001 - only a head start: the hand-off does it and says
-            pass
-        finally:
-            gpu.release_thread()
-
-    thread = threading.Thread(target=ready, name="fermijit-gpu-host-ready", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
 
 
 def _waiting(model, state):

@@ -1,5 +1,5 @@
-"""The GPU prefill of a state with the MTP layer (fermijit/hybrid.py, issues 32 and 28): the
-model's layers and then the head's rows on the GPU, in the same pass (gpu_prefill.Pass.head), so a
+"""The GPU prefill of a state with the MTP layer (fermijit/hybrid.py, issues 32 and 28): the model's
+layers and then the head's rows on the GPU, in the same pass (gpu_prefill.Pass.head), so a
 speculative decode can follow a GPU prefill. On a tiny model with a random head: the head's cache
 rows and waiting hidden state against an all-CPU prefill's, one pass, chunked and continued; the
 REAP calibration's count of the head's rows; greedy text after it equal to plain decoding's from
