@@ -30,11 +30,17 @@ from fermijit.model import batch, mtp
 from fermijit.ops import sampling
 
 MAX_DRAFT = 8  # --draft: the head is one layer; chained drafts' acceptance falls quickly
-# `serve --speculative auto` drafts only for a model whose decode token reads at least this many
-# weight bytes: speculation trades bytes (a step reads the dense weights and the LM head once for
-# several tokens) for each row's own work (GDN, attention, MoE), which small models are made of.
-# The default model (9.4 MB a token) decoded 0.6x as fast with its head (35% acceptance, bench
-# decode --speculative mtp, 1 thread, load ~12); the full-size model reads ~1.7 GB.
+# `--speculative auto` (generate, serve) drafts only where it is projected to pay: a step makes
+# 1 + a tokens for a verify step and a draft, so speed-up = (1 + a) / (verify + draft) in tokens'
+# time (bench speculative's projection), at the acceptance users report for this head (0.7-0.8).
+# Measured with `bench decode --speculative mtp`: the full-size REAP-128 shape on the H200's
+# 16-core host (tests/speculative_pass.sh, medians of 3 rounds), a 2-row verify step 2.54x / 2.20x
+# a token and the draft 0.22x / 0.24x at 16 / 8 threads: 0.63x / 0.72x at a = 0.75; the default
+# model (9.4 MB a token, per-row work dominates) 0.6x. So auto leaves it off until the verify step
+# costs less (VERIFY_COST is the best of those figures); `--speculative mtp` turns it on.
+EXPECTED_ACCEPTANCE = 0.75
+VERIFY_COST, DRAFT_COST = 2.20, 0.22  # in a decode token's time, at full size
+# Smaller models (fewer bytes a token than this) pay less still: per-row work dominates them.
 PAYS_MIN_BYTES = 256 << 20
 
 
@@ -192,16 +198,18 @@ class Speculator:
 
 
 def pays(model) -> bool:
-    """Whether speculative decoding is expected to pay on `model` (PAYS_MIN_BYTES). A model
-    `token_bytes` does not count (an HF checkpoint's fp32 experts): no, `--speculative mtp`
-    turns it on."""
+    """Whether speculative decoding is projected to pay on `model`: a model reading at least
+    PAYS_MIN_BYTES a token, and the measured step costs' speed-up above 1 (none measured is: see
+    VERIFY_COST). A model `token_bytes` does not count (an HF checkpoint's fp32 experts): no;
+    `--speculative mtp` turns it on either way."""
     from fermijit.bench_decode import token_bytes
 
     try:
         per_token = token_bytes(model, [model.top_k] * len(model.layers)).total
     except FermijitError:
         return False
-    return per_token >= PAYS_MIN_BYTES
+    speedup = (1 + EXPECTED_ACCEPTANCE) / (VERIFY_COST + DRAFT_COST)
+    return per_token >= PAYS_MIN_BYTES and speedup > 1
 
 
 def warm_up(model, sampler, drafts: Drafts) -> None:

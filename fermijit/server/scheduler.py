@@ -24,7 +24,8 @@ for the next turn. Stop strings are held back from the stream until they can no 
 (`StopMatcher`).
 
 With an engine loaded for speculative decoding (fermijit/speculative.py: the default where the
-model has an MTP head and it pays, `serve --speculative none` turns it off), a step with one
+model has an MTP head and it is projected to pay: speculative.pays; `serve --speculative mtp|none`
+decides), a step with one
 sequence active drafts and verifies (`_speculative_step`); with several, the batched step reads
 the weights once for all of them, and each sequence's head catches up at its next draft.
 """

@@ -1,12 +1,12 @@
 """Issue 28's serve figures on the GPU host (run by tests/gpu_serve_bench.sh): medians of ROUNDS
 interleaved rounds, each of three fresh processes in a rotating order:
-  - `serve` with the defaults (--speculative auto: the MTP head synth writes drafts, so its rows
-    run in the GPU pass too) and --verbose (the GPU prefill says each call's sequences, rows and
+  - `serve` with the defaults (--speculative auto: off at this size, speculative.pays) and --verbose (the GPU prefill says each call's sequences, rows and
     phases in the log): time to first token through HTTP at LENGTHS prompt tokens, then a
     64-token prompt alone (the median of 3) and twice N_CONCURRENT of them at once (the last
     first token: were they prefilled together? The server's first such batch also grows its
     page-locked hand-off buffer and its device memory pool: reported apart);
-  - `serve --speculative none`: the same LENGTHS;
+  - `serve --speculative mtp` (the MTP head synth writes drafts, so its rows run in the GPU pass
+    too): the same LENGTHS;
   - the GPU prefill alone at LENGTHS (GpuPrefiller.run, best of 2, as `bench prefill` times it;
     test_serve_gpu._bench_seconds): the reference.
 Prints a table; writes the rounds as JSON and the servers' logs under OUT.
@@ -80,12 +80,12 @@ def prefill_round(model_dir: Path, log: Path, seed: int) -> dict:
 
 
 def main(model_dir: Path, out: Path) -> None:
-    runs = {"default": [], "none": [], "prefill": []}
+    runs = {"default": [], "mtp": [], "prefill": []}
     # --verbose: the GPU prefill says each call's sequences, rows and phases in the log
     jobs = [("default", lambda r: serve_round(model_dir, out / "serve-default.log",
                                               ("--verbose",), True, r)),
-            ("none", lambda r: serve_round(model_dir, out / "serve-none.log",
-                                           ("--speculative", "none"), False, r)),
+            ("mtp", lambda r: serve_round(model_dir, out / "serve-mtp.log",
+                                          ("--speculative", "mtp"), False, r)),
             ("prefill", lambda r: prefill_round(model_dir, out / "prefill.log", r))]
     for r in range(ROUNDS):
         for name, job in jobs[r % 3:] + jobs[:r % 3]:       # a rotating order
@@ -98,10 +98,10 @@ def main(model_dir: Path, out: Path) -> None:
 
     print(f"medians of {ROUNDS} interleaved rounds (fresh processes), seconds to first token")
     print(f"{'tokens':>6}  {'prefill alone':>13}  {'serve default':>13}  {'ratio':>6}  "
-          f"{'serve --spec none':>17}  {'ratio':>6}  on the GPU (default, none)")
+          f"{'serve --spec mtp':>17}  {'ratio':>6}  on the GPU (default, mtp)")
     for n in LENGTHS:
-        p, d, s = median("prefill", n), median("default", n), median("none", n)
-        on_gpu = [min(x["on_gpu"][n] for x in runs[k]) for k in ("default", "none")]
+        p, d, s = median("prefill", n), median("default", n), median("mtp", n)
+        on_gpu = [min(x["on_gpu"][n] for x in runs[k]) for k in ("default", "mtp")]
         print(f"{n:>6}  {p:>13.3f}  {d:>13.3f}  {d / p:>5.2f}x  {s:>17.3f}  {s / p:>5.2f}x  "
               f"{on_gpu[0] == n}, {on_gpu[1] == n}")
     alone = statistics.median(x["short_alone"] for x in runs["default"])

@@ -47,7 +47,7 @@ def _file_bytes(model_dir: Path) -> int:
 
 def _start(model_dir: Path, log: Path, flags: tuple = ()) -> tuple[subprocess.Popen, str, float]:
     """A `serve` process with the defaults a user gets (--prefill auto; --speculative auto,
-    which drafts with the MTP head synth writes: its rows then run in the GPU pass too) but
+    off at this size: speculative.pays) but
     --gpu-mem GPU_MEM, then `flags`; (process, base url, seconds from start to its "serving"
     line)."""
     start = time.perf_counter()
