@@ -106,6 +106,10 @@ def run(model_dir: Path | None, synthetic: str | None, lengths: tuple[int, ...],
                 del gpu_state
             row |= {"gpu_prefill_s": min(times), "gpu_prefill_tok_s": n / min(times)}
         report["rows"].append(row)
+        _progress(f"{n} tokens: CPU prefill {row['cpu_prefill_tok_s']:.1f} tok/s"
+                  + (f", GPU {row['gpu_prefill_tok_s']:.1f}" if gpu_pf is not None else "")
+                  + f", decode {decode:.2f} tok/s ({100 * row['decode_of_base']:.1f} % of "
+                  f"{base} positions)")
     report["peak_rss"] = memory_now()["peak"]
     first = report["rows"][0]
     for row in report["rows"]:

@@ -47,8 +47,10 @@ ROW_MOE_MAX_ROWS = 4
 
 
 def can_batch(model: Model) -> bool:
-    """Whether `decode_batch` takes this model: decode's fused path, joined input projections."""
-    return model.fused_decode and all(w.joined_in is not None for w in model.layers)
+    """Whether `decode_batch` takes this model: decode's fused path over Q4_0 weights, joined
+    input projections."""
+    return (model.fused_decode and isinstance(model.layers[0].experts, moe.MoeWeights)
+            and all(w.joined_in is not None for w in model.layers))
 
 
 class BatchWorkspace:

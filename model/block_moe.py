@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from fermijit.model.weights import BlockTensor, QuantTensor
-from fermijit.ops import kquant, kquant_matvec, matvec
+from fermijit.ops import kquant, kquant_matvec, matvec, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +78,59 @@ def _swiglu(inputs: _Inputs, gate_up, down) -> np.ndarray:
 
 
 def _silu_mul(gu: np.ndarray) -> np.ndarray:
-    g, u = np.split(gu, 2, axis=-1)
-    return np.ascontiguousarray(g / (np.float32(1) + np.exp(-g)) * u, dtype=np.float32)
+    """silu(g) ⊙ u of gu [n, 2I] = [g | u] -> [n, I], as ops/moe.py's kernels (decode's fused
+    launch included) compute it."""
+    h = np.empty((gu.shape[0], gu.shape[1] // 2), np.float32)
+    moe._swiglu_rows(np.ascontiguousarray(gu, dtype=np.float32), h)
+    return h
+
+
+# --- decode's fused launch ----------------------------------------------------------------------
+
+def fused_formats(w: BlockExperts) -> tuple[kquant.Format, kquant.Format] | None:
+    """(gate_up's, down's format) where decode's fused launch takes `w`: K-quant blocks in their
+    own column order, the shared expert in the routed ones' kinds and shapes (a Q4_K_M file's
+    are: one llama.cpp rule covers ffn_gate/up/down_exps and _shexp alike); else None."""
+    mats = (w.gate_up, w.down, w.shared_gate_up, w.shared_down)
+    if not all(isinstance(m, BlockTensor) and m.in_perm is None for m in mats):
+        return None
+    gu, dn = kquant.FORMATS[w.gate_up.kind], kquant.FORMATS[w.down.kind]
+    if not (kquant_matvec.is_k_quant(gu) and kquant_matvec.is_k_quant(dn)):
+        return None
+    same = (w.shared_gate_up.kind == w.gate_up.kind and w.shared_down.kind == w.down.kind
+            and w.shared_gate_up.blocks.shape == w.gate_up.blocks.shape[1:]
+            and w.shared_down.blocks.shape == w.down.blocks.shape[1:])
+    return (gu, dn) if same else None
+
+
+@dataclasses.dataclass
+class DecodeScratch:
+    """The fused launch's buffers, one set for every layer: k routed experts and the shared."""
+
+    gu: np.ndarray                       # [k + 1, 2I]
+    h: np.ndarray                        # [k + 1, I]
+    act_h: kquant_matvec.Q8KAct          # h in Q8_K
+    routed: np.ndarray                   # [k + 1, H]
+
+    @classmethod
+    def make(cls, w: BlockExperts, top_k: int) -> "DecodeScratch":
+        two_i, hidden = w.gate_up.shape[1], w.down.shape[1]
+        h = np.zeros((top_k + 1, two_i // 2), np.float32)
+        return cls(np.empty((top_k + 1, two_i), np.float32), h, kquant_matvec.quantize_act(h),
+                   np.empty((top_k + 1, hidden), np.float32))
+
+
+def decode_launch(x, act: kquant_matvec.Q8KAct, ids, weights, w: BlockExperts, out,
+                  s: DecodeScratch):
+    """The fused MoE of one token (kquant_matvec.moe_kernel), x [1, H] already in Q8_K (`act`),
+    into out [1, H], for a caller that repeats it every token (model/forward.py's decode plan):
+    (kernel, args). `fused_formats(w)` must hold."""
+    gu_fmt, dn_fmt = fused_formats(w)
+    kernel_ = kquant_matvec.moe_kernel(gu_fmt, dn_fmt, kquant_matvec.decode_isa())
+    h = s.act_h
+    return kernel_, (x, act.xq, act.d, act.bsums, ids, weights, w.gate_up.blocks,
+                     w.shared_gate_up.blocks[None], w.down.blocks, w.shared_down.blocks[None],
+                     w.shared_gate, s.gu, s.h, h.xq, h.d, h.bsums, s.routed, out)
 
 
 def _routed_one_token(every: _Inputs, ids: np.ndarray, weights: np.ndarray, w: BlockExperts,

@@ -92,8 +92,9 @@ class Layer:
     experts: moe.MoeWeights | DenseExperts | BlockExperts
     # Decode reads the mixer's input projections in one launch where they lie back to back in
     # memory (a converted file stores them so): GDN [qkv; z] [C + Hv·dv, H], attention
-    # [q; k; v] [Hq·2D + 2·Hkv·D, H]; None otherwise. GDN's [b; a] [2Hv, H] fp32 always.
-    joined_in: matvec.Q4Matrix | None = None
+    # [q; k; v] [Hq·2D + 2·Hkv·D, H] (Q4_0, or blocks of one kind); None otherwise. GDN's
+    # [b; a] [2Hv, H] fp32 always.
+    joined_in: matvec.Q4Matrix | BlockTensor | None = None
     gates_in: np.ndarray | None = None
 
 
@@ -146,8 +147,13 @@ def _back_to_back(arrays: list[np.ndarray]) -> np.ndarray | None:
                                            writeable=False)
 
 
-def _joined(mats) -> matvec.Q4Matrix | None:
-    """The Q4_0 matrices `mats` (reading the same input) as one, without a copy, or None."""
+def _joined(mats) -> matvec.Q4Matrix | BlockTensor | None:
+    """The Q4_0 matrices `mats` (reading the same input), or the block matrices of one kind in
+    their own column order, as one, without a copy, or None."""
+    if all(isinstance(m, BlockTensor) and m.kind == mats[0].kind and m.in_perm is None
+           for m in mats):
+        blocks = _back_to_back([m.blocks for m in mats])
+        return None if blocks is None else BlockTensor(mats[0].kind, blocks)
     if not all(isinstance(m, matvec.Q4Matrix) for m in mats):
         return None
     qs, d_bits = _back_to_back([m.qs for m in mats]), _back_to_back([m.d_bits for m in mats])
@@ -194,6 +200,49 @@ def linear_step(x, w, out, act) -> tuple:
     if isinstance(w, QuantTensor) and w.kind == "q8_0":
         return ("matvec.q8_cpu", *matvec.q8_launch(w.qs, w.d, act, out))
     return ("linear", linear, (x, w, out, act))
+
+
+class _BlockActs:
+    """A decode plan's activations for the block kinds' products (kquant_matvec.quantize_for):
+    each input buffer quantised once per kind after it is written (a step of its own), for every
+    product that reads it until it is written again."""
+
+    def __init__(self):
+        self.buffers: dict = {}  # (input's address and shape, kind, perm) -> (x, act)
+        self.fresh: set = set()  # the keys quantised since their input was last written
+
+    @staticmethod
+    def _where(x: np.ndarray) -> tuple:
+        return x.__array_interface__["data"][0], x.shape
+
+    def written(self, x: np.ndarray) -> None:
+        """x was (will be) overwritten by the step just planned."""
+        self.fresh = {key for key in self.fresh if key[0] != self._where(x)}
+
+    def steps(self, x: np.ndarray, w: BlockTensor) -> tuple[list, object]:
+        """(the steps that quantise x as w's product takes it, if not done since x was written,
+        the activations)."""
+        fmt = kquant.FORMATS[w.kind]
+        key = (self._where(x), kquant_matvec.is_k_quant(fmt), None if w.in_perm is None
+               else w.in_perm.__array_interface__["data"][0])
+        if key not in self.buffers:
+            xp = x if w.in_perm is None else np.empty_like(x)
+            self.buffers[key] = xp, kquant_matvec.quantize_for(fmt, xp)
+        xp, act = self.buffers[key]
+        if key in self.fresh:
+            return [], act
+        self.fresh.add(key)
+        steps = [] if w.in_perm is None else [("np.take", np.take, (x, w.in_perm, 1, xp))]
+        return steps + [("kquant.quantize", *kquant_matvec.quantize_launch(fmt, xp, act))], act
+
+
+def product_steps(x, w, out, act, acts: _BlockActs) -> list:
+    """`linear_step` for every kind: a block matrix's product on its own activations (`acts`)."""
+    if not isinstance(w, BlockTensor):
+        return [linear_step(x, w, out, act)]
+    steps, block_act = acts.steps(x, w)
+    return steps + [("kquant.product", *kquant_matvec.launch(
+        kquant.FORMATS[w.kind], w.blocks, block_act, out))]
 
 
 def run_steps(steps) -> None:
@@ -299,7 +348,8 @@ class Workspace:
                             if isinstance(experts, moe.MoeWeights) else None)
         self.logits = empty((1, model.vocab_size)) if T == 1 else None
         self.plan: DecodePlan | None = None  # decode's calls, made by its first token
-        if T == 1 and isinstance(experts, moe.MoeWeights):
+        self.block_scratch = None  # the fused block MoE's (block_moe.DecodeScratch), by the plan
+        if T == 1 and isinstance(experts, (moe.MoeWeights, BlockExperts)):
             self._fused_decode_buffers(model)
 
     def _fused_decode_buffers(self, model: "Model") -> None:
@@ -346,8 +396,9 @@ class Model:
         # What new states' KV caches hold (--kv-cache; issue 31 item 1: Q8_0 by default).
         self.kv_kind: KvKind = DEFAULT_KV
         # Decode a token as a few fused kernels a layer (_decode_fused) when the weights are
-        # Q4_0; otherwise (and for tests, set False) the ops one by one, as prefill.
-        self.fused_decode = isinstance(self.layers[0].experts, moe.MoeWeights)
+        # quantised (Q4_0, or GGUF block kinds); otherwise (and for tests, set False) the ops
+        # one by one, as prefill.
+        self.fused_decode = self.is_quantized
         self._decode_ws: Workspace | None = None
         self._prefill_ws: dict[int, Workspace] = {}  # by pass size: _prefill_workspace
         # Calibration (model/reap.py): None, or called as observer(layer, xn, ids, weights) with
@@ -558,8 +609,9 @@ class Model:
         return self.logits(ws.x, ws.logits)[0]
 
     def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
-        """`forward` and `logits` for one token of a Q4_0 model (ws.tokens), as a plan of ~6
-        kernel calls a layer made once (`_decode_steps`, every buffer made once by Workspace)."""
+        """`forward` and `logits` for one token of a quantised model (ws.tokens), as a plan of
+        ~6 kernel calls a layer made once (`_decode_steps`, every buffer made once by
+        Workspace)."""
         if omp.in_forked_child:
             omp.check_process()
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
@@ -576,50 +628,74 @@ class Model:
         """A decode token's calls: the embedding, then the residual add, norm, quantisation and
         fp32 gates or router of each sublayer's input in one call (ops.residual_step), the
         mixers' steps between their projections in one call each (ops.gdn_step,
-        ops.attention_step), the MoE in one (ops.moe). Python and dispatch were 11 % of a
-        full-size token op by op."""
+        ops.attention_step), the MoE in one (ops.moe, or block_moe's fused launch). Python and
+        dispatch were 11 % of a full-size token op by op. A block matrix (a GGUF's K-quants,
+        `convert --quant q4_k_m`) reads its input quantised once more, as its kind wants
+        (_BlockActs)."""
         steps = [("embedding.cpu", embedding.cpu, (ws.tokens, self.embed, ws.x))]
         eps, y = self.eps, None                                     # y: the sublayer output
+        acts = _BlockActs()
+
+        def product(x, w, out, act):
+            return product_steps(x, w, out, act, acts)
+
+        def residual(*args):
+            acts.written(ws.xn)
+            return ("residual_step.cpu", *residual_step.launch(*args))
+
         for w, s in zip(self.layers, state.layers):
             mixer = w.mixer
             if isinstance(s, KvCache):
-                steps.append(("residual_step.cpu", *residual_step.launch(
-                    ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)))
+                steps.append(residual(ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product,
+                                      ws.no_p))
                 if w.joined_in is not None:                         # q | k | v
-                    steps.append(linear_step(ws.xn, w.joined_in, ws.attn_in, ws.act))
+                    steps += product(ws.xn, w.joined_in, ws.attn_in, ws.act)
                 else:                                               # views of attn_in
-                    steps += [linear_step(ws.xn, mixer.q_proj, ws.qg, ws.act),
-                              linear_step(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act),
-                              linear_step(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act)]
+                    steps += (product(ws.xn, mixer.q_proj, ws.qg, ws.act)
+                              + product(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act)
+                              + product(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act))
                 steps.append(("attention_step.cpu", attention_step.cpu, (
                     ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions, self.rotary_dim,
                     self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)))
-                steps.append(linear_step(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn))
+                acts.written(ws.o.reshape(1, -1))
+                steps += product(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
             else:
-                steps.append(("residual_step.cpu", *residual_step.launch(
-                    ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in, ws.gates_in)))  # b | a
+                steps.append(residual(ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in,
+                                      ws.gates_in))                 # b | a
                 if w.joined_in is not None:                         # qkv | z
-                    steps.append(linear_step(ws.xn, w.joined_in, ws.gdn_in, ws.act))
+                    steps += product(ws.xn, w.joined_in, ws.gdn_in, ws.act)
                 else:                                               # views of gdn_in
-                    steps += [linear_step(ws.xn, mixer.in_proj_qkv, ws.mixed, ws.act),
-                              linear_step(ws.xn, mixer.in_proj_z, ws.z.reshape(1, -1), ws.act)]
+                    steps += (product(ws.xn, mixer.in_proj_qkv, ws.mixed, ws.act)
+                              + product(ws.xn, mixer.in_proj_z, ws.z.reshape(1, -1), ws.act))
                 steps.append(("gdn_step.cpu", *gdn_step.launch(
                     ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log,
                     mixer.dt_bias, mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv,
                     ws.g, ws.beta, ws.go, ws.act_gdn)))
-                steps.append(linear_step(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn))
+                acts.written(ws.go.reshape(1, -1))
+                steps += product(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn)
             y = ws.y
-            steps.append(("residual_step.cpu", *residual_step.launch(
-                ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router, ws.router_logits, ws.ids,
-                ws.weights)))
+            steps.append(residual(ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router,
+                                  ws.router_logits, ws.ids, ws.weights))
             if self.moe_observer is not None:
                 steps.append(("moe_observer", self.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
-            steps.append(("moe.decode", *moe.decode_launch(ws.xn, ws.act, ws.ids, ws.weights,
-                                                           w.experts, ws.y, ws.moe_scratch)))
-        steps.append(("residual_step.cpu", *residual_step.launch(
-            ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p)))
-        steps.append(linear_step(ws.xn, self.lm_head, ws.logits, ws.act))
+            steps += self._moe_steps(w.experts, ws, acts)
+        steps.append(residual(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p))
+        steps += product(ws.xn, self.lm_head, ws.logits, ws.act)
         return steps
+
+    def _moe_steps(self, experts, ws: Workspace, acts: _BlockActs) -> list:
+        """The decode plan's MoE of ws.xn into ws.y: ops.moe's fused Q4_0 kernel, block_moe's
+        fused K-quant one, or block_moe.run."""
+        if isinstance(experts, moe.MoeWeights):
+            return [("moe.decode", *moe.decode_launch(ws.xn, ws.act, ws.ids, ws.weights,
+                                                      experts, ws.y, ws.moe_scratch))]
+        if block_moe.fused_formats(experts) is None:
+            return [("block_moe.run", block_moe.run, (ws.xn, ws.ids, ws.weights, experts, ws.y))]
+        if ws.block_scratch is None:
+            ws.block_scratch = block_moe.DecodeScratch.make(experts, self.top_k)
+        steps, act = acts.steps(ws.xn, experts.gate_up)
+        return steps + [("block_moe.decode", *block_moe.decode_launch(
+            ws.xn, act, ws.ids, ws.weights, experts, ws.y, ws.block_scratch))]
 
     def row_split_arrays(self) -> list[np.ndarray]:
         """The weight arrays decode splits by rows the same way every token (thread t of n: rows

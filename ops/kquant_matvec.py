@@ -348,28 +348,45 @@ def _body(blocks, xq, d, bsums, out):
 
 
 def _gathered_share(thread, n_threads, args):
-    """One thread's run of (expert, row) jobs, expert by expert: out[i, r] = W[idx[i]][r] · x
-    (x one token, shared) or x[i]."""
-    blocks, idx, xq, d, sums, out = args
+    """One thread's run of (matrix, row) jobs, matrix by matrix: out[i, r] = W[idx[i]][r] · x
+    for the routed experts, then out[idx.size + j, r] = S[j][r] · x for each always-on matrix
+    S (the shared expert; none: shared [0, R, bytes]); x one token for every row, or x[i]."""
+    blocks, shared, idx, xq, d, sums, out = args
     n_rows = blocks.shape[1]
-    first = thread * idx.size * n_rows // n_threads
-    last = (thread + 1) * idx.size * n_rows // n_threads
+    n_mats = idx.size + shared.shape[0]
+    first = thread * n_mats * n_rows // n_threads
+    last = (thread + 1) * n_mats * n_rows // n_threads
     shared_x = xq.shape[0] == 1
     i = first // n_rows
     while i * n_rows < last:
-        w = blocks[idx[i]]
+        w = blocks[idx[i]] if i < idx.size else shared[i - idx.size]
         t = 0 if shared_x else i
         for r in range(max(first - i * n_rows, 0), min(last - i * n_rows, n_rows)):
             one_by_1(w, xq, d, sums, out, r, t, i)
         i += 1
 
 
-def _gathered_body(blocks, idx, xq, d, sums, out):
-    """The MoE decode's routed experts of one projection in one launch (model/block_moe.py)."""
+def _gathered_body(blocks, shared, idx, xq, d, sums, out):
+    """The MoE decode's experts of one projection in one launch (model/block_moe.py)."""
     for i in range(idx.size):
         if idx[i] < 0 or idx[i] >= blocks.shape[0]:
             raise IndexError("expert index out of range")
-    gathered_fork((blocks, idx, xq, d, sums, out))
+    gathered_fork((blocks, shared, idx, xq, d, sums, out))
+
+
+def _moe_body(x, xq, d, bsums, ids, weights, gu, shared_gu, dn, shared_dn, w_sg, gu_out, h, hq,
+              hd, hbs, routed, out):
+    """A decode token's MoE over K-quant experts, the shared expert riding in the routed
+    launches, in one dispatch (as ops/moe.py's Q4_0 `_fused_body`): gate_up of the k routed and
+    the shared expert (one parallel launch), SwiGLU, each row's Q8_K, down (one launch), the
+    weighted sum with the gated shared expert's row."""
+    idx = ids[0]
+    gu_fork((gu, shared_gu, idx, xq, d, bsums, gu_out))
+    swiglu(gu_out, h)
+    _quantize_q8_k_kernel(h, hq, hd, hbs)
+    dn_fork((dn, shared_dn, idx, hq, hd, hbs, routed))
+    k = idx.size
+    combine(routed[:k], weights[0], routed[k], x[0], w_sg, out[0])
 
 
 def _array(dtype, ndim, readonly=False):
@@ -380,9 +397,10 @@ def _array(dtype, ndim, readonly=False):
 _SIGNATURES = [types.void(_array(types.uint8, 2, True), _array(types.int8, 2, True),
                           _array(types.float32, 2, True), _array(sums, 2, True),
                           _array(types.float32, 2)) for sums in (types.int16, types.int32)]
-_GATHERED_SIGNATURES = [types.void(_array(types.uint8, 3, True), _array(types.int32, 1, True),
-                                   _array(types.int8, 2, True), _array(types.float32, 2, True),
-                                   _array(sums, 2, True), _array(types.float32, 2))
+_GATHERED_SIGNATURES = [types.void(_array(types.uint8, 3, True), _array(types.uint8, 3, True),
+                                   _array(types.int32, 1, True), _array(types.int8, 2, True),
+                                   _array(types.float32, 2, True), _array(sums, 2, True),
+                                   _array(types.float32, 2))
                         for sums in (types.int16, types.int32)]
 _kernels: dict = {}
 
@@ -413,10 +431,37 @@ def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
 
 
 def gathered_kernel(fmt: kquant.Format, isa: Isa):
-    """The gathered launch of a format and ISA: (blocks [E, R, bytes], idx, xq, scales, sums,
-    out [n, R])."""
+    """The gathered launch of a format and ISA: (blocks [E, R, bytes], shared [S, R, bytes],
+    idx, xq, scales, sums, out [n + S, R])."""
     product_kernel(fmt, isa, GEMV_TILE)
     return _kernels[(fmt.name, isa, GEMV_TILE, "gathered")]
+
+
+def _gathered_fork(fmt: kquant.Format, isa: Isa):
+    """(variant, fork intrinsic) of `fmt`'s gathered launch for another kernel to call inside
+    its own dispatch (as matvec.gathered_fork)."""
+    v = VEC_OF[isa]
+    tiles = dict(ROWS=1, TOKS=1, one_by_1=_make_tile(fmt, v, 1, 1))
+    variant = f"{fmt.name}-{isa.label}-inner-{'omp' if omp.available() else 'serial'}"
+    return variant, omp.fork(bind(_gathered_share, variant, **tiles))
+
+
+def moe_kernel(gu_fmt: kquant.Format, dn_fmt: kquant.Format, isa: Isa):
+    """The fused MoE decode (`_moe_body`) of K-quant experts: gate_up in `gu_fmt`, down in
+    `dn_fmt` (routed and shared alike)."""
+    from fermijit.ops import moe
+
+    key = ("moe", gu_fmt.name, dn_fmt.name, isa)
+    if key not in _kernels:
+        if not (is_k_quant(gu_fmt) and is_k_quant(dn_fmt)) or not supported(isa):
+            raise FermijitError(f"kquant: no fused MoE for {gu_fmt.name}/{dn_fmt.name} on "
+                                f"{isa.label}")
+        gu_variant, gu_fork = _gathered_fork(gu_fmt, isa)
+        dn_variant, dn_fork = _gathered_fork(dn_fmt, isa)
+        _kernels[key] = kernel(_moe_body, fastmath=False,
+                               variant=f"{gu_variant}-{dn_variant}", gu_fork=gu_fork,
+                               dn_fork=dn_fork, swiglu=moe._swiglu, combine=moe._combine)
+    return _kernels[key]
 
 
 def default_isa(n_tokens: int) -> Isa:
@@ -438,6 +483,19 @@ def product(fmt: kquant.Format, blocks: np.ndarray, act, out: np.ndarray,
             isa: Isa | None = None) -> np.ndarray:
     """out [T, R] (or [R] for one token) = W · x for activations from `quantize_for`; the GEMV
     for one token, the GEMM tile for several."""
+    kernel_, args = launch(fmt, blocks, act, out, isa)
+    try:
+        kernel_(*args)
+    except TypeError:
+        raise FermijitError("kquant: an array has the wrong dtype or layout (need "
+                            "C-contiguous; out writable float32)") from None
+    return out
+
+
+def launch(fmt: kquant.Format, blocks: np.ndarray, act, out: np.ndarray,
+           isa: Isa | None = None):
+    """`product`'s kernel and arguments, checked once, for a caller that repeats the call every
+    token (model/forward.py's decode plan): (kernel, args)."""
     if fmt.name not in PRODUCTS:
         raise FermijitError(f"kquant: no CPU kernel for {fmt.name} weights")
     wants = Q8KAct if is_k_quant(fmt) else matvec.Q8Act
@@ -455,12 +513,16 @@ def product(fmt: kquant.Format, blocks: np.ndarray, act, out: np.ndarray,
     isa = isa or default_isa(n_tok)
     kernel_ = product_kernel(fmt, isa, GEMV_TILE if n_tok == 1 else GEMM_TILE)
     sums = (act.d, act.bsums) if is_k_quant(fmt) else (act.dx, act.xsum8)
-    try:
-        kernel_(blocks, act.xq, *sums, out2)
-    except TypeError:
-        raise FermijitError("kquant: an array has the wrong dtype or layout (need "
-                            "C-contiguous; out writable float32)") from None
-    return out
+    return kernel_, (blocks, act.xq, *sums, out2)
+
+
+def quantize_launch(fmt: kquant.Format, x: np.ndarray, act):
+    """(kernel, args) that quantise x float32 [T, K] into `act` (from `quantize_for` of an x
+    of that shape) as `fmt`'s products take it, for a caller that repeats it every token."""
+    if is_k_quant(fmt):
+        check_array("kquant.quantize_launch", "x", x, np.float32, act.xq.shape)
+        return _quantize_q8_k_kernel, (x, act.xq, act.d, act.bsums)
+    return matvec.quantize_act, (x, Isa.SSSE3, act)
 
 
 def cpu(fmt: kquant.Format, blocks: np.ndarray, x, out=None, *, isa: Isa | None = None):
@@ -481,21 +543,25 @@ def cpu(fmt: kquant.Format, blocks: np.ndarray, x, out=None, *, isa: Isa | None 
 
 
 def gathered(fmt: kquant.Format, blocks: np.ndarray, idx: np.ndarray, act, out=None, *,
-             isa: Isa | None = None) -> np.ndarray:
-    """out [n, R] = W[idx[i]] · x for the experts idx (int32 [n]) of blocks [E, R, bytes]; `act`
-    (from `quantize_for`) one token for all, or one row per expert: the MoE decode's routed
-    experts of a projection in one parallel launch."""
+             isa: Isa | None = None, shared: np.ndarray | None = None) -> np.ndarray:
+    """out [n + S, R] = W[idx[i]] · x for the experts idx (int32 [n]) of blocks [E, R, bytes],
+    then S[j] · x for the always-on matrices `shared` [S, R, bytes] (default none); `act` (from
+    `quantize_for`) one token for all, or one row per matrix: the MoE decode's experts of a
+    projection in one parallel launch."""
+    shared = blocks[:0] if shared is None else shared
     check_array("kquant.gathered", "blocks", blocks, np.uint8, ndim=3)
+    check_array("kquant.gathered", "shared", shared, np.uint8, (None,) + blocks.shape[1:])
     check_array("kquant.gathered", "idx", idx, np.int32, ndim=1)
     n_act, k = act.xq.shape
-    if blocks.shape[2] != fmt.n_bytes(k) or n_act not in (1, idx.size):
+    n_mats = idx.size + shared.shape[0]
+    if blocks.shape[2] != fmt.n_bytes(k) or n_act not in (1, n_mats):
         raise FermijitError(f"kquant.gathered: {fmt.name} experts {list(blocks.shape)} for "
-                            f"{n_act} activation rows of {k} (need 1 or {idx.size}, and rows "
+                            f"{n_act} activation rows of {k} (need 1 or {n_mats}, and rows "
                             f"of {fmt.n_bytes(k)} bytes)")
-    y = output("kquant.gathered", out, (idx.size, blocks.shape[1]))
+    y = output("kquant.gathered", out, (n_mats, blocks.shape[1]))
     sums = (act.d, act.bsums) if is_k_quant(fmt) else (act.dx, act.xsum8)
     try:
-        gathered_kernel(fmt, isa or decode_isa())(blocks, idx, act.xq, *sums, y)
+        gathered_kernel(fmt, isa or decode_isa())(blocks, shared, idx, act.xq, *sums, y)
     except TypeError:
         raise FermijitError("kquant.gathered: an array has the wrong dtype or layout") from None
     except IndexError as e:

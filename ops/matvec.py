@@ -62,11 +62,15 @@ X_ALIGN = 16
 # 64-byte store (the GEMM tiles' zmm rows) over two lines (the default model's 512-token prefill
 # ~5 % slower at 1 thread, numpy's buffers starting 16 or 48 bytes into a line).
 LINE = 64
-# The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm. Fewer
-# tokens (a speculative verify step's 2-3 rows) take a tile of as many: their weights unpacked
-# once for all, not once a token by the one-token tile (the default model's 1536x384 at 2
-# tokens, 1 thread: 35 -> 29 us; one token 17).
+# The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm.
 GEMM_TILE = (2, 4)
+# A speculative verify step's 2-3 rows (Q4_0 like_gemv, and the Q8_0 LM head) take a tile of one
+# row and all of them: each weight block unpacked once for all. 1 thread, AVX2, 2 tokens, cold
+# (64 MB evicted before each call), medians: reap128's 12288x2048 in-projection 910 us against
+# 1050-1170 for the (2, 4) tile's one-token tails, 1085-1310 for (2, 2), 1230-1310 for two
+# GEMVs (one: 610-680); its 248320x2048 Q8_0 head 47-51 ms against 54-59 (1, 1), 69-72 (2, 2),
+# 68-71 two GEMVs (one: 34); the default model's matrices hot: within 15 % of the best tile.
+FEW_TOKENS = 3
 # GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
 # of activations, both held in L2 (1-2 MiB), instead of every row group reading all T tokens.
 PANEL_BYTES = 1 << 17
@@ -785,14 +789,21 @@ def launch(w: Q4Matrix, act: Q8Act, out, *, isa: Isa | None = None, like_gemv: b
         return gemm.product_kernel(act_isa), (qs, w.d_bits, xq, act.dx, act.xsum8,
                                               gemm.x_offsets(act_isa, k // BLOCK),
                                               gemm.identity_rows(n_tok), out)
-    n_tile = min(n_tok, GEMM_TILE[1])
-    key = (act_isa, n_tile)  # each made on first use: decode alone never needs the GEMM's
-    kernel_ = _gemm_gemv.get(key) or _gemm_gemv.setdefault(
-        key, gemv_kernel(act_isa) if n_tok == 1 else _product(act_isa, (GEMM_TILE[0], n_tile)))
+    key = (act_isa, min(n_tok, FEW_TOKENS + 1))  # each made on first use: decode alone never
+    kernel_ = _gemm_gemv.get(key)                 # needs the GEMM's
+    if kernel_ is None:
+        kernel_ = _gemm_gemv[key] = (gemv_kernel(act_isa) if n_tok == 1 else
+                                     _product(act_isa, _few_tokens_tile(n_tok, GEMM_TILE)))
     return kernel_, (qs, w.d_bits, xq, act.dx, act.xsum8, out)
 
 
-_gemm_gemv: dict = {}  # (Isa, tokens of the tile) -> the GEMV's or a tile's kernel
+def _few_tokens_tile(n_tok: int, more: tuple[int, int]) -> tuple[int, int]:
+    """The tile of a product of n_tok > 1 tokens: FEW_TOKENS' one row and all tokens, else
+    `more`."""
+    return (1, n_tok) if n_tok <= FEW_TOKENS else more
+
+
+_gemm_gemv: dict = {}  # (Isa, tokens of the tile, FEW_TOKENS + 1 for more) -> the kernel
 
 
 def cpu(qs, d, x, out=None, *, isa: Isa | None = None, like_gemv: bool = False):
@@ -848,13 +859,10 @@ def q8_launch(qs, d, x, out=None, *, isa: Isa | None = None):
                                 else out is not None and out.ndim == 1)
     y = output("matvec.q8", out, (rows,) if is_vector else (n_tok, rows))
     # Several tokens (eval's logits of every position): the tile of one row and one token,
-    # which reads the weights once for a panel of rows and all tokens (_product_share). A few
-    # (a speculative verify step's rows): a tile of 2 rows and all of them (the default model's
-    # 8192x384 head, 2 tokens, cold, 1 thread: 300 us against 360 for (1, 1), 365 two GEMVs).
-    if n_tok == 1:
-        kernel_ = gemv_kernel(isa, Q8_0)
-    else:
-        kernel_ = _product(isa, (1, 1) if n_tok > GEMM_TILE[1] else (2, n_tok), fmt=Q8_0)
+    # which reads the weights once for a panel of rows and all tokens (_product_share); a few,
+    # a verify step's: FEW_TOKENS.
+    kernel_ = (gemv_kernel(isa, Q8_0) if n_tok == 1 else
+               _product(isa, _few_tokens_tile(n_tok, (1, 1)), fmt=Q8_0))
     return kernel_, (qs.view(np.uint8), d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
 
 

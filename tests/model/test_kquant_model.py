@@ -116,3 +116,46 @@ def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_with_one_line(imported, monk
 @needs_gpu
 def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_on_a_device(imported):
     _gpu_prefill_falls_back(load_model(imported)[1])
+
+
+@pytest.fixture(scope="module")
+def synthetic_q4_k_m(tmp_path_factory):
+    """4 layers of the REAP-128 shapes shrunk to 256 wide, in Q4_K_M: its experts Q4_K gate/up,
+    Q4_K or Q6_K down (block_moe's fused decode launch), joined Q4_K input projections."""
+    from fermijit.model import synth
+    from tests.model.test_synth import SMALL_K
+
+    out = tmp_path_factory.mktemp("kquant") / "synth-q4_k_m"
+    synth.synth("qwen3.6-35b-a3b-reap128", out, layers=4, overrides=SMALL_K, mix="q4_k_m",
+                show_progress=False)
+    return out
+
+
+# The fused decode (Model._decode_fused) against the ops one by one: the router's and GDN
+# gates' fp32 sums in another order (as for Q4_0: tests/model/test_forward.py FUSED_VS_OPS_REL),
+# the K-quant MoE's weighted sum in another order. Measured: 2.3e-7 (the synthetic 4 layers),
+# 0 (the wide import, whose Q5_0 experts run block_moe.run in both).
+FUSED_VS_OPS_REL = 1e-5
+
+
+@pytest.mark.parametrize("which", ["synthetic", "wide-import"])
+def test_fused_decode_equals_the_ops_one_by_one(which, synthetic_q4_k_m, imported):
+    from fermijit.model import block_moe
+
+    _, m = load_model(synthetic_q4_k_m if which == "synthetic" else imported)
+    assert m.fused_decode
+    if which == "synthetic":
+        assert all(block_moe.fused_formats(w.experts) for w in m.layers)
+        assert sum(w.joined_in is not None for w in m.layers) >= 2
+    state = m.new_state(32)
+    m.prefill(np.arange(10, 18, dtype=np.int32), state)
+    runs = {}
+    for fused in (False, True):
+        m.fused_decode = fused
+        s, token, logits = state.copy(), 5, []
+        for _ in range(6):
+            logits.append(m.decode(token, s).copy())
+            token = int(np.argmax(logits[-1]))
+        runs[fused] = np.stack(logits)
+    scale = np.abs(runs[False]).max()
+    assert np.abs(runs[True] - runs[False]).max() <= FUSED_VS_OPS_REL * scale

@@ -88,3 +88,36 @@ def test_gathered_is_each_experts_product(rng, fmt, isa):
     with pytest.raises(FermijitError, match="expert index out of range"):
         kquant_matvec.gathered(fmt, blocks, np.array([5], np.int32),
                                kquant_matvec.quantize_for(fmt, x[:1]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+def test_gathered_with_the_shared_expert(rng, fmt):
+    """The always-on matrices ride after the routed ones, on x or on rows of their own."""
+    n_experts, rows, k = 4, 5, 256
+    blocks = np.stack([random_blocks(rng, fmt, rows, k) for _ in range(n_experts)])
+    shared = random_blocks(rng, fmt, rows, k)[None]
+    idx = np.array([2, 1], np.int32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    mats = [blocks[2], blocks[1], shared[0]]
+    for act_rows in (x[:1], x):
+        act = kquant_matvec.quantize_for(fmt, act_rows)
+        out = poisoned((3, rows))
+        kquant_matvec.gathered(fmt, blocks, idx, act, out, shared=shared)
+        for i, w in enumerate(mats):
+            _check(f"{fmt.name} matrix {i}",
+                   kquant.reference(fmt, w, act_rows[min(i, len(act_rows) - 1)]), out[i])
+
+
+def test_launch_is_the_product(rng):
+    fmt = kquant.Q6_K
+    blocks = random_blocks(rng, fmt, 6, 512)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    act = kquant_matvec.quantize_for(fmt, x)
+    out = poisoned((1, 6))
+    fn, args = kquant_matvec.launch(fmt, blocks, act, out)
+    fn(*args)
+    np.testing.assert_array_equal(out, kquant_matvec.cpu(fmt, blocks, x))
+    x2 = rng.standard_normal((1, 512)).astype(np.float32)  # the quantise launch refills `act`
+    fn, args = kquant_matvec.quantize_launch(fmt, x2, act)
+    fn(*args)
+    np.testing.assert_array_equal(act.xq, kquant_matvec.quantize_act(x2).xq)
