@@ -81,7 +81,7 @@ def cli(isa: str | None, decode_isa: str | None, pin_threads: bool) -> None:
 
 
 def _select_numa(ctx, param, value):
-    from fermijit import numa
+    from fermijit.host import numa
 
     numa.select(value)
     return value
@@ -144,8 +144,8 @@ def _drafts(speculative: str, draft: int, draft_vocab: int | None):
 
 
 def prefill_options(command):
-    """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/hybrid.py), for generate, eval,
-    serve and prune."""
+    """--prefill, --gpu-mem, --pin-budget, --verbose (fermijit/prefill/hybrid.py), for generate,
+    eval, serve and prune."""
     for option in reversed((
             click.option("--prefill", "prefill", type=click.Choice(["cpu", "gpu", "auto"]),
                          default="auto", show_default=True,
@@ -185,7 +185,7 @@ def _kv(kv_cache: str):
 
 
 def cache_options(command):
-    """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/prefix_cache.py), for
+    """--no-cache, --cache-dir, --cache-mem, --snapshot-every (fermijit/cache/prefix_cache.py), for
     generate and serve."""
     for option in reversed((
             click.option("--no-cache", is_flag=True, help="Prefill the whole prompt: no "
@@ -211,7 +211,7 @@ def cache_options(command):
 
 def _cache_settings(no_cache: bool, cache_dir: Path | None, cache_mem: int | None,
                     snapshot_every: int | None, cache_key: str | None):
-    from fermijit import prefix_cache
+    from fermijit.cache import prefix_cache
 
     if cache_key == "":
         raise click.BadParameter("--cache-key is empty")
@@ -245,7 +245,7 @@ def bench() -> None:
               help="Size of each cold weight set and of the bandwidth probe, in GiB.")
 def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
     """Read bandwidth, each GEMV variant's weight GB/s on cold weights, CPU-prefill GEMM GFLOP/s."""
-    from fermijit import bench_cpu
+    from fermijit.bench import kernels as bench_cpu
 
     bench_cpu.run(as_json=as_json, n_threads=threads, gib=gib)
 
@@ -261,7 +261,7 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
 def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) -> None:
     """How far apart the ISA variants' outputs are: one layer of each kind against the float64
     reference, and the whole model's logits, with a 1e-7 perturbation for scale."""
-    from fermijit import bench_isa as isa_bench
+    from fermijit.bench import isa as isa_bench
 
     isa_bench.run(model_dir, tokens, layer_tokens, as_json)
 
@@ -305,7 +305,7 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
                  kv_cache: str) -> None:
     """Prefill a prompt, decode N tokens: tok/s, weight bytes per token, read bandwidth and the
     ceiling it implies, prefill against the W4A8 GEMM, peak RSS, load-to-first-token time."""
-    from fermijit import bench_decode as bench_decode_module
+    from fermijit.bench import decode as bench_decode_module
 
     if model_dir is not None:
         synthetic = None
@@ -336,7 +336,7 @@ def bench_llama_cpp(model_dir: Path, gguf: Path, llama_bench: Path, threads: tup
                     rounds: int, prompt_tokens: int, tokens: int, as_json: bool) -> None:
     """fermijit and llama.cpp on the same weights and cores: decode and prefill tok/s, fresh
     processes, interleaved rounds, medians and ratios."""
-    from fermijit import bench_llama
+    from fermijit.bench import llama_cpp as bench_llama
     from fermijit.jit import cpu
 
     # fermijit's runs take this process's variants and thread binding.
@@ -376,8 +376,8 @@ def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: in
     """The server through HTTP: time to first token alone at 1k/4k/16k tokens and at 1, 2, 4
     and 8 concurrent streams with their aggregate decode tok/s, 4 streams' rate while a long
     prompt prefills, a chat's second turn with and without the prefix cache, peak RSS."""
-    from fermijit import bench_serve as bench_serve_module
     from fermijit import engine
+    from fermijit.bench import serve as bench_serve_module
     from fermijit.jit import cpu
     from fermijit.model.gguf_convert import model_directory
 
@@ -397,7 +397,7 @@ def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: in
               help="Prefill length T the kernels are measured at.")
 def bench_gpu(as_json: bool, tokens: int) -> None:
     """FMA ceiling and copy bandwidth of Fermi-ISA PTX, then each GPU kernel at prefill shapes."""
-    from fermijit import bench_gpu as bench_gpu_module
+    from fermijit.bench import gpu as bench_gpu_module
 
     bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
 
@@ -415,7 +415,7 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
 def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads: int | None,
                  as_json: bool) -> None:
     """Seconds per image through the full-size vision tower (random weights), CPU and GPU."""
-    from fermijit import bench_vision as bv
+    from fermijit.bench import vision as bv
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
@@ -459,8 +459,8 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
                 max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
     """Held-out perplexity and size of the model pruned by REAP, by routed-token frequency and
     at random to the same expert count, next to the full model's."""
-    from fermijit import bench_prune as bench_prune_module
     from fermijit import engine
+    from fermijit.bench import prune as bench_prune_module
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
@@ -473,7 +473,7 @@ def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
               required=True, help="An HF checkpoint directory, converted into each mix.")
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               required=True, help="UTF-8 held-out text to score (the default model's: "
-                                  "build/default_corpus/heldout.txt, model/default_corpus.py).")
+                                  "build/default_corpus/heldout.txt, training/corpus.py).")
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
               help="Tokens per scoring window (default: 512, at most max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None,
@@ -489,7 +489,7 @@ def bench_quant(hf_dir: Path, text_path: Path, context: int | None, max_tokens: 
                 decode_tokens: int, rounds: int, as_json: bool, threads: int | None) -> None:
     """The quantisation mixes of `convert --quant` (q4_0, q4_k_m) of one checkpoint: held-out
     perplexity (and fp32's), bytes a decode token reads, decode tok/s on this CPU."""
-    from fermijit import bench_quant as bench_quant_module
+    from fermijit.bench import quant as bench_quant_module
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
@@ -515,8 +515,9 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
                 sweep: bool, threads: int | None, as_json: bool) -> None:
     """Snapshot prefix cache: a prompt cold, repeated, extended by 32 tokens and branched at a
     random point; time, speed-up against cold, snapshot bytes and count."""
-    from fermijit import bench_cache as bc
-    from fermijit import engine, prefix_cache
+    from fermijit import engine
+    from fermijit.bench import cache as bc
+    from fermijit.cache import prefix_cache
     from fermijit.jit import cpu
 
     cpu.configure_threads(threads)
@@ -543,7 +544,7 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
                   projection: str | None, sweep: str | None, kv_cache: str) -> None:
     """GPU prefill time against the PCIe and compute floors measured in the same run; pinned vs
     pageable expert streaming (GPU)."""
-    from fermijit import bench_prefill as bp
+    from fermijit.bench import prefill as bp
 
     if sweep is not None:
         bp.sweep(model_dir, synthetic, _int_list("--sweep", sweep), kv=_kv(kv_cache))
@@ -568,7 +569,7 @@ def bench_longctx(model_dir: Path | None, synthetic: str | None, lengths: str,
                   kv_cache: str) -> None:
     """Long context: CPU (and GPU) prefill tok/s, decode tok/s against decode at 64 positions in
     the same run, KV cache bytes and memory, per prompt length."""
-    from fermijit import bench_longctx as bl
+    from fermijit.bench import longctx as bl
 
     bl.run(model_dir, synthetic, tuple(_int_list("--lengths", lengths)), decode_tokens, use_gpu,
            threads, as_json, kv=_kv(kv_cache))
@@ -586,7 +587,7 @@ def kernels() -> None:
 def kernels_check(ptxas: Path | None, as_json: bool) -> None:
     """Assemble every PTX variant for .target sm_20 with ptxas (no GPU needed); exit 1 on a
     kernel that breaks Fermi's limits."""
-    from fermijit import kernels_check as checker
+    from fermijit.jit import ptx_check as checker
 
     sys.exit(checker.run(ptxas, as_json))
 

@@ -2,7 +2,7 @@
 one token at a time, sample, detokenise and stream; timings and peak memory on the side.
 
 `generate` is the loop on token ids; `Engine` holds a model, its tokenizer's end ids and sampling
-defaults and its snapshot prefix cache (fermijit/prefix_cache.py), and is what any caller uses
+defaults and its snapshot prefix cache (fermijit/cache/prefix_cache.py), and is what any caller uses
 (`Engine.generate(prompt_ids, settings, on_token)`); `run` is what `python -m fermijit generate`
 calls: load an Engine, settle the settings, stream text to stdout and the summary to stderr.
 With a cache, the prompt resumes from its longest cached prefix and only the rest is prefilled;
@@ -56,7 +56,7 @@ class Settings:
     seed: int = 0
     context: int | None = None
     is_chat: bool = False
-    prefill: str = "auto"         # --prefill cpu|gpu|auto (fermijit/hybrid.py)
+    prefill: str = "auto"         # --prefill cpu|gpu|auto (fermijit/prefill/hybrid.py)
     gpu_mem: str | None = None    # --gpu-mem, e.g. "6G" (default: free less a margin)
     pin_budget: str | None = None  # --pin-budget (default: half the host's RAM)
     verbose: bool = False         # --verbose: the GPU prefill's memory plan on stderr
@@ -219,8 +219,8 @@ def prefill(model, prompt: np.ndarray, context: int, cache=None, progress_to=Non
     after it, and how many of its tokens were restored from `cache` (the longest cached prefix;
     the rest is prefilled by `prefiller`, default the CPU's, snapshotted on the way and at the
     end). With `mtp`, the state carries the MTP layer (model/mtp.py)."""
-    from fermijit.hybrid import CpuPrefiller
     from fermijit.model.forward import PREFILL_BLOCK
+    from fermijit.prefill.hybrid import CpuPrefiller
 
     p = PromptPrefill(model, prompt, context, cache, positions, mtp)
     if p.logits is None:
@@ -330,7 +330,7 @@ class Engine:
         # Whether its states carry the MTP layer (speculative decoding, fermijit/speculative.py):
         # so do the cache's snapshots, under their own fingerprint.
         self.speculative = speculative
-        self.prefiller = prefiller  # fermijit/hybrid.py; None: the CPU's
+        self.prefiller = prefiller  # fermijit/prefill/hybrid.py; None: the CPU's
         # For images (model/multimodal.py): the whole config.json, and where the tower's
         # weights and preprocessor_config.json are; the tower is loaded on first use.
         self.config, self.directory = config, directory
@@ -347,7 +347,7 @@ class Engine:
         the KV cache's kind (model.state.KvKind, default Q8_0); `speculative`: decode with the
         model's MTP head (FermijitError if it has none; None: where it has one and it pays:
         speculative.pays)."""
-        from fermijit import prefix_cache
+        from fermijit.cache import prefix_cache
         from fermijit.model.forward import load_model
         from fermijit.model.state import DEFAULT_KV
         from fermijit.model.tokenizer import Tokenizer
@@ -462,7 +462,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     """`generate` for the CLI: the continuation streams to `out` (bytes, default stdout) as
     UTF-8, progress and the summary go to `err` (text, default stderr); `kv` the KV cache's
     kind (default Q8_0)."""
-    from fermijit import hybrid
+    from fermijit.prefill import hybrid
 
     hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
     out = out or sys.stdout.buffer

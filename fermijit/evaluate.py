@@ -25,7 +25,7 @@ import numpy as np
 
 from fermijit import FermijitError
 
-# The default model's training window (model/train_default.py PRESETS["default"].context): its
+# The default model's training window (training/train.py PRESETS["default"].context): its
 # held-out figure in train_log.json is measured on windows of this length.
 DEFAULT_CONTEXT = 512
 PROGRESS_DELAY_S = 1.0  # the progress bar appears only if scoring takes longer
@@ -73,10 +73,10 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def score(model, tokens: np.ndarray, context: int, on_scored=lambda n: None,
           prefiller=None) -> Score:
     """Teacher-forced NLL of `tokens` [N] (N >= 2) in windows of `context`; `on_scored(n)` after
-    each piece of n predictions. `prefiller` (fermijit/hybrid.py) runs the forwards (default:
-    the CPU's)."""
-    from fermijit.hybrid import CpuPrefiller
+    each piece of n predictions. `prefiller` (fermijit/prefill/hybrid.py) runs the forwards
+    (default: the CPU's)."""
     from fermijit.model.forward import PREFILL_BLOCK
+    from fermijit.prefill.hybrid import CpuPrefiller
 
     prefiller = prefiller or CpuPrefiller(model)
     tokens = np.asarray(tokens, dtype=np.int32)
@@ -110,14 +110,14 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
         out=None, err=None, prefill: str = "auto", gpu_mem: str | None = None,
         pin_budget: str | None = None, verbose: bool = False, kv=None) -> Score:
     """`eval` for the CLI: the figures to `out` (a table, or JSON), progress to `err`; `prefill`,
-    `gpu_mem`, `pin_budget`, `verbose` choose the prefiller (fermijit/hybrid.py); `kv` the KV
-    cache's kind (default Q8_0)."""
+    `gpu_mem`, `pin_budget`, `verbose` choose the prefiller (fermijit/prefill/hybrid.py); `kv` the
+    KV cache's kind (default Q8_0)."""
     from tqdm import tqdm
 
-    from fermijit import hybrid
     from fermijit.engine import warm_up
     from fermijit.model.forward import PREFILL_BLOCK, load_model
     from fermijit.model.tokenizer import Tokenizer
+    from fermijit.prefill import hybrid
 
     out = out or sys.stdout
     err = err or sys.stderr

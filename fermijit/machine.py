@@ -89,7 +89,7 @@ def gpu_status() -> str:
 
 def ptxas_status() -> str:
     from fermijit import FermijitError
-    from fermijit.kernels_check import find_ptxas
+    from fermijit.jit.ptx_check import find_ptxas
 
     try:
         path = find_ptxas()

@@ -202,7 +202,7 @@ def pays(model) -> bool:
     PAYS_MIN_BYTES a token, and the measured step costs' speed-up above 1 (none measured is: see
     VERIFY_COST). A model `token_bytes` does not count (an HF checkpoint's fp32 experts): no;
     `--speculative mtp` turns it on either way."""
-    from fermijit.bench_decode import token_bytes
+    from fermijit.model.token_bytes import token_bytes
 
     try:
         per_token = token_bytes(model, [model.top_k] * len(model.layers)).total

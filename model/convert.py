@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fermijit import FermijitError, __version__, numa
+from fermijit import FermijitError, __version__
+from fermijit.host import numa
 from fermijit.model import vision
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.files import member, read_json
@@ -448,7 +449,7 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
 def add_mtp_head(src: str | Path, head: str | Path, dst: str | Path,
                  show_progress: bool = False) -> Manifest:
     """A copy of fermijit model `src` into `dst` with the MTP head (MODEL.md §10) read from the
-    HF-named `mtp.*` tensors of checkpoint directory `head` (model/train_default.py `train_mtp`
+    HF-named `mtp.*` tensors of checkpoint directory `head` (training/train.py `train_mtp`
     writes one), quantised as `convert` stores a head; the model's own tensors are copied as
     stored, its other files too, config.json with mtp_num_hidden_layers 1."""
     from fermijit.model.weights import plan_mtp_weights

@@ -23,7 +23,8 @@ import dataclasses
 
 import numpy as np
 
-from fermijit import FermijitError, blas, numa
+from fermijit import FermijitError
+from fermijit.host import blas, numa
 from fermijit.jit import omp
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model import block_moe
@@ -246,7 +247,7 @@ def product_steps(x, w, out, act, acts: _BlockActs) -> list:
 
 
 def run_steps(steps) -> None:
-    """A decode plan's calls in order (a function of its own: fermijit/profile.py times each
+    """A decode plan's calls in order (a function of its own: fermijit/bench/profile.py times each
     step under its label)."""
     for _, fn, args in steps:
         fn(*args)
@@ -700,7 +701,7 @@ class Model:
     def row_split_arrays(self) -> list[np.ndarray]:
         """The weight arrays decode splits by rows the same way every token (thread t of n: rows
         [t·R/n, (t+1)·R/n)): the GEMVs' matrices (a joined one as launched), the fp32 router and
-        gates, the LM head; for `--numa rows` (fermijit/numa.py). Not the experts: their split
+        gates, the LM head; for `--numa rows` (fermijit/host/numa.py). Not the experts: their split
         follows the token's routing."""
         out = []
 
@@ -737,7 +738,7 @@ class Model:
     def forward(self, tokens, state: State, ws: Workspace) -> None:
         """ws.x [T, H] <- the last hidden state of `tokens` [T] int32; state advanced by T.
         With Q4_0 weights numpy's BLAS (the few fp32 products) stays at one thread meanwhile, out
-        of the kernels' way (fermijit/blas.py: a 2-thread prefill 2-3x faster on 2 cores); with
+        of the kernels' way (fermijit/host/blas.py: a 2-thread prefill 2-3x faster on 2 cores); with
         fp32 weights every product is numpy's, so its threads are the work."""
         self._check_token(tokens)
         with blas.single_threaded() if self.is_quantized else contextlib.nullcontext():

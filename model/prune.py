@@ -201,17 +201,17 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
         verbose: bool = False) -> dict:
     """`prune` for the CLI: calibrate on `text_path` with `calibrate_with` (default `src`: a
     fermijit model runs W4A8, an HF checkpoint fp32) through the `prefill` prefiller
-    (cpu|gpu|auto, fermijit/hybrid.py: the GPU's activations are fp32), choose, write `dst` as
-    `src`'s kind; progress and a summary to `err`. Returns the REAP record."""
+    (cpu|gpu|auto, fermijit/prefill/hybrid.py: the GPU's activations are fp32), choose, write `dst`
+    as `src`'s kind; progress and a summary to `err`. Returns the REAP record."""
     import sys
 
     from tqdm import tqdm
 
-    from fermijit import hybrid
     from fermijit.evaluate import read_text
     from fermijit.model import reap
     from fermijit.model.forward import load_model
     from fermijit.model.tokenizer import Tokenizer
+    from fermijit.prefill import hybrid
 
     err = err or sys.stderr
     if (keep is None) == (ratio is None):

@@ -209,10 +209,10 @@ def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.nd
 def calibrate(model, tokens, context: int, source: str, max_tokens: int | None = None,
               on_tokens=lambda n: None, prefiller=None) -> Calibration:
     """Statistics of `model` (forward.Model) over `tokens` [N], each window from a fresh state;
-    `on_tokens(n)` after each prefill pass of n tokens (progress). `prefiller` (fermijit/hybrid.py,
-    default the CPU forward): a GPU prefill observes its own MoE steps (with the CPU's 8-bit
-    activation rounding, gpu_prefill's numerics); whatever falls back to the CPU is observed
-    there."""
+    `on_tokens(n)` after each prefill pass of n tokens (progress). `prefiller`
+    (fermijit/prefill/hybrid.py, default the CPU forward): a GPU prefill observes its own MoE steps
+    (with the CPU's 8-bit activation rounding, gpu_prefill's numerics); whatever falls back to the
+    CPU is observed there."""
     tokens = np.asarray(tokens, dtype=np.int32)
     check_context(context, model.max_context)
     starts = windows(tokens.size, context, max_tokens)

@@ -125,7 +125,7 @@ def quantize_q4_0_cpu(x: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None =
 def q8_0_nibbles(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 codes q (int8 [..., K]) as the Q4_0 codes (uint8 [..., K/2] each, Q4_0 nibble order)
     of their biased value's nibbles: u = q + 128 = 16·hi + lo, so that q·d = (hi - 8)·16d +
-    (lo - 8)·d + 8d (fermijit/gpu_layout.py head_arrays)."""
+    (lo - 8)·d + 8d (fermijit/prefill/gpu_layout.py head_arrays)."""
     u = (np.asarray(qs).view(np.uint8) ^ 0x80).reshape(*qs.shape[:-1], -1, BLOCK)
     pack = lambda nib: (nib[..., :HALF] | (nib[..., HALF:] << 4)).reshape(  # noqa: E731
         *qs.shape[:-1], qs.shape[-1] // 2)

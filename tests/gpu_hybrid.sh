@@ -11,8 +11,8 @@ mkdir -p "$out"
 source "$(dirname "$0")/gpu_install.sh"
 case ",$steps," in *,tests,*)
   timeout 300 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_f32_gemm_gpu.py \
-    tests/fermijit/test_hybrid_gpu.py tests/fermijit/test_hybrid.py tests/model/test_reap_gpu.py \
-    >"$out/tests.log" 2>&1
+    tests/fermijit/prefill/test_hybrid_gpu.py tests/fermijit/prefill/test_hybrid.py \
+    tests/model/test_reap_gpu.py >"$out/tests.log" 2>&1
   echo "hybrid tests rc=$?"; grep -E "passed|failed|error" "$out/tests.log" | tail -2
   grep -E "^(FAILED|ERROR)|^E  " "$out/tests.log" | head -20; grep -h "^rel err" "$out/tests.log";;
 esac

@@ -21,9 +21,9 @@ case "$stage" in
 tests)
   python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
   echo "kernels check rc=$?"
-  timeout 540 python3 -m pytest -q -rs -p no:cacheprovider tests/fermijit/test_hybrid_gpu.py \
-    tests/ops/test_attention_gpu.py tests/ops/test_act_quant_gpu.py tests/ops/test_rope_gpu.py \
-    >"$out/gpu-tests.log" 2>&1
+  timeout 540 python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/fermijit/prefill/test_hybrid_gpu.py tests/ops/test_attention_gpu.py \
+    tests/ops/test_act_quant_gpu.py tests/ops/test_rope_gpu.py >"$out/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"
   # attention and the chunked GDN against the FMA ceiling at 16k tokens (item 4: the flash kernel
   # >= 40 %, the GDN >= 35 %)
@@ -53,7 +53,7 @@ bench|bench-f32)
   echo "bench longctx $kv rc=$?"
   python3 -c "
 import json, sys
-from fermijit.bench_longctx import format_report
+from fermijit.bench.longctx import format_report
 print(format_report(json.load(open(sys.argv[1]))))" "$out/longctx-$kv.json" 2>/dev/null \
     || grep "tokens:" "$out/longctx-$kv.log"
   rm -rf "$model"

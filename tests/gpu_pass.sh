@@ -10,10 +10,10 @@ source "$(dirname "$0")/gpu_install.sh"
 nvidia-smi -L >"$out/device.txt" 2>&1
 python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
 echo "kernels check rc=$?"
-python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_*_gpu.py tests/fermijit/test_ptx*.py \
-  tests/ops/test_embedding.py tests/ops/test_norm_range.py tests/fermijit/test_hybrid*.py \
-  tests/model/test_reap_gpu.py tests/fermijit/test_speculative_gpu.py \
-  >"$out/gpu-tests.log" 2>&1
+python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_*_gpu.py \
+  tests/fermijit/jit/test_ptx*.py tests/ops/test_embedding.py tests/ops/test_norm_range.py \
+  tests/fermijit/prefill/test_hybrid*.py tests/model/test_reap_gpu.py \
+  tests/fermijit/test_speculative_gpu.py >"$out/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"
 # The largest max|e - a| / max|e| per quantity over all tested shapes (tests/gpu.py report_error).
 grep -h "^rel err " "$out/gpu-tests.log" | sed 's/^rel err //' \

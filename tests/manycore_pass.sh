@@ -66,7 +66,7 @@ step "pass finished"
 $py - "$out" <<'EOF'
 import json, sys
 from pathlib import Path
-from fermijit import bench_decode, bench_llama, profile
+from fermijit.bench import decode as bench_decode, llama_cpp as bench_llama, profile
 
 out = Path(sys.argv[1])
 def load(name):

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # REAP's evaluation model (issue 36) at the `default` preset's size, for the GPU machine, in two
 # commands of under 10 minutes: the first trains it with the real checkpoint's routing recipe
-# (model/train_default.py --routing real: 256 experts, top-8, transformers' balancing loss at
+# (training/train.py --routing real: 256 experts, top-8, transformers' balancing loss at
 # 0.001) on CUDA for MINUTES (default 7: as many of the preset's 3.5 epochs as fit) into /dev/shm
 # and converts it; the second finds it there and runs `bench prune` at 25 % and 50 % on the host's
 # CPU cores. train_log.json, the bench's table and JSON, and the logs go to OUT.
 # Usage, from the project root, after shared/device/prepare.sh here, with the corpus in
-# build/default_corpus (python -m fermijit.model.default_corpus build/default_corpus; carry
+# build/default_corpus (python -m training.corpus build/default_corpus; carry
 # .device-wheels and build/default_corpus): bash tests/reap_eval_pass.sh OUT, then again.
 # Elsewhere (a rehearsal): PYTHON=.venv/bin/python PRESET=tiny MINUTES=0.5 DATA=DIR
 # MAX_TOKENS=4096 bash tests/reap_eval_pass.sh OUT (without .device-wheels nothing is installed).
@@ -21,7 +21,7 @@ hf=/dev/shm/fj-reapeval-hf
 model=/dev/shm/fj-reapeval
 if [ ! -f "$model/fermijit.json" ]; then
   rm -rf "$hf" "$model"
-  $py -m fermijit.model.train_default --data "$data" --out "$hf" --routing real \
+  $py -m training.train --data "$data" --out "$hf" --routing real \
     --preset "${PRESET:-default}" --minutes "${MINUTES:-7}" --evals 5 >"$out/train.log" 2>&1 \
     || { echo "training failed:"; tail -5 "$out/train.log"; exit 1; }
   cp "$hf/train_log.json" "$out/"

@@ -6,7 +6,7 @@ full-size model (conv SiLU 8192 and gated norm 4096 per GDN layer, SwiGLU 4608 p
 attention's softmax and gate), ~2.8 ms of a ~90 ms token. `exp` below is Cephes' expf (range
 reduction by ln 2 in two parts, a degree-6 polynomial, the exponent set by integer arithmetic):
 straight-line code, inlined into the caller's loop, so the loop vectorises. Measured against a
-float64 exp over [-88, 88]: max relative error 1.8e-7 (tests/fermijit/test_mathf.py).
+float64 exp over [-88, 88]: max relative error 1.8e-7 (tests/fermijit/jit/test_mathf.py).
 """
 
 from __future__ import annotations

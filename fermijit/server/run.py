@@ -43,8 +43,8 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     `drafts` says (speculative.Drafts)."""
     import uvicorn
 
-    from fermijit import hybrid
     from fermijit.engine import Engine
+    from fermijit.prefill import hybrid
     from fermijit.server.app import check_api_key, make_app
     from fermijit.server.scheduler import Scheduler
     from fermijit.speculative import engine_drafts

@@ -336,7 +336,7 @@ class Scheduler:
         return self.engine.prefiller or self._cpu()
 
     def _cpu(self):
-        from fermijit.hybrid import CpuPrefiller
+        from fermijit.prefill.hybrid import CpuPrefiller
 
         if self._cpu_prefiller is None:
             self._cpu_prefiller = CpuPrefiller(self.engine.model)
@@ -346,8 +346,8 @@ class Scheduler:
         """One chunk: the next piece of each prompt waiting (only the new ones' while the
         streams are owed decode time), one prefill_batch call per prefiller; a prompt whose
         last piece this was samples its first token and starts decoding."""
-        from fermijit.hybrid import PrefillItem
         from fermijit.model.forward import pass_size
+        from fermijit.prefill.hybrid import PrefillItem
 
         live = []
         for s in self.prefilling:
@@ -445,7 +445,7 @@ class Scheduler:
         """A prefill_batch call raised: each of its prompts restarts from the cache on the CPU,
         alone (its state may be half written); one that failed so already fails its request."""
         from fermijit import engine as engine_module
-        from fermijit.hybrid import one_line
+        from fermijit.prefill.hybrid import one_line
 
         self.n_prefill_failures += 1
         if not isinstance(e, FermijitError):

@@ -68,7 +68,7 @@ def test_bench_kernels_reports_every_shape_and_variant():
     """The smallest cold set: the report's structure, not its speeds (timed tests are noise)."""
     import json
 
-    from fermijit.bench_cpu import GEMM_SHAPES, GEMV_SHAPES, KQUANT_GEMVS
+    from fermijit.bench.kernels import GEMM_SHAPES, GEMV_SHAPES, KQUANT_GEMVS
     from fermijit.jit import cpu
 
     r = fermijit("bench", "kernels", "--gib", "0.0625", "--json")

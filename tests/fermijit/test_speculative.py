@@ -184,7 +184,7 @@ def test_prefix_cache_snapshots_settled_states(model, rng):
     # A generation's end snapshot is its fed tokens' state with one hidden state waiting (the
     # head's rows settled), which a later prompt extending it resumes from: its prefill and the
     # head's rows then equal a fresh speculative run's.
-    from fermijit.prefix_cache import PrefixCache
+    from fermijit.cache.prefix_cache import PrefixCache
 
     prompt = rng.integers(0, 300, 10).astype(np.int32)
     want, _ = run(model, prompt, 25)
@@ -379,7 +379,7 @@ def test_bench_decode_speculative_reports_steps_and_costs(model_dir, capsys):
     and the projection at the reported acceptances by its printed formula."""
     import json
 
-    from fermijit import bench_decode, bench_speculative
+    from fermijit.bench import decode as bench_decode, speculative as bench_speculative
 
     r = bench_decode.run(model_dir, None, 8, 6, 1, True, False,
                          speculative=(None, 2, speculative.Drafts()))

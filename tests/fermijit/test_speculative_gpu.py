@@ -1,5 +1,5 @@
-"""The GPU prefill of a state with the MTP layer (fermijit/hybrid.py, issues 32 and 28): the model's
-layers and then the head's rows on the GPU, in the same pass (gpu_prefill.Pass.head), so a
+"""The GPU prefill of a state with the MTP layer (fermijit/prefill/hybrid.py, issues 32 and 28): the
+model's layers and then the head's rows on the GPU, in the same pass (gpu_prefill.Pass.head), so a
 speculative decode can follow a GPU prefill. On a tiny model with a random head: the head's cache
 rows and waiting hidden state against an all-CPU prefill's, one pass, chunked and continued; the
 REAP calibration's count of the head's rows; greedy text after it equal to plain decoding's from
@@ -11,23 +11,25 @@ import pytest
 import dataclasses
 import io
 
-from fermijit import engine, hybrid, speculative
+from fermijit import engine, speculative
 from fermijit.model import convert, mtp, reap
 from fermijit.model.forward import load_model
 from fermijit.model.state import KvKind
 from fermijit.ops.sampling import Sampler
-from tests.fermijit.hybrid_models import E128
+from fermijit.prefill import hybrid
+from tests.fermijit.prefill.hybrid_models import E128
 from tests.gpu import MARKS, report_error
 from tests.model import tiny
 
 pytestmark = MARKS
 
 # The handed-off state against the all-CPU run's on a tiny model: fp32 rounding and 8-bit flips
-# (tests/fermijit/test_hybrid_gpu.py GPU_STATE_VS_CPU["tiny-e128"]); the head reads those states.
+# (tests/fermijit/prefill/test_hybrid_gpu.py GPU_STATE_VS_CPU["tiny-e128"]); the head reads those
+# states.
 GPU_STATE_VS_CPU = 1e-2
 N_PROMPT = 60
 # Two GPU runs of the same tokens with fp32 activations differ only in the order of the experts'
-# atomic adds (tests/fermijit/test_hybrid_gpu.py GPU_VS_GPU).
+# atomic adds (tests/fermijit/prefill/test_hybrid_gpu.py GPU_VS_GPU).
 GPU_VS_GPU = 1e-5
 CALIBRATION_CONTEXT = 64
 # Routed slots of the head that the GPU's calibration may route elsewhere than the CPU's (router

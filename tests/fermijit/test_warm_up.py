@@ -132,7 +132,7 @@ def small_model(tmp_path_factory):
 def test_kernels_compiled_by_a_helper_are_loaded_and_compute_the_same(small_model, tmp_path):
     """A helper running the jobs alone fills the cache with every kernel the warm-up, prefill and
     decode need; loaded, they give bit for bit what kernels compiled by a run itself give when
-    loaded. (Two runs sharing a cache at once: tests/fermijit/test_jit_dispatch.py.)"""
+    loaded. (Two runs sharing a cache at once: tests/fermijit/jit/test_jit_dispatch.py.)"""
     misses, hits, helper_rc = _finish(_start(small_model, tmp_path / "h.npy", "helped",
                                              tmp_path / "helped", workers=1))
     assert helper_rc == 0 and misses == 0 and hits > 0

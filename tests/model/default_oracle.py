@@ -2,8 +2,8 @@
 fermijit's end-to-end figures (issue 4), live and stored.
 
 The unquantised weights are the HF checkpoint the embedded model was converted from, which is not
-committed (57 MB): `python -m fermijit.model.train_default --data build/default_corpus --out
-build/default-hf --minutes 6` makes it (the data from `python -m fermijit.model.default_corpus
+committed (57 MB): `python -m training.train --data build/default_corpus --out
+build/default-hf --minutes 6` makes it (the data from `python -m training.corpus
 build/default_corpus`), then `python -m fermijit convert build/default-hf fermijit/default_model`.
 Stored in golden/default_model_oracle.json: the perplexity of the held-out sample
 (data/heldout_sample.txt) scored as `fermijit eval` scores it (windows of CONTEXT tokens, each
@@ -27,7 +27,7 @@ from fermijit.model.tokenizer import Tokenizer
 
 GOLDEN_FORMAT = 1
 REGENERATE = (".venv/bin/python -m tests.model.default_oracle  (needs torch, transformers and "
-              "build/default-hf from `python -m fermijit.model.train_default`)")
+              "build/default-hf from `python -m training.train`)")
 ROOT = Path(__file__).resolve().parents[2]
 HF_DIR = ROOT / "build" / "default-hf"
 SAMPLE = Path(__file__).parent / "data" / "heldout_sample.txt"

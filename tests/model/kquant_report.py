@@ -59,9 +59,9 @@ def fermijit_logprobs(model_dir, tokens: np.ndarray, context: int):
     """Per window: log-softmax [n, V] of fermijit's prefill (CPU) of that window; `model_dir` a
     model directory, or a GGUF file whose values run unquantised (fp32 weights and activations:
     gguf_convert.load_float_weights)."""
-    from fermijit.hybrid import CpuPrefiller
     from fermijit.model import gguf_convert
     from fermijit.model.forward import Model, load_model
+    from fermijit.prefill.hybrid import CpuPrefiller
 
     if Path(model_dir).is_file():
         cfg, weights = gguf_convert.load_float_weights(model_dir)

@@ -50,7 +50,7 @@ def test_prefill_and_decode_match_the_reference(imported):
 
 
 def test_gpu_prefill_refuses_k_quant_weights_in_one_line(imported):
-    from fermijit import gpu_layout
+    from fermijit.prefill import gpu_layout
 
     _, model = load_model(imported)
     with pytest.raises(FermijitError, match=r"no kernels for Q4_K/Q5_0/Q5_1/Q6_K/non-Q4_0 "
@@ -91,7 +91,7 @@ def test_out_proj_in_tiled_order_is_the_grouped_matrix(rng):
 def _gpu_prefill_falls_back(model, **kwargs):
     import io
 
-    from fermijit import hybrid
+    from fermijit.prefill import hybrid
 
     err = io.StringIO()
     tokens = np.arange(40, dtype=np.int32) % model.vocab_size

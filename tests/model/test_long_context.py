@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from fermijit.cache.prefix_cache import PrefixCache
 from fermijit.model import convert
 from fermijit.model.forward import load_model
 from fermijit.model.state import KvKind
-from fermijit.prefix_cache import PrefixCache
 from tests.model import oracle, tiny
 from tests.model.oracle import LONG_CONTEXT_PROMPT, LONG_CONTEXT_ROWS, assert_rel, rel_error
 

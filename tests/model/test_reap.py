@@ -268,8 +268,8 @@ def test_calibration_through_a_gpu_prefiller_without_a_gpu_is_the_cpus(models, m
     tests/model/test_reap_gpu.py."""
     import io
 
-    from fermijit import hybrid
     from fermijit.jit import gpu
+    from fermijit.prefill import hybrid
 
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: "pycuda is not installed (test)")
     _, model = load_model(models["fermijit"])

@@ -8,11 +8,12 @@ import io
 import numpy as np
 import pytest
 
-from fermijit import engine, gpu_prefill, hybrid
+from fermijit import engine
 from fermijit.model import convert, reap
 from fermijit.model.forward import load_model
 from fermijit.model.reference import as_w4a8
-from tests.fermijit.hybrid_models import tiny_e128
+from fermijit.prefill import gpu_prefill, hybrid
+from tests.fermijit.prefill.hybrid_models import tiny_e128
 from tests.gpu import MARKS, report_error
 from tests.model.oracle import assert_rel
 

@@ -6,7 +6,8 @@ import numba
 import numpy as np
 import pytest
 
-from fermijit import FermijitError, blas
+from fermijit import FermijitError
+from fermijit.host import blas
 from fermijit.jit import cpu
 from fermijit.jit.cpu import configure_threads
 from fermijit.ops import fp32_rows

@@ -68,7 +68,7 @@ def test_vision_attention_gpu(rng, case, monkeypatch):
 
 def test_gpu_tower_equals_the_cpu_tower(tmp_path):
     """The tiny VLM's tower, and the real tower's widths at two blocks on a 448x448 image."""
-    from fermijit import bench_vision
+    from fermijit.bench import vision as bench_vision
     from fermijit.model import image as mi
     from fermijit.model import multimodal as mm
     from fermijit.model import vision_gpu

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from fermijit.hybrid import CpuPrefiller
+from fermijit.prefill.hybrid import CpuPrefiller
 
 N_TOKENS = 6
 
@@ -23,8 +23,8 @@ N_TOKENS = 6
 def serving(engine, prefiller=None, start: bool = True, cpu_fallback=None):
     """(url, scheduler) of a server on `engine`'s model with its own snapshot cache and
     `prefiller` (default the CPU's); `start` False: the scheduler waits for scheduler.start()."""
+    from fermijit.cache.prefix_cache import PrefixCache
     from fermijit.engine import Engine
-    from fermijit.prefix_cache import PrefixCache
     from fermijit.server.app import make_app
     from fermijit.server.run import ServerThread
     from fermijit.server.scheduler import Scheduler

@@ -104,8 +104,8 @@ def _peak_rss(pid: int) -> int:
 
 def _bench_seconds(model_dir: Path, prompts: dict) -> dict:
     """The GPU prefill alone per length, best of 2, as `bench prefill` times it."""
-    from fermijit import hybrid
     from fermijit.model.forward import load_model
+    from fermijit.prefill import hybrid
 
     model = load_model(model_dir)[1]
     pf = hybrid.GpuPrefiller(model, hybrid.parse_bytes(GPU_MEM))

@@ -1,0 +1,219 @@
+"""Routed experts streamed to the GPU during prefill (issue 10): host sources and the copy stream.
+
+A layer's routed experts are four arrays [E, ...] (ops.moe.MoeWeights: gate_up qs and d, down qs
+and d). On the device they live in a buffer of the same layout (four regions of E experts), so
+the expert kernels index it by expert id as they index a resident tensor; only the experts asked
+for are copied in (fermijit/prefill/gpu_prefill.py decides which, and when). The copies go on a
+stream of their own that does not wait for the kernels, an event after each batch.
+
+Host sources, one per `--pin-budget` outcome (and the bench's baseline). The experts are ~90 % of
+the model's bytes, so every source keeps ONE copy of them in host RAM, the one CPU decode reads
+too (issue 28: a second, page-locked copy beside the model file's pages had doubled the RSS):
+  mapped    the model file's own mapped pages, page-locked in place (registered with the driver,
+            read-only: CUDA >= 11.1; Fermi's last driver cannot register a read-only mapping):
+            the DMA engine reads what decode reads, no copy, nothing more resident;
+  pinned    where `mapped` is refused: the expert pool copied once into page-locked memory,
+            layer by layer, each layer's file pages then released from the process and the CPU
+            model's expert arrays pointed at the pool (`Streamer.rebind`), so decode reads the pool;
+  ring      a ring of page-locked staging slots of RING_SLOT_BYTES, refilled by the host from the
+            (memory-mapped, pageable) model file while the previous slot is on the link;
+  pageable  copies straight from the model file: the driver stages them itself, synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.model.safetensors_io import madvise
+from fermijit.ops import moe
+
+SOURCES = ("mapped", "pinned", "ring", "pageable")
+RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
+RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
+
+
+def expert_arrays(w: moe.MoeWeights) -> tuple[np.ndarray, ...]:
+    """A layer's routed experts as four [E, bytes] uint8 views (no copy)."""
+    arrays = (w.gate_up_qs, w.gate_up_d, w.down_qs, w.down_d)
+    return tuple(np.asarray(a).reshape(a.shape[0], -1).view(np.uint8) for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Bytes of one expert in each of the four arrays; E experts; the device buffer's regions."""
+
+    per_expert: tuple[int, int, int, int]
+    n_experts: int
+
+    @classmethod
+    def of(cls, w: moe.MoeWeights) -> "Layout":
+        arrays = expert_arrays(w)
+        return cls(tuple(int(a.shape[1]) for a in arrays), int(arrays[0].shape[0]))
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(self.per_expert)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.n_experts * self.expert_bytes
+
+    @property
+    def offsets(self) -> tuple[int, int, int, int]:
+        """Start of each array's region in a layer buffer."""
+        starts = np.concatenate([[0], np.cumsum(self.per_expert)[:-1]]) * self.n_experts
+        return tuple(int(s) for s in starts)
+
+
+def runs(needed: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of needed experts (needed: bool [E])."""
+    inside = np.concatenate([[False], needed, [False]]).astype(np.int8)
+    change = np.flatnonzero(np.diff(inside))
+    return [(int(a), int(b)) for a, b in zip(change[::2], change[1::2])]
+
+
+class Streamer:
+    """Copies a layer's needed experts into a device buffer, group by group, on a copy stream."""
+
+    def __init__(self, layers: list[moe.MoeWeights], source: str,
+                 ring_slot_bytes: int = RING_SLOT_BYTES):
+        from fermijit.jit import gpu
+
+        if source not in SOURCES:
+            raise FermijitError(f"expert source must be one of {SOURCES}, got {source!r}")
+        self.layout = Layout.of(layers[0])
+        self.host = [expert_arrays(w) for w in layers]
+        self.stream = gpu.copy_stream()
+        self.pool: list[np.ndarray] = []
+        self.registered = None
+        if source == "mapped":
+            self.registered = _register_in_place(self.host)
+            if self.registered is None:
+                source = "pinned"
+        self.source = source
+        if source == "pinned":
+            for arrays in self.host:
+                buf = gpu.pinned(self.layout.layer_bytes)
+                for start, a in zip(self.layout.offsets, arrays):
+                    buf[start:start + a.size] = a.reshape(-1)
+                    _release_pages(a)  # as it goes: the RSS holds one copy plus one layer
+                self.pool.append(buf)
+        self.slot_bytes = ring_slot_bytes
+        self.ring = ([gpu.pinned(ring_slot_bytes) for _ in range(RING_SLOTS)]
+                     if source == "ring" else [])
+        self.ring_events: list = [None] * len(self.ring)
+        self._next_slot = 0
+        self.bytes_copied = 0
+
+    def rebind(self, layer: int, w: moe.MoeWeights) -> moe.MoeWeights:
+        """`w` (layer `layer`'s experts as the CPU reads them) with its routed arrays in the
+        page-locked pool (whose file pages were released as it was filled), so decode reads the
+        one copy; `w` itself where the pool is not a copy."""
+        if self.source != "pinned":
+            return w
+        buf, views = self.pool[layer], []
+        for start, a in zip(self.layout.offsets, w.routed):
+            view = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+            view.flags.writeable = False  # as the file's views: the same compiled kernels
+            views.append(view)
+        return dataclasses.replace(w, gate_up_qs=views[0], gate_up_d=views[1],
+                                   down_qs=views[2], down_d=views[3])
+
+    @property
+    def pinned_bytes(self) -> int:
+        registered = sum(r.nbytes for r in self.registered or ())
+        return registered + sum(b.nbytes for b in self.pool) + sum(b.nbytes for b in self.ring)
+
+    def copy(self, layer: int, experts: np.ndarray, device_base: int):
+        """Issue the copies of `experts` (bool [E]) of `layer` into a layer buffer at
+        `device_base`; returns an event recorded after them on the copy stream."""
+        from fermijit.jit import gpu
+
+        cuda = gpu.driver()
+        lay, arrays = self.layout, self.host[layer]
+        pieces = []  # (device address, host bytes)
+        for a, b in runs(experts):
+            for r, (start, size) in enumerate(zip(lay.offsets, lay.per_expert)):
+                if self.source == "pinned":
+                    src = self.pool[layer][start + a * size:start + b * size]
+                else:
+                    src = arrays[r][a:b].reshape(-1)
+                pieces.append((device_base + start + a * size, src))
+        with gpu.check(f"copying experts of layer {layer} to the device"):
+            if self.source == "ring":
+                self._staged(pieces)
+            else:
+                for address, src in pieces:
+                    cuda.memcpy_htod_async(address, src, self.stream)
+                    self.bytes_copied += src.nbytes
+            done = gpu.event()
+            done.record(self.stream)
+        return done
+
+    def _staged(self, pieces) -> None:
+        """The pieces through the ring: each slot filled by the host once its previous copy has
+        left it, then copied from on the stream."""
+        from fermijit.jit import gpu
+
+        cuda = gpu.driver()
+        for address, src in pieces:
+            for at in range(0, src.nbytes, self.slot_bytes):
+                part = src[at:at + self.slot_bytes]
+                slot = self._next_slot
+                self._next_slot = (slot + 1) % len(self.ring)
+                if self.ring_events[slot] is not None:
+                    self.ring_events[slot].synchronize()
+                buf = self.ring[slot][:part.nbytes]
+                buf[:] = part
+                cuda.memcpy_htod_async(address + at, buf, self.stream)
+                self.bytes_copied += part.nbytes
+                self.ring_events[slot] = gpu.event()
+                self.ring_events[slot].record(self.stream)
+
+
+def _file_root(a: np.ndarray) -> np.ndarray | None:
+    """The whole file mapping `a` is a view of (its np.memmap), or None."""
+    root = None
+    while a is not None:
+        if isinstance(a, np.memmap):
+            root = a
+        a = getattr(a, "base", None)
+    return root
+
+
+def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
+    """Every model file holding experts registered with the driver as it is mapped, whole (a
+    copy from a range that only starts inside a registration fails: the LM head's scales beside
+    the last expert did); None where the driver refuses (Fermi's drivers: no read-only
+    registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
+    from fermijit.jit import gpu
+
+    roots = [_file_root(a) for arrays in host for a in arrays]
+    if any(r is None for r in roots):
+        return None
+    page, held = mmap.PAGESIZE, []
+    for root in {id(r): r for r in roots}.values():
+        first = root.ctypes.data // page * page
+        last = -(-(root.ctypes.data + root.nbytes) // page) * page
+        registered = gpu.register(first, last - first)
+        if registered is None:
+            return None
+        held.append(registered)
+    return held
+
+
+def _release_pages(a: np.ndarray) -> None:
+    """Drop this process's mapping of the whole pages inside `a` (a view of the model file: the
+    page cache keeps the data, the RSS loses it; a later read would fault it back in)."""
+    page = mmap.PAGESIZE
+    first = -(-a.ctypes.data // page) * page
+    last = (a.ctypes.data + a.nbytes) // page * page
+    if last > first and _file_root(a) is not None:
+        madvise(first, last - first, MADV_DONTNEED)
+
+
+MADV_DONTNEED = 4  # linux/mman.h

@@ -1,0 +1,155 @@
+"""The GPU prefill's state on the device and back (issue 10 item 3): the host `State`'s KV caches
+and GDN states sent in before a prefill (fermijit/prefill/gpu_prefill.py) and handed back after it,
+for the CPU's decode.
+
+The device's KV caches are fp32. A host cache of Q8_0 rows (issue 31) is sent in dequantised, and
+the new rows are rounded to Q8_0 on the GPU before the hand-off (ops/act_quant.py: the CPU's
+rounding), so the copy back is the codes and scales (0.28x fp32's bytes)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fermijit.model.state import GdnState, KvCache, State
+from fermijit.ops.kv_quant import Q8Rows
+from fermijit.prefill.gpu_layout import F32
+
+if TYPE_CHECKING:
+    from fermijit.prefill.gpu_prefill import DeviceModel
+
+# Threads copying the handed-off state into the host `State` (~100 MB at full size, 24 ms on
+# one thread of the H200's host).
+COPY_THREADS = 4
+
+
+def upload_states(state: State, n_positions: int) -> list:
+    """The host state on the device: KV caches with room for `n_positions` holding the
+    state's positions, GDN states (and the MTP head's cache, last, where the state has it: its
+    row at position - 1 is sent too, unwritten yet, and the prefill writes it first). A state at
+    position 0 is the empty one (Model.new_state): its device copy is cleared, not sent (~100
+    MB for the full-size shapes)."""
+    from fermijit.jit import gpu
+
+    cuda, states, held = gpu.driver(), [], state.position
+    with gpu.check("sending the state in"):
+        for s in state.layers:
+            if isinstance(s, KvCache):
+                pair = []
+                for a in (s.k, s.v):
+                    heads, _, dim = a.shape
+                    dev = gpu.empty((heads, n_positions, dim))
+                    for h in range(heads if held else 0):
+                        rows = a[h, :held]
+                        rows = (rows.dequantize() if isinstance(rows, Q8Rows)
+                                else np.ascontiguousarray(rows))
+                        cuda.memcpy_htod(int(dev.gpudata) + h * n_positions * dim * F32, rows)
+                    pair.append(dev)
+                states.append(KvCache(*pair))
+            elif held:
+                states.append(GdnState(*(gpu.to_device("gpu prefill", "gdn state", a, np.float32)
+                                         for a in (s.conv, s.recurrent))))
+            else:
+                pair = [gpu.empty(a.shape) for a in (s.conv, s.recurrent)]
+                for dev in pair:
+                    cuda.memset_d32(dev.gpudata, 0, dev.size)
+                states.append(GdnState(*pair))
+    return states
+
+
+def handed_rows(state: State, end: int) -> list[tuple[int, int]]:
+    """Per layer, the positions [a, b) of its KV rows the hand-off writes: the state's position
+    to `end`; the MTP head's cache (the last layer, where `state.hidden` is set) lags one
+    position (model/mtp.py): from its first waiting hidden state's position to end - 1."""
+    rows = [(state.position, end)] * len(state.layers)
+    if state.hidden is not None:
+        rows[-1] = (state.position - state.hidden.shape[0], end - 1)
+    return rows
+
+
+def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
+    """Per layer, the host arrays the hand-off writes (contiguous): each head's KV rows
+    (`handed_rows`: k's heads, then v's; a Q8_0 row range as its codes then its scales), the
+    GDN conv and recurrent states."""
+    def head_rows(a, h, start, stop):
+        rows = a[h, start:stop]
+        return [rows.qs, rows.d] if isinstance(rows, Q8Rows) else [rows]
+
+    return [[x for a in (s.k, s.v) for h in range(a.shape[0]) for x in head_rows(a, h, *rows)]
+            if isinstance(s, KvCache) else [s.conv, s.recurrent]
+            for s, rows in zip(state.layers, handed_rows(state, end))]
+
+
+def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
+    """A device cache [heads, positions, dim] fp32 rounded to Q8_0 on the GPU (in place: it is
+    not read again), and the addresses of each head's codes, then scales, from `start`."""
+    from fermijit.ops import act_quant
+
+    heads, positions, dim = dev_rows.shape
+    _, codes, scales = act_quant.gpu(dev_rows, out=dev_rows, codes=True)
+    nb = scales.shape[2]
+    return [address for h in range(heads) for address in (
+        int(codes.gpudata) + (h * positions + start) * dim,
+        int(scales.gpudata) + (h * positions + start) * nb * F32)], (codes, scales)
+
+
+def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
+    """Each sequence's (device states, host `State`, end, waiting) device caches (the positions
+    from the host state's to `end`: `handed_rows`) and states into the host state, which then
+    holds `end` positions; with the MTP head, `waiting` (device [1, H]) becomes its hidden state
+    waiting (else None). Everything is read back (into one page-locked buffer: DMA at the link's
+    rate) before any host state changes, so a failure leaves them all as they were."""
+    from fermijit.jit import gpu
+
+    cuda = gpu.driver()
+    pieces = []  # (host array to fill, device address), in handed_arrays' order
+    held = []    # the rounded caches' device arrays, alive until copied
+    hidden = []  # the waiting hidden states' host arrays, or None
+    for states, state, end, waiting in sequences:
+        for d, s, host, (start, _) in zip(states, state.layers, handed_arrays(state, end),
+                                          handed_rows(state, end)):
+            if isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
+                sources = []
+                for x in (d.k, d.v):
+                    with gpu.check("rounding the KV cache to Q8_0"):
+                        addresses, arrays = _q8_sources(x, start)
+                    sources += addresses
+                    held.append(arrays)
+            elif isinstance(d, KvCache):
+                heads, positions, dim = d.k.shape
+                sources = [int(x.gpudata) + (h * positions + start) * dim * F32
+                           for x in (d.k, d.v) for h in range(heads)]
+            else:
+                sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
+            pieces += zip(host, sources)
+        hidden.append(None if waiting is None else np.empty(waiting.shape, np.float32))
+        if waiting is not None:
+            pieces.append((hidden[-1], int(waiting.gpudata)))
+    buf = dev.host_buffer("state", sum(a.nbytes for a, _ in pieces))
+    if held:  # the rounding ran on the legacy stream; the copies go on another
+        with gpu.check("rounding the KV cache to Q8_0"):
+            cuda.Context.synchronize()
+    with gpu.check("copying the state back"):
+        at = 0
+        for a, address in pieces:
+            cuda.memcpy_dtoh_async(buf[at:at + a.nbytes], address, dev.readback)
+            at += a.nbytes
+        dev.readback.synchronize()
+    starts = np.cumsum([0] + [a.nbytes for a, _ in pieces])
+
+    def fill(n: int) -> None:
+        a = pieces[n][0]
+        a[...] = buf[starts[n]:starts[n + 1]].view(a.dtype).reshape(a.shape)
+
+    if COPY_THREADS > 1:                # numpy's copies release the GIL
+        with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:
+            list(pool.map(fill, range(len(pieces))))
+    else:
+        for n in range(len(pieces)):
+            fill(n)
+    for (_, state, end, _), h in zip(sequences, hidden):
+        state.position = end
+        if h is not None:
+            state.hidden = h

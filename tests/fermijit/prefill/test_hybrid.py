@@ -1,0 +1,301 @@
+"""The prefillers without a GPU (fermijit/prefill/hybrid.py): sizes, the memory plan (full-size
+shapes within the C2075's 6 GB), the choice of device, and every fallback to the CPU (issue 10 items
+2 and 4). The GPU runs themselves: tests/fermijit/prefill/test_hybrid_gpu.py."""
+
+import io
+
+import numpy as np
+import pytest
+
+from fermijit import FermijitError, engine
+from fermijit.jit import gpu
+from fermijit.model.forward import load_model
+from fermijit.model.state import KvCache
+from fermijit.prefill import gpu_layout, gpu_prefill, gpu_state, hybrid
+from tests.fermijit.prefill.hybrid_models import empty_full_size
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(engine.DEFAULT_MODEL)[1]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: "pycuda is not installed (test)")
+
+
+@pytest.mark.parametrize("text, expected", [("6G", 6 * GIB), ("512M", 512 << 20),
+                                            ("1.5GiB", 3 * GIB // 2), ("4096", 4096),
+                                            ("2k", 2048), (None, None)])
+def test_sizes_parse(text, expected):
+    assert hybrid.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["six", "6X", "-1G", ""])
+def test_bad_sizes_are_one_line_errors(text):
+    with pytest.raises(FermijitError, match="not a size"):
+        hybrid.parse_bytes(text)
+
+
+def test_plan_of_the_default_model(default_model):
+    p = hybrid.plan(default_model, 947, 0, 6 * GIB, GIB)
+    assert p.n_chunks == 1 and p.chunk == 947 and p.source == "pinned"
+    assert p.total <= p.budget
+    text = p.describe()
+    for what in ("resident dense weights", "streamed per layer", "activations per pass"):
+        assert what in text
+
+
+def test_plan_chunks_the_largest_pass_that_fits(default_model):
+    p = hybrid.plan(default_model, 947, 0, 40 << 20, GIB)
+    assert 1 < p.n_chunks and p.chunk % hybrid.MIN_CHUNK == 0 and p.total <= p.budget
+    more = p.chunk + hybrid.MIN_CHUNK  # one more tile row of tokens would not have fitted
+    activations = hybrid.POOL_SLACK * (gpu_layout.activation_bytes(default_model, more)
+                                       + 4 * default_model.vocab_size)
+    assert p.total - p.activations + activations > p.budget
+
+
+def test_plan_refuses_a_budget_nothing_fits(default_model):
+    with pytest.raises(FermijitError, match="GPU memory"):
+        hybrid.plan(default_model, 947, 0, 1 << 20, GIB)
+
+
+def test_plan_past_the_pin_budget_uses_a_staging_ring(default_model):
+    p = hybrid.plan(default_model, 100, 0, 6 * GIB, 4 << 20)   # the pool is 7.6 MiB
+    assert p.source == "ring" and p.pinned <= 4 << 20
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-35b-a3b-reap128", "qwen3.6-35b-a3b"])
+def test_full_size_shapes_plan_within_6g(name):
+    """Issue 10 item 2: both full-size shapes plan within the C2075's 6 GB, 947 tokens in one
+    pass (the GPU run of the same: bench prefill --gpu-mem 6G, /work/notes/hybrid.md)."""
+    model = empty_full_size(name)
+    p = hybrid.plan(model, 947, 0, 6 * GIB, 64 * GIB)
+    assert p.n_chunks == 1 and p.total <= 6 * GIB
+    n_experts = 128 if "reap" in name else 256
+    assert p.streamed_per_layer == n_experts * 3 * 512 * 2048 * 18 // 32  # Q4_0: 18 B / 32
+    long = hybrid.plan(model, 16384, 0, 6 * GIB, 64 * GIB)  # a long prompt runs in chunks
+    assert long.n_chunks > 1 and long.total <= 6 * GIB
+
+
+def prefill_both(model, prefiller, tokens):
+    """(logits, state) of `prefiller` and of the CPU path on fresh states."""
+    state, cpu_state = model.new_state(tokens.size + 1), model.new_state(tokens.size + 1)
+    logits = prefiller.prefill(tokens, state)
+    return logits, state, model.prefill(tokens, cpu_state), cpu_state
+
+
+def assert_same_state(a, b):
+    assert a.position == b.position
+    for x, y in zip(a.layers, b.layers):
+        for u, v in zip(x.arrays, y.arrays, strict=True):
+            np.testing.assert_array_equal(u, v)
+
+
+def test_without_a_gpu_prefill_falls_back_to_the_cpu_once(default_model, no_gpu):
+    err = io.StringIO()
+    pf = hybrid.make(default_model, "gpu", err=err)
+    tokens = np.arange(1, 40, dtype=np.int32)
+    logits, state, cpu_logits, cpu_state = prefill_both(default_model, pf, tokens)
+    np.testing.assert_array_equal(logits, cpu_logits)
+    assert_same_state(state, cpu_state)
+    pf.prefill(tokens, default_model.new_state(tokens.size))
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "prefilling on the CPU" in lines[0] and "pycuda" in lines[0]
+
+
+@pytest.fixture
+def broken_gpu(monkeypatch):
+    """A GPU that is there, but preparing the prefill on it fails (a driver error)."""
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpu, "memory", lambda: (8 * GIB, 8 * GIB))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cuMemAlloc failed: out of memory")
+
+    monkeypatch.setattr(gpu_prefill, "DeviceModel", broken)
+
+
+def test_a_driver_error_while_preparing_falls_back(default_model, broken_gpu):
+    err = io.StringIO()
+    pf = hybrid.make(default_model, "gpu", err=err)
+    assert not pf.prepare()
+    tokens = np.arange(3, 30, dtype=np.int32)
+    logits, state, cpu_logits, cpu_state = prefill_both(default_model, pf, tokens)
+    np.testing.assert_array_equal(logits, cpu_logits)
+    assert_same_state(state, cpu_state)
+    assert err.getvalue().count("\n") == 1 and "out of memory" in err.getvalue()
+
+
+def test_a_failure_during_the_pass_leaves_the_state_to_the_cpu(default_model, monkeypatch):
+    """A GPU error after the state was read (here: its upload) must not touch the host state."""
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpu, "memory", lambda: (8 * GIB, 8 * GIB))
+    pf = hybrid.GpuPrefiller(default_model, err=io.StringIO())
+    pf.device = object()  # prepared
+
+    def fails(*args):
+        raise MemoryError("device out of memory")
+
+    monkeypatch.setattr(gpu_state, "upload_states", fails)
+    tokens = np.arange(5, 50, dtype=np.int32)
+    state = default_model.new_state(60)
+    default_model.prefill(tokens[:7], state)     # a state part way, as a prefix cache gives
+    cpu_state = state.copy()
+    logits = pf.prefill(tokens[7:], state)
+    np.testing.assert_array_equal(logits, default_model.prefill(tokens[7:], cpu_state))
+    assert_same_state(state, cpu_state)
+    assert pf.broken is not None and pf.device is None
+
+
+def test_auto_is_quiet_without_a_gpu(default_model, no_gpu):
+    """auto (the default) on a machine without a GPU: the CPU, and not a word about the GPU."""
+    err = io.StringIO()
+    pf = hybrid.make(default_model, "auto", err=err)
+    assert not pf.prepare()
+    for n in (hybrid.AUTO_MIN_TOKENS - 1, hybrid.AUTO_MIN_TOKENS):
+        tokens = np.resize(np.arange(1, 50, dtype=np.int32), n)
+        logits, state, cpu_logits, cpu_state = prefill_both(default_model, pf, tokens)
+        np.testing.assert_array_equal(logits, cpu_logits)
+        assert_same_state(state, cpu_state)
+    assert pf.chunk_tokens == hybrid.CPU_CHUNK_TOKENS
+    assert err.getvalue() == ""
+
+
+def test_auto_says_why_a_gpu_it_has_is_not_used(default_model, broken_gpu):
+    """A GPU that is there but fails to prepare is said once, as for --prefill gpu; short
+    prompts never try it."""
+    err = io.StringIO()
+    pf = hybrid.make(default_model, "auto", err=err)
+    prefill_both(default_model, pf, np.arange(1, hybrid.AUTO_MIN_TOKENS, dtype=np.int32))
+    assert err.getvalue() == ""                   # the GPU was not even tried
+    long = np.resize(np.arange(1, 50, dtype=np.int32), hybrid.AUTO_MIN_TOKENS)
+    logits, _, cpu_logits, _ = prefill_both(default_model, pf, long)
+    np.testing.assert_array_equal(logits, cpu_logits)
+    prefill_both(default_model, pf, long)
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "out of memory" in lines[0]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "auto"])
+def test_prefill_batch_is_each_prefill_alone(default_model, no_gpu, mode):
+    """Every prefiller's prefill_batch: the logits in the items' order, each item's state and
+    logits its `prefill` alone (bit for bit: without a GPU all run on the CPU), on_block per
+    item summing to its tokens."""
+    pf = hybrid.make(default_model, mode, err=io.StringIO())
+    lengths = (40, 3, hybrid.AUTO_MIN_TOKENS, 1)
+    prompts = [np.resize(np.arange(n + 5, 0, -1, dtype=np.int32), n) for n in lengths]
+    fed = [[] for _ in prompts]
+    items = [hybrid.PrefillItem(p, default_model.new_state(64), fed[k].append)
+             for k, p in enumerate(prompts)]
+    got = pf.prefill_batch(items, align=16)
+    for k, (p, item) in enumerate(zip(prompts, items)):
+        state = default_model.new_state(64)
+        np.testing.assert_array_equal(got[k], default_model.prefill(p, state, align=16))
+        assert_same_state(item.state, state)
+        assert sum(fed[k]) == p.size
+
+
+def test_an_unquantised_model_is_refused_by_the_plan(tmp_path):
+    from tests.model import tiny
+
+    _, model = load_model(tiny.write_checkpoint(tmp_path / "hf", model=tiny.HF_INIT))
+    with pytest.raises(FermijitError, match="4-bit"):
+        hybrid.plan(model, 10, 0, GIB, GIB)
+
+
+def test_shapes_the_kernels_do_not_take_are_refused_by_the_plan(tmp_path):
+    """HF_INIT's GDN key dim is 32; the chunked GDN kernels take 64 and 128."""
+    from fermijit.model import convert
+    from tests.model import tiny
+
+    convert.convert(tiny.write_checkpoint(tmp_path / "hf", model=tiny.HF_INIT), tmp_path / "q4",
+                    show_progress=False)
+    with pytest.raises(FermijitError, match="linear key dim 32"):
+        hybrid.plan(load_model(tmp_path / "q4")[1], 10, 0, GIB, GIB)
+
+
+def test_bad_input_is_an_error_not_a_fallback(default_model, monkeypatch):
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    pf = hybrid.GpuPrefiller(default_model, err=io.StringIO())
+    pf.device = object()
+    for tokens in (np.array([], np.int32), np.array([1, default_model.vocab_size], np.int32)):
+        with pytest.raises(FermijitError):
+            pf.prefill(tokens, default_model.new_state(4))
+    with pytest.raises(FermijitError, match="context full"):
+        pf.prefill(np.ones(5, np.int32), default_model.new_state(4))
+    assert pf.broken is None
+
+
+def test_bad_mode_is_refused(default_model):
+    with pytest.raises(FermijitError, match="--prefill"):
+        hybrid.make(default_model, "tpu")
+
+
+@pytest.mark.parametrize("shape", [(947, 8, 128), (3, 8, 128), (50, 4, 16), (1, 1, 8)])
+def test_route_slots_is_expert_matmuls_sort(rng, shape):
+    """gpu_layout.route_slots (vectorised) gives what expert_matmul.route uploads."""
+    from fermijit.ops import expert_matmul
+
+    t, k, e = shape
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+    ids[: t // 3] = ids[0]                                  # some experts with many tokens
+    weights = rng.random((t, k), dtype=np.float32)
+    rows, slot_weights, tiles = gpu_layout.route_slots(ids, weights, e)
+    order, _, expected_tiles = expert_matmul.sort_slots(ids, e)
+    np.testing.assert_array_equal(tiles, expected_tiles)
+    np.testing.assert_array_equal(rows, order // k)
+    np.testing.assert_array_equal(slot_weights, weights.reshape(-1)[order])
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory):
+    from tests.fermijit.prefill.hybrid_models import tiny_e128
+
+    return tiny_e128(tmp_path_factory.mktemp("hybrid-cli"))
+
+
+def test_generate_with_gpu_prefill_streams_what_the_cpu_does(q4_model):
+    """`generate --prefill gpu`: the same greedy text as the CPU path; without a GPU one line
+    says why the CPU prefilled, with one the plan is printed (--verbose)."""
+    from tests.fermijit.test_generate import PROMPT, expected, fermijit
+
+    code, out, err = fermijit("generate", "--model", q4_model, PROMPT, "--max-tokens", 8,
+                              "--temperature", 0, "--threads", 1, "--prefill", "gpu",
+                              "--gpu-mem", "1G", "--verbose")
+    assert code == 0, err
+    assert out.rstrip("\n") == expected(q4_model, PROMPT, 8)[0]
+    if gpu.unavailable_reason() is not None:
+        assert "gpu prefill unavailable, prefilling on the CPU: no GPU" in err
+    else:
+        assert "gpu prefill ready" in err and "gpu prefill plan" in err
+
+
+@pytest.mark.parametrize("flag", [("--gpu-mem", "lots"), ("--pin-budget", "-3G"),
+                                  ("--prefill", "tpu")])
+def test_bad_prefill_flags_are_one_line(q4_model, flag):
+    from tests.fermijit.test_generate import fermijit
+
+    for command in (("generate", PROMPT_TEXT), ("eval", "--text", __file__)):
+        code, out, err = fermijit(*command, "--model", q4_model, *flag)
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+
+
+PROMPT_TEXT = "the cat sat"
+
+
+def test_handed_arrays_are_what_the_hand_off_writes(default_model):
+    state = default_model.new_state(300)
+    state.position = 7
+    for s, arrays in zip(state.layers, gpu_state.handed_arrays(state, 300)):
+        assert all(a.flags.c_contiguous for a in arrays)
+        if isinstance(s, KvCache):  # each head's rows from the position on: codes, scales
+            heads, _, dim = s.k.shape
+            assert [a.shape for a in arrays] == [(300 - 7, dim), (300 - 7, dim // 32)] * 2 * heads
+            assert all(np.shares_memory(a, s.arrays[2 * (n >= 2 * heads) + n % 2])
+                       for n, a in enumerate(arrays))
+        else:
+            assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent
