@@ -1,4 +1,23 @@
-"""fermijit: Qwen3.6-35B-A3B in 4 bits on a Westmere CPU and a Fermi GPU, in pure Python."""
+"""fermijit: Qwen3.6-35B-A3B in 4 bits on a Westmere CPU and a Fermi GPU, in pure Python.
+
+This folder's own files are what a user meets: the CLI (cli.py, click), the generate loop and
+`Engine` (engine.py), `eval` (evaluate.py), speculative decoding with the MTP head
+(speculative.py), the warm-up and its compile helpers (warm.py), the `info` report (machine.py),
+and here `FermijitError`. Below them, by concern (each folder's __init__ says what it owns and
+what it may import):
+
+    server/    `serve`: the OpenAI-compatible HTTP server
+    bench/     `bench ...`: one module per benchmark
+    prefill/   which device prefills a prompt; the GPU prefill
+    cache/     the snapshot prefix cache, in memory and on disk
+    jit/       CPU variant choice, SIMD intrinsics, Numba's cache; PTX rendering and loading
+    host/      NUMA placement of the weights, numpy's BLAS threads
+
+ops/, model/ and kernels_ptx/ stand at the repository's top and install as fermijit.ops,
+fermijit.model and fermijit.kernels_ptx (README, Layout). These files may import everything;
+below them only the server and the benchmarks import them (and model/'s `prune` driver,
+model/prune.py and reap.py, reaches up to evaluate.py).
+"""
 
 __version__ = "0.1.0"
 

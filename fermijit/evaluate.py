@@ -5,7 +5,7 @@ adds it), then cut into windows of `context` tokens, each scored from a fresh st
 window with the logits of every position, and the negative log-likelihood of each next token is
     nll_t = logsumexp(logits_t) - logits_t[token_{t+1}]        (nats, float64)
 Every token but the first is predicted once; its window's earlier tokens are its only context, as
-in train_default.evaluate (non-overlapping windows). Perplexity = exp(mean nll).
+in training/train.py `evaluate` (non-overlapping windows). Perplexity = exp(mean nll).
 
 The forward is the one `generate` runs (model/forward.py prefill): W4A8 for a fermijit model, fp32
 for an HF checkpoint. A window is prefilled in pieces of at most PREFILL_BLOCK tokens on one state,

@@ -4,7 +4,7 @@ The model is calibrated once on `--text`, then pruned to the same expert count b
 of model/reap.py (REAP saliency, routed-token frequency, seeded random), and the full model and
 each pruned one score `--heldout` as `eval` does (W4A8, windows from a fresh state: `--ctx`, the
 calibration's, default 512 at most max_position_embeddings; a model trained on shorter windows,
-as `train_default --preset small`'s 128, is best scored at its own).
+as `training/train.py --preset small`'s 128, is best scored at its own).
 Keep the two texts disjoint: e.g. the default corpus' train split for calibration and its held-out
 split (or tests/model/data/heldout_sample.txt, one held-out document) for scoring.
 

@@ -9,4 +9,7 @@
 
 The event loop never touches the model or the cache (neither is thread-safe): it hands jobs to
 the scheduler through a bounded queue and receives events back, thread-safely.
+
+May import the engine and speculative decoding (fermijit/), prefill/, jit/ and model/; never the
+benchmarks or the CLI (`bench serve` and the CLI call in here).
 """

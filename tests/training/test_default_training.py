@@ -87,7 +87,7 @@ def test_heldout_rule_is_a_fixed_hash_of_the_document_id():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """train.txt / heldout.txt / tokenizer files as default_corpus writes them, tiny."""
+    """train.txt / heldout.txt / tokenizer files as training/corpus.py writes them, tiny."""
     pytest.importorskip("tokenizers")
     data = tmp_path_factory.mktemp("corpus")
     sentences = TEXT.replace("\n", " ").split(". ")
@@ -121,13 +121,13 @@ def test_training_lowers_the_loss_and_saves_a_loadable_checkpoint(data_dir, tmp_
     from fermijit.model.convert import convert, load_converted
     from fermijit.model.safetensors_io import Checkpoint
     from fermijit.model.weights import load_text_weights
-    from training import train as train_default
+    from training import train
 
     torch.set_num_threads(1)
-    shape = dataclasses.replace(train_default.PRESETS["tiny"], context=32, batch=4, lr=1e-2)
+    shape = dataclasses.replace(train.PRESETS["tiny"], context=32, batch=4, lr=1e-2)
     out = tmp_path / "ckpt"
-    log = train_default.train(data_dir, out, shape, steps=30, minutes=None, evals=2,
-                              device="cpu", quiet=True)
+    log = train.train(data_dir, out, shape, steps=30, minutes=None, evals=2,
+                      device="cpu", quiet=True)
 
     curve = log["curve"]
     assert curve[0]["step"] == 1 and curve[-1]["step"] == 30
@@ -141,7 +141,7 @@ def test_training_lowers_the_loss_and_saves_a_loadable_checkpoint(data_dir, tmp_
     assert text.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert text.rope_parameters.rope_theta == 1e7
     weights = load_text_weights(text, Checkpoint(out))
-    model = train_default.build_model(json.loads((out / "config.json").read_text()), seed=1)
+    model = train.build_model(json.loads((out / "config.json").read_text()), seed=1)
     model.load_state_dict(_safetensors_state(out, torch))  # the HF names, nothing missing
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj.detach().numpy()
     np.testing.assert_array_equal(weights.layers[0].mlp.experts_gate_up, gate_up)
@@ -173,15 +173,15 @@ def test_real_routing_recipe_trains_the_published_routing_shape(data_dir, tmp_pa
 
     from fermijit.model.config import load_config
     from fermijit.model.convert import convert
-    from training import train as train_default
+    from training import train
 
-    published = json.loads((Path(__file__).parents[1] / "model" / "data" / "qwen3.6-35b-a3b.config.json")
-                           .read_text())["text_config"]
+    published_path = Path(__file__).parents[1] / "model" / "data" / "qwen3.6-35b-a3b.config.json"
+    published = json.loads(published_path.read_text())["text_config"]
     torch.set_num_threads(1)
-    shape = dataclasses.replace(train_default.PRESETS["tiny"], context=32, batch=4)
+    shape = dataclasses.replace(train.PRESETS["tiny"], context=32, batch=4)
     out = tmp_path / "ckpt"
-    log = train_default.train(data_dir, out, shape, steps=2, minutes=None, evals=1,
-                              device="cpu", routing=train_default.ROUTINGS["real"](), quiet=True)
+    log = train.train(data_dir, out, shape, steps=2, minutes=None, evals=1,
+                      device="cpu", routing=train.ROUTINGS["real"](), quiet=True)
 
     config = json.loads((out / "config.json").read_text())
     fields = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
