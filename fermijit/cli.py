@@ -867,7 +867,7 @@ CLOSED_STREAMS: set[str] = set()
 
 def _open_missing_streams() -> None:
     """A closed stderr (`2>&-`) is None in Python, and print(file=None) writes to stdout: the
-    diagnostics landed in the generated text (issue 11 case 2). Closed streams read and write
+    diagnostics landed in the generated text. Closed streams read and write
     /dev/null instead."""
     for name, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
         if getattr(sys, name) is None:

@@ -1,4 +1,4 @@
-"""`python -m fermijit eval`: how well a model predicts a text (issue 4), by teacher forcing.
+"""`python -m fermijit eval`: how well a model predicts a text, by teacher forcing.
 
 The text is tokenised as `generate` tokenises a prompt (`<|endoftext|>` first where the tokenizer
 adds it), then cut into windows of `context` tokens, each scored from a fresh state: prefill the

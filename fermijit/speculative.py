@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own MTP head (issue 32; MODEL.md §10): the head drafts
+"""Speculative decoding with the model's own MTP head (MODEL.md §10): the head drafts
 N tokens, the model verifies them in one step over the sequence's next positions, and what it
 rejects is rolled back, so the text is the model's own.
 

@@ -2,7 +2,7 @@
 on a sample of the model's layers; on a first run, with helper processes compiling beside it.
 
 Numba compiles one kernel at a time in a process (its global compiler lock), and a first run of
-the REAP-128 model spent ~28 s of its ~30 s to first token compiling (issue 9). The warm-up's work
+the REAP-128 model spent ~28 s of its ~30 s to first token compiling. The warm-up's work
 splits into jobs that need no results from one another: the prefill and the decode step of one
 layer of each kind. When the first kernel turns out not to be cached, helper processes start
 (one per spare core, up to one per job) and run the jobs in the reverse of the order the warm-up

@@ -1,4 +1,4 @@
-"""Batched decode (issue 14 item 3): one forward step of B sequences, each one token after its
+"""Batched decode: one forward step of B sequences, each one token after its
 own `State` (KV caches, GDN conv and recurrent state, position), for a server decoding several
 requests at once.
 

@@ -1,4 +1,4 @@
-"""The MoE block (MODEL.md §4) over experts kept in the GGUF's own block formats (issue 34: a
+"""The MoE block (MODEL.md §4) over experts kept in the GGUF's own block formats (a
 Q4_K_M file's Q4_K gate/up, Q5_0/Q6_K/Q8_0 down projections), for the models ops/moe.py's fused
 Q4_0 kernels cannot take.
 

@@ -285,8 +285,8 @@ def describe(manifest: Manifest) -> str:
 
 
 def _check_tokenizer(src: Path) -> None:
-    """A tokenizer that does not load fails here, not at the first `generate` (issue 11 case
-    14); a missing one is said on stderr (the weights alone still convert)."""
+    """A tokenizer that does not load fails here, not at the first `generate`; a missing one is
+    said on stderr (the weights alone still convert)."""
     path = src / "tokenizer.json"
     if not path.exists():
         print(f"warning: {src} has no tokenizer.json; generate and eval need one beside the "

@@ -1,4 +1,4 @@
-"""sha256 of a file's bytes, for caches keyed on data (issue 30 item 5), without reading the file
+"""sha256 of a file's bytes, for caches keyed on data, without reading the file
 on every run: the digest is recorded in the local cache with the file's stamp (size, mtime_ns,
 ctime_ns, inode, device) and read again only when the stamp changed. ctime is in the stamp
 because nobody can set it: a file rewritten in place with its old mtime put back (`touch -d`)

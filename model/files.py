@@ -1,4 +1,4 @@
-"""Every file fermijit reads from a model directory or from the user goes through here (issue 11):
+"""Every file fermijit reads from a model directory or from the user goes through here:
 one path rule, one JSON reader, one text reader. Bad input is a one-line FermijitError.
 
 - Path rule: a file named inside a model file (`weights` in fermijit.json, shards in the index)

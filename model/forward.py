@@ -258,7 +258,7 @@ class DecodePlan:
     """Every call of a decode token, with its arguments, made once for a state's arrays
     (`Model._decode_steps`): a token then costs a Python loop over ~6 calls a layer, not the ops'
     argument assembly and checks (~50-100 us a layer, ~3 ms of a full-size token at every thread
-    count: 7 % of a 16-thread token; issue 29)."""
+    count: 7 % of a 16-thread token)."""
 
     arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
     observer: object     # Model.moe_observer at the time (called between the router and the MoE)

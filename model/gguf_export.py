@@ -1,5 +1,5 @@
 """A fermijit model written as GGUF (arch `qwen35moe`) with llama.cpp's own `gguf` package, for
-llama.cpp to run the same weights: the side by side of `bench llama-cpp` (issue 29 item 4).
+llama.cpp to run the same weights: the side by side of `bench llama-cpp`.
 
 Every tensor is stored as llama.cpp's converter stores it, model/gguf_io.py's plan run the other
 way (`gguf_io.field_plan`): names, gate_up split into gate and up, the value heads regrouped,

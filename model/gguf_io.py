@@ -103,7 +103,8 @@ class GgufFile:
         """The tensors' data as llama.cpp's loader (gguf.cpp gguf_init_from_file_impl) wants
         it: in the order of their infos, each at the offset where the previous one ended
         padded to general.alignment (a power of two). So no two names share bytes, and every
-        offset is aligned: two tensors on the same bytes converted and ran, rc 0 (issue 30)."""
+        offset is aligned (without this check, two tensors on the same bytes converted and ran,
+        rc 0)."""
         alignment = int(self.reader.alignment)
         if alignment < 1 or alignment & (alignment - 1):
             raise FermijitError(f"{self.path}: general.alignment {alignment} is not a power of 2")

@@ -13,7 +13,7 @@ Qwen3.6 (MODEL.md §7).
 The settings come from the model's `preprocessor_config.json` where it has one, else the real
 model's defaults with the sizes of its vision config.
 
-An image is read in two steps (issue 30 item 1): `open_image` / `from_data_uri` read the file's
+An image is read in two steps: `open_image` / `from_data_uri` read the file's
 bytes and its header's size only (an `Encoded` image); from that size alone its tokens are known
 (`Encoded.layout`: the grid smart_resize gives), so a caller checks them against its context and
 budget before anything is decoded; `Encoded.decode` then decodes it. A 16 KB PNG claiming

@@ -1,6 +1,6 @@
 """`fermijit.json`, the manifest of a fermijit model directory (DESIGN.md, On-disk format), read
 with the typed machinery of config.json (model/config.py `build`), and the integrity of the
-weights it describes (issue 11, case 1).
+weights it describes.
 
 Format 2 (format 1 had no checksums):
     {"format_version": 2, "converter": "fermijit 0.1.0",
@@ -18,7 +18,7 @@ Checks: every load verifies the manifest against config.json and the weights fil
 checksums and finiteness of the smallest tensors (norms, gates, biases: LOAD_CHECK_NBYTES in
 all), and of every other tensor a sample (`sample`: sha256 of spread-out chunks of its stored
 bytes, one in each expert of a layer's experts; their floats finite): zeros or noise over a part
-of lm_head, the embedding or one expert ran silently before (issue 30 item 7). `python -m
+of lm_head, the embedding or one expert ran silently before. `python -m
 fermijit verify` checks every byte of every tensor. sha256, not blake2b: hashlib's sha256 ran
 0.30 GiB/s here, blake2b 0.16 (one run on this 2-core machine, `hashlib` over 256 MiB).
 """

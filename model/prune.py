@@ -1,4 +1,4 @@
-"""Writing a pruned model (issue 15): the experts model/reap.py chose, the router's rows with them.
+"""Writing a pruned model: the experts model/reap.py chose, the router's rows with them.
 
 Both kinds of model directory are pruned the same way, per layer i and kept ids kept[i] (ascending,
 so the remaining experts keep their order):

@@ -1,4 +1,4 @@
-"""REAP expert pruning (Router-weighted Expert Activation Pruning, issue 15): calibration and the
+"""REAP expert pruning (Router-weighted Expert Activation Pruning): calibration and the
 choice of the experts kept. model/prune.py writes the pruned model.
 
 Calibration runs the engine's prefill over windows of a text, with the MTP head's rows where the
@@ -162,7 +162,7 @@ def _ranks(a: np.ndarray) -> np.ndarray:
 
 
 def layer_spread(cal: Calibration) -> list[dict]:
-    """Per layer, how much there is to choose from (issue 36): `effective_experts` exp(entropy)
+    """Per layer, how much there is to choose from: `effective_experts` exp(entropy)
     of the routed-slot distribution (E when flat: pruning half drops half the slots whatever the
     criterion), `saliency_cv` std/mean of the saliencies over the experts (0: REAP cannot tell
     them apart), `rank_corr` Spearman's between saliency and count (1: REAP keeps what frequency
@@ -183,7 +183,7 @@ def layer_spread(cal: Calibration) -> list[dict]:
 
 def check_context(context: int | None, max_context: int) -> int:
     """--ctx, checked; None: eval's default window (512), at most max_position_embeddings (a
-    model of a shorter context failed with the default before: issue 30 item 8)."""
+    model of a shorter context failed with the default before)."""
     from fermijit.evaluate import DEFAULT_CONTEXT
 
     if context is None:

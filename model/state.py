@@ -2,14 +2,14 @@
 and what the snapshot prefix cache copies, stores and restores.
 
 Per attention layer a KV cache preallocated to the context length S, in the [Hkv, S, D] layout
-ops.attention reads (MODEL.md §5.7: post-norm, post-RoPE): fp32, or Q8_0 rows (the default,
-issue 31 item 1: int8 codes [Hkv, S, D] and an fp32 scale per 32-block [Hkv, S, D/32],
+ops.attention reads (MODEL.md §5.7: post-norm, post-RoPE): fp32, or Q8_0 rows (the default:
+int8 codes [Hkv, S, D] and an fp32 scale per 32-block [Hkv, S, D/32],
 ops/kv_quant.py); per GDN layer the conv window [C, Kc-1] (the last pre-conv inputs, oldest
 first, as ops.conv1d keeps it) and the recurrent state [Hv, dk, dv] (MODEL.md §6), fp32; and the
 position, the number of tokens seen. Cache rows at or past `position` are never read, so copies
 and files hold only rows [0, position).
 
-A cache is allocated for its whole context but takes memory as it is used (issue 31 item 2): its
+A cache is allocated for its whole context but takes memory as it is used: its
 arrays are address space of their own (`reserved`), whose pages the OS backs with memory when
 first written, so `--ctx` up to the model's 262,144 positions costs nothing until the positions
 are reached. `new_state` checks the memory of the positions a caller expects to use, and the
@@ -331,8 +331,8 @@ def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, 
     """Zeros: `layer_kinds[i]` is True for an attention layer; kv_shape (Hkv, D), conv_shape
     (C, Kc-1), recurrent_shape (Hv, dk, dv); KV caches of kind `kv` for `context` positions.
     When the `positions` the caller will use (default: all of them) need more than the memory
-    available, a FermijitError saying so, before any allocation (issue 11 case 7: an over-large
-    cache failed later, or was killed); the rest is checked as the state grows (check_room)."""
+    available, a FermijitError saying so, before any allocation (an over-large cache
+    failed later, or was killed); the rest is checked as the state grows (check_room)."""
     positions = context if positions is None else min(positions, context)
     nbytes = state_nbytes(layer_kinds, positions, kv_shape, conv_shape, recurrent_shape, kv)
     available = available_nbytes()

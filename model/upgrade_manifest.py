@@ -1,6 +1,6 @@
 """`python -m fermijit.model.upgrade_manifest DIR`: rewrite a format-1 `fermijit.json` (no
 checksums) as the current format, recording the checksums of the weights as they are now; the
-weights file is not touched. Run once on fermijit/default_model (issue 11); for other models,
+weights file is not touched. Run once on fermijit/default_model; for other models,
 converting again is the safer way (it re-reads the source)."""
 
 from __future__ import annotations

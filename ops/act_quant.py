@@ -1,5 +1,5 @@
-"""Activations rounded to Q8_0 on the GPU, as the CPU prefill's W4A8 products round them (issue 10
-item 3: the GPU prefill then follows the all-CPU path's numerics, not another specification).
+"""Activations rounded to Q8_0 on the GPU, as the CPU prefill's W4A8 products round them (the
+GPU prefill then follows the all-CPU path's numerics, not another specification).
 
     d = max|x_b| / 127 per 32-block b of a row;  q = round-half-away(x · (1/d)) int8;  out = q · d
 

@@ -5,7 +5,7 @@
 One function serves prefill (T queries) and decode (T = 1): the queries are positions
 start..start+T-1 and the KV cache holds positions 0..S-1 with S >= start + T.
 
-The cache is fp32 or Q8_0 rows (ops/kv_quant.py, issue 31 item 1: the default). With Q8_0 the
+The cache is fp32 or Q8_0 rows (ops/kv_quant.py; Q8_0 the default). With Q8_0 the
 query is rounded to Q8_0 the same way and each score is integer dot products of the codes, block
 by block (pmaddubsw on SSSE3 and AVX2, vpdpbusd on AVX-512 VNNI), times the two blocks' scales;
 the values are converted from int8 and scaled in fp32 as they are accumulated.
@@ -472,8 +472,8 @@ def tile_queries(n_queries: int, n_kv_heads: int) -> int:
 def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
     """`cpu` into o without its checks, for callers whose buffers were made right once (decode's
     ops/attention_step.py). The one compiled kernel of prefill and decode (per cache type): a
-    second kernel holding the same attention code took ~3 s more of a first run's compile
-    (issue 9)."""
+    second kernel holding the same attention code took ~3 s more of a first run's
+    compile."""
     T, Hq, D = o.shape
     Hkv = k.shape[0]
     R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)

@@ -9,7 +9,7 @@ quantiser), called in the same order, so the result is the ops' one by one, bit 
 attention's own compiled kernel and the quantiser's, without argument checks: three dispatches
 instead of ~9 checked calls (~120 us of Python an attention layer on the profile of the full-size
 model, 1.2 ms a token over its 10 attention layers). Attention is not compiled into the step:
-the step's kernel held a second copy of it, ~3 s of a first run's compile (issue 9).
+the step's kernel held a second copy of it, ~3 s of a first run's compile.
 
 The cache is fp32 or Q8_0 rows (ops/kv_quant.py): the new key and value are stored quantised by
 the step's kernel, then attention reads the codes (one kernel variant per cache type).

@@ -154,8 +154,8 @@ def rows_range(x, w, out, first, last):
 
 def rows_share(thread, n_threads, args):
     """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`). The router's
-    1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads waited on
-    (issue 29)."""
+    1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads waited
+    on."""
     x, w, out = args
     n_rows = w.shape[0]
     rows_range(x, w, out, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)

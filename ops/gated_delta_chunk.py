@@ -12,7 +12,7 @@ h // (Hv/Hk)). Letters: Hv value heads, N chunks, C chunk length, dk key dim, dv
   state [Hv, dk, dv]; h [Hv, N, dk, dv] (the state at the start of each chunk).
 
 `cpu` runs the stages as batched fp32 matrix products, every value head at once and the chunks in
-order, on the token-major arrays of `gated_delta.cpu` (same signature and result; issue 9).
+order, on the token-major arrays of `gated_delta.cpu` (same signature and result).
 A last chunk shorter than C is taken as it is: the chunk equations hold for any length, and the
 padding they would add changes nothing.
 """

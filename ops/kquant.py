@@ -1,5 +1,5 @@
 """llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and the 5-bit 32-blocks (Q5_0, Q5_1) as GGUF stores
-them, and the activations their dot products take (issue 34): the numpy references (the spec).
+them, and the activations their dot products take: the numpy references (the spec).
 
 Weights are kept as the GGUF's blocks, bit for bit: `blocks` uint8 [..., K/Q·S] for Q values per
 block of S bytes (FORMATS). Dequantisation is llama.cpp's `dequantize_row_*` (ggml-quants.c), in

@@ -1,5 +1,5 @@
-"""K-quant products on the CPU: GGUF Q4_K blocks, as imported, times Q8_K activations (issue 34;
-the spec is ops/kquant.py `reference`).
+"""K-quant products on the CPU: GGUF Q4_K blocks, as imported, times Q8_K activations (the
+spec is ops/kquant.py `reference`).
 
     y[t, r] = sum_blocks  d·dx·(sum_j sc_j · sum_i q_ji·x_ji)  −  dmin·dx·(sum_j m_j · bsum_j)
 

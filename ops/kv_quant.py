@@ -1,4 +1,4 @@
-"""Q8_0 rows of the KV cache (issue 31 item 1): keys and values in blocks of 32 along the head dim,
+"""Q8_0 rows of the KV cache: keys and values in blocks of 32 along the head dim,
 as llama.cpp's `q8_0` cache type, rounded as the W4A8 products round activations (DESIGN.md,
 Numerics; ops.matvec.quantize_act_reference):
 

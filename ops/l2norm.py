@@ -100,7 +100,7 @@ _split_kernel = omp.forking_kernel(_split_body, fork=_split_share)
 
 def split_cpu(mixed, eps, q_scale, q, k, v):
     """Prefill's GDN inputs from the conv output in one pass (three copies and two calls of `cpu`
-    before: issue 9 item 4): mixed [T, 2·Hk·dk + Hv·dv] (q | k | v per token) -> q [T, Hk, dk]
+    before): mixed [T, 2·Hk·dk + Hv·dv] (q | k | v per token) -> q [T, Hk, dk]
     = `cpu`(q part, eps, q_scale), k = `cpu`(k part, eps), v [T, Hv, dv] its part as it is."""
     op = "l2norm.split"
     n_tok, width = check_array(op, "mixed", mixed, np.float32, ndim=2).shape

@@ -1,4 +1,4 @@
-"""The Q5_0 and Q5_1 tile in LLVM IR (issue 34): GGUF's 5-bit 32-blocks, as imported, times
+"""The Q5_0 and Q5_1 tile in LLVM IR: GGUF's 5-bit 32-blocks, as imported, times
 fermijit's Q8_0 activations (ops/matvec.py Q8Act in SSSE3's layout, which is natural order),
 launched by ops/kquant_matvec.py; the spec is ops/kquant.py `reference`.
 

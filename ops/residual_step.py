@@ -17,8 +17,8 @@ test_residual_step.py). The product is ops.fp32_rows's, its rows forked over the
 (fp32_rows.rows_share) from PRODUCT_FORK_THREADS threads on: each output the same bits as
 prefill's product of the same input row, whatever the thread count. On one thread the router's
 and gates' 55 MB of a full-size token (1 MB a layer for REAP-128's router) were ~4 ms that the
-other threads waited through at 16 threads (issue 29); at 2 threads forking them saved 0.27 ms of
-a ~75 ms token (issue 9's measure) while on a busy 2-core machine each fork waits for its second
+other threads waited through at 16 threads; at 2 threads forking them saved 0.27 ms of
+a ~75 ms token while on a busy 2-core machine each fork waits for its second
 thread (1.45 ms a fork of this step at load 6, `bench decode --profile`'s split): there it runs
 on the calling thread.
 

@@ -1,4 +1,4 @@
-"""The default model's corpus and tokenizer (issue 4): the Python 3.11 documentation, as text.
+"""The default model's corpus and tokenizer: the Python 3.11 documentation, as text.
 
 Source: Debian package **python3.11-doc**, version **3.11.2-6+deb12u9** (bookworm-security, arch
 all; .deb sha256 5b3594189d6ef9a6963ce0347fd307a1cc67620ad697e144db366070e2e146be, also recorded in

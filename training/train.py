@@ -1,4 +1,4 @@
-"""Train the default model (issue 4): a small Qwen3.6 of the real architecture on the Python docs.
+"""Train the default model: a small Qwen3.6 of the real architecture on the Python docs.
 
 The architecture is MODEL.md's at small sizes, built with transformers' `Qwen3_5MoeForCausalLM`
 (the oracle; eager attention): Gated DeltaNet layers with full (gated) attention at i%4==3, every
@@ -10,14 +10,14 @@ to 10%, gradient clipping, bf16 autocast on CUDA (fp32 master weights), fp32 on 
 
 Routing (`--routing`, ROUTINGS): `default`, the embedded model's: the preset's experts and top-k,
 a per-layer load-balancing loss at coefficient 0.01 that keeps every expert in use (its routing is
-nearly flat). `real` (issue 36, REAP's evaluation model), fixed before its first run and not tuned
+nearly flat). `real` (REAP's evaluation model), fixed before its first run and not tuned
 to the result: the real checkpoint's routing recipe (model/synth.py REAL_TEXT_CONFIG): 256 experts,
 top-8, router_aux_loss_coef 0.001 on transformers' own `load_balancing_loss_func` (the form the
 config's coefficient belongs to: Switch's E·Σ_e f_e·P_e with f and P pooled over all layers, k
 when balanced); every other size, the data, optimiser and schedule the preset's. Its pull on one
 router probability, relative to the LM loss, is coef·k/L when balanced: 1e-3 with 8 layers (the
 real model's 40: 2e-4; the default recipe's coef/L: 1.25e-3), but only the sum over layers of
-expert e's load is balanced, so one layer may concentrate. The evaluation model (issue 36) on one
+expert e's load is balanced, so one layer may concentrate. The evaluation model on one
 CPU core (the `default` preset there took 24-80 s a step and 13.5 GB; `small`, 1.4 s, 1.6 GB), 2400
 steps (2.1 epochs of the preset's 3.5):
 

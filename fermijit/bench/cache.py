@@ -1,4 +1,4 @@
-"""`python -m fermijit bench cache`: what the snapshot prefix cache saves (issue 13 item 5).
+"""`python -m fermijit bench cache`: what the snapshot prefix cache saves.
 
 A prompt of N random token ids (947 by default), prefilled on the CPU as `generate` does:
 

@@ -5,9 +5,10 @@ Decode reads every weight a token needs once, and the KV cache's rows so far, so
 read bandwidth / bytes per token. The bytes are counted from the model's own arrays: every dense
 matrix, vector and the LM head, one embedding row, of the routed experts those the router
 actually selected (watched on one extra token), and the KV rows of the positions decoded at (on
-average: prompt + half the tokens; issue 31 item 3: at long context they are a real part). Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured
-here at the prefill's shapes (a dense projection over the prompt; one expert over the tokens an
-expert gets on average). `--profile` times a few more tokens op by op (fermijit/bench/profile.py),
+average: prompt + half the tokens; at long context they are a real part). Prefill is
+compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured here at the prefill's
+shapes (a dense projection over the prompt; one expert over the tokens an expert gets on
+average). `--profile` times a few more tokens op by op (fermijit/bench/profile.py),
 and one more prefill of the prompt. `--threads-sweep` decodes again at each thread count given.
 
 This machine's bandwidth drifts by tens of percent within minutes, so besides the ceiling from the

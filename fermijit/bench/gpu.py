@@ -3,7 +3,7 @@
 First two ceilings, both measured with Fermi-ISA PTX so they bound what this code can reach:
 the fp32 FMA throughput (kernels_ptx/fma_probe.ptx) and the device copy bandwidth
 (kernels_ptx/copy.ptx, and the driver's memcpy for comparison). Then each kernel at the real
-model's prefill shapes (issue 5): T tokens (1024); dense Q4_0 GEMMs 2048 -> 8192 (in_proj_qkv)
+model's prefill shapes: T tokens (1024); dense Q4_0 GEMMs 2048 -> 8192 (in_proj_qkv)
 and 4096 -> 2048 (out_proj); routed experts with 128 experts (REAP) and T*8/128 tokens each
 (balanced routing, 64 at T = 1024). GEMMs are quoted as a fraction of the FMA ceiling,
 memory-bound kernels as a fraction of the copy bandwidth. Times are medians of CUDA-event timings

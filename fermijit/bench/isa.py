@@ -1,5 +1,5 @@
-"""`python -m fermijit bench isa`: how far the ISA variants' outputs are apart, and why (issue 9
-item 7: on the full-size random model, avx2 and ssse3 logits after a 512-token prompt differed
+"""`python -m fermijit bench isa`: how far the ISA variants' outputs are apart, and why (on
+the full-size random model, avx2 and ssse3 logits after a 512-token prompt differed
 by 10-13% while single products agreed to 1e-7).
 
 The variants sum the same exact integer block products in a different order (16, 8 or 4 blocks

@@ -1,5 +1,5 @@
 """`python -m fermijit bench llama-cpp`: fermijit and llama.cpp on the same weights and cores, side
-by side (issue 29 item 4).
+by side.
 
 Each round runs, at each thread count, one fresh `python -m fermijit bench decode` process and
 one fresh `llama-bench` process (`-p P -n N -r 1`: prefill of P tokens, then N generated tokens;

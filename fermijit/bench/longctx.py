@@ -1,4 +1,4 @@
-"""`python -m fermijit bench longctx`: prefill and decode at long context (issue 31 item 7): for each
+"""`python -m fermijit bench longctx`: prefill and decode at long context: for each
 prompt length (default 1k, 4k, 16k, 32k), the prompt's CPU prefill tok/s (and the GPU's, where
 there is one), the decode tok/s after it, the KV cache's bytes and the process's memory; a table
 and JSON.
@@ -6,8 +6,8 @@ and JSON.
 One random prompt, prefilled on the CPU once: each length's prefill time is the cumulative time
 of the passes up to it (the passes are PREFILL_BLOCK tokens from position 0 whatever the prompt's
 length, so this is the time of a prompt of that length), and its decode runs on a copy of the
-state there. Decode is also timed at DECODE_BASE positions in the same run: issue 31 item 3 holds
-decode at 16k to 85 % of that rate, so both are measured under the same load. The GPU prefill,
+state there. Decode is also timed at DECODE_BASE positions in the same run: decode at 16k is
+to keep 85 % of that rate, so both are measured under the same load. The GPU prefill,
 asked for with --gpu, runs each length as a prompt of its own (kernels warm, best of GPU_REPEATS).
 """
 

@@ -1,5 +1,5 @@
-"""`python -m fermijit bench prefill`: the GPU prefill against its two floors (issue 10, item 5),
-and its projection onto a Tesla C2075 (item 6).
+"""`python -m fermijit bench prefill`: the GPU prefill against its two floors, and its
+projection onto a Tesla C2075.
 
 One run measures, on the same GPU and host: the FMA ceiling (bench_gpu.fma_ceiling), the
 host-to-device bandwidth from page-locked and from pageable memory, then the prefill of `--tokens`

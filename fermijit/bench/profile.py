@@ -7,7 +7,7 @@ and Numba's dispatcher is given a timed `__call__`, so the time inside compiled 
 op. Numba's own dispatch (typing the arguments, finding the overload) happens inside that call:
 it is measured on an empty kernel in the same run and moved to the Python side. The kernel time
 is split by what the threads did (jit.omp.Regions): compiled code outside parallel regions (one
-thread works), and inside them work, threads idle, and fork/join (issue 29 item 3).
+thread works), and inside them work, threads idle, and fork/join.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m fermijit bench prune`: what pruning costs in held-out perplexity (issue 15 item 4).
+"""`python -m fermijit bench prune`: what pruning costs in held-out perplexity.
 
 The model is calibrated once on `--text`, then pruned to the same expert count by each criterion
 of model/reap.py (REAP saliency, routed-token frequency, seeded random), and the full model and
@@ -14,7 +14,7 @@ calibration (reap.layer_spread): the effective number of experts of the routing 
 the saliencies' spread (std/mean) and their rank correlation with the counts: a flat routing
 leaves no choice that spares much, and saliencies that follow the counts make REAP frequency.
 
-Issue 36's evaluation model (the real checkpoint's routing recipe over the `small` preset;
+REAP's evaluation model (the real checkpoint's routing recipe over the `small` preset;
 training/train.py `--routing real`, ~1 h of one CPU core) and its bench:
 
     python -m training.train --data CORPUS --out /tmp/reapeval/hf --routing real \

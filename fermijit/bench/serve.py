@@ -1,4 +1,4 @@
-"""`python -m fermijit bench serve`: the server under load (issues 14 and 28), through HTTP.
+"""`python -m fermijit bench serve`: the server under load, through HTTP.
 
 An in-process server (the scheduler and uvicorn on 127.0.0.1, as `serve` runs them, its prompts
 prefilled by `--prefill cpu|gpu|auto`) gets, each a fresh prompt of random token ids (no cache

@@ -1,5 +1,5 @@
 """`python -m fermijit bench decode --speculative mtp`: speculative decoding with the model's MTP
-head against plain greedy decoding, in one run (issue 32 item 4).
+head against plain greedy decoding, in one run.
 
 Greedy text, both ways, from the same prompts (a text file's windows, or a built-in paragraph):
 tok/s, the tokens per verify step and the acceptance, and a check that the texts are identical.
@@ -11,7 +11,7 @@ the steps timed); per accepted token, a step's bytes over its tokens.
 
 Projection at the acceptance users report (0.7-0.8, one draft): a step makes 1 + a tokens, so
     speedup = (1 + a) * t_decode / (t_verify + t_draft)
-and, leaving the draft out as issue 32 states its target (the verify step alone),
+and, leaving the draft out as the speed-up target is stated (the verify step alone),
     speedup_verify = (1 + a) * t_decode / t_verify.
 Random weights (a synthetic model) accept nothing: there, the step costs and the projection are
 the measurement.

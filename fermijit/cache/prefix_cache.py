@@ -1,4 +1,4 @@
-"""The snapshot prefix cache (issue 13; DESIGN.md, Snapshot prefix cache): resume a prompt from the
+"""The snapshot prefix cache (DESIGN.md, Snapshot prefix cache): resume a prompt from the
 longest cached prefix of it instead of prefilling it all.
 
 A KV cache can be cut at any prefix; a Gated DeltaNet state exists only at the positions where it

@@ -1,4 +1,4 @@
-"""The snapshot prefix cache on disk (`--cache-dir DIR`, issue 13 item 3): snapshots that survive
+"""The snapshot prefix cache on disk (`--cache-dir DIR`): snapshots that survive
 the process, shared by every process reading and writing one directory.
 
 One file per snapshot, `DIR/<fingerprint[:16]>/<sha256(fingerprint, tokens)[:40]>.snap`, never
@@ -14,14 +14,14 @@ the MTP layer's cache, which lags the model by one position, was not computed wh
     b"FJSNAP1\\n" | header length (u64 LE) | header (JSON) | kv section | state section
 
 The header names the model's fingerprint, the tokens, the parent, the arrays of each section
-(shapes; "dtypes" where not all are fp32: a Q8_0 KV cache's int8 codes and fp32 scales, issue 31,
+(shapes; "dtypes" where not all are fp32: a Q8_0 KV cache's int8 codes and fp32 scales,
 with "kv_cache": "q8_0") and each section's CRC-32. Files of an fp32 cache are as before that. Headers are read when the directory is scanned (at each lookup, so other
 processes' files are seen); the arrays only when a snapshot is used (lazily), and only the KV
 section of its ancestors. A corrupt, truncated or foreign-model file, or one whose parent is
 missing, is skipped with one warning line, never used.
 
-The directory is shared (replicas behind a load balancer), so its files are untrusted input
-(issue 30 item 4): only regular files are opened, headers are read with the CLI's JSON rules
+The directory is shared (replicas behind a load balancer), so its files are untrusted input:
+only regular files are opened, headers are read with the CLI's JSON rules
 and every field is checked (a parent lies below its child's position, so chains end), and
 restored arrays must be finite. A CRC anyone can recompute; with a key (`--cache-key`) each
 section carries an HMAC-SHA256 and the header one over its canonical JSON (the sections' HMACs

@@ -1,4 +1,4 @@
-"""numpy's BLAS at one thread while the CPU forward runs (issue 9 item 4).
+"""numpy's BLAS at one thread while the CPU forward runs.
 
 The forward's few fp32 products (router logits, the GDN gates: model/forward.py) went through
 numpy's OpenBLAS, whose worker threads busy-wait after each call for the next one (they are

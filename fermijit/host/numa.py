@@ -1,5 +1,4 @@
-"""NUMA placement of the memory-mapped weights: `--numa interleave|rows|local|off` (issue 9 item 5,
-issue 29 item 5).
+"""NUMA placement of the memory-mapped weights: `--numa interleave|rows|local|off`.
 
 Decode reads every weight once per token from all threads, so on a machine of several nodes the
 weights' pages are best spread over every node's memory controller (interleave); `local` keeps

@@ -266,7 +266,7 @@ def _private_dir(path: Path) -> bool:
 def _source_keyed_cache(body, extra: tuple) -> "SourceKeyedCache | None":
     """Numba's cache needs a writable place: the package's __pycache__, NUMBA_CACHE_DIR or the
     user's cache folder. A read-only install with no writable HOME has none, and every model
-    command died at import (issue 11 case 5). Then fall back to a private folder in the temp
+    command died at import. Then fall back to a private folder in the temp
     directory, and failing that run uncached (compiling every run); said once on stderr."""
     try:
         return SourceKeyedCache(body, extra)

@@ -3,7 +3,7 @@ and lazier: what lets the warm-up compile in several processes at once (fermijit
 
 - A kernel's declared signatures are compiled on their first use, not all at its creation: the
   GEMVs declared an output of one and of two dimensions and compiled both, 1.3 s of a first run
-  of the REAP-128 model for a signature decode never called (issue 9).
+  of the REAP-128 model for a signature decode never called.
 - A compile holds a lock named by its cache key in the cache folder, so two processes that need
   one kernel compile it once: the second waits, then loads it from the cache.
 - Numba's index update is a read-modify-write of one file per kernel: two processes saving two

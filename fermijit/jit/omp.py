@@ -9,7 +9,7 @@ runtime Numba's omp layer has loaded, so both use one pool of threads.
 Every fork can account for its time (`Regions`, off unless asked: one load and branch a launch):
 the calling thread's wall time around the region and each thread's time in its share, read with
 the cycle counter. `bench decode --profile` splits a token's kernel time into work, threads idle
-inside regions (waiting for the slowest share) and fork/join (issue 29 item 3).
+inside regions (waiting for the slowest share) and fork/join.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Routed experts streamed to the GPU during prefill (issue 10): host sources and the copy stream.
+"""Routed experts streamed to the GPU during prefill: host sources and the copy stream.
 
 A layer's routed experts are four arrays [E, ...] (ops.moe.MoeWeights: gate_up qs and d, down qs
 and d). On the device they live in a buffer of the same layout (four regions of E experts), so
@@ -8,7 +8,7 @@ stream of their own that does not wait for the kernels, an event after each batc
 
 Host sources, one per `--pin-budget` outcome (and the bench's baseline). The experts are ~90 % of
 the model's bytes, so every source keeps ONE copy of them in host RAM, the one CPU decode reads
-too (issue 28: a second, page-locked copy beside the model file's pages had doubled the RSS):
+too (a second, page-locked copy beside the model file's pages had doubled the RSS):
   mapped    the model file's own mapped pages, page-locked in place (registered with the driver,
             read-only: CUDA >= 11.1; Fermi's last driver cannot register a read-only mapping):
             the DMA engine reads what decode reads, no copy, nothing more resident;

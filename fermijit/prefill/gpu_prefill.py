@@ -1,4 +1,4 @@
-"""The GPU prefill (issue 10): the forward of model/forward.py over a whole prompt on the GPU, the
+"""The GPU prefill: the forward of model/forward.py over a whole prompt on the GPU, the
 dense weights resident, the routed experts streamed from host memory
 (fermijit/prefill/expert_stream.py), and the state handed to the CPU `State` for decode
 (fermijit/prefill/gpu_state.py).
@@ -22,7 +22,7 @@ the real routing needs and the prediction missed is copied after routing, before
 long prompt every expert is routed (947 tokens x 8 of 128: each expert unused with probability
 (120/128)^947 ~ 1e-27 under uniform routing), so the prediction is then exact.
 
-Numerics (issue 10 item 3): by default every GEMM input is rounded to Q8_0 per 32-block exactly
+Numerics: by default every GEMM input is rounded to Q8_0 per 32-block exactly
 as the CPU prefill rounds it (ops/act_quant.py: the same codes and scales, bit for bit) wherever
 the CPU's W4A8 products do: the mixers' input and output projections, the shared and routed
 experts' gate_up inputs and their down inputs after SwiGLU, the LM head's input. The router and

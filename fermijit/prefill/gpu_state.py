@@ -1,10 +1,11 @@
-"""The GPU prefill's state on the device and back (issue 10 item 3): the host `State`'s KV caches
-and GDN states sent in before a prefill (fermijit/prefill/gpu_prefill.py) and handed back after it,
-for the CPU's decode.
+"""The GPU prefill's state on the device and back: the host `State`'s KV caches and GDN states
+sent in before a prefill (fermijit/prefill/gpu_prefill.py) and handed back after it, for the
+CPU's decode.
 
-The device's KV caches are fp32. A host cache of Q8_0 rows (issue 31) is sent in dequantised, and
-the new rows are rounded to Q8_0 on the GPU before the hand-off (ops/act_quant.py: the CPU's
-rounding), so the copy back is the codes and scales (0.28x fp32's bytes)."""
+The device's KV caches are fp32. A host cache of Q8_0 rows (ops/kv_quant.py) is sent in
+dequantised, and the new rows are rounded to Q8_0 on the GPU before the hand-off
+(ops/act_quant.py: the CPU's rounding), so the copy back is the codes and scales (0.28x fp32's
+bytes)."""
 
 from __future__ import annotations
 

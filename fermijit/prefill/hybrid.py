@@ -1,4 +1,4 @@
-"""Which device prefills a prompt, and how the GPU prefill fits its memory (issue 10).
+"""Which device prefills a prompt, and how the GPU prefill fits its memory.
 
 A `Prefiller` is chosen once per run (`make`) and called once per prompt:
 `prefill(tokens, state, on_block=None, all_logits=False) -> logits`, updating `state` as

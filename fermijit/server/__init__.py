@@ -1,4 +1,4 @@
-"""`python -m fermijit serve`: an OpenAI-compatible HTTP server (issue 14).
+"""`python -m fermijit serve`: an OpenAI-compatible HTTP server.
 
     protocol.py   requests parsed and checked into a `Job`; responses and OpenAI's error JSON
     scheduler.py  the thread that owns the model: admits jobs between steps (tokenise, prefill

@@ -1,4 +1,4 @@
-"""The server's KV memory budget (`serve --kv-mem`, issue 31 item 2): requests are admitted while
+"""The server's KV memory budget (`serve --kv-mem`): requests are admitted while
 the states of the running sequences fit it, so a burst of long requests is answered with an error
 instead of growing the caches until the OOM killer ends the server.
 

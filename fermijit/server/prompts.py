@@ -1,5 +1,5 @@
-"""A request's prompt made ready on the request handler's threads, before the scheduler sees it
-(issue 30 item 2): the chat template rendered, the text tokenised, images decoded and run
+"""A request's prompt made ready on the request handler's threads, before the scheduler sees it:
+the chat template rendered, the text tokenised, images decoded and run
 through the vision tower, and a prompt the context cannot hold refused. The scheduler's one
 thread then only prefills and decodes: four 4 MB prompts tokenised there stopped every running
 stream for 22.9 s, an image bomb for 5 minutes.

@@ -1,11 +1,11 @@
-"""The thread that owns the model (issue 14 items 2-3): jobs wait in a bounded queue, join the
+"""The thread that owns the model: jobs wait in a bounded queue, join the
 batch between steps, and every step decodes all active sequences in one forward
 (model/batch.py decode_batch).
 
 A job arrives tokenised (server/prompts.py, on the request's handler thread) and joins by being
 restored from the engine's snapshot prefix cache, so a second chat turn prefills only what the
 cache lacks and `cached_tokens` says how much it had. The rest of its prompt is prefilled in
-chunks between decode steps (issue 28 item 5; `_prefill_chunk`): each chunk is one `prefill_batch` call of the
+chunks between decode steps (`_prefill_chunk`): each chunk is one `prefill_batch` call of the
 engine's prefiller over the next pieces of every prompt waiting (prompts that arrive together
 are prefilled together, weights read once for all), at most `prefiller.chunk_tokens` tokens
 but for a newly arrived prompt's first piece, which runs at once; while streams decode, later
@@ -122,8 +122,8 @@ class Sequence:
 class GpuJob:
     """One prefill_batch call of a prefiller that runs beside decode (the GPU's: its kernels and
     copies need the host only to launch them and read the routing), on a thread of its own, so
-    the running streams keep decoding on the CPU while a long prompt prefills (issue 28 item 5:
-    a GPU call takes whole prompts, seconds at 16k tokens)."""
+    the running streams keep decoding on the CPU while a long prompt prefills (a
+    GPU call takes whole prompts, seconds at 16k tokens)."""
 
     def __init__(self, prefiller, group: list, align: int | None, n_threads: int):
         self.seqs = [s for s, _ in group]
