@@ -10,7 +10,8 @@
     synth.py           random weights at the real shapes
     weights.py         per-layer weight dataclasses; state.py: KV caches and GDN states
     forward.py         prefill and decode, W4A8 through ops/ (block_moe.py: the MoE over GGUF
-                       block formats); batch.py: the batched decode step; mtp.py: the MTP head
+                       block formats); batch.py: the batched decode step; mtp.py: the MTP head;
+                       token_bytes.py: the bytes a decode token reads
     reference.py       the float64 numpy forward, the spec
     vision*.py         the vision tower (numpy; vision_gpu.py its PTX); image.py: images read
                        and preprocessed; multimodal.py: prompts with images, MRoPE positions

@@ -5,9 +5,9 @@ Greedy text, both ways, from the same prompts (a text file's windows, or a built
 tok/s, the tokens per verify step and the acceptance, and a check that the texts are identical.
 Then the costs of the parts, timed interleaved (best of ROUNDS rounds of CALLS calls each: this
 machine is shared) on the last prompt's state: a decode token, a verify step of N+1 rows, a draft
-(the head's row and N-1 chained ones). Bytes are counted as bench decode counts them (its
-`token_bytes`): the weights a step reads, the routed experts those the routers chose (watched on
-the steps timed); per accepted token, a step's bytes over its tokens.
+(the head's row and N-1 chained ones). Bytes are counted as bench decode counts them
+(model/token_bytes.py): the weights a step reads, the routed experts those the routers chose
+(watched on the steps timed); per accepted token, a step's bytes over its tokens.
 
 Projection at the acceptance users report (0.7-0.8, one draft): a step makes 1 + a tokens, so
     speedup = (1 + a) * t_decode / (t_verify + t_draft)
@@ -152,10 +152,10 @@ def step_costs(model, prompt, drafts) -> Costs:
 
 def _arrays_of(head):
     """The head's arrays but its routed experts (counted as the routers select them)."""
-    from fermijit.model.token_bytes import arrays as _arrays
+    from fermijit.model.token_bytes import arrays
 
     routed = {id(a) for a in head.layer.experts.routed}
-    return [a for a in _arrays(head) if id(a) not in routed]
+    return [a for a in arrays(head) if id(a) not in routed]
 
 
 def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts,
