@@ -102,6 +102,11 @@ def full_size_options(command):
                         help="A fermijit model directory.")(command)
 
 
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="Numba threads (default: the physical cores).")
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="Print JSON instead of the table.")
+
 numa_option = click.option(
     "--numa", type=click.Choice(["interleave", "rows", "local", "off"]), default=None,
     callback=_select_numa, expose_value=False,
@@ -222,8 +227,7 @@ def _cache_settings(no_cache: bool, cache_dir: Path | None, cache_mem: int | Non
 
 
 @cli.command()
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
+@threads_option
 def info(threads: int | None) -> None:
     """CPU, SIMD features, kernel variants, threading, GPU and ptxas availability."""
     from fermijit import machine
@@ -238,7 +242,7 @@ def bench() -> None:
 
 
 @bench.command("kernels")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Numba threads for the all-threads columns (default: the physical cores).")
 @click.option("--gib", type=click.FloatRange(min=0.0625), default=1.0, show_default=True,
@@ -257,7 +261,7 @@ def bench_kernels(as_json: bool, threads: int | None, gib: float) -> None:
               help="Prompt tokens through the whole model.")
 @click.option("--layer-tokens", type=click.IntRange(min=2), default=8, show_default=True,
               help="Tokens through the single layers in the prefill kernels' row.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) -> None:
     """How far apart the ISA variants' outputs are: one layer of each kind against the float64
     reference, and the whole model's logits, with a 1e-7 perturbation for scale."""
@@ -274,10 +278,9 @@ def bench_isa(model_dir: Path, tokens: int, layer_tokens: int, as_json: bool) ->
               help="Random prompt tokens to prefill.")
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Greedy tokens to decode.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
+@threads_option
 @numa_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 @click.option("--profile", is_flag=True, help="Also time one more token op by op (Python and "
                                               "dispatch apart from kernel time).")
 @click.option("--threads-sweep", "sweep", type=THREAD_COUNTS, default=None,
@@ -331,7 +334,7 @@ def bench_decode(model_dir: Path | None, synthetic: str | None, prompt_tokens: i
               help="Prompt tokens prefilled.")
 @click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens decoded.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 def bench_llama_cpp(model_dir: Path, gguf: Path, llama_bench: Path, threads: tuple | None,
                     rounds: int, prompt_tokens: int, tokens: int, as_json: bool) -> None:
     """fermijit and llama.cpp on the same weights and cores: decode and prefill tok/s, fresh
@@ -364,11 +367,10 @@ def bench_llama_cpp(model_dir: Path, gguf: Path, llama_bench: Path, threads: tup
                    "model's context holds).")
 @click.option("--long-prompt", type=click.IntRange(min=1), default=8192, show_default=True,
               help="The prompt that arrives while 4 streams decode.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
+@threads_option
 @numa_option
 @prefill_options
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: int, tokens: int,
                 chat_tokens: int, repeat: int, ttft_lengths: str, long_prompt: int,
                 threads: int | None, prefill: str, gpu_mem: str | None, pin_budget: str | None,
@@ -392,7 +394,7 @@ def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: in
 
 
 @bench.command("gpu")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 @click.option("--tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Prefill length T the kernels are measured at.")
 def bench_gpu(as_json: bool, tokens: int) -> None:
@@ -409,9 +411,8 @@ def bench_gpu(as_json: bool, tokens: int) -> None:
               help="Tower blocks (default: the real 27).")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs per image; the median is shown.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@threads_option
+@json_option
 def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads: int | None,
                  as_json: bool) -> None:
     """Seconds per image through the full-size vision tower (random weights), CPU and GPU."""
@@ -451,9 +452,8 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
               help="Calibrate on at most this many tokens, spread over the text.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random pruning.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+@json_option
+@threads_option
 def bench_prune(model_dir: Path | None, text_path: Path, heldout_path: Path,
                 keeps: tuple[int, ...], ratios: tuple[float, ...], context: int | None,
                 max_tokens: int | None, seed: int, as_json: bool, threads: int | None) -> None:
@@ -508,9 +508,8 @@ def bench_quant(hf_dir: Path, text_path: Path, context: int | None, max_tokens: 
               help="Repetitions (cases interleaved); the median is shown.")
 @click.option("--sweep", is_flag=True, help="Also time cold+snap and branched per snapshot "
                                             "interval (64, 128, 256, 512).")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@threads_option
+@json_option
 def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None, repeat: int,
                 sweep: bool, threads: int | None, as_json: bool) -> None:
     """Snapshot prefix cache: a prompt cold, repeated, extended by 32 tokens and branched at a
@@ -532,7 +531,7 @@ def bench_cache(model_dir: Path | None, tokens: int, snapshot_every: int | None,
 @click.option("--gpu-mem", default=None, help="GPU memory budget, e.g. 6G (default: free less "
                                               "512 MiB).")
 @click.option("--pin-budget", default=None, help="Page-locked host memory for the experts.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 @click.option("--verbose", is_flag=True, help="Per-layer copy/compute/overlap and the profile.")
 @click.option("--project", "projection", type=click.Choice(["c2075"]), default=None,
               help="Project the run onto this GPU (the cost model is printed).")
@@ -560,9 +559,8 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
 @click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Decode tokens timed after each length (their median).")
 @click.option("--gpu", "use_gpu", is_flag=True, help="Also time the GPU prefill of each length.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@threads_option
+@json_option
 @kv_option
 def bench_longctx(model_dir: Path | None, synthetic: str | None, lengths: str,
                   decode_tokens: int, use_gpu: bool, threads: int | None, as_json: bool,
@@ -583,7 +581,7 @@ def kernels() -> None:
 @kernels.command("check")
 @click.option("--ptxas", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=None, help="ptxas to use (default: PATH, /usr/local/cuda, the nvidia wheel).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@json_option
 def kernels_check(ptxas: Path | None, as_json: bool) -> None:
     """Assemble every PTX variant for .target sm_20 with ptxas (no GPU needed); exit 1 on a
     kernel that breaks Fermi's limits."""
@@ -650,8 +648,7 @@ def export(src: Path, dst: Path) -> None:
 @click.option("--calibrate-with", type=click.Path(path_type=Path), default=None,
               help="Run calibration on this model instead of SRC (e.g. the 4-bit conversion "
                    "of an HF checkpoint too big to run in fp32); same layers and experts.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: all cores).")
+@threads_option
 @prefill_options
 def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | None,
           criterion: str, context: int | None, max_tokens: int | None, seed: int,
@@ -718,8 +715,7 @@ def verify(model_dir: Path) -> None:
               help="Nucleus mass, 1 all (default: generation_config.json, else 1.0).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the sampler.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
+@threads_option
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
               help="Context length (default: prompt + max tokens, at most "
                    "max_position_embeddings).")
@@ -784,8 +780,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
               help="Sequences decoded together in one step.")
 @click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Requests waiting to join the batch; past it 503.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
+@threads_option
 @numa_option
 @cache_options
 @max_image_tokens_option
@@ -840,9 +835,8 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
               help="Tokens per window, each scored from a fresh state (default: 512, at most "
                    "max_position_embeddings).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Numba threads (default: the physical cores).")
+@json_option
+@threads_option
 @numa_option
 @prefill_options
 @kv_option
