@@ -27,9 +27,9 @@ from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, WEIGHT_LEVELS, group_scores,
-                                         make_q8_scores, make_weighted_pairs,
+                                         exp_row, make_q8_scores, make_weighted_pairs,
                                          paired_rows, q8_scores_by_key, row_max,
-                                         softmax_row, transposed_keys, weight_codes, weighted_rows)
+                                         transposed_keys, weight_codes, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 
@@ -202,30 +202,27 @@ def _weighted_f32(p, v_rows, a, v0, n, buffers):
 
 
 def _weighted_q8(p, staged, a, v0, n, buffers):
-    """`_weighted_f32` over a block staged by `_staged_q8` (softmax_row's p: 0 past n to a
-    whole 16): per head g and 32-block b of the head dim, the weights p[g, j] · vd[j, b] rounded to
+    """`_weighted_f32` over a block staged by `_staged_q8` (exp_row's p: 0 past n to a whole
+    16): per head g and 32-block b of the head dim, the weights p[g, j] · vd[j, b] rounded to
     integers of at most WEIGHT_LEVELS against the bound max_j p[g, j] · max_j vd[j, b] over the
-    query's own n keys (so the same in any tile): codes = rint(p / unit_g · vd / vmax_b),
-    unit_g = max_j p[g, j] / WEIGHT_LEVELS, and the scale of block b unit_g · vmax_b; then
-    integer products with the values' codes (`weighted_pairs`, bound per ISA). A unit or scale
-    below the smallest normal float drops the weights (< 1e-33 of the largest weight of a
-    range: its first block's is 1). buffers = (codes [G, nb, BLOCK] int16, scales [G, nb],
-    vd / vmax [nb, BLOCK], vmax [nb])."""
+    query's own n keys (so the same in any tile), that bound / WEIGHT_LEVELS the scale
+    scales[g, b]; then integer products with the values' codes (`weighted_pairs`, bound per
+    ISA). A scale below the smallest normal float drops the block's weights (< 1e-33 of the
+    largest weight of a range: its first block's is 1). buffers = (codes [G, nb, BLOCK] int16,
+    scales [G, nb], 1/scales [nb], max_j vd[j, b] [nb])."""
     pairs, vdt = staged
-    codes, scales, vn, vmax = buffers
+    codes, scales, inv, vmax = buffers
     tiny = np.float32(np.finfo(np.float32).tiny)
     for b in range(vmax.shape[0]):
         vmax[b] = row_max(vdt, b, n, np.float32(0))
-        inv = np.float32(1) / vmax[b] if vmax[b] > 0 else np.float32(0)
-        for j in range(n):
-            vn[b, j] = vdt[b, j] * inv
     for g in range(a.shape[0]):
         unit = row_max(p, g, n, np.float32(0)) / np.float32(WEIGHT_LEVELS)
         for b in range(vmax.shape[0]):
             scale = unit * vmax[b]
-            scales[g, b] = scale if scale >= tiny else np.float32(0)
-        weight_codes(p, g, n, np.float32(1) / unit if unit >= tiny else np.float32(0), vn,
-                     codes)
+            scale = scale if scale >= tiny else np.float32(0)
+            scales[g, b] = scale
+            inv[b] = np.float32(1) / scale if scale > 0 else np.float32(0)
+        weight_codes(p, g, n, inv, vdt, codes)
     weighted_pairs(codes, scales, pairs, a, (n + 1) // 2)
 
 
@@ -236,13 +233,16 @@ def _online_softmax(p, n, a, m_t, l_t):
     G, D = a.shape
     scale = np.float32(1 / np.sqrt(D))
     for g in range(G):
-        m_old = m_t[g]
-        total = softmax_row(p, g, n, scale, m_t)
-        rescale = mathf.exp(m_old - m_t[g])
-        l_t[g] = l_t[g] * rescale + total
-        if rescale != 1 and m_old != -np.inf:       # a is 0 before a range's first block
+        for j in range(n):
+            p[g, j] *= scale
+    for g in range(G):
+        m_new = row_max(p, g, n, m_t[g])
+        rescale = np.exp(m_t[g] - m_new)
+        l_t[g] = l_t[g] * rescale + exp_row(p, g, n, m_new)
+        if rescale != 1 and m_t[g] != -np.inf:      # a is 0 before a range's first block
             for d in range(D):
                 a[g, d] *= rescale
+        m_t[g] = m_new
 
 
 def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, buffers):
@@ -327,7 +327,7 @@ def attend_share(thread, n_threads, args):
                (np.zeros((BLOCK // 2, 2 * D), dtype=np.int16),     # _staged_q8's
                 np.zeros((nb, BLOCK), dtype=np.float32)),
                (np.zeros((G, nb, BLOCK), dtype=np.int16),          # _weighted_q8's
-                np.zeros((G, nb), dtype=np.float32), np.zeros((nb, BLOCK), dtype=np.float32),
+                np.zeros((G, nb), dtype=np.float32), np.zeros(nb, dtype=np.float32),
                 np.zeros(nb, dtype=np.float32)))
     n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1

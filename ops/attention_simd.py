@@ -308,51 +308,30 @@ def row_max(typingctx, p, g, n, m0):
 
 
 @intrinsic
-def softmax_row(typingctx, p, g, n, scale, m):
-    """A block's online softmax for row g, in two passes over p[g, :n] (L1): the scores times
-    `scale` (scale > 0: their maximum is `scale` times the largest, rounding being monotonic),
-    that maximum with m[g] into m[g]; then p[g, j] = e^(scale · p[g, j] - m[g]) (mathf.exp's
-    bits) for j < n, 0 for the rest of the last 16-float vector. Returns Σ_j p[g, j], summed in
-    16 lanes over the vectors in order, then the lanes by halving. (Numba's loops over the row,
-    the scaling, maximum and exp, took three passes and a scalar sum: ~3 cycles a score.)"""
-    sig = types.float32(p, g, n, scale, m)
+def exp_row(typingctx, p, g, n, m):
+    """p[g, j] = e^(p[g, j] - m) (mathf.exp's bits) for j < n, and 0 for the rest of the last
+    16-float vector; returns Σ_j p[g, j], summed in 16 lanes over the vectors in order, then the
+    lanes by halving (Numba's loop of mathf.exp stayed scalar in the sums: 3 cycles a score)."""
+    sig = types.float32(p, g, n, m)
 
     def codegen(context, builder, sig, args):
-        pa, ma = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 4))
-        gv, nv, scalev = args[1:4]
+        pa = context.make_array(sig.args[0])(context, builder, args[0])
+        gv, nv, mv = args[1:4]
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
         vf = vec(F32, LANES)
         row = builder.mul(gv, builder.extract_value(pa.strides, 0))
-        m_at = builder.bitcast(simd.byte_ptr(builder, ma.data, builder.mul(
-            gv, builder.extract_value(ma.strides, 0))), F32.as_pointer())
-        lanes = ir.Constant(vec(I64, LANES), list(range(LANES)))
-        n_vec = builder.udiv(builder.add(nv, c(LANES - 1)), c(LANES))
-        scale = simd.splat(builder, scalev, LANES)
-
-        def row_vector(index):
-            """(address, the vector of scores from float 16·index, which lanes are < n)"""
-            j0 = builder.mul(index, c(LANES))
-            at = builder.add(row, builder.mul(j0, c(4)))
-            inside = builder.icmp_unsigned("<", builder.add(simd.splat(builder, j0, LANES), lanes),
-                                           simd.splat(builder, nv, LANES))
-            return at, simd.load(builder, pa.data, at, vf), inside
-
-        low = ir.Constant(vf, [float("-inf")] * LANES)
-        best = cgutils.alloca_once_value(builder, low)
-        with cgutils.for_range(builder, n_vec) as loop:
-            _, x, inside = row_vector(loop.index)
-            x, b = builder.select(inside, x, low), builder.load(best)
-            builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), best)
-        top = builder.fmul(simd.hmax(builder, builder.load(best)), scalev)
-        m_old = builder.load(m_at)
-        m_new = builder.select(builder.fcmp_ordered(">", top, m_old), top, m_old)
-        builder.store(m_new, m_at)
-        m_vec = simd.splat(builder, m_new, LANES)
+        m = simd.splat(builder, mv, LANES)
+        lane = ir.Constant(vec(I64, LANES), list(range(LANES)))
         total = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+        n_vec = builder.udiv(builder.add(nv, c(LANES - 1)), c(LANES))
         with cgutils.for_range(builder, n_vec) as loop:
-            at, x, inside = row_vector(loop.index)
-            e = builder.select(inside, mathf.emit_exp(builder, builder.fsub(
-                builder.fmul(x, scale), m_vec)), ir.Constant(vf, None))
+            j0 = builder.mul(loop.index, c(LANES))
+            at = builder.add(row, builder.mul(j0, c(4)))
+            x = simd.load(builder, pa.data, at, vf)
+            inside = builder.icmp_unsigned("<", builder.add(simd.splat(builder, j0, LANES), lane),
+                                           simd.splat(builder, nv, LANES))
+            e = builder.select(inside, mathf.emit_exp(builder, builder.fsub(x, m)),
+                               ir.Constant(vf, None))
             builder.store(e, builder.bitcast(simd.byte_ptr(builder, pa.data, at),
                                              vf.as_pointer()), align=4)
             builder.store(builder.fadd(builder.load(total), e), total)
@@ -410,35 +389,36 @@ def paired_rows(typingctx, vq, pairs, j0, n):
 
 
 @intrinsic
-def weight_codes(typingctx, p, g, n, inv, vn, codes):
-    """codes[g, b, j] = lrint(p[g, j] · inv · vn[b, j]) (int16, ties to even) for every block
-    b and j < n, rounded up to whole 16s (softmax_row leaves p 0 there): the Q8_0 values' weights
+def weight_codes(typingctx, p, g, n, inv, vdt, codes):
+    """codes[g, b, j] = rint(p[g, j] · vdt[b, j] · inv[b]) (int16) for every block b and j < n,
+    rounded up to whole 16s (exp_row leaves p 0 there): the Q8_0 values' weights
     (ops/attention.py _weighted_q8)."""
-    sig = types.none(p, g, n, inv, vn, codes)
+    sig = types.none(p, g, n, inv, vdt, codes)
 
     def codegen(context, builder, sig, args):
-        pa, va, ca = (context.make_array(sig.args[i])(context, builder, args[i])
-                      for i in (0, 4, 5))
-        gv, nv, invv = args[1:4]
+        pa, ia, va, ca = (context.make_array(sig.args[i])(context, builder, args[i])
+                          for i in (0, 3, 4, 5))
+        gv, nv = args[1:3]
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        vf, vi = vec(F32, LANES), vec(I32, LANES)
+        vf = vec(F32, LANES)
         nb = builder.extract_value(va.shape, 0)
         p_row = builder.mul(gv, builder.extract_value(pa.strides, 0))
         v_stride = builder.extract_value(va.strides, 0)
         c_row, c_block = (builder.extract_value(ca.strides, i) for i in range(2))
-        lrint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vf]),
-                                               f"llvm.lrint.v{LANES}i32.v{LANES}f32")
-        inv = simd.splat(builder, invv, LANES)
+        rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]),
+                                              f"llvm.rint.v{LANES}f32")
         n_vec = builder.udiv(builder.add(nv, c(LANES - 1)), c(LANES))
         with cgutils.for_range(builder, n_vec) as loop:
             j0 = builder.mul(loop.index, c(LANES))
-            x = builder.fmul(simd.load(builder, pa.data, builder.add(p_row, builder.mul(j0, c(4))),
-                                       vf), inv)
+            x = simd.load(builder, pa.data, builder.add(p_row, builder.mul(j0, c(4))), vf)
             with cgutils.for_range(builder, nb) as block:
                 b = block.index
-                vn = simd.load(builder, va.data, builder.add(builder.mul(b, v_stride),
+                vd = simd.load(builder, va.data, builder.add(builder.mul(b, v_stride),
                                                              builder.mul(j0, c(4))), vf)
-                q = builder.trunc(builder.call(lrint, [builder.fmul(x, vn)]), vec(I16, LANES))
+                inv = simd.splat(builder, simd.load_scalar(builder, ia.data, builder.mul(b, c(4)),
+                                                           F32), LANES)
+                w = builder.call(rint, [builder.fmul(builder.fmul(x, vd), inv)])
+                q = builder.trunc(builder.fptosi(w, vec(I32, LANES)), vec(I16, LANES))
                 at = builder.add(builder.add(builder.mul(gv, c_row), builder.mul(b, c_block)),
                                  builder.mul(j0, c(2)))
                 builder.store(q, builder.bitcast(simd.byte_ptr(builder, ca.data, at),
