@@ -10,8 +10,7 @@ here, not imported from the kernels' module, so a rounding bug there cannot hide
 spec), or per 256-block for the K-quants (`BlockA8`: ops/kquant.py's numpy Q8_K, llama.cpp's
 rounding), which makes it the spec of the quantised path to fp32 rounding.
 With `quantize_kv` the queries, keys and values are rounded the same way before attention (an
-8-bit Q8_0 KV cache; ops/kv_quant.py), and the values taken by integer weights as the engine
-takes them (`q8_weighted_values`).
+8-bit Q8_0 KV cache; ops/kv_quant.py).
 
 Dimension legend: as model/weights.py; T tokens in this call, S cached positions.
 """
@@ -188,41 +187,9 @@ def attention(x, w: AttentionWeights, cache: KvCache, positions, n_heads, n_kv_h
     is_future = np.arange(S)[None, :] > positions[:, None]               # [T, S]
     scores = np.where(is_future, -np.inf, scores)
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    if quantize_kv:
-        o = q8_weighted_values(p, cache.v[:, kv], ~is_future)
-    else:
-        o = np.einsum("hts,shd->thd", p, cache.v[:, kv])
-    o = (o / p.sum(axis=-1)[..., None].transpose(1, 0, 2)).reshape(T, n_heads * D)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = np.einsum("hts,shd->thd", p, cache.v[:, kv]).reshape(T, n_heads * D)
     return linear(o * sigmoid(gate), w.o_proj)
-
-
-VALUE_BLOCK = 64         # keys whose weights are rounded together (ops/attention.py BLOCK)
-WEIGHT_LEVELS = 32767    # the largest weight code (15 bits: ops/attention_simd.py)
-
-
-def q8_weighted_values(p, v, visible):
-    """Σ_s p[h, t, s] v[s, h] [T, Hq, D] as the engine takes a Q8_0 cache's values: by integer
-    weights. Per block of VALUE_BLOCK keys (positions VALUE_BLOCK·i ..) and 32-block b of the
-    head dim, key s's weight p · d[s, b] (d: its values' Q8_0 scale, max|v| / 127) is rounded to
-    a multiple of max_s p · max_s d[s, b] / WEIGHT_LEVELS, the maxima over the query's visible
-    keys of the block, and that times the key's codes is the key's part. p [Hq, T, S]; v [S, Hq,
-    D] the dequantised values; visible [T, S]."""
-    S, Hq, D = v.shape
-    T = p.shape[1]
-    nb = D // ACT_BLOCK
-    vb = v.reshape(S, Hq, nb, ACT_BLOCK)
-    d = (np.abs(vb).max(axis=-1) / 127).transpose(1, 0, 2)          # [Hq, S, nb]
-    o = np.zeros((T, Hq, nb, ACT_BLOCK))
-    for s0 in range(0, S, VALUE_BLOCK):
-        pb, db = p[:, :, s0:s0 + VALUE_BLOCK], d[:, None, s0:s0 + VALUE_BLOCK]  # [Hq,T,n], [Hq,1,n,nb]
-        seen = visible[None, :, s0:s0 + VALUE_BLOCK, None]            # [1, T, n, 1]
-        bound = (pb.max(axis=-1)[..., None] * np.where(seen, db, 0).max(axis=2)
-                 / WEIGHT_LEVELS)[:, :, None, :]                       # [Hq, T, 1, nb]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            codes = np.rint(pb[..., None] * db / bound)                # [Hq, T, n, nb]
-            part = np.where((bound > 0) & (db > 0), codes * bound / db, 0)  # per dequantised v
-        o += np.einsum("htsb,shbi->thbi", part, vb[s0:s0 + VALUE_BLOCK])
-    return o.reshape(T, Hq, D)
 
 
 def gated_deltanet(x, w: GatedDeltaNetWeights, state: GdnState, n_key_heads, key_head_dim,

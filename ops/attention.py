@@ -26,73 +26,32 @@ from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
-from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, WEIGHT_LEVELS, group_scores,
-                                         exp_row, make_q8_scores, make_weighted_pairs,
-                                         paired_rows, q8_scores_by_key, row_max,
-                                         transposed_keys, weight_codes, weighted_rows)
+from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows,
+                                         group_scores, make_q8_scores, q8_scores_by_key, row_max,
+                                         transposed_keys, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 
 
 def reference(q, k, v, gate, start):
-    """q, gate [T, Hq, D]; k, v [Hkv, S, D] fp32, or both Q8Rows (then `_q8_reference`) ->
-    o [T, Hq, D], fp32 or wider."""
+    """q, gate [T, Hq, D]; k, v [Hkv, S, D] fp32, or both Q8Rows (then q is rounded to Q8_0
+    first, and the arithmetic is float64); start >= 0 -> o [T, Hq, D], fp32 or wider."""
     if isinstance(k, Q8Rows):
-        return _q8_reference(q, k, v, gate, start)
+        q = kv_quant.reference(q).dequantize(np.float64)
+        k, v = k.dequantize(np.float64), v.dequantize(np.float64)
     dt = np.result_type(q, k, v, gate, np.float32)
     T, Hq, D = q.shape
     L = start + T
     kv_head = np.arange(Hq) // (Hq // k.shape[0])                     # query head h -> h // G
     keys = np.asarray(k, dtype=dt)[kv_head, :L]                       # [Hq, L, D]
     values = np.asarray(v, dtype=dt)[kv_head, :L]
-    p = _weights(np.asarray(q, dtype=dt), keys, start)                # [T, Hq, L]
-    o = np.einsum("ths,hsd->thd", p / p.sum(axis=-1, keepdims=True), values)
-    return o * _sigmoid(np.asarray(gate, dtype=dt))
-
-
-def _weights(q, keys, start):
-    """e^(score - the query's largest score), 0 where causality hides the key: [T, Hq, L]."""
-    T, _, D = q.shape
-    L = keys.shape[1]
-    scores = np.einsum("thd,hsd->ths", q, keys) / np.sqrt(D)
+    scores = np.einsum("thd,hsd->ths", np.asarray(q, dtype=dt), keys) / np.sqrt(D)  # [T, Hq, L]
     causal = np.arange(L)[None, :] <= start + np.arange(T)[:, None]   # [T, L]
     scores = np.where(causal[:, None, :], scores, -np.inf)
-    return np.exp(scores - scores.max(axis=-1, keepdims=True))
-
-
-def _sigmoid(x):
-    return np.exp(-np.logaddexp(0, -x))
-
-
-def _q8_reference(q, k, v, gate, start):
-    """Over a Q8_0 cache, in float64: the query rounded to Q8_0 as the keys are, scores against
-    the dequantised keys, softmax; and the values weighted by integers (the kernel's integer
-    products, ops/attention_simd.py WEIGHT_LEVELS): in each block of BLOCK keys (positions
-    BLOCK·i ..), for each 32-block b of the head dim, a visible key j's weight p_j · vd[j, b] is
-    rounded to a multiple of the block's bound max_j p_j · max_j vd[j, b] / WEIGHT_LEVELS (the
-    maxima over the query's visible keys of the block), then times the key's codes."""
-    q = kv_quant.reference(q).dequantize(np.float64)
-    T, Hq, D = q.shape
-    L = start + T
-    kv_head = np.arange(Hq) // (Hq // k.shape[0])
-    p = _weights(q, k.dequantize(np.float64)[kv_head, :L], start)     # [T, Hq, L]
-    vq = v.qs[kv_head, :L].astype(np.float64)                          # [Hq, L, D]
-    vd = v.d[kv_head, :L].astype(np.float64)                           # [Hq, L, nb]
-    nb = vd.shape[-1]
-    o = np.zeros((T, Hq, D))
-    for j0 in range(0, L, BLOCK):
-        pb, vdb = p[:, :, j0:j0 + BLOCK], vd[:, j0:j0 + BLOCK]          # [T, Hq, n], [Hq, n, nb]
-        visible = (j0 + np.arange(pb.shape[-1]))[None, :] <= start + np.arange(T)[:, None]
-        visible = np.broadcast_to(visible[:, None, :], pb.shape)       # [T, Hq, n]: causal
-        top = pb.max(axis=-1, keepdims=True)                           # [T, Hq, 1]
-        vmax = np.where(visible[..., None], vdb[None], 0).max(axis=2)   # [T, Hq, nb]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            bound = top * vmax / WEIGHT_LEVELS                         # [T, Hq, nb]
-            codes = np.rint(pb[..., None] * vdb[None] / bound[:, :, None, :])  # [T, Hq, n, nb]
-        w = np.where(bound[:, :, None, :] > 0, codes * bound[:, :, None, :], 0)
-        o += np.einsum("thjb,hjbi->thbi", w, vq[:, j0:j0 + BLOCK].reshape(
-            Hq, -1, nb, kv_quant.BLOCK)).reshape(T, Hq, D)
-    return o / p.sum(axis=-1, keepdims=True) * _sigmoid(np.asarray(gate, np.float64))
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o = np.einsum("ths,hsd->thd", p, values)
+    return o * np.exp(-np.logaddexp(0, -np.asarray(gate, dtype=dt)))  # sigmoid(gate)
 
 
 # --- CPU ----------------------------------------------------------------------------------------
@@ -176,54 +135,17 @@ def _scores_q8(q, k, t, hkv, jb, n, p):
 
 
 @kernel
-def _staged_f32(v, hkv, jb, n, buffers):
+def _staged_f32(v, hkv, jb, n, rows):
     """(value rows, first row) of keys jb..jb+n-1: the fp32 cache's own."""
     return v[0][hkv], jb
 
 
 @kernel
-def _staged_q8(v, hkv, jb, n, buffers):
-    """Keys jb..jb+n-1 of a Q8_0 cache's values made ready for `_weighted_q8`, once for every
-    query that reads them: buffers = (their codes in pairs [BLOCK/2, 2D] (paired_rows), their
-    scales transposed [nb, BLOCK])."""
-    pairs, vdt = buffers
-    vd = v[1][hkv]
-    paired_rows(v[0][hkv], pairs, jb, n)
-    for j in range(n):
-        for b in range(vdt.shape[0]):
-            vdt[b, j] = vd[jb + j, b]
-    return buffers, 0
-
-
-@kernel
-def _weighted_f32(p, v_rows, a, v0, n, buffers):
-    """a[g] += Σ_{j < n} p[g, j] · v_rows[v0 + j]: fp32 multiply-adds (weighted_rows)."""
-    weighted_rows(p, v_rows, a, v0, n)
-
-
-def _weighted_q8(p, staged, a, v0, n, buffers):
-    """`_weighted_f32` over a block staged by `_staged_q8` (exp_row's p: 0 past n to a whole
-    16): per head g and 32-block b of the head dim, the weights p[g, j] · vd[j, b] rounded to
-    integers of at most WEIGHT_LEVELS against the bound max_j p[g, j] · max_j vd[j, b] over the
-    query's own n keys (so the same in any tile), that bound / WEIGHT_LEVELS the scale
-    scales[g, b]; then integer products with the values' codes (`weighted_pairs`, bound per
-    ISA). A scale below the smallest normal float drops the block's weights (< 1e-33 of the
-    largest weight of a range: its first block's is 1). buffers = (codes [G, nb, BLOCK] int16,
-    scales [G, nb], 1/scales [nb], max_j vd[j, b] [nb])."""
-    pairs, vdt = staged
-    codes, scales, inv, vmax = buffers
-    tiny = np.float32(np.finfo(np.float32).tiny)
-    for b in range(vmax.shape[0]):
-        vmax[b] = row_max(vdt, b, n, np.float32(0))
-    for g in range(a.shape[0]):
-        unit = row_max(p, g, n, np.float32(0)) / np.float32(WEIGHT_LEVELS)
-        for b in range(vmax.shape[0]):
-            scale = unit * vmax[b]
-            scale = scale if scale >= tiny else np.float32(0)
-            scales[g, b] = scale
-            inv[b] = np.float32(1) / scale if scale > 0 else np.float32(0)
-        weight_codes(p, g, n, inv, vdt, codes)
-    weighted_pairs(codes, scales, pairs, a, (n + 1) // 2)
+def _staged_q8(v, hkv, jb, n, rows):
+    """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache: codes times scales, fp32
+    (the reference's values), into rows [BLOCK, D], once for every query that reads them."""
+    dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
+    return rows, 0
 
 
 @kernel
@@ -238,21 +160,25 @@ def _online_softmax(p, n, a, m_t, l_t):
     for g in range(G):
         m_new = row_max(p, g, n, m_t[g])
         rescale = np.exp(m_t[g] - m_new)
-        l_t[g] = l_t[g] * rescale + exp_row(p, g, n, m_new)
-        if rescale != 1 and m_t[g] != -np.inf:      # a is 0 before a range's first block
+        total = np.float32(0)
+        for j in range(n):
+            p[g, j] = mathf.exp(p[g, j] - m_new)
+            total += p[g, j]
+        l_t[g] = l_t[g] * rescale + total
+        m_t[g] = m_new
+        if rescale != 1:
             for d in range(D):
                 a[g, d] *= rescale
-        m_t[g] = m_new
 
 
-def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, buffers):
+def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, rows, key_buffers):
     """Key range r of queries t0..t1-1 of kv head hkv (query t0 + i at row i of a [., G, D],
     m, l [., G]: unnormalised Σ_s e^(score - m) v_s, the maximum and Σ e^(score - m) of its G
     heads over the range; an empty range leaves m = -inf, l = 0, a = 0). Block by block of keys,
-    each block's keys and values staged once; every query takes each of its blocks through the
-    same three steps, so it has the same bits alone (decode: t1 = t0 + 1) as in any tile.
-    `_scores`, `_weighted` and the stagings `_staged`, `_staged_keys` are bound per cache type
-    and ISA; buffers = (their scratch: keys', values', weights')."""
+    each block's values staged once (rows: scratch [BLOCK, D]); every query takes each of its
+    blocks through the same three steps, so it has the same bits alone (decode: t1 = t0 + 1) as
+    in any tile. `_scores`, `_staged` and `_staged_keys` (key_buffers: its scratch) are bound per
+    cache type and ISA."""
     r0 = r * RANGE_KEYS
     r1 = min(r0 + RANGE_KEYS, start + t1)                  # the tile's last query's keys
     for i in range(t1 - t0):
@@ -260,15 +186,15 @@ def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, buffers):
         m[i] = -np.inf
         l[i] = 0
     for jb in range(r0, r1, BLOCK):
-        v_rows, v0 = _staged(v, hkv, jb, min(BLOCK, r1 - jb), buffers[1])
-        keys = _staged_keys(k, hkv, jb, min(BLOCK, r1 - jb), buffers[0])
+        v_rows, v0 = _staged(v, hkv, jb, min(BLOCK, r1 - jb), rows)
+        keys = _staged_keys(k, hkv, jb, min(BLOCK, r1 - jb), key_buffers)
         for i in range(t1 - t0):
             j1 = min(start + t0 + i + 1, r1)              # query t0 + i's last key + 1
             if j1 > jb:
                 n = min(BLOCK, j1 - jb)
                 _scores(q, keys, t0 + i, hkv, jb, n, p)
                 _online_softmax(p, n, a[i], m[i], l[i])
-                _weighted(p, v_rows, a[i], v0, n, buffers[2])
+                weighted_rows(p, v_rows, a[i], v0, n)
 
 
 @kernel(fastmath=False)
@@ -321,14 +247,9 @@ def attend_share(thread, n_threads, args):
     run_m = np.empty((2, width, G), dtype=np.float32)
     run_l = np.empty((2, width, G), dtype=np.float32)
     p = np.empty((G, BLOCK), dtype=np.float32)
-    nb = D // 32                                   # Q8_0 blocks (the Q8_0 stagings' buffers)
-    buffers = ((np.zeros((nb, 8, BLOCK), dtype=np.int32),          # _keys_transposed's
-                np.zeros((nb, BLOCK), dtype=np.float32)),
-               (np.zeros((BLOCK // 2, 2 * D), dtype=np.int16),     # _staged_q8's
-                np.zeros((nb, BLOCK), dtype=np.float32)),
-               (np.zeros((G, nb, BLOCK), dtype=np.int16),          # _weighted_q8's
-                np.zeros((G, nb), dtype=np.float32), np.zeros(nb, dtype=np.float32),
-                np.zeros(nb, dtype=np.float32)))
+    rows = np.empty((BLOCK, D), dtype=np.float32)
+    key_buffers = (np.zeros((D // 32, 8, BLOCK), dtype=np.int32),   # _keys_transposed's
+                   np.zeros((D // 32, BLOCK), dtype=np.float32))
     n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1
     n_items = per * n_tiles * Hkv
@@ -346,7 +267,7 @@ def attend_share(thread, n_threads, args):
                 s = min(r, 1)
                 da, dm, dl = (run_a[s, 0:t1 - t0, 0:G], run_m[s, 0:t1 - t0, 0:G],
                               run_l[s, 0:t1 - t0, 0:G])
-            _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, buffers)
+            _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, rows, key_buffers)
             for i in range(t1 - t0 if not per_range and r > 0 else 0):
                 if start + t0 + i + 1 > r * RANGE_KEYS:            # the query has keys in r
                     for g in range(G):
@@ -396,18 +317,16 @@ def _kernel(isa: Isa | None):
     if isa not in _kernels:
         keys = _keys_as_stored
         if isa is None:
-            label, scores, staged, weighted = "f32", _scores_f32, _staged_f32, _weighted_f32
+            label, scores, staged = "f32", _scores_f32, _staged_f32
+        elif isa is Isa.AVX512VNNI:
+            label, staged = f"q8_{isa.label}", _staged_q8
+            scores = kernel(_scores_q8_by_key)
+            keys = _keys_transposed
         else:
             label, staged = f"q8_{isa.label}", _staged_q8
-            weighted = kernel(_weighted_q8, variant=isa.label,
-                              weighted_pairs=make_weighted_pairs(isa))
-            if isa is Isa.AVX512VNNI:
-                scores = kernel(_scores_q8_by_key)
-                keys = _keys_transposed
-            else:
-                scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
+            scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
-                            _staged_keys=keys, _weighted=weighted)
+                            _staged_keys=keys)
         _kernels[isa] = omp.forking_kernel(
             bind(_attention_body, label), fork=bind(attend_share, label, _tile_range=tile_range),
             fork_combine=_combine_share)

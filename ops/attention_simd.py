@@ -14,9 +14,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fermijit.jit import cpu as jit_cpu
-from fermijit.jit import mathf, simd
+from fermijit.jit import simd
 from fermijit.jit.cpu import Isa
-from fermijit.jit.simd import F32, I8, I16, I32, I64, vec
+from fermijit.jit.simd import F32, I8, I32, I64, vec
 from fermijit.ops import fp32_rows
 from fermijit.ops.fp32_rows import LANES
 
@@ -308,211 +308,44 @@ def row_max(typingctx, p, g, n, m0):
 
 
 @intrinsic
-def exp_row(typingctx, p, g, n, m):
-    """p[g, j] = e^(p[g, j] - m) (mathf.exp's bits) for j < n, and 0 for the rest of the last
-    16-float vector; returns Σ_j p[g, j], summed in 16 lanes over the vectors in order, then the
-    lanes by halving (Numba's loop of mathf.exp stayed scalar in the sums: 3 cycles a score)."""
-    sig = types.float32(p, g, n, m)
+def dequantized_rows(typingctx, vq, vd, rows, j0, n):
+    """rows[j] = vq[j0 + j] · vd[j0 + j] per 32-block (the Q8_0 values, fp32) for j < n: 16
+    codes at a time widened, converted and scaled in registers (Numba's loop of this stayed
+    scalar: half of a 16k-position decode step's attention). The head dim is whole blocks."""
+    sig = types.none(vq, vd, rows, j0, n)
 
     def codegen(context, builder, sig, args):
-        pa = context.make_array(sig.args[0])(context, builder, args[0])
-        gv, nv, mv = args[1:4]
+        qa, da, ra = (context.make_array(sig.args[i])(context, builder, args[i])
+                      for i in range(3))
+        j0v, nv = args[3:5]
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        nb = builder.extract_value(da.shape, 1)
+        q_stride, d_stride, r_stride = (builder.extract_value(a.strides, 0)
+                                        for a in (qa, da, ra))
         vf = vec(F32, LANES)
-        row = builder.mul(gv, builder.extract_value(pa.strides, 0))
-        m = simd.splat(builder, mv, LANES)
-        lane = ir.Constant(vec(I64, LANES), list(range(LANES)))
-        total = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-        n_vec = builder.udiv(builder.add(nv, c(LANES - 1)), c(LANES))
-        with cgutils.for_range(builder, n_vec) as loop:
-            j0 = builder.mul(loop.index, c(LANES))
-            at = builder.add(row, builder.mul(j0, c(4)))
-            x = simd.load(builder, pa.data, at, vf)
-            inside = builder.icmp_unsigned("<", builder.add(simd.splat(builder, j0, LANES), lane),
-                                           simd.splat(builder, nv, LANES))
-            e = builder.select(inside, mathf.emit_exp(builder, builder.fsub(x, m)),
-                               ir.Constant(vf, None))
-            builder.store(e, builder.bitcast(simd.byte_ptr(builder, pa.data, at),
-                                             vf.as_pointer()), align=4)
-            builder.store(builder.fadd(builder.load(total), e), total)
-        return simd.hsum(builder, builder.load(total))
-
-    return sig, codegen
-
-
-# --- Q8_0 values: integer products with 15-bit weights ------------------------------------------
-
-# The weights of a block of keys are rounded to integers of at most WEIGHT_LEVELS (15 bits), per
-# query head and 32-block of the head dim, so that the values' codes are taken by integer pair
-# products (pmaddwd; vpdpwssd with VNNI: twice fp32's multiply-adds an instruction, exact sums).
-# Measured against the exact weights (3000 keys, D 256): 6e-6 of |o|'s scale, ~100x below the
-# Q8_0 rounding of the values themselves; 8-bit weights were 1.5e-2 (the small weights of a
-# block round to 0), as large as the cache's own error.
-WEIGHT_LEVELS = 32767
-
-
-@intrinsic
-def paired_rows(typingctx, vq, pairs, j0, n):
-    """pairs[j, 2i + e] = vq[j0 + 2j + e, i] (int16) for 2j + e < n, 0 for the odd n's last
-    pair's second key: a block's value codes with each dim's two keys of a pair adjacent, as
-    pmaddwd takes them (16 dims at a time: two rows' bytes sign-extended and interleaved). The
-    head dim is whole 16s."""
-    sig = types.none(vq, pairs, j0, n)
-
-    def codegen(context, builder, sig, args):
-        qa, pa = (context.make_array(sig.args[i])(context, builder, args[i]) for i in range(2))
-        j0v, nv = args[2:4]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        d = builder.extract_value(qa.shape, 1)
-        q_stride, p_stride = (builder.extract_value(a.strides, 0) for a in (qa, pa))
-        i16x16 = vec(I16, 16)
-        n_pairs = builder.udiv(builder.add(nv, c(1)), c(2))
-        with cgutils.for_range(builder, n_pairs) as pair:
-            first = builder.add(j0v, builder.mul(pair.index, c(2)))
-            has_second = builder.icmp_unsigned("<", builder.add(builder.mul(pair.index, c(2)),
-                                                                c(1)), nv)
-            second = builder.select(has_second, builder.add(first, c(1)), first)  # in bounds
-            rows = [builder.mul(first, q_stride), builder.mul(second, q_stride)]
-            p_row = builder.mul(pair.index, p_stride)
-            with cgutils.for_range(builder, builder.udiv(d, c(16))) as chunk:
-                col = builder.mul(chunk.index, c(16))
-                x, y = (builder.sext(simd.load(builder, qa.data, builder.add(r, col),
-                                               vec(I8, 16)), i16x16) for r in rows)
-                y = builder.select(has_second, y, ir.Constant(i16x16, None))
-                both = builder.shuffle_vector(x, y, ir.Constant(vec(I32, 32), [
-                    i // 2 + 16 * (i % 2) for i in range(32)]))
-                dst = simd.byte_ptr(builder, pa.data, builder.add(p_row, builder.mul(col, c(4))))
-                builder.store(both, builder.bitcast(dst, vec(I16, 32).as_pointer()), align=2)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def weight_codes(typingctx, p, g, n, inv, vdt, codes):
-    """codes[g, b, j] = rint(p[g, j] · vdt[b, j] · inv[b]) (int16) for every block b and j < n,
-    rounded up to whole 16s (exp_row leaves p 0 there): the Q8_0 values' weights
-    (ops/attention.py _weighted_q8)."""
-    sig = types.none(p, g, n, inv, vdt, codes)
-
-    def codegen(context, builder, sig, args):
-        pa, ia, va, ca = (context.make_array(sig.args[i])(context, builder, args[i])
-                          for i in (0, 3, 4, 5))
-        gv, nv = args[1:3]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        vf = vec(F32, LANES)
-        nb = builder.extract_value(va.shape, 0)
-        p_row = builder.mul(gv, builder.extract_value(pa.strides, 0))
-        v_stride = builder.extract_value(va.strides, 0)
-        c_row, c_block = (builder.extract_value(ca.strides, i) for i in range(2))
-        rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]),
-                                              f"llvm.rint.v{LANES}f32")
-        n_vec = builder.udiv(builder.add(nv, c(LANES - 1)), c(LANES))
-        with cgutils.for_range(builder, n_vec) as loop:
-            j0 = builder.mul(loop.index, c(LANES))
-            x = simd.load(builder, pa.data, builder.add(p_row, builder.mul(j0, c(4))), vf)
+        with cgutils.for_range(builder, nv) as row:
+            key = builder.add(j0v, row.index)
+            q_row, d_row = builder.mul(key, q_stride), builder.mul(key, d_stride)
+            r_row = builder.mul(row.index, r_stride)
             with cgutils.for_range(builder, nb) as block:
-                b = block.index
-                vd = simd.load(builder, va.data, builder.add(builder.mul(b, v_stride),
-                                                             builder.mul(j0, c(4))), vf)
-                inv = simd.splat(builder, simd.load_scalar(builder, ia.data, builder.mul(b, c(4)),
-                                                           F32), LANES)
-                w = builder.call(rint, [builder.fmul(builder.fmul(x, vd), inv)])
-                q = builder.trunc(builder.fptosi(w, vec(I32, LANES)), vec(I16, LANES))
-                at = builder.add(builder.add(builder.mul(gv, c_row), builder.mul(b, c_block)),
-                                 builder.mul(j0, c(2)))
-                builder.store(q, builder.bitcast(simd.byte_ptr(builder, ca.data, at),
-                                                 vec(I16, LANES).as_pointer()), align=2)
+                scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
+                    d_row, builder.mul(block.index, c(4))), F32), LANES)
+                for half in range(2):
+                    col = builder.add(builder.mul(block.index, c(32)), c(half * LANES))
+                    codes = simd.load(builder, qa.data, builder.add(q_row, col),
+                                      vec(I8, LANES))
+                    x = builder.fmul(builder.sitofp(codes, vf), scale)
+                    dst = simd.byte_ptr(builder, ra.data, builder.add(r_row,
+                                                                      builder.mul(col, c(4))))
+                    builder.store(x, builder.bitcast(dst, vf.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-# Query heads a weighted-values tile takes (the first dividing the group's heads, else one at a
-# time), each with PAIR_REGISTERS registers of i32 sums over its dims: 16 accumulators with
-# AVX-512's 32 registers, 8 with the 16 of AVX2 and SSE.
-PAIR_HEAD_GROUPS = {Isa.AVX512VNNI: (4, 3), Isa.AVX2: (2,), Isa.SSSE3: (2,)}
-PAIR_REGISTERS = 4
-
-
-def make_weighted_pairs(isa: Isa):
-    """An intrinsic weighted(codes, scales, pairs, a, n_pairs): for every row g of a [G, D],
-
-        a[g, i] += scales[g, i // 32] · Σ_{j < 2 n_pairs} codes[g, i // 32, j] · v_j[i]
-
-    with v_j's codes in pairs (paired_rows) and the weights' codes [G, nb, BLOCK] int16 (one
-    dword a pair of keys, broadcast), the sum exact in i32 (|code| <= 32767 · 127 · BLOCK), then
-    one multiply-add in fp32 per output: the same bits in any tile of heads or dims. Dims in runs
-    of PAIR_REGISTERS registers (then single ones), the rows of PAIR_HEAD_GROUPS at a time, each
-    pair's value registers loaded once for them."""
-    v = simd.VEC_OF[isa]
-    lanes = v.nbytes // 4                                   # i32 sums (dims) a register
-
-    @intrinsic
-    def weighted(typingctx, codes, scales, pairs, a, n_pairs):
-        sig = types.none(codes, scales, pairs, a, n_pairs)
-
-        def codegen(context, builder, sig, args):
-            ca, sa, pa, aa = (context.make_array(sig.args[i])(context, builder, args[i])
-                              for i in range(4))
-            npv = args[4]
-            c = lambda x: ir.Constant(I64, x)  # noqa: E731
-            n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 2)
-            c_head, c_block = (builder.extract_value(ca.strides, i) for i in range(2))
-            s_head = builder.extract_value(sa.strides, 0)
-            p_stride, a_stride = (builder.extract_value(x.strides, 0) for x in (pa, aa))
-            iv, fv = vec(I32, lanes), vec(F32, lanes)
-
-            def tile(col0, n_regs, g0, n_heads):
-                cols = [builder.add(col0, c(r * lanes)) for r in range(n_regs)]
-                blocks = [builder.udiv(col, c(32)) for col in cols]
-                heads = [builder.add(g0, c(h)) for h in range(n_heads)]
-                accs = [[cgutils.alloca_once_value(builder, ir.Constant(iv, None))
-                         for _ in cols] for _ in heads]
-                with cgutils.for_range(builder, npv) as pair:
-                    p_row = builder.mul(pair.index, p_stride)
-                    xs = [simd.load(builder, pa.data, builder.add(p_row, builder.mul(col, c(4))),
-                                    iv) for col in cols]
-                    for h, row_accs in zip(heads, accs):
-                        for blk, x, acc in zip(blocks, xs, row_accs):
-                            w = simd.splat(builder, simd.load_scalar(builder, ca.data, builder.add(
-                                builder.add(builder.mul(h, c_head), builder.mul(blk, c_block)),
-                                builder.mul(pair.index, c(4))), I32), lanes)
-                            builder.store(simd.dot_i16_pairs(v, builder, builder.load(acc), x, w),
-                                          acc)
-                for h, row_accs in zip(heads, accs):
-                    for col, blk, acc in zip(cols, blocks, row_accs):
-                        scale = simd.splat(builder, simd.load_scalar(builder, sa.data, builder.add(
-                            builder.mul(h, s_head), builder.mul(blk, c(4))), F32), lanes)
-                        at = builder.add(builder.mul(h, a_stride), builder.mul(col, c(4)))
-                        dst = builder.bitcast(simd.byte_ptr(builder, aa.data, at), fv.as_pointer())
-                        total = simd.muladd(builder, builder.sitofp(builder.load(acc), fv), scale,
-                                            builder.load(dst, align=4))
-                        builder.store(total, dst, align=4)
-
-            def run(n_regs, count, first):
-                with cgutils.for_range(builder, count) as run_loop:
-                    col0 = builder.add(first, builder.mul(run_loop.index, c(n_regs * lanes)))
-                    _in_groups(builder, n_rows, PAIR_HEAD_GROUPS[isa],
-                               lambda g0, n_heads: tile(col0, n_regs, g0, n_heads))
-
-            full = builder.udiv(d, c(PAIR_REGISTERS * lanes))
-            run(PAIR_REGISTERS, full, c(0))
-            done = builder.mul(full, c(PAIR_REGISTERS * lanes))
-            run(1, builder.udiv(builder.sub(d, done), c(lanes)), done)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return weighted
 
 
 # --- Q8_0 scores by keys in the lanes (AVX-512 VNNI) --------------------------------------------
 
 KEY_GROUP = 16   # keys a register of the transposed block holds (int32 lanes of a zmm)
-# Query heads a pass over a transposed block takes (the first dividing the group's, else one at
-# a time): each key register loaded once for them.
-SCORE_HEAD_GROUPS = (2,)
 
 
 def _transpose8(builder, rows):
@@ -604,48 +437,36 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
         stride = lambda arr: builder.extract_value(arr.strides, 0)  # noqa: E731
         vi, vf = vec(I32, KEY_GROUP), vec(F32, KEY_GROUP)
         n_groups = BLOCK_KEYS // KEY_GROUP
-        def tile(g0, n_rows):
-            """Rows g0..g0+n_rows-1, each transposed key register and scale loaded once for
-            them."""
-            heads = [builder.add(h0v, builder.add(g0, c(r))) for r in range(n_rows)]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-                     for _ in range(n_groups)] for _ in heads]
+        with cgutils.for_range(builder, nv) as head:
+            h = builder.add(h0v, head.index)
+            q_row, s_row = builder.mul(h, stride(qqa)), builder.mul(h, stride(qda))
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                   for _ in range(n_groups)]
             with cgutils.for_range(builder, nb) as block:
                 b = block.index
-                sums = []
-                for h in heads:           # from -128 Σq (the codes' offset), not 0: no subtract
-                    corr = simd.load_scalar(builder, qca.data, builder.add(
-                        builder.mul(h, stride(qca)), builder.mul(b, c(4))), I32)
-                    sums.append([simd.splat(builder, builder.neg(corr), KEY_GROUP)] * n_groups)
+                sums = [ir.Constant(vi, None)] * n_groups
                 for w in range(8):
+                    qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
+                        q_row, builder.add(builder.mul(b, c(32)), c(4 * w))), I32), KEY_GROUP)
                     row = builder.mul(builder.add(builder.mul(b, c(8)), c(w)), c(BLOCK_KEYS * 4))
-                    kvs = [simd.load(builder, ta.data, builder.add(row, c(64 * gi)), vi)
-                           for gi in range(n_groups)]
-                    for h, row_sums in zip(heads, sums):
-                        qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
-                            builder.mul(h, stride(qqa)), builder.add(builder.mul(b, c(32)),
-                                                                     c(4 * w))), I32), KEY_GROUP)
-                        for gi in range(n_groups):
-                            row_sums[gi] = simd.dpbusd(v, builder, row_sums[gi], kvs[gi], qv)
-                kds = [simd.load(builder, sa.data, builder.mul(builder.add(
-                    builder.mul(b, c(BLOCK_KEYS)), c(KEY_GROUP * gi)), c(4)), vf)
-                    for gi in range(n_groups)]
-                for h, row_sums, row_accs in zip(heads, sums, accs):
-                    qd = simd.splat(builder, simd.load_scalar(builder, qda.data, builder.add(
-                        builder.mul(h, stride(qda)), builder.mul(b, c(4))), F32), KEY_GROUP)
                     for gi in range(n_groups):
-                        builder.store(simd.muladd(builder, builder.sitofp(row_sums[gi], vf),
-                                                  builder.fmul(qd, kds[gi]),
-                                                  builder.load(row_accs[gi])), row_accs[gi])
-            for r, row_accs in enumerate(accs):
-                p_row = builder.mul(builder.add(g0, c(r)), stride(pa))
+                        kv = simd.load(builder, ta.data, builder.add(row, c(64 * gi)), vi)
+                        sums[gi] = simd.dpbusd(v, builder, sums[gi], kv, qv)
+                corr = simd.splat(builder, simd.load_scalar(builder, qca.data, builder.add(
+                    builder.mul(h, stride(qca)), builder.mul(b, c(4))), I32), KEY_GROUP)
+                qd = simd.splat(builder, simd.load_scalar(builder, qda.data, builder.add(
+                    s_row, builder.mul(b, c(4))), F32), KEY_GROUP)
                 for gi in range(n_groups):
-                    dst = simd.byte_ptr(builder, pa.data, builder.add(p_row,
-                                                                      c(4 * KEY_GROUP * gi)))
-                    builder.store(builder.load(row_accs[gi]),
-                                  builder.bitcast(dst, vf.as_pointer()), align=4)
-
-        _in_groups(builder, nv, SCORE_HEAD_GROUPS, tile)
+                    kd = simd.load(builder, sa.data, builder.mul(builder.add(
+                        builder.mul(b, c(BLOCK_KEYS)), c(KEY_GROUP * gi)), c(4)), vf)
+                    isum = builder.sitofp(builder.sub(sums[gi], corr), vf)
+                    builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
+                                              builder.load(acc[gi])), acc[gi])
+            p_row = builder.mul(head.index, stride(pa))
+            for gi in range(n_groups):
+                dst = simd.byte_ptr(builder, pa.data, builder.add(p_row, c(4 * KEY_GROUP * gi)))
+                builder.store(builder.load(acc[gi]), builder.bitcast(dst, vf.as_pointer()),
+                              align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -15,7 +15,6 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 _LOG2E = np.float32(1.44269504088896341)
@@ -49,29 +48,6 @@ def exp(x):
     p = p * r + _P5
     p = p * (r * r) + r + np.float32(1.0)
     return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # 2^n
-
-
-def emit_exp(builder, x):
-    """`exp` in LLVM IR for an f32 vector x (for kernels written as intrinsics): the same
-    operations in the same order per lane, no fast-math flags, the branches as selects: `exp`'s
-    bits in every lane."""
-    n = x.type.count
-    fv, iv = x.type, ir.VectorType(ir.IntType(32), n)
-    k = lambda value: ir.Constant(fv, [float(value)] * n)  # noqa: E731
-    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fv, [fv]),
-                                           f"llvm.floor.v{n}f32")
-    m = builder.call(floor, [builder.fadd(builder.fmul(x, k(_LOG2E)), k(0.5))])
-    r = builder.fsub(builder.fsub(x, builder.fmul(m, k(_LN2_HI))), builder.fmul(m, k(_LN2_LO)))
-    p = k(_P0)
-    for c in (_P1, _P2, _P3, _P4, _P5):
-        p = builder.fadd(builder.fmul(p, r), k(c))
-    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), k(1.0))
-    bits = builder.shl(builder.add(builder.fptosi(m, iv), ir.Constant(iv, [127] * n)),
-                       ir.Constant(iv, [23] * n))
-    y = builder.fmul(p, builder.bitcast(bits, fv))
-    y = builder.select(builder.fcmp_ordered(">", x, k(_X_MAX)), k(np.inf), y)
-    y = builder.select(builder.fcmp_ordered("<", x, k(_X_MIN)), k(0.0), y)
-    return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
 
 
 @intrinsic

@@ -162,18 +162,6 @@ def dpbusd(v: Vec, builder, acc, u, s):
                  [acc, builder.bitcast(u, acc.type), builder.bitcast(s, acc.type)])
 
 
-def dot_i16_pairs(v: Vec, builder, acc, a, b):
-    """acc (i32 [nbytes/4]) + each adjacent pair of i16·i16 products of a and b: vpdpwssd with
-    VNNI, else pmaddwd and an add. Exact while the sums stay within i32."""
-    n = v.nbytes
-    if v.dpbusd:
-        return _call(builder, f"llvm.x86.avx512.vpdpwssd.{8 * n}", acc.type,
-                     [acc, builder.bitcast(a, acc.type), builder.bitcast(b, acc.type)])
-    i16x = vec(I16, n // 2)
-    return builder.add(acc, _call(builder, v.pmaddwd, acc.type, [builder.bitcast(a, i16x),
-                                                                 builder.bitcast(b, i16x)]))
-
-
 def widen_i16(v: Vec, builder, s16):
     """Adjacent i16 pairs summed into i32 (pmaddwd by ones)."""
     n = s16.type.count

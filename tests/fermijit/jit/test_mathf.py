@@ -5,7 +5,6 @@ import numpy as np
 
 from fermijit.jit import mathf
 from fermijit.jit.cpu import FASTMATH
-from fermijit.ops import attention_simd
 
 # Cephes' expf: about one ulp; measured 8.0e-8 max over [-87.3, 88.3] (2e6 points).
 EXP_RTOL = 2.5e-7
@@ -50,27 +49,3 @@ def test_sigmoid_and_silu():
     assert np.allclose(run(1, x), sig, rtol=EXP_RTOL, atol=1e-30)
     assert np.allclose(run(2, x[:-2]), x64[:-2] * sig[:-2], rtol=EXP_RTOL, atol=1e-30)
     assert not np.isnan(run(2, [-1000.0, 1000.0])).any()
-
-
-@numba.njit
-def _exp_rows(p, n):
-    totals = np.empty(p.shape[0], np.float32)
-    for g in range(p.shape[0]):
-        totals[g] = attention_simd.exp_row(p, g, n, np.float32(0))
-    return totals
-
-
-def test_the_emitted_exp_has_exps_bits():
-    """mathf.emit_exp (the vector exp of attention's softmax, ops/attention_simd.exp_row) against
-    `exp` bit for bit, edges included; exp_row zeroes the rest of its last vector and sums."""
-    x = np.concatenate([np.linspace(-90, 90, 4000, dtype=np.float32),
-                        [np.nan, -np.inf, np.inf, -87.4, -87.3, 88.3, 88.4, 0, -0.0]])
-    x = np.concatenate([x, np.zeros(-x.size % 64, np.float32)]).astype(np.float32)
-    p = x.reshape(-1, 64).copy()
-    _exp_rows(p, 64)
-    assert np.array_equal(p.ravel(), run(0, x), equal_nan=True)
-    p = np.full((2, 64), 7.0, np.float32)
-    totals = _exp_rows(p, 37)
-    assert np.array_equal(p[:, :37], np.full((2, 37), run(0, [7.0])[0]))
-    assert not p[:, 37:48].any()                       # the rest of the third vector
-    assert np.allclose(totals, 37 * np.exp(7.0), rtol=1e-6)
