@@ -18,3 +18,8 @@ echo "serve bench rc=$?"
 tail -5 "$out/serve-bench.log"
 echo "the default servers' GPU prefill calls (--verbose): sequences, rows, phases"
 grep -h "^gpu prefill of" "$out/serve-default.log"
+# Where a warm start's seconds go (issue 28 item 4: <= 3 s): one more start with -X importtime,
+# and one under cProfile (stopped by SIGINT once serving: uvicorn's clean exit writes the profile).
+python3 -m tests.fermijit.server.start_profile $full "$out" 2>"$out/start-profile.log"
+echo "start profile rc=$?"
+tail -40 "$out/start-profile.txt"

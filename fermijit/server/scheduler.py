@@ -229,6 +229,9 @@ class Scheduler:
             gpu.release_thread()  # the GPU prefill ran on this thread
 
     def _serve(self) -> None:
+        reserve = getattr(self.engine.prefiller, "reserve", None)
+        if reserve is not None:  # a batch of prompts together, before any arrives
+            self._guarded(lambda: reserve(self.max_batch), "prefilling")
         while self._is_running:
             self._admit()
             self._collect_gpu_job()

@@ -478,3 +478,22 @@ def test_q8_0_hand_off_rounds_the_gpus_rows(models):
     assert n_equal >= 0.99 * n_codes, (n_equal, n_codes)
     # and decode goes on from it (the CPU reads the codes)
     assert np.isfinite(q8.decode(int(np.argmax(logits[KvKind.Q8_0])), states[KvKind.Q8_0])).all()
+
+
+def test_reserve_makes_the_hand_off_room_for_a_batch_before_it(loaded):
+    """`reserve(n)` (the server, once ready) page-locks the hand-off buffer for n prompts
+    together: a batch of n prompts then copies its states back through that buffer, not a new,
+    larger one page-locked inside the pass; its logits are those of the batch without it."""
+    model, _, _ = loaded("tiny-e128")
+    items, _ = batch_items(model)
+    pf, err = gpu_prefiller(model)
+    pf.reserve(len(items))
+    buf = pf.device._host["state"]
+    assert buf.nbytes >= len(items) * model.state_nbytes(hybrid.RESERVE_TOKENS)
+    got = pf.prefill_batch(items)
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
+    assert pf.device._host["state"] is buf
+    plain, _ = gpu_prefiller(model)
+    plain_items, _ = batch_items(model)
+    for k, want in enumerate(plain.prefill_batch(plain_items)):
+        assert_rel(f"item {k} logits", want, got[k], GPU_VS_GPU)

@@ -44,11 +44,13 @@ def serve_round(model_dir: Path, log: Path, flags: tuple, with_concurrent: bool,
 
     ids = prompt_ids(model_dir, seed)
 
-    proc, url, _ = _start(model_dir, log, flags)
+    proc, url, start_s = _start(model_dir, log, flags)
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
-            _ttft(client, ids(512))  # the first request loads what the warm-up did not
-            row = {"ttft": {}, "on_gpu": {}}
+            row = {"ttft": {}, "on_gpu": {}, "start_s": start_s}
+            # the first request loads what the warm-up did not (reported: the server reserves
+            # its batch's hand-off room as it starts serving, scheduler._serve)
+            row["first_request"] = _ttft(client, ids(512))
             for n in LENGTHS:
                 before = client.get("/health").json()["prefilled_tokens"].get("gpu", 0)
                 row["ttft"][n] = _ttft(client, ids(n))
@@ -104,6 +106,11 @@ def main(model_dir: Path, out: Path) -> None:
         on_gpu = [min(x["on_gpu"][n] for x in runs[k]) for k in ("default", "mtp")]
         print(f"{n:>6}  {p:>13.3f}  {d:>13.3f}  {d / p:>5.2f}x  {s:>17.3f}  {s / p:>5.2f}x  "
               f"{on_gpu[0] == n}, {on_gpu[1] == n}")
+    starts = [x["start_s"] for k in ("default", "mtp") for x in runs[k]]
+    print(f"start, Popen to 'serving' (s): first process {starts[0]:.2f}, the others' median "
+          f"{statistics.median(starts[1:]):.2f} (all: {', '.join(f'{s:.2f}' for s in starts)}); "
+          f"a 512-token first request's first token: median "
+          f"{statistics.median(x['first_request'] for x in runs['default']):.3f} s")
     alone = statistics.median(x["short_alone"] for x in runs["default"])
     for key, what in (("short_together", "a second batch"),
                       ("short_together_first", "the server's first batch")):

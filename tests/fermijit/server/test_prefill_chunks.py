@@ -319,3 +319,25 @@ def test_a_gpu_prefill_runs_beside_the_streams(engine, prompts, alone):
     with serving(engine, faulty) as (url, scheduler):
         assert [text(r) for r in at_once(url, prompts)] == alone
         assert scheduler.n_prefill_failures >= 1
+
+
+def test_the_scheduler_reserves_a_batchs_hand_off_before_its_first_request(engine, prompts,
+                                                                           alone):
+    """A prefiller with `reserve` (the GPU's: it page-locks the hand-off room for that many
+    prompts together) is asked once, for the server's batch, before any request is served; one
+    whose `reserve` raises still serves."""
+    class Reserving(BesidePrefiller):
+        def __init__(self, model, fails=False):
+            super().__init__(model)
+            self.reserved, self.fails = [], fails
+
+        def reserve(self, n_sequences):
+            self.reserved.append((n_sequences, len(self.threads)))
+            if self.fails:
+                raise RuntimeError("page-locking failed (test)")
+
+    for fails in (False, True):
+        pf = Reserving(engine.model, fails)
+        with serving(engine, pf) as (url, scheduler):
+            assert [text(r) for r in at_once(url, prompts)] == alone
+        assert pf.reserved == [(scheduler.max_batch, 0)]
