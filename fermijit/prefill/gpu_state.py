@@ -10,7 +10,6 @@ bytes)."""
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,24 +58,6 @@ def upload_states(state: State, n_positions: int) -> list:
                     cuda.memset_d32(dev.gpudata, 0, dev.size)
                 states.append(GdnState(*pair))
     return states
-
-
-def touch_fresh(states: list[State]) -> threading.Thread:
-    """Write the zeros of the states at position 0 (whose GDN states the prefill does not read:
-    `upload_states`) on a thread, started now: a new state's arrays are untouched pages
-    (np.zeros), so the hand-off's copy into them (`hand_off`) would fault them in, one 4 KiB
-    page at a time, ~65 MB a full-size state; done beside the pass, the hand-off finds them
-    resident. The states' values do not change. Join the thread before `hand_off`."""
-    arrays = [a for state in states if state.position == 0 for s in state.layers
-              if isinstance(s, GdnState) for a in (s.conv, s.recurrent)]
-
-    def touch() -> None:
-        for a in arrays:
-            a.fill(0.0)
-
-    thread = threading.Thread(target=touch, name="fermijit-touch-states", daemon=True)
-    thread.start()
-    return thread
 
 
 def handed_rows(state: State, end: int) -> list[tuple[int, int]]:

@@ -455,46 +455,42 @@ class GpuPrefiller:
         ends = [i.state.position + i.tokens.size for i in items]
         states = [gpu_state.upload_states(i.state, end) for i, end in zip(items, ends)]
         waiting = [_waiting(model, i.state) if with_head else None for i in items]
-        touching = gpu_state.touch_fresh([i.state for i in items])  # beside the passes
         phase("state in")
-        try:  # a failure falls back to the CPU on these states: not while they are written
-            done = [0] * len(items)
-            logits: list = [[] if all_logits else None for _ in items]
-            fed, observed = [], []  # (item, tokens) per pass; REAP's observations
-            while any(d < i.tokens.size for d, i in zip(done, items)):
-                run = self.last_pass = None  # the last pass's buffers freed before the next's
-                segments, pieces, row = [], [], 0
-                for b, item in enumerate(items):
-                    n = min(item.tokens.size - done[b], p.chunk - row)
-                    if n > 0:
-                        segments.append(gpu_prefill.Segment(slice(row, row + n),
-                                                            item.state.position + done[b],
-                                                            states[b], waiting[b]))
-                        pieces.append((b, n))
-                        row += n
-                run = gpu_prefill.Pass(self.device, segments, observe=self.observer is not None,
-                                       w4a8=self.w4a8)
-                run.marks = [] if profile else None
-                phase("pass buffers")
-                run.run(np.concatenate([items[b].tokens[done[b]:done[b] + n] for b, n in pieces]),
-                        time_layers)
-                phase("layers")
-                if all_logits:
-                    logits[0].append(run.logits())
-                else:  # the rows of the items that end in this pass
-                    last = [(b, seg.rows.stop - 1) for (b, n), seg in zip(pieces, segments)
-                            if done[b] + n == items[b].tokens.size]
-                    for (b, _), x in zip(last, run.logits([r for _, r in last]) if last else ()):
-                        logits[b] = x
-                phase("logits")
-                for (b, n), seg in zip(pieces, segments):
-                    done[b] += n
-                    waiting[b] = seg.waiting
-                fed += pieces
-                self.last_pass = run
-                observed += run.observed
-        finally:
-            touching.join()
+        done = [0] * len(items)
+        logits: list = [[] if all_logits else None for _ in items]
+        fed, observed = [], []  # (item, tokens) per pass; REAP's observations
+        while any(d < i.tokens.size for d, i in zip(done, items)):
+            run = self.last_pass = None  # the last pass's buffers freed before the next's
+            segments, pieces, row = [], [], 0
+            for b, item in enumerate(items):
+                n = min(item.tokens.size - done[b], p.chunk - row)
+                if n > 0:
+                    segments.append(gpu_prefill.Segment(slice(row, row + n),
+                                                        item.state.position + done[b],
+                                                        states[b], waiting[b]))
+                    pieces.append((b, n))
+                    row += n
+            run = gpu_prefill.Pass(self.device, segments, observe=self.observer is not None,
+                                   w4a8=self.w4a8)
+            run.marks = [] if profile else None
+            phase("pass buffers")
+            run.run(np.concatenate([items[b].tokens[done[b]:done[b] + n] for b, n in pieces]),
+                    time_layers)
+            phase("layers")
+            if all_logits:
+                logits[0].append(run.logits())
+            else:  # the rows of the items that end in this pass
+                last = [(b, seg.rows.stop - 1) for (b, n), seg in zip(pieces, segments)
+                        if done[b] + n == items[b].tokens.size]
+                for (b, _), x in zip(last, run.logits([r for _, r in last]) if last else ()):
+                    logits[b] = x
+            phase("logits")
+            for (b, n), seg in zip(pieces, segments):
+                done[b] += n
+                waiting[b] = seg.waiting
+            fed += pieces
+            self.last_pass = run
+            observed += run.observed
         gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
                                                  waiting)))
         phase("state out")

@@ -299,21 +299,3 @@ def test_handed_arrays_are_what_the_hand_off_writes(default_model):
                        for n, a in enumerate(arrays))
         else:
             assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent
-
-
-def test_touching_fresh_states_changes_no_value(default_model):
-    """gpu_state.touch_fresh (beside a GPU pass): a new state's GDN arrays, untouched zero pages,
-    are written (so the hand-off copies into resident memory) and stay zeros; a state that has
-    seen tokens (its GDN state is the prefill's input) is left alone."""
-    from fermijit.model.state import GdnState
-
-    fresh, seen = default_model.new_state(64), default_model.new_state(64)
-    default_model.prefill(np.arange(3, 12, dtype=np.int32), seen)
-    before = [a.copy() for s in seen.layers if isinstance(s, GdnState)
-              for a in (s.conv, s.recurrent)]
-    gpu_state.touch_fresh([fresh, seen]).join()
-    gdn = [s for s in fresh.layers if isinstance(s, GdnState)]
-    assert gdn and all(not a.any() for s in gdn for a in (s.conv, s.recurrent))
-    after = [a for s in seen.layers if isinstance(s, GdnState) for a in (s.conv, s.recurrent)]
-    for a, b in zip(before, after):
-        np.testing.assert_array_equal(a, b)
