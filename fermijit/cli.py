@@ -397,11 +397,13 @@ def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: in
 @json_option
 @click.option("--tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Prefill length T the kernels are measured at.")
-def bench_gpu(as_json: bool, tokens: int) -> None:
+@click.option("--only", multiple=True, metavar="NAME",
+              help="Only the layer ops whose name contains NAME (repeatable; no GEMMs).")
+def bench_gpu(as_json: bool, tokens: int, only: tuple[str, ...]) -> None:
     """FMA ceiling and copy bandwidth of Fermi-ISA PTX, then each GPU kernel at prefill shapes."""
     from fermijit.bench import gpu as bench_gpu_module
 
-    bench_gpu_module.run(as_json=as_json, n_tokens=tokens)
+    bench_gpu_module.run(as_json=as_json, n_tokens=tokens, only=only)
 
 
 @bench.command("vision")

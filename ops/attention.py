@@ -417,8 +417,10 @@ def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
 # --- GPU ---------------------------------------------------------------------------------------
 # kernels_ptx/attention.ptx: a block per 16 queries of one head, 16-key tiles (the GPU prefill's).
 # kernels_ptx/flash_attention.ptx (issue 31 item 4, `flash_gpu`): 32 rows of GQA heads x queries a
-# block sharing each 64-key tile, register tiles for QK and PV; written for long prompts, to be
-# measured on a GPU before the prefill takes it.
+# block sharing each 64-key tile, register tiles for QK (4 x 4 scores a thread over half of each
+# 64-dim chunk) and PV (HEAD_DIM / 32 rows x 4 dims, P^T and V by 128-bit loads), blocks longest
+# first; written for long prompts, to be measured on a GPU before the prefill takes it. Its
+# arrays must be 16-byte aligned (device allocations are; views start at whole rows).
 
 GPU_HEAD_DIMS = (32, 64, 128, 256)   # the D attention.ptx is rendered for
 FLASH_HEAD_DIMS = (64, 128, 256)     # flash_attention.ptx's

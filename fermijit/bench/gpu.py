@@ -147,11 +147,13 @@ def expert_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
     return rows
 
 
-def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> list[Row]:
+def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float,
+                  only: tuple[str, ...] = ()) -> list[Row]:
     """The other prefill ops at the model's shapes, each through its public `gpu(...)` on device
     arrays (so no host copies, except the small tables some launchers make: RoPE's cos/sin,
     the embedding's and router's checks). Memory-bound ops against the copy bandwidth (bytes
-    read once plus written), compute-bound ones against the FMA ceiling."""
+    read once plus written), compute-bound ones against the FMA ceiling. `only`: measure just
+    the kernels whose name contains one of these strings (all when empty)."""
     from fermijit.ops import attention, conv1d, embedding, gated_delta, l2norm, rmsnorm, rope
     from fermijit.ops import router
 
@@ -161,12 +163,19 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> li
     def normal(*shape):
         return ga.to_gpu(rng.standard_normal(shape, dtype=np.float32))
 
+    def wanted(name):
+        return not only or any(o in name for o in only)
+
     def bandwidth_row(name, shape, launch, nbytes):
+        if not wanted(name):
+            return None
         seconds = median_seconds(launch)
         return Row(name, shape, seconds * 1e6, nbytes / seconds / 1e9, "GB/s",
                    nbytes / seconds / 1e9 / copy_gbps)
 
     def compute_row(name, shape, launch, flops):
+        if not wanted(name):
+            return None
         seconds = median_seconds(launch)
         return Row(name, shape, seconds * 1e6, flops / seconds / 1e9, "GFLOP/s",
                    flops / seconds / 1e9 / fma_gflops)
@@ -201,7 +210,7 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> li
     n_chunks = -(-T // 64)
     gdn_flops = 32 * n_chunks * (2 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128
                                  + 2 * 2 * 64 * 64 * 128)
-    return [
+    rows = [
         bandwidth_row("embedding f16", f"T{T} H{HIDDEN}",
                       lambda: embedding.gpu(ids, table, out=embedded),
                       T * HIDDEN * (2 + 4)),
@@ -230,17 +239,21 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float) -> li
                     lambda: gated_delta.gpu(gdn_q, gdn_k, gdn_v, gdn_g, gdn_beta, gdn_state,
                                             out=out_gdn), gdn_flops),
     ]
+    return [r for r in rows if r is not None]
 
 
-def run(as_json: bool = False, n_tokens: int = 1024) -> None:
+def run(as_json: bool = False, n_tokens: int = 1024, only: tuple[str, ...] = ()) -> None:
+    """The table (or JSON); `only`: just the layer ops whose name contains one of these strings,
+    no GEMMs (the ceilings are measured all the same)."""
     cuda = gpu.driver()
     device = cuda.Context.get_device()
     rng = np.random.default_rng(0)
     print(f"device: {device.name()}", file=sys.stderr)
     fma_gflops, fma_variant = fma_ceiling()
     copy_gbps, memcpy_gbps = copy_bandwidth()
-    rows = gemm_rows(rng, n_tokens, fma_gflops) + expert_rows(rng, n_tokens, fma_gflops)
-    rows += layer_op_rows(rng, n_tokens, fma_gflops, copy_gbps)
+    rows = [] if only else (gemm_rows(rng, n_tokens, fma_gflops)
+                            + expert_rows(rng, n_tokens, fma_gflops))
+    rows += layer_op_rows(rng, n_tokens, fma_gflops, copy_gbps, only)
     if as_json:
         print(json.dumps({"device": device.name(), "fma_gflops": fma_gflops,
                           "fma_variant": fma_variant, "copy_gbps": copy_gbps,

@@ -56,6 +56,10 @@ FLASH_SHAPES = {
     "T33-Hq16-Hkv2-D256-start600-S700": (33, 16, 2, 256, 600, 700),
     "T1-Hq8-Hkv2-D128-start299-S300": (1, 8, 2, 128, 299, 300),
     "T130-Hq4-Hkv2-D128-start5-S140": (130, 4, 2, 128, 5, 140),
+    # the split-dims score tiles, the max's parity across 5 tiles, blocks longest first; groups
+    # of 4 (8 queries a block) at D 64 after a prefix
+    "T300-Hq16-Hkv2-D256-start0": (300, 16, 2, 256, 0, 300),
+    "T90-Hq8-Hkv2-D64-start100-S190": (90, 8, 2, 64, 100, 190),
 }
 
 

@@ -22,6 +22,10 @@ SHAPES = {
     "T64-Hk1-Hv1-dk64-dv32": (64, 1, 1, 64, 32),
     "T65-Hk1-Hv2-dk128-dv32": (65, 1, 2, 128, 32),
     "T200-Hk16-Hv32-dk128-dv128": (200, 16, 32, 128, 128),
+    # the scan's tiles fetched a stage ahead across 5 ragged chunks, both halves of dk; dk = 64
+    # (three stages skipped, the fetch before each taking the tile after) across 3 chunks
+    "T300-Hk2-Hv4-dk128-dv64": (300, 2, 4, 128, 64),
+    "T150-Hk1-Hv2-dk64-dv64": (150, 1, 2, 64, 64),
 }
 
 
