@@ -59,3 +59,105 @@ def test_gpu_prefill_refuses_the_kinds_it_has_no_kernels_for_in_one_line(importe
                                             r"\(\d+ tensors of this model, e\.g\. "
                                             r"layers\.0\.in_proj_qkv\)"):
         gpu_layout.check_supported(model)
+
+
+def test_out_proj_in_tiled_order_is_the_grouped_matrix(rng):
+    """A GDN out_proj whose heads are not whole K-quant blocks (the real model's: Hk 16, Hv 32,
+    128 columns a head; here Hk 4, Hv 8, 64) keeps llama.cpp's tiled column order
+    (model/gguf_convert.py keeps_tiled_input); its product permutes the input. As a matrix it is
+    the one gguf_io.read_float puts back in grouped order, and fermijit's product is the
+    reference's over it."""
+    import types
+
+    from fermijit.model import gguf_io, reference
+    from fermijit.model.convert import tiled_input_order
+    from fermijit.model.forward import linear
+    from fermijit.model.weights import BlockTensor
+    from fermijit.ops import kquant
+    from tests.ops.test_kquant import random_blocks
+
+    hk, hv, dv, rows = 4, 8, 64, 5
+    t = types.SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv,
+                              linear_value_head_dim=dv)
+    blocks = random_blocks(rng, kquant.Q4_K, rows, hv * dv)
+    tiled = kquant.dequantize(kquant.Q4_K, blocks)
+    grouped = tiled.reshape(rows, hv, dv)[:, gguf_io.grouped_from_tiled(hk, hv, 1)]
+    w = BlockTensor("q4_k", blocks, tiled_input_order(t))
+    np.testing.assert_array_equal(reference.dense(w), grouped.reshape(rows, -1))
+    x = rng.standard_normal((3, hv * dv)).astype(np.float32)
+    expected = reference.linear(x, reference.as_w4a8(w))
+    got = linear(x, w, np.empty((3, rows), np.float32))
+    assert np.abs(got - expected).max() <= VS_REFERENCE * np.abs(expected).max()
+
+
+def _gpu_prefill_falls_back(model, **kwargs):
+    import io
+
+    from fermijit.prefill import hybrid
+
+    err = io.StringIO()
+    tokens = np.arange(40, dtype=np.int32) % model.vocab_size
+    gpu = hybrid.GpuPrefiller(model, err=err, **kwargs)
+    got = gpu.prefill(tokens, model.new_state(48), all_logits=True)
+    expected = model.prefill(tokens, model.new_state(48), all_logits=True)
+    np.testing.assert_array_equal(got, expected)   # the CPU's prefill, not the GPU's
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "prefilling on the CPU" in lines[0], lines
+    assert "no kernels for" in lines[0] and "Traceback" not in err.getvalue()
+
+
+def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_with_one_line(imported, monkeypatch):
+    """The refusal reaches `--prefill gpu` as the one fallback line (no device needed: the
+    model is refused before any is touched)."""
+    from fermijit.jit import gpu
+
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    _gpu_prefill_falls_back(load_model(imported)[1], gpu_mem=1 << 30, pin_budget=1 << 24)
+
+
+@needs_gpu
+def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_on_a_device(imported):
+    _gpu_prefill_falls_back(load_model(imported)[1])
+
+
+@pytest.fixture(scope="module")
+def synthetic_q4_k_m(tmp_path_factory):
+    """4 layers of the REAP-128 shapes shrunk to 256 wide, in Q4_K_M: its experts Q4_K gate/up,
+    Q4_K or Q6_K down (block_moe's fused decode launch), joined Q4_K input projections."""
+    from fermijit.model import synth
+    from tests.model.test_synth import SMALL_K
+
+    out = tmp_path_factory.mktemp("kquant") / "synth-q4_k_m"
+    synth.synth("qwen3.6-35b-a3b-reap128", out, layers=4, overrides=SMALL_K, mix="q4_k_m",
+                show_progress=False)
+    return out
+
+
+# The fused decode (Model._decode_fused) against the ops one by one: the router's and GDN
+# gates' fp32 sums in another order (as for Q4_0: tests/model/test_forward.py FUSED_VS_OPS_REL),
+# the K-quant MoE's weighted sum in another order. Measured: 2.3e-7 (the synthetic 4 layers),
+# 0 (the wide import, whose Q5_0 experts run block_moe.run in both).
+FUSED_VS_OPS_REL = 1e-5
+
+
+@pytest.mark.parametrize("which", ["synthetic", "wide-import"])
+def test_fused_decode_equals_the_ops_one_by_one(which, synthetic_q4_k_m, imported):
+    from fermijit.model import block_moe
+
+    _, m = load_model(synthetic_q4_k_m if which == "synthetic" else imported)
+    assert m.fused_decode
+    if which == "synthetic":
+        assert all(block_moe.fused_formats(w.experts) for w in m.layers)
+        assert sum(w.joined_in is not None for w in m.layers) >= 2
+    state = m.new_state(32)
+    m.prefill(np.arange(10, 18, dtype=np.int32), state)
+    runs = {}
+    for fused in (False, True):
+        m.fused_decode = fused
+        s, token, logits = state.copy(), 5, []
+        for _ in range(6):
+            logits.append(m.decode(token, s).copy())
+            token = int(np.argmax(logits[-1]))
+        runs[fused] = np.stack(logits)
+    scale = np.abs(runs[False]).max()
+    assert np.abs(runs[True] - runs[False]).max() <= FUSED_VS_OPS_REL * scale
