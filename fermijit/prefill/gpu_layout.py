@@ -2,9 +2,10 @@
 resident and in what form, the LM head split for the Q4_0 GEMM, the bytes a pass needs (what
 fermijit/prefill/hybrid.py plans with), and the routing arrays the expert GEMMs read.
 
-A projection is Q4_0 (`<name>_qs`, `<name>_d`, kernels_ptx/q4_gemm.ptx) or GGUF K-quant blocks
-as imported (`<name>_blocks`, kernels_ptx/kquant_gemm.ptx: the kinds of ops/kquant_gemm.py
-GPU_FORMATS, a Q4_K_M model's); `dense_kinds` says which, per layer (issue 34).
+A projection is Q4_0 (`<name>_qs`, `<name>_d`, kernels_ptx/q4_gemm.ptx), or Q8_0 (`_qs`, `_d`)
+or GGUF blocks as imported (`<name>_blocks`) for kernels_ptx/kquant_gemm.ptx (ops/kquant_gemm.py
+GPU_FORMATS: what a Q4_K_M model holds, Q4_K and Q6_K, and its fallbacks Q5_0, Q5_1, Q8_0);
+`dense_kinds` says which, per layer (issue 34).
 
 Dimension legend: as model/weights.py; T tokens in a pass, S = T·k routed slots.
 """
@@ -28,10 +29,12 @@ MIXER = ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "
 
 
 def kind(a) -> str | None:
-    """The GPU GEMM a projection takes: "q4_0" (q4_gemm.ptx), a K-quant of
+    """The GPU GEMM a projection takes: "q4_0" (q4_gemm.ptx), "q8_0" or a block kind of
     kquant_gemm.GPU_FORMATS in its own column order (kquant_gemm.ptx), or None (no kernel)."""
     if isinstance(a, matvec.Q4Matrix) or (isinstance(a, QuantTensor) and a.kind == "q4_0"):
         return "q4_0"
+    if isinstance(a, QuantTensor) and a.kind == "q8_0":
+        return "q8_0"
     if isinstance(a, BlockTensor) and a.kind in kquant_gemm.GPU_FORMATS and a.in_perm is None:
         return a.kind
     return None
@@ -55,6 +58,8 @@ def _arrays(name: str, a) -> dict[str, np.ndarray]:
         return {f"{name}_qs": a.qs, f"{name}_d": a.d}
     if k is None:
         raise FermijitError(f"the GPU prefill has no kernel for {_label(a)} weights ({name})")
+    if k == "q8_0":
+        return {f"{name}_qs": a.qs, f"{name}_d": a.d}
     return {f"{name}_blocks": a.blocks}
 
 
@@ -94,6 +99,7 @@ def _projections(model: Model) -> list[tuple[str, object]]:
     return mats
 
 
+
 def has_k_quants(model: Model) -> bool:
     """Whether some projection takes K-quant activations (Q8_K per 256: a second rounded copy
     of the layers' input)."""
@@ -105,12 +111,10 @@ def check_supported(model: Model) -> None:
     if not model.is_quantized:
         raise FermijitError("the GPU prefill needs a 4-bit model (convert it first); this one is "
                             "an fp32 checkpoint")
-    # GGUF block kinds with CPU kernels only so far (Q5_0/Q5_1/Q5_K; blocks read in a permuted
-    # column order; Q8_0 but as the LM head): refused here, so the CPU prefills such a model
-    # rather than the GPU computing it wrong. (The MTP head's layer is layer L, after the
+    # What has CPU kernels only so far (Q5_K blocks; blocks read in a permuted column order):
+    # refused here, so the CPU prefills such a model rather than the GPU computing it wrong. (The MTP head's layer is layer L, after the
     # model's L: model/reap.py moe_layers.)
-    refused = [(name, _label(m)) for name, m in _projections(model) if kind(m) is None
-               and not (name == "lm_head" and isinstance(m, QuantTensor) and m.kind == "q8_0")]
+    refused = [(name, _label(m)) for name, m in _projections(model) if kind(m) is None]
     if refused:
         kinds = "/".join(sorted({k for _, k in refused}))
         raise FermijitError(f"the GPU prefill has no kernels for {kinds} weights yet "
@@ -185,7 +189,7 @@ def head_arrays(model: Model) -> dict[str, np.ndarray]:
     w = model.lm_head
     if isinstance(w, matvec.Q4Matrix):
         return {"qs": w.qs, "d": w.d_bits.view(np.float16)}
-    if kind(w) in kquant_gemm.GPU_FORMATS:          # K-quant blocks as they are (issue 34)
+    if isinstance(w, BlockTensor) and kind(w) is not None:  # GGUF blocks as they are (issue 34)
         return {"blocks": w.blocks}
     if not (isinstance(w, QuantTensor) and w.kind == "q8_0"):
         raise FermijitError("the GPU prefill needs a Q4_0 or Q8_0 LM head")

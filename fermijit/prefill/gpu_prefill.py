@@ -234,15 +234,22 @@ class Pass:
 
     @staticmethod
     def weights(w, name: str, kind: str) -> tuple:
-        """A projection's device arrays as its GEMM takes them: (qs, d) or (blocks,)."""
-        return (w[f"{name}_qs"], w[f"{name}_d"]) if kind == "q4_0" else (w[f"{name}_blocks"],)
+        """A projection's device arrays as its GEMM takes them: (qs, d) for Q4_0 and Q8_0, else
+        (blocks,)."""
+        if kind in ("q4_0", "q8_0"):
+            return w[f"{name}_qs"], w[f"{name}_d"]
+        return (w[f"{name}_blocks"],)
+
+    @staticmethod
+    def dense_gemm(kind: str, x, weights: tuple, out):
+        """out = x · Wᵀ for weights of `kind` (as `weights` gives them)."""
+        if kind == "q4_0":
+            return matmul.gpu(x, *weights, out=out)
+        return kquant_gemm.gpu(kind, x, weights if kind == "q8_0" else weights[0], out=out)
 
     def dense(self, w, kinds, name: str, x, out):
         """out = x · W_nameᵀ, x already rounded for it."""
-        kind = kinds[name]
-        if kind == "q4_0":
-            return matmul.gpu(x, *self.weights(w, name, kind), out=out)
-        return kquant_gemm.gpu(kind, x, *self.weights(w, name, kind), out=out)
+        return self.dense_gemm(kinds[name], x, self.weights(w, name, kinds[name]), out)
 
     @staticmethod
     def expert_gemm(stage: str, kind: str, a, routing, weights: tuple, out) -> None:
@@ -253,7 +260,7 @@ class Pass:
             op(a, routing, *weights, out)
         else:
             op = kquant_gemm.gate_up_gpu if stage == "gate_up" else kquant_gemm.down_gpu
-            op(kind, a, routing, *weights, out)
+            op(kind, a, routing, weights if kind == "q8_0" else weights[0], out)
 
     def add_projection(self, src, w, kinds, name: str) -> None:
         """x += src · W_nameᵀ: the expert_down GEMM with one expert and every token's weight 1.
@@ -450,7 +457,7 @@ class Pass:
         # blocks), then down's.
         base = int(dev.expert_buffers[i % 2].gpudata)
         regions = tuple(base + s for s in dev.streamer.layout.offsets)
-        n_gu = 2 if kinds["gate_up"] == "q4_0" else 1
+        n_gu = 2 if kinds["gate_up"] in ("q4_0", "q8_0") else 1
         gu, dn = regions[:n_gu], regions[n_gu:]
         routed = expert_matmul.Routing(self.slot_rows, self.slot_weights, self.slot_tiles,
                                        len(tiles))
@@ -598,7 +605,7 @@ class Pass:
         head = self.dev.head
         if "blocks" in head:
             with gpu.check("reading the logits back"):
-                out = kquant_gemm.gpu(self.dev.head_kind, xn, head["blocks"]).get()
+                out = self.dense_gemm(self.dev.head_kind, xn, (head["blocks"],), None).get()
         elif "qs" in head:
             with gpu.check("reading the logits back"):
                 out = matmul.gpu(xn, head["qs"], head["d"]).get()

@@ -1,7 +1,8 @@
-"""K-quant GEMMs on the GPU (kernels_ptx/kquant_gemm.ptx, ops/kquant_gemm.py; issue 34) against
-the numpy reference (ops/kquant.py dequantize, llama.cpp's dequantize_row_q4_K/q6_K): dense on
-ragged shapes, every weight dequantised bit for bit, and the expert modes (gathered rows with the
-SwiGLU, the weighted scatter-add); outputs poisoned with NaN. Argument checks run without a GPU."""
+"""GGUF-block GEMMs on the GPU (kernels_ptx/kquant_gemm.ptx, ops/kquant_gemm.py; issue 34: Q4_K,
+Q6_K and the fallbacks Q5_0, Q5_1, Q8_0) against the numpy reference (ops/kquant.py dequantize,
+llama.cpp's dequantize_row_*): dense on ragged shapes, every weight dequantised bit for bit, and
+the expert modes (gathered rows with the SwiGLU, the weighted scatter-add); outputs poisoned
+with NaN. Argument checks run without a GPU."""
 
 import numpy as np
 import pytest
@@ -18,10 +19,10 @@ FORMATS = list(kquant_gemm.GPU_FORMATS)
 
 # (T, N, K): one row and one output; partial row tiles (64) and column tiles (128) on both
 # sides; several 256-blocks (Q4_K's 8 and Q6_K's 16 scale groups in each, and the super-block
-# step); T 130 = three row tiles.
+# step); T 130 = three row tiles; K 96 (three 32-blocks) for the 32-value formats.
 DENSE = {"T1-N1-K256": (1, 1, 256), "T5-N130-K512": (5, 130, 512),
          "T64-N128-K256": (64, 128, 256), "T130-N300-K768": (130, 300, 768),
-         "T67-N257-K1024": (67, 257, 1024)}
+         "T67-N257-K1024": (67, 257, 1024), "T9-N70-K96": (9, 70, 96)}
 # (T, H, I, E, top-k), H and I whole 256-blocks; T 130 puts more than 64 slots on an expert;
 # E 9 with top-8 leaves experts unused.
 EXPERTS = {"T1-H256-I256-E4-K2": (1, 256, 256, 4, 2),
@@ -30,9 +31,13 @@ EXPERTS = {"T1-H256-I256-E4-K2": (1, 256, 256, 4, 2),
            "T37-H256-I256-E9-K8": (37, 256, 256, 9, 8)}
 
 
-def random_blocks(rng, fmt, shape, k, scale=0.01):
+def random_weights(rng, kind, shape, k, scale=0.01):
     """Random bytes (every bit pattern of the quants and the packed 6-bit scales and mins) with
-    finite fp16 scales of about `scale`: rows [*shape, K/256·S]."""
+    finite fp16 scales of about `scale`: rows [*shape, K/Q·S]; Q8_0 as (qs, d)."""
+    if kind == "q8_0":
+        d = (rng.uniform(0.5, 1.5, (*shape, k // 32)) * scale).astype(np.float16)
+        return rng.integers(-128, 128, (*shape, k), dtype=np.int8), d
+    fmt = kquant.FORMATS[kind]
     blocks = rng.integers(0, 256, (*shape, fmt.n_bytes(k)), dtype=np.uint8)
     view = kquant.block_view(fmt, blocks)
     for o in fmt.scale_offsets:
@@ -52,7 +57,9 @@ def check(name, expected, actual):
 @pytest.mark.parametrize("shape", DENSE.values(), ids=DENSE.keys())
 def test_dense_matches_reference(rng, kind, shape):
     n_tokens, n, k = shape
-    blocks = random_blocks(rng, kquant.FORMATS[kind], (n,), k)
+    if k % kquant_gemm.FORMATS[kind].block_values:
+        pytest.skip(f"{kind} rows are whole 256-blocks")
+    blocks = random_weights(rng, kind, (n,), k)
     x = rng.standard_normal((n_tokens, k)).astype(np.float32)
     out = poisoned((n_tokens, n))
     assert kquant_gemm.gpu(kind, x, blocks, out=out) is out
@@ -66,10 +73,10 @@ def test_every_weight_is_dequantised_bit_for_bit(rng, kind):
     dequantisation equals llama.cpp's (ops/kquant.py dequantize), bit for bit, every byte
     pattern of the quants and the packed scales."""
     n, k = 200, 512
-    blocks = random_blocks(rng, kquant.FORMATS[kind], (n,), k)
+    blocks = random_weights(rng, kind, (n,), k)
     out = poisoned((k, n))
     kquant_gemm.gpu(kind, np.eye(k, dtype=np.float32), blocks, out=out)
-    expected = kquant.dequantize(kquant.FORMATS[kind], blocks).T
+    expected = kquant_gemm.dequantize(kind, blocks).T
     np.testing.assert_array_equal(out.view(np.uint32), np.ascontiguousarray(expected)
                                   .view(np.uint32))
 
@@ -80,15 +87,16 @@ def expert_inputs(rng, gu_kind, dn_kind, n_tokens, hidden, n_inter, n_experts, t
     weights = rng.random((n_tokens, top_k)).astype(np.float32)
     weights /= weights.sum(axis=1, keepdims=True)
     # d ~ 0.03/sqrt(K): with random 6-bit scales (~32) weights of ~1/sqrt(K), outputs O(1).
-    gate_up = random_blocks(rng, kquant.FORMATS[gu_kind], (n_experts, 2 * n_inter), hidden,
-                            0.03 / np.sqrt(hidden))
-    down = random_blocks(rng, kquant.FORMATS[dn_kind], (n_experts, hidden), n_inter,
-                         0.03 / np.sqrt(n_inter))
+    gate_up = random_weights(rng, gu_kind, (n_experts, 2 * n_inter), hidden,
+                             0.03 / np.sqrt(hidden))
+    down = random_weights(rng, dn_kind, (n_experts, hidden), n_inter, 0.03 / np.sqrt(n_inter))
     return x, ids, weights, gate_up, down
 
 
-# A Q4_K_M file's pairs: gate_up Q4_K, down Q4_K or Q6_K (model/quant_mix.py), and the other two.
-PAIRS = [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q6_k", "q4_k")]
+# A Q4_K_M file's pairs: gate_up Q4_K, down Q4_K or Q6_K (model/quant_mix.py), or their
+# fallbacks for narrow rows (Q5_0, and Q8_0 for Q6_K); and the others each way.
+PAIRS = [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q5_0", "q8_0"),
+         ("q8_0", "q5_1"), ("q5_1", "q5_0")]
 
 
 @needs_gpu
@@ -122,14 +130,14 @@ def test_expert_partial_row_tiles(rng):
 def test_misaligned_q4_k_blocks_raise(rng):
     from fermijit.jit import gpu
 
-    blocks = random_blocks(rng, kquant.Q4_K, (4,), 256)
+    blocks = random_weights(rng, "q4_k", (4,), 256)
     base = gpu.to_device("test", "b", np.zeros(blocks.size + 16, np.uint8), np.uint8)
     with pytest.raises(FermijitError, match="boundary"):
         kquant_gemm.gpu("q4_k", np.zeros((2, 256), np.float32), base[8:8 + blocks.size]
                         .reshape(blocks.shape))
 
 
-@pytest.mark.parametrize("kind", ["q5_0", "q5_1", "q5_k"])
+@pytest.mark.parametrize("kind", ["q5_k"])
 def test_kinds_without_a_kernel_are_refused(kind):
     blocks = np.zeros((4, kquant.FORMATS[kind].n_bytes(256)), np.uint8)
     with pytest.raises(FermijitError, match="no GPU kernel"):

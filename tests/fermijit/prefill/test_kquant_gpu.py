@@ -1,7 +1,9 @@
 """The GPU prefill of a Q4_K_M model (issue 34): `synth --quant q4_k_m` shrunk to every inner
 width a multiple of 256, so the mix is Q4_K and Q6_K as at full size (model/quant_mix.py: Q6_K
 for the LM head, and attn_v / in_proj_qkv / ffn_down of the use_more_bits layers), 128 experts,
-top 8, the MTP head. Its blocks run through kernels_ptx/kquant_gemm.ptx as imported.
+top 8, the MTP head; and "narrow", every width 128, where llama.cpp's rules fall back to Q5_0
+(for Q4_K) and Q8_0 (for Q6_K; the LM head too). Their blocks run through
+kernels_ptx/kquant_gemm.ptx as imported.
 
 With fp32 activations the GPU's logits and handed-off state follow the float64 reference over
 the same blocks (model/reference.py) to fp32 rounding; with W4A8 (the default) they follow the
@@ -16,6 +18,7 @@ from fermijit.model import synth
 from fermijit.model.forward import load_model
 from fermijit.model.reference import Reference
 from fermijit.model.state import KvKind
+from fermijit.model.weights import BlockTensor, QuantTensor
 from fermijit.model import convert
 from fermijit.prefill import expert_stream, gpu_layout, hybrid
 from tests.fermijit.prefill.test_hybrid_gpu import gpu_prefiller, handed_off_pairs, prompt
@@ -29,6 +32,10 @@ OVERRIDES = dict(vocab_size=512, bos_token_id=300, eos_token_id=300, hidden_size
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                  linear_value_head_dim=64, moe_intermediate_size=256,
                  shared_expert_intermediate_size=256)
+NARROW = dict(OVERRIDES, hidden_size=128, head_dim=64, linear_num_value_heads=2,
+              moe_intermediate_size=128, shared_expert_intermediate_size=128)
+MODELS = {"q4_k_m": OVERRIDES, "narrow": NARROW}
+KINDS = {"q4_k_m": {"q4_k", "q6_k"}, "narrow": {"q5_0", "q8_0", "q4_k"}}  # narrow: the MTP fc is 256 wide
 N_PROMPT = 96
 # fp32 activations: as the Q4_0 model's (test_hybrid_gpu.py GPU_VS_REFERENCE): the weights
 # the kernels hold equal the reference's dequantised blocks bit for bit
@@ -46,10 +53,10 @@ W4A8_FLIP = 5e-2
 GPU_STATE_VS_CPU = 1e-2
 
 
-@pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    dst = tmp_path_factory.mktemp("kquant-gpu") / "m"
-    synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, overrides=OVERRIDES,
+@pytest.fixture(scope="module", params=list(MODELS))
+def directory(tmp_path_factory, request):
+    dst = tmp_path_factory.mktemp("kquant-gpu") / request.param
+    synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, overrides=MODELS[request.param],
                 show_progress=False, mix="q4_k_m")
     return dst
 
@@ -59,16 +66,22 @@ def model(directory):
     return load_model(directory, kv=KvKind.F32)[1]
 
 
-def test_the_mix_is_q4_k_and_q6_k_and_the_gpu_takes_it(directory, model):
+def test_the_mix_has_its_kinds_and_the_gpu_takes_them(directory, model):
+    name = directory.name
     kinds = {e.quant for e in convert.load_converted(directory)[2].tensors.values()}
-    assert {"q4_k", "q6_k"} <= kinds and not kinds & {"q5_0", "q5_1", "q4_0"}
+    assert KINDS[name] <= kinds and "q4_0" not in kinds
     gpu_layout.check_supported(model)                         # no refusal
     used = {k for layer in gpu_layout.dense_kinds(model) for k in layer.values()}
-    assert used == {"q4_k", "q6_k"}
-    assert gpu_layout.head_arrays(model).keys() == {"blocks"}
-    assert gpu_layout.head_bytes(model) == model.lm_head.blocks.nbytes
-    layer = gpu_layout.dense_arrays(model)[0]
-    assert "in_proj_qkv_blocks" in layer and "in_proj_qkv_qs" not in layer
+    assert used == KINDS[name]
+    head = gpu_layout.head_arrays(model)
+    if name == "q4_k_m":                                      # Q6_K as it is; Q8_0 split
+        assert head.keys() == {"blocks"}
+        assert gpu_layout.head_bytes(model) == model.lm_head.blocks.nbytes
+    for arrays, kinds in zip(gpu_layout.dense_arrays(model), gpu_layout.dense_kinds(model)):
+        for proj, kind in kinds.items():             # Q8_0 as stored (qs, d); blocks as they are
+            if proj not in ("gate_up", "down"):      # the routed experts are streamed
+                assert (f"{proj}_qs" in arrays) == (kind == "q8_0"), proj
+                assert (f"{proj}_blocks" in arrays) == (kind != "q8_0"), proj
     plan = hybrid.plan(model, N_PROMPT, 0, 1 << 34, 1 << 34)
     assert plan.n_chunks == 1
 
@@ -77,13 +90,15 @@ def test_expert_layout_regions_are_aligned_and_hold_the_arrays(model):
     w = model.layers[0].experts
     lay = expert_stream.Layout.of(w)
     arrays = expert_stream.expert_arrays(w)
-    assert len(arrays) == 2 and lay.n_experts == 128     # gate_up's blocks, down's
+    assert len(arrays) == 2 + sum(isinstance(m, QuantTensor) for m in (w.gate_up, w.down))
+    assert lay.n_experts == 128                             # gate_up's blocks (qs, d), down's
     assert all(o % expert_stream.REGION_ALIGN == 0 for o in lay.offsets)
     ends = [o + a.nbytes for o, a in zip(lay.offsets, arrays)]
     assert all(end <= nxt for end, nxt in zip(ends, lay.offsets[1:] + (lay.layer_bytes,)))
     views = [a.view(a.dtype) for a in expert_stream.routed_arrays(w)]
     again = expert_stream.with_arrays(w, views)
-    assert again.gate_up.kind == w.gate_up.kind and again.down.blocks is views[1]
+    assert again.gate_up.kind == w.gate_up.kind and again.down.kind == w.down.kind
+    assert (again.down.blocks if isinstance(w.down, BlockTensor) else again.down.d) is views[-1]
 
 
 @needs_gpu
