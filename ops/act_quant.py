@@ -61,3 +61,50 @@ def gpu(x, out=None, codes: bool = False):
     if not codes:
         return result
     return (result, *(a if on_device else a.get() for a in (q, d)))
+
+
+# --- Q8_K: the K-quants' activations (issue 34) -------------------------------------------------
+
+def q8_k_reference(x):
+    """x fp32 [..., K] (whole 256-blocks) -> (q int8 [..., K], d fp32 [..., K/256], out = q · d):
+    ops/kquant.py quantize_q8_k's codes and scales (llama.cpp's quantize_row_q8_K_ref, the CPU's
+    K-quant products' rounding, bit for bit)."""
+    from fermijit.ops import kquant
+
+    x = np.asarray(x, np.float32)
+    if x.ndim == 0 or x.shape[-1] % kquant.QK_K:
+        raise FermijitError(f"act_quant q8_k: x has shape {list(x.shape)}; the last axis must be "
+                            f"whole {kquant.QK_K}-blocks")
+    q, d, _ = kquant.quantize_q8_k(x.reshape(-1, x.shape[-1]))
+    nb = x.shape[-1] // kquant.QK_K
+    out = (q.reshape(-1, nb, kquant.QK_K).astype(np.float32) * d[..., None]).astype(np.float32)
+    return q.reshape(x.shape), d.reshape(*x.shape[:-1], nb), out.reshape(x.shape)
+
+
+def q8_k_gpu(x, out=None, codes: bool = False):
+    """`q8_k_reference`'s out on the GPU (kernels_ptx/act_quant_k.ptx), as `gpu` is the Q8_0
+    one's; out may be x. With `codes`, returns (out, q, d)."""
+    from fermijit.jit import gpu as g
+    from fermijit.ops import kquant
+
+    op = "act_quant q8_k"
+    on_device = g.is_device(x) or g.is_device(out)
+    g.check_array(op, "x", x, np.float32)
+    if len(x.shape) == 0 or x.shape[-1] % kquant.QK_K:
+        raise FermijitError(f"{op}: x has shape {list(x.shape)}; the last axis must be whole "
+                            f"{kquant.QK_K}-blocks")
+    x = g.to_device(op, "x", x, np.float32)
+    y = g.output(op, out, x.shape)
+    for name, a in (("x", x), ("out", y)):
+        if int(a.gpudata) % ALIGN:
+            raise FermijitError(f"{op}: {name} must start on a {ALIGN}-byte boundary")
+    n_blocks = x.size // kquant.QK_K
+    q = g.empty(x.shape, np.int8) if codes else None
+    d = g.empty((*x.shape[:-1], x.shape[-1] // kquant.QK_K)) if codes else None
+    if n_blocks:
+        g.kernel("act_quant_k")((min(-(-n_blocks // 256), g.FERMI_MAX_GRID[0]),), (256,),
+                                x, y, q, d, n_blocks)
+    result = g.result(op, y, out, on_device)
+    if not codes:
+        return result
+    return (result, *(a if on_device else a.get() for a in (q, d)))

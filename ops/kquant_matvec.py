@@ -47,6 +47,9 @@ PREFETCH_BYTES = 4096
 # Rows x tokens of the prefill tile: a row's unpacked nibbles are read by 4 tokens.
 GEMM_TILE = (2, 4)
 GEMV_TILE = (1, 1)
+# Rows the decode GEMV reads side by side, each from its own run of the thread's rows (sharing
+# the activation loads), as ops/matvec.py's GEMV_STREAMS for Q4_0 (its measurements there).
+GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 VEC_OF = {Isa.SSSE3: simd.SSE, Isa.AVX2: simd.AVX2, Isa.AVX512VNNI: simd.AVX512VNNI_256}
 _KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
 _PMADDWD_128 = "llvm.x86.sse2.pmadd.wd"
@@ -266,14 +269,14 @@ EMITTERS = {e.fmt.name: e for e in (_Q4K, _Q5K, _Q6K)}
 PRODUCTS = tuple(EMITTERS) + ("q5_0", "q5_1")
 
 
-def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
+def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool = False):
     """An intrinsic: out[t0 + t, r0 + r] for r < n_rows, t < n_tok (rows of `fmt` blocks, Q8_K
-    tokens)."""
+    tokens); `spread`: rows r0 + r·stride (tile_frame)."""
     w = v.nbytes
     emit = EMITTERS[fmt.name]
 
     def codegen(context, builder, sig, args):
-        f = Frame(context, builder, sig, args, n_rows, n_tok, w, QK_K, 32)
+        f = Frame(context, builder, sig, args, n_rows, n_tok, w, QK_K, 32, spread)
         c = f.c
         with cgutils.for_range(builder, f.nb) as loop:
             sb = loop.index
@@ -320,7 +323,7 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int):
         f.finish()
         return context.get_dummy_value()
 
-    return tile_intrinsic(codegen)
+    return tile_intrinsic(codegen, spread)
 
 
 # --- launches -----------------------------------------------------------------------------------
@@ -345,6 +348,46 @@ def _body(blocks, xq, d, bsums, out):
     for r in range(blocks.shape[0] // ROWS * ROWS, blocks.shape[0]):
         for t in range(xq.shape[0]):
             one_by_1(blocks, xq, d, bsums, out, r, t, t)
+
+
+def _gemv_share(thread, n_threads, args):
+    """The decode GEMV's share (K-quants): one thread's run of rows cut into ROWS equal runs
+    read side by side (GEMV_STREAMS), the rows left over one by one."""
+    blocks, xq, d, bsums, out = args
+    n_rows = blocks.shape[0]
+    first = thread * n_rows // n_threads
+    last = (thread + 1) * n_rows // n_threads
+    per = (last - first) // ROWS
+    for j in range(per):
+        spread_tile(blocks, xq, d, bsums, out, first + j, 0, 0, per)
+    for r in range(first + per * ROWS, last):
+        one_by_1(blocks, xq, d, bsums, out, r, 0, 0)
+
+
+def _gemv_body(blocks, xq, d, bsums, out):
+    fork((blocks, xq, d, bsums, out))
+
+
+def _gathered_spread_share(thread, n_threads, args):
+    """`_gathered_share` with each matrix's run read as ROWS side-by-side streams."""
+    blocks, shared, idx, xq, d, sums, out = args
+    n_rows = blocks.shape[1]
+    n_mats = idx.size + shared.shape[0]
+    first = thread * n_mats * n_rows // n_threads
+    last = (thread + 1) * n_mats * n_rows // n_threads
+    shared_x = xq.shape[0] == 1
+    i = first // n_rows
+    while i * n_rows < last:
+        w = blocks[idx[i]] if i < idx.size else shared[i - idx.size]
+        t = 0 if shared_x else i
+        g0 = max(first - i * n_rows, 0)
+        g1 = min(last - i * n_rows, n_rows)
+        per = (g1 - g0) // ROWS
+        for j in range(per):
+            spread_tile(w, xq, d, sums, out, g0 + j, t, i, per)
+        for r in range(g0 + per * ROWS, g1):
+            one_by_1(w, xq, d, sums, out, r, t, i)
+        i += 1
 
 
 def _gathered_share(thread, n_threads, args):
@@ -420,6 +463,19 @@ def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
         threads = "omp" if omp.available() else "serial"
         variant = f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}"
         sums = 0 if fmt.name in EMITTERS else 1
+        if shape == GEMV_TILE and fmt.name in EMITTERS:   # the decode GEMV: row streams
+            streams = GEMV_STREAMS[isa]
+            spread = dict(ROWS=streams, spread_tile=_make_tile(fmt, v, streams, 1, True),
+                          one_by_1=tiles["one_by_1"])
+            variant = f"{fmt.name}-{isa.label}-gemv{streams}-{threads}"
+            _kernels[key] = kernel(_gemv_body, fastmath=False, variant=variant,
+                                   signatures=[_SIGNATURES[sums]],
+                                   fork=omp.fork(bind(_gemv_share, variant, **spread)))
+            _kernels[key + ("gathered",)] = kernel(
+                _gathered_body, fastmath=False, variant=variant,
+                signatures=[_GATHERED_SIGNATURES[sums]],
+                gathered_fork=omp.fork(bind(_gathered_spread_share, variant, **spread)))
+            return _kernels[key]
         _kernels[key] = kernel(_body, fastmath=False, variant=variant,
                                signatures=[_SIGNATURES[sums]],
                                fork=omp.fork(bind(_share, variant, **tiles)), **tiles)
@@ -441,9 +497,12 @@ def _gathered_fork(fmt: kquant.Format, isa: Isa):
     """(variant, fork intrinsic) of `fmt`'s gathered launch for another kernel to call inside
     its own dispatch (as matvec.gathered_fork)."""
     v = VEC_OF[isa]
-    tiles = dict(ROWS=1, TOKS=1, one_by_1=_make_tile(fmt, v, 1, 1))
-    variant = f"{fmt.name}-{isa.label}-inner-{'omp' if omp.available() else 'serial'}"
-    return variant, omp.fork(bind(_gathered_share, variant, **tiles))
+    streams = GEMV_STREAMS[isa]
+    tiles = dict(ROWS=streams, spread_tile=_make_tile(fmt, v, streams, 1, True),
+                 one_by_1=_make_tile(fmt, v, 1, 1))
+    variant = (f"{fmt.name}-{isa.label}-inner{streams}-"
+               f"{'omp' if omp.available() else 'serial'}")
+    return variant, omp.fork(bind(_gathered_spread_share, variant, **tiles))
 
 
 def moe_kernel(gu_fmt: kquant.Format, dn_fmt: kquant.Format, isa: Isa):

@@ -5,7 +5,9 @@ out[o0 + t, r0 + r] = hsum(vector) − offset at the end (activation rows t0 + t
 
 Arguments, in order: blocks uint8 [R, bytes], xq int8 [T, K], scales float32 [T, K/Q], sums
 [T, ...] (Q8_K's int16 per 16, or Q8Act's int32 per 32), out float32 [T', R], r0, t0, o0 (o0 is
-t0 for a product; a gathered launch writes expert i's rows to out row i).
+t0 for a product; a gathered launch writes expert i's rows to out row i), and for a `spread`
+tile a row stride: its rows are r0, r0 + stride, ... (separate streams of memory, as
+ops/matvec.py's GEMV_STREAMS), not r0, r0 + 1, ....
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fermijit.jit.simd import F32, I64, vec
 
 class Frame:
     def __init__(self, context, builder, sig, args, n_rows: int, n_tok: int, width: int,
-                 block_values: int, sums_per_block_bytes: int):
+                 block_values: int, sums_per_block_bytes: int, spread: bool = False):
         self.builder = b = builder
         blocks_a, xq_a, s_a, m_a, out_a = [context.make_array(ty)(context, builder, val)
                                            for ty, val in zip(sig.args[:5], args[:5])]
@@ -31,7 +33,8 @@ class Frame:
         _, self.out_cols = cgutils.unpack_tuple(b, out_a.shape, 2)
         self.nb = nb = b.udiv(k, self.c(block_values))
         self.out_data = out_a.data
-        self.rows = [b.add(r0, self.c(i)) for i in range(n_rows)]
+        step = args[8] if spread else self.c(1)
+        self.rows = [b.add(r0, b.mul(self.c(i), step)) for i in range(n_rows)]
         self.toks = [b.add(t0, self.c(t)) for t in range(n_tok)]
         self.outs = [b.add(o0, self.c(t)) for t in range(n_tok)]
         self.w_row = [self.at(blocks_a.data, r, row_bytes) for r in self.rows]
@@ -64,8 +67,16 @@ class Frame:
                 b.store(y, b.bitcast(self.at(self.out_data, index, self.c(4)), F32.as_pointer()))
 
 
-def tile_intrinsic(codegen):
-    """The intrinsic `tile(blocks, xq, scales, sums, out, r0, t0, o0)` of a codegen."""
+def tile_intrinsic(codegen, spread: bool = False):
+    """The intrinsic `tile(blocks, xq, scales, sums, out, r0, t0, o0)` of a codegen (with
+    `spread`, a last argument `stride`: the rows' distance)."""
+    if spread:
+        @intrinsic
+        def spread_tile(typingctx, blocks, xq, scales, sums, out, r0, t0, o0, stride):
+            return types.none(blocks, xq, scales, sums, out, r0, t0, o0, stride), codegen
+
+        return spread_tile
+
     @intrinsic
     def tile(typingctx, blocks, xq, scales, sums, out, r0, t0, o0):
         return types.none(blocks, xq, scales, sums, out, r0, t0, o0), codegen

@@ -1,7 +1,10 @@
 """Routed experts streamed to the GPU during prefill: host sources and the copy stream.
 
 A layer's routed experts are four arrays [E, ...] (ops.moe.MoeWeights: gate_up qs and d, down qs
-and d). On the device they live in a buffer of the same layout (four regions of E experts), so
+and d), or, for GGUF K-quant blocks kept as imported (model/block_moe.py BlockExperts), one
+[E, ...] array of blocks per matrix (a Q4_0 matrix among them its qs and d). On the device they
+live in a buffer of the same layout (a region of E experts per array, each region starting on
+REGION_ALIGN bytes: the K-quant GEMMs read 16-byte-aligned blocks), so
 the expert kernels index it by expert id as they index a resident tensor; only the experts asked
 for are copied in (fermijit/prefill/gpu_prefill.py decides which, and when). The copies go on a
 stream of their own that does not wait for the kernels, an event after each batch.
@@ -28,29 +31,60 @@ import mmap
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.model.block_moe import BlockExperts
 from fermijit.model.safetensors_io import madvise
+from fermijit.model.weights import BlockTensor, QuantTensor
 from fermijit.ops import moe
 
 SOURCES = ("mapped", "pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
 RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
+REGION_ALIGN = 256           # bytes: where each array's region of a layer buffer starts
 
 
-def expert_arrays(w: moe.MoeWeights) -> tuple[np.ndarray, ...]:
-    """A layer's routed experts as four [E, bytes] uint8 views (no copy)."""
-    arrays = (w.gate_up_qs, w.gate_up_d, w.down_qs, w.down_d)
-    return tuple(np.asarray(a).reshape(a.shape[0], -1).view(np.uint8) for a in arrays)
+def routed_arrays(w) -> tuple[np.ndarray, ...]:
+    """A layer's routed expert arrays [E, ...] as stored: Q4_0's gate_up qs, d, down qs, d; a
+    block matrix's blocks."""
+    if isinstance(w, moe.MoeWeights):
+        return w.gate_up_qs, w.gate_up_d, w.down_qs, w.down_d
+    if not isinstance(w, BlockExperts):
+        raise FermijitError("the GPU prefill streams quantised experts only")
+    out = []
+    for m in (w.gate_up, w.down):
+        out += [m.blocks] if isinstance(m, BlockTensor) else [m.qs, m.d]
+    return tuple(out)
+
+
+def expert_arrays(w) -> tuple[np.ndarray, ...]:
+    """A layer's routed experts as [E, bytes] uint8 views (no copy), `routed_arrays`' order."""
+    return tuple(np.asarray(a).reshape(a.shape[0], -1).view(np.uint8) for a in routed_arrays(w))
+
+
+def with_arrays(w, views: list[np.ndarray]):
+    """`w` (MoeWeights or BlockExperts) with its routed arrays replaced by `views` (as
+    `routed_arrays` gives them)."""
+    if isinstance(w, moe.MoeWeights):
+        return dataclasses.replace(w, gate_up_qs=views[0], gate_up_d=views[1],
+                                   down_qs=views[2], down_d=views[3])
+    views, mats = list(views), {}
+    for name in ("gate_up", "down"):
+        m = getattr(w, name)
+        if isinstance(m, BlockTensor):
+            mats[name] = BlockTensor(m.kind, views.pop(0), m.in_perm)
+        else:
+            mats[name] = QuantTensor(m.kind, views.pop(0), views.pop(0))
+    return dataclasses.replace(w, **mats)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Bytes of one expert in each of the four arrays; E experts; the device buffer's regions."""
+    """Bytes of one expert in each array; E experts; the device buffer's regions."""
 
-    per_expert: tuple[int, int, int, int]
+    per_expert: tuple[int, ...]
     n_experts: int
 
     @classmethod
-    def of(cls, w: moe.MoeWeights) -> "Layout":
+    def of(cls, w) -> "Layout":
         arrays = expert_arrays(w)
         return cls(tuple(int(a.shape[1]) for a in arrays), int(arrays[0].shape[0]))
 
@@ -58,15 +92,20 @@ class Layout:
     def expert_bytes(self) -> int:
         return sum(self.per_expert)
 
-    @property
-    def layer_bytes(self) -> int:
-        return self.n_experts * self.expert_bytes
+    def _region(self, size: int) -> int:
+        return -(-size * self.n_experts // REGION_ALIGN) * REGION_ALIGN
 
     @property
-    def offsets(self) -> tuple[int, int, int, int]:
-        """Start of each array's region in a layer buffer."""
-        starts = np.concatenate([[0], np.cumsum(self.per_expert)[:-1]]) * self.n_experts
-        return tuple(int(s) for s in starts)
+    def layer_bytes(self) -> int:
+        return sum(self._region(size) for size in self.per_expert)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each array's region in a layer buffer (REGION_ALIGN-aligned)."""
+        starts = [0]
+        for size in self.per_expert[:-1]:
+            starts.append(starts[-1] + self._region(size))
+        return tuple(starts)
 
 
 def runs(needed: np.ndarray) -> list[tuple[int, int]]:
@@ -79,7 +118,7 @@ def runs(needed: np.ndarray) -> list[tuple[int, int]]:
 class Streamer:
     """Copies a layer's needed experts into a device buffer, group by group, on a copy stream."""
 
-    def __init__(self, layers: list[moe.MoeWeights], source: str,
+    def __init__(self, layers: list, source: str,
                  ring_slot_bytes: int = RING_SLOT_BYTES):
         from fermijit.jit import gpu
 
@@ -109,19 +148,18 @@ class Streamer:
         self._next_slot = 0
         self.bytes_copied = 0
 
-    def rebind(self, layer: int, w: moe.MoeWeights) -> moe.MoeWeights:
+    def rebind(self, layer: int, w):
         """`w` (layer `layer`'s experts as the CPU reads them) with its routed arrays in the
         page-locked pool (whose file pages were released as it was filled), so decode reads the
         one copy; `w` itself where the pool is not a copy."""
         if self.source != "pinned":
             return w
         buf, views = self.pool[layer], []
-        for start, a in zip(self.layout.offsets, w.routed):
+        for start, a in zip(self.layout.offsets, routed_arrays(w)):
             view = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
             view.flags.writeable = False  # as the file's views: the same compiled kernels
             views.append(view)
-        return dataclasses.replace(w, gate_up_qs=views[0], gate_up_d=views[1],
-                                   down_qs=views[2], down_d=views[3])
+        return with_arrays(w, views)
 
     @property
     def pinned_bytes(self) -> int:

@@ -31,6 +31,12 @@ path (and model/reference.py with quantised activations) to fp32 rounding, excep
 lands on the other side of an 8-bit rounding boundary; a trained model cascades such flips to
 ~1e-2 (tests/fermijit/prefill/test_hybrid_gpu.py W4A8_CASCADE). With `w4a8=False` the activations
 stay fp32 (the logits then follow model/reference.py without activation rounding).
+
+GGUF block weights (issue 34: a Q4_K_M model's Q4_K and Q6_K as imported, and its fallbacks Q5_0,
+Q5_1, Q8_0) run through kernels_ptx/kquant_gemm.ptx (ops/kquant_gemm.py), each projection's
+input rounded as the CPU's product of its format rounds it: Q8_K per 256 for the K-quants
+(ops/act_quant.py q8_k_gpu), Q8_0 per 32 otherwise (`inputs`: xn rounded once per rounding that
+reads it).
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ import numpy as np
 from fermijit.model.forward import L2NORM_EPS, Model
 from fermijit.model.reap import moe_layers
 from fermijit.ops import (act_quant, attention, conv1d, embedding, expert_matmul, f32_gemm,
-                          gated_delta, l2norm, matmul, rmsnorm, rope, router)
-from fermijit.prefill.gpu_layout import F32, dense_arrays, head_arrays, route_slots
+                          gated_delta, kquant_gemm, l2norm, matmul, rmsnorm, rope, router)
+from fermijit.prefill.gpu_layout import (F32, dense_arrays, dense_kinds, expert_dims,
+                                         has_k_quants, head_arrays, route_slots)
 
 
 class DeviceModel:
@@ -76,6 +83,10 @@ class DeviceModel:
         self.norm = gpu.to_device("gpu prefill", "norm", model.norm, np.float32)
         self.head = {k: gpu.to_device("gpu prefill", f"lm_head {k}", np.ascontiguousarray(v),
                                       v.dtype) for k, v in head_arrays(model).items()}
+        # Each projection's GEMM per layer (q4_0, or a K-quant: gpu_layout.kind), the head's.
+        self.kinds = dense_kinds(model)
+        self.head_kind = model.lm_head.kind if "blocks" in self.head else "q4_0"
+        self.has_k_quants = has_k_quants(model)
         self.prepare_s["dense weights"] = time.perf_counter() - start
         self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
@@ -147,11 +158,12 @@ class Pass:
         self.x, self.xn = e((T, H)), e((T, H))
         self.w4a8 = w4a8
         self.xq = e((T, H)) if w4a8 else self.xn   # xn as the projections read it (`rounded`)
+        self.xk = e((T, H)) if w4a8 and dev.has_k_quants else self.xn  # ... in Q8_K (`inputs`)
         self.logits_r = e((T, m.n_experts))
         self.ids, self.weights = e((T, m.top_k), np.int32), e((T, m.top_k))
-        inter = m.layers[0].experts.down_qs.shape[2] * 2
+        inter, shared_inter = expert_dims(m.layers[0].experts)
         self.h = e((T * m.top_k, inter))
-        self.h_shared = e((T, m.layers[0].experts.shared_down_qs.shape[2] * 2))
+        self.h_shared = e((T, shared_inter))
         self.shared_w = e((T, 1))
         rows = np.arange(T, dtype=np.int32)
         tiles = np.array([(0, s, min(s + expert_matmul.TILE_ROWS, T), 0)
@@ -197,25 +209,67 @@ class Pass:
 
     # --- one layer ------------------------------------------------------------------------------
 
-    def rounded(self, a, out=None):
-        """`a` as a W4A8 product reads it (8 bits per 32-block, the CPU's rounding), into `out`
-        (default: in place); `a` itself with fp32 activations. Profiled as "act quant": the
-        caller marks what it launched before."""
+    def rounded(self, a, out=None, kind: str = "q4_0"):
+        """`a` as a product with weights of `kind` reads it (8 bits per 32-block, or Q8_K per
+        256 for a K-quant: the CPU's rounding), into `out` (default: in place); `a` itself with
+        fp32 activations. Profiled as "act quant": the caller marks what it launched before."""
         if not self.w4a8:
             return a
-        a = act_quant.gpu(a, out=a if out is None else out)
+        k_quant = kquant_gemm.act_kind(kind) == "q8_k"
+        a = (act_quant.q8_k_gpu if k_quant else act_quant.gpu)(a, out=a if out is None else out)
         self.mark("act quant")
         return a
 
-    def add_projection(self, src, qs, d) -> None:
-        """x += src · Wᵀ: the expert_down GEMM with one expert and every token's weight 1. (Its
-        k split over grid z, to fill the H200's block slots that 16 x 15 blocks leave idle, was
-        measured no faster: 0.2835 s against 0.2906 median, notes/gpuprefill.md.)"""
-        from fermijit.jit import gpu
+    def inputs(self, xn):
+        """xn as each projection reads it: kind -> xn rounded for that kind's product (into xq,
+        or xk for Q8_K), each rounding made once, when first asked for."""
+        made = {}
 
-        gpu.kernel("q4_gemm", MODE="expert_down")(
-            (-(-self.m.hidden // expert_matmul.DOWN_TILE_COLS), self.n_tiles), (256,),
-            src, qs, d, self.x, self.tiles, self.rows, self.ones, 0, self.m.hidden, src.shape[1])
+        def of(kind: str):
+            act = kquant_gemm.act_kind(kind)
+            if act not in made:
+                made[act] = self.rounded(xn, self.xk if act == "q8_k" else self.xq, kind)
+            return made[act]
+
+        return of
+
+    @staticmethod
+    def weights(w, name: str, kind: str) -> tuple:
+        """A projection's device arrays as its GEMM takes them: (qs, d) for Q4_0 and Q8_0, else
+        (blocks,)."""
+        if kind in ("q4_0", "q8_0"):
+            return w[f"{name}_qs"], w[f"{name}_d"]
+        return (w[f"{name}_blocks"],)
+
+    @staticmethod
+    def dense_gemm(kind: str, x, weights: tuple, out):
+        """out = x · Wᵀ for weights of `kind` (as `weights` gives them)."""
+        if kind == "q4_0":
+            return matmul.gpu(x, *weights, out=out)
+        return kquant_gemm.gpu(kind, x, weights if kind == "q8_0" else weights[0], out=out)
+
+    def dense(self, w, kinds, name: str, x, out):
+        """out = x · W_nameᵀ, x already rounded for it."""
+        return self.dense_gemm(kinds[name], x, self.weights(w, name, kinds[name]), out)
+
+    @staticmethod
+    def expert_gemm(stage: str, kind: str, a, routing, weights: tuple, out) -> None:
+        """The expert GEMM `stage` ("gate_up": out = SwiGLU rows; "down": out[rows] += weighted
+        rows) for weights of `kind` (device arrays or addresses, as `weights` gives them)."""
+        if kind == "q4_0":
+            op = expert_matmul.gate_up_gpu if stage == "gate_up" else expert_matmul.down_gpu
+            op(a, routing, *weights, out)
+        else:
+            op = kquant_gemm.gate_up_gpu if stage == "gate_up" else kquant_gemm.down_gpu
+            op(kind, a, routing, weights if kind == "q8_0" else weights[0], out)
+
+    def add_projection(self, src, w, kinds, name: str) -> None:
+        """x += src · W_nameᵀ: the expert_down GEMM with one expert and every token's weight 1.
+        (Its k split over grid z, to fill the H200's block slots that 16 x 15 blocks leave idle,
+        was measured no faster: 0.2835 s against 0.2906 median, notes/gpuprefill.md.)"""
+        one = expert_matmul.Routing(self.rows, self.ones, self.tiles, self.n_tiles)
+        self.expert_gemm("down", kinds[name], src, one, self.weights(w, name, kinds[name]),
+                         self.x)
 
     def gdn(self, w, i: int) -> None:
         from fermijit.jit import gpu
@@ -223,9 +277,10 @@ class Pass:
         m, T = self.m, self.T
         Hk, Hv, dk, dv = m.n_key_heads, m.n_value_heads, m.key_dim, m.value_dim
         e = gpu.empty
-        xq = self.rounded(self.xn, self.xq)
-        mixed = matmul.gpu(xq, w["in_proj_qkv_qs"], w["in_proj_qkv_d"], out=e((T, m.conv_dim)))
-        z = matmul.gpu(xq, w["in_proj_z_qs"], w["in_proj_z_d"], out=e((T, Hv * dv)))
+        kinds, xin = self.dev.kinds[i], self.inputs(self.xn)
+        mixed = self.dense(w, kinds, "in_proj_qkv", xin(kinds["in_proj_qkv"]),
+                           e((T, m.conv_dim)))
+        z = self.dense(w, kinds, "in_proj_z", xin(kinds["in_proj_z"]), e((T, Hv * dv)))
         self.mark("dense gemm")
         g, beta = f32_gemm.gates_gpu(self.xn, w["w_ba"], w["A_log"], w["dt_bias"],
                                      out=(e((T, Hv)), e((T, Hv))))
@@ -248,11 +303,11 @@ class Pass:
         self.mark("gated delta")
         rmsnorm.gated_gpu(o, z.reshape(T, Hv, dv), w["norm"], m.eps, out=o)
         self.mark("small ops")
-        o = self.rounded(o.reshape(T, Hv * dv))
-        self.add_projection(o, w["out_proj_qs"], w["out_proj_d"])
+        o = self.rounded(o.reshape(T, Hv * dv), kind=kinds["out_proj"])
+        self.add_projection(o, w, kinds, "out_proj")
         self.mark("dense gemm")
 
-    def attention(self, w, spans: list, positions: np.ndarray) -> None:
+    def attention(self, w, kinds, spans: list, positions: np.ndarray) -> None:
         """Gated attention (MODEL.md §5) of the rows at `positions` [T]; `spans`: (rows, start,
         device KvCache) per sequence, its rows' keys and values written from `start` on."""
         from fermijit.jit import gpu
@@ -260,10 +315,10 @@ class Pass:
         m, T, D = self.m, self.T, self.m.head_dim
         Hq, Hkv = m.n_heads, m.n_kv_heads
         e = gpu.empty
-        xq = self.rounded(self.xn, self.xq)
-        qg = matmul.gpu(xq, w["q_proj_qs"], w["q_proj_d"], out=e((T, Hq * 2 * D)))
-        k = matmul.gpu(xq, w["k_proj_qs"], w["k_proj_d"], out=e((T, Hkv * D)))
-        v = matmul.gpu(xq, w["v_proj_qs"], w["v_proj_d"], out=e((T, Hkv * D)))
+        xin = self.inputs(self.xn)
+        qg = self.dense(w, kinds, "q_proj", xin(kinds["q_proj"]), e((T, Hq * 2 * D)))
+        k = self.dense(w, kinds, "k_proj", xin(kinds["k_proj"]), e((T, Hkv * D)))
+        v = self.dense(w, kinds, "v_proj", xin(kinds["v_proj"]), e((T, Hkv * D)))
         self.mark("dense gemm")
         q, gate = e((T, Hq, D)), e((T, Hq, D))
         for part, at in ((q, 0), (gate, D * F32)):
@@ -288,8 +343,8 @@ class Pass:
         for rows, start, cache in spans:
             attend(q[rows], cache.k, cache.v, gate[rows], start, out=o[rows])
         self.mark("attention")
-        o = self.rounded(o.reshape(T, Hq * D))
-        self.add_projection(o, w["o_proj_qs"], w["o_proj_d"])
+        o = self.rounded(o.reshape(T, Hq * D), kind=kinds["o_proj"])
+        self.add_projection(o, w, kinds, "o_proj")
         self.mark("dense gemm")
 
     def predict(self, layer: int, xn) -> None:
@@ -360,14 +415,16 @@ class Pass:
         self.mark("small ops")
         # The shared expert does not depend on the routing: launched first, it runs while the
         # host reads the routing back and sorts it.
-        xq = self.rounded(self.xn, self.xq)              # the experts' input; router and gates fp32
+        kinds, xin = dev.kinds[i], self.inputs(self.xn)  # the experts' input; router, gates fp32
         f32_gemm.gpu(self.xn, w["shared_gate"], "sigmoid", out=self.shared_w)
         shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
-        expert_matmul.gate_up_gpu(xq, shared, w["shared_gate_up_qs"],
-                                  w["shared_gate_up_d"], self.h_shared)
+        kind = kinds["shared_gate_up"]
+        self.expert_gemm("gate_up", kind, xin(kind), shared,
+                         self.weights(w, "shared_gate_up", kind), self.h_shared)
         self.mark("shared expert")
-        expert_matmul.down_gpu(self.rounded(self.h_shared), shared, w["shared_down_qs"],
-                               w["shared_down_d"], self.x)
+        kind = kinds["shared_down"]
+        self.expert_gemm("down", kind, self.rounded(self.h_shared, kind=kind), shared,
+                         self.weights(w, "shared_down", kind), self.x)
         self.mark("shared expert")
         t0 = time.perf_counter()
         with gpu.check("reading the routing back"):
@@ -397,20 +454,20 @@ class Pass:
                 done.synchronize()
         self.copy_events = (copy_start, events[-1]) if events else ()
         self.mark("copy wait")
+        # The layer buffer's regions (expert_stream.routed_arrays): gate_up's (qs, d, or
+        # blocks), then down's.
         base = int(dev.expert_buffers[i % 2].gpudata)
-        gu_qs, gu_d, dn_qs, dn_d = (base + s for s in dev.streamer.layout.offsets)
-        inter, hidden, n_tiles = self.h.shape[1], m.hidden, len(tiles)
-        gpu.kernel("q4_gemm", MODE="expert_gate_up")(
-            (-(-inter // expert_matmul.GATE_UP_TILE_COLS), n_tiles), (256,),
-            xq, gu_qs, gu_d, self.h, self.slot_tiles, self.slot_rows, None, 0, inter, hidden)
+        regions = tuple(base + s for s in dev.streamer.layout.offsets)
+        n_gu = 2 if kinds["gate_up"] in ("q4_0", "q8_0") else 1
+        gu, dn = regions[:n_gu], regions[n_gu:]
+        routed = expert_matmul.Routing(self.slot_rows, self.slot_weights, self.slot_tiles,
+                                       len(tiles))
+        self.expert_gemm("gate_up", kinds["gate_up"], xin(kinds["gate_up"]), routed, gu, self.h)
         self.mark("expert gemm")
-        self.rounded(self.h)
+        self.rounded(self.h, kind=kinds["down"])
         if self.observing:
-            self.observe(i, ids, (dn_qs, dn_d), n_tiles)
-        gpu.kernel("q4_gemm", MODE="expert_down")(
-            (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
-            self.h, dn_qs, dn_d, self.x, self.slot_tiles, self.slot_rows, self.slot_weights, 0,
-            hidden, inter)
+            self.observe(i, ids, kinds["down"], dn, len(tiles))
+        self.expert_gemm("down", kinds["down"], self.h, routed, dn, self.x)
         # The prediction's copies for layer i+1 go after these launches, off the path from the
         # routing to the GEMMs (its buffer's last reader, layer i-1's GEMMs, ran before the
         # router whose routing was read). They have layer i's GEMMs and layer i+1's mixer to run
@@ -421,7 +478,7 @@ class Pass:
             self.host_s["prefetch"] = self.host_s.get("prefetch", 0.0) + time.perf_counter() - t5
         self.mark("expert gemm")
 
-    def observe(self, i: int, ids, down, n_tiles: int) -> None:
+    def observe(self, i: int, ids, kind: str, down: tuple, n_tiles: int) -> None:
         """REAP calibration (model/reap.py): each slot's expert output E_j(x) without the routing
         weight (the down GEMM into a zeroed [S, H] buffer, slot s to row s, weight 1), its L2
         norm in float64 on the host, and its g_j(x) from the router's logits; kept in `observed`
@@ -430,14 +487,12 @@ class Pass:
         from fermijit.jit import gpu
         from fermijit.model import reap
 
-        S, hidden, inter = ids.size, self.m.hidden, self.h.shape[1]
+        S, hidden = ids.size, self.m.hidden
         y = gpu.empty((S, hidden))
         with gpu.check("clearing the expert outputs"):
             gpu.driver().memset_d32(y.gpudata, 0, S * hidden)
-        gpu.kernel("q4_gemm", MODE="expert_down")(
-            (-(-hidden // expert_matmul.DOWN_TILE_COLS), n_tiles), (256,),
-            self.h, down[0], down[1], y, self.slot_tiles, self.identity, self.ones, 0, hidden,
-            inter)
+        each = expert_matmul.Routing(self.identity, self.ones, self.slot_tiles, n_tiles)
+        self.expert_gemm("down", kind, self.h, each, down, y)
         with gpu.check("reading the expert outputs and router logits back"):
             norms = np.linalg.norm(y.get().astype(np.float64), axis=1)
             logits = self.logits_r.get()
@@ -467,7 +522,8 @@ class Pass:
         for i, w in enumerate(self.dev.layers[:len(m.layers)]):
             if m.is_attention[i]:
                 spans = [(s.rows, s.start, s.states[i]) for s in self.segments]
-                self.decoder_layer(i, w, lambda: self.attention(w, spans, self.positions))
+                self.decoder_layer(i, w, lambda: self.attention(w, self.dev.kinds[i], spans,
+                                                                self.positions))
             else:
                 self.decoder_layer(i, w, lambda: self.gdn(w, i))
         rmsnorm.gpu(self.x, self.dev.norm, m.eps, out=self.out)
@@ -529,9 +585,10 @@ class Pass:
         for at, half in ((0, self.xn), (H * F32, hidden)):             # [e; h], embedding first
             gpu.copy_2d(int(cat.gpudata) + at, 2 * H * F32, half.gpudata, H * F32, H * F32, T)
         self.mark("small ops")
-        matmul.gpu(self.rounded(cat), w["fc_qs"], w["fc_d"], out=self.x)
+        kinds = self.dev.kinds[L]
+        self.dense(w, kinds, "fc", self.rounded(cat, kind=kinds["fc"]), self.x)
         self.mark("dense gemm")
-        self.decoder_layer(L, w, lambda: self.attention(w, spans, positions))
+        self.decoder_layer(L, w, lambda: self.attention(w, kinds, spans, positions))
 
     def logits(self, rows: list[int] | None = None) -> np.ndarray:
         """Logits [len(rows), V] of those rows of the pass (default: every row)."""
@@ -545,9 +602,12 @@ class Pass:
         for k, r in enumerate(rows or ()):     # rounded below: a copy, not `out` itself
             copy_rows(xn[k:k + 1], self.out[r:r + 1])
         self.mark("small ops")
-        xn = self.rounded(xn)
+        xn = self.rounded(xn, kind=self.dev.head_kind)
         head = self.dev.head
-        if "qs" in head:
+        if "blocks" in head:
+            with gpu.check("reading the logits back"):
+                out = self.dense_gemm(self.dev.head_kind, xn, (head["blocks"],), None).get()
+        elif "qs" in head:
             with gpu.check("reading the logits back"):
                 out = matmul.gpu(xn, head["qs"], head["d"]).get()
         else:                                    # the Q8_0 head's three terms (head_arrays)

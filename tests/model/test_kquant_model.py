@@ -49,13 +49,24 @@ def test_prefill_and_decode_match_the_reference(imported):
     assert_rel_but_flips("logits", expected, np.concatenate(got), VS_REFERENCE, FLIP, 0)
 
 
-def test_gpu_prefill_refuses_k_quant_weights_in_one_line(imported):
+def test_gpu_prefill_has_kernels_for_every_kind_of_the_file(imported):
+    """Q4_K, Q6_K, Q5_0, Q5_1 and Q8_0 run on the GPU (ops/kquant_gemm.py): this file is refused
+    for its GDN's key dim only; a kind without a kernel (Q5_K, an 8-expert Q4_K_M's o_proj) is
+    refused in one line, so the CPU prefills such a model."""
+    import dataclasses
+
+    from fermijit.model.weights import BlockTensor
     from fermijit.prefill import gpu_layout
 
     _, model = load_model(imported)
-    with pytest.raises(FermijitError, match=r"no kernels for Q4_K/Q5_0/Q5_1/Q6_K/non-Q4_0 "
-                                            r"expert weights yet \(\d+ tensors of this model, "
-                                            r"e\.g\. lm_head\)"):
+    with pytest.raises(FermijitError, match=r"do not take this model's linear key dim 32"):
+        gpu_layout.check_supported(model)
+    layer = model.layers[0]
+    q5_k = BlockTensor("q5_k", np.zeros((layer.mixer.out_proj.shape[0], 176), np.uint8))
+    model.layers = (dataclasses.replace(layer, mixer=dataclasses.replace(
+        layer.mixer, out_proj=q5_k)),) + tuple(model.layers[1:])
+    with pytest.raises(FermijitError, match=r"no kernels for Q5_K weights yet \(1 tensors of "
+                                            r"this model, e\.g\. layers\.0\.out_proj\)"):
         gpu_layout.check_supported(model)
 
 
@@ -101,7 +112,9 @@ def _gpu_prefill_falls_back(model, **kwargs):
     np.testing.assert_array_equal(got, expected)   # the CPU's prefill, not the GPU's
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and "prefilling on the CPU" in lines[0], lines
-    assert "no kernels for" in lines[0] and "Traceback" not in err.getvalue()
+    # Every block kind of the file has a GPU kernel (ops/kquant_gemm.py); its GDN's key dim
+    # (32) has none.
+    assert "linear key dim 32" in lines[0] and "Traceback" not in err.getvalue()
 
 
 def test_gpu_prefill_of_a_k_quant_model_is_the_cpus_with_one_line(imported, monkeypatch):

@@ -116,3 +116,84 @@ def test_misaligned_device_array_raises():
 def test_reference_rejects_ragged_blocks():
     with pytest.raises(FermijitError, match="32-blocks"):
         act_quant.reference(np.zeros((2, 33), np.float32))
+
+
+# --- Q8_K (issue 34): the K-quant products' rounding, per 256-block ----------------------------
+
+# [rows, K]: one block, ragged rows, the model's hidden width, more blocks than a launch's 256
+# threads.
+K_SHAPES = {"T1-K256": (1, 256), "T7-K768": (7, 768), "T3-K2048": (3, 2048),
+            "T300-K512": (300, 512)}
+
+
+def delicate_k_blocks(rng):
+    """[n, 256] blocks whose Q8_K codes a wrong step would change: led by -127 (iscale = 1, so
+    iscale·x = x: exact halves tie to even), a largest |x| met first with either sign (the sign
+    of d), zeros, and random odd multiples of half a step."""
+    f = np.float32
+    halves = np.arange(-126.5, 127, 1, dtype=f)                      # 254 values
+    blocks = [np.concatenate([[f(-127)], halves, [f(0)]]),
+              np.concatenate([[f(-127)], np.nextafter(halves, f(np.inf)), [f(0)]]),
+              np.concatenate([[f(-127)], np.nextafter(halves, f(-np.inf)), [f(0)]])]
+    tie = np.zeros(256, f)
+    tie[[3, 9]] = f(2.5), f(-2.5)              # |max| twice: the first (+2.5) sets the sign
+    blocks += [tie, -tie, np.zeros(256, f), np.full(256, f(-0.0)),
+               np.linspace(-3.4e38, 3.4e38, 256, dtype=f), np.full(256, f(-1e-30))]
+    scale = rng.uniform(0.01, 10, (8, 1)).astype(f)
+    blocks += list((rng.integers(-127, 127, (8, 256)) + f(0.5)).astype(f) * scale / f(127))
+    return np.stack(blocks).astype(f)
+
+
+def check_k_codes(x, out, q, d):
+    eq, ed, eout = act_quant.q8_k_reference(x)
+    np.testing.assert_array_equal(q, eq)
+    np.testing.assert_array_equal(bits(d), bits(ed))
+    np.testing.assert_array_equal(bits(out), bits(eout))
+
+
+def test_q8_k_reference_is_the_cpu_kernels_rounding(rng):
+    """q8_k_reference's codes and scales are ops/kquant_matvec.py's (the CPU's K-quant
+    products' input), bit for bit, and out = q · d."""
+    from fermijit.ops import kquant_matvec
+
+    delicate = delicate_k_blocks(rng).reshape(1, -1)
+    x = np.concatenate([delicate, rng.standard_normal((3, delicate.shape[1])).astype(np.float32)])
+    q, d, out = act_quant.q8_k_reference(x)
+    act = kquant_matvec.quantize_act(x)
+    np.testing.assert_array_equal(q, act.xq)
+    np.testing.assert_array_equal(bits(d), bits(act.d))
+    expected = (q.reshape(len(x), -1, 256).astype(np.float32) * d[..., None]).reshape(x.shape)
+    np.testing.assert_array_equal(bits(out), bits(expected))
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", K_SHAPES.values(), ids=K_SHAPES.keys())
+def test_q8_k_codes_and_scales_equal_the_reference(rng, shape):
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, (shape[0], 1))).astype(np.float32)
+    out = poisoned(shape)
+    got, q, d = act_quant.q8_k_gpu(x, out=out, codes=True)
+    assert got is out
+    check_k_codes(x, out, q, d)
+
+
+@needs_gpu
+def test_q8_k_delicate_blocks_equal_the_reference(rng):
+    x = delicate_k_blocks(rng).reshape(1, -1)
+    out, q, d = act_quant.q8_k_gpu(x, out=poisoned(x.shape), codes=True)
+    check_k_codes(x, out, q, d)
+    assert (q[0, :256] == 127).any() and (np.abs(q) <= 127).all()
+
+
+@needs_gpu
+def test_q8_k_in_place_on_the_device(rng):
+    from fermijit.jit import gpu
+
+    x = rng.standard_normal((70, 512)).astype(np.float32)
+    on_device = gpu.to_device("test", "x", x, np.float32)
+    assert act_quant.q8_k_gpu(on_device, out=on_device) is on_device
+    np.testing.assert_array_equal(bits(on_device.get()), bits(act_quant.q8_k_reference(x)[2]))
+
+
+def test_q8_k_rejects_ragged_blocks():
+    with pytest.raises(FermijitError, match="256-blocks"):
+        act_quant.q8_k_reference(np.zeros((2, 288), np.float32))
