@@ -31,7 +31,8 @@ from fermijit.jit.cpu import decode_isa
 from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
                                     linear_step, run_steps)
 from fermijit.model.state import KvCache, State
-from fermijit.ops import attention_step, embedding, gdn_step, matvec, moe, residual_step
+from fermijit.ops import (attention_step, embedding, gdn_step, matvec, moe, residual_step,
+                          state_copy)
 
 
 def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
@@ -242,9 +243,10 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
                     ws.gates_in[r, :Hv], mixer.conv1d, s.conv, mixer.A_log, mixer.dt_bias,
                     mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
                     ws.beta, ws.go[r], ws.act_gdn_rows[b])))
-                if saves is not None and b + 1 < R:
-                    steps += [("gdn save", np.copyto, (saves.conv[b, n_gdn], s.conv)),
-                              ("gdn save", np.copyto, (saves.recurrent[b, n_gdn], s.recurrent))]
+                if saves is not None and b + 1 < R:  # on every thread, as gdn_step's heads
+                    steps.append(("gdn save", *state_copy.launch(
+                        (saves.conv[b, n_gdn], saves.recurrent[b, n_gdn]),
+                        (s.conv, s.recurrent))))
             steps.append(product(ws.act_gdn, mixer.out_proj, ws.y))
             n_gdn += 1
         y = ws.y
@@ -292,9 +294,10 @@ def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: i
     if n_kept == n_rows:
         return
     gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
-    for g, s in enumerate(gdn):
-        s.conv[...] = saves.conv[n_kept - 1, g]
-        s.recurrent[...] = saves.recurrent[n_kept - 1, g]
+    if gdn:  # one fork for every layer's copies (a numpy copy runs on one thread)
+        state_copy.cpu([a for s in gdn for a in (s.conv, s.recurrent)],
+                       [a for g in range(len(gdn))
+                        for a in (saves.conv[n_kept - 1, g], saves.recurrent[n_kept - 1, g])])
     state.position -= n_rows - n_kept
     if state.hidden is not None:
         state.hidden = state.hidden[:state.hidden.shape[0] - (n_rows - n_kept)]

@@ -648,25 +648,30 @@ _SIGNATURES = {
 _products: dict = {}
 
 
-def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format) -> tuple[str, dict]:
-    """The variant name and tile intrinsics of a kernel for an ISA, tile shape and format."""
-    if not supported(isa):  # compiling it here could abort the process (pitfall 5)
-        raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
-    v = simd.VEC_OF[isa]
+def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format,
+           v: Vec | None = None) -> tuple[str, dict]:
+    """The variant name and tile intrinsics of a kernel for an ISA, tile shape and format; `v`
+    the registers and instructions, if not the ISA's own (`_few_tokens_vec`)."""
+    if not supported(isa) or (v is not None and not supported(v.isa)):  # else compiling it
+        raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")  # could
+    dot = "" if v is None else f"-{v.isa.label}{v.nbytes * 8}"          # abort (pitfall 5)
+    v = v or simd.VEC_OF[isa]
     n_rows, n_tok = shape
     tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
                  spread_tile=_make_tile(fmt, v, n_rows, n_tok, True),
                  rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
     threads = "omp" if omp.available() else "serial"
-    return f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}", tiles
+    return f"{fmt.name}-{isa.label}{dot}-{n_rows}x{n_tok}-{threads}", tiles
 
 
-def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
-    """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
-    code is ever compiled for a Westmere target: pitfall 5)."""
-    key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
+def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0,
+             v: Vec | None = None):
+    """The kernel for a body, ISA, tile shape and weight format (and registers `v`, if not the
+    ISA's), made on first use (so no AVX2 code is ever compiled for a Westmere target:
+    pitfall 5)."""
+    key = (body.__name__, isa.label, shape, fmt.name, v)  # cheap to hash: looked up per call
     if key not in _products:
-        variant, tiles = _tiles(isa, shape, fmt)
+        variant, tiles = _tiles(isa, shape, fmt, v)
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
         _products[key] = kernel(
@@ -793,7 +798,8 @@ def launch(w: Q4Matrix, act: Q8Act, out, *, isa: Isa | None = None, like_gemv: b
     kernel_ = _gemm_gemv.get(key)                 # needs the GEMM's
     if kernel_ is None:
         kernel_ = _gemm_gemv[key] = (gemv_kernel(act_isa) if n_tok == 1 else
-                                     _product(act_isa, _few_tokens_tile(n_tok, GEMM_TILE)))
+                                     _product(act_isa, _few_tokens_tile(n_tok, GEMM_TILE),
+                                              v=_few_tokens_vec(act_isa, n_tok)))
     return kernel_, (qs, w.d_bits, xq, act.dx, act.xsum8, out)
 
 
@@ -801,6 +807,19 @@ def _few_tokens_tile(n_tok: int, more: tuple[int, int]) -> tuple[int, int]:
     """The tile of a product of n_tok > 1 tokens: FEW_TOKENS' one row and all tokens, else
     `more`."""
     return (1, n_tok) if n_tok <= FEW_TOKENS else more
+
+
+def _few_tokens_vec(isa: Isa, n_tok: int) -> Vec | None:
+    """The registers of a tile of a few tokens (FEW_TOKENS: a verify step's rows) on activations
+    laid out for `isa`: AVX-512 VNNI's vpdpbusd on 256-bit registers where decode runs AVX2 on an
+    AVX-512 VNNI process (DECODE_VARIANT), else the ISA's own (None). The layout and every block's
+    integer sum are AVX2's (exact either way), so each token's row keeps the GEMV's bits, while
+    one vpdpbusd a register and token replaces pmaddubsw + pmaddwd (Q8_0: and the sign trick's
+    psignb), the work added per token. (fill in)"""
+    if (n_tok <= FEW_TOKENS and isa is Isa.AVX2 and selected_isa() is Isa.AVX512VNNI
+            and supported(Isa.AVX512VNNI)):
+        return simd.AVX512VNNI_256
+    return None
 
 
 _gemm_gemv: dict = {}  # (Isa, tokens of the tile, FEW_TOKENS + 1 for more) -> the kernel
@@ -862,7 +881,8 @@ def q8_launch(qs, d, x, out=None, *, isa: Isa | None = None):
     # which reads the weights once for a panel of rows and all tokens (_product_share); a few,
     # a verify step's: FEW_TOKENS.
     kernel_ = (gemv_kernel(isa, Q8_0) if n_tok == 1 else
-               _product(isa, _few_tokens_tile(n_tok, (1, 1)), fmt=Q8_0))
+               _product(isa, _few_tokens_tile(n_tok, (1, 1)), fmt=Q8_0,
+                        v=_few_tokens_vec(isa, n_tok)))
     return kernel_, (qs.view(np.uint8), d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
 
 
