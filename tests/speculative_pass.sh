@@ -63,7 +63,7 @@ for t in counts:  # where the verify step's time goes beside a token's (bench's 
     splits = []
     for path in sorted(out.glob(f"spec-t{t}-r*.json")):
         try:
-            splits.append(json.loads(path.read_text())["costs"].get("split") or {})
+            splits.append(json.loads(path.read_text()).get("split") or {})
         except (ValueError, KeyError):
             pass
     labels = [k for k in (splits[0] if splits else {}) if all(k in s for s in splits)]

@@ -256,7 +256,8 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
         "plain_tok_s": n_plain / plain_s, "speculative_tok_s": n_spec / spec_s,
         "speedup": (n_spec / spec_s) / (n_plain / plain_s),
         "tokens_per_step": per_step, "acceptance": a, "steps": steps,
-        "costs": dataclasses.asdict(costs),
+        "costs": {k: v for k, v in dataclasses.asdict(costs).items() if k != "split"},
+        "split": costs.split,
         "verify_of_decode": costs.verify_ms / costs.decode_ms,
         "draft_of_decode": costs.draft_ms / costs.decode_ms,
         "bytes_per_token_plain": costs.decode_bytes,
@@ -305,8 +306,8 @@ def format_report(r: dict) -> str:
                      "[verify alone: (1 + a) * t_decode / t_verify]")
         lines += [f"  a = {p['acceptance']:.1f}: {p['speedup']:.2f}x  "
                   f"[{p['speedup_verify_only']:.2f}x]" for p in r["projection"]]
-    if c.get("split"):
-        lines.append(format_split(c["split"]))
+    if r.get("split"):
+        lines.append(format_split(r["split"]))
     return "\n".join(lines)
 
 
