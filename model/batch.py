@@ -31,7 +31,8 @@ from fermijit.jit.cpu import decode_isa
 from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
                                     linear_step, run_steps)
 from fermijit.model.state import KvCache, State
-from fermijit.ops import attention_step, embedding, gdn_step, matvec, moe, residual_step
+from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
+                          residual_step, state_copy)
 
 
 def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
@@ -100,6 +101,7 @@ class BatchWorkspace:
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
         self.plan: RowsPlan | None = None  # one sequence's rows (decode_rows)
+        self.gdn_scratch: gdn_rows.Scratch | None = None  # its GDN rows' (ops.gdn_rows)
 
 
 def decode_batch(model: Model, tokens, states: list[State],
@@ -201,9 +203,10 @@ class RowsPlan(DecodePlan):
 
 def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     """The calls of `decode_rows` over ws's R rows of `state`, as `Model._decode_steps` lists a
-    token's: per row decode's own fused steps (residual, mixer, MoE), the products over the R
-    rows at once (`like_gemv`: each row the GEMV's bits), the GDN states after every row but
-    the last copied into `saves`. A verify step of 2 rows (default model, 1 thread): (fill in)."""
+    token's: per row decode's own fused steps (residual, attention, MoE), the products over the
+    R rows at once (`like_gemv`: each row the GEMV's bits, matvec's few-token tiles), the GDN
+    rows in one call that leaves the state after every row but the last in `saves`
+    (ops.gdn_rows; without saves, decode's step row by row)."""
     R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
     rows = [slice(b, b + 1) for b in range(R)]
 
@@ -235,16 +238,14 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         else:
             steps += residual(w.input_norm, w.gates_in, ws.gates_in)      # b | a
             steps.append(product(ws.act, w.joined_in, ws.gdn_in))         # qkv | z
-            for b, r in enumerate(rows):
-                row = ws.gdn_in[r]
-                steps.append(("gdn_step.cpu", *gdn_step.launch(
-                    row[:, :C], row[:, C:].reshape(1, Hv, dv), ws.gates_in[r, Hv:],
+            if saves is not None:  # every row in one call, the state after each kept
+                steps.append(_gdn_rows_step(model, mixer, s, ws, saves, n_gdn))
+            else:  # row by row through decode's step
+                steps += [("gdn_step.cpu", *gdn_step.launch(
+                    ws.gdn_in[r, :C], ws.gdn_in[r, C:].reshape(1, Hv, dv), ws.gates_in[r, Hv:],
                     ws.gates_in[r, :Hv], mixer.conv1d, s.conv, mixer.A_log, mixer.dt_bias,
                     mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
-                    ws.beta, ws.go[r], ws.act_gdn_rows[b])))
-                if saves is not None and b + 1 < R:
-                    steps += [("gdn save", np.copyto, (saves.conv[b, n_gdn], s.conv)),
-                              ("gdn save", np.copyto, (saves.recurrent[b, n_gdn], s.recurrent))]
+                    ws.beta, ws.go[r], ws.act_gdn_rows[b])) for b, r in enumerate(rows)]
             steps.append(product(ws.act_gdn, mixer.out_proj, ws.y))
             n_gdn += 1
         y = ws.y
@@ -257,6 +258,23 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps
+
+
+def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves", g: int):
+    """The plan's step of GDN layer g (its `s` state) over ws's R rows (ops.gdn_rows): row r
+    from the state row r-1 left, into saves' r-th (the live state for the last row)."""
+    R, C, Hv, dv = ws.n_seqs, model.conv_dim, model.n_value_heads, model.value_dim
+    if ws.gdn_scratch is None:
+        ws.gdn_scratch = gdn_rows.Scratch(R, model.n_key_heads, Hv, model.key_dim, dv)
+    conv_dst = [saves.conv[r, g] for r in range(R - 1)] + [s.conv]
+    rec_dst = [saves.recurrent[r, g] for r in range(R - 1)] + [s.recurrent]
+    rows = [ws.gdn_in[r:r + 1] for r in range(R)]
+    return ("gdn_rows.cpu", *gdn_rows.launch(
+        [row[:, :C] for row in rows], [row[:, C:].reshape(1, Hv, dv) for row in rows],
+        [ws.gates_in[r:r + 1, Hv:] for r in range(R)], [ws.gates_in[r:r + 1, :Hv] for r in range(R)],
+        mixer.conv1d, [s.conv] + conv_dst[:-1], conv_dst, mixer.A_log, mixer.dt_bias, mixer.norm,
+        model.eps, L2NORM_EPS, [s.recurrent] + rec_dst[:-1], rec_dst, ws.gdn_scratch,
+        [ws.go[r:r + 1] for r in range(R)], ws.act_gdn_rows))
 
 
 def _offsets(states: list[State]) -> list[int]:
@@ -292,9 +310,10 @@ def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: i
     if n_kept == n_rows:
         return
     gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
-    for g, s in enumerate(gdn):
-        s.conv[...] = saves.conv[n_kept - 1, g]
-        s.recurrent[...] = saves.recurrent[n_kept - 1, g]
+    if gdn:  # one fork for every layer's copies (a numpy copy runs on one thread)
+        state_copy.cpu([a for s in gdn for a in (s.conv, s.recurrent)],
+                       [a for g in range(len(gdn))
+                        for a in (saves.conv[n_kept - 1, g], saves.recurrent[n_kept - 1, g])])
     state.position -= n_rows - n_kept
     if state.hidden is not None:
         state.hidden = state.hidden[:state.hidden.shape[0] - (n_rows - n_kept)]

@@ -64,12 +64,17 @@ X_ALIGN = 16
 LINE = 64
 # The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm.
 GEMM_TILE = (2, 4)
-# A speculative verify step's 2-3 rows (Q4_0 like_gemv, and the Q8_0 LM head) take a tile of one
-# row and all of them: each weight block unpacked once for all. 1 thread, AVX2, 2 tokens, cold
-# (64 MB evicted before each call), medians: reap128's 12288x2048 in-projection 910 us against
-# 1050-1170 for the (2, 4) tile's one-token tails, 1085-1310 for (2, 2), 1230-1310 for two
-# GEMVs (one: 610-680); its 248320x2048 Q8_0 head 47-51 ms against 54-59 (1, 1), 69-72 (2, 2),
-# 68-71 two GEMVs (one: 34); the default model's matrices hot: within 15 % of the best tile.
+# A speculative verify step's 2-3 rows (Q4_0 like_gemv, and the Q8_0 LM head) take a tile of
+# all of them and GEMV_STREAMS rows read side by side, as the GEMV's (`_few_body`): each weight
+# block unpacked once for all tokens, each thread's rows two sequential streams. Earlier, a tile
+# of one row (one stream): 1 thread, AVX2, 2 tokens, cold: reap128's 12288x2048 in-projection
+# 910 us against 1050-1170 for the (2, 4) tile's one-token tails, 1230-1310 for two GEMVs (one:
+# 610-680); its Q8_0 head 47-51 ms against 68-71 two GEMVs (one: 34). Then the side-by-side
+# rows, medians of interleaved rounds of each product's ratio to the GEMV, 2 threads, this
+# machine (rocketlake, 2 cores, load 2.5-3.5), cold (40 x 12288x2048 Q4_0; 5 x 62080x2048 Q8_0):
+# 2 tokens Q4_0 1x2 tile 1.21x, 2x2 tile 1.07x, 2x2 with vpdpbusd (_few_tokens_vec) 1.03x; Q8_0
+# 1.72x, 1.11x, 1.03x (1x2 with vpdpbusd 1.05x); 3 tokens Q4_0 1x3 1.51x, 2x3 1.15x, 1.09x;
+# Q8_0 1.13x, 1.12x, 1.03x.
 FEW_TOKENS = 3
 # GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
 # of activations, both held in L2 (1-2 MiB), instead of every row group reading all T tokens.
@@ -535,6 +540,30 @@ def _gemv_share(thread, n_threads, args):
         one_by_1(qs, d, xq, dx, xsum8, out, r, 0, 0)
 
 
+def _few_share(thread, n_threads, args):
+    """`_gemv_share` for a tile of all of a few tokens (a verify step's rows, FEW_TOKENS): the
+    thread's rows as ROWS side-by-side streams, each row's leftover token by token."""
+    qs, d, xq, dx, xsum8, out = args
+    n_rows = qs.shape[0]
+    first = thread * n_rows // n_threads
+    last = (thread + 1) * n_rows // n_threads
+    per = (last - first) // ROWS
+    for s in range(ROWS):
+        _warm(qs, first + s * per)
+        _warm(d, first + s * per)
+    for j in range(per):
+        spread_tile(qs, d, xq, dx, xsum8, out, first + j, 0, 0, per)
+    for r in range(first + per * ROWS, last):
+        for t in range(xq.shape[0]):
+            one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
+
+
+def _few_body(qs, d, xq, dx, xsum8, out):
+    """A product of a few tokens (FEW_TOKENS) by spread tiles of all of them: out [T, R]; every
+    row the GEMV's bits."""
+    fork((qs, d, xq, dx, xsum8, out))
+
+
 def _gemv_body(qs, d, xq, dx, xsum8, out):
     """The decode GEMV (one token): out [R] or [1, R]; every row is the tile's, bit for bit
     the `like_gemv` GEMM's."""
@@ -623,7 +652,7 @@ def _grouped_body(qs, d, offsets, xq, dx, xsum8, out):
                 one_by_1(qs[e], d[e], xq, dx, xsum8, out, r, t, t)
 
 
-_SHARES = {_product_body: _product_share, _gemv_body: _gemv_share,
+_SHARES = {_product_body: _product_share, _gemv_body: _gemv_share, _few_body: _few_share,
            _gathered_body: _gathered_share, _grouped_body: _grouped_share}
 
 
@@ -639,6 +668,8 @@ _SIGNATURES = {
                                _array(types.float32, n_out)) for n_out in (1, 2)],
     _gemv_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
                             _array(types.float32, n_out)) for n_out in (1, 2)],
+    _few_body: [types.void(_array(types.uint8, 2, True), _array(types.uint16, 2, True), *_ACT,
+                           _array(types.float32, 2))],
     _gathered_body: [types.void(_array(types.uint8, 3, True), _array(types.uint16, 3, True),
                                 _array(types.int32, 1, True), _array(types.uint8, 3, True),
                                 _array(types.uint16, 3, True), *_ACT, _array(types.float32, 2))],
@@ -648,25 +679,30 @@ _SIGNATURES = {
 _products: dict = {}
 
 
-def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format) -> tuple[str, dict]:
-    """The variant name and tile intrinsics of a kernel for an ISA, tile shape and format."""
-    if not supported(isa):  # compiling it here could abort the process (pitfall 5)
-        raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")
-    v = simd.VEC_OF[isa]
+def _tiles(isa: Isa, shape: tuple[int, int], fmt: _Format,
+           v: Vec | None = None) -> tuple[str, dict]:
+    """The variant name and tile intrinsics of a kernel for an ISA, tile shape and format; `v`
+    the registers and instructions, if not the ISA's own (`_few_tokens_vec`)."""
+    if not supported(isa) or (v is not None and not supported(v.isa)):  # else compiling it
+        raise FermijitError(f"matvec: this CPU or Numba target cannot run {isa.label}")  # could
+    dot = "" if v is None else f"-{v.isa.label}{v.nbytes * 8}"          # abort (pitfall 5)
+    v = v or simd.VEC_OF[isa]
     n_rows, n_tok = shape
     tiles = dict(ROWS=n_rows, TOKS=n_tok, tile=_make_tile(fmt, v, n_rows, n_tok),
                  spread_tile=_make_tile(fmt, v, n_rows, n_tok, True),
                  rows_by_1=_make_tile(fmt, v, n_rows, 1), one_by_1=_make_tile(fmt, v, 1, 1))
     threads = "omp" if omp.available() else "serial"
-    return f"{fmt.name}-{isa.label}-{n_rows}x{n_tok}-{threads}", tiles
+    return f"{fmt.name}-{isa.label}{dot}-{n_rows}x{n_tok}-{threads}", tiles
 
 
-def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0):
-    """The kernel for a body, ISA, tile shape and weight format, made on first use (so no AVX2
-    code is ever compiled for a Westmere target: pitfall 5)."""
-    key = (body.__name__, isa.label, shape, fmt.name)  # cheap to hash: looked up per call
+def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format = Q4_0,
+             v: Vec | None = None):
+    """The kernel for a body, ISA, tile shape and weight format (and registers `v`, if not the
+    ISA's), made on first use (so no AVX2 code is ever compiled for a Westmere target:
+    pitfall 5)."""
+    key = (body.__name__, isa.label, shape, fmt.name, v)  # cheap to hash: looked up per call
     if key not in _products:
-        variant, tiles = _tiles(isa, shape, fmt)
+        variant, tiles = _tiles(isa, shape, fmt, v)
         # No fast-math: the tile's IR says exactly what to compute (and function-wide fast-math
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
         _products[key] = kernel(
@@ -793,14 +829,29 @@ def launch(w: Q4Matrix, act: Q8Act, out, *, isa: Isa | None = None, like_gemv: b
     kernel_ = _gemm_gemv.get(key)                 # needs the GEMM's
     if kernel_ is None:
         kernel_ = _gemm_gemv[key] = (gemv_kernel(act_isa) if n_tok == 1 else
-                                     _product(act_isa, _few_tokens_tile(n_tok, GEMM_TILE)))
+                                     _few_tokens_kernel(act_isa, n_tok, Q4_0, GEMM_TILE))
     return kernel_, (qs, w.d_bits, xq, act.dx, act.xsum8, out)
 
 
-def _few_tokens_tile(n_tok: int, more: tuple[int, int]) -> tuple[int, int]:
-    """The tile of a product of n_tok > 1 tokens: FEW_TOKENS' one row and all tokens, else
-    `more`."""
-    return (1, n_tok) if n_tok <= FEW_TOKENS else more
+def _few_tokens_kernel(isa: Isa, n_tok: int, fmt: _Format, more: tuple[int, int]):
+    """The kernel of a product of n_tok > 1 tokens: up to FEW_TOKENS, spread tiles of the GEMV's
+    rows side by side and every token (`_few_body`), else `_product_body`'s tiles of `more`."""
+    if n_tok > FEW_TOKENS:
+        return _product(isa, more, fmt=fmt)
+    return _product(isa, (GEMV_STREAMS[isa], n_tok), _few_body, fmt, _few_tokens_vec(isa))
+
+
+def _few_tokens_vec(isa: Isa) -> Vec | None:
+    """The registers of a few-token tile (a verify step's rows) on activations laid out for
+    `isa`: AVX-512 VNNI's vpdpbusd on 256-bit registers where decode runs AVX2 in an AVX-512 VNNI
+    process (DECODE_VARIANT), else the ISA's own (None). The layout and every block's integer sum
+    are AVX2's (exact either way), so each token's row keeps the GEMV's bits, while one vpdpbusd
+    a register and token replaces pmaddubsw + pmaddwd (Q8_0: and the sign trick's psignb), the
+    work each token adds (FEW_TOKENS' figures); AVX-512VL's 32 registers also hold the spread
+    tile's two rows of weights."""
+    if isa is Isa.AVX2 and selected_isa() is Isa.AVX512VNNI and supported(Isa.AVX512VNNI):
+        return simd.AVX512VNNI_256
+    return None
 
 
 _gemm_gemv: dict = {}  # (Isa, tokens of the tile, FEW_TOKENS + 1 for more) -> the kernel
@@ -862,7 +913,7 @@ def q8_launch(qs, d, x, out=None, *, isa: Isa | None = None):
     # which reads the weights once for a panel of rows and all tokens (_product_share); a few,
     # a verify step's: FEW_TOKENS.
     kernel_ = (gemv_kernel(isa, Q8_0) if n_tok == 1 else
-               _product(isa, _few_tokens_tile(n_tok, (1, 1)), fmt=Q8_0))
+               _few_tokens_kernel(isa, n_tok, Q8_0, (1, 1)))
     return kernel_, (qs.view(np.uint8), d.view(np.uint16), act.xq, act.dx, act.xsum8, y)
 
 

@@ -6,7 +6,9 @@
 # processes; the table of medians printed last: a
 # decode token, a 2-row verify step, a draft, their ratios, the bytes each reads, and the
 # projected speed-up at the 0.7-0.8 acceptance users report (random weights accept nothing: the
-# step costs are the measurement). Target: verify <= 1.35x a token. JSON and logs in OUT.
+# step costs are the measurement), then per thread count the split of a token and a verify step
+# by their plans' labels (kernels, the rollback), before that table. Target: verify <= 1.35x a token. JSON and logs
+# in OUT.
 # Usage, from the project root, after shared/device/prepare.sh here:
 #   bash tests/speculative_pass.sh OUT   (carry .device-wheels)
 # Other settings by environment: PYTHON (default python3; without .device-wheels nothing is
@@ -57,6 +59,25 @@ from pathlib import Path
 
 out, counts = Path(sys.argv[1]), sys.argv[2:]
 loads = lambda runs: "/".join("%.1f" % r["load_1min"][0] for r in runs)  # noqa: E731
+for t in counts:  # where the verify step's time goes beside a token's (bench's Costs.split)
+    splits = []
+    for path in sorted(out.glob(f"spec-t{t}-r*.json")):
+        try:
+            splits.append(json.loads(path.read_text()).get("split") or {})
+        except (ValueError, KeyError):
+            pass
+    labels = [k for k in (splits[0] if splits else {}) if all(k in s for s in splits)]
+    if t.endswith("v") or not labels:
+        continue
+    print(f"threads {t}: split of a token and a verify step, ms (medians of the rounds' best)")
+    print(f"  {'label':<22} {'token':>8} {'verify':>8} {'ratio':>6}")
+    tot = [0.0, 0.0]
+    for k in labels:
+        d, v = (statistics.median(s[k][i] for s in splits) for i in (0, 1))
+        tot[0] += d
+        tot[1] += v
+        print(f"  {k:<22} {d:8.3f} {v:8.3f} " + (f"{v / d:6.2f}" if d else f"{'-':>6}"))
+    print(f"  {'sum':<22} {tot[0]:8.3f} {tot[1]:8.3f} {tot[1] / tot[0]:6.2f}")
 print("bench decode --speculative mtp: medians of 3 fresh-process rounds (the step costs: best of "
       "7 interleaved within each)")
 print(f"{'threads':>7} {'plain':>7} {'spec':>7} {'speedup':>7} {'accept':>6} {'token':>7} "

@@ -5,7 +5,9 @@ Greedy text, both ways, from the same prompts (a text file's windows, or a built
 tok/s, the tokens per verify step and the acceptance, and a check that the texts are identical.
 Then the costs of the parts, timed interleaved (best of ROUNDS rounds of CALLS calls each: this
 machine is shared) on the last prompt's state: a decode token, a verify step of N+1 rows, a draft
-(the head's row and N-1 chained ones). Bytes are counted as bench decode counts them
+(the head's row and N-1 chained ones). The verify step is timed with its rollback to the first row
+(every draft rejected, as random weights do; its share reported apart: an accepted draft skips
+it). Bytes are counted as bench decode counts them
 (model/token_bytes.py): the weights a step reads, the routed experts those the routers chose
 (watched on the steps timed); per accepted token, a step's bytes over its tokens.
 
@@ -30,6 +32,7 @@ import numpy as np
 from fermijit import FermijitError
 
 ROUNDS = 7          # interleaved timing rounds; the best counts
+SPLIT_ROUNDS = 3    # more of them, each step of the plans timed apart (Costs.split)
 CALLS = 5           # calls of each part per round
 ACCEPTANCE = (0.7, 0.8)  # what users report for Qwen3.6's head (issue 32)
 PROMPT_TEXT = (
@@ -80,6 +83,10 @@ class Costs:
     decode_bytes: int
     verify_bytes: int
     draft_bytes: int
+    rollback_ms: float = float("nan")  # of verify_ms: the rollback to its first row
+    # Per step, by its plan's labels (model/forward.py, model/batch.py: a kernel's calls, the
+    # rollback): ms in decode and in verify, the best of SPLIT_ROUNDS rounds of CALLS each.
+    split: dict = dataclasses.field(default_factory=dict)
 
 
 def step_costs(model, prompt, drafts) -> Costs:
@@ -103,9 +110,13 @@ def step_costs(model, prompt, drafts) -> Costs:
         model.decode(token, plain)
         plain.position -= 1
 
+    rolled = [0.0]  # the rollbacks' seconds, in the round being timed
+
     def verify():
         batch.decode_rows(model, [token] + proposed, [state] * rows, ws, [saves] * rows)
+        start = time.perf_counter()
         batch.rollback(model, state, saves, rows, 1)
+        rolled[0] += time.perf_counter() - start
         state.position -= 1
         state.hidden = waiting.copy()
 
@@ -118,12 +129,18 @@ def step_costs(model, prompt, drafts) -> Costs:
     best = dict.fromkeys(parts, float("inf"))
     for f in parts.values():
         f()
+    rollback = float("inf")  # in the verify step's best round
     for _ in range(ROUNDS):
         for name, f in parts.items():
+            rolled[0] = 0.0
             start = time.perf_counter()
             for _ in range(CALLS):
                 f()
-            best[name] = min(best[name], (time.perf_counter() - start) / CALLS)
+            took = (time.perf_counter() - start) / CALLS
+            if took < best[name] and name == "verify":
+                rollback = rolled[0] / CALLS
+            best[name] = min(best[name], took)
+    split = _split({"decode": decode, "verify": verify}, rolled)
     selected = {}
 
     def watched(part):
@@ -147,7 +164,44 @@ def step_costs(model, prompt, drafts) -> Costs:
     draft_experts = sum(n for _, n in selected["draft"]) * per_expert
     head_rows = (drafts.vocab or model.vocab_size) / model.vocab_size  # a draft vocabulary's
     return Costs(1e3 * best["decode"], 1e3 * best["verify"], 1e3 * best["draft"], tb.total,
-                 tv.total, dense + draft_experts + int(n_draft * head_rows * tb.lm_head))
+                 tv.total, dense + draft_experts + int(n_draft * head_rows * tb.lm_head),
+                 1e3 * rollback, split)
+
+
+def _split(parts: dict, rolled: list) -> dict:
+    """{label: [ms in decode, ms in verify]}: each plan step timed on its own (a kernel's calls
+    summed by label), interleaved rounds, each label's best round; the rollback as `rollback`.
+    Where a verify step's time goes beside a token's (issue 32 item 4)."""
+    from fermijit.model import batch, forward
+
+    acc: dict = {}
+    saved = forward.run_steps, batch.run_steps
+
+    def timed_steps(steps):
+        for label, fn, args in steps:
+            start = time.perf_counter()
+            fn(*args)
+            acc[label] = acc.get(label, 0.0) + time.perf_counter() - start
+
+    best: dict = {}
+    forward.run_steps = batch.run_steps = timed_steps
+    try:
+        for _ in range(SPLIT_ROUNDS):
+            for i, f in enumerate(parts.values()):
+                acc.clear()
+                rolled[0] = 0.0
+                for _ in range(CALLS):
+                    f()
+                if i:
+                    acc["rollback"] = rolled[0]
+                for label, took in acc.items():
+                    row = best.setdefault(label, [float("inf")] * len(parts))
+                    row[i] = min(row[i], 1e3 * took / CALLS)
+    finally:
+        forward.run_steps, batch.run_steps = saved
+    return {label: [0.0 if t == float("inf") else round(t, 4) for t in row]
+            for label, row in sorted(best.items(), key=lambda kv: -max(
+                t for t in kv[1] if t != float("inf")))}
 
 
 def _arrays_of(head):
@@ -202,7 +256,8 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
         "plain_tok_s": n_plain / plain_s, "speculative_tok_s": n_spec / spec_s,
         "speedup": (n_spec / spec_s) / (n_plain / plain_s),
         "tokens_per_step": per_step, "acceptance": a, "steps": steps,
-        "costs": dataclasses.asdict(costs),
+        "costs": {k: v for k, v in dataclasses.asdict(costs).items() if k != "split"},
+        "split": costs.split,
         "verify_of_decode": costs.verify_ms / costs.decode_ms,
         "draft_of_decode": costs.draft_ms / costs.decode_ms,
         "bytes_per_token_plain": costs.decode_bytes,
@@ -239,7 +294,8 @@ def format_report(r: dict) -> str:
         f"(acceptance {100 * r['acceptance']:.1f}% over {r['steps']} steps)",
         f"{'decode token':<28} {c['decode_ms']:9.2f} ms  ({c['decode_bytes'] / mb:.1f} MB read)",
         f"{'verify step, ' + str(r['draft'] + 1) + ' rows':<28} {c['verify_ms']:9.2f} ms  "
-        f"({r['verify_of_decode']:.2f}x a token; {c['verify_bytes'] / mb:.1f} MB)",
+        f"({r['verify_of_decode']:.2f}x a token; {c['verify_bytes'] / mb:.1f} MB; its rollback "
+        f"{c.get('rollback_ms', float('nan')):.2f} ms)",
         f"{'draft':<28} {c['draft_ms']:9.2f} ms  ({r['draft_of_decode']:.2f}x a token; "
         f"{c['draft_bytes'] / mb:.1f} MB)",
         f"{'bytes per token':<28} {r['bytes_per_token_plain'] / mb:9.1f} MB plain, "
@@ -250,4 +306,17 @@ def format_report(r: dict) -> str:
                      "[verify alone: (1 + a) * t_decode / t_verify]")
         lines += [f"  a = {p['acceptance']:.1f}: {p['speedup']:.2f}x  "
                   f"[{p['speedup_verify_only']:.2f}x]" for p in r["projection"]]
+    if r.get("split"):
+        lines.append(format_split(r["split"]))
+    return "\n".join(lines)
+
+
+def format_split(split: dict) -> str:
+    """Costs.split as a table: each label's ms in a decode token and in the verify step."""
+    lines = [f"  {'split, ms (best round)':<24} {'token':>8} {'verify':>8} {'ratio':>6}"]
+    for label, (d, v) in split.items():
+        ratio = f"{v / d:6.2f}" if d else f"{'-':>6}"
+        lines.append(f"  {label:<24} {d:8.3f} {v:8.3f} {ratio}")
+    d, v = (sum(row[i] for row in split.values()) for i in (0, 1))
+    lines.append(f"  {'sum':<24} {d:8.3f} {v:8.3f} {v / d:6.2f}")
     return "\n".join(lines)

@@ -393,8 +393,17 @@ def test_bench_decode_speculative_reports_steps_and_costs(model_dir, capsys):
         assert p["speedup"] == pytest.approx((1 + a) * c["decode_ms"] /
                                              (c["verify_ms"] + c["draft_ms"]))
     assert len(r["load_1min"]) == 2
+    # The split: every label's best ms in a token and in the verify step; the verify step's
+    # GDN rows in one call, the token's through decode's step, the rollback the verify's alone.
+    split = r["split"]
+    assert split["gdn_rows.cpu"][0] == 0 < split["gdn_rows.cpu"][1]
+    assert split["gdn_step.cpu"][1] == 0 < split["gdn_step.cpu"][0]
+    assert split["rollback"][0] == 0 < split["rollback"][1] <= c["verify_ms"]
+    assert split["moe.decode"][0] > 0 and split["moe.decode"][1] > 0
+    assert 0 < sum(v for _, v in split.values()) <= 2 * c["verify_ms"]
     text = bench_speculative.format_report(r)
     assert "acceptance" in text and "(1 + a) * t_decode / (t_verify + t_draft)" in text
+    assert "gdn_rows.cpu" in text and "rollback" in text
 
 
 def test_an_hf_checkpoint_with_a_head_loads_with_the_default_speculation(model_dir):

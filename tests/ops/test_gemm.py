@@ -73,11 +73,14 @@ def test_same_bits_whatever_threads_and_tokens(rng):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
-def test_like_gemv_gives_the_gemv_bits(rng, isa):
+@pytest.mark.parametrize("k", [1024, 800])
+def test_like_gemv_gives_the_gemv_bits(rng, isa, k):
     """`like_gemv` (batched decode's choice) and the Q8_0 head's few-token tile (a verify
     step's rows): each token's row is the GEMV's, bit for bit, at every token count (tiles of
-    2, 3 and 4 tokens, and 4 plus tails), rows with a tail."""
-    rows, k, n_tok = 13, 1024, 6
+    2, 3 and 4 tokens, and 4 plus tails), rows with a tail; K of whole wide steps, and with SSE
+    steps and one-block tails (800). On an AVX-512 VNNI process AVX2's few-token tiles take
+    vpdpbusd (matvec._few_tokens_vec): still the AVX2 GEMV's bits."""
+    rows, n_tok = 13, 6
     qs, d = q4_weights(rng, rows, k)
     w = matvec.Q4Matrix.of(qs, d)
     q8s, q8d = quant.quantize_q8_0(rng.standard_normal((rows, k)).astype(np.float32))

@@ -1,0 +1,145 @@
+"""R consecutive decode tokens of one sequence through the Gated DeltaNet mixer between its
+projections (a speculative verify step's rows, model/batch.py), as one call: row r is
+ops.gdn_step on the state row r-1 left, bit for bit, and the state after each row lands where the
+caller says (the last row's: the live state; the others': the step's saves, which a rollback
+returns to).
+
+Row by row through gdn_step, a verify step of 2 rows forked 3 times a GDN layer (2 steps and the
+save of the state after the first) and swept the 2 MB recurrent state 3 times from memory. Here
+each thread takes gdn_step's heads for every row (one fork), and per value head runs the rows in
+turn, the head's 64 KB of state staying in the thread's cache between them: row r copies its
+source's head into its destination, then updates it there (gdn_step's own routines: conv,
+L2 norms, the delta rule, the gated RMSNorm, in gdn_step's order), so the state is read from
+memory once and each row's written once.
+
+    state_0 = src                     (the live state at the step's start)
+    row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
+
+with dst[r] the saves' r-th for r < R-1 and the live state for the last (src[r] = dst[r-1]).
+
+Letters: as ops/gdn_step.py; R rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fermijit import FermijitError
+from fermijit.jit import omp
+from fermijit.ops import conv1d, gated_delta, gdn_step, l2norm, matvec, rmsnorm
+
+
+def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, state):
+    """gdn_step.reference row by row: mixed [R, C], z [R, Hv, dv], a/b [R, Hv] -> (o [R, Hv, dv],
+    the conv states after each row [R, C, Kc-1], the recurrent states after each row
+    [R, Hv, dk, dv]); the inputs are left untouched."""
+    outs, convs, states = [], [], []
+    for r in range(mixed.shape[0]):
+        o, conv_state, state = gdn_step.reference(
+            mixed[r:r + 1], z[r:r + 1], a[r:r + 1], b[r:r + 1], conv_w, conv_state, A_log,
+            dt_bias, norm_w, eps, l2_eps, state)
+        outs.append(o[0])
+        convs.append(conv_state)
+        states.append(state)
+    return np.stack(outs), np.stack(convs), np.stack(states)
+
+
+def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
+               q_scale, rec_src, rec_dst, q, k, v, g, beta, o, xq, dx, xsum8, lanes,
+               step_blocks, half_lanes):
+    for r in range(len(mixed)):
+        gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
+    deltas = np.empty((v.shape[1], v.shape[2]), np.float32)
+    fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
+          o, deltas, z, norm_w, eps))
+    for r in range(len(mixed)):
+        o_r = o[r]
+        matvec._quantize_act_kernel(o_r.reshape(1, o_r.shape[1] * o_r.shape[2]), xq[r], dx[r],
+                                    xsum8[r], lanes, step_blocks, half_lanes)
+
+
+def _rows_share(thread, n_threads, args):
+    # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn.
+    (mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst, o,
+     deltas, z, norm_w, eps) = args
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    nk, group = Hk * dk, Hv // Hk
+    k0, k1 = thread * Hk // n_threads, (thread + 1) * Hk // n_threads
+    h0, h1 = k0 * group, k1 * group
+    for r in range(len(mixed)):
+        m, cs, cd = mixed[r], conv_src[r], conv_dst[r]
+        q_r, k_r, v_r = q[r:r + 1], k[r:r + 1], v[r:r + 1]
+        for lo, hi in ((k0 * dk, k1 * dk), (nk + k0 * dk, nk + k1 * dk),
+                       (2 * nk + h0 * dv, 2 * nk + h1 * dv)):
+            cd[lo:hi] = cs[lo:hi]
+        conv1d._conv_range(m, conv_w, cd, m, k0 * dk, k1 * dk)                           # q
+        conv1d._conv_range(m, conv_w, cd, m, nk + k0 * dk, nk + k1 * dk)                 # k
+        conv1d._conv_range(m, conv_w, cd, m, 2 * nk + h0 * dv, 2 * nk + h1 * dv)
+        for h in range(k0, k1):  # row-major copies: an index divided per element cost ~100 us
+            for i in range(dk):
+                q_r[0, h, i] = m[0, h * dk + i]
+                k_r[0, h, i] = m[0, nk + h * dk + i]
+        for h in range(h0, h1):
+            for i in range(dv):
+                v_r[0, h, i] = m[0, 2 * nk + h * dv + i]
+        l2norm._l2norm_serial(q_r[0, k0:k1], l2_eps, q_scale, q_r[0, k0:k1])
+        l2norm._l2norm_serial(k_r[0, k0:k1], l2_eps, 1.0, k_r[0, k0:k1])
+    for h in range(h0, h1):
+        for r in range(len(mixed)):
+            dst = rec_dst[r]
+            dst[h] = rec_src[r][h]
+            gated_delta._recurrent_head(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1],
+                                        beta[r:r + 1], dst, o[r], deltas[h], h)
+    for r in range(len(mixed)):
+        o_r, z_r = o[r], z[r]
+        rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])
+
+
+_rows_kernel = omp.forking_kernel(_rows_body, fork=_rows_share)
+
+
+class Scratch:
+    """The per-row q, k, v, gates of a call of R rows, made once (a verify step's plan)."""
+
+    def __init__(self, n_rows: int, Hk: int, Hv: int, dk: int, dv: int):
+        f = np.float32
+        self.q, self.k = np.empty((n_rows, Hk, dk), f), np.empty((n_rows, Hk, dk), f)
+        self.v = np.empty((n_rows, Hv, dv), f)
+        self.g, self.beta = np.empty((n_rows, Hv), f), np.empty((n_rows, Hv), f)
+
+
+def launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
+           rec_src, rec_dst, scratch: Scratch, o, acts):
+    """The call's kernel and arguments, for a caller that repeats it (model/batch.py's verify
+    plan): (kernel, args). Per row r, in lists of R: mixed [1, C] (overwritten by the conv), z
+    [1, Hv, dv], a, b [1, Hv], o [1, Hv, dv] and `acts` (Q8Acts of [1, Hv·dv]) its output, the
+    conv and recurrent states it starts from (src: the live state for row 0, else row r-1's
+    dst) and where its state goes (dst). Every array C-contiguous, as gdn_step's."""
+    R = len(mixed)
+    lists = dict(mixed=mixed, z=z, a=a, b=b, conv_src=conv_src, conv_dst=conv_dst,
+                 rec_src=rec_src, rec_dst=rec_dst, o=o, acts=acts)
+    if any(len(v) != R for v in lists.values()) or R == 0 or scratch.q.shape[0] != R:
+        raise FermijitError(f"gdn_rows: rows differ: {({k: len(v) for k, v in lists.items()})}, "
+                            f"scratch of {scratch.q.shape[0]}")
+    for name in ("mixed", "z", "a", "b", "conv_src", "conv_dst", "rec_src", "rec_dst", "o"):
+        if not all(x.flags.c_contiguous for x in lists[name]):
+            raise FermijitError(f"gdn_rows: {name} rows must be C-contiguous")
+    v_ = acts[0].vec
+    half = matvec.simd.HALF_OF.get(v_.isa)
+    return _rows_kernel(), (
+        tuple(mixed), tuple(z), tuple(a), tuple(b), conv_w, tuple(conv_src), tuple(conv_dst),
+        A_log, dt_bias, norm_w, float(eps), float(l2_eps),
+        float(1 / np.sqrt(scratch.q.shape[2])), tuple(rec_src), tuple(rec_dst), scratch.q,
+        scratch.k, scratch.v, scratch.g, scratch.beta, tuple(o), tuple(x.xq for x in acts),
+        tuple(x.dx for x in acts), tuple(x.xsum8 for x in acts), v_.lanes,
+        matvec.blocks_per_step(v_), half.lanes if half else 0)
+
+
+def cpu(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
+        rec_src, rec_dst, scratch: Scratch, o, acts):
+    """`launch`'s call, run once."""
+    kernel_, args = launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w,
+                           eps, l2_eps, rec_src, rec_dst, scratch, o, acts)
+    kernel_(*args)
+    return acts
