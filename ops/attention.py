@@ -395,12 +395,7 @@ def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
     compile."""
     T, Hq, D = o.shape
     Hkv = k.shape[0]
-    # A decode token with one key range has as many items either way (its kv heads): the tile
-    # path finishes them in its one fork, where the ranges' path forks again to finish them
-    # (a decode token's 10 attention layers then fork 10 times fewer: each fork waits for every
-    # thread, ~0.3 ms a fork on this 2-core machine while other processes run).
-    R = 0 if T * Hkv >= SPLIT_ITEMS or (T == 1 and n_ranges(start + 1) == 1) \
-        else n_ranges(start + T)
+    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
     if R == 1:
         acc = o.reshape(1, T, Hq, D)                                  # accumulate in place
     else:
