@@ -40,17 +40,20 @@ def _step_body(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, 
     gated_delta._gates(a, b, A_log, dt_bias, g, beta)
     deltas = np.empty((v.shape[1], v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_state, l2_eps, q_scale, q, k, v, g, beta, recurrent, o, deltas, z,
-          norm_w, eps))
-    matvec._quantize_act_kernel(o.reshape(1, o.shape[1] * o.shape[2]), xq, dx, xsum8, lanes,
-                                step_blocks, half_lanes)
+          norm_w, eps, xq[0], dx[0], xsum8[0], lanes, step_blocks, half_lanes))
+    if v.shape[2] % 32:  # a 32-block spans two heads (maybe two threads'): quantised here
+        matvec._quantize_act_kernel(o.reshape(1, o.shape[1] * o.shape[2]), xq, dx, xsum8, lanes,
+                                    step_blocks, half_lanes)
 
 
 def _heads_share(thread, n_threads, args):
-    # A thread's key heads and their value heads, from the conv to the gated RMSNorm: every
-    # channel and head is one thread's (the same bits whatever the thread count), and nothing
-    # but the gates and the quantisation waits on one thread (~20 us of a 2-thread layer).
+    # A thread's key heads and their value heads, from the conv to the gated RMSNorm and the
+    # quantisation of their output blocks (where a head is whole 32-blocks): every channel and
+    # head is one thread's (the same bits whatever the thread count), and nothing but the gates
+    # waits on one thread (the quantiser of the whole output was ~7 us of a full-size layer on
+    # one thread here).
     (mixed, conv_w, conv_state, l2_eps, q_scale, q, k, v, g, beta, recurrent, o, deltas, z,
-     norm_w, eps) = args
+     norm_w, eps, xq, dx, xsum8, lanes, step_blocks, half_lanes) = args
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     nk, group = Hk * dk, Hv // Hk
@@ -71,6 +74,9 @@ def _heads_share(thread, n_threads, args):
     for h in range(h0, h1):
         gated_delta._recurrent_head(q, k, v, g, beta, recurrent, o, deltas[h], h)
     rmsnorm._gated_serial(o[0, h0:h1], z[0, h0:h1], norm_w, eps, o[0, h0:h1])
+    if dv % 32 == 0:  # the thread's heads are whole 32-blocks of the output: quantised here
+        matvec.quantize_blocks(o[0].reshape(Hv * dv), xq, dx, xsum8, h0 * dv // 32,
+                               h1 * dv // 32, lanes, step_blocks, half_lanes)
 
 
 _step_kernel = omp.forking_kernel(_step_body, fork=_heads_share)

@@ -181,36 +181,44 @@ def _round_half(xb, inv, dst):
 
 # No fast-math: the rounding must be the reference's, bit for bit.
 @kernel(fastmath=False)
-def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
-    n_tok, k = x.shape
-    nb = k // 32
+def quantize_blocks(x_t, xq_t, dx_t, xsum8_t, b0, b1, lanes, step_blocks, half_lanes):
+    """Blocks [b0, b1) of one token's row x_t [K] into its Q8Act row (xq_t [K], dx_t and
+    xsum8_t [nb]): each block's codes, scale and sum depend on that block alone, so a thread may
+    quantise the blocks it wrote (the decode MoE's SwiGLU rows, GDN's heads) with the bits of
+    the whole row's call."""
+    nb = x_t.size // 32
     whole = nb // step_blocks * step_blocks
     reg = 16 * lanes
     half_step = 4 * half_lanes
     half_end = whole + ((nb - whole) // half_step * half_step if half_lanes else 0)
-    for t in range(n_tok):
-        x_t, xq_t = x[t], xq[t]
-        for b in range(nb):
-            xb = x_t[b * 32:b * 32 + 32]
-            amax = _block_amax(xb)
-            db = amax / np.float32(127.0)
-            inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
-            if b < whole:
-                w = b % step_blocks
-                lo = (b - w) * 32 + (w // lanes) * 2 * reg + (w % lanes) * 16
-                hi = lo + reg
-            elif b < half_end:
-                w = (b - whole) % half_step
-                lo = (b - w) * 32 + (w // half_lanes) * 32 * half_lanes + (w % half_lanes) * 16
-                hi = lo + 16 * half_lanes
-            else:
-                lo = b * 32
-                hi = lo + 16
-            # The two halves go to two places (the layout above): two contiguous runs.
-            total = (_round_half(xb[:16], inv, xq_t[lo:lo + 16])
-                     + _round_half(xb[16:], inv, xq_t[hi:hi + 16]))
-            dx[t, b] = db
-            xsum8[t, b] = 8 * total
+    for b in range(b0, b1):
+        xb = x_t[b * 32:b * 32 + 32]
+        amax = _block_amax(xb)
+        db = amax / np.float32(127.0)
+        inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+        if b < whole:
+            w = b % step_blocks
+            lo = (b - w) * 32 + (w // lanes) * 2 * reg + (w % lanes) * 16
+            hi = lo + reg
+        elif b < half_end:
+            w = (b - whole) % half_step
+            lo = (b - w) * 32 + (w // half_lanes) * 32 * half_lanes + (w % half_lanes) * 16
+            hi = lo + 16 * half_lanes
+        else:
+            lo = b * 32
+            hi = lo + 16
+        # The two halves go to two places (the layout above): two contiguous runs.
+        total = (_round_half(xb[:16], inv, xq_t[lo:lo + 16])
+                 + _round_half(xb[16:], inv, xq_t[hi:hi + 16]))
+        dx_t[b] = db
+        xsum8_t[b] = 8 * total
+
+
+@kernel(fastmath=False)
+def _quantize_act_kernel(x, xq, dx, xsum8, lanes, step_blocks, half_lanes):
+    for t in range(x.shape[0]):
+        quantize_blocks(x[t], xq[t], dx[t], xsum8[t], 0, x.shape[1] // 32, lanes, step_blocks,
+                        half_lanes)
 
 
 def aligned_empty(shape, dtype=np.float32, align=LINE):
@@ -721,14 +729,21 @@ def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
     return _product(isa, gemv_shape(isa), _gemv_body, fmt)
 
 
+def gemv_fork(isa: Isa, share, name: str):
+    """(variant name, a fork intrinsic of `share`) with the decode GEMV's tiles bound as its
+    globals (ROWS, spread_tile, one_by_1, tile, rows_by_1: `_tiles`), for a kernel of another
+    op; `name` makes the variant's symbols its own (jit.cpu.bind)."""
+    variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
+    variant += "-" + name
+    return variant, omp.fork(bind(share, variant, **tiles))
+
+
 def gathered_fork(isa: Isa):
     """(variant name, the fork intrinsic of a gathered decode launch) for a kernel of another
     op to call as `fork((qs, d_bits, idx, sqs, sd_bits, xq, dx, xsum8, out))`: the launch of
     `gathered` (GEMV tiles, every row) inside that kernel, with no dispatch of its own.
     Indices must be in range: nothing checks them there."""
-    variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
-    variant += "-inner"  # its own symbols beside the gathered kernel's (jit.cpu.bind)
-    return variant, omp.fork(bind(_gathered_share, variant, **tiles))
+    return gemv_fork(isa, _gathered_share, "inner")
 
 
 def _call(op: str, kernel_, *args):

@@ -77,13 +77,21 @@ def reference(x, ids, weights, w: MoeWeights):
 
 # --- cpu ----------------------------------------------------------------------------------------
 
+@kernel
+def swiglu_range(gu_i, h_i, j0, j1):
+    """h_i[j] = silu(g[j]) · u[j] for j in [j0, j1), gu_i = [g | u] one row: every SwiGLU of
+    this module calls it (decode's fused gate_up share on its 32-blocks too), so every path has
+    the same bits."""
+    n_inter = h_i.size
+    # Row views: with 2-D indices LLVM left this loop scalar (4 ns per element at full size).
+    g, u = gu_i[:n_inter], gu_i[n_inter:]
+    for j in range(j0, j1):
+        h_i[j] = mathf.silu(g[j]) * u[j]
+
+
 def _swiglu_body(gu, h):  # gu [n, 2I] -> h [n, I]
-    n_inter = h.shape[1]
     for i in prange(h.shape[0]):
-        # Row views: with 2-D indices LLVM left this loop scalar (4 ns per element at full size).
-        g, u, h_i = gu[i, :n_inter], gu[i, n_inter:], h[i]
-        for j in range(n_inter):
-            h_i[j] = mathf.silu(g[j]) * u[j]
+        swiglu_range(gu[i], h[i], 0, h.shape[1])
 
 
 # One body twice: decode's few rows on one thread, prefill's rows on all threads.
@@ -91,21 +99,32 @@ _swiglu = kernel(_swiglu_body)
 _swiglu_rows = kernel(parallel=True, variant="parallel")(_swiglu_body)
 
 
+@kernel
+def _shared_gate_kernel(x, w_sg):
+    """σ(w_sg · x), the dot product in float64, as `reference` computes it."""
+    dot = 0.0
+    for j in range(x.size):
+        dot += np.float64(x[j]) * np.float64(w_sg[j])
+    return np.float32(1.0 / (1.0 + np.exp(-dot)))
+
+
+@kernel(fastmath=False)
+def _weighted_rows(routed, weights, shared, gate, y):
+    """y = gate · shared + weights[0] · routed[0] + weights[1] · routed[1] + ..., in that order
+    for every element: a row at a time (vectorised along it; the experts' sum per element as
+    one dependent chain cost ~4x as long, 9 rows of 2048 on this machine)."""
+    for j in range(y.size):
+        y[j] = gate * shared[j]
+    for i in range(weights.size):
+        w_i, r_i = weights[i], routed[i]
+        for j in range(y.size):
+            y[j] = y[j] + w_i * r_i[j]
 
 
 @kernel
 def _combine(routed, weights, shared, x, w_sg, y):
-    """y = Σ_k weights[k] · routed[k] + σ(w_sg · x) · shared; routed [k, H], shared [H]. The gate's
-    dot product in float64, as `reference` computes it."""
-    dot = 0.0
-    for j in range(x.size):
-        dot += np.float64(x[j]) * np.float64(w_sg[j])
-    gate = np.float32(1.0 / (1.0 + np.exp(-dot)))
-    for j in range(y.size):
-        acc = gate * shared[j]
-        for i in range(weights.size):
-            acc += weights[i] * routed[i, j]
-        y[j] = acc
+    """y = Σ_k weights[k] · routed[k] + σ(w_sg · x) · shared; routed [k, H], shared [H]."""
+    _weighted_rows(routed, weights, shared, _shared_gate_kernel(x, w_sg), y)
 
 
 @dataclass
@@ -142,17 +161,42 @@ class Scratch:
                    np.zeros(1, np.int32), is_fused)
 
 
+def _gate_up_share(thread, n_threads, args):
+    """A thread's run of 32-blocks of h, in (matrix, block) order over the routed experts then
+    the shared one: each block's 32 gate rows and 32 up rows side by side (the GEMV tile's two
+    streams, gate row j beside up row I + j; one at a time where the tile takes one row), then
+    that block's SwiGLU and its quantisation for the down projection. So only the down launch
+    waits for all threads, and no thread waits through the SwiGLU and the quantiser of every
+    row (~11 us of a full-size layer on one thread, this machine)."""
+    (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
+     half_lanes) = args
+    n_inter = h.shape[1]
+    per_row = n_inter // 32
+    n_units = h.shape[0] * per_row
+    for unit in range(thread * n_units // n_threads, (thread + 1) * n_units // n_threads):
+        i = unit // per_row
+        b = unit - i * per_row
+        w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+        for j in range(b * 32, b * 32 + 32):
+            spread_tile(w, s, xq, dx, xsum8, gu, j, 0, i, n_inter)      # rows j, I + j
+            if ROWS == 1:
+                spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, 0, i, n_inter)
+        swiglu_range(gu[i], h[i], b * 32, b * 32 + 32)
+        matvec.quantize_blocks(h[i], hq[i], hdx[i], hxsum8[i], b, b + 1, lanes, step_blocks,
+                               half_lanes)
+
+
 def _fused_body(x, xq, dx, xsum8, ids, weights, gu_qs, gu_bits, sgu_qs, sgu_bits, dn_qs,
                 dn_bits, sdn_qs, sdn_bits, w_sg, gu, h, hq, hdx, hxsum8, routed, out, lanes,
                 step_blocks, half_lanes):
     """A decode token's MoE with the shared expert riding in the routed launches (Scratch): the
-    two gathered launches (matvec.gathered_fork), the SwiGLU, its quantisation and the
-    combination, in one dispatch: decode paid ~27 us of Python and dispatch a layer for them as
-    four calls (`bench decode --profile`, 8 full-size layers)."""
+    gate_up launch with the SwiGLU and its quantisation in its shares (_gate_up_share), the
+    gathered down launch (matvec.gathered_fork) and the combination, in one dispatch: decode
+    paid ~27 us of Python and dispatch a layer for them as four calls (`bench decode
+    --profile`, 8 full-size layers). The same bits as those calls one by one."""
     idx = ids[0]
-    fork((gu_qs, gu_bits, idx, sgu_qs, sgu_bits, xq, dx, xsum8, gu))
-    _swiglu(gu, h)
-    matvec._quantize_act_kernel(h, hq, hdx, hxsum8, lanes, step_blocks, half_lanes)
+    fork_gate_up((gu_qs, gu_bits, idx, sgu_qs, sgu_bits, xq, dx, xsum8, gu, h, hq, hdx, hxsum8,
+                  lanes, step_blocks, half_lanes))
     fork((dn_qs, dn_bits, idx, sdn_qs, sdn_bits, hq, hdx, hxsum8, routed))
     k = idx.size
     _combine(routed[:k], weights[0], routed[k], x[0], w_sg, out[0])
@@ -164,8 +208,10 @@ _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code 
 def _fused_kernel(isa):
     if isa not in _fused_kernels:
         variant, fork_ = matvec.gathered_fork(isa)
+        _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up")
         # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
-        _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant, fork=fork_)
+        _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant + "-swiglu",
+                                     fork=fork_, fork_gate_up=gate_up)
     return _fused_kernels[isa]
 
 

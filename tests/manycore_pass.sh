@@ -57,6 +57,10 @@ run sweep-pinned --pin-threads bench decode --model "$model" --threads "$cores" 
   --prompt-tokens 64 --tokens 32 --threads-sweep "$pair"
 run sweep-ssse3 --isa ssse3 bench decode --model "$model" --threads "$cores" --prompt-tokens 64 \
   --tokens 32 --threads-sweep "$pair"
+# libgomp's own idle spin (fermijit sets a short one, jit/cpu.py DEFAULT_SPIN: on a shared 2-core
+# machine the long one collapsed decode whenever a neighbour ran): is the short one as fast here?
+GOMP_SPINCOUNT=300000 run sweep-spin300k bench decode --model "$model" --threads "$cores" \
+  --prompt-tokens 64 --tokens 32 --threads-sweep "$pair"
 if [ -x "$bench" ]; then
   run versus bench llama-cpp --model "$model" --gguf "$gguf" --llama-bench "$bench" \
     --threads "$pair" --rounds 3
@@ -85,7 +89,7 @@ if r:
     print(bench_decode.format_sweep(r["sweep"], r["sweep_tokens"]))
     print(profile.format_rows(r["profile"]))
     print(profile.format_rows(r["prefill_profile"], "the 512-token prefill"))
-for name in ("sweep-pinned", "sweep-ssse3"):
+for name in ("sweep-pinned", "sweep-ssse3", "sweep-spin300k"):
     r = load(name)
     if r:
         print(f"{name}:")

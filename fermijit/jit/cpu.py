@@ -59,6 +59,27 @@ DECODE_VARIANT = {Isa.AVX512VNNI: Isa.AVX2}
 _selected: Isa | None = None
 _decode: Isa | None = None
 
+# How long libgomp's idle threads spin before they sleep (GOMP_SPINCOUNT: pause loops; libgomp's
+# default 300000 is milliseconds). Between a token's launches they wait microseconds, so a short
+# spin still catches the next fork; but a thread that spins through milliseconds holds a core
+# that another process wanted, and the scheduler then charges it when it has work. This machine
+# (2 cores shared with other processes' benchmarks, 8 full-size layers at 2 threads, paired
+# windows of `bench decode`, fresh process each, interleaved): the default 19-98 % of the
+# ceiling (collapsing whenever a neighbour runs), 100000 39 %, 30000 64-97, 10000 63-100, 3000
+# 98-99, 1000 90-94, 0 (OMP_WAIT_POLICY=passive) 88-102 but ~8 % slower when the cores are free.
+# Read by libgomp when it loads (Numba's first thread launch): set at import, unless the user
+# chose a spin or a wait policy.
+SPIN_ENV = "GOMP_SPINCOUNT"
+DEFAULT_SPIN = "3000"
+
+
+def _bounded_spin() -> None:
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault(SPIN_ENV, DEFAULT_SPIN)
+
+
+_bounded_spin()
+
 
 def host_features() -> frozenset[str]:
     """The LLVM feature names this CPU has (numba's own view of the host)."""

@@ -24,8 +24,10 @@ def _inputs(rng, Hk, Hv, dk, dv, taps=4):
         state=(rng.standard_normal((Hv, dk, dv)) * 0.1).astype(f))
 
 
-@pytest.mark.parametrize("shape", [(2, 4, 32, 32), (4, 4, 64, 32), (2, 6, 32, 64)],
-                         ids=["Hk2-Hv4-d32", "Hk4-Hv4-dk64-dv32", "Hk2-Hv6-dk32-dv64"])
+@pytest.mark.parametrize("shape", [(2, 4, 32, 32), (4, 4, 64, 32), (2, 6, 32, 64),
+                                   (2, 2, 32, 48)],
+                         ids=["Hk2-Hv4-d32", "Hk4-Hv4-dk64-dv32", "Hk2-Hv6-dk32-dv64",
+                              "Hk2-Hv2-dk32-dv48"])  # dv48: blocks span heads (quantised after)
 def test_equals_the_ops_one_by_one_and_the_references(rng, shape):
     Hk, Hv, dk, dv = shape
     x = _inputs(rng, Hk, Hv, dk, dv)

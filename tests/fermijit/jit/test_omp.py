@@ -175,3 +175,29 @@ def test_regions_count_their_launches_and_split_their_time():
     record_threads(seen)
     assert omp.Regions.stop().count == 7  # stopped: later launches are not counted
     assert (omp.Regions.now() - r).count == 0
+
+
+def test_idle_threads_spin_briefly_unless_the_user_chose():
+    """libgomp reads GOMP_SPINCOUNT when Numba first launches its threads: by then fermijit has
+    set its short default, and leaves a spin or a wait policy the user gave alone."""
+    script = textwrap.dedent("""
+        import os
+        from fermijit.jit import cpu, omp
+        omp.available()
+        loaded = any("libgomp" in line for line in open("/proc/self/maps"))
+        print(os.environ.get("GOMP_SPINCOUNT"), loaded)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+
+    def run(**extra):
+        r = subprocess.run([sys.executable, "-c", script], env=dict(env, **extra),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.split()
+
+    from fermijit.jit import cpu
+    spin, loaded = run()
+    assert spin == cpu.DEFAULT_SPIN and int(spin) < 300000
+    if loaded == "True":  # the omp layer: libgomp was loaded after the variable was set
+        assert run(GOMP_SPINCOUNT="12345")[0] == "12345"
+    assert run(OMP_WAIT_POLICY="active")[0] == "None"
