@@ -234,7 +234,7 @@ class Pass:
         return of
 
     @staticmethod
-    def weights(w, name: str, kind: str) -> tuple:
+    def weight_arrays(w, name: str, kind: str) -> tuple:
         """A projection's device arrays as its GEMM takes them: (qs, d) for Q4_0 and Q8_0, else
         (blocks,)."""
         if kind in ("q4_0", "q8_0"):
@@ -250,7 +250,7 @@ class Pass:
 
     def dense(self, w, kinds, name: str, x, out):
         """out = x · W_nameᵀ, x already rounded for it."""
-        return self.dense_gemm(kinds[name], x, self.weights(w, name, kinds[name]), out)
+        return self.dense_gemm(kinds[name], x, self.weight_arrays(w, name, kinds[name]), out)
 
     @staticmethod
     def expert_gemm(stage: str, kind: str, a, routing, weights: tuple, out) -> None:
@@ -268,8 +268,8 @@ class Pass:
         (Its k split over grid z, to fill the H200's block slots that 16 x 15 blocks leave idle,
         was measured no faster: 0.2835 s against 0.2906 median, notes/gpuprefill.md.)"""
         one = expert_matmul.Routing(self.rows, self.ones, self.tiles, self.n_tiles)
-        self.expert_gemm("down", kinds[name], src, one, self.weights(w, name, kinds[name]),
-                         self.x)
+        self.expert_gemm("down", kinds[name], src, one,
+                         self.weight_arrays(w, name, kinds[name]), self.x)
 
     def gdn(self, w, i: int) -> None:
         from fermijit.jit import gpu
@@ -420,11 +420,11 @@ class Pass:
         shared = expert_matmul.Routing(self.rows, self.shared_w, self.tiles, self.n_tiles)
         kind = kinds["shared_gate_up"]
         self.expert_gemm("gate_up", kind, xin(kind), shared,
-                         self.weights(w, "shared_gate_up", kind), self.h_shared)
+                         self.weight_arrays(w, "shared_gate_up", kind), self.h_shared)
         self.mark("shared expert")
         kind = kinds["shared_down"]
         self.expert_gemm("down", kind, self.rounded(self.h_shared, kind=kind), shared,
-                         self.weights(w, "shared_down", kind), self.x)
+                         self.weight_arrays(w, "shared_down", kind), self.x)
         self.mark("shared expert")
         t0 = time.perf_counter()
         with gpu.check("reading the routing back"):

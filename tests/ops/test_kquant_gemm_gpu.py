@@ -71,12 +71,13 @@ def test_dense_matches_reference(rng, kind, shape):
 def test_every_weight_is_dequantised_bit_for_bit(rng, kind):
     """x = I: each output is one weight times 1 plus zeros, so y = Wᵀ exactly: the in-register
     dequantisation equals llama.cpp's (ops/kquant.py dequantize), bit for bit, every byte
-    pattern of the quants and the packed scales."""
+    pattern of the quants and the packed scales. (A weight of -0.0, q - 32 = 0 times a negative
+    scale, comes out +0.0: the sum -0 + 0 is +0; the reference's zeros are compared as +0.)"""
     n, k = 200, 512
     blocks = random_weights(rng, kind, (n,), k)
     out = poisoned((k, n))
     kquant_gemm.gpu(kind, np.eye(k, dtype=np.float32), blocks, out=out)
-    expected = kquant_gemm.dequantize(kind, blocks).T
+    expected = kquant_gemm.dequantize(kind, blocks).T + np.float32(0)  # -0.0 -> +0.0
     np.testing.assert_array_equal(out.view(np.uint32), np.ascontiguousarray(expected)
                                   .view(np.uint32))
 
