@@ -21,6 +21,8 @@ echo "kquant gpu tests rc=$?"
 timeout 240 python3 -m pytest -q -rsP -p no:cacheprovider tests/fermijit/prefill/test_hybrid_gpu.py \
   -k "tiny-e128" >"$out/q4_0-tests.log" 2>&1
 echo "q4_0 gpu prefill tests (tiny-e128) rc=$?"
+timeout 150 python3 -m fermijit bench gpu >"$out/bench-gpu.txt" 2>&1
+echo "bench gpu rc=$?"
 for log in kquant-tests q4_0-tests; do
   echo "== $log"; grep -E "passed|failed|error" "$out/$log.log" | tail -1
   grep -E "^(FAILED|ERROR)" "$out/$log.log" | head -20
@@ -33,3 +35,5 @@ grep -h "^rel err " "$out/kquant-tests.log" "$out/q4_0-tests.log" | sed 's/^rel 
   | sort
 echo "== W4A8 positions off by more than the tight bound:"
 grep -h "positions off by more than" "$out/kquant-tests.log" "$out/q4_0-tests.log" | cut -c1-300
+echo "== bench gpu: Q4_0 and K-quant GEMMs at the model's shapes:"
+grep -E "gemm|kernel|FMA|ceiling" "$out/bench-gpu.txt" | head -24

@@ -5,7 +5,8 @@ the fp32 FMA throughput (kernels_ptx/fma_probe.ptx) and the device copy bandwidt
 (kernels_ptx/copy.ptx, and the driver's memcpy for comparison). Then each kernel at the real
 model's prefill shapes: T tokens (1024); dense Q4_0 GEMMs 2048 -> 8192 (in_proj_qkv)
 and 4096 -> 2048 (out_proj); routed experts with 128 experts (REAP) and T*8/128 tokens each
-(balanced routing, 64 at T = 1024). GEMMs are quoted as a fraction of the FMA ceiling,
+(balanced routing, 64 at T = 1024); the K-quant GEMMs (Q4_K, Q6_K: kernels_ptx/kquant_gemm.ptx)
+at the same shapes beside Q4_0's. GEMMs are quoted as a fraction of the FMA ceiling,
 memory-bound kernels as a fraction of the copy bandwidth. Times are medians of CUDA-event timings
 after a warm-up launch. Benchmarks are commands, never timed tests (DESIGN.md, Testing).
 """
@@ -98,6 +99,24 @@ def random_q4(rng, shape: tuple[int, ...]):
     return ga.to_gpu(qs), ga.to_gpu(d)
 
 
+def random_blocks(rng, kind: str, shape: tuple[int, ...]):
+    """Random GGUF blocks of `kind` [..., rows, K/Q·S] on the device (ops/kquant.py FORMATS),
+    every block's fp16 scales small and finite."""
+    from fermijit.ops import kquant
+
+    fmt = kquant.FORMATS[kind]
+    *lead, k = shape
+    blocks = rng.integers(0, 256, (*lead, fmt.n_bytes(k)), dtype=np.uint8)
+    view = kquant.block_view(fmt, blocks)
+    for offset in fmt.scale_offsets:
+        view[..., offset:offset + 2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    return gpu.gpuarray().to_gpu(blocks)
+
+
+# The K-quant GEMMs (issue 34: kernels_ptx/kquant_gemm.ptx) beside Q4_0's at the same shapes.
+KQUANT_KINDS = ("q4_k", "q6_k")
+
+
 def gemm_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
     ga = gpu.gpuarray()
     rows = []
@@ -111,6 +130,15 @@ def gemm_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
         gflops = 2 * n_tokens * n * k / seconds / 1e9
         rows.append(Row(f"q4_gemm dense ({name})", f"T{n_tokens} {k}->{n}", seconds * 1e6,
                         gflops, "GFLOP/s", gflops / fma_gflops))
+        for kind in KQUANT_KINDS:
+            blocks = random_blocks(rng, kind, (n, k))
+            kernel = gpu.kernel("kquant_gemm", MODE="dense", FORMAT=kind)
+            seconds = median_seconds(lambda: kernel((-(-n // 128), -(-n_tokens // 64)), (256,),
+                                                    x, blocks, None, y, None, None, None,
+                                                    n_tokens, n, k))
+            gflops = 2 * n_tokens * n * k / seconds / 1e9
+            rows.append(Row(f"kquant_gemm {kind} dense ({name})", f"T{n_tokens} {k}->{n}",
+                            seconds * 1e6, gflops, "GFLOP/s", gflops / fma_gflops))
     return rows
 
 
@@ -144,6 +172,20 @@ def expert_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:
              gate_up_flops + down_flops)):
         gflops = flops / seconds / 1e9
         rows.append(Row(name, shape, seconds * 1e6, gflops, "GFLOP/s", gflops / fma_gflops))
+    from fermijit.ops import kquant_gemm
+
+    for kind in KQUANT_KINDS:
+        gu_blocks = random_blocks(rng, kind, (N_EXPERTS, 2 * EXPERT_INTER, HIDDEN))
+        dn_blocks = random_blocks(rng, kind, (N_EXPERTS, HIDDEN, EXPERT_INTER))
+        for name, shape, seconds, flops in (
+                (f"kquant_gemm {kind} expert_gate_up", f"{per_expert} {HIDDEN}->2x{EXPERT_INTER}",
+                 median_seconds(lambda: kquant_gemm.gate_up_gpu(kind, x, routing, gu_blocks, h)),
+                 gate_up_flops),
+                (f"kquant_gemm {kind} expert_down", f"{per_expert} {EXPERT_INTER}->{HIDDEN}",
+                 median_seconds(lambda: kquant_gemm.down_gpu(kind, h, routing, dn_blocks, y)),
+                 down_flops)):
+            gflops = flops / seconds / 1e9
+            rows.append(Row(name, shape, seconds * 1e6, gflops, "GFLOP/s", gflops / fma_gflops))
     return rows
 
 

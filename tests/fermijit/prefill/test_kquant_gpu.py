@@ -49,8 +49,10 @@ GPU_VS_REFERENCE = 1e-4
 # gives the count) rather than bounded by a count not yet measured.
 GPU_W4A8 = 1e-4
 W4A8_FLIP = 5e-2
-# The handed-off state: the Q4_0 tiny model's bound (test_hybrid_gpu.py GPU_STATE_VS_CPU).
-GPU_STATE_VS_CPU = 1e-2
+# The handed-off state: the Q4_0 tiny model's bound (test_hybrid_gpu.py GPU_STATE_VS_CPU, 1e-2,
+# measured 1.5e-3) is for Q8_0's flips; a Q8_K flip moves the state as it moves the logits, so
+# W4A8_FLIP's bound.
+GPU_STATE_VS_CPU = W4A8_FLIP
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
