@@ -32,7 +32,7 @@ from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays
                                     linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
-                          residual_step, state_copy)
+                          residual_rows, residual_step, state_copy)
 
 
 def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
@@ -100,6 +100,8 @@ class BatchWorkspace:
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
+        self.no_p_rows = np.empty((B, 0), f)       # the same for B rows (ops.residual_rows)
+        self.no_ids, self.no_weights = np.empty((B, 0), np.int32), np.empty((B, 0), f)
         self.plan: RowsPlan | None = None  # one sequence's rows (decode_rows)
         self.gdn_scratch: gdn_rows.Scratch | None = None  # its GDN rows' (ops.gdn_rows)
 
@@ -203,19 +205,18 @@ class RowsPlan(DecodePlan):
 
 def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     """The calls of `decode_rows` over ws's R rows of `state`, as `Model._decode_steps` lists a
-    token's: per row decode's own fused steps (residual, attention, MoE), the products over the
-    R rows at once (`like_gemv`: each row the GEMV's bits, matvec's few-token tiles), the GDN
-    rows in one call that leaves the state after every row but the last in `saves`
+    token's: per row decode's own fused steps (attention, MoE), the products over the R rows
+    at once (`like_gemv`: each row the GEMV's bits, matvec's few-token tiles), the residual
+    steps of the R rows in one call (ops.residual_rows: the fp32 router and gates read once),
+    the GDN rows in one call that leaves the state after every row but the last in `saves`
     (ops.gdn_rows; without saves, decode's step row by row)."""
     R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
     rows = [slice(b, b + 1) for b in range(R)]
 
-    def residual(norm_w, w, p, routed=False):
-        for b, r in enumerate(rows):
-            extra = (ws.ids[r], ws.weights[r]) if routed else ()
-            yield ("residual_step.cpu", *residual_step.launch(
-                ws.x[r], None if y is None else y[r], norm_w, eps, ws.xn[r], ws.act_rows[b], w,
-                ws.no_p if p is None else p[r], *extra))
+    def residual(norm_w, w, p, routed=False):  # every row in one call (ops.residual_rows)
+        return [("residual_rows.cpu", *residual_rows.launch(
+            ws.x, y, norm_w, eps, ws.xn, ws.act, w, ws.no_p_rows if p is None else p,
+            ws.ids if routed else ws.no_ids, ws.weights if routed else ws.no_weights))]
 
     def product(x_act, w, out):
         if isinstance(w, matvec.Q4Matrix):

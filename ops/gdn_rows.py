@@ -7,10 +7,11 @@ returns to).
 Row by row through gdn_step, a verify step of 2 rows forked 3 times a GDN layer (2 steps and the
 save of the state after the first) and swept the 2 MB recurrent state 3 times from memory. Here
 each thread takes gdn_step's heads for every row (one fork), and per value head runs the rows in
-turn, the head's 64 KB of state staying in the thread's cache between them: row r copies its
-source's head into its destination, then updates it there (gdn_step's own routines: conv,
-L2 norms, the delta rule, the gated RMSNorm, in gdn_step's order), so the state is read from
-memory once and each row's written once.
+turn, the head's 64 KB of state staying in the thread's cache between them: row r reads its
+source's head and writes the updated head to its destination (gated_delta's delta rule with
+the source and destination apart, the same operations in the same order; the conv, L2 norms and
+gated RMSNorm are gdn_step's own routines, in its order), so the state is read from memory once
+and each row's written once.
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
@@ -26,6 +27,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit import omp
+from fermijit.jit.cpu import kernel
 from fermijit.ops import conv1d, gated_delta, gdn_step, l2norm, matvec, rmsnorm
 
 
@@ -58,6 +60,38 @@ def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_
                                     xsum8[r], lanes, step_blocks, half_lanes)
 
 
+@kernel
+def _recurrent_head_to(q, k, v, g, beta, src, dst, o, delta, h):
+    """gated_delta._recurrent_head of one token (T = 1) from head h of `src` into head h of
+    `dst`: its sweeps read src, the second writes dst, each value by the same operations in the
+    same order (so dst is what the in-place update leaves, bit for bit), with no copy of the
+    head first."""
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    hk = h // (Hv // Hk)
+    S, D = src[h], dst[h]                                                   # [dk, dv]
+    for t in range(1):
+        alpha = np.exp(g[t, h])
+        o_t = o[t, h]
+        delta[:] = 0
+        o_t[:] = 0
+        kq = np.float32(0)
+        for i in range(dk):
+            k_i = k[t, hk, i]
+            q_i = q[t, hk, i]
+            kq += k_i * q_i
+            for j in range(dv):
+                delta[j] += S[i, j] * k_i                                   # S^T k
+                o_t[j] += S[i, j] * q_i                                     # S^T q
+        for j in range(dv):
+            delta[j] = beta[t, h] * (v[t, h, j] - alpha * delta[j])
+            o_t[j] = alpha * o_t[j] + kq * delta[j]
+        for i in range(dk):
+            k_i = k[t, hk, i]
+            for j in range(dv):
+                D[i, j] = alpha * S[i, j] + k_i * delta[j]
+
+
 def _rows_share(thread, n_threads, args):
     # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn.
     (mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst, o,
@@ -87,10 +121,8 @@ def _rows_share(thread, n_threads, args):
         l2norm._l2norm_serial(k_r[0, k0:k1], l2_eps, 1.0, k_r[0, k0:k1])
     for h in range(h0, h1):
         for r in range(len(mixed)):
-            dst = rec_dst[r]
-            dst[h] = rec_src[r][h]
-            gated_delta._recurrent_head(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1],
-                                        beta[r:r + 1], dst, o[r], deltas[h], h)
+            _recurrent_head_to(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1],
+                               rec_src[r], rec_dst[r], o[r], deltas[h], h)
     for r in range(len(mixed)):
         o_r, z_r = o[r], z[r]
         rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])
