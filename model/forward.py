@@ -660,6 +660,13 @@ class Model:
                     self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)))
                 acts.written(ws.o.reshape(1, -1))
                 steps += product(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
+            elif isinstance(w.joined_in, matvec.Q4Matrix) and w.gates_in is not None:
+                # b | a in the fork of the joined projection qkv | z: one launch, not two
+                steps.append(residual(ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product,
+                                      ws.no_p))
+                steps.append(("matvec.product", *matvec.launch_with_rows(
+                    w.joined_in, ws.act, ws.gdn_in, ws.xn, w.gates_in, ws.gates_in)))
+                steps += self._gdn_steps(mixer, s, ws, acts, product)
             else:
                 steps.append(residual(ws.x, y, w.input_norm, eps, ws.xn, ws.act, w.gates_in,
                                       ws.gates_in))                 # b | a
@@ -668,12 +675,7 @@ class Model:
                 else:                                               # views of gdn_in
                     steps += (product(ws.xn, mixer.in_proj_qkv, ws.mixed, ws.act)
                               + product(ws.xn, mixer.in_proj_z, ws.z.reshape(1, -1), ws.act))
-                steps.append(("gdn_step.cpu", *gdn_step.launch(
-                    ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log,
-                    mixer.dt_bias, mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv,
-                    ws.g, ws.beta, ws.go, ws.act_gdn)))
-                acts.written(ws.go.reshape(1, -1))
-                steps += product(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn)
+                steps += self._gdn_steps(mixer, s, ws, acts, product)
             y = ws.y
             steps.append(residual(ws.x, y, w.post_norm, eps, ws.xn, ws.act, w.router,
                                   ws.router_logits, ws.ids, ws.weights))
@@ -683,6 +685,15 @@ class Model:
         steps.append(residual(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p))
         steps += product(ws.xn, self.lm_head, ws.logits, ws.act)
         return steps
+
+    def _gdn_steps(self, mixer, s, ws: Workspace, acts: _BlockActs, product) -> list:
+        """The decode plan's GDN mixer after its in-projections: its step, then out_proj."""
+        steps = [("gdn_step.cpu", *gdn_step.launch(
+            ws.mixed, ws.z, ws.a, ws.b, mixer.conv1d, s.conv, mixer.A_log, mixer.dt_bias,
+            mixer.norm, self.eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g, ws.beta,
+            ws.go, ws.act_gdn))]
+        acts.written(ws.go.reshape(1, -1))
+        return steps + product(ws.go.reshape(1, -1), mixer.out_proj, ws.y, ws.act_gdn)
 
     def _moe_steps(self, experts, ws: Workspace, acts: _BlockActs) -> list:
         """The decode plan's MoE of ws.xn into ws.y: ops.moe's fused Q4_0 kernel, block_moe's

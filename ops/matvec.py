@@ -36,7 +36,7 @@ from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import Isa, bind, decode_isa, kernel, selected_isa, supported
 from fermijit.jit.omp import jobs_starting_in
 from fermijit.jit.simd import F32, I8, I16, I32, I64, SSE, Vec, vec
-from fermijit.ops import gemm
+from fermijit.ops import fp32_rows, gemm
 from fermijit.ops.quant import BLOCK
 from fermijit.ops.quantize_rows import quantize_rows
 
@@ -578,6 +578,24 @@ def _gemv_body(qs, d, xq, dx, xsum8, out):
     fork((qs, d, xq, dx, xsum8, out))
 
 
+def _gemv_rows_share(thread, n_threads, args):
+    """The GEMV's share, then the thread's run of rows of an fp32 product of the same input
+    (fp32_rows.rows_range, as residual_step's fork splits them: each output its bits)."""
+    gemv, (x, w, p) = args
+    gemv_share(thread, n_threads, gemv)
+    n_rows = w.shape[0]
+    fp32_rows.rows_range(x, w, p, thread * n_rows // n_threads,
+                         (thread + 1) * n_rows // n_threads)
+
+
+def _gemv_rows_body(qs, d, xq, dx, xsum8, out, x, w, p):
+    """The decode GEMV and p [1, R'] = x [1, K] · wᵀ (fp32 rows: the GDN gates, read from the
+    mixer's input as its projection) in one fork: one launch a layer fewer where residual_step
+    would fork the product (3 threads and more), and the product over the threads where it
+    would run on the calling thread (fewer)."""
+    fork(((qs, d, xq, dx, xsum8, out), (x, w, p)))
+
+
 @kernel(fastmath=False)
 def _expert(qs, d, idx, sqs, sd, i):
     """Matrix i of a gathered launch: routed expert idx[i], then the always-on ones (sqs, sd)."""
@@ -717,6 +735,33 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
             body, fastmath=False, variant=variant, signatures=_SIGNATURES[body],
             fork=omp.fork(bind(_SHARES[body], variant, **tiles)), **tiles)
     return _products[key]
+
+
+_gemv_rows_kernels: dict = {}
+
+
+def gemv_rows_kernel(isa: Isa):
+    """`_gemv_rows_body`'s kernel for `isa`: (qs, d_bits, xq, dx, xsum8, out, x, w, p)."""
+    if isa not in _gemv_rows_kernels:
+        variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
+        variant += "-rows"
+        share = kernel(_gemv_share, fastmath=False, variant=variant, **tiles)
+        _gemv_rows_kernels[isa] = kernel(
+            _gemv_rows_body, fastmath=False, variant=variant,
+            fork=omp.fork(bind(_gemv_rows_share, variant, gemv_share=share)))
+    return _gemv_rows_kernels[isa]
+
+
+def launch_with_rows(w: Q4Matrix, act: Q8Act, out, x, w_rows, p):
+    """`launch` of one token's GEMV with p [1, R'] = x [1, K] · w_rowsᵀ (fp32) in its fork:
+    (kernel, args), for decode's plan."""
+    if act.xq.shape[0] != 1:
+        raise FermijitError("matvec: a GEMV with fp32 rows takes one token")
+    kernel_, args = launch(w, act, out)
+    check_array("matvec", "x", x, np.float32, (1, act.xq.shape[1]))
+    check_array("matvec", "w_rows", w_rows, np.float32, (None, act.xq.shape[1]))
+    check_array("matvec", "p", p, np.float32, (1, w_rows.shape[0]))
+    return gemv_rows_kernel(act.vec.isa), args + (x, w_rows, p)
 
 
 def gemv_shape(isa: Isa) -> tuple[int, int]:
