@@ -124,7 +124,11 @@ class Streamer:
 
         if source not in SOURCES:
             raise FermijitError(f"expert source must be one of {SOURCES}, got {source!r}")
-        self.layout = Layout.of(layers[0])
+        # Per layer: a K-quant mix gives some layers' experts other formats (Q4_K_M: Q6_K down
+        # projections in a third of the layers), so other sizes; the device buffers take the
+        # largest layer.
+        self.layouts = [Layout.of(w) for w in layers]
+        self.layer_bytes = max(lay.layer_bytes for lay in self.layouts)
         self.host = [expert_arrays(w) for w in layers]
         self.stream = gpu.copy_stream()
         self.pool: list[np.ndarray] = []
@@ -135,9 +139,9 @@ class Streamer:
                 source = "pinned"
         self.source = source
         if source == "pinned":
-            for arrays in self.host:
-                buf = gpu.pinned(self.layout.layer_bytes)
-                for start, a in zip(self.layout.offsets, arrays):
+            for lay, arrays in zip(self.layouts, self.host):
+                buf = gpu.pinned(lay.layer_bytes)
+                for start, a in zip(lay.offsets, arrays):
                     buf[start:start + a.size] = a.reshape(-1)
                     _release_pages(a)  # as it goes: the RSS holds one copy plus one layer
                 self.pool.append(buf)
@@ -155,7 +159,7 @@ class Streamer:
         if self.source != "pinned":
             return w
         buf, views = self.pool[layer], []
-        for start, a in zip(self.layout.offsets, routed_arrays(w)):
+        for start, a in zip(self.layouts[layer].offsets, routed_arrays(w)):
             view = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
             view.flags.writeable = False  # as the file's views: the same compiled kernels
             views.append(view)
@@ -172,7 +176,7 @@ class Streamer:
         from fermijit.jit import gpu
 
         cuda = gpu.driver()
-        lay, arrays = self.layout, self.host[layer]
+        lay, arrays = self.layouts[layer], self.host[layer]
         pieces = []  # (device address, host bytes)
         for a, b in runs(experts):
             for r, (start, size) in enumerate(zip(lay.offsets, lay.per_expert)):

@@ -88,7 +88,7 @@ class DeviceModel:
         self.head_kind = model.lm_head.kind if "blocks" in self.head else "q4_0"
         self.has_k_quants = has_k_quants(model)
         self.prepare_s["dense weights"] = time.perf_counter() - start
-        self.expert_buffers = [gpu.empty((self.streamer.layout.layer_bytes,), np.uint8)
+        self.expert_buffers = [gpu.empty((self.streamer.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
         self.readback = gpu.copy_stream()  # device-to-host routing reads (Pass.read_routing)
         self._host: dict[str, np.ndarray] = {}
@@ -445,7 +445,8 @@ class Pass:
             self.host_s[key] = self.host_s.get(key, 0.0) + dt
         on_device, events, copy_start = self.on_device.pop(i)
         self.layer_stats.append({"slots": int(ids.size), "experts": int(needed.sum()),
-                                 "bytes": int(on_device.sum()) * dev.streamer.layout.expert_bytes,
+                                 "bytes": (int(on_device.sum())
+                                           * dev.streamer.layouts[i].expert_bytes),
                                  "late_bytes": late,
                                  "unused_experts": int((on_device & ~needed).sum())})
         self.mark("routing (host)")
@@ -457,7 +458,7 @@ class Pass:
         # The layer buffer's regions (expert_stream.routed_arrays): gate_up's (qs, d, or
         # blocks), then down's.
         base = int(dev.expert_buffers[i % 2].gpudata)
-        regions = tuple(base + s for s in dev.streamer.layout.offsets)
+        regions = tuple(base + s for s in dev.streamer.layouts[i].offsets)
         n_gu = 2 if kinds["gate_up"] in ("q4_0", "q8_0") else 1
         gu, dn = regions[:n_gu], regions[n_gu:]
         routed = expert_matmul.Routing(self.slot_rows, self.slot_weights, self.slot_tiles,

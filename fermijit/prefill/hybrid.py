@@ -131,10 +131,12 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
         resident = sum(a.nbytes for layer in gpu_layout.dense_arrays(model)
                        for a in layer.values())
         resident += model.norm.nbytes + gpu_layout.head_bytes(model)
-    layout = expert_stream.Layout.of(model.layers[0].experts)
+    # per layer: a K-quant mix's layers differ (expert_stream.Streamer.layouts)
+    layer_bytes = [expert_stream.Layout.of(w.experts).layer_bytes for w in moe_layers(model)]
+    largest = max(layer_bytes)
     ends = [start + n_tokens] if ends is None else ends
     states = sum(gpu_layout.state_bytes(model, end, with_head) for end in ends)
-    fixed = resident + 2 * layout.layer_bytes + states  # the expert buffer pair
+    fixed = resident + 2 * largest + states  # the expert buffer pair
 
     def activations(t: int) -> int:
         logits = 4 * model.vocab_size * (t if all_logits else min(t, len(ends)))
@@ -148,11 +150,11 @@ def plan(model, n_tokens: int, start: int, budget: int, pin_budget: int,
     if fixed + activations(chunk) > budget:
         raise FermijitError(f"the GPU prefill needs {(fixed + activations(chunk)) / MIB:,.0f} "
                             f"MiB of GPU memory, the budget is {budget / MIB:,.0f} MiB")
-    pool = layout.layer_bytes * len(moe_layers(model))
+    pool = sum(layer_bytes)
     source = "pinned" if pool <= pin_budget else "ring"
     pinned = pool if source == "pinned" else expert_stream.RING_SLOTS * ring_slot_bytes(pin_budget)
-    return Plan(n_tokens, chunk, budget, resident, 2 * layout.layer_bytes, layout.layer_bytes,
-                states, activations(chunk), source, pinned)
+    return Plan(n_tokens, chunk, budget, resident, 2 * largest, largest, states,
+                activations(chunk), source, pinned)
 
 
 # Tokens a server prefills between two decode steps of its running streams (the scheduler's

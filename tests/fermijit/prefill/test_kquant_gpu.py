@@ -103,6 +103,23 @@ def test_expert_layout_regions_are_aligned_and_hold_the_arrays(model):
     assert (again.down.blocks if isinstance(w.down, BlockTensor) else again.down.d) is views[-1]
 
 
+
+def test_the_layers_experts_have_layouts_of_their_own(model):
+    """The mix gives some layers' experts another format (Q4_K_M: Q6_K down projections in the
+    use_more_bits layers; narrow: Q8_0's two arrays where Q5_0 has one), so the streamed layer
+    buffer's regions are each layer's own and the device buffers hold the largest layer (with
+    layer 0's layout for all, the H200 failed: "cuMemcpyHtoDAsync failed: invalid argument" in
+    layer 2, and an expert GEMM given one region for Q8_0's two)."""
+    from fermijit.model.reap import moe_layers
+
+    layouts = [expert_stream.Layout.of(w.experts) for w in moe_layers(model)]
+    assert len({(lay.per_expert, lay.offsets) for lay in layouts}) > 1
+    largest = max(lay.layer_bytes for lay in layouts)
+    assert largest > layouts[0].layer_bytes or len({len(l.offsets) for l in layouts}) > 1
+    plan = hybrid.plan(model, N_PROMPT, 0, 1 << 34, 1 << 34)
+    assert plan.expert_buffer == 2 * largest
+    assert plan.pinned == sum(lay.layer_bytes for lay in layouts)
+
 @needs_gpu
 @pytest.mark.parametrize("source", ["pinned", "ring"])
 def test_fp32_logits_and_state_follow_the_reference(directory, model, source):
