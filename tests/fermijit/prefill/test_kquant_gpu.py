@@ -55,6 +55,29 @@ W4A8_FLIP = 5e-2
 GPU_STATE_VS_CPU = W4A8_FLIP
 
 
+@pytest.fixture(scope="module", autouse=True)
+def block_gemms_on():
+    """The GPU prefill takes these models only with gpu_layout.BLOCK_GEMMS_ENV set (below: not
+    by default)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(gpu_layout.BLOCK_GEMMS_ENV, "1")
+        yield
+
+
+def test_by_default_the_gpu_prefill_leaves_block_gemm_models_to_the_cpu(model, monkeypatch):
+    """Until the model-level tests below pass on a GPU, a K-quant model prefills on the CPU
+    unless BLOCK_GEMMS_ENV asks for the GPU; a Q4_0 model with its Q8_0 LM head is not one."""
+    from fermijit import FermijitError, engine
+
+    monkeypatch.delenv(gpu_layout.BLOCK_GEMMS_ENV)
+    assert gpu_layout.uses_block_gemms(model)
+    with pytest.raises(FermijitError, match="has not passed its GPU tests yet"):
+        gpu_layout.check_supported(model)
+    q4_0 = load_model(engine.DEFAULT_MODEL)[1]
+    assert not gpu_layout.uses_block_gemms(q4_0)
+    gpu_layout.check_supported(q4_0)
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def directory(tmp_path_factory, request):
     dst = tmp_path_factory.mktemp("kquant-gpu") / request.param
