@@ -67,6 +67,9 @@ _decode: Isa | None = None
 # windows of `bench decode`, fresh process each, interleaved): the default 19-98 % of the
 # ceiling (collapsing whenever a neighbour runs), 100000 39 %, 30000 64-97, 10000 63-100, 3000
 # 98-99, 1000 90-94, 0 (OMP_WAIT_POLICY=passive) 88-102 but ~8 % slower when the cores are free.
+# Full size, `bench decode --threads 2` (512-token prompt, 64 tokens), a neighbour on one core
+# (load 3-4), 3 rounds: the default 9.1-9.6 % (0.7 tok/s), 3000 73-76 % (5.6-6.0 tok/s); the
+# cores free: 75-76 % and 74 % alike. A pause is ~10 ns here: 3000 spins ~30 us.
 # Read by libgomp when it loads (Numba's first thread launch): set at import, unless the user
 # chose a spin or a wait policy.
 SPIN_ENV = "GOMP_SPINCOUNT"
