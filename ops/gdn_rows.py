@@ -65,7 +65,9 @@ def _recurrent_head_to(q, k, v, g, beta, src, dst, o, delta, h):
     """gated_delta._recurrent_head of one token (T = 1) from head h of `src` into head h of
     `dst`: its sweeps read src, the second writes dst, each value by the same operations in the
     same order (so dst is what the in-place update leaves, bit for bit), with no copy of the
-    head first."""
+    head first. (One kernel for both, src and dst the same array in place, measured 1.8x slower
+    in decode's gdn_step: 155-171 against 85-93 us a full-size layer at 1 thread, the stores no
+    longer known not to alias the loads.)"""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
