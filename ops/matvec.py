@@ -533,24 +533,8 @@ def _product_body(qs, d, xq, dx, xsum8, out):
 
 def _gemv_share(thread, n_threads, args):
     """One thread's run of rows cut into ROWS equal runs read side by side (GEMV_STREAMS), the
-    rows left over one by one."""
-    qs, d, xq, dx, xsum8, out = args
-    n_rows = qs.shape[0]
-    first = thread * n_rows // n_threads
-    last = (thread + 1) * n_rows // n_threads
-    per = (last - first) // ROWS
-    for s in range(ROWS):
-        _warm(qs, first + s * per)
-        _warm(d, first + s * per)
-    for j in range(per):
-        spread_tile(qs, d, xq, dx, xsum8, out, first + j, 0, 0, per)
-    for r in range(first + per * ROWS, last):
-        one_by_1(qs, d, xq, dx, xsum8, out, r, 0, 0)
-
-
-def _few_share(thread, n_threads, args):
-    """`_gemv_share` for a tile of all of a few tokens (a verify step's rows, FEW_TOKENS): the
-    thread's rows as ROWS side-by-side streams, each row's leftover token by token."""
+    rows left over one by one, token by token: the GEMV's (one token) and a verify step's few
+    tokens' (`_few_body`: a tile of all of them)."""
     qs, d, xq, dx, xsum8, out = args
     n_rows = qs.shape[0]
     first = thread * n_rows // n_threads
@@ -678,7 +662,7 @@ def _grouped_body(qs, d, offsets, xq, dx, xsum8, out):
                 one_by_1(qs[e], d[e], xq, dx, xsum8, out, r, t, t)
 
 
-_SHARES = {_product_body: _product_share, _gemv_body: _gemv_share, _few_body: _few_share,
+_SHARES = {_product_body: _product_share, _gemv_body: _gemv_share, _few_body: _gemv_share,
            _gathered_body: _gathered_share, _grouped_body: _grouped_share}
 
 
