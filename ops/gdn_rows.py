@@ -28,7 +28,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp
 from fermijit.jit.cpu import kernel
-from fermijit.ops import conv1d, gated_delta, gdn_step, l2norm, matvec, rmsnorm
+from fermijit.ops import gated_delta, gdn_step, matvec, rmsnorm
 
 
 def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l2_eps, state):
@@ -109,18 +109,7 @@ def _rows_share(thread, n_threads, args):
         for lo, hi in ((k0 * dk, k1 * dk), (nk + k0 * dk, nk + k1 * dk),
                        (2 * nk + h0 * dv, 2 * nk + h1 * dv)):
             cd[lo:hi] = cs[lo:hi]
-        conv1d._conv_range(m, conv_w, cd, m, k0 * dk, k1 * dk)                           # q
-        conv1d._conv_range(m, conv_w, cd, m, nk + k0 * dk, nk + k1 * dk)                 # k
-        conv1d._conv_range(m, conv_w, cd, m, 2 * nk + h0 * dv, 2 * nk + h1 * dv)
-        for h in range(k0, k1):  # row-major copies: an index divided per element cost ~100 us
-            for i in range(dk):
-                q_r[0, h, i] = m[0, h * dk + i]
-                k_r[0, h, i] = m[0, nk + h * dk + i]
-        for h in range(h0, h1):
-            for i in range(dv):
-                v_r[0, h, i] = m[0, 2 * nk + h * dv + i]
-        l2norm._l2norm_serial(q_r[0, k0:k1], l2_eps, q_scale, q_r[0, k0:k1])
-        l2norm._l2norm_serial(k_r[0, k0:k1], l2_eps, 1.0, k_r[0, k0:k1])
+        gdn_step.prepare_heads(m, conv_w, cd, q_r, k_r, v_r, l2_eps, q_scale, k0, k1)
     for h in range(h0, h1):
         for r in range(len(mixed)):
             _recurrent_head_to(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1],

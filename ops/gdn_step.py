@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit import omp
+from fermijit.jit.cpu import kernel
 from fermijit.ops import conv1d, gated_delta, l2norm, matvec, rmsnorm
 from fermijit.ops.matvec import Q8Act
 
@@ -46,18 +47,14 @@ def _step_body(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, 
                                     step_blocks, half_lanes)
 
 
-def _heads_share(thread, n_threads, args):
-    # A thread's key heads and their value heads, from the conv to the gated RMSNorm and the
-    # quantisation of their output blocks (where a head is whole 32-blocks): every channel and
-    # head is one thread's (the same bits whatever the thread count), and nothing but the gates
-    # waits on one thread (the quantiser of the whole output was ~7 us of a full-size layer on
-    # one thread here).
-    (mixed, conv_w, conv_state, l2_eps, q_scale, q, k, v, g, beta, recurrent, o, deltas, z,
-     norm_w, eps, xq, dx, xsum8, lanes, step_blocks, half_lanes) = args
+@kernel
+def prepare_heads(mixed, conv_w, conv_state, q, k, v, l2_eps, q_scale, k0, k1):
+    """Key heads [k0, k1) and their value heads of one token: the conv of their channels
+    (mixed [1, C] in place, conv_state updated), q, k, v [1, H, d] copied out, q and k
+    L2-normed (q scaled)."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     nk, group = Hk * dk, Hv // Hk
-    k0, k1 = thread * Hk // n_threads, (thread + 1) * Hk // n_threads
     h0, h1 = k0 * group, k1 * group
     conv1d._conv_range(mixed, conv_w, conv_state, mixed, k0 * dk, k1 * dk)               # q
     conv1d._conv_range(mixed, conv_w, conv_state, mixed, nk + k0 * dk, nk + k1 * dk)     # k
@@ -71,6 +68,21 @@ def _heads_share(thread, n_threads, args):
             v[0, h, i] = mixed[0, 2 * nk + h * dv + i]
     l2norm._l2norm_serial(q[0, k0:k1], l2_eps, q_scale, q[0, k0:k1])
     l2norm._l2norm_serial(k[0, k0:k1], l2_eps, 1.0, k[0, k0:k1])
+
+
+def _heads_share(thread, n_threads, args):
+    # A thread's key heads and their value heads, from the conv to the gated RMSNorm and the
+    # quantisation of their output blocks (where a head is whole 32-blocks): every channel and
+    # head is one thread's (the same bits whatever the thread count), and nothing but the gates
+    # waits on one thread (the quantiser of the whole output was ~7 us of a full-size layer on
+    # one thread here).
+    (mixed, conv_w, conv_state, l2_eps, q_scale, q, k, v, g, beta, recurrent, o, deltas, z,
+     norm_w, eps, xq, dx, xsum8, lanes, step_blocks, half_lanes) = args
+    Hk, Hv, dv = q.shape[1], v.shape[1], v.shape[2]
+    group = Hv // Hk
+    k0, k1 = thread * Hk // n_threads, (thread + 1) * Hk // n_threads
+    h0, h1 = k0 * group, k1 * group
+    prepare_heads(mixed, conv_w, conv_state, q, k, v, l2_eps, q_scale, k0, k1)
     for h in range(h0, h1):
         gated_delta._recurrent_head(q, k, v, g, beta, recurrent, o, deltas[h], h)
     rmsnorm._gated_serial(o[0, h0:h1], z[0, h0:h1], norm_w, eps, o[0, h0:h1])
