@@ -153,12 +153,15 @@ def rows_range(x, w, out, first, last):
 
 
 def rows_share(thread, n_threads, args):
-    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`). The router's
-    1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads waited
-    on."""
+    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`), for each token
+    of x in turn (a verify step's few: ops/residual_rows.py), its rows of w read from memory
+    once. The router's 1 MB a layer read by one thread was ~40 MB of a full-size token that 16
+    threads waited on."""
     x, w, out = args
     n_rows = w.shape[0]
-    rows_range(x, w, out, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)
+    first, last = thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads
+    for t in range(x.shape[0]):
+        rows_range(x[t:t + 1], w, out[t:t + 1], first, last)
 
 
 def _rows_body(x, w, out):

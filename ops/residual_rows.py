@@ -53,17 +53,8 @@ def _rows_step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, ha
                 router._route_tokens(p[r:r + 1], ids[r:r + 1], weights[r:r + 1])
 
 
-def _rows_share(thread, n_threads, args):
-    """fp32_rows.rows_share for each row of x: the thread's rows of w, row by row of x."""
-    x, w, out = args
-    n_rows = w.shape[0]
-    first, last = thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads
-    for t in range(x.shape[0]):
-        fp32_rows.rows_range(x[t:t + 1], w, out[t:t + 1], first, last)
-
-
 # No fast-math: the product's sums keep fp32_rows' order, as residual_step's.
-_rows_kernel = omp.forking_kernel(_rows_step, fastmath=False, fork=_rows_share)
+_rows_kernel = omp.forking_kernel(_rows_step, fastmath=False, fork=fp32_rows.rows_share)
 
 
 def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids, weights):
