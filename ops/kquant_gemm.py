@@ -36,8 +36,11 @@ ALIGN = {"q4_k": 16, "q6_k": 2, "q5_0": 2, "q5_1": 8, "q8_0": 8}
 
 
 def _parts(w) -> tuple:
-    """A weight as the kernel's (p_w, p_d): blocks -> (blocks, None); Q8_0's (qs, d) as given."""
-    return tuple(w) if isinstance(w, tuple) else (w, None)
+    """A weight as the kernel's (p_w, p_d): blocks or (blocks,) -> (blocks, None); Q8_0's (qs,
+    d) as given."""
+    if not isinstance(w, tuple):
+        return w, None
+    return (w[0], w[1]) if len(w) == 2 else (w[0], None)
 
 
 def dequantize(kind, w) -> np.ndarray:

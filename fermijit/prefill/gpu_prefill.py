@@ -246,7 +246,7 @@ class Pass:
         """out = x · Wᵀ for weights of `kind` (as `weights` gives them)."""
         if kind == "q4_0":
             return matmul.gpu(x, *weights, out=out)
-        return kquant_gemm.gpu(kind, x, weights if kind == "q8_0" else weights[0], out=out)
+        return kquant_gemm.gpu(kind, x, weights, out=out)
 
     def dense(self, w, kinds, name: str, x, out):
         """out = x · W_nameᵀ, x already rounded for it."""
@@ -261,7 +261,7 @@ class Pass:
             op(a, routing, *weights, out)
         else:
             op = kquant_gemm.gate_up_gpu if stage == "gate_up" else kquant_gemm.down_gpu
-            op(kind, a, routing, weights if kind == "q8_0" else weights[0], out)
+            op(kind, a, routing, weights, out)
 
     def add_projection(self, src, w, kinds, name: str) -> None:
         """x += src · W_nameᵀ: the expert_down GEMM with one expert and every token's weight 1.
