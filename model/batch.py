@@ -272,7 +272,8 @@ def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves"
     rows = [ws.gdn_in[r:r + 1] for r in range(R)]
     return ("gdn_rows.cpu", *gdn_rows.launch(
         [row[:, :C] for row in rows], [row[:, C:].reshape(1, Hv, dv) for row in rows],
-        [ws.gates_in[r:r + 1, Hv:] for r in range(R)], [ws.gates_in[r:r + 1, :Hv] for r in range(R)],
+        [ws.gates_in[r:r + 1, Hv:] for r in range(R)],
+        [ws.gates_in[r:r + 1, :Hv] for r in range(R)],
         mixer.conv1d, [s.conv] + conv_dst[:-1], conv_dst, mixer.A_log, mixer.dt_bias, mixer.norm,
         model.eps, L2NORM_EPS, [s.recurrent] + rec_dst[:-1], rec_dst, ws.gdn_scratch,
         [ws.go[r:r + 1] for r in range(R)], ws.act_gdn_rows))

@@ -7,9 +7,10 @@ Letters: T tokens (or slots), N output rows, K inputs (whole blocks of Q values)
 [N, K/Q·S] (S the format's block bytes), experts [E, N, K/Q·S].
 
 `reference` is the spec: x (fp32, as given) times ops/kquant.py's `dequantize` (llama.cpp's
-dequantize_row_*; `dequantize` here adds Q8_0's) in float64. `gpu`, `gate_up_gpu` and `down_gpu` are that in PTX
-(kernels_ptx/kquant_gemm.ptx, q4_gemm.ptx's tiles, modes and epilogues): every weight dequantised
-in registers to the spec's fp32 value bit for bit, products and sums in fp32. The GPU prefill
+dequantize_row_*; `dequantize` here adds Q8_0's) in float64. `gpu`, `gate_up_gpu` and
+`down_gpu` are that in PTX (kernels_ptx/kquant_gemm.ptx, q4_gemm.ptx's tiles, modes and
+epilogues): every weight dequantised in registers to the spec's fp32 value bit for bit, products
+and sums in fp32. The GPU prefill
 feeds them x already rounded as the CPU's product of the format rounds it (`act_kind`: Q8_K per
 256 for the K-quants, ops/act_quant.py q8_k_gpu), so they then equal ops/kquant.py `reference`
 (the CPU's integer sums) to fp32 rounding.

@@ -101,7 +101,6 @@ def _projections(model: Model) -> list[tuple[str, object]]:
     return mats
 
 
-
 def has_k_quants(model: Model) -> bool:
     """Whether some projection takes K-quant activations (Q8_K per 256: a second rounded copy
     of the layers' input)."""
@@ -128,8 +127,8 @@ def check_supported(model: Model) -> None:
         raise FermijitError("the GPU prefill needs a 4-bit model (convert it first); this one is "
                             "an fp32 checkpoint")
     # What has CPU kernels only so far (Q5_K blocks; blocks read in a permuted column order):
-    # refused here, so the CPU prefills such a model rather than the GPU computing it wrong. (The MTP head's layer is layer L, after the
-    # model's L: model/reap.py moe_layers.)
+    # refused here, so the CPU prefills such a model rather than the GPU computing it wrong.
+    # (The MTP head's layer is layer L, after the model's L: model/reap.py moe_layers.)
     refused = [(name, _label(m)) for name, m in _projections(model) if kind(m) is None]
     if refused:
         kinds = "/".join(sorted({k for _, k in refused}))

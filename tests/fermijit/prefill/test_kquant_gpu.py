@@ -35,7 +35,8 @@ OVERRIDES = dict(vocab_size=512, bos_token_id=300, eos_token_id=300, hidden_size
 NARROW = dict(OVERRIDES, hidden_size=128, head_dim=64, linear_num_value_heads=2,
               moe_intermediate_size=128, shared_expert_intermediate_size=128)
 MODELS = {"q4_k_m": OVERRIDES, "narrow": NARROW}
-KINDS = {"q4_k_m": {"q4_k", "q6_k"}, "narrow": {"q5_0", "q8_0", "q4_k"}}  # narrow: the MTP fc is 256 wide
+# narrow: its MTP fc is 256 wide, so Q4_K
+KINDS = {"q4_k_m": {"q4_k", "q6_k"}, "narrow": {"q5_0", "q8_0", "q4_k"}}
 N_PROMPT = 96
 # fp32 activations: as the Q4_0 model's (test_hybrid_gpu.py GPU_VS_REFERENCE): the weights
 # the kernels hold equal the reference's dequantised blocks bit for bit
