@@ -10,7 +10,6 @@ set -u
 out=${1:?usage: tests/gpu_kquant.sh OUTDIR}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_install.sh"
-export FERMIJIT_GPU_BLOCK_GEMMS=1  # gpu_layout.BLOCK_GEMMS_ENV: these runs are what would lift the gate
 nvidia-smi -L >"$out/device.txt" 2>&1
 timeout 120 python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
 echo "kernels check rc=$?"

@@ -12,7 +12,6 @@ Dimension legend: as model/weights.py; T tokens in a pass, S = T·k routed slots
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -107,20 +106,6 @@ def has_k_quants(model: Model) -> bool:
     return any(kquant_gemm.act_kind(kind(m) or "") == "q8_k" for _, m in _projections(model))
 
 
-# The GPU prefill of a model whose projections take kquant_gemm.ptx (a Q4_K_M mix: Q4_K, Q6_K,
-# Q5_0/Q5_1, Q8_0 rows; a Q4_0 model's Q8_0 LM head is not one of them: head_arrays splits it
-# into Q4_0 GEMMs) only where this is set: its GEMM kernels passed on the H200 (session 14), the
-# model's passes did not (every K-quant model failed: one expert layout for all layers, fixed
-# after the run, untested on a GPU since). tests/gpu_kquant.sh sets it.
-BLOCK_GEMMS_ENV = "FERMIJIT_GPU_BLOCK_GEMMS"
-
-
-def uses_block_gemms(model: Model) -> bool:
-    """Whether some projection (the LM head's Q8_0 aside) takes kquant_gemm.ptx."""
-    return any(kind(m) not in ("q4_0", None) for name, m in _projections(model)
-               if not (name == "lm_head" and kind(m) == "q8_0"))
-
-
 def check_supported(model: Model) -> None:
     """FermijitError unless the PTX kernels take this model's shapes."""
     if not model.is_quantized:
@@ -149,9 +134,6 @@ def check_supported(model: Model) -> None:
         if not ok:
             raise FermijitError(f"the GPU kernels do not take this model's {what} "
                                 f"(they take {allowed})")
-    if uses_block_gemms(model) and not os.environ.get(BLOCK_GEMMS_ENV):
-        raise FermijitError(f"the GPU prefill of K-quant / Q5 / Q8_0 weights has not passed its "
-                            f"GPU tests yet (tests/gpu_kquant.sh; {BLOCK_GEMMS_ENV}=1 tries it)")
 
 
 def dense_arrays(model: Model) -> list[dict[str, np.ndarray]]:

@@ -44,43 +44,20 @@ N_PROMPT = 96
 GPU_VS_REFERENCE = 1e-4
 # W4A8 against the all-CPU prefill: fp32 rounding (the Q4_0 model's GPU_W4A8 1e-4) on the
 # positions before any 8-bit flip; after one (a Q8_K code off by one, 1/254 of a 256-block's
-# largest) the logits move and the GDN state carries it on, flips add up: on the CPU alone, the
-# q4_k_m model's W4A8 prefill (fp32 sums) against the float64 W4A8 reference (the same
-# roundings) is 2.75e-2 off at its worst position (91 of 96 past 1e-4), the CPU's prefill
-# against its own token-by-token decode 9.1e-3; the H200's GPU prefill against the all-CPU one
-# 6.0e-2 (94 of 96). So every position is held to W4A8_FLIP, about twice the GPU's measured
-# distance, against both the CPU and the W4A8 reference; the first position, whose roundings no
-# state carries yet, to GPU_W4A8 (measured within it: positions 0 and 1), which an activation
-# rounded in the wrong blocks or kind (what fp32 mode cannot show) would not be.
+# largest) the logits move and the GDN state carries it on, so flips add up. Measured on the
+# H200 (worst position, of the largest logit; the same in two runs): the GPU against the all-CPU
+# prefill 3.6e-2 (q4_k_m) and 6.0e-2 (narrow), held to W4A8_FLIP; each against the float64 W4A8
+# reference (the same roundings in float64): the GPU 3.7e-2 and 1.06e-1, the CPU 2.75e-2 and
+# 9.9e-2, so the GPU is held to VS_CPU_DISTANCE times the CPU's own distance there; the first
+# position, whose roundings no state carries yet, to GPU_W4A8 (both within it), which an
+# activation rounded in the wrong blocks or kind (what fp32 mode cannot show) would not be.
 GPU_W4A8 = 1e-4
 W4A8_FLIP = 1.2e-1
+VS_CPU_DISTANCE = 1.5
 # The handed-off state: the Q4_0 tiny model's bound (test_hybrid_gpu.py GPU_STATE_VS_CPU, 1e-2,
 # measured 1.5e-3) is for Q8_0's flips; a Q8_K flip moves the state as it moves the logits, so
 # W4A8_FLIP's bound (measured 3.2e-2 on the H200).
 GPU_STATE_VS_CPU = W4A8_FLIP
-
-
-@pytest.fixture(scope="module", autouse=True)
-def block_gemms_on():
-    """The GPU prefill takes these models only with gpu_layout.BLOCK_GEMMS_ENV set (below: not
-    by default)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(gpu_layout.BLOCK_GEMMS_ENV, "1")
-        yield
-
-
-def test_by_default_the_gpu_prefill_leaves_block_gemm_models_to_the_cpu(model, monkeypatch):
-    """Until the model-level tests below pass on a GPU, a K-quant model prefills on the CPU
-    unless BLOCK_GEMMS_ENV asks for the GPU; a Q4_0 model with its Q8_0 LM head is not one."""
-    from fermijit import FermijitError, engine
-
-    monkeypatch.delenv(gpu_layout.BLOCK_GEMMS_ENV)
-    assert gpu_layout.uses_block_gemms(model)
-    with pytest.raises(FermijitError, match="has not passed its GPU tests yet"):
-        gpu_layout.check_supported(model)
-    q4_0 = load_model(engine.DEFAULT_MODEL)[1]
-    assert not gpu_layout.uses_block_gemms(q4_0)
-    gpu_layout.check_supported(q4_0)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -182,15 +159,16 @@ def test_w4a8_logits_and_state_follow_the_cpu_prefill(directory, model, mtp):
     cfg, weights, _ = convert.load_converted(directory)
     reference = Reference(cfg.text_config, weights, quantize_activations=True)
     expected = reference.forward(tokens, reference.new_state())
-    for what, spec in (("all-CPU", cpu_logits), ("W4A8 reference", expected)):
-        print(f"rel err q4_k_m gpu w4a8 vs {what} logits: last position "
-              f"{rel_error(spec[-1], logits[-1]):.3g}, worst {rel_error(spec, logits):.3g}")
-        assert_rel_but_flips(f"q4_k_m gpu w4a8 vs {what} logits", spec, logits, GPU_W4A8,
-                             W4A8_FLIP, N_PROMPT)
+    print(f"rel err q4_k_m gpu w4a8 vs all-CPU logits: last position "
+          f"{rel_error(cpu_logits[-1], logits[-1]):.3g}, worst {rel_error(cpu_logits, logits):.3g}")
+    assert_rel_but_flips("q4_k_m gpu w4a8 vs all-CPU logits", cpu_logits, logits, GPU_W4A8,
+                         W4A8_FLIP, N_PROMPT)
     assert_rel("q4_k_m gpu w4a8 vs all-CPU logits, first position", cpu_logits[:1], logits[:1],
                GPU_W4A8)
-    print(f"rel err q4_k_m all-CPU w4a8 vs W4A8 reference logits: worst "
-          f"{rel_error(expected, cpu_logits):.3g}")
+    gpu_distance, cpu_distance = rel_error(expected, logits), rel_error(expected, cpu_logits)
+    print(f"rel err q4_k_m w4a8 vs W4A8 reference logits: gpu {gpu_distance:.3g}, "
+          f"all-CPU {cpu_distance:.3g}")
+    assert gpu_distance <= VS_CPU_DISTANCE * cpu_distance, (gpu_distance, cpu_distance)
     errors = []
     for ours, cpu in handed_off_pairs(state, cpu_state, transposed=False):
         report_error("q4_k_m handed-off state vs all-CPU", cpu, ours)
