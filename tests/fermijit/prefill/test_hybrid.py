@@ -299,3 +299,21 @@ def test_handed_arrays_are_what_the_hand_off_writes(default_model):
                        for n, a in enumerate(arrays))
         else:
             assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent
+
+
+def test_a_q8_0_lm_head_goes_to_the_gpu_as_stored(default_model, rng):
+    """No work on the host at start (issue 28 item 4: its split into two Q4_0 matrices took
+    0.15-0.85 s): the head's own arrays, in the layout kquant_gemm's Q8_0 GEMM reads, whose
+    product on x rounded as the GPU rounds it (act_quant) is the CPU's head to fp32 rounding."""
+    from fermijit.model.forward import linear
+    from fermijit.ops import act_quant, kquant_gemm
+
+    w = default_model.lm_head
+    head = gpu_layout.head_arrays(default_model)
+    assert head.keys() == {"qs", "d"} and gpu_layout.head_kind(default_model) == "q8_0"
+    assert np.shares_memory(head["qs"], w.qs) and np.shares_memory(head["d"], w.d)
+    assert gpu_layout.head_bytes(default_model) == head["qs"].nbytes + head["d"].nbytes
+    x = rng.standard_normal((3, default_model.hidden)).astype(np.float32)
+    got = kquant_gemm.reference("q8_0", act_quant.reference(x)[2], (head["qs"], head["d"]))
+    cpu = linear(x, w, np.full((3, default_model.vocab_size), np.nan, np.float32))
+    np.testing.assert_allclose(got, cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
