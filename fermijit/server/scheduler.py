@@ -163,6 +163,7 @@ class Scheduler:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
         from fermijit.server import kv_budget
+        from fermijit.server.state_pool import GdnPool
 
         self.engine, self.max_batch = engine, max_batch
         # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
@@ -189,6 +190,10 @@ class Scheduler:
         self._is_running = False
         self._thread: threading.Thread | None = None
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
+        # New sequences' GDN states, resident (server/state_pool.py), and the sequences ended
+        # since the loop last gave theirs back.
+        self.gdn_pool = GdnPool(engine.model, max_batch)
+        self._ended: list[Sequence] = []
 
     # --- any thread -----------------------------------------------------------------------------
 
@@ -229,10 +234,16 @@ class Scheduler:
             gpu.release_thread()  # the GPU prefill ran on this thread
 
     def _serve(self) -> None:
-        reserve = getattr(self.engine.prefiller, "reserve", None)
+        prefiller = self.engine.prefiller
+        reserve = getattr(prefiller, "reserve", None)
         if reserve is not None:  # a batch of prompts together, before any arrives
             self._guarded(lambda: reserve(self.max_batch), "prefilling")
+            if prefiller.prepare():  # the GPU's hand-off then writes resident GDN states
+                self._guarded(lambda: self.gdn_pool.fill(self.max_batch), "prefilling")
         while self._is_running:
+            for s in self._ended:  # over for good (snapshotted): their GDN states reused
+                self.gdn_pool.give(s.state)
+            self._ended = []
             self._admit()
             self._collect_gpu_job()
             waiting = [s for s in self.prefilling if not s.is_in_flight]
@@ -315,6 +326,7 @@ class Scheduler:
         if with_images is None:  # restored from the cache; the rest by _prefill_chunk
             p = engine_module.PromptPrefill(model, prompt, n_prompt + max_tokens, engine.cache,
                                               mtp=self.drafts is not None)
+            self.gdn_pool.take(p.state)  # a new one's (not restored from the cache)
             state, logits, n_cached = p.state, p.logits, p.n_cached
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
@@ -548,6 +560,7 @@ class Scheduler:
             cache.add(fed, s.state, logits)
         if reason is not None:
             s.job.emit(Finished(reason, n_prompt, s.n_cached, len(s.generated)))
+        self._ended.append(s)
 
     @staticmethod
     def _fail(job: Job, error: ApiError) -> None:

@@ -1,0 +1,71 @@
+"""Resident GDN states for the server's new sequences (issue 28 item 5).
+
+A new sequence's GDN states (~65 MB at full size: the conv windows and recurrent states of its
+30 GDN layers) were fresh zeros, pages the OS backs only when first written, so the GPU
+prefill's hand-off (fermijit/prefill/gpu_state.py hand_off) page-faulted its way through them:
+0.06-0.26 s for 8 prompts together on the H200's host (0.02 s for one), the difference between
+their last first token and one prompt's. The pool keeps the GDN states of sequences that ended,
+zeroed, and gives them to new ones, so the hand-off copies into memory already resident; the
+server fills it with a batch's worth before its first request where the GPU prefills.
+
+The scheduler's thread alone calls it. A state is given back only once its sequence is over for
+good (its snapshot taken): `give` takes its GDN layers out of it (its `layers` emptied), so an
+ended state cannot write into arrays a live sequence now has. A state a failed prefill may have
+half written is never given back (the scheduler drops it), so the pool holds zeros only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fermijit.model.state import GdnState, State
+
+
+class GdnPool:
+    """Zeroed, resident GdnStates of one model's shapes, at most `capacity` sequences' worth."""
+
+    def __init__(self, model, capacity: int):
+        self.shapes = ((model.conv_dim, model.conv_taps - 1),
+                       (model.n_value_heads, model.key_dim, model.value_dim))
+        self.n_layers = sum(not a for a in model.is_attention)
+        self.capacity = capacity * self.n_layers  # GdnStates (one per GDN layer of a state)
+        self.free: list[GdnState] = []
+
+    def fill(self, n_sequences: int) -> None:
+        """Up to `n_sequences` states' GDN layers made now, their pages written (resident)."""
+        while len(self.free) < min(self.capacity, n_sequences * self.n_layers):
+            pair = [np.empty(shape, np.float32) for shape in self.shapes]
+            for a in pair:
+                a.fill(0)
+            self.free.append(GdnState(*pair))
+
+    def take(self, state: State) -> None:
+        """A new state (position 0, all zeros): its GDN layers swapped for the pool's, as many as
+        it holds (the others stay as they are)."""
+        if state.position != 0:
+            return
+        for i, s in enumerate(state.layers):
+            if isinstance(s, GdnState) and self.free:
+                state.layers[i] = self.free.pop()
+
+    def give(self, state: State) -> None:
+        """A state no one reads or writes again: its GDN layers zeroed into the pool (up to
+        capacity; the rest, and arrays not its own or of other shapes, are left to the garbage
+        collector), and `state.layers` emptied."""
+        layers, state.layers = state.layers, []
+        for s in layers:
+            if (len(self.free) < self.capacity and self._fits(s)
+                    and not any(s is f for f in self.free)):
+                s.conv.fill(0)
+                s.recurrent.fill(0)
+                self.free.append(s)
+
+    def _fits(self, s) -> bool:
+        return (isinstance(s, GdnState)
+                and all(a.dtype == np.float32 and a.flags.owndata and a.flags.c_contiguous
+                        and a.flags.writeable and a.shape == shape
+                        for a, shape in zip((s.conv, s.recurrent), self.shapes)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.free)
