@@ -239,7 +239,8 @@ class Scheduler:
         if reserve is not None:  # a batch of prompts together, before any arrives
             self._guarded(lambda: reserve(self.max_batch), "prefilling")
             if prefiller.prepare():  # the GPU's hand-off then writes resident GDN states
-                self._guarded(lambda: self.gdn_pool.fill(self.max_batch), "prefilling")
+                memory = getattr(prefiller, "host_memory", None)  # page-locked: DMA in place
+                self._guarded(lambda: self.gdn_pool.fill(self.max_batch, memory), "prefilling")
         while self._is_running:
             for s in self._ended:  # over for good (snapshotted): their GDN states reused
                 self.gdn_pool.give(s.state)

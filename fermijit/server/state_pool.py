@@ -5,8 +5,9 @@ A new sequence's GDN states (~65 MB at full size: the conv windows and recurrent
 prefill's hand-off (fermijit/prefill/gpu_state.py hand_off) page-faulted its way through them:
 0.06-0.26 s for 8 prompts together on the H200's host (0.02 s for one), the difference between
 their last first token and one prompt's. The pool keeps the GDN states of sequences that ended,
-zeroed, and gives them to new ones, so the hand-off copies into memory already resident; the
-server fills it with a batch's worth before its first request where the GPU prefills.
+zeroed, and gives them to new ones, so the hand-off writes memory already resident; the
+server fills it with a batch's worth before its first request where the GPU prefills, in
+page-locked memory, which the hand-off's DMA then writes in place (no copy on the host).
 
 The scheduler's thread alone calls it. A state is given back only once its sequence is over for
 good (its snapshot taken): `give` takes its GDN layers out of it (its `layers` emptied), so an
@@ -15,6 +16,8 @@ half written is never given back (the scheduler drops it), so the pool holds zer
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -30,14 +33,27 @@ class GdnPool:
         self.n_layers = sum(not a for a in model.is_attention)
         self.capacity = capacity * self.n_layers  # GdnStates (one per GDN layer of a state)
         self.free: list[GdnState] = []
+        self._made = weakref.WeakValueDictionary()  # id -> the arrays `fill` made (views)
 
-    def fill(self, n_sequences: int) -> None:
-        """Up to `n_sequences` states' GDN layers made now, their pages written (resident)."""
-        while len(self.free) < min(self.capacity, n_sequences * self.n_layers):
-            pair = [np.empty(shape, np.float32) for shape in self.shapes]
-            for a in pair:
-                a.fill(0)
-            self.free.append(GdnState(*pair))
+    def fill(self, n_sequences: int, allocate=None) -> None:
+        """Up to `n_sequences` states' GDN layers made now, zeroed (resident), each state's in
+        one block of `allocate(nbytes)` (uint8; default np.empty; the GPU prefiller's
+        page-locked memory)."""
+        if not self.n_layers:
+            return
+        allocate = allocate or (lambda n: np.empty(n, np.uint8))
+        sizes = [4 * int(np.prod(shape)) for shape in self.shapes]
+        while len(self.free) + self.n_layers <= min(self.capacity, n_sequences * self.n_layers):
+            block = allocate(sum(sizes) * self.n_layers)
+            block.fill(0)
+            at = 0
+            for _ in range(self.n_layers):
+                pair = []
+                for shape, size in zip(self.shapes, sizes):
+                    pair.append(block[at:at + size].view(np.float32).reshape(shape))
+                    self._made[id(pair[-1])] = pair[-1]
+                    at += size
+                self.free.append(GdnState(*pair))
 
     def take(self, state: State) -> None:
         """A new state (position 0, all zeros): its GDN layers swapped for the pool's, as many as
@@ -61,10 +77,10 @@ class GdnPool:
                 self.free.append(s)
 
     def _fits(self, s) -> bool:
-        return (isinstance(s, GdnState)
-                and all(a.dtype == np.float32 and a.flags.owndata and a.flags.c_contiguous
-                        and a.flags.writeable and a.shape == shape
-                        for a, shape in zip((s.conv, s.recurrent), self.shapes)))
+        return isinstance(s, GdnState) and all(
+            a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
+            and a.shape == shape and (a.flags.owndata or self._made.get(id(a)) is a)
+            for a, shape in zip((s.conv, s.recurrent), self.shapes))
 
     @property
     def nbytes(self) -> int:

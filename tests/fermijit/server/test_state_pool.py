@@ -12,8 +12,8 @@ import pytest
 
 from fermijit.model.state import GdnState
 from fermijit.server.state_pool import GdnPool
-from tests.fermijit.server.test_prefill_chunks import (BesidePrefiller, alone, at_once,  # noqa: F401
-                                                       complete, prompts, serving, text)
+from tests.fermijit.server.test_prefill_chunks import (  # noqa: F401 - fixtures: alone, prompts
+    BesidePrefiller, alone, at_once, complete, prompts, serving, text)
 
 
 def gdn(state) -> list[np.ndarray]:
@@ -48,6 +48,42 @@ def test_fill_makes_zeroed_resident_states_up_to_capacity(model):
     assert all(not a.any() for s in pool.free for a in s.arrays)
     state = model.new_state(16)
     assert [a.shape for a in gdn(state)] == [a.shape for s in pool.free[:n] for a in s.arrays]
+
+
+def test_fill_puts_each_states_arrays_in_one_block_of_the_allocator(model):
+    """The GPU prefiller's page-locked memory (GpuPrefiller.host_memory) as the allocator: one
+    block per state, poisoned here, zeroed by the pool; its views come back from `give`."""
+    blocks = []
+
+    def allocate(nbytes):
+        blocks.append(np.full(nbytes, 0xA5, np.uint8))
+        return blocks[-1]
+
+    pool = GdnPool(model, capacity=2)
+    pool.fill(2, allocate)
+    n = pool.n_layers
+    assert len(blocks) == 2 and not any(b.any() for b in blocks)
+    for k, block in enumerate(blocks):
+        assert all(np.shares_memory(a, block) for s in pool.free[k * n:(k + 1) * n]
+                   for a in s.arrays)
+    state = model.new_state(8)
+    pool.take(state)
+    pool.take(other := model.new_state(8))
+    assert_no_sharing([state, other])
+    pool.give(state)
+    pool.give(other)
+    assert len(pool.free) == 2 * n
+
+
+def test_without_a_gpu_the_prefillers_host_memory_is_ordinary(model):
+    from fermijit.jit import gpu
+    from fermijit.prefill import hybrid
+
+    pf = hybrid.make(model, "auto")
+    if pf.prepare():
+        pytest.skip("a GPU is usable here")
+    a = pf.host_memory(1 << 20)
+    assert a.dtype == np.uint8 and a.nbytes == 1 << 20 and not gpu.is_pinned(a)
 
 
 def test_a_new_state_takes_the_pools_arrays_and_an_ended_one_gives_them_back_zeroed(model, rng):
