@@ -23,6 +23,8 @@ import numpy as np
 
 from fermijit.model.state import GdnState, State
 
+ALIGN = 64  # bytes: where each array starts in its block (the kernels' cache lines)
+
 
 class GdnPool:
     """Zeroed, resident GdnStates of one model's shapes, at most `capacity` sequences' worth."""
@@ -42,15 +44,16 @@ class GdnPool:
         if not self.n_layers:
             return
         allocate = allocate or (lambda n: np.empty(n, np.uint8))
-        sizes = [4 * int(np.prod(shape)) for shape in self.shapes]
+        sizes = [-(-4 * int(np.prod(shape)) // ALIGN) * ALIGN for shape in self.shapes]
         while len(self.free) + self.n_layers <= min(self.capacity, n_sequences * self.n_layers):
-            block = allocate(sum(sizes) * self.n_layers)
+            block = allocate(sum(sizes) * self.n_layers + ALIGN)
             block.fill(0)
-            at = 0
+            at = -block.ctypes.data % ALIGN
             for _ in range(self.n_layers):
                 pair = []
                 for shape, size in zip(self.shapes, sizes):
-                    pair.append(block[at:at + size].view(np.float32).reshape(shape))
+                    pair.append(block[at:at + 4 * int(np.prod(shape))].view(np.float32)
+                                .reshape(shape))
                     self._made[id(pair[-1])] = pair[-1]
                     at += size
                 self.free.append(GdnState(*pair))

@@ -191,3 +191,11 @@ def test_a_prefill_that_fails_after_writing_its_states_returns_nothing_dirty(
         assert scheduler.n_prefill_failures == 1
         assert all(not a.any() for s in scheduler.gdn_pool.free for a in s.arrays)
         assert [text(r) for r in at_once(url, more[0])] == more[1]
+
+
+def test_each_array_starts_on_a_cache_line(model):
+    from fermijit.server.state_pool import ALIGN
+
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1, lambda n: np.empty(n + 3, np.uint8)[3:])    # a block that starts misaligned
+    assert all(a.ctypes.data % ALIGN == 0 for s in pool.free for a in s.arrays)
