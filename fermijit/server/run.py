@@ -17,18 +17,17 @@ from fermijit import FermijitError
 
 def warm_up(engine, max_batch: int, drafts=None) -> None:
     """Compile (or load) every kernel a request meets: prefill, decode, sampling and the batched
-    step at 1 and 2 sequences (grouped launches differ from 1 row on), on throwaway states; with
-    `drafts` (speculative.Drafts), a speculative step's."""
+    step of 2 sequences (grouped launches differ from 1 row on; the scheduler decodes one
+    sequence alone with Model.decode, never a batch of 1), on throwaway states; with `drafts`
+    (speculative.Drafts), a speculative step's."""
     from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
 
     model = engine.model
     engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
-    if can_batch(model):
+    if can_batch(model) and max_batch > 1:
         sample = kernel_sample(model)
-        for n in sorted({1, min(2, max_batch)}):
-            states = [sample.new_state(2) for _ in range(n)]
-            decode_batch(sample, np.zeros(n, np.int32), states)
+        decode_batch(sample, np.zeros(2, np.int32), [sample.new_state(2) for _ in range(2)])
     if drafts is not None:
         from fermijit import speculative
 
