@@ -72,6 +72,7 @@ def test_fill_puts_each_states_arrays_in_one_block_of_the_allocator(model):
     assert_no_sharing([state, other])
     pool.give(state)
     pool.give(other)
+    pool.wait()
     assert len(pool.free) == 2 * n
 
 
@@ -100,6 +101,7 @@ def test_a_new_state_takes_the_pools_arrays_and_an_ended_one_gives_them_back_zer
     pool.give(state)
     assert state.layers == []                                # the ended state holds nothing
     pool.give(state)                                         # twice: nothing more
+    pool.wait()
     assert len(pool.free) == pool.n_layers
     again = model.new_state(16)
     pool.take(again)
@@ -119,6 +121,7 @@ def test_live_states_never_share_arrays(model, rng):
     for _ in range(4):
         scribble(live[0], rng)
         pool.give(live.pop(0))
+        pool.wait()
         live.append(model.new_state(8))
         pool.take(live[-1])
         assert all(not a.any() for a in gdn(live[-1]))
@@ -140,6 +143,7 @@ def test_a_restored_state_keeps_its_arrays_and_foreign_arrays_stay_out(model, rn
     viewed.layers = [GdnState(s.conv[:], s.recurrent[:]) if isinstance(s, GdnState) else s
                      for s in viewed.layers]
     pool.give(viewed)
+    pool.wait()
     assert len(pool.free) == pool.n_layers
 
 
@@ -166,6 +170,7 @@ def test_batches_on_recycled_states_answer_as_alone(engine, prompts, alone, more
         pool = scheduler.gdn_pool
         assert [text(r) for r in at_once(url, prompts)] == alone
         assert [text(r) for r in at_once(url, more[0])] == more[1]
+        pool.wait()
         assert pool.free and all(not a.any() for s in pool.free for a in s.arrays)
 
 
@@ -189,6 +194,7 @@ def test_a_prefill_that_fails_after_writing_its_states_returns_nothing_dirty(
     with serving(engine, Scribbling(engine.model)) as (url, scheduler):
         assert [text(r) for r in at_once(url, prompts)] == alone
         assert scheduler.n_prefill_failures == 1
+        scheduler.gdn_pool.wait()
         assert all(not a.any() for s in scheduler.gdn_pool.free for a in s.arrays)
         assert [text(r) for r in at_once(url, more[0])] == more[1]
 
@@ -199,3 +205,29 @@ def test_each_array_starts_on_a_cache_line(model):
     pool = GdnPool(model, capacity=1)
     pool.fill(1, lambda n: np.empty(n + 3, np.uint8)[3:])    # a block that starts misaligned
     assert all(a.ctypes.data % ALIGN == 0 for s in pool.free for a in s.arrays)
+
+
+def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatch):
+    """`give` leaves the zeroing to the pool's thread (slowed down here): a state taken
+    meanwhile gets zeroed arrays or fresh ones, never those still being zeroed."""
+    import time
+
+    pool = GdnPool(model, capacity=2)
+    pool.fill(1)
+
+    def slow(s):
+        time.sleep(0.1)
+        GdnPool._zero(s)
+
+    monkeypatch.setattr(pool, "_zero", slow)
+    ended = model.new_state(8)
+    pool.take(ended)
+    scribble(ended, rng)
+    pool.give(ended)
+    time.sleep(0.02)                                          # the thread is zeroing
+    new = model.new_state(8)
+    pool.take(new)
+    assert all(not a.any() for a in gdn(new))
+    pool.wait()
+    assert len(pool.free) == pool.n_layers
+    assert all(not a.any() for s in pool.free for a in s.arrays)
