@@ -44,6 +44,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp
 from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, Text
+from fermijit.server.state_pool import GdnPool
 
 # max_tokens when a request gives none: the rest of the context, at most this (a KV cache is
 # allocated for prompt + max_tokens: the real model's 262144 positions would be 10 GiB each).
@@ -163,7 +164,6 @@ class Scheduler:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
         from fermijit.server import kv_budget
-        from fermijit.server.state_pool import GdnPool
 
         self.engine, self.max_batch = engine, max_batch
         # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
@@ -190,9 +190,10 @@ class Scheduler:
         self._is_running = False
         self._thread: threading.Thread | None = None
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
-        # New sequences' GDN states, resident (server/state_pool.py), and the sequences ended
-        # since the loop last gave theirs back.
-        self.gdn_pool = GdnPool(engine.model, max_batch)
+        # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
+        # GPU prefills (`_serve`), none on the CPU (its prefill's own page faults are noise); and
+        # the sequences ended since the loop last gave theirs back.
+        self.gdn_pool = GdnPool(engine.model, 0)
         self._ended: list[Sequence] = []
 
     # --- any thread -----------------------------------------------------------------------------
@@ -239,6 +240,7 @@ class Scheduler:
         if reserve is not None:  # a batch of prompts together, before any arrives
             self._guarded(lambda: reserve(self.max_batch), "prefilling")
             if prefiller.prepare():  # the GPU's hand-off then writes resident GDN states
+                self.gdn_pool = GdnPool(self.engine.model, self.max_batch)
                 memory = getattr(prefiller, "host_memory", None)  # page-locked: DMA in place
                 self._guarded(lambda: self.gdn_pool.fill(self.max_batch, memory), "prefilling")
         while self._is_running:

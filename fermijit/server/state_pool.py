@@ -7,7 +7,8 @@ prefill's hand-off (fermijit/prefill/gpu_state.py hand_off) page-faulted its way
 their last first token and one prompt's. The pool keeps the GDN states of sequences that ended,
 zeroed, and gives them to new ones, so the hand-off writes memory already resident; the
 server fills it with a batch's worth before its first request where the GPU prefills, in
-page-locked memory, which the hand-off's DMA then writes in place (no copy on the host).
+page-locked memory, which the hand-off's DMA then writes in place (no copy on the host). (A
+server prefilling on the CPU pools nothing: capacity 0, its prefill's page faults are noise.)
 
 The scheduler's thread alone calls it. A state is given back only once its sequence is over for
 good (its snapshot taken): `give` takes its GDN layers out of it (its `layers` emptied), so an

@@ -231,3 +231,12 @@ def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatc
     pool.wait()
     assert len(pool.free) == pool.n_layers
     assert all(not a.any() for s in pool.free for a in s.arrays)
+
+
+def test_a_cpu_server_pools_nothing(engine, prompts, alone):  # noqa: F811
+    """Without a GPU prefill (no `reserve`), ended states are left to the garbage collector as
+    before: the pool holds nothing."""
+    with serving(engine) as (url, scheduler):
+        assert [text(r) for r in at_once(url, prompts)] == alone
+        scheduler.gdn_pool.wait()
+        assert scheduler.gdn_pool.free == [] and scheduler.gdn_pool.capacity == 0
