@@ -381,13 +381,12 @@ def bench_serve(model_dir: Path | None, synthetic: str | None, prompt_tokens: in
     from fermijit import engine
     from fermijit.bench import serve as bench_serve_module
     from fermijit.jit import cpu
-    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     if model_dir is None and synthetic is None:
         model_dir = engine.DEFAULT_MODEL
     lengths = tuple(_int_list("--ttft-lengths", ttft_lengths))
-    bench_serve_module.run(None if model_dir is None else model_directory(model_dir),
+    bench_serve_module.run(None if model_dir is None else _model_directory(model_dir),
                            synthetic if model_dir is None else None, prompt_tokens, tokens,
                            chat_tokens, repeat, as_json, prefill=prefill, gpu_mem=gpu_mem,
                            pin_budget=pin_budget, ttft_lengths=lengths, n_long=long_prompt)
@@ -748,7 +747,6 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     (in this process, or in --cache-dir)."""
     from fermijit import engine
     from fermijit.jit import cpu
-    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
     settings = engine.Settings(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -765,7 +763,7 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     if "stdout" in CLOSED_STREAMS:  # as asked (`>&-`), but said: rc 0 and no text looked fine
         click.echo("warning: standard output is closed: the generated text goes nowhere",
                    err=True)
-    engine.run(model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
+    engine.run(_model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
                cache_settings=cache, kv=_kv(kv_cache))
 
 
@@ -809,7 +807,6 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
     together; a chat's next turn resumes from the snapshot prefix cache."""
     from fermijit import engine
     from fermijit.jit import cpu
-    from fermijit.model.gguf_convert import model_directory
     from fermijit.server import run
 
     try:
@@ -819,7 +816,7 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
         raise FermijitError("serve needs the server extra: pip install 'fermijit[server]'") \
             from None
     cpu.configure_threads(threads)
-    run.serve(model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
+    run.serve(_model_directory(model_dir or engine.DEFAULT_MODEL), host, port, api_key, max_batch,
               queue_size, _cache_settings(no_cache, cache_dir, cache_mem, snapshot_every,
                                           cache_key),
               prefill, gpu_mem, pin_budget, verbose, max_image_tokens, kv=_kv(kv_cache),
@@ -849,12 +846,22 @@ def eval_command(model_dir: Path | None, text_path: Path, context: int | None, a
     (teacher forcing, the forward of `generate`); progress on stderr."""
     from fermijit import engine, evaluate
     from fermijit.jit import cpu
-    from fermijit.model.gguf_convert import model_directory
 
     cpu.configure_threads(threads)
-    evaluate.run(model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
+    evaluate.run(_model_directory(model_dir or engine.DEFAULT_MODEL), text_path, context, as_json,
                  prefill=prefill, gpu_mem=gpu_mem, pin_budget=pin_budget, verbose=verbose,
                  kv=_kv(kv_cache))
+
+
+def _model_directory(path) -> Path:
+    """What --model names (gguf_convert.model_directory), gguf_convert imported only for a GGUF
+    file: 0.1-0.16 s of every start of a converted model's server (issue 28 item 4)."""
+    path = Path(path)
+    if not path.is_file():
+        return path
+    from fermijit.model.gguf_convert import model_directory
+
+    return model_directory(path)
 
 
 # The standard streams that were closed when the process started (`>&-`), now /dev/null.

@@ -341,12 +341,14 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, cache_settings=None, show_progress: bool = False,
-             warn=None, kv=None, speculative: bool | None = False) -> "Engine":
+             warn=None, kv=None, speculative: bool | None = False,
+             on_model=None) -> "Engine":
         """Load a model directory; `cache_settings` (prefix_cache.CacheSettings, default: on, in
         memory only) says how to cache; `warn(line)` takes the cache's warnings (stderr); `kv`
         the KV cache's kind (model.state.KvKind, default Q8_0); `speculative`: decode with the
         model's MTP head (FermijitError if it has none; None: where it has one and it pays:
-        speculative.pays)."""
+        speculative.pays); `on_model(model)` as soon as the model is loaded, before the
+        tokenizer and the cache (the server starts the GPU's preparation there)."""
         from fermijit.cache import prefix_cache
         from fermijit.model.forward import load_model
         from fermijit.model.state import DEFAULT_KV
@@ -354,6 +356,8 @@ class Engine:
 
         kv = kv or DEFAULT_KV
         cfg, model = load_model(model_dir, show_progress=show_progress, kv=kv)
+        if on_model is not None:
+            on_model(model)
         if speculative is None:
             from fermijit.speculative import pays
 

@@ -4,12 +4,25 @@
 # head's rows in the GPU pass) and with --speculative none, against the GPU prefill alone, and 8
 # concurrent 64-token prompts against one; medians of 3 interleaved fresh-process rounds
 # (tests/fermijit/server/serve_bench.py). About 3 minutes. Logs and JSON go to OUT; the table
-# is printed last.
-# Usage, from the project root, after shared/device/prepare.sh here: bash tests/gpu_serve_bench.sh OUT
+# is printed last. STEPS (default tests,bench): `tests` first runs the GPU tests of the prefill
+# path it times (the Q8_0 LM head through kquant_gemm's Q8_0 GEMM, the hand-off into the
+# server's page-locked GDN pool) and the server's pool tests, ~2-4 minutes with a cold kernel
+# cache; run `bench` alone in a second command if the two together near the device's limit.
+# Usage, from the project root, after shared/device/prepare.sh here:
+#   bash tests/gpu_serve_bench.sh OUT [tests,bench]
 set -u
-out=${1:?usage: tests/gpu_serve_bench.sh OUTDIR}
+out=${1:?usage: tests/gpu_serve_bench.sh OUTDIR [tests,bench]}
+steps=${2:-tests,bench}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_install.sh"
+case ",$steps," in *,tests,*)
+  timeout 300 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_kquant_gemm_gpu.py \
+    tests/fermijit/prefill/test_hybrid_gpu.py tests/fermijit/prefill/test_hybrid.py \
+    tests/fermijit/server/test_state_pool.py >"$out/tests.log" 2>&1
+  echo "GPU prefill + pool tests rc=$?"; grep -E "passed|failed|error" "$out/tests.log" | tail -1
+  grep -E "^(FAILED|ERROR)|^E  " "$out/tests.log" | head -20;;
+esac
+case ",$steps," in *,bench,*) ;; *) exit 0;; esac
 full=/dev/shm/fermijit-reap128
 [ -f $full/fermijit.json ] || python3 -m fermijit synth qwen3.6-35b-a3b-reap128 $full \
   >"$out/synth.txt" 2>&1

@@ -326,7 +326,19 @@ def pinned(nbytes: int) -> np.ndarray:
     the H200, shared/device/README.md)."""
     cuda = driver()
     with check(f"page-locking {nbytes} bytes of host memory"):
-        return cuda.pagelocked_empty(int(nbytes), np.uint8)
+        buf = cuda.pagelocked_empty(int(nbytes), np.uint8)
+    _pinned[buf.ctypes.data] = buf.nbytes
+    weakref.finalize(buf, _pinned.pop, buf.ctypes.data, None)
+    return buf
+
+
+_pinned: dict[int, int] = {}  # address -> bytes of each live `pinned` buffer
+
+
+def is_pinned(a: np.ndarray) -> bool:
+    """Whether the host array `a` lies in a `pinned` buffer (a copy into it runs as DMA)."""
+    at = a.ctypes.data
+    return any(start <= at and at + a.nbytes <= start + n for start, n in list(_pinned.items()))
 
 
 def memory() -> tuple[int, int]:

@@ -21,7 +21,7 @@ from fermijit.model.reap import moe_layers
 from fermijit.model.block_moe import BlockExperts
 from fermijit.model.weights import BlockTensor, GatedDeltaNetWeights, QuantTensor
 from fermijit.ops import (attention, conv1d, expert_matmul, gated_delta, kquant_gemm, matvec, moe,
-                          quant, router)
+                          router)
 
 F32 = 4
 
@@ -181,11 +181,10 @@ def dense_kinds(model: Model) -> list[dict[str, str]]:
 
 
 def head_arrays(model: Model) -> dict[str, np.ndarray]:
-    """The LM head as the GPU runs it: Q4_0 as it is ("qs", "d"); Q8_0 split exactly into two
-    Q4_0 matrices and a bias, as the PTX has Q4_0 GEMMs only. With u = q + 128 = 16 hi + lo
-    (hi, lo nibbles), q d = (hi - 8)(16 d) + (lo - 8) d + 8 d, so
-        head · x = Q4(hi, 16 d) · x + Q4(lo, d) · x + 8 Σ_b d_b Σ_{k in b} x_k,
-    the last term a product of the scales (fp32 [V, K/32]) with x's block sums."""
+    """The LM head as the GPU runs it, as stored: Q4_0 ("qs", "d": ops/matmul.py), Q8_0 ("qs",
+    "d": kquant_gemm.ptx's Q8_0 GEMM), or GGUF blocks ("blocks", issue 34). (A Q8_0 head was
+    split into two Q4_0 matrices on the CPU at every start: 0.15-0.85 s of the server's start,
+    issue 28 item 4.)"""
     w = model.lm_head
     if isinstance(w, matvec.Q4Matrix):
         return {"qs": w.qs, "d": w.d_bits.view(np.float16)}
@@ -193,15 +192,13 @@ def head_arrays(model: Model) -> dict[str, np.ndarray]:
         return {"blocks": w.blocks}
     if not (isinstance(w, QuantTensor) and w.kind == "q8_0"):
         raise FermijitError("the GPU prefill needs a Q4_0 or Q8_0 LM head")
-    out = dict(zip(("hi_qs", "lo_qs"), quant.q8_0_nibbles_cpu(np.asarray(w.qs))))
-    d = np.asarray(w.d, np.float16)
-    out["hi_d"], out["lo_d"] = (d * np.float16(16)).astype(np.float16), d
-    out["d32"] = d.astype(np.float32)
-    k = w.qs.shape[1]
-    blocks = np.zeros((k // quant.BLOCK, k), np.float32)                   # block sums of x
-    blocks[np.arange(k) // quant.BLOCK, np.arange(k)] = 1
-    out["block_sums"] = blocks
-    return out
+    return {"qs": w.qs, "d": np.asarray(w.d, np.float16)}
+
+
+def head_kind(model: Model) -> str:
+    """The GEMM kind of `head_arrays(model)` (q4_0, q8_0, or the blocks' format)."""
+    w = model.lm_head
+    return "q4_0" if isinstance(w, matvec.Q4Matrix) else w.kind
 
 
 def head_bytes(model: Model) -> int:
@@ -211,9 +208,7 @@ def head_bytes(model: Model) -> int:
         return w.qs.nbytes + w.d_bits.nbytes
     if isinstance(w, BlockTensor):
         return w.blocks.nbytes
-    rows, k = w.qs.shape
-    nb = k // quant.BLOCK
-    return rows * k + rows * nb * (2 + 2 + 4) + nb * k * 4
+    return w.qs.nbytes + w.d.size * 2
 
 
 def activation_bytes(model: Model, n_tokens: int, with_head: bool = False) -> int:

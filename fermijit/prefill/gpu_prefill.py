@@ -51,7 +51,7 @@ from fermijit.model.reap import moe_layers
 from fermijit.ops import (act_quant, attention, conv1d, embedding, expert_matmul, f32_gemm,
                           gated_delta, kquant_gemm, l2norm, matmul, rmsnorm, rope, router)
 from fermijit.prefill.gpu_layout import (F32, dense_arrays, dense_kinds, expert_dims,
-                                         has_k_quants, head_arrays, route_slots)
+                                         has_k_quants, head_arrays, head_kind, route_slots)
 
 
 class DeviceModel:
@@ -85,7 +85,7 @@ class DeviceModel:
                                       v.dtype) for k, v in head_arrays(model).items()}
         # Each projection's GEMM per layer (q4_0, or a K-quant: gpu_layout.kind), the head's.
         self.kinds = dense_kinds(model)
-        self.head_kind = model.lm_head.kind if "blocks" in self.head else "q4_0"
+        self.head_kind = head_kind(model)
         self.has_k_quants = has_k_quants(model)
         self.prepare_s["dense weights"] = time.perf_counter() - start
         self.expert_buffers = [gpu.empty((self.streamer.layer_bytes,), np.uint8)
@@ -605,19 +605,8 @@ class Pass:
         self.mark("small ops")
         xn = self.rounded(xn, kind=self.dev.head_kind)
         head = self.dev.head
-        if "blocks" in head:
-            with gpu.check("reading the logits back"):
-                out = self.dense_gemm(self.dev.head_kind, xn, (head["blocks"],), None).get()
-        elif "qs" in head:
-            with gpu.check("reading the logits back"):
-                out = matmul.gpu(xn, head["qs"], head["d"]).get()
-        else:                                    # the Q8_0 head's three terms (head_arrays)
-            sums = f32_gemm.gpu(xn, head["block_sums"])
-            terms = [matmul.gpu(xn, head["hi_qs"], head["hi_d"]),
-                     matmul.gpu(xn, head["lo_qs"], head["lo_d"]),
-                     f32_gemm.gpu(sums, head["d32"])]
-            with gpu.check("reading the logits back"):
-                hi, lo, bias = (t.get() for t in terms)
-            out = hi + lo + np.float32(8) * bias
+        weights = (head["blocks"],) if "blocks" in head else (head["qs"], head["d"])
+        with gpu.check("reading the logits back"):
+            out = self.dense_gemm(self.dev.head_kind, xn, weights, None).get()
         self.mark("lm head")
         return out

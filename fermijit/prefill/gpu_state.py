@@ -10,6 +10,7 @@ bytes)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -101,11 +102,15 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
     from the host state's to `end`: `handed_rows`) and states into the host state, which then
     holds `end` positions; with the MTP head, `waiting` (device [1, H]) becomes its hidden state
     waiting (else None). Everything is read back (into one page-locked buffer: DMA at the link's
-    rate) before any host state changes, so a failure leaves them all as they were."""
+    rate) before any host state changes, so a failure leaves them all as they were; but for a
+    new state's (position 0) GDN arrays in page-locked memory (the server's pool:
+    fermijit/server/state_pool.py), which the DMA writes in place (no host copy), and which a
+    failure sets back to the zeros they were."""
     from fermijit.jit import gpu
 
     cuda = gpu.driver()
     pieces = []  # (host array to fill, device address), in handed_arrays' order
+    direct = []  # (a new state's page-locked GDN array, device address): written in place
     held = []    # the rounded caches' device arrays, alive until copied
     hidden = []  # the waiting hidden states' host arrays, or None
     for states, state, end, waiting in sequences:
@@ -124,6 +129,9 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
                            for x in (d.k, d.v) for h in range(heads)]
             else:
                 sources = [int(d.conv.gpudata), int(d.recurrent.gpudata)]
+                if state.position == 0 and all(gpu.is_pinned(a) for a in host):
+                    direct += zip(host, sources)
+                    continue
             pieces += zip(host, sources)
         hidden.append(None if waiting is None else np.empty(waiting.shape, np.float32))
         if waiting is not None:
@@ -132,25 +140,40 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
     if held:  # the rounding ran on the legacy stream; the copies go on another
         with gpu.check("rounding the KV cache to Q8_0"):
             cuda.Context.synchronize()
-    with gpu.check("copying the state back"):
-        at = 0
-        for a, address in pieces:
-            cuda.memcpy_dtoh_async(buf[at:at + a.nbytes], address, dev.readback)
-            at += a.nbytes
-        dev.readback.synchronize()
-    starts = np.cumsum([0] + [a.nbytes for a, _ in pieces])
-
-    def fill(n: int) -> None:
-        a = pieces[n][0]
-        a[...] = buf[starts[n]:starts[n + 1]].view(a.dtype).reshape(a.shape)
-
-    if COPY_THREADS > 1:                # numpy's copies release the GIL
-        with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:
-            list(pool.map(fill, range(len(pieces))))
-    else:
-        for n in range(len(pieces)):
-            fill(n)
+    try:
+        with gpu.check("copying the state back"):
+            at = 0
+            for a, address in pieces:
+                cuda.memcpy_dtoh_async(buf[at:at + a.nbytes], address, dev.readback)
+                at += a.nbytes
+            for a, address in direct:
+                cuda.memcpy_dtoh_async(a, address, dev.readback)
+            dev.readback.synchronize()
+    except BaseException:
+        with contextlib.suppress(Exception):  # no copy still landing
+            dev.readback.synchronize()
+        for a, _ in direct:
+            a.fill(0)
+        raise
+    fill_from(buf, [a for a, _ in pieces])
     for (_, state, end, _), h in zip(sequences, hidden):
         state.position = end
         if h is not None:
             state.hidden = h
+
+
+def fill_from(buf: np.ndarray, arrays: list[np.ndarray]) -> None:
+    """Each of `arrays` (host, contiguous) from its bytes of `buf` (uint8), in order: the
+    hand-off's copy out of its page-locked buffer, on COPY_THREADS threads."""
+    starts = np.cumsum([0] + [a.nbytes for a in arrays])
+
+    def fill(n: int) -> None:
+        a = arrays[n]
+        a[...] = buf[starts[n]:starts[n + 1]].view(a.dtype).reshape(a.shape)
+
+    if COPY_THREADS > 1:                # numpy's copies release the GIL
+        with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:
+            list(pool.map(fill, range(len(arrays))))
+    else:
+        for n in range(len(arrays)):
+            fill(n)

@@ -317,6 +317,19 @@ class GpuPrefiller:
             self._say(f"gpu prefill: no room reserved for {n_sequences} prompts' states: "
                       f"{one_line(e)}")
 
+    def host_memory(self, nbytes: int) -> np.ndarray:
+        """`nbytes` (uint8) of page-locked host memory where the GPU is usable, else ordinary:
+        the server's GDN states there (fermijit/server/state_pool.py) are written in place by the
+        hand-off's DMA (gpu_state.hand_off)."""
+        if self.prepare():
+            from fermijit.jit import gpu
+
+            try:
+                return gpu.pinned(nbytes)
+            except Exception as e:  # noqa: BLE001 - then the hand-off copies, as before
+                self._say(f"gpu prefill: states not page-locked: {one_line(e)}")
+        return np.empty(nbytes, np.uint8)
+
     def prefill(self, tokens, state, on_block=None, all_logits: bool = False,
                 align: int | None = None) -> np.ndarray:
         """One pass over the whole prompt (unless it is chunked for memory): `align` is not
@@ -538,6 +551,9 @@ class AutoPrefiller:
 
     def reserve(self, n_sequences: int, n_tokens: int = RESERVE_TOKENS) -> None:
         self.gpu.reserve(n_sequences, n_tokens)
+
+    def host_memory(self, nbytes: int) -> np.ndarray:
+        return self.gpu.host_memory(nbytes)
 
     def for_tokens(self, n_tokens: int):
         """The prefiller that takes a prompt of `n_tokens`."""

@@ -4,6 +4,7 @@
     scheduler.py  the thread that owns the model: admits jobs between steps (tokenise, prefill
                   through the snapshot prefix cache), decodes all active sequences in one batched
                   step (model/batch.py), samples, detokenises, holds back stop strings
+    state_pool.py new sequences' GDN states, resident (page-locked with the GPU) and reused
     app.py        the Starlette app: routes, API key, body limit, server-sent events
     run.py        the CLI's entry: load the engine, warm the kernels, run uvicorn
 

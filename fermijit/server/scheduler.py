@@ -44,6 +44,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp
 from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, Text
+from fermijit.server.state_pool import GdnPool
 
 # max_tokens when a request gives none: the rest of the context, at most this (a KV cache is
 # allocated for prompt + max_tokens: the real model's 262144 positions would be 10 GiB each).
@@ -189,6 +190,11 @@ class Scheduler:
         self._is_running = False
         self._thread: threading.Thread | None = None
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
+        # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
+        # GPU prefills (`_serve`), none on the CPU (its prefill's own page faults are noise); and
+        # the sequences ended since the loop last gave theirs back.
+        self.gdn_pool = GdnPool(engine.model, 0)
+        self._ended: list[Sequence] = []
 
     # --- any thread -----------------------------------------------------------------------------
 
@@ -229,10 +235,18 @@ class Scheduler:
             gpu.release_thread()  # the GPU prefill ran on this thread
 
     def _serve(self) -> None:
-        reserve = getattr(self.engine.prefiller, "reserve", None)
+        prefiller = self.engine.prefiller
+        reserve = getattr(prefiller, "reserve", None)
         if reserve is not None:  # a batch of prompts together, before any arrives
             self._guarded(lambda: reserve(self.max_batch), "prefilling")
+            if prefiller.prepare():  # the GPU's hand-off then writes resident GDN states
+                self.gdn_pool = GdnPool(self.engine.model, self.max_batch)
+                memory = getattr(prefiller, "host_memory", None)  # page-locked: DMA in place
+                self._guarded(lambda: self.gdn_pool.fill(self.max_batch, memory), "prefilling")
         while self._is_running:
+            for s in self._ended:  # over for good (snapshotted): their GDN states reused
+                self.gdn_pool.give(s.state)
+            self._ended = []
             self._admit()
             self._collect_gpu_job()
             waiting = [s for s in self.prefilling if not s.is_in_flight]
@@ -315,6 +329,7 @@ class Scheduler:
         if with_images is None:  # restored from the cache; the rest by _prefill_chunk
             p = engine_module.PromptPrefill(model, prompt, n_prompt + max_tokens, engine.cache,
                                               mtp=self.drafts is not None)
+            self.gdn_pool.take(p.state)  # a new one's (not restored from the cache)
             state, logits, n_cached = p.state, p.logits, p.n_cached
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
@@ -548,6 +563,7 @@ class Scheduler:
             cache.add(fed, s.state, logits)
         if reason is not None:
             s.job.emit(Finished(reason, n_prompt, s.n_cached, len(s.generated)))
+        self._ended.append(s)
 
     @staticmethod
     def _fail(job: Job, error: ApiError) -> None:

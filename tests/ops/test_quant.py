@@ -79,21 +79,3 @@ def test_bad_block_size():
     with pytest.raises(FermijitError, match="dtype"):
         quant.quantize_q4_0_cpu(np.zeros((2, 32), np.float32),
                                 out=(np.zeros((2, 16), np.int8), np.zeros((2, 1), np.float16)))
-
-
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-def test_q8_0_nibbles(rng, shape):
-    """The LM head's split for the GPU (gpu_layout.head_arrays): the cpu kernel gives the
-    reference's bytes (outputs poisoned first), and the two Q4_0 matrices with scales 16d and d
-    plus the 8d bias give back every Q8_0 value exactly."""
-    qs, d = quant.quantize_q8_0(_inputs(rng, shape))
-    qs[0, :3] = [-128, 127, 0]
-    hi, lo = quant.q8_0_nibbles(qs)
-    poisoned = (np.full(hi.shape, 0xA5, np.uint8), np.full(lo.shape, 0x5A, np.uint8))
-    np.testing.assert_array_equal(quant.q8_0_nibbles_cpu(qs, out=poisoned)[0], hi)
-    np.testing.assert_array_equal(poisoned[1], lo)
-    ones = np.ones_like(d)
-    rebuilt = (quant.dequantize_q4_0(hi, ones) * 16 + quant.dequantize_q4_0(lo, ones) + 8)
-    np.testing.assert_array_equal(rebuilt, qs.astype(np.float32))
-    with pytest.raises(FermijitError, match="q8_0_nibbles"):
-        quant.q8_0_nibbles_cpu(qs[:, :31].copy())

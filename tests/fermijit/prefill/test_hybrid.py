@@ -299,3 +299,100 @@ def test_handed_arrays_are_what_the_hand_off_writes(default_model):
                        for n, a in enumerate(arrays))
         else:
             assert len(arrays) == 2 and arrays[0] is s.conv and arrays[1] is s.recurrent
+
+
+def test_a_q8_0_lm_head_goes_to_the_gpu_as_stored(default_model, rng):
+    """No work on the host at start (issue 28 item 4: its split into two Q4_0 matrices took
+    0.15-0.85 s): the head's own arrays, in the layout kquant_gemm's Q8_0 GEMM reads, whose
+    product on x rounded as the GPU rounds it (act_quant) is the CPU's head to fp32 rounding."""
+    from fermijit.model.forward import linear
+    from fermijit.ops import act_quant, kquant_gemm
+
+    w = default_model.lm_head
+    head = gpu_layout.head_arrays(default_model)
+    assert head.keys() == {"qs", "d"} and gpu_layout.head_kind(default_model) == "q8_0"
+    assert np.shares_memory(head["qs"], w.qs) and np.shares_memory(head["d"], w.d)
+    assert gpu_layout.head_bytes(default_model) == head["qs"].nbytes + head["d"].nbytes
+    x = rng.standard_normal((3, default_model.hidden)).astype(np.float32)
+    got = kquant_gemm.reference("q8_0", act_quant.reference(x)[2], (head["qs"], head["d"]))
+    cpu = linear(x, w, np.full((3, default_model.vocab_size), np.nan, np.float32))
+    np.testing.assert_allclose(got, cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
+
+
+def test_the_hand_off_writes_new_page_locked_gdn_states_in_place(monkeypatch, rng):
+    """gpu_state.hand_off with a stand-in driver over fake device memory: a new state's
+    (position 0) GDN arrays in page-locked memory (the server's pool) are the copies' own
+    destinations, every other array comes through the hand-off buffer; all hold the device's
+    values and the positions move to the end. A copy that fails leaves the new state's GDN
+    arrays zeros again, the other state as it was, and the positions where they were."""
+    import contextlib
+    import types
+
+    from fermijit.model.state import GdnState, State
+
+    base, memory = 1 << 20, rng.standard_normal(1 << 14).astype(np.float32)
+    used = [0]
+
+    def device(shape):
+        at = used[0]
+        used[0] += int(np.prod(shape))
+        return types.SimpleNamespace(gpudata=base + 4 * at, shape=shape)
+
+    def values(d):
+        at = (int(d.gpudata) - base) // 4
+        return memory[at:at + int(np.prod(d.shape))].reshape(d.shape)
+
+    class Cuda:
+        Context = types.SimpleNamespace(synchronize=lambda: None)
+        fail_at = None
+
+        def __init__(self):
+            self.dests = []
+
+        def memcpy_dtoh_async(self, dest, src, stream):
+            self.dests.append(dest)
+            if len(self.dests) == self.fail_at:
+                raise RuntimeError("an injected copy fault")
+            out = dest.reshape(-1).view(np.uint8)
+            out[...] = memory.view(np.uint8)[src - base:][:out.size]
+
+    conv, rec, kv = (4, 3), (2, 4, 4), (2, 16, 8)
+    block = np.zeros(4 * (12 + 32), np.uint8)         # "page-locked" (registered below)
+    monkeypatch.setitem(gpu._pinned, block.ctypes.data, block.nbytes)
+    pooled = GdnState(block[:48].view(np.float32).reshape(conv),
+                      block[48:].view(np.float32).reshape(rec))
+    seen = GdnState(rng.standard_normal(conv).astype(np.float32),
+                    rng.standard_normal(rec).astype(np.float32))
+    states = [State(0, [pooled, KvCache(np.zeros(kv, np.float32), np.zeros(kv, np.float32))]),
+              State(3, [seen, KvCache(np.zeros(kv, np.float32), np.zeros(kv, np.float32))])]
+    on_device = [[GdnState(device(conv), device(rec)), KvCache(device(kv), device(kv))]
+                 for _ in states]
+    dev = types.SimpleNamespace(host_buffer=lambda name, n: np.zeros(n, np.uint8),
+                                readback=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    sequences = [(d, s, 10, None) for d, s in zip(on_device, states)]
+    before = [a.copy() for a in seen.arrays]
+
+    failing = Cuda()
+    failing.fail_at = 12  # 4 + 6 staged (KV heads, the other GDN), then the pooled conv, rec
+    monkeypatch.setattr(gpu, "driver", lambda: failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        gpu_state.hand_off(dev, sequences)
+    assert failing.dests[-2] is pooled.conv              # the first in place, landed, then
+    assert not block.any()                               # zeroed again
+    assert [s.position for s in states] == [0, 3]
+    for a, b in zip(seen.arrays, before):
+        np.testing.assert_array_equal(a, b)
+
+    cuda = Cuda()
+    monkeypatch.setattr(gpu, "driver", lambda: cuda)
+    gpu_state.hand_off(dev, sequences)
+    assert [s.position for s in states] == [10, 10]
+    direct = [d for d in cuda.dests if d.dtype == np.float32]
+    assert len(direct) == 2 and direct[0] is pooled.conv and direct[1] is pooled.recurrent
+    for d, s, start in zip(on_device, states, (0, 3)):
+        for a, b in zip(s.layers[0].arrays, d[0].arrays):
+            np.testing.assert_array_equal(a, values(b))
+        for a, b in ((s.layers[1].k, d[1].k), (s.layers[1].v, d[1].v)):
+            np.testing.assert_array_equal(a[:, start:10], values(b)[:, start:10])
+            assert not a[:, :start].any()

@@ -498,3 +498,74 @@ def test_reserve_makes_the_hand_off_room_for_a_batch_before_it(loaded):
     plain_items, _ = batch_items(model)
     for k, want in enumerate(plain.prefill_batch(plain_items)):
         assert_rel(f"item {k} logits", want, got[k], GPU_VS_GPU)
+
+
+def pooled_batch_items(model, pf):
+    """batch_items, the new states' (position 0) GDN arrays from a pool in the prefiller's
+    page-locked memory (the server's: fermijit/server/state_pool.py)."""
+    from fermijit.server.state_pool import GdnPool
+
+    pool = GdnPool(model, len(BATCH_LENGTHS))
+    pool.fill(len(BATCH_LENGTHS), pf.host_memory)
+    items, _ = batch_items(model)
+    for item in items:
+        pool.take(item.state)
+    return items
+
+
+def test_pooled_page_locked_states_take_the_hand_off_in_place(loaded, monkeypatch):
+    """Issue 28 item 5: a batch whose new states' GDN arrays are page-locked (the server's pool)
+    gets them by DMA in place (gpu_state.hand_off), the others through the hand-off buffer: the
+    logits and states of the same batch on ordinary states. A copy back that fails there leaves
+    those arrays zeros again: the CPU then prefills the batch bit for bit as its own
+    prefill_batch from ordinary states."""
+    from fermijit.jit import gpu
+    from fermijit.model.state import GdnState
+
+    model, _, _ = loaded("tiny-e128")
+    pf, err = gpu_prefiller(model)
+    items = pooled_batch_items(model, pf)
+    pooled = [a for i in items if i.state.position == 0 for s in i.state.layers
+              if isinstance(s, GdnState) for a in s.arrays]
+    assert pooled and all(gpu.is_pinned(a) for a in pooled)
+    got = pf.prefill_batch(items)
+    assert "on the CPU" not in err.getvalue(), err.getvalue()
+    plain, _ = batch_items(model)
+    want = gpu_prefiller(model)[0].prefill_batch(plain)
+    for k, (item, other) in enumerate(zip(items, plain)):
+        assert_rel(f"item {k} logits", want[k], got[k], GPU_VS_GPU)
+        for a, b in handed_off_pairs(item.state, other.state, transposed=False):
+            assert_rel(f"item {k} state", b, a, GPU_VS_GPU)
+
+    real = gpu.driver
+
+    class Faulty:
+        """The driver, but the second copy into one of `targets` (host addresses) raises."""
+
+        def __init__(self, targets):
+            self.n, self.targets = 0, targets
+
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+        def memcpy_dtoh_async(self, dest, src, stream=None):
+            if dest.ctypes.data in self.targets:
+                self.n += 1
+                if self.n == 2:
+                    raise RuntimeError("an injected copy fault")
+            return real().memcpy_dtoh_async(dest, src, stream)
+
+    pf, err = gpu_prefiller(model)
+    items = pooled_batch_items(model, pf)
+    faulty = Faulty({a.ctypes.data for i in items if i.state.position == 0
+                     for s in i.state.layers if isinstance(s, GdnState) for a in s.arrays})
+    monkeypatch.setattr(gpu, "driver", lambda: (real(), faulty)[1])
+    got = pf.prefill_batch(items)
+    monkeypatch.setattr(gpu, "driver", real)
+    assert faulty.n == 2 and "an injected copy fault" in err.getvalue(), err.getvalue()
+    cpu_items, _ = batch_items(model)
+    want = model.prefill_batch([i.tokens for i in cpu_items], [i.state for i in cpu_items])
+    for k, (item, cpu) in enumerate(zip(items, cpu_items)):
+        np.testing.assert_array_equal(got[k], want[k])
+        for a, b in handed_off_pairs(item.state, cpu.state, transposed=False):
+            np.testing.assert_array_equal(a, b)

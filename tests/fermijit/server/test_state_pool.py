@@ -1,0 +1,242 @@
+"""The server's pool of resident GDN states (fermijit/server/state_pool.py, issue 28 item 5): new
+states get zeroed arrays that ended ones gave back, never arrays a live state has; through the
+scheduler, answers stay what each prompt gets alone, and a prefill that fails after writing into
+its state's arrays gives nothing back to the pool."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fermijit.model.state import GdnState
+from fermijit.server.state_pool import GdnPool
+from tests.fermijit.server.test_prefill_chunks import (  # noqa: F401 - fixtures: alone, prompts
+    BesidePrefiller, alone, at_once, complete, prompts, serving, text)
+
+
+def gdn(state) -> list[np.ndarray]:
+    return [a for s in state.layers if isinstance(s, GdnState) for a in (s.conv, s.recurrent)]
+
+
+def scribble(state, rng) -> None:
+    """A sequence's work: every GDN array written."""
+    for a in gdn(state):
+        a[...] = rng.standard_normal(a.shape)
+
+
+def assert_no_sharing(states) -> None:
+    for x, y in itertools.combinations(states, 2):
+        for a in gdn(x):
+            assert not any(np.shares_memory(a, b) for b in gdn(y))
+
+
+@pytest.fixture
+def model(engine):
+    return engine.model
+
+
+def test_fill_makes_zeroed_resident_states_up_to_capacity(model):
+    pool = GdnPool(model, capacity=2)
+    n = pool.n_layers
+    assert n == sum(not a for a in model.is_attention) > 0
+    pool.fill(1)
+    assert len(pool.free) == n
+    pool.fill(5)                                             # capped at capacity
+    assert len(pool.free) == 2 * n
+    assert all(not a.any() for s in pool.free for a in s.arrays)
+    state = model.new_state(16)
+    assert [a.shape for a in gdn(state)] == [a.shape for s in pool.free[:n] for a in s.arrays]
+
+
+def test_fill_puts_each_states_arrays_in_one_block_of_the_allocator(model):
+    """The GPU prefiller's page-locked memory (GpuPrefiller.host_memory) as the allocator: one
+    block per state, poisoned here, zeroed by the pool; its views come back from `give`."""
+    blocks = []
+
+    def allocate(nbytes):
+        blocks.append(np.full(nbytes, 0xA5, np.uint8))
+        return blocks[-1]
+
+    pool = GdnPool(model, capacity=2)
+    pool.fill(2, allocate)
+    n = pool.n_layers
+    assert len(blocks) == 2 and not any(b.any() for b in blocks)
+    for k, block in enumerate(blocks):
+        assert all(np.shares_memory(a, block) for s in pool.free[k * n:(k + 1) * n]
+                   for a in s.arrays)
+    state = model.new_state(8)
+    pool.take(state)
+    pool.take(other := model.new_state(8))
+    assert_no_sharing([state, other])
+    pool.give(state)
+    pool.give(other)
+    pool.wait()
+    assert len(pool.free) == 2 * n
+
+
+def test_without_a_gpu_the_prefillers_host_memory_is_ordinary(model):
+    from fermijit.jit import gpu
+    from fermijit.prefill import hybrid
+
+    pf = hybrid.make(model, "auto")
+    if pf.prepare():
+        pytest.skip("a GPU is usable here")
+    a = pf.host_memory(1 << 20)
+    assert a.dtype == np.uint8 and a.nbytes == 1 << 20 and not gpu.is_pinned(a)
+
+
+def test_a_new_state_takes_the_pools_arrays_and_an_ended_one_gives_them_back_zeroed(model, rng):
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1)
+    pooled = [a for s in pool.free for a in s.arrays]
+    state = model.new_state(16)
+    pool.take(state)
+    assert not pool.free
+    mine = gdn(state)
+    assert all(any(a is b for b in pooled) for a in mine)
+    assert all(not a.any() for a in mine)
+    scribble(state, rng)
+    pool.give(state)
+    assert state.layers == []                                # the ended state holds nothing
+    pool.give(state)                                         # twice: nothing more
+    pool.wait()
+    assert len(pool.free) == pool.n_layers
+    again = model.new_state(16)
+    pool.take(again)
+    assert all(any(a is b for b in mine) for a in gdn(again))
+    assert all(not a.any() for a in gdn(again))              # zeroed, not the scribbles
+
+
+def test_live_states_never_share_arrays(model, rng):
+    """A pool of one state's worth and three new states, then states ending and new ones
+    starting in turn: no two live states ever hold the same memory."""
+    pool = GdnPool(model, capacity=2)
+    pool.fill(1)
+    live = [model.new_state(8) for _ in range(3)]
+    for s in live:
+        pool.take(s)
+    assert_no_sharing(live)
+    for _ in range(4):
+        scribble(live[0], rng)
+        pool.give(live.pop(0))
+        pool.wait()
+        live.append(model.new_state(8))
+        pool.take(live[-1])
+        assert all(not a.any() for a in gdn(live[-1]))
+        assert_no_sharing(live)
+    assert len(pool.free) <= pool.capacity
+
+
+def test_a_restored_state_keeps_its_arrays_and_foreign_arrays_stay_out(model, rng):
+    pool = GdnPool(model, capacity=2)
+    pool.fill(1)
+    restored = model.new_state(8)
+    scribble(restored, rng)
+    restored.position = 5                                     # as the prefix cache gives it
+    before = gdn(restored)
+    pool.take(restored)
+    assert all(a is b for a, b in zip(gdn(restored), before))
+    assert len(pool.free) == pool.n_layers
+    viewed = model.new_state(8)                               # arrays that are views: not kept
+    viewed.layers = [GdnState(s.conv[:], s.recurrent[:]) if isinstance(s, GdnState) else s
+                     for s in viewed.layers]
+    pool.give(viewed)
+    pool.wait()
+    assert len(pool.free) == pool.n_layers
+
+
+class Reserving(BesidePrefiller):
+    """Stands in for the GPU's prefiller: one with `reserve`, so the scheduler fills its pool."""
+
+    def reserve(self, n_sequences):
+        pass
+
+
+@pytest.fixture(scope="module")
+def more(engine, prompts):  # noqa: F811
+    """Other prompts (no prefix in common with `prompts`) and their answers alone."""
+    more = [np.roll(p, 1) + 1 for p in prompts]
+    with serving(engine) as (url, _):
+        return more, [text(complete(url, p)) for p in more]
+
+
+def test_batches_on_recycled_states_answer_as_alone(engine, prompts, alone, more):  # noqa: F811
+    """Through the scheduler with a pool (filled at start, as with the GPU): a batch on the
+    pool's first arrays, then one on the arrays the first gave back: each answer is the prompt's
+    alone, and the pool ends holding zeros only."""
+    with serving(engine, Reserving(engine.model)) as (url, scheduler):
+        pool = scheduler.gdn_pool
+        assert [text(r) for r in at_once(url, prompts)] == alone
+        assert [text(r) for r in at_once(url, more[0])] == more[1]
+        pool.wait()
+        assert pool.free and all(not a.any() for s in pool.free for a in s.arrays)
+
+
+def test_a_prefill_that_fails_after_writing_its_states_returns_nothing_dirty(
+        engine, prompts, alone, more):  # noqa: F811
+    """A GPU-side failure after the hand-off began writing (the states' arrays scribbled, then
+    an exception): the prompts retry on the CPU from fresh states and answer as alone; the
+    scribbled arrays never come back to the pool, so later prompts answer as alone too."""
+    class Scribbling(Reserving):
+        n_raised = 0
+
+        def prefill_batch(self, items, align=None):
+            if self.n_raised == 0:
+                self.n_raised += 1
+                for item in items:
+                    for a in gdn(item.state):
+                        a.fill(np.float32(3.0))
+                raise RuntimeError("cuMemcpyDtoH failed: an illegal memory access (test)")
+            return super().prefill_batch(items, align)
+
+    with serving(engine, Scribbling(engine.model)) as (url, scheduler):
+        assert [text(r) for r in at_once(url, prompts)] == alone
+        assert scheduler.n_prefill_failures == 1
+        scheduler.gdn_pool.wait()
+        assert all(not a.any() for s in scheduler.gdn_pool.free for a in s.arrays)
+        assert [text(r) for r in at_once(url, more[0])] == more[1]
+
+
+def test_each_array_starts_on_a_cache_line(model):
+    from fermijit.server.state_pool import ALIGN
+
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1, lambda n: np.empty(n + 3, np.uint8)[3:])    # a block that starts misaligned
+    assert all(a.ctypes.data % ALIGN == 0 for s in pool.free for a in s.arrays)
+
+
+def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatch):
+    """`give` leaves the zeroing to the pool's thread (slowed down here): a state taken
+    meanwhile gets zeroed arrays or fresh ones, never those still being zeroed."""
+    import time
+
+    pool = GdnPool(model, capacity=2)
+    pool.fill(1)
+
+    def slow(s):
+        time.sleep(0.1)
+        GdnPool._zero(s)
+
+    monkeypatch.setattr(pool, "_zero", slow)
+    ended = model.new_state(8)
+    pool.take(ended)
+    scribble(ended, rng)
+    pool.give(ended)
+    time.sleep(0.02)                                          # the thread is zeroing
+    new = model.new_state(8)
+    pool.take(new)
+    assert all(not a.any() for a in gdn(new))
+    pool.wait()
+    assert len(pool.free) == pool.n_layers
+    assert all(not a.any() for s in pool.free for a in s.arrays)
+
+
+def test_a_cpu_server_pools_nothing(engine, prompts, alone):  # noqa: F811
+    """Without a GPU prefill (no `reserve`), ended states are left to the garbage collector as
+    before: the pool holds nothing."""
+    with serving(engine) as (url, scheduler):
+        assert [text(r) for r in at_once(url, prompts)] == alone
+        scheduler.gdn_pool.wait()
+        assert scheduler.gdn_pool.free == [] and scheduler.gdn_pool.capacity == 0

@@ -1,0 +1,50 @@
+"""`serve`'s warm-up (fermijit/server/run.py warm_up) loads every kernel its first requests meet:
+in a fresh process, after it, one request alone and two together (the batched step) compile or
+load no kernel (issue 28 item 4: the start's kernels, and no first request paying for more)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+SCRIPT = """
+import concurrent.futures
+import httpx
+from fermijit.engine import DEFAULT_MODEL, Engine
+from fermijit.jit import dispatch
+from fermijit.server.app import make_app
+from fermijit.server.run import ServerThread, warm_up
+from fermijit.server.scheduler import Scheduler
+
+engine = Engine.load(DEFAULT_MODEL)
+warm_up(engine, 8)
+seen = []
+compile_ = dispatch.Dispatcher.compile
+def compile(self, sig):
+    seen.append(f"{self.py_func.__qualname__}{sig}")
+    return compile_(self, sig)
+dispatch.Dispatcher.compile = compile
+scheduler = Scheduler(engine, max_batch=8)
+scheduler.start()
+server = ServerThread(make_app(scheduler, "m"))
+def request(prompt):
+    return httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}).status_code
+codes = [request([1, 2])]
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    codes += list(pool.map(request, [[3, 4], [5, 6]]))
+server.stop()
+scheduler.stop()
+print(codes, seen)
+"""
+
+
+def test_no_kernel_is_loaded_after_the_warm_up():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[200, 200, 200] []", out.stdout
