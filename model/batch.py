@@ -28,11 +28,11 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp
 from fermijit.jit.cpu import decode_isa
-from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
+from fermijit.model.forward import (L2NORM_EPS, Model, _state_arrays, linear,
                                     linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
-                          residual_rows, residual_step, state_copy)
+                          residual_rows, residual_step)
 
 
 def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
@@ -102,7 +102,7 @@ class BatchWorkspace:
         self.no_p = np.empty((1, 0), f)
         self.no_p_rows = np.empty((B, 0), f)       # the same for B rows (ops.residual_rows)
         self.no_ids, self.no_weights = np.empty((B, 0), np.int32), np.empty((B, 0), f)
-        self.plan: RowsPlan | None = None  # one sequence's rows (decode_rows)
+        self.plans: list[RowsPlan] = []  # one sequence's rows' (decode_rows)
         self.gdn_scratch: gdn_rows.Scratch | None = None  # its GDN rows' (ops.gdn_rows)
 
 
@@ -182,11 +182,14 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
 
 def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
     """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
-    of their calls made once per state and workspace (RowsPlan), as decode runs its token."""
-    plan = ws.plan
-    if plan is None or plan.saves is not saves or not plan.fits(state, model.moe_observer):
-        plan = ws.plan = RowsPlan(_state_arrays(state), model.moe_observer,
-                                  _rows_steps(model, state, ws, saves), saves)
+    of their calls made once per state's and saves' arrays and workspace (RowsPlan), as decode
+    runs its token. A rollback swaps arrays between the state and the saves: the plans of the
+    few arrangements it makes are kept."""
+    arrays = _state_arrays(state) + (() if saves is None else saves.arrays)
+    plan = next((p for p in ws.plans if p.fits(arrays, model.moe_observer)), None)
+    if plan is None:
+        plan = RowsPlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
+        ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()
     run_steps(plan.steps)
@@ -196,11 +199,23 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
     return ws.logits
 
 
-@dataclasses.dataclass
-class RowsPlan(DecodePlan):
-    """A DecodePlan of one sequence's R rows (a speculative verify step), for these GDN saves."""
+# Plans a workspace keeps (_rows_of_one): R rows' rollbacks arrange the live and saved arrays in
+# at most R! ways (2 for a 2-row step); a plan costs ~50-100 us a layer to make (DecodePlan).
+MAX_PLANS = 8
 
-    saves: "GdnSaves | None" = None
+
+@dataclasses.dataclass
+class RowsPlan:
+    """The calls of one sequence's R rows (a speculative verify step), as a DecodePlan, for
+    these state and GDN saves arrays."""
+
+    arrays: tuple
+    observer: object
+    steps: list
+
+    def fits(self, arrays: tuple, observer) -> bool:
+        return (observer is self.observer and len(arrays) == len(self.arrays)
+                and all(a is b for a, b in zip(arrays, self.arrays)))
 
 
 def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
@@ -267,8 +282,8 @@ def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves"
     R, C, Hv, dv = ws.n_seqs, model.conv_dim, model.n_value_heads, model.value_dim
     if ws.gdn_scratch is None:
         ws.gdn_scratch = gdn_rows.Scratch(R, model.n_key_heads, Hv, model.key_dim, dv)
-    conv_dst = [saves.conv[r, g] for r in range(R - 1)] + [s.conv]
-    rec_dst = [saves.recurrent[r, g] for r in range(R - 1)] + [s.recurrent]
+    conv_dst = [saves.conv[r][g] for r in range(R - 1)] + [s.conv]
+    rec_dst = [saves.recurrent[r][g] for r in range(R - 1)] + [s.recurrent]
     rows = [ws.gdn_in[r:r + 1] for r in range(R)]
     return ("gdn_rows.cpu", *gdn_rows.launch(
         [row[:, :C] for row in rows], [row[:, C:].reshape(1, Hv, dv) for row in rows],
@@ -292,30 +307,37 @@ def _offsets(states: list[State]) -> list[int]:
 
 class GdnSaves:
     """The GDN states of one sequence after each of the first R rows of a step (R = rows - 1:
-    the last row's state is the live one), preallocated: what `rollback` returns to."""
+    the last row's state is the live one), preallocated, per row and GDN layer an array of its
+    own (conv[r][g], recurrent[r][g]): what `rollback` swaps in."""
 
     def __init__(self, model: Model, n_rows: int):
         n_gdn = sum(not a for a in model.is_attention)
-        R = max(n_rows - 1, 0)
+        f, R = np.float32, max(n_rows - 1, 0)
+        conv = (model.conv_dim, model.conv_taps - 1)
+        recurrent = (model.n_value_heads, model.key_dim, model.value_dim)
         self.n_rows = n_rows
-        self.conv = np.empty((R, n_gdn, model.conv_dim, model.conv_taps - 1), np.float32)
-        self.recurrent = np.empty((R, n_gdn, model.n_value_heads, model.key_dim,
-                                   model.value_dim), np.float32)
+        self.conv = [[np.empty(conv, f) for _ in range(n_gdn)] for _ in range(R)]
+        self.recurrent = [[np.empty(recurrent, f) for _ in range(n_gdn)] for _ in range(R)]
+
+    @property
+    def arrays(self) -> tuple:
+        return tuple(a for saved in (self.conv, self.recurrent) for row in saved for a in row)
 
 
 def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: int) -> None:
     """Undo the last `n_rows - n_kept` rows of a `decode_rows` step of `n_rows` rows of `state`:
-    its GDN states those after row n_kept - 1 (from `saves`), its position n_kept past the
+    its GDN states those after row n_kept - 1, swapped in from `saves` (no copy: the live arrays
+    go to the saves in their place, overwritten by the next step), its position n_kept past the
     step's start (KV rows past it are never read), the rejected rows' hidden states dropped."""
     if not 1 <= n_kept <= n_rows <= saves.n_rows:
         raise FermijitError(f"rollback: keep {n_kept} of {n_rows} rows (saved: {saves.n_rows})")
     if n_kept == n_rows:
         return
     gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
-    if gdn:  # one fork for every layer's copies (a numpy copy runs on one thread)
-        state_copy.cpu([a for s in gdn for a in (s.conv, s.recurrent)],
-                       [a for g in range(len(gdn))
-                        for a in (saves.conv[n_kept - 1, g], saves.recurrent[n_kept - 1, g])])
+    conv, recurrent = saves.conv[n_kept - 1], saves.recurrent[n_kept - 1]
+    for g, s in enumerate(gdn):
+        s.conv, conv[g] = conv[g], s.conv
+        s.recurrent, recurrent[g] = recurrent[g], s.recurrent
     state.position -= n_rows - n_kept
     if state.hidden is not None:
         state.hidden = state.hidden[:state.hidden.shape[0] - (n_rows - n_kept)]
@@ -345,5 +367,5 @@ def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace, saving=None)
         if saving is not None and b + 1 < len(gdn_states) and gdn_states[b + 1] is s:
             saves, offsets, g = saving
             if saves[b] is not None:
-                saves[b].conv[offsets[b], g] = s.conv
-                saves[b].recurrent[offsets[b], g] = s.recurrent
+                saves[b].conv[offsets[b]][g][...] = s.conv
+                saves[b].recurrent[offsets[b]][g][...] = s.recurrent
