@@ -41,7 +41,7 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
             for b in range(act.xq.shape[0])]
 
 
-# One sequence's verify step of at most this many rows runs decode's fused MoE kernel row by row
+# One sequence's verify step of at most this many rows runs decode's fused MoE kernel on its rows
 # (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
 # through the grouped launches (allocations, sorting), (fill in) with per-row decode MoE.
 ROW_MOE_MAX_ROWS = 4
@@ -95,8 +95,9 @@ class BatchWorkspace:
         self.ids = np.empty((B, model.top_k), np.int32)
         self.weights = np.empty((B, model.top_k), f)
         self.logits = np.empty((B, model.vocab_size), f)
-        # A verify step's few rows take decode's own MoE per row (decode_rows): one for all.
-        self.moe_scratch = moe.Scratch.make(model.layers[0].experts, model.top_k)
+        # A verify step's few rows take decode's own MoE kernel (decode_rows): one each.
+        self.moe_scratches = [moe.Scratch.make(model.layers[0].experts, model.top_k)
+                              for _ in range(B)]
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
@@ -268,12 +269,25 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         steps += residual(w.post_norm, w.router, ws.router_logits, routed=True)
         if model.moe_observer is not None:
             steps.append(("moe_observer", model.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
-        steps += [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
-                                                   ws.weights[r], w.experts, ws.y[r],
-                                                   ws.moe_scratch)) for b, r in enumerate(rows)]
+        steps += moe_rows_steps(ws, w.experts)
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps
+
+
+def moe_rows_steps(ws: BatchWorkspace, experts) -> list:
+    """The plan's MoE of ws's rows (ws.xn, routed into ws.ids, ws.weights) into ws.y: every row
+    in one call of decode's fused kernel (moe.rows_launch: each row its decode's bits, the
+    shared expert read once), or row by row where it does not take the model."""
+    rows = [slice(b, b + 1) for b in range(ws.n_seqs)]
+    if ws.moe_scratches[0].is_fused:
+        return [("moe.decode", *moe.rows_launch(
+            [ws.xn[r] for r in rows], ws.act_rows, [ws.ids[r] for r in rows],
+            [ws.weights[r] for r in rows], experts, [ws.y[r] for r in rows],
+            ws.moe_scratches))]
+    return [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
+                                              ws.weights[r], experts, ws.y[r],
+                                              ws.moe_scratches[0])) for b, r in enumerate(rows)]
 
 
 def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves", g: int):

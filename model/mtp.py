@@ -198,7 +198,8 @@ class DecodeRows:
         return ws.xn, self.logits[0, :n]
 
     def _steps(self, kv: KvCache) -> list:
-        from fermijit.ops import attention_step, matvec, moe, residual_step
+        from fermijit.model import batch
+        from fermijit.ops import attention_step, matvec, residual_step
 
         model, ws, m = self.model, self.ws, self.model.mtp
         layer, mixer, eps = m.layer, m.layer.mixer, model.eps
@@ -228,10 +229,7 @@ class DecodeRows:
             for b, r in enumerate(rows)]
         steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         steps += residual(ws.y, layer.post_norm, layer.router, ws.router_logits, routed=True)
-        steps += [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
-                                                   ws.weights[r], layer.experts, ws.y[r],
-                                                   ws.moe_scratch))
-                  for b, r in enumerate(rows)]
+        steps += batch.moe_rows_steps(ws, layer.experts)
         steps += [("add", np.add, (ws.x, ws.y, ws.x)),                 # x += moe
                   ("rmsnorm.cpu", rmsnorm.cpu, (ws.x, m.norm, eps, ws.xn))]
         return steps
