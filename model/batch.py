@@ -77,6 +77,7 @@ class BatchWorkspace:
         self.q = np.empty((1, Hq, D), f)
         self.gate = np.empty((1, Hq, D), f)
         self.o = np.empty((B, Hq, D), f)
+        self.q_rows, self.gate_rows = np.empty((B, Hq, D), f), np.empty((B, Hq, D), f)
         self.act_attn = matvec.quantize_act(self.o.reshape(B, -1), isa)
         self.act_attn_rows = _rows(self.act_attn)
         # gated deltanet: qkv | z, b | a; one sequence's step scratch
@@ -247,10 +248,7 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         if model.is_attention[i]:
             steps += residual(w.input_norm, ws.no_product, None)
             steps.append(product(ws.act, w.joined_in, ws.attn_in))       # q | k | v
-            steps += [("attention_step.cpu", attention_step.cpu, (
-                ws.attn_in[r], mixer.q_norm, mixer.k_norm, eps, ws.positions[r],
-                model.rotary_dim, model.theta, s.k, s.v, ws.q, ws.gate, ws.o[r],
-                ws.act_attn_rows[b])) for b, r in enumerate(rows)]
+            steps.append(attention_rows_step(model, mixer, s, ws))
             steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         else:
             steps += residual(w.input_norm, w.gates_in, ws.gates_in)      # b | a
@@ -273,6 +271,14 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps
+
+
+def attention_rows_step(model: Model, mixer, kv: KvCache, ws: BatchWorkspace):
+    """The plan's attention step of ws's rows (ws.attn_in, consecutive positions of the `kv`
+    cache) into ws.o: one call (ops.attention_step.rows: each row its decode's bits)."""
+    return ("attention_step.cpu", attention_step.rows, (
+        ws.attn_in, mixer.q_norm, mixer.k_norm, model.eps, ws.positions, model.rotary_dim,
+        model.theta, kv.k, kv.v, ws.q_rows, ws.gate_rows, ws.o, ws.act_attn))
 
 
 def moe_rows_steps(ws: BatchWorkspace, experts) -> list:
