@@ -28,11 +28,11 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp
 from fermijit.jit.cpu import decode_isa
-from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
+from fermijit.model.forward import (L2NORM_EPS, Model, _state_arrays, linear,
                                     linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
-                          residual_rows, residual_step, state_copy)
+                          residual_rows, residual_step)
 
 
 def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
@@ -41,7 +41,7 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
             for b in range(act.xq.shape[0])]
 
 
-# One sequence's verify step of at most this many rows runs decode's fused MoE kernel row by row
+# One sequence's verify step of at most this many rows runs decode's fused MoE kernel on its rows
 # (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
 # through the grouped launches (allocations, sorting), (fill in) with per-row decode MoE.
 ROW_MOE_MAX_ROWS = 4
@@ -77,6 +77,7 @@ class BatchWorkspace:
         self.q = np.empty((1, Hq, D), f)
         self.gate = np.empty((1, Hq, D), f)
         self.o = np.empty((B, Hq, D), f)
+        self.q_rows, self.gate_rows = np.empty((B, Hq, D), f), np.empty((B, Hq, D), f)
         self.act_attn = matvec.quantize_act(self.o.reshape(B, -1), isa)
         self.act_attn_rows = _rows(self.act_attn)
         # gated deltanet: qkv | z, b | a; one sequence's step scratch
@@ -95,14 +96,15 @@ class BatchWorkspace:
         self.ids = np.empty((B, model.top_k), np.int32)
         self.weights = np.empty((B, model.top_k), f)
         self.logits = np.empty((B, model.vocab_size), f)
-        # A verify step's few rows take decode's own MoE per row (decode_rows): one for all.
-        self.moe_scratch = moe.Scratch.make(model.layers[0].experts, model.top_k)
+        # A verify step's few rows take decode's own MoE kernel (decode_rows): one each.
+        self.moe_scratches = [moe.Scratch.make(model.layers[0].experts, model.top_k)
+                              for _ in range(B)]
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
         self.no_p_rows = np.empty((B, 0), f)       # the same for B rows (ops.residual_rows)
         self.no_ids, self.no_weights = np.empty((B, 0), np.int32), np.empty((B, 0), f)
-        self.plan: RowsPlan | None = None  # one sequence's rows (decode_rows)
+        self.plans: list[RowsPlan] = []  # one sequence's rows' (decode_rows)
         self.gdn_scratch: gdn_rows.Scratch | None = None  # its GDN rows' (ops.gdn_rows)
 
 
@@ -182,11 +184,14 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
 
 def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
     """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
-    of their calls made once per state and workspace (RowsPlan), as decode runs its token."""
-    plan = ws.plan
-    if plan is None or plan.saves is not saves or not plan.fits(state, model.moe_observer):
-        plan = ws.plan = RowsPlan(_state_arrays(state), model.moe_observer,
-                                  _rows_steps(model, state, ws, saves), saves)
+    of their calls made once per state's and saves' arrays and workspace (RowsPlan), as decode
+    runs its token. A rollback swaps arrays between the state and the saves: the plans of the
+    few arrangements it makes are kept."""
+    arrays = _state_arrays(state) + (() if saves is None else saves.arrays)
+    plan = next((p for p in ws.plans if p.fits(arrays, model.moe_observer)), None)
+    if plan is None:
+        plan = RowsPlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
+        ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()
     run_steps(plan.steps)
@@ -196,11 +201,23 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
     return ws.logits
 
 
-@dataclasses.dataclass
-class RowsPlan(DecodePlan):
-    """A DecodePlan of one sequence's R rows (a speculative verify step), for these GDN saves."""
+# Plans a workspace keeps (_rows_of_one): R rows' rollbacks arrange the live and saved arrays in
+# at most R! ways (2 for a 2-row step); a plan costs ~50-100 us a layer to make (DecodePlan).
+MAX_PLANS = 8
 
-    saves: "GdnSaves | None" = None
+
+@dataclasses.dataclass
+class RowsPlan:
+    """The calls of one sequence's R rows (a speculative verify step), as a DecodePlan, for
+    these state and GDN saves arrays."""
+
+    arrays: tuple
+    observer: object
+    steps: list
+
+    def fits(self, arrays: tuple, observer) -> bool:
+        return (observer is self.observer and len(arrays) == len(self.arrays)
+                and all(a is b for a, b in zip(arrays, self.arrays)))
 
 
 def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
@@ -231,10 +248,7 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         if model.is_attention[i]:
             steps += residual(w.input_norm, ws.no_product, None)
             steps.append(product(ws.act, w.joined_in, ws.attn_in))       # q | k | v
-            steps += [("attention_step.cpu", attention_step.cpu, (
-                ws.attn_in[r], mixer.q_norm, mixer.k_norm, eps, ws.positions[r],
-                model.rotary_dim, model.theta, s.k, s.v, ws.q, ws.gate, ws.o[r],
-                ws.act_attn_rows[b])) for b, r in enumerate(rows)]
+            steps.append(attention_rows_step(model, mixer, s, ws))
             steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         else:
             steps += residual(w.input_norm, w.gates_in, ws.gates_in)      # b | a
@@ -253,12 +267,33 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         steps += residual(w.post_norm, w.router, ws.router_logits, routed=True)
         if model.moe_observer is not None:
             steps.append(("moe_observer", model.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
-        steps += [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
-                                                   ws.weights[r], w.experts, ws.y[r],
-                                                   ws.moe_scratch)) for b, r in enumerate(rows)]
+        steps += moe_rows_steps(ws, w.experts)
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps
+
+
+def attention_rows_step(model: Model, mixer, kv: KvCache, ws: BatchWorkspace):
+    """The plan's attention step of ws's rows (ws.attn_in, consecutive positions of the `kv`
+    cache) into ws.o: one call (ops.attention_step.rows: each row its decode's bits)."""
+    return ("attention_step.cpu", attention_step.rows, (
+        ws.attn_in, mixer.q_norm, mixer.k_norm, model.eps, ws.positions, model.rotary_dim,
+        model.theta, kv.k, kv.v, ws.q_rows, ws.gate_rows, ws.o, ws.act_attn))
+
+
+def moe_rows_steps(ws: BatchWorkspace, experts) -> list:
+    """The plan's MoE of ws's rows (ws.xn, routed into ws.ids, ws.weights) into ws.y: every row
+    in one call of decode's fused kernel (moe.rows_launch: each row its decode's bits, the
+    shared expert read once), or row by row where it does not take the model."""
+    rows = [slice(b, b + 1) for b in range(ws.n_seqs)]
+    if ws.moe_scratches[0].is_fused:
+        return [("moe.decode", *moe.rows_launch(
+            [ws.xn[r] for r in rows], ws.act_rows, [ws.ids[r] for r in rows],
+            [ws.weights[r] for r in rows], experts, [ws.y[r] for r in rows],
+            ws.moe_scratches))]
+    return [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
+                                              ws.weights[r], experts, ws.y[r],
+                                              ws.moe_scratches[0])) for b, r in enumerate(rows)]
 
 
 def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves", g: int):
@@ -267,8 +302,8 @@ def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves"
     R, C, Hv, dv = ws.n_seqs, model.conv_dim, model.n_value_heads, model.value_dim
     if ws.gdn_scratch is None:
         ws.gdn_scratch = gdn_rows.Scratch(R, model.n_key_heads, Hv, model.key_dim, dv)
-    conv_dst = [saves.conv[r, g] for r in range(R - 1)] + [s.conv]
-    rec_dst = [saves.recurrent[r, g] for r in range(R - 1)] + [s.recurrent]
+    conv_dst = [saves.conv[r][g] for r in range(R - 1)] + [s.conv]
+    rec_dst = [saves.recurrent[r][g] for r in range(R - 1)] + [s.recurrent]
     rows = [ws.gdn_in[r:r + 1] for r in range(R)]
     return ("gdn_rows.cpu", *gdn_rows.launch(
         [row[:, :C] for row in rows], [row[:, C:].reshape(1, Hv, dv) for row in rows],
@@ -292,30 +327,37 @@ def _offsets(states: list[State]) -> list[int]:
 
 class GdnSaves:
     """The GDN states of one sequence after each of the first R rows of a step (R = rows - 1:
-    the last row's state is the live one), preallocated: what `rollback` returns to."""
+    the last row's state is the live one), preallocated, per row and GDN layer an array of its
+    own (conv[r][g], recurrent[r][g]): what `rollback` swaps in."""
 
     def __init__(self, model: Model, n_rows: int):
         n_gdn = sum(not a for a in model.is_attention)
-        R = max(n_rows - 1, 0)
+        f, R = np.float32, max(n_rows - 1, 0)
+        conv = (model.conv_dim, model.conv_taps - 1)
+        recurrent = (model.n_value_heads, model.key_dim, model.value_dim)
         self.n_rows = n_rows
-        self.conv = np.empty((R, n_gdn, model.conv_dim, model.conv_taps - 1), np.float32)
-        self.recurrent = np.empty((R, n_gdn, model.n_value_heads, model.key_dim,
-                                   model.value_dim), np.float32)
+        self.conv = [[np.empty(conv, f) for _ in range(n_gdn)] for _ in range(R)]
+        self.recurrent = [[np.empty(recurrent, f) for _ in range(n_gdn)] for _ in range(R)]
+
+    @property
+    def arrays(self) -> tuple:
+        return tuple(a for saved in (self.conv, self.recurrent) for row in saved for a in row)
 
 
 def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: int) -> None:
     """Undo the last `n_rows - n_kept` rows of a `decode_rows` step of `n_rows` rows of `state`:
-    its GDN states those after row n_kept - 1 (from `saves`), its position n_kept past the
+    its GDN states those after row n_kept - 1, swapped in from `saves` (no copy: the live arrays
+    go to the saves in their place, overwritten by the next step), its position n_kept past the
     step's start (KV rows past it are never read), the rejected rows' hidden states dropped."""
     if not 1 <= n_kept <= n_rows <= saves.n_rows:
         raise FermijitError(f"rollback: keep {n_kept} of {n_rows} rows (saved: {saves.n_rows})")
     if n_kept == n_rows:
         return
     gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
-    if gdn:  # one fork for every layer's copies (a numpy copy runs on one thread)
-        state_copy.cpu([a for s in gdn for a in (s.conv, s.recurrent)],
-                       [a for g in range(len(gdn))
-                        for a in (saves.conv[n_kept - 1, g], saves.recurrent[n_kept - 1, g])])
+    conv, recurrent = saves.conv[n_kept - 1], saves.recurrent[n_kept - 1]
+    for g, s in enumerate(gdn):
+        s.conv, conv[g] = conv[g], s.conv
+        s.recurrent, recurrent[g] = recurrent[g], s.recurrent
     state.position -= n_rows - n_kept
     if state.hidden is not None:
         state.hidden = state.hidden[:state.hidden.shape[0] - (n_rows - n_kept)]
@@ -345,5 +387,5 @@ def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace, saving=None)
         if saving is not None and b + 1 < len(gdn_states) and gdn_states[b + 1] is s:
             saves, offsets, g = saving
             if saves[b] is not None:
-                saves[b].conv[offsets[b], g] = s.conv
-                saves[b].recurrent[offsets[b], g] = s.recurrent
+                saves[b].conv[offsets[b]][g][...] = s.conv
+                saves[b].recurrent[offsets[b]][g][...] = s.recurrent

@@ -198,7 +198,8 @@ class DecodeRows:
         return ws.xn, self.logits[0, :n]
 
     def _steps(self, kv: KvCache) -> list:
-        from fermijit.ops import attention_step, matvec, moe, residual_step
+        from fermijit.model import batch
+        from fermijit.ops import matvec, residual_step
 
         model, ws, m = self.model, self.ws, self.model.mtp
         layer, mixer, eps = m.layer, m.layer.mixer, model.eps
@@ -222,16 +223,10 @@ class DecodeRows:
                  product(self.act_cat, m.fc, ws.x)]                   # x = fc · [e; h]
         steps += residual(None, layer.input_norm, ws.no_product, None)
         steps.append(product(ws.act, layer.joined_in, ws.attn_in))    # q | k | v
-        steps += [("attention_step.cpu", attention_step.cpu, (
-            ws.attn_in[r], mixer.q_norm, mixer.k_norm, eps, ws.positions[r], model.rotary_dim,
-            model.theta, kv.k, kv.v, ws.q, ws.gate, ws.o[r], ws.act_attn_rows[b]))
-            for b, r in enumerate(rows)]
+        steps.append(batch.attention_rows_step(model, mixer, kv, ws))
         steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         steps += residual(ws.y, layer.post_norm, layer.router, ws.router_logits, routed=True)
-        steps += [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
-                                                   ws.weights[r], layer.experts, ws.y[r],
-                                                   ws.moe_scratch))
-                  for b, r in enumerate(rows)]
+        steps += batch.moe_rows_steps(ws, layer.experts)
         steps += [("add", np.add, (ws.x, ws.y, ws.x)),                 # x += moe
                   ("rmsnorm.cpu", rmsnorm.cpu, (ws.x, m.norm, eps, ws.xn))]
         return steps

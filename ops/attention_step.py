@@ -104,3 +104,25 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
     matvec._quantize_act_kernel(o.reshape(1, -1), act.xq, act.dx, act.xsum8, v_.lanes,
                                 matvec.blocks_per_step(v_), half.lanes if half else 0)
     return act
+
+
+def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
+         act: Q8Act) -> Q8Act:
+    """`cpu` of R consecutive tokens of one sequence (a verify step's rows, model/batch.py):
+    qkv [R, ...], positions int64 [R] (consecutive), q, gate, o [R, Hq, D], act a Q8Act of
+    [R, Hq·D]. Each row's stages before attention in turn, then one attention pass over the R
+    queries (each query's bits are a decode step's: ops/attention.py) and one quantisation:
+    one fork for the rows, not one a row."""
+    v_ = act.vec
+    half = matvec.simd.HALF_OF.get(v_.isa)
+    is_q8 = isinstance(cache_k, Q8Rows)
+    inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
+    ck, cv = ((cache_k.qs, cache_k.d), (cache_v.qs, cache_v.d)) if is_q8 else ((cache_k,),
+                                                                               (cache_v,))
+    for r in range(qkv.shape[0]):
+        _step_kernels[is_q8](qkv[r:r + 1], q_norm, k_norm, float(eps), positions[r:r + 1],
+                             inv_freq, ck, cv, q[r:r + 1], gate[r:r + 1])
+    attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
+    matvec._quantize_act_kernel(o.reshape(o.shape[0], -1), act.xq, act.dx, act.xsum8, v_.lanes,
+                                matvec.blocks_per_step(v_), half.lanes if half else 0)
+    return act

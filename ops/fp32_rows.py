@@ -136,32 +136,40 @@ def _lane_sums(builder, vectors):
 
 one = tile(1, 1)
 # Rows of one token read side by side (decode): 4 accumulators in flight, one load of x for 4
-# rows; each output the same bits as `one`'s.
+# rows; each output the same bits as `one`'s. A verify step's few tokens go in pairs: each load
+# of w serves both (one pass over the rows; the second token's pass from cache cost its compute
+# again, ~30 us of a full-size router on one thread).
 ROWS_SIDE_BY_SIDE = 4
 four = tile(1, ROWS_SIDE_BY_SIDE)
+pair = tile(2, ROWS_SIDE_BY_SIDE)
 
 
 @kernel(fastmath=False)
 def rows_range(x, w, out, first, last):
-    """Decode's product out [1, R] = x [1, K] · wᵀ for rows [first, last), 4 side by side, the
-    rest one by one: each output `one`'s, whatever the range (module docstring)."""
+    """Decode's product out [T, R] = x [T, K] · wᵀ for rows [first, last) (T = 1, or a verify
+    step's few tokens), 4 side by side for a token or a pair of tokens, the rest one by one:
+    each output `one`'s, whatever the range and the tokens (module docstring)."""
     whole = first + (last - first) // ROWS_SIDE_BY_SIDE * ROWS_SIDE_BY_SIDE
-    for r in range(first, whole, ROWS_SIDE_BY_SIDE):
-        four(x, w, out, 0, r, 0, r)
-    for r in range(whole, last):
-        one(x, w, out, 0, r, 0, r)
+    n_tok = x.shape[0]
+    for t in range(0, n_tok - 1, 2):
+        for r in range(first, whole, ROWS_SIDE_BY_SIDE):
+            pair(x, w, out, t, r, t, r)
+    if n_tok % 2:
+        for r in range(first, whole, ROWS_SIDE_BY_SIDE):
+            four(x, w, out, n_tok - 1, r, n_tok - 1, r)
+    for t in range(n_tok):
+        for r in range(whole, last):
+            one(x, w, out, t, r, t, r)
 
 
 def rows_share(thread, n_threads, args):
-    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`), for each token
-    of x in turn (a verify step's few: ops/residual_rows.py), its rows of w read from memory
-    once. The router's 1 MB a layer read by one thread was ~40 MB of a full-size token that 16
-    threads waited on."""
+    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`) for every token
+    of x (a verify step's few: ops/residual_rows.py), its rows of w read from memory once. The
+    router's 1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads
+    waited on."""
     x, w, out = args
     n_rows = w.shape[0]
-    first, last = thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads
-    for t in range(x.shape[0]):
-        rows_range(x[t:t + 1], w, out[t:t + 1], first, last)
+    rows_range(x, w, out, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)
 
 
 def _rows_body(x, w, out):

@@ -495,7 +495,7 @@ def gathered_kernel(fmt: kquant.Format, isa: Isa):
 
 def _gathered_fork(fmt: kquant.Format, isa: Isa):
     """(variant, fork intrinsic) of `fmt`'s gathered launch for another kernel to call inside
-    its own dispatch (as matvec.gathered_fork)."""
+    its own dispatch (as ops/moe.py's down fork)."""
     v = VEC_OF[isa]
     streams = GEMV_STREAMS[isa]
     tiles = dict(ROWS=streams, spread_tile=_make_tile(fmt, v, streams, 1, True),

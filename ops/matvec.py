@@ -767,14 +767,6 @@ def gemv_fork(isa: Isa, share, name: str):
     return variant, omp.fork(bind(share, variant, **tiles))
 
 
-def gathered_fork(isa: Isa):
-    """(variant name, the fork intrinsic of a gathered decode launch) for a kernel of another
-    op to call as `fork((qs, d_bits, idx, sqs, sd_bits, xq, dx, xsum8, out))`: the launch of
-    `gathered` (GEMV tiles, every row) inside that kernel, with no dispatch of its own.
-    Indices must be in range: nothing checks them there."""
-    return gemv_fork(isa, _gathered_share, "inner")
-
-
 def _call(op: str, kernel_, *args):
     """`kernel_` on arrays whose shapes are checked: its signatures check dtypes and layouts
     (Numba's dispatch refuses the rest before any code runs)."""

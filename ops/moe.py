@@ -167,39 +167,63 @@ def _gate_up_share(thread, n_threads, args):
     streams, gate row j beside up row I + j; one at a time where the tile takes one row), then
     that block's SwiGLU and its quantisation for the down projection. So only the down launch
     waits for all threads, and no thread waits through the SwiGLU and the quantiser of every
-    row (~11 us of a full-size layer on one thread, this machine)."""
-    (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
-     half_lanes) = args
-    n_inter = h.shape[1]
+    row (~11 us of a full-size layer on one thread, this machine). `args` holds each token's
+    arguments (decode: one; a verify step's rows: a few), the tokens' same block in turn: the
+    shared expert's rows are read from memory once for all of them."""
+    n_inter = args[0][9].shape[1]
     per_row = n_inter // 32
-    n_units = h.shape[0] * per_row
+    n_units = args[0][9].shape[0] * per_row
     for unit in range(thread * n_units // n_threads, (thread + 1) * n_units // n_threads):
         i = unit // per_row
         b = unit - i * per_row
-        w, s = matvec._expert(qs, d, idx, sqs, sd, i)
-        for j in range(b * 32, b * 32 + 32):
-            spread_tile(w, s, xq, dx, xsum8, gu, j, 0, i, n_inter)      # rows j, I + j
-            if ROWS == 1:
-                spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, 0, i, n_inter)
-        swiglu_range(gu[i], h[i], b * 32, b * 32 + 32)
-        matvec.quantize_blocks(h[i], hq[i], hdx[i], hxsum8[i], b, b + 1, lanes, step_blocks,
-                               half_lanes)
+        for a in args:
+            (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
+             half_lanes) = a
+            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+            for j in range(b * 32, b * 32 + 32):
+                spread_tile(w, s, xq, dx, xsum8, gu, j, 0, i, n_inter)  # rows j, I + j
+                if ROWS == 1:
+                    spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, 0, i, n_inter)
+            swiglu_range(gu[i], h[i], b * 32, b * 32 + 32)
+            matvec.quantize_blocks(h[i], hq[i], hdx[i], hxsum8[i], b, b + 1, lanes, step_blocks,
+                                   half_lanes)
 
 
-def _fused_body(x, xq, dx, xsum8, ids, weights, gu_qs, gu_bits, sgu_qs, sgu_bits, dn_qs,
-                dn_bits, sdn_qs, sdn_bits, w_sg, gu, h, hq, hdx, hxsum8, routed, out, lanes,
-                step_blocks, half_lanes):
-    """A decode token's MoE with the shared expert riding in the routed launches (Scratch): the
-    gate_up launch with the SwiGLU and its quantisation in its shares (_gate_up_share), the
-    gathered down launch (matvec.gathered_fork) and the combination, in one dispatch: decode
-    paid ~27 us of Python and dispatch a layer for them as four calls (`bench decode
-    --profile`, 8 full-size layers). The same bits as those calls one by one."""
-    idx = ids[0]
-    fork_gate_up((gu_qs, gu_bits, idx, sgu_qs, sgu_bits, xq, dx, xsum8, gu, h, hq, hdx, hxsum8,
-                  lanes, step_blocks, half_lanes))
-    fork((dn_qs, dn_bits, idx, sdn_qs, sdn_bits, hq, hdx, hxsum8, routed))
-    k = idx.size
-    _combine(routed[:k], weights[0], routed[k], x[0], w_sg, out[0])
+def _down_share(thread, n_threads, args):
+    """matvec's gathered launch (its (matrix, row) jobs split over the threads, each matrix's run
+    as ROWS side-by-side streams) of each token's arguments in `args`, the tokens' same matrix
+    in turn (as _gate_up_share)."""
+    n_rows = args[0][0].shape[1]
+    n_jobs = (args[0][2].size + args[0][3].shape[0]) * n_rows
+    first, last = thread * n_jobs // n_threads, (thread + 1) * n_jobs // n_threads
+    i = first // n_rows
+    while i * n_rows < last:
+        g0 = max(first - i * n_rows, 0)
+        g1 = min(last - i * n_rows, n_rows)
+        per = (g1 - g0) // ROWS
+        for a in args:
+            qs, d, idx, sqs, sd, xq, dx, xsum8, out = a
+            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+            for j in range(per):
+                spread_tile(w, s, xq, dx, xsum8, out, g0 + j, i, i, per)
+            for r in range(g0 + per * ROWS, g1):
+                one_by_1(w, s, xq, dx, xsum8, out, r, i, i)
+        i += 1
+
+
+def _fused_body(gate_up, down, combine):
+    """A decode token's MoE (or a verify step's few tokens', each bit for bit its decode) with
+    the shared expert riding in the routed launches (Scratch): the gate_up launch with the
+    SwiGLU and its quantisation in its shares (_gate_up_share), the gathered down launch
+    (_down_share) and each token's combination, in one dispatch: decode paid ~27 us of Python
+    and dispatch a layer for them as four calls (`bench decode --profile`, 8 full-size layers).
+    The same bits as those calls one by one. Each argument holds the tokens' arguments."""
+    fork_gate_up(gate_up)
+    fork_down(down)
+    for c in combine:
+        x, idx, weights, routed, w_sg, out = c
+        k = idx.size
+        _combine(routed[:k], weights, routed[k], x, w_sg, out)
 
 
 _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code for Westmere)
@@ -207,11 +231,11 @@ _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code 
 
 def _fused_kernel(isa):
     if isa not in _fused_kernels:
-        variant, fork_ = matvec.gathered_fork(isa)
         _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up")
+        variant, down = matvec.gemv_fork(isa, _down_share, "moe-down")
         # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
         _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant + "-swiglu",
-                                     fork=fork_, fork_gate_up=gate_up)
+                                     fork_down=down, fork_gate_up=gate_up)
     return _fused_kernels[isa]
 
 
@@ -267,17 +291,31 @@ def decode_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch):
     expert has shapes of its own."""
     if not s.is_fused:
         return _launches, (x, act, ids, weights, w, out, s)
+    return rows_launch([x], [act], [ids], [weights], w, [out], [s])
+
+
+def rows_launch(xs, acts, ids, weights, w: MoeWeights, outs, scratches):
+    """`decode_launch` of a few tokens in one call (a verify step's rows, model/batch.py): per
+    token its x [1, H], act, ids, weights [1, k], out [1, H] and Scratch (its own: the tokens'
+    blocks are in flight together), each token bit for bit its decode; the fused kernel only
+    (Scratch.is_fused), whose forks take the tokens' same blocks in turn."""
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    # moe's checks cover the weights: the prepared launches check only what each call adds.
-    if s.act_h is None or s.act_h.vec is not act.vec:
-        s.act_h = matvec.quantize_act(s.h, act.vec.isa)
-    v, h = act.vec, s.act_h
-    half = matvec.simd.HALF_OF.get(v.isa)
-    return _fused_kernel(v.isa), (x, act.xq, act.dx, act.xsum8, ids, weights, w.gate_up_qs,
-                                  gu_bits, w.shared_gate_up_qs, shared_gu_bits, w.down_qs,
-                                  down_bits, w.shared_down_qs, shared_down_bits, w.shared_gate,
-                                  s.gu, s.h, h.xq, h.dx, h.xsum8, s.routed, out, v.lanes,
-                                  matvec.blocks_per_step(v), half.lanes if half else 0)
+    gate_up, down, combine = [], [], []
+    for x, act, idx, wt, out, s in zip(xs, acts, ids, weights, outs, scratches):
+        if not s.is_fused:
+            raise FermijitError("moe: a shared expert of other shapes has no fused rows launch")
+        # moe's checks cover the weights: the prepared launches check only what each call adds.
+        if s.act_h is None or s.act_h.vec is not act.vec:
+            s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+        v, h = act.vec, s.act_h
+        half = matvec.simd.HALF_OF.get(v.isa)
+        gate_up.append((w.gate_up_qs, gu_bits, idx[0], w.shared_gate_up_qs, shared_gu_bits,
+                        act.xq, act.dx, act.xsum8, s.gu, s.h, h.xq, h.dx, h.xsum8, v.lanes,
+                        matvec.blocks_per_step(v), half.lanes if half else 0))
+        down.append((w.down_qs, down_bits, idx[0], w.shared_down_qs, shared_down_bits, h.xq,
+                     h.dx, h.xsum8, s.routed))
+        combine.append((x[0], idx[0], wt[0], s.routed, w.shared_gate, out[0]))
+    return _fused_kernel(acts[0].vec.isa), (tuple(gate_up), tuple(down), tuple(combine))
 
 
 def _launches(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:

@@ -46,8 +46,7 @@ def _rows_step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, ha
         if omp.team_size() >= residual_step.PRODUCT_FORK_THREADS:
             fork((xn, w, p))
         else:
-            for r in range(x.shape[0]):
-                fp32_rows.rows_range(xn[r:r + 1], w, p[r:r + 1], 0, w.shape[0])
+            fp32_rows.rows_range(xn, w, p, 0, w.shape[0])
         if ids.shape[1]:
             for r in range(x.shape[0]):
                 router._route_tokens(p[r:r + 1], ids[r:r + 1], weights[r:r + 1])

@@ -81,7 +81,7 @@ for t in counts:  # where the verify step's time goes beside a token's (bench's 
 print("bench decode --speculative mtp: medians of 3 fresh-process rounds (the step costs: best of "
       "7 interleaved within each)")
 print(f"{'threads':>7} {'plain':>7} {'spec':>7} {'speedup':>7} {'accept':>6} {'token':>7} "
-      f"{'verify2':>7} {'draft':>6} {'verify/token':>12} {'draft/token':>11} {'MB token':>8} "
+      f"{'verify2':>7} {'draft':>6} {'verify/token':>12} {'bytes v/t':>9} {'draft/token':>11} {'MB token':>8} "
       f"{'MB/accepted':>11} {'a=0.7':>5} {'a=0.8':>5} {'[verify alone]':>14}  load")
 for t in counts:
     runs = []
@@ -100,13 +100,17 @@ for t in counts:
     print(f"{t:>7} {med(lambda r: r['plain_tok_s']):7.1f} {med(lambda r: r['speculative_tok_s']):7.1f} "
           f"{med(lambda r: r['speedup']):6.2f}x {med(lambda r: r['acceptance']):6.2f} "
           f"{c('decode_ms'):7.2f} {c('verify_ms'):7.2f} {c('draft_ms'):6.2f} "
-          f"{med(lambda r: r['verify_of_decode']):12.2f} {med(lambda r: r['draft_of_decode']):11.2f} "
+          f"{med(lambda r: r['verify_of_decode']):12.2f} "
+          f"{med(lambda r: r.get('verify_bytes_of_decode', float('nan'))):9.2f} "
+          f"{med(lambda r: r['draft_of_decode']):11.2f} "
           f"{c('decode_bytes') / 1e6:8.1f} {med(lambda r: r['bytes_per_accepted_token']) / 1e6:11.1f} "
           f"{proj[0]:5.2f} {proj[1]:5.2f} {alone[0]:6.2f} {alone[1]:6.2f}  "
           f"{loads(runs)}  ({len(runs)} rounds; text "
           f"identical: {all(r['identical_text'] for r in runs)})")
 print("tok/s and ms per token/step; Nv: N threads, drafts from the first VOCAB ids; projection: "
       "speedup = (1 + a) * t_token / (t_verify + t_draft) [verify alone: (1 + a) * t_token / "
-      "t_verify]; target t_verify <= 1.35 t_token")
+      "t_verify]; bytes v/t: a verify step's bytes (weights, the rows' union of experts, GDN "
+      "state traffic) over a token's, the ratio at equal read bandwidth; target t_verify <= "
+      "1.35 t_token")
 EOF
 step "pass finished"

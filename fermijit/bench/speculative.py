@@ -9,7 +9,12 @@ machine is shared) on the last prompt's state: a decode token, a verify step of 
 (every draft rejected, as random weights do; its share reported apart: an accepted draft skips
 it). Bytes are counted as bench decode counts them
 (model/token_bytes.py): the weights a step reads, the routed experts those the routers chose
-(watched on the steps timed); per accepted token, a step's bytes over its tokens.
+(watched on the steps timed), plus the GDN states' traffic (a token reads and writes them once;
+a verify step of R rows reads them once and writes them R times: the saves, then the live
+state); per accepted token, a step's bytes over its tokens. Verify bytes over a token's is the
+byte-bound ratio: what the verify step would cost a token's time if both ran at the same read
+bandwidth (R rows of random routing select E (1 - (1 - k/E)^R) distinct experts a layer on
+average: 15.5 of REAP-128's 128 for 2 rows, against a token's 8).
 
 Projection at the acceptance users report (0.7-0.8, one draft): a step makes 1 + a tokens, so
     speedup = (1 + a) * t_decode / (t_verify + t_draft)
@@ -84,6 +89,7 @@ class Costs:
     verify_bytes: int
     draft_bytes: int
     rollback_ms: float = float("nan")  # of verify_ms: the rollback to its first row
+    experts: tuple = (0.0, 0.0)        # distinct routed experts a layer: a token, a verify step
     # Per step, by its plan's labels (model/forward.py, model/batch.py: a kernel's calls, the
     # rollback): ms in decode and in verify, the best of SPLIT_ROUNDS rounds of CALLS each.
     split: dict = dataclasses.field(default_factory=dict)
@@ -92,6 +98,7 @@ class Costs:
 def step_costs(model, prompt, drafts) -> Costs:
     """The parts of a step on `prompt`'s state, timed interleaved, and the bytes they read."""
     from fermijit.model import batch
+    from fermijit.model.state import GdnState
     from fermijit.model.token_bytes import token_bytes
     from fermijit.speculative import Speculator
 
@@ -157,15 +164,18 @@ def step_costs(model, prompt, drafts) -> Costs:
         selected[part] = watched(part)
     tb = token_bytes(model, [n for _, n in selected["decode"]])
     tv = token_bytes(model, [n for _, n in selected["verify"]])
+    gdn_state = sum(a.nbytes for s in plain.layers if isinstance(s, GdnState) for a in s.arrays)
     head = model.mtp
     per_expert = sum(a.nbytes for a in head.layer.experts.routed) // \
         head.layer.experts.routed[0].shape[0]
     dense = sum(a.nbytes for a in _arrays_of(head))
     draft_experts = sum(n for _, n in selected["draft"]) * per_expert
     head_rows = (drafts.vocab or model.vocab_size) / model.vocab_size  # a draft vocabulary's
-    return Costs(1e3 * best["decode"], 1e3 * best["verify"], 1e3 * best["draft"], tb.total,
-                 tv.total, dense + draft_experts + int(n_draft * head_rows * tb.lm_head),
-                 1e3 * rollback, split)
+    mean = lambda part: float(np.mean([n for _, n in selected[part]]))  # noqa: E731
+    return Costs(1e3 * best["decode"], 1e3 * best["verify"], 1e3 * best["draft"],
+                 tb.total + 2 * gdn_state, tv.total + (1 + rows) * gdn_state,
+                 dense + draft_experts + int(n_draft * head_rows * tb.lm_head),
+                 1e3 * rollback, (mean("decode"), mean("verify")), split)
 
 
 def _split(parts: dict, rolled: list) -> dict:
@@ -256,9 +266,13 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
         "plain_tok_s": n_plain / plain_s, "speculative_tok_s": n_spec / spec_s,
         "speedup": (n_spec / spec_s) / (n_plain / plain_s),
         "tokens_per_step": per_step, "acceptance": a, "steps": steps,
-        "costs": {k: v for k, v in dataclasses.asdict(costs).items() if k != "split"},
+        "costs": {k: v for k, v in dataclasses.asdict(costs).items()
+                  if k not in ("split", "experts")},
+        "experts_per_layer": list(costs.experts),
         "split": costs.split,
         "verify_of_decode": costs.verify_ms / costs.decode_ms,
+        "verify_bytes_of_decode": costs.verify_bytes / costs.decode_bytes,  # the byte bound
+        "experts_random": random_experts(model, drafts.n + 1),
         "draft_of_decode": costs.draft_ms / costs.decode_ms,
         "bytes_per_token_plain": costs.decode_bytes,
         "bytes_per_accepted_token": (costs.verify_bytes + costs.draft_bytes) / per_step,
@@ -269,6 +283,13 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
     })
     print(json.dumps(report, indent=2) if as_json else format_report(report))
     return report
+
+
+def random_experts(model, n_rows: int) -> float:
+    """Distinct routed experts a layer that n_rows rows of independent uniform routing select
+    on average: E (1 - (1 - k/E)^R)."""
+    E, k = model.n_experts, model.top_k
+    return E * (1 - (1 - k / E) ** n_rows)
 
 
 def _greedy(model):
@@ -294,8 +315,12 @@ def format_report(r: dict) -> str:
         f"(acceptance {100 * r['acceptance']:.1f}% over {r['steps']} steps)",
         f"{'decode token':<28} {c['decode_ms']:9.2f} ms  ({c['decode_bytes'] / mb:.1f} MB read)",
         f"{'verify step, ' + str(r['draft'] + 1) + ' rows':<28} {c['verify_ms']:9.2f} ms  "
-        f"({r['verify_of_decode']:.2f}x a token; {c['verify_bytes'] / mb:.1f} MB; its rollback "
+        f"({r['verify_of_decode']:.2f}x a token; {c['verify_bytes'] / mb:.1f} MB: "
+        f"{r['verify_bytes_of_decode']:.2f}x a token's, the byte bound; its rollback "
         f"{c.get('rollback_ms', float('nan')):.2f} ms)",
+        f"{'experts a layer':<28} {r['experts_per_layer'][0]:9.2f} a token, "
+        f"{r['experts_per_layer'][1]:.2f} a verify step (random routing: "
+        f"{r['experts_random']:.2f})",
         f"{'draft':<28} {c['draft_ms']:9.2f} ms  ({r['draft_of_decode']:.2f}x a token; "
         f"{c['draft_bytes'] / mb:.1f} MB)",
         f"{'bytes per token':<28} {r['bytes_per_token_plain'] / mb:9.1f} MB plain, "

@@ -389,6 +389,10 @@ def test_bench_decode_speculative_reports_steps_and_costs(model_dir, capsys):
     c = r["costs"]
     assert min(c.values()) > 0 and r["bytes_per_accepted_token"] > 0
     assert r["verify_of_decode"] == pytest.approx(c["verify_ms"] / c["decode_ms"])
+    # The byte bound: the rows' union of experts (a token's k to 2k a layer), more bytes.
+    assert r["verify_bytes_of_decode"] == pytest.approx(c["verify_bytes"] / c["decode_bytes"])
+    k, n_experts = r["experts_per_layer"]
+    assert k == int(k) >= 1 and k <= n_experts <= 2 * k and 1 < r["verify_bytes_of_decode"] < 2
     for p, a in zip(r["projection"], bench_speculative.ACCEPTANCE):
         assert p["speedup"] == pytest.approx((1 + a) * c["decode_ms"] /
                                              (c["verify_ms"] + c["draft_ms"]))
@@ -403,7 +407,7 @@ def test_bench_decode_speculative_reports_steps_and_costs(model_dir, capsys):
     assert 0 < sum(v for _, v in split.values()) <= 2 * c["verify_ms"]
     text = bench_speculative.format_report(r)
     assert "acceptance" in text and "(1 + a) * t_decode / (t_verify + t_draft)" in text
-    assert "gdn_rows.cpu" in text and "rollback" in text
+    assert "gdn_rows.cpu" in text and "rollback" in text and "the byte bound" in text
 
 
 def test_an_hf_checkpoint_with_a_head_loads_with_the_default_speculation(model_dir):

@@ -98,3 +98,36 @@ def test_q8_cache_equals_the_ops_one_by_one_and_the_references(rng, case):
     assert_close("cache k", ref_k.dequantize(), f_ck.dequantize(), f_ck.d.max() * 1.001, 0)
     assert np.array_equal(ref_v.qs, f_cv.qs) and np.array_equal(ref_v.d, f_cv.d)
     assert_close("o", ref_o, f_o, 20 * RTOL * np.abs(ref_o).max(), 20 * RTOL)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_rows_are_the_step_row_by_row(rng, case, q8):
+    """A verify step's rows in one call (attention_step.rows): the cache, o and its quantisation
+    bit for bit `cpu` on each row in turn."""
+    Hq, Hkv, D, R, pos = case
+    n_rows, f = 3, np.float32
+    qkv = rng.standard_normal((n_rows, (Hq * 2 + Hkv * 2) * D)).astype(f)
+    qn, kn = (0.3 * rng.standard_normal((2, D))).astype(f)
+    ck, cv = rng.standard_normal((2, Hkv, pos + n_rows + 2, D)).astype(f)
+    if q8:
+        ck, cv = kv_quant.reference(ck), kv_quant.reference(cv)
+    positions = np.arange(pos, pos + n_rows, dtype=np.int64)
+    want_k, want_v, want_o = ck.copy(), cv.copy(), poisoned((n_rows, Hq, D))
+    want_act = matvec.quantize_act(np.zeros((n_rows, Hq * D), f))
+    for r in range(n_rows):
+        row_act = matvec.Q8Act(want_act.xq[r:r + 1], want_act.dx[r:r + 1],
+                               want_act.xsum8[r:r + 1], want_act.vec)
+        attention_step.cpu(qkv[r:r + 1].copy(), qn, kn, EPS, positions[r:r + 1], R, THETA,
+                           want_k, want_v, poisoned((1, Hq, D)), poisoned((1, Hq, D)),
+                           want_o[r:r + 1], row_act)
+    got_k, got_v, got_o = ck.copy(), cv.copy(), poisoned((n_rows, Hq, D))
+    got_act = matvec.quantize_act(np.zeros((n_rows, Hq * D), f))
+    attention_step.rows(qkv.copy(), qn, kn, EPS, positions, R, THETA, got_k, got_v,
+                        poisoned((n_rows, Hq, D)), poisoned((n_rows, Hq, D)), got_o, got_act)
+    pairs = [("o", want_o, got_o), ("xq", want_act.xq, got_act.xq), ("dx", want_act.dx,
+             got_act.dx), ("xsum8", want_act.xsum8, got_act.xsum8)]
+    pairs += ([("k", want_k.qs, got_k.qs), ("k d", want_k.d, got_k.d), ("v", want_v.qs, got_v.qs),
+               ("v d", want_v.d, got_v.d)] if q8 else [("k", want_k, got_k), ("v", want_v, got_v)])
+    for name, want, got in pairs:
+        assert np.array_equal(want, got), name

@@ -58,6 +58,10 @@ def test_every_output_is_the_same_bits_however_computed(rng, shape):
     for t in range(T):
         fp32_rows.decode_rows()(x[t:t + 1], w, one)
         assert np.array_equal(one[0], whole[t]), t
+    for n in range(2, min(T, 3) + 1):  # a verify step's few tokens (pairs share w's loads)
+        few = poisoned((n, R))
+        fp32_rows.decode_rows()(x[:n], w, few)
+        assert np.array_equal(few, whole[:n]), n
     for lo, hi in ((0, T // 2), (T // 3, T), (T - 1, T)):
         if hi > lo:
             assert np.array_equal(fp32_rows.cpu(x[lo:hi], w), whole[lo:hi]), (lo, hi)

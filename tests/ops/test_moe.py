@@ -1,11 +1,13 @@
 """MoE block: W4A8 cpu against the fp32-activation reference, and exactly against the same
 computation done with the W4A8 references of its parts."""
 
+import numba
 import numpy as np
 import pytest
 
 from fermijit import FermijitError
 from fermijit.jit import cpu
+from fermijit.jit.cpu import configure_threads
 from fermijit.ops import matvec, moe, quant
 from tests.numerics import assert_close, poisoned
 
@@ -155,3 +157,36 @@ def test_fused_decode_equals_its_launches_one_by_one(rng, isa):
     want = poisoned((1, hidden))
     moe._combine(routed[:top_k], weights[0], routed[top_k], x[0], w.shared_gate, want[0])
     assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("n_tok", [1, 2, 3])
+def test_fused_rows_are_decode_exactly(rng, isa, n_tok):
+    """A verify step's few tokens in one fused call (moe.rows_launch: their blocks in flight
+    together, each its own scratch) give each token bit for bit its decode, at 1 and 2
+    threads, two tokens sharing experts included."""
+    n_experts, hidden, inter, top_k = 16, 160, 96, 4
+    w = _weights(rng, n_experts, hidden, inter, inter)
+    ids, weights = _routing(rng, n_tok, n_experts, top_k)
+    ids[-1, :2] = ids[0, 2:]  # the last token shares experts with the first
+    x = rng.standard_normal((n_tok, hidden)).astype(np.float32)
+    acts = [matvec.quantize_act(x[t:t + 1], isa) for t in range(n_tok)]
+    want = []
+    for t in range(n_tok):
+        want.append(poisoned((1, hidden)))
+        moe.decode(x[t:t + 1], acts[t], ids[t:t + 1], weights[t:t + 1], w, want[-1],
+                   moe.Scratch.make(w, top_k))
+    before = numba.get_num_threads()
+    try:
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            configure_threads(n)
+            out = [poisoned((1, hidden)) for _ in range(n_tok)]
+            kernel_, args = moe.rows_launch(
+                [x[t:t + 1] for t in range(n_tok)], acts, [ids[t:t + 1] for t in range(n_tok)],
+                [weights[t:t + 1] for t in range(n_tok)], w, out,
+                [moe.Scratch.make(w, top_k) for _ in range(n_tok)])
+            kernel_(*args)
+            for t in range(n_tok):
+                np.testing.assert_array_equal(out[t], want[t], err_msg=f"token {t}, {n} threads")
+    finally:
+        configure_threads(before)
