@@ -118,6 +118,13 @@ def matmul_flops_per_token(model) -> tuple[float, float]:
     return dense, experts
 
 
+def gdn_state_nbytes(state) -> int:
+    """The GDN layers' state a decode token reads (and writes back): every GdnState's arrays."""
+    from fermijit.model.state import GdnState
+
+    return sum(s.nbytes for s in state.layers if isinstance(s, GdnState))
+
+
 def gemm_gflops(model, n_tokens: int) -> dict[str, float]:
     """The W4A8 GEMM's GFLOP/s at the prefill's shapes, on the model's own layer-0 weights:
     a dense projection over `n_tokens`, and one expert's gate_up over the tokens an expert gets
@@ -367,7 +374,8 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         peak = memory_now()["peak"]  # before anything else is allocated
 
         selected = watch_routing(model, token, state)
-        bytes_ = token_bytes(model, selected, (n_prompt + n_tokens // 2) * state.position_nbytes)
+        bytes_ = token_bytes(model, selected, (n_prompt + n_tokens // 2) * state.position_nbytes,
+                             gdn_state_nbytes(state))
         profile_rows = None
         if profile:
             _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
@@ -453,7 +461,8 @@ def format_report(r: dict) -> str:
         f"{r['decode_token_ms_median']:.1f} ms; CPU {r['decode_cpu_s']:.2f} s)",
         f"{'bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
         f"experts {b['experts'] / gb:.3f}, lm head {b['lm_head'] / gb:.3f}, embedding row "
-        f"{b['embedding']} B, KV {b['kv'] / gb:.3f}: {r['kv_cache']})",
+        f"{b['embedding']} B, KV {b['kv'] / gb:.3f}: {r['kv_cache']}, GDN state "
+        f"{b.get('state', 0) / gb:.3f})",
         f"{'read bandwidth':<28} {r['read_gbs']:9.2f} GB/s",
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",
