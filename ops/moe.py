@@ -186,40 +186,20 @@ def _gate_up_share(thread, n_threads, args):
                                half_lanes)
 
 
-def _down_share(thread, n_threads, args):
-    """A thread's rows [r0, r1) of every matrix of the down launch (the selected experts', then
-    the shared one's: matvec's gathered launch, split by rows instead of by (matrix, row) jobs),
-    then those rows of the combination (`_weighted_rows`, the same bits): no thread waits for
-    another before it, and the calling thread is not left with it alone after the join, while
-    the others' short spin (jit/cpu.py) runs out before the next layer's fork."""
-    qs, d, idx, sqs, sd, hq, hdx, hxsum8, routed, weights, gate, y = args
-    n_rows = qs.shape[1]
-    r0 = thread * n_rows // n_threads
-    r1 = (thread + 1) * n_rows // n_threads
-    per = (r1 - r0) // ROWS
-    k = idx.size
-    for i in range(k + sqs.shape[0]):
-        w, s = matvec._expert(qs, d, idx, sqs, sd, i)
-        for j in range(per):
-            spread_tile(w, s, hq, hdx, hxsum8, routed, r0 + j, i, i, per)
-        for r in range(r0 + per * ROWS, r1):
-            one_by_1(w, s, hq, hdx, hxsum8, routed, r, i, i)
-    _weighted_rows(routed[:k, r0:r1], weights, routed[k, r0:r1], gate, y[r0:r1])
-
-
 def _fused_body(x, xq, dx, xsum8, ids, weights, gu_qs, gu_bits, sgu_qs, sgu_bits, dn_qs,
                 dn_bits, sdn_qs, sdn_bits, w_sg, gu, h, hq, hdx, hxsum8, routed, out, lanes,
                 step_blocks, half_lanes):
     """A decode token's MoE with the shared expert riding in the routed launches (Scratch): the
     gate_up launch with the SwiGLU and its quantisation in its shares (_gate_up_share), the
-    down launch with the combination in its shares (_down_share), in one dispatch: decode
+    gathered down launch (matvec.gathered_fork) and the combination, in one dispatch: decode
     paid ~27 us of Python and dispatch a layer for them as four calls (`bench decode
     --profile`, 8 full-size layers). The same bits as those calls one by one."""
     idx = ids[0]
     fork_gate_up((gu_qs, gu_bits, idx, sgu_qs, sgu_bits, xq, dx, xsum8, gu, h, hq, hdx, hxsum8,
                   lanes, step_blocks, half_lanes))
-    fork_down((dn_qs, dn_bits, idx, sdn_qs, sdn_bits, hq, hdx, hxsum8, routed, weights[0],
-               _shared_gate_kernel(x[0], w_sg), out[0]))
+    fork((dn_qs, dn_bits, idx, sdn_qs, sdn_bits, hq, hdx, hxsum8, routed))
+    k = idx.size
+    _combine(routed[:k], weights[0], routed[k], x[0], w_sg, out[0])
 
 
 _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code for Westmere)
@@ -227,12 +207,12 @@ _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code 
 
 def _fused_kernel(isa):
     if isa not in _fused_kernels:
-        variant, down = matvec.gemv_fork(isa, _down_share, "moe-down")
+        variant, fork_ = matvec.gathered_fork(isa)
         _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up",  # pairs: rows j, I + j
                                       matvec.GEMV_STREAMS[isa])
         # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
         _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant + "-swiglu",
-                                     fork_down=down, fork_gate_up=gate_up)
+                                     fork=fork_, fork_gate_up=gate_up)
     return _fused_kernels[isa]
 
 
