@@ -61,6 +61,8 @@ GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 # before it, load ~1.7 (/tmp/mc2/streams_ab.py of issue 29's session): reap128's 80 dense Q4_0
 # matrices 2 rows 79.5 % of the probe, 3 rows 83.2, 4 82.7; its 62080x2048 Q8_0 LM head 2 rows
 # 74.6 % (85.3 with vpdpbusd), 3 88.3, 4 90.0. Every row's bits are the one-row tile's anyway.
+# Only where decode's AVX2 runs in an AVX-512 VNNI process (as measured: 32 vector registers
+# hold the extra rows' weights); with AVX2's 16 not measured, GEMV_STREAMS kept.
 GEMV_ROWS = {(Isa.AVX2, "q4_0"): 3, (Isa.AVX2, "q8_0"): 4}
 # Activation rows are K bytes (whole 32-blocks) and every load of them is at a multiple of 16, so
 # from a 16-byte aligned buffer each is aligned: legacy SSE can then fold them into pmaddubsw's
@@ -759,7 +761,8 @@ def launch_with_rows(w: Q4Matrix, act: Q8Act, out, x, w_rows, p):
 def gemv_shape(isa: Isa, fmt: _Format = Q4_0) -> tuple[int, int]:
     """The decode tile of `isa`: GEMV_ROWS (else GEMV_STREAMS) rows, each its own stream, x 1
     token."""
-    return GEMV_ROWS.get((isa, fmt.name), GEMV_STREAMS[isa]), 1
+    rows = GEMV_ROWS.get((isa, fmt.name)) if _few_tokens_vec(isa) is not None else None
+    return rows or GEMV_STREAMS[isa], 1
 
 
 def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
