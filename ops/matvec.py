@@ -58,7 +58,7 @@ GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 # decode variant and format (the MoE's gate_up pairs stay GEMV_STREAMS'; a verify step's tiles
 # too). Intel AVX-512 2-core VM (AVX2 decode, its Q8_0 with vpdpbusd on ymm: _few_tokens_vec),
 # cold, 2 threads, one process, 7 interleaved rounds, each walk against a read-probe pass just
-# before it, load ~1.7 (/tmp/mc2/streams_ab.py of issue 29's session): reap128's 80 dense Q4_0
+# before it, load ~1.7 (issue 29's session, its GEMVs with other tiles): reap128's 80 dense Q4_0
 # matrices 2 rows 79.5 % of the probe, 3 rows 83.2, 4 82.7; its 62080x2048 Q8_0 LM head 2 rows
 # 74.6 % (85.3 with vpdpbusd), 3 88.3, 4 90.0. Every row's bits are the one-row tile's anyway.
 # Only where decode's AVX2 runs in an AVX-512 VNNI process (as measured: 32 vector registers

@@ -20,9 +20,10 @@ and gates' 55 MB of a full-size token (1 MB a layer for REAP-128's router) were 
 other threads waited through at 16 threads. At 2 threads too: the router alone ran ~60-100 us a
 layer on the calling thread, long enough that the other thread went to sleep (libgomp's short
 spin, jit/cpu.py) and the MoE's fork after it paid a wake-up; forked, the team stays awake.
-Full-size reap128, 2 threads, one process, decode plans interleaved token by token (/tmp/mc2/
-tokab.py of issue 29's session), load ~4: 1.045x the calling thread's product (B -> C, the GEMV
-rows of ops/matvec.py's GEMV_ROWS in both).
+Full-size reap128, 2 threads, one process, decode plans (the plan's steps with either kernel)
+interleaved token by token, issue 29's session: 1.05x the calling thread's product at load ~4
+(probe 8.4 GB/s), but 0.91-0.93x at load ~5 with the probe at 5 GB/s, where each fork waits for a
+thread the scheduler gave to a neighbour (decode was then above 100 % of that probe either way).
 
 Letters: H hidden, R product rows, k experts per token.
 """
