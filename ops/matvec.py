@@ -60,7 +60,8 @@ GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 # cold, 2 threads, one process, 7 interleaved rounds, each walk against a read-probe pass just
 # before it, load ~1.7 (issue 29's session, its GEMVs with other tiles): reap128's 80 dense Q4_0
 # matrices 2 rows 79.5 % of the probe, 3 rows 83.2, 4 82.7; its 62080x2048 Q8_0 LM head 2 rows
-# 74.6 % (85.3 with vpdpbusd), 3 88.3, 4 90.0. Every row's bits are the one-row tile's anyway.
+# 74.6 % (85.3 with vpdpbusd), 3 88.3, 4 90.0; a full-size decode token 1.06x (plans of either
+# tiles interleaved token by token, load ~1.5). Every row's bits are the one-row tile's anyway.
 # Only where decode's AVX2 runs in an AVX-512 VNNI process (as measured: 32 vector registers
 # hold the extra rows' weights); with AVX2's 16 not measured, GEMV_STREAMS kept.
 GEMV_ROWS = {(Isa.AVX2, "q4_0"): 3, (Isa.AVX2, "q8_0"): 4}

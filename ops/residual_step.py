@@ -21,9 +21,10 @@ other threads waited through at 16 threads. At 2 threads too: the router alone r
 layer on the calling thread, long enough that the other thread went to sleep (libgomp's short
 spin, jit/cpu.py) and the MoE's fork after it paid a wake-up; forked, the team stays awake.
 Full-size reap128, 2 threads, one process, decode plans (the plan's steps with either kernel)
-interleaved token by token, issue 29's session: 1.05x the calling thread's product at load ~4
-(probe 8.4 GB/s), but 0.91-0.93x at load ~5 with the probe at 5 GB/s, where each fork waits for a
-thread the scheduler gave to a neighbour (decode was then above 100 % of that probe either way).
+interleaved token by token, issue 29's session: 1.02x the calling thread's product at load ~1.5
+(probe 24 GB/s, 40 rounds' median ratio), 1.05x at load ~4 (probe 8.4 GB/s), but 0.91-0.93x at
+load ~5 with the probe at 5 GB/s, where each fork waits for a thread the scheduler gave to a
+neighbour (decode was then above 100 % of that probe either way).
 
 Letters: H hidden, R product rows, k experts per token.
 """
