@@ -6,9 +6,9 @@ read bandwidth / bytes per token. The bytes are counted from the model's own arr
 matrix, vector and the LM head, one embedding row, of the routed experts those the router
 actually selected (watched on one extra token), the KV rows of the positions decoded at (on
 average: prompt + half the tokens; at long context they are a real part), and the GDN layers'
-recurrent state and conv window, which every token reads and writes back (reap128: 66 MB, 3 %). Prefill is
-compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured here at the prefill's
-shapes (a dense projection over the prompt; one expert over the tokens an expert gets on
+recurrent state and conv window, which every token reads and writes back (reap128: 66 MB, 3 %).
+Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured here at the
+prefill's shapes (a dense projection over the prompt; one expert over the tokens an expert gets on
 average). `--profile` times a few more tokens op by op (fermijit/bench/profile.py),
 and one more prefill of the prompt. `--threads-sweep` decodes again at each thread count given.
 
