@@ -3,7 +3,9 @@ bandwidth / bytes a token), and what speculative decoding weighs to decide wheth
 (fermijit/speculative.py `pays`).
 
 Decode reads every weight a token needs once: every dense matrix and vector, the LM head, one
-embedding row, of the routed experts those the routers selected, and the KV rows attention reads.
+embedding row, of the routed experts those the routers selected, the KV rows attention reads, and
+the GDN layers' state (the recurrent state and the conv window, read and written back every
+token: 64 MB of reap128's ~2 GB, 3 %).
 """
 
 from __future__ import annotations
@@ -36,20 +38,23 @@ class TokenBytes:
     lm_head: int = 0
     embedding: int = 0    # one row
     kv: int = 0           # the KV cache's rows attention reads (every attention layer)
+    state: int = 0        # the GDN layers' recurrent and conv state (read once; written back)
 
     @property
     def total(self) -> int:
-        return self.dense + self.experts + self.lm_head + self.embedding + self.kv
+        return self.dense + self.experts + self.lm_head + self.embedding + self.kv + self.state
 
 
-def token_bytes(model, selected: list[int], kv_nbytes: int = 0) -> TokenBytes:
-    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i and
-    attends over `kv_nbytes` of KV rows."""
+def token_bytes(model, selected: list[int], kv_nbytes: int = 0,
+                state_nbytes: int = 0) -> TokenBytes:
+    """Bytes read by a decode token that selected `selected[i]` distinct experts in layer i,
+    attends over `kv_nbytes` of KV rows and steps `state_nbytes` of GDN state."""
     from fermijit.model.block_moe import BlockExperts
     from fermijit.ops import moe
 
     out = TokenBytes(lm_head=sum(a.nbytes for a in arrays(model.lm_head)),
-                     embedding=model.embed.nbytes // model.embed.shape[0], kv=kv_nbytes)
+                     embedding=model.embed.nbytes // model.embed.shape[0], kv=kv_nbytes,
+                     state=state_nbytes)
     for layer, n_selected in zip(model.layers, selected):
         experts = layer.experts
         if isinstance(experts, moe.MoeWeights):

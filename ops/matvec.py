@@ -54,6 +54,17 @@ PREFETCH_BYTES = 4096
 # 2 threads cold 87 -> 95 %; AVX2 cold 79 -> 104 %. Three streams were about as good, four
 # worse (86 %, 2 threads). SSE (16 registers) gained nothing: 1.
 GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
+# The one-token GEMV's rows side by side, where more streams than GEMV_STREAMS read faster, by
+# decode variant and format (the MoE's gate_up pairs stay GEMV_STREAMS'; a verify step's tiles
+# too). Intel AVX-512 2-core VM (AVX2 decode, its Q8_0 with vpdpbusd on ymm: _few_tokens_vec),
+# cold, 2 threads, one process, 7 interleaved rounds, each walk against a read-probe pass just
+# before it, load ~1.7 (issue 29's session, its GEMVs with other tiles): reap128's 80 dense Q4_0
+# matrices 2 rows 79.5 % of the probe, 3 rows 83.2, 4 82.7; its 62080x2048 Q8_0 LM head 2 rows
+# 74.6 % (85.3 with vpdpbusd), 3 88.3, 4 90.0; a full-size decode token 1.06x (plans of either
+# tiles interleaved token by token, load ~1.5). Every row's bits are the one-row tile's anyway.
+# Only where decode's AVX2 runs in an AVX-512 VNNI process (as measured: 32 vector registers
+# hold the extra rows' weights); with AVX2's 16 not measured, GEMV_STREAMS kept.
+GEMV_ROWS = {(Isa.AVX2, "q4_0"): 3, (Isa.AVX2, "q8_0"): 4}
 # Activation rows are K bytes (whole 32-blocks) and every load of them is at a multiple of 16, so
 # from a 16-byte aligned buffer each is aligned: legacy SSE can then fold them into pmaddubsw's
 # memory operand (8 fewer instructions of 60 per 4-block step in the Westmere code).
@@ -748,21 +759,26 @@ def launch_with_rows(w: Q4Matrix, act: Q8Act, out, x, w_rows, p):
     return gemv_rows_kernel(act.vec.isa), args + (x, w_rows, p)
 
 
-def gemv_shape(isa: Isa) -> tuple[int, int]:
-    """The decode tile of `isa`: GEMV_STREAMS rows (read as separate streams) x 1 token."""
-    return GEMV_STREAMS[isa], 1
+def gemv_shape(isa: Isa, fmt: _Format = Q4_0) -> tuple[int, int]:
+    """The decode tile of `isa`: GEMV_ROWS (else GEMV_STREAMS) rows, each its own stream, x 1
+    token."""
+    rows = GEMV_ROWS.get((isa, fmt.name)) if _few_tokens_vec(isa) is not None else None
+    return rows or GEMV_STREAMS[isa], 1
 
 
 def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
-    """The decode GEMV kernel: (qs, d_bits, xq, dx, xsum8, out [R] or [1, R])."""
-    return _product(isa, gemv_shape(isa), _gemv_body, fmt)
+    """The decode GEMV kernel: (qs, d_bits, xq, dx, xsum8, out [R] or [1, R]); Q8_0 with
+    `_few_tokens_vec`'s registers (the same bits)."""
+    return _product(isa, gemv_shape(isa, fmt), _gemv_body, fmt,
+                    _few_tokens_vec(isa) if fmt is Q8_0 else None)
 
 
-def gemv_fork(isa: Isa, share, name: str):
+def gemv_fork(isa: Isa, share, name: str, rows: int | None = None):
     """(variant name, a fork intrinsic of `share`) with the decode GEMV's tiles bound as its
     globals (ROWS, spread_tile, one_by_1, tile, rows_by_1: `_tiles`), for a kernel of another
-    op; `name` makes the variant's symbols its own (jit.cpu.bind)."""
-    variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
+    op; `name` makes the variant's symbols its own (jit.cpu.bind). `rows`: tiles of that many
+    rows instead of the GEMV's."""
+    variant, tiles = _tiles(isa, (rows, 1) if rows else gemv_shape(isa), Q4_0)
     variant += "-" + name
     return variant, omp.fork(bind(share, variant, **tiles))
 
@@ -1082,7 +1098,7 @@ def simd_variant(isa: Isa) -> str:
     v = simd.VEC_OF[dec]
     ops = "vpdpbusd" if v.dpbusd else "pmaddubsw+pmaddwd"
     return (f"decode GEMV {dec.label}: {8 * v.nbytes}-bit {ops}, {blocks_per_step(v)} "
-            f"blocks/step, {GEMV_STREAMS[dec]} row stream(s) a tile; prefill GEMM {isa.label}: "
+            f"blocks/step, {gemv_shape(dec)[0]} row stream(s) a tile; prefill GEMM {isa.label}: "
             f"{gemm.rows_per_group(isa)} rows in the lanes x {gemm.TILE_TOKENS[isa]} tokens")
 
 

@@ -231,7 +231,8 @@ _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code 
 
 def _fused_kernel(isa):
     if isa not in _fused_kernels:
-        _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up")
+        _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up",  # pairs: rows j, I + j
+                                      matvec.GEMV_STREAMS[isa])
         variant, down = matvec.gemv_fork(isa, _down_share, "moe-down")
         # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
         _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant + "-swiglu",

@@ -17,10 +17,14 @@ test_residual_step.py). The product is ops.fp32_rows's, its rows forked over the
 (fp32_rows.rows_share) from PRODUCT_FORK_THREADS threads on: each output the same bits as
 prefill's product of the same input row, whatever the thread count. On one thread the router's
 and gates' 55 MB of a full-size token (1 MB a layer for REAP-128's router) were ~4 ms that the
-other threads waited through at 16 threads; at 2 threads forking them saved 0.27 ms of
-a ~75 ms token while on a busy 2-core machine each fork waits for its second
-thread (1.45 ms a fork of this step at load 6, `bench decode --profile`'s split): there it runs
-on the calling thread.
+other threads waited through at 16 threads. At 2 threads too: the router alone ran ~60-100 us a
+layer on the calling thread, long enough that the other thread went to sleep (libgomp's short
+spin, jit/cpu.py) and the MoE's fork after it paid a wake-up; forked, the team stays awake.
+Full-size reap128, 2 threads, one process, decode plans (the plan's steps with either kernel)
+interleaved token by token, issue 29's session: 1.02x the calling thread's product at load ~1.5
+(probe 24 GB/s, 40 rounds' median ratio), 1.05x at load ~4 (probe 8.4 GB/s), but 0.91-0.93x at
+load ~5 with the probe at 5 GB/s, where each fork waits for a thread the scheduler gave to a
+neighbour (decode was then above 100 % of that probe either way).
 
 Letters: H hidden, R product rows, k experts per token.
 """
@@ -33,7 +37,7 @@ from fermijit.jit import omp
 from fermijit.ops import fp32_rows, matvec, rmsnorm, router
 from fermijit.ops.matvec import Q8Act
 
-PRODUCT_FORK_THREADS = 3  # the product's rows go over the team from this many threads on
+PRODUCT_FORK_THREADS = 2  # the product's rows go over the team from this many threads on
 
 
 def reference(x, y, norm_w, eps, w, top_k=0):

@@ -4,10 +4,11 @@ this machine's read bandwidth measured in the same run.
 Decode reads every weight a token needs once, and the KV cache's rows so far, so its ceiling is
 read bandwidth / bytes per token. The bytes are counted from the model's own arrays: every dense
 matrix, vector and the LM head, one embedding row, of the routed experts those the router
-actually selected (watched on one extra token), and the KV rows of the positions decoded at (on
-average: prompt + half the tokens; at long context they are a real part). Prefill is
-compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured here at the prefill's
-shapes (a dense projection over the prompt; one expert over the tokens an expert gets on
+actually selected (watched on one extra token), the KV rows of the positions decoded at (on
+average: prompt + half the tokens; at long context they are a real part), and the GDN layers'
+recurrent state and conv window, which every token reads and writes back (reap128: 66 MB, 3 %).
+Prefill is compute-bound: its GFLOP/s is compared with the W4A8 GEMM's own, measured here at the
+prefill's shapes (a dense projection over the prompt; one expert over the tokens an expert gets on
 average). `--profile` times a few more tokens op by op (fermijit/bench/profile.py),
 and one more prefill of the prompt. `--threads-sweep` decodes again at each thread count given.
 
@@ -116,6 +117,13 @@ def matmul_flops_per_token(model) -> tuple[float, float]:
         sgu, _, sdown, _ = layer.experts.shared
         dense += 2.0 * 2 * (sgu.size + sdown.size)
     return dense, experts
+
+
+def gdn_state_nbytes(state) -> int:
+    """The GDN layers' state a decode token reads (and writes back): every GdnState's arrays."""
+    from fermijit.model.state import GdnState
+
+    return sum(s.nbytes for s in state.layers if isinstance(s, GdnState))
 
 
 def gemm_gflops(model, n_tokens: int) -> dict[str, float]:
@@ -367,7 +375,8 @@ def _measure(model_dir: Path, report: dict, as_json: bool, profile: bool) -> dic
         peak = memory_now()["peak"]  # before anything else is allocated
 
         selected = watch_routing(model, token, state)
-        bytes_ = token_bytes(model, selected, (n_prompt + n_tokens // 2) * state.position_nbytes)
+        bytes_ = token_bytes(model, selected, (n_prompt + n_tokens // 2) * state.position_nbytes,
+                             gdn_state_nbytes(state))
         profile_rows = None
         if profile:
             _progress(f"profile of {PROFILE_TOKENS} tokens (the fastest is shown)")
@@ -453,7 +462,8 @@ def format_report(r: dict) -> str:
         f"{r['decode_token_ms_median']:.1f} ms; CPU {r['decode_cpu_s']:.2f} s)",
         f"{'bytes per token':<28} {b['total'] / gb:9.3f} GB  (dense {b['dense'] / gb:.3f}, "
         f"experts {b['experts'] / gb:.3f}, lm head {b['lm_head'] / gb:.3f}, embedding row "
-        f"{b['embedding']} B, KV {b['kv'] / gb:.3f}: {r['kv_cache']})",
+        f"{b['embedding']} B, KV {b['kv'] / gb:.3f}: {r['kv_cache']}, GDN state "
+        f"{b.get('state', 0) / gb:.3f})",
         f"{'read bandwidth':<28} {r['read_gbs']:9.2f} GB/s",
         f"{'decode reads':<28} {r['decode_gbs']:9.2f} GB/s",
         f"{'bandwidth ceiling':<28} {r['ceiling_tok_s']:9.2f} tok/s",

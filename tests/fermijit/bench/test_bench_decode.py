@@ -69,10 +69,16 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     expected = total - routed * (E - TOP_K) // E - embed * (V - 1) // V
     # and the KV cache's rows at the middle decode token's position (issue 31 item 3), Q8_0
     from fermijit.model.forward import load_model
+    from fermijit.model.state import GdnState
 
-    per_position = load_model(report)[1].new_state(1).position_nbytes
+    fresh = load_model(report)[1].new_state(1)
+    per_position = fresh.position_nbytes
     assert r["kv_cache"] == "q8_0" and r["bytes_per_token"]["kv"] == (8 + 3 // 2) * per_position
-    assert r["bytes_per_token"]["total"] == expected + r["bytes_per_token"]["kv"]
+    # and the GDN layers' recurrent state and conv window, which every token reads (issue 29)
+    gdn = [s for s in fresh.layers if isinstance(s, GdnState)]
+    assert gdn and r["bytes_per_token"]["state"] == sum(a.nbytes for s in gdn for a in s.arrays)
+    assert r["bytes_per_token"]["total"] == (expected + r["bytes_per_token"]["kv"]
+                                             + r["bytes_per_token"]["state"])
 
     rows = {row["op"]: row for row in r["profile"]}
     assert {"matvec.product", "moe.decode", "residual_step.cpu", "token"} <= set(rows)
