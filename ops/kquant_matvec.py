@@ -130,34 +130,41 @@ def _call(builder, name, ret, args):
     return builder.call(fn, args)
 
 
-def _scales_mins(builder, wp, off):
-    """The 12 packed bytes at wp + off + 4 -> <16 x i16>: sc[0..7], then m[0..7]
-    (llama.cpp's utmp/kmask unpacking of get_scale_min_k4)."""
-    c = lambda n: ir.Constant(I32, n)  # noqa: E731
-    u0, u1, u2 = (simd.load_scalar(builder, wp, builder.add(off, ir.Constant(I64, 4 + 4 * i)),
-                                   I32) for i in range(3))
-    and_, shr, shl, or_ = builder.and_, builder.lshr, builder.shl, builder.or_
-    m_hi = or_(and_(shr(u2, c(4)), c(_KMASK2)), shl(and_(shr(u1, c(6)), c(_KMASK3)), c(4)))
-    m_lo = and_(u1, c(_KMASK1))
-    s_hi = or_(and_(u2, c(_KMASK2)), shl(and_(shr(u0, c(6)), c(_KMASK3)), c(4)))
-    s_lo = and_(u0, c(_KMASK1))
-    words = ir.Constant(vec(I32, 4), None)
-    for i, w in enumerate((s_lo, s_hi, m_lo, m_hi)):
-        words = builder.insert_element(words, w, c(i))
-    return builder.zext(builder.bitcast(words, vec(I8, 16)), vec(I16, 16))
+def _scale_bytes(builder, wp, off):
+    """The 12 packed bytes at wp + off + 4 -> <16 x i8>: sc[0..7], then m[0..7], 0..63
+    (get_scale_min_k4), in vector registers: bytes 0-3 hold sc[0..3] and the top bits of
+    sc[4..7], bytes 4-7 m[0..3] and the top bits of m[4..7], bytes 8-11 the low bits of
+    sc[4..7] (low nibbles) and m[4..7] (high nibbles)."""
+    c8 = lambda values: ir.Constant(vec(I8, 16), values)  # noqa: E731
+    s = simd.load(builder, wp, builder.add(off, ir.Constant(I64, 4)), vec(I8, 16))
+    low = _lanes(builder, s, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    top = _lanes(builder, s, [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
+    and_, shr = builder.and_, builder.lshr
+    out = and_(low, c8([63] * 4 + [15] * 4 + [63] * 4 + [0] * 4))
+    out = builder.or_(out, and_(shr(low, c8([4] * 16)), c8([0] * 12 + [15] * 4)))
+    return builder.or_(out, and_(shr(top, c8([2] * 16)), c8(([0] * 4 + [0x30] * 4) * 2)))
+
+
+def _widened(builder, b16, idx):
+    """Bytes idx of b16 (<16 x i8>, each 0..127) zero-extended to i16 lanes, by one shuffle."""
+    zero = ir.Constant(vec(I8, 16), None)
+    pairs = [j for i in idx for j in (i, 16)]
+    return builder.bitcast(builder.shuffle_vector(b16, zero, ir.Constant(vec(I32, len(pairs)),
+                                                                          pairs)),
+                           vec(I16, len(idx)))
 
 
 def _lanes(builder, v16, idx):
     return builder.shuffle_vector(v16, v16, ir.Constant(vec(I32, len(idx)), idx))
 
 
-def _madd16(builder, a, b):
-    """Σ a_i·b_i over 16 i16 lanes, by two 128-bit pmaddwd (every ISA has them) -> i32."""
-    lo, hi = ([builder.shuffle_vector(x, x, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
-               for x in (a, b)] for h in (0, 8))
-    s = builder.add(_call(builder, _PMADDWD_128, vec(I32, 4), [lo[0], lo[1]]),
-                    _call(builder, _PMADDWD_128, vec(I32, 4), [hi[0], hi[1]]))
-    return simd.hsum(builder, s)
+def _madd4(builder, a, b):
+    """Σ a_i·b_i over i16 lanes (8 or 16), by 128-bit pmaddwd (every ISA has them) -> the
+    <4 x i32> of partial sums."""
+    halves = [[builder.shuffle_vector(x, x, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
+               for x in (a, b)] for h in range(0, a.type.count, 8)]
+    parts = [_call(builder, _PMADDWD_128, vec(I32, 4), pair) for pair in halves]
+    return parts[0] if len(parts) == 1 else builder.add(*parts)
 
 
 def _splat8(n, value):
@@ -191,12 +198,17 @@ class _Q4K(_Emit):
     qs_offset = 16
 
     def header(self):
-        self.sm = _scales_mins(self.b, self.wp, self.w_off)   # sc[0..7], m[0..7] as i16
+        self.sb = _scale_bytes(self.b, self.wp, self.w_off)   # sc[0..7], m[0..7] as bytes
         self.d, self.dmin = self.fp16s(0, 2)
 
-    def offset(self, bsums):  # the mins: Σ_j m_j·(bsum_2j + bsum_2j+1), times dmin
-        mins = _lanes(self.b, self.sm, [8 + g // 2 for g in range(16)])
-        return self.dmin, _madd16(self.b, bsums, mins)
+    @staticmethod
+    def sums(builder, bsums):
+        """A token's 16-value sums -> its sub-blocks' 32-value sums (8 i16: at most 32·127)."""
+        halves = [_lanes(builder, bsums, list(range(h, h + 8))) for h in (0, 8)]
+        return _call(builder, simd.PHADDW[16], vec(I16, 8), halves)
+
+    def offset(self, sums):  # the mins: Σ_j m_j·sum_j, times dmin
+        return self.dmin, _madd4(self.b, _widened(self.b, self.sb, range(8, 16)), sums)
 
     def high_bits(self, chunk, part):
         return None, None
@@ -213,7 +225,7 @@ class _Q4K(_Emit):
                 if extra is not None:
                     q = b.or_(q, extra)
                 regs.append((q, 64 * chunk + 32 * h + w * p))
-            out.append((regs, _lanes(b, self.sm, [2 * chunk + h] * (w // 2))))
+            out.append((regs, _widened(b, self.sb, [2 * chunk + h] * (w // 2))))
         return out
 
 
@@ -240,8 +252,12 @@ class _Q6K(_Emit):
         (self.d,) = self.fp16s(208, 1)
         self.d32 = self.b.fmul(self.d, ir.Constant(F32, 32.0))
 
-    def offset(self, bsums):  # q − 32: 32·Σ_g sc_g·bsum_g, times d
-        return self.d32, _madd16(self.b, bsums, self.sc)
+    @staticmethod
+    def sums(builder, bsums):
+        return bsums
+
+    def offset(self, sums):  # q − 32: 32·Σ_g sc_g·bsum_g, times d
+        return self.d32, _madd4(self.b, sums, self.sc)
 
     def units(self, chunk):
         b, w = self.b, self.w
@@ -278,6 +294,8 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
     def codegen(context, builder, sig, args):
         f = Frame(context, builder, sig, args, n_rows, n_tok, w, QK_K, 32, spread)
         c = f.c
+        macc = [[cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 4), None))
+                 for _ in range(n_tok)] for _ in range(n_rows)]
         with cgutils.for_range(builder, f.nb) as loop:
             sb = loop.index
             w_off = builder.mul(sb, c(fmt.block_bytes))
@@ -293,11 +311,12 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
             dx = [simd.load_scalar(builder, f.s_row[t], builder.mul(sb, c(4)), F32)
                   for t in range(n_tok)]
             for t in range(n_tok):
-                bs = simd.load(builder, f.m_row[t], builder.mul(sb, c(32)), vec(I16, 16))
+                sums = emit.sums(builder, simd.load(builder, f.m_row[t], builder.mul(sb, c(32)),
+                                                    vec(I16, 16)))
                 for i, e in enumerate(ems):
-                    factor, corr = e.offset(bs)
-                    f.add(f.macc[i][t], builder.fmul(builder.fmul(factor, dx[t]),
-                                                     builder.sitofp(corr, F32)))
+                    factor, corr = e.offset(sums)
+                    f.add(macc[i][t], builder.fmul(builder.sitofp(corr, vec(F32, 4)), simd.splat(
+                        builder, builder.fmul(factor, dx[t]), 4)))
             sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
             for chunk in range(emit.chunks):
                 units = [e.units(chunk) for e in ems]
@@ -320,6 +339,9 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                     f.add(f.acc[i][t], builder.fmul(
                         builder.sitofp(sumi[i][t], f.facc),
                         simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4)))
+        for i in range(n_rows):
+            for t in range(n_tok):
+                f.add(f.macc[i][t], simd.hsum(builder, builder.load(macc[i][t])))
         f.finish()
         return context.get_dummy_value()
 
