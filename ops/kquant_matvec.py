@@ -130,27 +130,32 @@ def _call(builder, name, ret, args):
     return builder.call(fn, args)
 
 
-def _scale_bytes(builder, wp, off):
-    """The 12 packed bytes at wp + off + 4 -> <16 x i8>: sc[0..7], then m[0..7], 0..63
-    (get_scale_min_k4), in vector registers: bytes 0-3 hold sc[0..3] and the top bits of
-    sc[4..7], bytes 4-7 m[0..3] and the top bits of m[4..7], bytes 8-11 the low bits of
-    sc[4..7] (low nibbles) and m[4..7] (high nibbles)."""
-    c8 = lambda values: ir.Constant(vec(I8, 16), values)  # noqa: E731
-    s = simd.load(builder, wp, builder.add(off, ir.Constant(I64, 4)), vec(I8, 16))
-    low = _lanes(builder, s, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
-    top = _lanes(builder, s, [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
+def _scale_bytes(builder, wp, off, w):
+    """The 12 packed bytes at wp + off + 4 -> <w x i8>, each 128-bit lane sc[0..7], then
+    m[0..7], 0..63 (get_scale_min_k4), in vector registers: bytes 0-3 hold sc[0..3] and the top
+    bits of sc[4..7], bytes 4-7 m[0..3] and the top bits of m[4..7], bytes 8-11 the low bits of
+    sc[4..7] (low nibbles) and m[4..7] (high nibbles). Loaded into every lane (a broadcast load),
+    so that the scales' splats below are in-lane shuffles (pshufb), not cross-lane permutes."""
+    n = w // 16
+    c8 = lambda values: ir.Constant(vec(I8, w), values * n)  # noqa: E731
+    s = _lanes(builder, simd.load(builder, wp, builder.add(off, ir.Constant(I64, 4)),
+                                  vec(I8, 16)), list(range(16)) * n)
+    in_lanes = lambda idx: _lanes(builder, s, [16 * i + j for i in range(n) for j in idx])  # noqa
+    low = in_lanes([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    top = in_lanes([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
     and_, shr = builder.and_, builder.lshr
     out = and_(low, c8([63] * 4 + [15] * 4 + [63] * 4 + [0] * 4))
     out = builder.or_(out, and_(shr(low, c8([4] * 16)), c8([0] * 12 + [15] * 4)))
     return builder.or_(out, and_(shr(top, c8([2] * 16)), c8(([0] * 4 + [0x30] * 4) * 2)))
 
 
-def _widened(builder, b16, idx):
-    """Bytes idx of b16 (<16 x i8>, each 0..127) zero-extended to i16 lanes, by one shuffle."""
-    zero = ir.Constant(vec(I8, 16), None)
-    pairs = [j for i in idx for j in (i, 16)]
-    return builder.bitcast(builder.shuffle_vector(b16, zero, ir.Constant(vec(I32, len(pairs)),
-                                                                          pairs)),
+def _widened(builder, b, idx):
+    """Bytes idx of b (<w x i8>, each 0..127) zero-extended to i16 lanes, by one shuffle."""
+    w = b.type.count
+    pairs = [j for i in idx for j in (i, w)]
+    zero = ir.Constant(b.type, None)
+    return builder.bitcast(builder.shuffle_vector(b, zero, ir.Constant(vec(I32, len(pairs)),
+                                                                        pairs)),
                            vec(I16, len(idx)))
 
 
@@ -198,7 +203,7 @@ class _Q4K(_Emit):
     qs_offset = 16
 
     def header(self):
-        self.sb = _scale_bytes(self.b, self.wp, self.w_off)   # sc[0..7], m[0..7] as bytes
+        self.sb = _scale_bytes(self.b, self.wp, self.w_off, self.w)  # sc[0..7], m[0..7]
         self.d, self.dmin = self.fp16s(0, 2)
 
     @staticmethod
@@ -225,7 +230,8 @@ class _Q4K(_Emit):
                 if extra is not None:
                     q = b.or_(q, extra)
                 regs.append((q, 64 * chunk + 32 * h + w * p))
-            out.append((regs, _widened(b, self.sb, [2 * chunk + h] * (w // 2))))
+            j = 2 * chunk + h  # sub-block j's scale in each i16 lane, from its 128-bit lane
+            out.append((regs, _widened(b, self.sb, [16 * (i // 8) + j for i in range(w // 2)])))
         return out
 
 
