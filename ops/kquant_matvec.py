@@ -68,8 +68,9 @@ class Q8KAct:
         n_tok, k = self.xq.shape
         check_array("Q8KAct", "d", self.d, np.float32, (n_tok, k // QK_K))
         check_array("Q8KAct", "bsums", self.bsums, np.int16, (n_tok, k // Q8K_GROUP))
-        if k % QK_K:
-            raise FermijitError(f"Q8KAct: {k} inputs are not whole {QK_K}-blocks")
+        if k % QK_K or self.xq.ctypes.data % matvec.X_ALIGN:
+            raise FermijitError(f"Q8KAct: xq must be whole {QK_K}-blocks, {matvec.X_ALIGN}-byte "
+                                f"aligned")
 
 
 # --- activation quantisation --------------------------------------------------------------------
@@ -113,7 +114,7 @@ def quantize_act(x: np.ndarray, out: Q8KAct | None = None) -> Q8KAct:
     if k % QK_K:
         raise FermijitError(f"kquant.quantize_act: {k} inputs are not whole {QK_K}-blocks")
     if out is None:
-        out = Q8KAct(np.empty((n_tok, k), np.int8), np.empty((n_tok, k // QK_K), np.float32),
+        out = Q8KAct(matvec.aligned_empty((n_tok, k), np.int8), np.empty((n_tok, k // QK_K), np.float32),
                      np.empty((n_tok, k // Q8K_GROUP), np.int16))
     elif out.xq.shape != x2.shape:
         raise FermijitError(f"kquant.quantize_act: out holds {list(out.xq.shape)}, x is "
@@ -192,9 +193,16 @@ class _Emit:
                          vec(I8, self.w))
 
     def fp16s(self, offset, n):
-        h = simd.fp16_to_f32(self.v, self.b, simd.load(
+        """n fp16 scales at `offset` -> <n x f32>."""
+        return simd.fp16_to_f32(self.v, self.b, simd.load(
             self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, offset)), vec(I16, n)))
-        return [self.b.extract_element(h, ir.Constant(I32, j)) for j in range(n)]
+
+    def add_scaled(self, slot, isum, scale, lane):
+        """slot (fp32 vector) += isum (i32, as wide) · lane `lane` of `scale`."""
+        b = self.b
+        n = isum.type.count
+        b.store(simd.muladd(b, b.sitofp(isum, vec(F32, n)), _lanes(b, scale, [lane] * n),
+                            b.load(slot)), slot)
 
 
 class _Q4K(_Emit):
@@ -204,7 +212,7 @@ class _Q4K(_Emit):
 
     def header(self):
         self.sb = _scale_bytes(self.b, self.wp, self.w_off, self.w)  # sc[0..7], m[0..7]
-        self.d, self.dmin = self.fp16s(0, 2)
+        self.d_dmin = self.fp16s(0, 2)
 
     @staticmethod
     def sums(builder, bsums):
@@ -212,8 +220,12 @@ class _Q4K(_Emit):
         halves = [_lanes(builder, bsums, list(range(h, h + 8))) for h in (0, 8)]
         return _call(builder, simd.PHADDW[16], vec(I16, 8), halves)
 
-    def offset(self, sums):  # the mins: Σ_j m_j·sum_j, times dmin
-        return self.dmin, _madd4(self.b, _widened(self.b, self.sb, range(8, 16)), sums)
+    def accumulate(self, acc, macc, sumi, sums, dx):
+        """acc += d·dx·sumi; macc += dmin·dx·Σ_j m_j·sum_j (the mins, subtracted at the end)."""
+        b = self.b
+        scale = b.fmul(self.d_dmin, simd.splat(b, dx, 2))
+        self.add_scaled(acc, sumi, scale, 0)
+        self.add_scaled(macc, _madd4(b, _widened(b, self.sb, range(8, 16)), sums), scale, 1)
 
     def high_bits(self, chunk, part):
         return None, None
@@ -255,15 +267,21 @@ class _Q6K(_Emit):
         sc = simd.load(self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, 192)),
                        vec(I8, 16))
         self.sc = self.b.sext(sc, vec(I16, 16))
-        (self.d,) = self.fp16s(208, 1)
-        self.d32 = self.b.fmul(self.d, ir.Constant(F32, 32.0))
+        self.d = self.fp16s(208, 1)
 
     @staticmethod
     def sums(builder, bsums):
         return bsums
 
-    def offset(self, sums):  # q − 32: 32·Σ_g sc_g·bsum_g, times d
-        return self.d32, _madd4(self.b, sums, self.sc)
+    def accumulate(self, acc, macc, sumi, sums, dx):
+        """acc += d·dx·(sumi − 32·Σ_g sc_g·bsum_g) (q − 32), exact in i32 (at most ~2^28)."""
+        b = self.b
+        corr = b.shl(_madd4(b, sums, self.sc), ir.Constant(vec(I32, 4), [5] * 4))
+        n = sumi.type.count
+        if n > 4:
+            corr = b.shuffle_vector(corr, ir.Constant(corr.type, None), ir.Constant(
+                vec(I32, n), list(range(4)) + [4] * (n - 4)))
+        self.add_scaled(acc, b.sub(sumi, corr), b.fmul(self.d, simd.splat(b, dx, 1)), 0)
 
     def units(self, chunk):
         b, w = self.b, self.w
@@ -316,13 +334,8 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                 ems.append(e)
             dx = [simd.load_scalar(builder, f.s_row[t], builder.mul(sb, c(4)), F32)
                   for t in range(n_tok)]
-            for t in range(n_tok):
-                sums = emit.sums(builder, simd.load(builder, f.m_row[t], builder.mul(sb, c(32)),
-                                                    vec(I16, 16)))
-                for i, e in enumerate(ems):
-                    factor, corr = e.offset(sums)
-                    f.add(macc[i][t], builder.fmul(builder.sitofp(corr, vec(F32, 4)), simd.splat(
-                        builder, builder.fmul(factor, dx[t]), 4)))
+            sums = [emit.sums(builder, simd.load(builder, f.m_row[t], builder.mul(sb, c(32)),
+                                                 vec(I16, 16))) for t in range(n_tok)]
             sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
             for chunk in range(emit.chunks):
                 units = [e.units(chunk) for e in ems]
@@ -334,7 +347,7 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                             for q, x_at in regs:  # i16 pairs, within range (see the formats)
                                 if x_at not in xs:
                                     xs[x_at] = simd.load(builder, f.x_row[t], builder.add(
-                                        x_off, c(x_at)), vec(I8, w))
+                                        x_off, c(x_at)), vec(I8, w), matvec.X_ALIGN)
                                 part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
                                              [q, xs[x_at]])
                                 s16 = part if s16 is None else builder.add(s16, part)
@@ -342,9 +355,7 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                             sumi[i][t] = builder.add(sumi[i][t], s32)
             for i, e in enumerate(ems):
                 for t in range(n_tok):
-                    f.add(f.acc[i][t], builder.fmul(
-                        builder.sitofp(sumi[i][t], f.facc),
-                        simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4)))
+                    e.accumulate(f.acc[i][t], macc[i][t], sumi[i][t], sums[t], dx[t])
         for i in range(n_rows):
             for t in range(n_tok):
                 f.add(f.macc[i][t], simd.hsum(builder, builder.load(macc[i][t])))
