@@ -139,9 +139,10 @@ def _scale_bytes(builder, wp, off, w):
     so that the scales' splats below are in-lane shuffles (pshufb), not cross-lane permutes."""
     n = w // 16
     c8 = lambda values: ir.Constant(vec(I8, w), values * n)  # noqa: E731
-    s = _lanes(builder, simd.load(builder, wp, builder.add(off, ir.Constant(I64, 4)),
-                                  vec(I8, 16)), list(range(16)) * n)
-    in_lanes = lambda idx: _lanes(builder, s, [16 * i + j for i in range(n) for j in idx])  # noqa
+    # The block's first 16 bytes (d, dmin, the 12), which never straddle a cache line.
+    s = _lanes(builder, simd.load(builder, wp, off, vec(I8, 16)), list(range(16)) * n)
+    in_lanes = lambda idx: _lanes(builder, s, [16 * i + 4 + j for i in range(n)  # noqa: E731
+                                               for j in idx])
     low = in_lanes([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
     top = in_lanes([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
     and_, shr = builder.and_, builder.lshr
@@ -171,6 +172,15 @@ def _madd4(builder, a, b):
                for x in (a, b)] for h in range(0, a.type.count, 8)]
     parts = [_call(builder, _PMADDWD_128, vec(I32, 4), pair) for pair in halves]
     return parts[0] if len(parts) == 1 else builder.add(*parts)
+
+
+def _scaled_sum(builder, v: Vec, acc, s16, scale):
+    """acc + s16 · scale, adjacent i16 pairs summed into acc's i32 lanes: pmaddwd and an add,
+    or VNNI's vpdpwssd (the two in one)."""
+    if v.dpbusd:
+        return _call(builder, v.dpbusd.replace("vpdpbusd", "vpdpwssd"), acc.type,
+                     [acc] + [builder.bitcast(a, acc.type) for a in (s16, scale)])
+    return builder.add(acc, _call(builder, v.pmaddwd, acc.type, [s16, scale]))
 
 
 def _splat8(n, value):
@@ -351,8 +361,7 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                                 part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
                                              [q, xs[x_at]])
                                 s16 = part if s16 is None else builder.add(s16, part)
-                            s32 = _call(builder, v.pmaddwd, vec(I32, w // 4), [s16, scale])
-                            sumi[i][t] = builder.add(sumi[i][t], s32)
+                            sumi[i][t] = _scaled_sum(builder, v, sumi[i][t], s16, scale)
             for i, e in enumerate(ems):
                 for t in range(n_tok):
                     e.accumulate(f.acc[i][t], macc[i][t], sumi[i][t], sums[t], dx[t])
