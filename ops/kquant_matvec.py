@@ -48,8 +48,13 @@ PREFETCH_BYTES = 4096
 GEMM_TILE = (2, 4)
 GEMV_TILE = (1, 1)
 # Rows the decode GEMV reads side by side, each from its own run of the thread's rows (sharing
-# the activation loads), as ops/matvec.py's GEMV_STREAMS for Q4_0 (its measurements there).
-GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
+# the activation loads), as ops/matvec.py's GEMV_STREAMS for Q4_0. A K-quant row is one stream
+# of memory (a Q4_0 row two: qs and d). Cold 2048x2048 walks of 1 GiB, the K-quant GEMV of 1, 2,
+# 3 (4) streams beside Q4_0's GEMV, tok/s per byte, this machine (2 cores, load 2-7), 1 thread:
+# AVX2 Q4_K 2 streams 1.12, 3 1.28, 4 1.24 (Q6_K 1.04, 1.17, 1.13); SSSE3 (Westmere code) Q4_K
+# 0.85, 1.10, 1.21 (Q6_K 0.93, 1.03, 1.11); 2 threads: AVX2 Q4_K 0.81 -> 1.06, Q6_K 0.94 -> 1.17,
+# SSSE3 Q4_K 0.98, 1.12, 1.24. Hot (L2) the same speed with 1, 2 or 3.
+GEMV_STREAMS = {Isa.SSSE3: 3, Isa.AVX2: 3, Isa.AVX512VNNI: 3}
 VEC_OF = {Isa.SSSE3: simd.SSE, Isa.AVX2: simd.AVX2, Isa.AVX512VNNI: simd.AVX512VNNI_256}
 _KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
 _PMADDWD_128 = "llvm.x86.sse2.pmadd.wd"
