@@ -6,17 +6,26 @@ spec is ops/kquant.py `reference`).
 Letters: T tokens, R rows, K inputs, nb = K/256 super-blocks, j the 8 sub-blocks of 32.
 
 llama.cpp's q4_K x q8_K dot (ggml-cpu arch/x86 quants.c `ggml_vec_dot_q4_K_q8_K`) in LLVM IR:
-the 12 packed bytes of scales and mins unpacked with 32-bit masks and shifts (its `utmp`
-kmask code) and widened to 16 i16; each 32-value sub-block's nibbles times its activations by
+the 12 packed bytes of scales and mins unpacked in vector registers (`_scale_bytes`: two
+shuffles, shifts and masks), into every 128-bit lane, so that a sub-block's scale is splat to
+its i16 lanes by one in-lane pshufb; each 32-value sub-block's nibbles times its activations by
 `pmaddubsw` (unsigned nibble, signed byte: pairs in i16, at most 2·15·127), scaled and paired
-into i32 by one `pmaddwd` with the sub-block scale broadcast; the mins' term from the
-activations' 16-value sums by `pmaddwd` with each min twice. A super-block's integer sum is one
-i32 vector (Q8_K has one scale per 256), so there is one fp32 multiply-add per super-block and
-register, not per 32-block as in Q4_0.
+into i32 by one `pmaddwd` with that splat (VNNI: `vpdpwssd`, the add in the same instruction);
+the mins' term by one `pmaddwd` a row with the token's 32-value sums (one phaddw of Q8_K's
+16-value sums). A super-block's integer sums are one i32 vector (Q8_K has one scale per 256), so
+there is one fp32 multiply-add per super-block and accumulator (the sums' by d, the mins' by
+dmin), not per 32-block as in Q4_0; Q6_K's offset (q − 32) is subtracted in i32.
+
+Where the GEMV lost against Q4_0's, in cache (one thread, 256x2048 in L2, tok/s per byte, AVX2,
+this machine: 0.50 before, 0.75 now): the scalar kmask unpacking and a horizontal sum per
+super-block and row for the mins (without them, +15 %), the scale splats as cross-lane
+vpermt2b and a register copy each (+25 %); what remains is the sub-block scaling itself (8
+splats and 8 pmaddwd a super-block and row, where Q4_0 sums in i16). Cold, the GEMV keeps up
+by reading more rows side by side (GEMV_STREAMS).
 
 Widths: SSSE3 16 bytes, AVX2 32; the AVX-512 VNNI variant runs the 256-bit code (decode's
-width there, jit.cpu.DECODE_VARIANT). vpdpbusd would not shorten it: its i32 sums would still
-need a multiply by the scale, where pmaddwd scales and pairs in the one instruction.
+width there, jit.cpu.DECODE_VARIANT) with vpdpwssd. vpdpbusd would not shorten it: its i32 sums
+would still need a multiply by the scale, where pmaddwd scales and pairs in the one instruction.
 
 One tile of rows x tokens serves the decode GEMV (1 x 1, prefetching its weight stream) and the
 prefill GEMM (GEMM_TILE: each row's unpacked nibbles meet several tokens). A launch forks one
@@ -56,13 +65,13 @@ GEMV_TILE = (1, 1)
 # SSSE3 Q4_K 0.98, 1.12, 1.24. Hot (L2) the same speed with 1, 2 or 3.
 GEMV_STREAMS = {Isa.SSSE3: 3, Isa.AVX2: 3, Isa.AVX512VNNI: 3}
 VEC_OF = {Isa.SSSE3: simd.SSE, Isa.AVX2: simd.AVX2, Isa.AVX512VNNI: simd.AVX512VNNI_256}
-_KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
 _PMADDWD_128 = "llvm.x86.sse2.pmadd.wd"
 
 
 @dataclass(frozen=True)
 class Q8KAct:
-    """Activations in Q8_K (ops/kquant.py quantize_q8_k), natural order."""
+    """Activations in Q8_K (ops/kquant.py quantize_q8_k), natural order; xq 16-byte aligned
+    (the tile's loads of it fold into legacy SSE's pmaddubsw)."""
 
     xq: np.ndarray     # [T, K] int8
     d: np.ndarray      # [T, K/256] float32
@@ -119,7 +128,8 @@ def quantize_act(x: np.ndarray, out: Q8KAct | None = None) -> Q8KAct:
     if k % QK_K:
         raise FermijitError(f"kquant.quantize_act: {k} inputs are not whole {QK_K}-blocks")
     if out is None:
-        out = Q8KAct(matvec.aligned_empty((n_tok, k), np.int8), np.empty((n_tok, k // QK_K), np.float32),
+        out = Q8KAct(matvec.aligned_empty((n_tok, k), np.int8),
+                     np.empty((n_tok, k // QK_K), np.float32),
                      np.empty((n_tok, k // Q8K_GROUP), np.int16))
     elif out.xq.shape != x2.shape:
         raise FermijitError(f"kquant.quantize_act: out holds {list(out.xq.shape)}, x is "
