@@ -6,17 +6,26 @@ spec is ops/kquant.py `reference`).
 Letters: T tokens, R rows, K inputs, nb = K/256 super-blocks, j the 8 sub-blocks of 32.
 
 llama.cpp's q4_K x q8_K dot (ggml-cpu arch/x86 quants.c `ggml_vec_dot_q4_K_q8_K`) in LLVM IR:
-the 12 packed bytes of scales and mins unpacked with 32-bit masks and shifts (its `utmp`
-kmask code) and widened to 16 i16; each 32-value sub-block's nibbles times its activations by
+the 12 packed bytes of scales and mins unpacked in vector registers (`_scale_bytes`: two
+shuffles, shifts and masks), into every 128-bit lane, so that a sub-block's scale is splat to
+its i16 lanes by one in-lane pshufb; each 32-value sub-block's nibbles times its activations by
 `pmaddubsw` (unsigned nibble, signed byte: pairs in i16, at most 2·15·127), scaled and paired
-into i32 by one `pmaddwd` with the sub-block scale broadcast; the mins' term from the
-activations' 16-value sums by `pmaddwd` with each min twice. A super-block's integer sum is one
-i32 vector (Q8_K has one scale per 256), so there is one fp32 multiply-add per super-block and
-register, not per 32-block as in Q4_0.
+into i32 by one `pmaddwd` with that splat (VNNI: `vpdpwssd`, the add in the same instruction);
+the mins' term by one `pmaddwd` a row with the token's 32-value sums (one phaddw of Q8_K's
+16-value sums). A super-block's integer sums are one i32 vector (Q8_K has one scale per 256), so
+there is one fp32 multiply-add per super-block and accumulator (the sums' by d, the mins' by
+dmin), not per 32-block as in Q4_0; Q6_K's offset (q − 32) is subtracted in i32.
+
+Where the GEMV lost against Q4_0's, in cache (one thread, 256x2048 in L2, tok/s per byte, AVX2,
+this machine: 0.50 before, 0.75 now): the scalar kmask unpacking and a horizontal sum per
+super-block and row for the mins (without them, +15 %), the scale splats as cross-lane
+vpermt2b and a register copy each (+25 %); what remains is the sub-block scaling itself (8
+splats and 8 pmaddwd a super-block and row, where Q4_0 sums in i16). Cold, the GEMV keeps up
+by reading more rows side by side (GEMV_STREAMS).
 
 Widths: SSSE3 16 bytes, AVX2 32; the AVX-512 VNNI variant runs the 256-bit code (decode's
-width there, jit.cpu.DECODE_VARIANT). vpdpbusd would not shorten it: its i32 sums would still
-need a multiply by the scale, where pmaddwd scales and pairs in the one instruction.
+width there, jit.cpu.DECODE_VARIANT) with vpdpwssd. vpdpbusd would not shorten it: its i32 sums
+would still need a multiply by the scale, where pmaddwd scales and pairs in the one instruction.
 
 One tile of rows x tokens serves the decode GEMV (1 x 1, prefetching its weight stream) and the
 prefill GEMM (GEMM_TILE: each row's unpacked nibbles meet several tokens). A launch forks one
@@ -48,16 +57,21 @@ PREFETCH_BYTES = 4096
 GEMM_TILE = (2, 4)
 GEMV_TILE = (1, 1)
 # Rows the decode GEMV reads side by side, each from its own run of the thread's rows (sharing
-# the activation loads), as ops/matvec.py's GEMV_STREAMS for Q4_0 (its measurements there).
-GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
+# the activation loads), as ops/matvec.py's GEMV_STREAMS for Q4_0. A K-quant row is one stream
+# of memory (a Q4_0 row two: qs and d). Cold 2048x2048 walks of 1 GiB, the K-quant GEMV of 1, 2,
+# 3 (4) streams beside Q4_0's GEMV, tok/s per byte, this machine (2 cores, load 2-7), 1 thread:
+# AVX2 Q4_K 2 streams 1.12, 3 1.28, 4 1.24 (Q6_K 1.04, 1.17, 1.13); SSSE3 (Westmere code) Q4_K
+# 0.85, 1.10, 1.21 (Q6_K 0.93, 1.03, 1.11); 2 threads: AVX2 Q4_K 0.81 -> 1.06, Q6_K 0.94 -> 1.17,
+# SSSE3 Q4_K 0.98, 1.12, 1.24. Hot (L2) the same speed with 1, 2 or 3.
+GEMV_STREAMS = {Isa.SSSE3: 3, Isa.AVX2: 3, Isa.AVX512VNNI: 3}
 VEC_OF = {Isa.SSSE3: simd.SSE, Isa.AVX2: simd.AVX2, Isa.AVX512VNNI: simd.AVX512VNNI_256}
-_KMASK1, _KMASK2, _KMASK3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
 _PMADDWD_128 = "llvm.x86.sse2.pmadd.wd"
 
 
 @dataclass(frozen=True)
 class Q8KAct:
-    """Activations in Q8_K (ops/kquant.py quantize_q8_k), natural order."""
+    """Activations in Q8_K (ops/kquant.py quantize_q8_k), natural order; xq 16-byte aligned
+    (the tile's loads of it fold into legacy SSE's pmaddubsw)."""
 
     xq: np.ndarray     # [T, K] int8
     d: np.ndarray      # [T, K/256] float32
@@ -68,8 +82,9 @@ class Q8KAct:
         n_tok, k = self.xq.shape
         check_array("Q8KAct", "d", self.d, np.float32, (n_tok, k // QK_K))
         check_array("Q8KAct", "bsums", self.bsums, np.int16, (n_tok, k // Q8K_GROUP))
-        if k % QK_K:
-            raise FermijitError(f"Q8KAct: {k} inputs are not whole {QK_K}-blocks")
+        if k % QK_K or self.xq.ctypes.data % matvec.X_ALIGN:
+            raise FermijitError(f"Q8KAct: xq must be whole {QK_K}-blocks, {matvec.X_ALIGN}-byte "
+                                f"aligned")
 
 
 # --- activation quantisation --------------------------------------------------------------------
@@ -113,7 +128,8 @@ def quantize_act(x: np.ndarray, out: Q8KAct | None = None) -> Q8KAct:
     if k % QK_K:
         raise FermijitError(f"kquant.quantize_act: {k} inputs are not whole {QK_K}-blocks")
     if out is None:
-        out = Q8KAct(np.empty((n_tok, k), np.int8), np.empty((n_tok, k // QK_K), np.float32),
+        out = Q8KAct(matvec.aligned_empty((n_tok, k), np.int8),
+                     np.empty((n_tok, k // QK_K), np.float32),
                      np.empty((n_tok, k // Q8K_GROUP), np.int16))
     elif out.xq.shape != x2.shape:
         raise FermijitError(f"kquant.quantize_act: out holds {list(out.xq.shape)}, x is "
@@ -130,34 +146,56 @@ def _call(builder, name, ret, args):
     return builder.call(fn, args)
 
 
-def _scales_mins(builder, wp, off):
-    """The 12 packed bytes at wp + off + 4 -> <16 x i16>: sc[0..7], then m[0..7]
-    (llama.cpp's utmp/kmask unpacking of get_scale_min_k4)."""
-    c = lambda n: ir.Constant(I32, n)  # noqa: E731
-    u0, u1, u2 = (simd.load_scalar(builder, wp, builder.add(off, ir.Constant(I64, 4 + 4 * i)),
-                                   I32) for i in range(3))
-    and_, shr, shl, or_ = builder.and_, builder.lshr, builder.shl, builder.or_
-    m_hi = or_(and_(shr(u2, c(4)), c(_KMASK2)), shl(and_(shr(u1, c(6)), c(_KMASK3)), c(4)))
-    m_lo = and_(u1, c(_KMASK1))
-    s_hi = or_(and_(u2, c(_KMASK2)), shl(and_(shr(u0, c(6)), c(_KMASK3)), c(4)))
-    s_lo = and_(u0, c(_KMASK1))
-    words = ir.Constant(vec(I32, 4), None)
-    for i, w in enumerate((s_lo, s_hi, m_lo, m_hi)):
-        words = builder.insert_element(words, w, c(i))
-    return builder.zext(builder.bitcast(words, vec(I8, 16)), vec(I16, 16))
+def _scale_bytes(builder, wp, off, w):
+    """The 12 packed bytes at wp + off + 4 -> <w x i8>, each 128-bit lane sc[0..7], then
+    m[0..7], 0..63 (get_scale_min_k4), in vector registers: bytes 0-3 hold sc[0..3] and the top
+    bits of sc[4..7], bytes 4-7 m[0..3] and the top bits of m[4..7], bytes 8-11 the low bits of
+    sc[4..7] (low nibbles) and m[4..7] (high nibbles). Loaded into every lane (a broadcast load),
+    so that the scales' splats below are in-lane shuffles (pshufb), not cross-lane permutes."""
+    n = w // 16
+    c8 = lambda values: ir.Constant(vec(I8, w), values * n)  # noqa: E731
+    # The block's first 16 bytes (d, dmin, the 12), which never straddle a cache line.
+    s = _lanes(builder, simd.load(builder, wp, off, vec(I8, 16)), list(range(16)) * n)
+    in_lanes = lambda idx: _lanes(builder, s, [16 * i + 4 + j for i in range(n)  # noqa: E731
+                                               for j in idx])
+    low = in_lanes([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    top = in_lanes([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7])
+    and_, shr = builder.and_, builder.lshr
+    out = and_(low, c8([63] * 4 + [15] * 4 + [63] * 4 + [0] * 4))
+    out = builder.or_(out, and_(shr(low, c8([4] * 16)), c8([0] * 12 + [15] * 4)))
+    return builder.or_(out, and_(shr(top, c8([2] * 16)), c8(([0] * 4 + [0x30] * 4) * 2)))
+
+
+def _widened(builder, b, idx):
+    """Bytes idx of b (<w x i8>, each 0..127) zero-extended to i16 lanes, by one shuffle."""
+    w = b.type.count
+    pairs = [j for i in idx for j in (i, w)]
+    zero = ir.Constant(b.type, None)
+    return builder.bitcast(builder.shuffle_vector(b, zero, ir.Constant(vec(I32, len(pairs)),
+                                                                        pairs)),
+                           vec(I16, len(idx)))
 
 
 def _lanes(builder, v16, idx):
     return builder.shuffle_vector(v16, v16, ir.Constant(vec(I32, len(idx)), idx))
 
 
-def _madd16(builder, a, b):
-    """Σ a_i·b_i over 16 i16 lanes, by two 128-bit pmaddwd (every ISA has them) -> i32."""
-    lo, hi = ([builder.shuffle_vector(x, x, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
-               for x in (a, b)] for h in (0, 8))
-    s = builder.add(_call(builder, _PMADDWD_128, vec(I32, 4), [lo[0], lo[1]]),
-                    _call(builder, _PMADDWD_128, vec(I32, 4), [hi[0], hi[1]]))
-    return simd.hsum(builder, s)
+def _madd4(builder, a, b):
+    """Σ a_i·b_i over i16 lanes (8 or 16), by 128-bit pmaddwd (every ISA has them) -> the
+    <4 x i32> of partial sums."""
+    halves = [[builder.shuffle_vector(x, x, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
+               for x in (a, b)] for h in range(0, a.type.count, 8)]
+    parts = [_call(builder, _PMADDWD_128, vec(I32, 4), pair) for pair in halves]
+    return parts[0] if len(parts) == 1 else builder.add(*parts)
+
+
+def _scaled_sum(builder, v: Vec, acc, s16, scale):
+    """acc + s16 · scale, adjacent i16 pairs summed into acc's i32 lanes: pmaddwd and an add,
+    or VNNI's vpdpwssd (the two in one)."""
+    if v.dpbusd:
+        return _call(builder, v.dpbusd.replace("vpdpbusd", "vpdpwssd"), acc.type,
+                     [acc] + [builder.bitcast(a, acc.type) for a in (s16, scale)])
+    return builder.add(acc, _call(builder, v.pmaddwd, acc.type, [s16, scale]))
 
 
 def _splat8(n, value):
@@ -180,9 +218,16 @@ class _Emit:
                          vec(I8, self.w))
 
     def fp16s(self, offset, n):
-        h = simd.fp16_to_f32(self.v, self.b, simd.load(
+        """n fp16 scales at `offset` -> <n x f32>."""
+        return simd.fp16_to_f32(self.v, self.b, simd.load(
             self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, offset)), vec(I16, n)))
-        return [self.b.extract_element(h, ir.Constant(I32, j)) for j in range(n)]
+
+    def add_scaled(self, slot, isum, scale, lane):
+        """slot (fp32 vector) += isum (i32, as wide) · lane `lane` of `scale`."""
+        b = self.b
+        n = isum.type.count
+        b.store(simd.muladd(b, b.sitofp(isum, vec(F32, n)), _lanes(b, scale, [lane] * n),
+                            b.load(slot)), slot)
 
 
 class _Q4K(_Emit):
@@ -191,12 +236,21 @@ class _Q4K(_Emit):
     qs_offset = 16
 
     def header(self):
-        self.sm = _scales_mins(self.b, self.wp, self.w_off)   # sc[0..7], m[0..7] as i16
-        self.d, self.dmin = self.fp16s(0, 2)
+        self.sb = _scale_bytes(self.b, self.wp, self.w_off, self.w)  # sc[0..7], m[0..7]
+        self.d_dmin = self.fp16s(0, 2)
 
-    def offset(self, bsums):  # the mins: Σ_j m_j·(bsum_2j + bsum_2j+1), times dmin
-        mins = _lanes(self.b, self.sm, [8 + g // 2 for g in range(16)])
-        return self.dmin, _madd16(self.b, bsums, mins)
+    @staticmethod
+    def sums(builder, bsums):
+        """A token's 16-value sums -> its sub-blocks' 32-value sums (8 i16: at most 32·127)."""
+        halves = [_lanes(builder, bsums, list(range(h, h + 8))) for h in (0, 8)]
+        return _call(builder, simd.PHADDW[16], vec(I16, 8), halves)
+
+    def accumulate(self, acc, macc, sumi, sums, dx):
+        """acc += d·dx·sumi; macc += dmin·dx·Σ_j m_j·sum_j (the mins, subtracted at the end)."""
+        b = self.b
+        scale = b.fmul(self.d_dmin, simd.splat(b, dx, 2))
+        self.add_scaled(acc, sumi, scale, 0)
+        self.add_scaled(macc, _madd4(b, _widened(b, self.sb, range(8, 16)), sums), scale, 1)
 
     def high_bits(self, chunk, part):
         return None, None
@@ -213,7 +267,8 @@ class _Q4K(_Emit):
                 if extra is not None:
                     q = b.or_(q, extra)
                 regs.append((q, 64 * chunk + 32 * h + w * p))
-            out.append((regs, _lanes(b, self.sm, [2 * chunk + h] * (w // 2))))
+            j = 2 * chunk + h  # sub-block j's scale in each i16 lane, from its 128-bit lane
+            out.append((regs, _widened(b, self.sb, [16 * (i // 8) + j for i in range(w // 2)])))
         return out
 
 
@@ -237,11 +292,21 @@ class _Q6K(_Emit):
         sc = simd.load(self.b, self.wp, self.b.add(self.w_off, ir.Constant(I64, 192)),
                        vec(I8, 16))
         self.sc = self.b.sext(sc, vec(I16, 16))
-        (self.d,) = self.fp16s(208, 1)
-        self.d32 = self.b.fmul(self.d, ir.Constant(F32, 32.0))
+        self.d = self.fp16s(208, 1)
 
-    def offset(self, bsums):  # q − 32: 32·Σ_g sc_g·bsum_g, times d
-        return self.d32, _madd16(self.b, bsums, self.sc)
+    @staticmethod
+    def sums(builder, bsums):
+        return bsums
+
+    def accumulate(self, acc, macc, sumi, sums, dx):
+        """acc += d·dx·(sumi − 32·Σ_g sc_g·bsum_g) (q − 32), exact in i32 (at most ~2^28)."""
+        b = self.b
+        corr = b.shl(_madd4(b, sums, self.sc), ir.Constant(vec(I32, 4), [5] * 4))
+        n = sumi.type.count
+        if n > 4:
+            corr = b.shuffle_vector(corr, ir.Constant(corr.type, None), ir.Constant(
+                vec(I32, n), list(range(4)) + [4] * (n - 4)))
+        self.add_scaled(acc, b.sub(sumi, corr), b.fmul(self.d, simd.splat(b, dx, 1)), 0)
 
     def units(self, chunk):
         b, w = self.b, self.w
@@ -278,6 +343,8 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
     def codegen(context, builder, sig, args):
         f = Frame(context, builder, sig, args, n_rows, n_tok, w, QK_K, 32, spread)
         c = f.c
+        macc = [[cgutils.alloca_once_value(builder, ir.Constant(vec(F32, 4), None))
+                 for _ in range(n_tok)] for _ in range(n_rows)]
         with cgutils.for_range(builder, f.nb) as loop:
             sb = loop.index
             w_off = builder.mul(sb, c(fmt.block_bytes))
@@ -292,12 +359,8 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                 ems.append(e)
             dx = [simd.load_scalar(builder, f.s_row[t], builder.mul(sb, c(4)), F32)
                   for t in range(n_tok)]
-            for t in range(n_tok):
-                bs = simd.load(builder, f.m_row[t], builder.mul(sb, c(32)), vec(I16, 16))
-                for i, e in enumerate(ems):
-                    factor, corr = e.offset(bs)
-                    f.add(f.macc[i][t], builder.fmul(builder.fmul(factor, dx[t]),
-                                                     builder.sitofp(corr, F32)))
+            sums = [emit.sums(builder, simd.load(builder, f.m_row[t], builder.mul(sb, c(32)),
+                                                 vec(I16, 16))) for t in range(n_tok)]
             sumi = [[ir.Constant(vec(I32, w // 4), None)] * n_tok for _ in range(n_rows)]
             for chunk in range(emit.chunks):
                 units = [e.units(chunk) for e in ems]
@@ -309,17 +372,17 @@ def _make_tile(fmt: kquant.Format, v: Vec, n_rows: int, n_tok: int, spread: bool
                             for q, x_at in regs:  # i16 pairs, within range (see the formats)
                                 if x_at not in xs:
                                     xs[x_at] = simd.load(builder, f.x_row[t], builder.add(
-                                        x_off, c(x_at)), vec(I8, w))
+                                        x_off, c(x_at)), vec(I8, w), matvec.X_ALIGN)
                                 part = _call(builder, v.pmaddubsw, vec(I16, w // 2),
                                              [q, xs[x_at]])
                                 s16 = part if s16 is None else builder.add(s16, part)
-                            s32 = _call(builder, v.pmaddwd, vec(I32, w // 4), [s16, scale])
-                            sumi[i][t] = builder.add(sumi[i][t], s32)
+                            sumi[i][t] = _scaled_sum(builder, v, sumi[i][t], s16, scale)
             for i, e in enumerate(ems):
                 for t in range(n_tok):
-                    f.add(f.acc[i][t], builder.fmul(
-                        builder.sitofp(sumi[i][t], f.facc),
-                        simd.splat(builder, builder.fmul(e.d, dx[t]), w // 4)))
+                    e.accumulate(f.acc[i][t], macc[i][t], sumi[i][t], sums[t], dx[t])
+        for i in range(n_rows):
+            for t in range(n_tok):
+                f.add(f.macc[i][t], simd.hsum(builder, builder.load(macc[i][t])))
         f.finish()
         return context.get_dummy_value()
 
