@@ -21,14 +21,13 @@ Dimension legend: as model/forward.py; B sequences in the batch.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit import omp
 from fermijit.jit.cpu import decode_isa
-from fermijit.model.forward import (L2NORM_EPS, Model, _state_arrays, linear,
+from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
                                     linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
@@ -43,7 +42,7 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
 
 # One sequence's verify step of at most this many rows runs decode's fused MoE kernel on its rows
 # (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
-# through the grouped launches (allocations, sorting), (fill in) with per-row decode MoE.
+# through the grouped launches (allocations, sorting).
 ROW_MOE_MAX_ROWS = 4
 
 
@@ -104,7 +103,7 @@ class BatchWorkspace:
         self.no_p = np.empty((1, 0), f)
         self.no_p_rows = np.empty((B, 0), f)       # the same for B rows (ops.residual_rows)
         self.no_ids, self.no_weights = np.empty((B, 0), np.int32), np.empty((B, 0), f)
-        self.plans: list[RowsPlan] = []  # one sequence's rows' (decode_rows)
+        self.plans: list[DecodePlan] = []  # one sequence's rows' (decode_rows)
         self.gdn_scratch: gdn_rows.Scratch | None = None  # its GDN rows' (ops.gdn_rows)
 
 
@@ -184,13 +183,13 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
 
 def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
     """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
-    of their calls made once per state's and saves' arrays and workspace (RowsPlan), as decode
+    of their calls made once per state's and saves' arrays and workspace (a DecodePlan), as decode
     runs its token. A rollback swaps arrays between the state and the saves: the plans of the
     few arrangements it makes are kept."""
     arrays = _state_arrays(state) + (() if saves is None else saves.arrays)
-    plan = next((p for p in ws.plans if p.fits(arrays, model.moe_observer)), None)
+    plan = next((p for p in ws.plans if p.fits_arrays(arrays, model.moe_observer)), None)
     if plan is None:
-        plan = RowsPlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
+        plan = DecodePlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
         ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()
@@ -206,20 +205,6 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
 MAX_PLANS = 8
 
 
-@dataclasses.dataclass
-class RowsPlan:
-    """The calls of one sequence's R rows (a speculative verify step), as a DecodePlan, for
-    these state and GDN saves arrays."""
-
-    arrays: tuple
-    observer: object
-    steps: list
-
-    def fits(self, arrays: tuple, observer) -> bool:
-        return (observer is self.observer and len(arrays) == len(self.arrays)
-                and all(a is b for a, b in zip(arrays, self.arrays)))
-
-
 def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     """The calls of `decode_rows` over ws's R rows of `state`, as `Model._decode_steps` lists a
     token's: per row decode's own fused steps (attention, MoE), the products over the R rows
@@ -230,10 +215,8 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
     rows = [slice(b, b + 1) for b in range(R)]
 
-    def residual(norm_w, w, p, routed=False):  # every row in one call (ops.residual_rows)
-        return [("residual_rows.cpu", *residual_rows.launch(
-            ws.x, y, norm_w, eps, ws.xn, ws.act, w, ws.no_p_rows if p is None else p,
-            ws.ids if routed else ws.no_ids, ws.weights if routed else ws.no_weights))]
+    def residual(norm_w, w, p, routed=False):
+        return [residual_rows_step(ws, y, norm_w, eps, w, p, routed)]
 
     def product(x_act, w, out):
         if isinstance(w, matvec.Q4Matrix):
@@ -271,6 +254,15 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps
+
+
+def residual_rows_step(ws: BatchWorkspace, y, norm_w, eps, w, p, routed=False):
+    """The plan's residual step of ws's rows (x += y, xn its norm, the act its rounding, p =
+    xn · w, with `routed` the top-k of p into ws.ids, ws.weights): one call (ops.residual_rows:
+    the fp32 router and gates read once, each row its decode's bits)."""
+    return ("residual_rows.cpu", *residual_rows.launch(
+        ws.x, y, norm_w, eps, ws.xn, ws.act, w, ws.no_p_rows if p is None else p,
+        ws.ids if routed else ws.no_ids, ws.weights if routed else ws.no_weights))
 
 
 def attention_rows_step(model: Model, mixer, kv: KvCache, ws: BatchWorkspace):

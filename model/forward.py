@@ -265,7 +265,9 @@ class DecodePlan:
     steps: list          # (label, callable, args)
 
     def fits(self, state: State, observer) -> bool:
-        arrays = _state_arrays(state)
+        return self.fits_arrays(_state_arrays(state), observer)
+
+    def fits_arrays(self, arrays: tuple, observer) -> bool:
         return (observer is self.observer and len(arrays) == len(self.arrays)
                 and all(a is b for a, b in zip(arrays, self.arrays)))
 

@@ -157,9 +157,9 @@ def _takes_decode_rows(model) -> bool:
 
 class DecodeRows:
     """The head over T rows as decode runs a token (model/batch.py's per-row fused steps and
-    like-GEMV products, a plan of calls made once per KV cache): a draft's row through prefill's
-    ops (Model.attention, Model.moe on a Workspace) cost (fill in) a decode token on the default
-    model, and its logits read the LM head as any decode token does. The rows' numbers differ
+    like-GEMV products, a plan of calls made once per KV cache), not prefill's ops
+    (Model.attention, Model.moe on a Workspace), whose one-row calls are not decode's fused
+    kernels; its logits read the LM head as any decode token does. The rows' numbers differ
     from prefill's by rounding only (another order of sums): the drafts are the head's either
     way, and the model's verify decides every token."""
 
@@ -199,21 +199,16 @@ class DecodeRows:
 
     def _steps(self, kv: KvCache) -> list:
         from fermijit.model import batch
-        from fermijit.ops import matvec, residual_step
+        from fermijit.ops import matvec
 
         model, ws, m = self.model, self.ws, self.model.mtp
         layer, mixer, eps = m.layer, m.layer.mixer, model.eps
-        rows = [slice(b, b + 1) for b in range(self.n_rows)]
 
         def product(act, w, out):
             return ("matvec.product", *matvec.launch(w, act, out, like_gemv=True))
 
         def residual(y, norm_w, w, p, routed=False):
-            for b, r in enumerate(rows):
-                extra = (ws.ids[r], ws.weights[r]) if routed else ()
-                yield ("residual_step.cpu", *residual_step.launch(
-                    ws.x[r], None if y is None else y[r], norm_w, eps, ws.xn[r],
-                    ws.act_rows[b], w, ws.no_p if p is None else p[r], *extra))
+            return [batch.residual_rows_step(ws, y, norm_w, eps, w, p, routed)]
 
         steps = [("rmsnorm.cpu", rmsnorm.cpu, (self.hidden, m.pre_fc_norm_hidden, eps, self.h)),
                  ("embedding.cpu", embedding.cpu, (ws.tokens, model.embed, ws.x)),

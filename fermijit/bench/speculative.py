@@ -98,7 +98,7 @@ class Costs:
 def step_costs(model, prompt, drafts) -> Costs:
     """The parts of a step on `prompt`'s state, timed interleaved, and the bytes they read."""
     from fermijit.model import batch
-    from fermijit.model.state import GdnState
+    from fermijit.bench.decode import gdn_state_nbytes
     from fermijit.model.token_bytes import token_bytes
     from fermijit.speculative import Speculator
 
@@ -164,7 +164,7 @@ def step_costs(model, prompt, drafts) -> Costs:
         selected[part] = watched(part)
     tb = token_bytes(model, [n for _, n in selected["decode"]])
     tv = token_bytes(model, [n for _, n in selected["verify"]])
-    gdn_state = sum(a.nbytes for s in plain.layers if isinstance(s, GdnState) for a in s.arrays)
+    gdn_state = gdn_state_nbytes(plain)
     head = model.mtp
     per_expert = sum(a.nbytes for a in head.layer.experts.routed) // \
         head.layer.experts.routed[0].shape[0]

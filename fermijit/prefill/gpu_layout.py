@@ -12,7 +12,6 @@ Dimension legend: as model/weights.py; T tokens in a pass, S = T·k routed slots
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from fermijit import FermijitError
