@@ -337,7 +337,12 @@ _pinned: dict[int, int] = {}  # address -> bytes of each live `pinned` buffer
 
 def is_pinned(a: np.ndarray) -> bool:
     """Whether the host array `a` lies in a `pinned` buffer (a copy into it runs as DMA)."""
-    at = a.ctypes.data
+    at, root = a.ctypes.data, a
+    while isinstance(root.base, np.ndarray):  # a view's buffer first: one lookup, not a scan
+        root = root.base
+    start, n = root.ctypes.data, _pinned.get(root.ctypes.data)
+    if n is not None and start <= at and at + a.nbytes <= start + n:
+        return True
     return any(start <= at and at + a.nbytes <= start + n for start, n in list(_pinned.items()))
 
 

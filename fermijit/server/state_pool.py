@@ -112,7 +112,3 @@ class GdnPool:
             a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable
             and a.shape == shape and (a.flags.owndata or self._made.get(id(a)) is a)
             for a, shape in zip((s.conv, s.recurrent), self.shapes))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.free)
