@@ -9,14 +9,19 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 PROMPT = "To read a file in Python,"
 GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
 # The largest wait between two chunks of a running stream while hostile requests arrive
 # (issue 30 item 2: four 4 MB prompts froze one for 22.9 s when the scheduler's thread
-# tokenised them). A decode step of the default model takes ~10-40 ms here under load.
-MAX_CHUNK_GAP_S = 1.0
+# tokenised them). A decode step of the default model takes ~10-70 ms here under load; on two
+# cores the attack's own work (3.9 MB bodies read, 60 KB prompts tokenised) takes cores from the
+# decode's threads: gaps of 0.3-0.9 s measured with the suite running beside it. On a slower
+# machine the bound is twenty of its steps, measured before the attack.
+MAX_CHUNK_GAP_S = 2.0
+STEPS_PER_GAP = 20
 
 
 def _text(url: str, body: dict = GREEDY) -> str:
@@ -73,6 +78,8 @@ def test_a_stream_keeps_going_while_hostile_prompts_arrive(url, reference):
                                                            texts))
     streamer.start()
     assert started.wait(60)
+    while len(times) < 6 and streamer.is_alive():  # the stream's own pace, before the attack
+        time.sleep(0.01)
     hostile = []
     for size in (3_900_000, 60_000):
         words = "word " * (size // 5)
@@ -86,21 +93,31 @@ def test_a_stream_keeps_going_while_hostile_prompts_arrive(url, reference):
         results[k] = httpx.post(f"{url}{path}", json=request, timeout=120)
 
     attackers = [threading.Thread(target=attack, args=(k,)) for k in range(len(hostile))]
-    first = len(times)
+    begin = time.perf_counter()
     for t in attackers:
         t.start()
     for t in attackers:
         t.join()
-    last = len(times)
-    time.sleep(0.2)
+    end = time.perf_counter()
+    # The window is from the last chunk before the attack to the first one after it (the
+    # attack can be over within one decode step, so chunks during it alone prove nothing).
+    deadline = end + 10 * MAX_CHUNK_GAP_S
+    while not any(t > end for t in times) and time.perf_counter() < deadline:
+        time.sleep(0.01)
     stop.set()
     streamer.join(120)
     for r in results:
         assert_error(r, (400, 413))
-    assert last > first + 1, "the stream did not go on while the requests were answered"
-    gaps = [b - a for a, b in zip(times[first:last], times[first + 1:last + 1])]
-    print(f"largest gap {max(gaps):.3f} s over {len(gaps)} chunks")
-    assert max(gaps) < MAX_CHUNK_GAP_S, f"the stream stopped for {max(gaps):.2f} s"
+    after = [t for t in times if t > end]
+    assert after, "the stream did not go on after the requests were answered"
+    window = [t for t in times if t <= begin][-1:] + [t for t in times if begin < t <= end]
+    window.append(after[0])
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    step = float(np.median(np.diff([t for t in times if t <= begin])))
+    limit = max(MAX_CHUNK_GAP_S, STEPS_PER_GAP * step)
+    print(f"attack {end - begin:.3f} s, largest gap {max(gaps):.3f} s over {len(gaps)} gaps "
+          f"(a step {step * 1e3:.0f} ms)")
+    assert max(gaps) < limit, f"the stream stopped for {max(gaps):.2f} s (limit {limit:.2f} s)"
     assert _text(url) == reference
 
 
