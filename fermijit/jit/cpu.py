@@ -138,11 +138,18 @@ def select_isa(label: str | None = None, decode: str | None = None) -> Isa:
         isa = next(i for i in PREFERENCE if supported(i))
     else:
         isa = _by_label(label)
-        if isa is Isa.SSSE3 and target_cpu_name() != WESTMERE:
+        # Forced on a Westmere host too: the target's features are then "" rather than the
+        # host's list, so kernels cached by a native `--isa ssse3` process are found by one under
+        # `qemu -cpu Westmere` (the cache key holds the feature string; each miss compiled under
+        # emulation, minutes a kernel).
+        forced = numba_config.CPU_NAME == WESTMERE and numba_config.CPU_FEATURES == ""
+        if isa is Isa.SSSE3 and not forced:
             if _has_compiled():
-                raise FermijitError("--isa ssse3 must be chosen before any kernel is compiled")
-            numba_config.CPU_NAME = WESTMERE
-            numba_config.CPU_FEATURES = ""
+                if target_cpu_name() != WESTMERE:
+                    raise FermijitError("--isa ssse3 must be chosen before any kernel is compiled")
+            else:
+                numba_config.CPU_NAME = WESTMERE
+                numba_config.CPU_FEATURES = ""
         _require(isa)
     if decode is None:
         narrow = DECODE_VARIANT.get(isa, isa)

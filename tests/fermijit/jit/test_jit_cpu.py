@@ -108,6 +108,20 @@ def test_forcing_ssse3_after_a_compile_is_refused():
         cpu.select_isa("ssse3")
 
 
+def test_ssse3_forces_one_target_whatever_the_host_is_named():
+    """`--isa ssse3` on a host that is already a Westmere (as `qemu -cpu Westmere` reports) forces
+    the same target as elsewhere: an empty feature string, so Numba's cache key (which holds it)
+    matches kernels cached natively; with the host's feature list each kernel compiled again
+    under emulation (CI: 40 minutes)."""
+    code = ("from numba.core import config; from fermijit.jit import cpu; cpu.select_isa('ssse3');"
+            "print(repr(config.CPU_NAME), repr(config.CPU_FEATURES))")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(env, NUMBA_CPU_NAME="westmere"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["'westmere'", "''"]
+
+
 def test_env_override_reaches_the_cli():
     r = subprocess.run([sys.executable, "-m", "fermijit", "info"], capture_output=True, text=True,
                        env=dict(os.environ, FERMIJIT_ISA="ssse3"), timeout=300)
