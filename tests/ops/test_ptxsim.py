@@ -1,6 +1,6 @@
-"""flash_attention.ptx and gdn_chunk.ptx run by tests/ptxsim.py (a PTX interpreter) against the
-numpy references, so their index arithmetic is checked without a GPU: one block of each on a
-ragged shape (the GPU tests take every block)."""
+"""flash_attention.ptx, gdn_chunk.ptx and kquant_gemm.ptx run by tests/ptxsim.py (a PTX
+interpreter) against the numpy references, so their index arithmetic is checked without a GPU:
+one block of each on a ragged shape (the GPU tests take every block)."""
 
 from pathlib import Path
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from fermijit.jit import ptx
-from fermijit.ops import attention, gated_delta
+from fermijit.ops import attention, gated_delta, kquant_gemm
 from tests.numerics import assert_close
 from tests.ops.test_gated_delta import make_inputs
+from tests.ops.test_kquant_gemm_gpu import GEMM_REL, random_weights
 from tests.ptxsim import GMem, Kernel, Sim
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "kernels_ptx"
@@ -75,3 +76,35 @@ def test_gdn_chunk_blocks(rng):
     assert_close("state", expected_state[..., cols], new_state[..., cols], 1e-5, 1e-4)
     assert np.isnan(o[..., :32]).all()
     np.testing.assert_array_equal(new_state[..., :32], state[..., :32])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["q5_k", "q4_k"])
+def test_kquant_gemm_dense_block(rng, kind):
+    """One dense block (64 rows, 128 columns) on T 21, N 70, K 512 (both tiles partial, two
+    super-blocks): rows 0-4 random, within the GPU test's GEMM_REL of the float64 reference;
+    rows 5-20 one-hot, one in each of the 16 sub-blocks at a random offset, so each output is one
+    weight: equal to ops/kquant.py's dequantize bit for bit. The rows past T stay NaN. (Q4_K,
+    whose kernel the H200 has passed, checks the interpreter on the same path.)"""
+    T, N, K, n_random = 21, 70, 512, 5
+    x = np.zeros((T, K), np.float32)
+    x[:n_random] = rng.standard_normal((n_random, K))
+    cols = 32 * np.arange(T - n_random) + rng.integers(0, 32, T - n_random)
+    x[np.arange(n_random, T), cols] = 1
+    blocks = random_weights(rng, kind, (N,), K)
+    mem = GMem()
+    ax, aw = mem.put(x), mem.put(blocks)
+    aout = mem.put(np.full((T + 2, N), np.nan, np.float32))
+    heap = mem.build()
+    Sim(Kernel(rendered("kquant_gemm", MODE="dense", FORMAT=kind), f"kquant_gemm_{kind}_dense"),
+        {"__param__": [ax, aw, 0, aout, 0, 0, 0, T, N, K]}, heap, (1, 1), 256).run_block(0, 0)
+    out = mem.get(aout, (T + 2, N))
+    expected = kquant_gemm.reference(kind, x[:n_random], blocks)
+    scale = float(np.abs(expected).max())
+    err = float(np.abs(out[:n_random] - expected).max())
+    print(f"kquant_gemm {kind} ptxsim: max |error| {err:.3g}, {err / scale:.3g} of the largest")
+    assert_close("y", expected, out[:n_random], GEMM_REL * scale, GEMM_REL)
+    weights = kquant_gemm.dequantize(kind, blocks)[:, cols].T + np.float32(0)  # -0.0 -> +0.0
+    np.testing.assert_array_equal(out[n_random:T].view(np.uint32),
+                                  np.ascontiguousarray(weights).view(np.uint32))
+    assert np.isnan(out[T:]).all()
