@@ -1,7 +1,8 @@
 """Prefill GEMMs over GGUF blocks on the GPU (issue 34): y = x · Wᵀ with W a BlockTensor as
 imported (ops/kquant.py: the K-quants Q4_K and Q6_K, a Q4_K_M model's, Q5_K, a Q5_K_M's or an
-8-expert Q4_K_M's, and the 32-value fallbacks Q5_0 and Q5_1 narrow rows take), or Q8_0 as fermijit stores it ((qs, d)), dense or
-per expert, as ops/matmul.py and ops/expert_matmul.py are for Q4_0.
+8-expert Q4_K_M's, and the 32-value fallbacks Q5_0 and Q5_1 narrow rows take), or Q8_0 as
+fermijit stores it ((qs, d)), dense or per expert, as ops/matmul.py and ops/expert_matmul.py
+are for Q4_0.
 
 Letters: T tokens (or slots), N output rows, K inputs (whole blocks of Q values); blocks uint8
 [N, K/Q·S] (S the format's block bytes), experts [E, N, K/Q·S].
