@@ -108,3 +108,57 @@ def test_kquant_gemm_dense_block(rng, kind):
     np.testing.assert_array_equal(out[n_random:T].view(np.uint32),
                                   np.ascontiguousarray(weights).view(np.uint32))
     assert np.isnan(out[T:]).all()
+
+
+@pytest.mark.slow
+def test_kquant_gemm_q5_k_expert_blocks(rng):
+    """The expert modes, one block each, on expert 1's tile of T 7, top-2 of 3 experts, H = I =
+    256 (q4_gemm's routing, ops/expert_matmul.sort_slots): gate_up's gathered rows and SwiGLU
+    (columns 0-63 of h; the other slots' rows stay NaN), down's weighted scatter-add into y
+    (columns 0-127 of the tile's tokens; the rest of y as it was)."""
+    from fermijit.ops.expert_matmul import sort_slots
+
+    T, H, I, E, top_k, tile = 7, 256, 256, 3, 2, 1
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(np.int32)
+    weights = rng.random((T, top_k)).astype(np.float32)
+    order, _, tiles = sort_slots(ids, E)
+    rows = (order // top_k).astype(np.int32)
+    slot_weights = weights.reshape(-1)[order]
+    e, first, end, _ = tiles[tile]
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    h_in = rng.standard_normal((T * top_k, I)).astype(np.float32)
+    base = rng.standard_normal((T, H)).astype(np.float32)
+    gate_up = random_weights(rng, "q5_k", (E, 2 * I), H, 0.03 / np.sqrt(H))
+    down = random_weights(rng, "q5_k", (E, H), I, 0.03 / np.sqrt(I))
+    mem = GMem()
+    ax, agu, adn, ah_in = (mem.put(a) for a in (x, gate_up, down, h_in))
+    ah = mem.put(np.full((T * top_k, I), np.nan, np.float32))
+    ay, atiles, arows, aw = (mem.put(a) for a in (base, tiles, rows, slot_weights))
+    heap = mem.build()
+    text = rendered("kquant_gemm", MODE="expert_gate_up", FORMAT="q5_k")
+    Sim(Kernel(text, "kquant_gemm_q5_k_expert_gate_up"),
+        {"__param__": [ax, agu, 0, ah, atiles, arows, 0, 0, I, H]}, heap,
+        (I // 64, len(tiles)), 256).run_block(0, tile)
+    text = rendered("kquant_gemm", MODE="expert_down", FORMAT="q5_k")
+    Sim(Kernel(text, "kquant_gemm_q5_k_expert_down"),
+        {"__param__": [ah_in, adn, 0, ay, atiles, arows, aw, 0, H, I]}, heap,
+        (H // 128, len(tiles)), 256).run_block(0, tile)
+    w_gu = kquant_gemm.dequantize("q5_k", gate_up[e]).astype(np.float64)
+    gu = x[rows[first:end]].astype(np.float64) @ w_gu.T
+    g, u = gu[:, :64], gu[:, I:I + 64]
+    expected_h = g / (1 + np.exp(-g)) * u
+    w_dn = kquant_gemm.dequantize("q5_k", down[e]).astype(np.float64)
+    expected_y = base.astype(np.float64)
+    expected_y[rows[first:end], :128] += slot_weights[first:end, None] * (
+        h_in[first:end].astype(np.float64) @ w_dn[:128].T)        # a token once an expert
+    h, y = mem.get(ah, (T * top_k, I)), mem.get(ay, (T, H))
+    for name, expected, got in (("h", expected_h, h[first:end, :64]), ("y", expected_y, y)):
+        scale = float(np.abs(expected).max())
+        print(f"kquant_gemm q5_k expert ptxsim {name}: max |error| "
+              f"{np.abs(got - expected).max() / scale:.3g} of the largest")
+        assert_close(name, expected, got, GEMM_REL * scale, GEMM_REL)
+    h[first:end, :64] = np.nan
+    assert np.isnan(h).all()
+    touched = np.zeros((T, H), bool)
+    touched[rows[first:end], :128] = True
+    np.testing.assert_array_equal(y[~touched], base[~touched])
