@@ -1,8 +1,8 @@
 """GGUF-block GEMMs on the GPU (kernels_ptx/kquant_gemm.ptx, ops/kquant_gemm.py; issue 34:
 Q4_K, Q5_K, Q6_K and the fallbacks Q5_0, Q5_1, Q8_0) against the numpy reference (ops/kquant.py
-dequantize, llama.cpp's dequantize_row_*): dense on ragged shapes, every weight dequantised bit for bit, and
-the expert modes (gathered rows with the SwiGLU, the weighted scatter-add); outputs poisoned
-with NaN. Argument checks run without a GPU."""
+dequantize, llama.cpp's dequantize_row_*): dense on ragged shapes, every weight dequantised bit
+for bit, and the expert modes (gathered rows with the SwiGLU, the weighted scatter-add); outputs
+poisoned with NaN. Argument checks run without a GPU."""
 
 import numpy as np
 import pytest
