@@ -2,5 +2,5 @@
 
 PARAMS = {
     "MODE": (str, ("dense", "expert_gate_up", "expert_down")),
-    "FORMAT": (str, ("q4_k", "q6_k", "q5_0", "q5_1", "q8_0")),
+    "FORMAT": (str, ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q8_0")),
 }

@@ -1,7 +1,8 @@
 """Prefill GEMMs over GGUF blocks on the GPU (issue 34): y = x · Wᵀ with W a BlockTensor as
-imported (ops/kquant.py: the K-quants Q4_K and Q6_K, a Q4_K_M model's, and the 32-value
-fallbacks Q5_0 and Q5_1 its narrow rows take), or Q8_0 as fermijit stores it ((qs, d)), dense or
-per expert, as ops/matmul.py and ops/expert_matmul.py are for Q4_0.
+imported (ops/kquant.py: the K-quants Q4_K and Q6_K, a Q4_K_M model's, Q5_K, a Q5_K_M's or an
+8-expert Q4_K_M's, and the 32-value fallbacks Q5_0 and Q5_1 narrow rows take), or Q8_0 as
+fermijit stores it ((qs, d)), dense or per expert, as ops/matmul.py and ops/expert_matmul.py
+are for Q4_0.
 
 Letters: T tokens (or slots), N output rows, K inputs (whole blocks of Q values); blocks uint8
 [N, K/Q·S] (S the format's block bytes), experts [E, N, K/Q·S].
@@ -26,14 +27,15 @@ from fermijit.ops import kquant
 from fermijit.ops.expert_matmul import DOWN_TILE_COLS, GATE_UP_TILE_COLS, Routing
 from fermijit.ops.matmul import TILE_COLS, TILE_ROWS
 
-GPU_FORMATS = ("q4_k", "q6_k", "q5_0", "q5_1", "q8_0")  # the FORMATs kquant_gemm.ptx takes
+GPU_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q8_0")  # the FORMATs kquant_gemm.ptx takes
 # Q8_0 as fermijit stores it: qs int8 [..., K] and d fp16 [..., K/32], passed as (qs, d);
 # its Format counts qs' bytes (32 a block).
 Q8_0 = kquant.Format("q8_0", 32, 32, ())
 FORMATS = {**kquant.FORMATS, "q8_0": Q8_0}
-# Where an array of blocks must start: Q4_K's rows are read 8 bytes at a time (a 144-byte block
-# keeps 16-byte alignment), Q5_1's and Q8_0's qs 8 (24, 32), Q6_K's and Q5_0's 2 (210, 22).
-ALIGN = {"q4_k": 16, "q6_k": 2, "q5_0": 2, "q5_1": 8, "q8_0": 8}
+# Where an array of blocks must start: Q4_K's and Q5_K's rows are read 8 bytes at a time (144-
+# and 176-byte blocks keep 16-byte alignment), Q5_1's and Q8_0's qs 8 (24, 32), Q6_K's and
+# Q5_0's 2 (210, 22).
+ALIGN = {"q4_k": 16, "q5_k": 16, "q6_k": 2, "q5_0": 2, "q5_1": 8, "q8_0": 8}
 
 
 def _parts(w) -> tuple:

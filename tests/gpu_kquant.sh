@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 34 on the lent GPU machine: the K-quant GPU prefill's pass. Installs as tests/gpu_pass.sh
 # does, then: ptxas conformance of every kernel (kernels check, the new kquant_gemm and
-# act_quant_k variants listed), the block GEMM (Q4_K, Q6_K, Q5_0, Q5_1, Q8_0) and Q8_K rounding
-# tests against their numpy references, two Q4_K_M models' GPU prefill against the float64
+# act_quant_k variants listed), the block GEMM (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0) and Q8_K
+# rounding tests against their numpy references, two Q4_K_M models' GPU prefill against the float64
 # reference and the all-CPU run, a GGUF the GPU refuses falling back in one line, and the tiny
 # Q4_0 model's GPU prefill tests (the code they share was reworked). Full logs in
 # OUT; a short summary printed last. Usage, from the project root: bash tests/gpu_kquant.sh OUT

@@ -2,7 +2,8 @@
 
 One block at a time; each thread runs until its next bar.sync, then the next thread (the
 kernels it is used on have no warp-synchronous code). It knows the instructions of
-flash_attention.ptx and gdn_chunk.ptx (tests/ops/test_ptxsim.py) and raises on any other, and on
+flash_attention.ptx, gdn_chunk.ptx and kquant_gemm.ptx (tests/ops/test_ptxsim.py) and raises on
+any other, and on
 misaligned or out-of-bounds memory accesses. fp32 as on the GPU: FMAs rounded once, ex2 and rcp
 exact (the GPU's approximations are within their tests' tolerances). Shared memory starts
 poisoned (0x7F7F7F7F, a huge float) so a read before a write shows. Slow: ~10 us an instruction.
@@ -145,12 +146,21 @@ class Sim:
                 return pc, False
             if name == "bra":
                 pc = k.labels[ops[0]]; continue
+            if name == "red" and op[2:] == ["add", "f32"]:  # red.global.add.f32 [a], v
+                a = self.addr(ops[0], R)
+                if a % 4 or a < 0 or a + 4 > len(self.g):
+                    raise RuntimeError(f"bad address {k.ins[pc-1]} at {a}")
+                view = self.g[a:a + 4].view(F32)
+                view[0] = F32(view[0]) + F32(self.val(ops[1], R, t, cx, cy, "f32"))
+                continue
             if name in ("ld", "st"):
                 space = op[1] if op[1] in ("shared", "global", "param", "local") else "generic"
                 vec = next((int(o[1:]) for o in op if o in ("v2", "v4")), 1)
                 dty = op[-1]
                 size = int(re.sub(r"\D", "", dty))
-                npty = {"f32": F32, "u32": np.uint32, "b32": np.uint32, "u64": np.uint64, "s32": np.int32}[dty]
+                npty = {"f32": F32, "u32": np.uint32, "b32": np.uint32, "u64": np.uint64,
+                        "s32": np.int32, "u16": np.uint16, "b16": np.uint16, "u8": np.uint8,
+                        "s8": np.int8}[dty]
                 if name == "ld" and space == "param":
                     i = k.params.index(ops[1].strip("[]"))
                     R[ops[0]] = self.args["__param__"][i]; continue
@@ -185,6 +195,29 @@ class Sim:
                 if "local" in op: v += LOCAL_BASE
                 R[d] = v; continue
             a = [self.val(o, R, t, cx, cy, ty) for o in ops[1:]]
+            if name == "cvt" and ty != "f32":      # from an integer or f16: dst is op[-2]
+                v, dst, sb = a[0], op[-2], int(re.sub(r"\D", "", ty))
+                if ty == "f16":
+                    v = float(np.array(v & 0xFFFF, np.uint16).view(np.float16))
+                else:
+                    v &= (1 << sb) - 1
+                    if ty[0] == "s" and v >> (sb - 1):
+                        v -= 1 << sb
+                if dst == "f32":
+                    R[d] = float(F32(v))
+                else:
+                    R[d] = v & ((1 << int(re.sub(r"\D", "", dst))) - 1)
+                continue
+            if name == "bfe":                         # bfe.{u,s}32 d, a, pos, len
+                v = (a[0] & 0xFFFFFFFF) >> a[1] & ((1 << a[2]) - 1)
+                if ty == "s32" and a[2] and v >> (a[2] - 1):
+                    v -= 1 << a[2]
+                R[d] = v & 0xFFFFFFFF
+                continue
+            if name == "bfi":                         # bfi.b32 d, f, b, pos, len
+                m = ((1 << a[3]) - 1) << a[2]
+                R[d] = ((a[1] & ~m) | ((a[0] << a[2]) & m)) & 0xFFFFFFFF
+                continue
             if ty == "f32":
                 f = lambda x: float(F32(x))
                 if name == "mov": R[d] = f(a[0])

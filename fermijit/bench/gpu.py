@@ -5,10 +5,11 @@ the fp32 FMA throughput (kernels_ptx/fma_probe.ptx) and the device copy bandwidt
 (kernels_ptx/copy.ptx, and the driver's memcpy for comparison). Then each kernel at the real
 model's prefill shapes: T tokens (1024); dense Q4_0 GEMMs 2048 -> 8192 (in_proj_qkv)
 and 4096 -> 2048 (out_proj); routed experts with 128 experts (REAP) and T*8/128 tokens each
-(balanced routing, 64 at T = 1024); the K-quant GEMMs (Q4_K, Q6_K: kernels_ptx/kquant_gemm.ptx)
-at the same shapes beside Q4_0's. GEMMs are quoted as a fraction of the FMA ceiling,
-memory-bound kernels as a fraction of the copy bandwidth. Times are medians of CUDA-event timings
-after a warm-up launch. Benchmarks are commands, never timed tests (DESIGN.md, Testing).
+(balanced routing, 64 at T = 1024); the K-quant GEMMs (Q4_K, Q5_K, Q6_K:
+kernels_ptx/kquant_gemm.ptx) at the same shapes beside Q4_0's. GEMMs are quoted as a fraction of
+the FMA ceiling, memory-bound kernels as a fraction of the copy bandwidth. Times are medians of
+CUDA-event timings after a warm-up launch. Benchmarks are commands, never timed tests (DESIGN.md,
+Testing).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def random_blocks(rng, kind: str, shape: tuple[int, ...]):
 
 
 # The K-quant GEMMs (issue 34: kernels_ptx/kquant_gemm.ptx) beside Q4_0's at the same shapes.
-KQUANT_KINDS = ("q4_k", "q6_k")
+KQUANT_KINDS = ("q4_k", "q5_k", "q6_k")
 
 
 def gemm_rows(rng, n_tokens: int, fma_gflops: float) -> list[Row]:

@@ -4,7 +4,8 @@ fermijit/prefill/hybrid.py plans with), and the routing arrays the expert GEMMs 
 
 A projection is Q4_0 (`<name>_qs`, `<name>_d`, kernels_ptx/q4_gemm.ptx), or Q8_0 (`_qs`, `_d`)
 or GGUF blocks as imported (`<name>_blocks`) for kernels_ptx/kquant_gemm.ptx (ops/kquant_gemm.py
-GPU_FORMATS: what a Q4_K_M model holds, Q4_K and Q6_K, and its fallbacks Q5_0, Q5_1, Q8_0);
+GPU_FORMATS: what a Q4_K_M model holds, Q4_K and Q6_K, Q5_K_M's Q5_K, and the fallbacks Q5_0,
+Q5_1, Q8_0);
 `dense_kinds` says which, per layer (issue 34).
 
 Dimension legend: as model/weights.py; T tokens in a pass, S = T·k routed slots.
@@ -110,7 +111,7 @@ def check_supported(model: Model) -> None:
     if not model.is_quantized:
         raise FermijitError("the GPU prefill needs a 4-bit model (convert it first); this one is "
                             "an fp32 checkpoint")
-    # What has CPU kernels only so far (Q5_K blocks; blocks read in a permuted column order):
+    # What has CPU kernels only so far (blocks read in a permuted column order):
     # refused here, so the CPU prefills such a model rather than the GPU computing it wrong.
     # (The MTP head's layer is layer L, after the model's L: model/reap.py moe_layers.)
     refused = [(name, _label(m)) for name, m in _projections(model) if kind(m) is None]

@@ -32,11 +32,11 @@ lands on the other side of an 8-bit rounding boundary; a trained model cascades 
 ~1e-2 (tests/fermijit/prefill/test_hybrid_gpu.py W4A8_CASCADE). With `w4a8=False` the activations
 stay fp32 (the logits then follow model/reference.py without activation rounding).
 
-GGUF block weights (issue 34: a Q4_K_M model's Q4_K and Q6_K as imported, and its fallbacks Q5_0,
-Q5_1, Q8_0) run through kernels_ptx/kquant_gemm.ptx (ops/kquant_gemm.py), each projection's
-input rounded as the CPU's product of its format rounds it: Q8_K per 256 for the K-quants
-(ops/act_quant.py q8_k_gpu), Q8_0 per 32 otherwise (`inputs`: xn rounded once per rounding that
-reads it).
+GGUF block weights (issue 34: a Q4_K_M model's Q4_K and Q6_K as imported, a Q5_K_M's Q5_K, and
+the fallbacks Q5_0, Q5_1, Q8_0) run through kernels_ptx/kquant_gemm.ptx (ops/kquant_gemm.py),
+each projection's input rounded as the CPU's product of its format rounds it: Q8_K per 256 for
+the K-quants (ops/act_quant.py q8_k_gpu), Q8_0 per 32 otherwise (`inputs`: xn rounded once per
+rounding that reads it).
 """
 
 from __future__ import annotations

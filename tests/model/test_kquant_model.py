@@ -50,9 +50,10 @@ def test_prefill_and_decode_match_the_reference(imported):
 
 
 def test_gpu_prefill_has_kernels_for_every_kind_of_the_file(imported):
-    """Q4_K, Q6_K, Q5_0, Q5_1 and Q8_0 run on the GPU (ops/kquant_gemm.py): this file is refused
-    for its GDN's key dim only; a kind without a kernel (Q5_K, an 8-expert Q4_K_M's o_proj) is
-    refused in one line, so the CPU prefills such a model."""
+    """Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 run on the GPU (ops/kquant_gemm.py): this file is
+    refused for its GDN's key dim only, with a Q5_K out_proj (an 8-expert Q4_K_M's o_proj, a
+    Q5_K_M's) too; blocks in a permuted column order (no kernel) are refused in one line, so the
+    CPU prefills such a model."""
     import dataclasses
 
     from fermijit.model.weights import BlockTensor
@@ -62,11 +63,20 @@ def test_gpu_prefill_has_kernels_for_every_kind_of_the_file(imported):
     with pytest.raises(FermijitError, match=r"do not take this model's linear key dim 32"):
         gpu_layout.check_supported(model)
     layer = model.layers[0]
+
+    def with_out_proj(w):
+        model.layers = (dataclasses.replace(layer, mixer=dataclasses.replace(
+            layer.mixer, out_proj=w)),) + tuple(model.layers[1:])
+
     q5_k = BlockTensor("q5_k", np.zeros((layer.mixer.out_proj.shape[0], 176), np.uint8))
-    model.layers = (dataclasses.replace(layer, mixer=dataclasses.replace(
-        layer.mixer, out_proj=q5_k)),) + tuple(model.layers[1:])
-    with pytest.raises(FermijitError, match=r"no kernels for Q5_K weights yet \(1 tensors of "
-                                            r"this model, e\.g\. layers\.0\.out_proj\)"):
+    with_out_proj(q5_k)
+    assert gpu_layout.kind(q5_k) == "q5_k"
+    with pytest.raises(FermijitError, match=r"do not take this model's linear key dim 32"):
+        gpu_layout.check_supported(model)
+    with_out_proj(dataclasses.replace(q5_k, in_perm=np.arange(256)))
+    with pytest.raises(FermijitError, match=r"no kernels for Q5_K \(columns permuted\) weights "
+                                            r"yet \(1 tensors of this model, e\.g\. "
+                                            r"layers\.0\.out_proj\)"):
         gpu_layout.check_supported(model)
 
 

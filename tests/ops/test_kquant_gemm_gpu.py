@@ -1,8 +1,8 @@
-"""GGUF-block GEMMs on the GPU (kernels_ptx/kquant_gemm.ptx, ops/kquant_gemm.py; issue 34: Q4_K,
-Q6_K and the fallbacks Q5_0, Q5_1, Q8_0) against the numpy reference (ops/kquant.py dequantize,
-llama.cpp's dequantize_row_*): dense on ragged shapes, every weight dequantised bit for bit, and
-the expert modes (gathered rows with the SwiGLU, the weighted scatter-add); outputs poisoned
-with NaN. Argument checks run without a GPU."""
+"""GGUF-block GEMMs on the GPU (kernels_ptx/kquant_gemm.ptx, ops/kquant_gemm.py; issue 34:
+Q4_K, Q5_K, Q6_K and the fallbacks Q5_0, Q5_1, Q8_0) against the numpy reference (ops/kquant.py
+dequantize, llama.cpp's dequantize_row_*): dense on ragged shapes, every weight dequantised bit
+for bit, and the expert modes (gathered rows with the SwiGLU, the weighted scatter-add); outputs
+poisoned with NaN. Argument checks run without a GPU."""
 
 import numpy as np
 import pytest
@@ -18,8 +18,8 @@ GEMM_REL = 1e-4
 FORMATS = list(kquant_gemm.GPU_FORMATS)
 
 # (T, N, K): one row and one output; partial row tiles (64) and column tiles (128) on both
-# sides; several 256-blocks (Q4_K's 8 and Q6_K's 16 scale groups in each, and the super-block
-# step); T 130 = three row tiles; K 96 (three 32-blocks) for the 32-value formats.
+# sides; several 256-blocks (Q4_K's and Q5_K's 8 and Q6_K's 16 scale groups in each, and the
+# super-block step); T 130 = three row tiles; K 96 (three 32-blocks) for the 32-value formats.
 DENSE = {"T1-N1-K256": (1, 1, 256), "T5-N130-K512": (5, 130, 512),
          "T64-N128-K256": (64, 128, 256), "T130-N300-K768": (130, 300, 768),
          "T67-N257-K1024": (67, 257, 1024), "T9-N70-K96": (9, 70, 96)}
@@ -95,9 +95,10 @@ def expert_inputs(rng, gu_kind, dn_kind, n_tokens, hidden, n_inter, n_experts, t
 
 
 # A Q4_K_M file's pairs: gate_up Q4_K, down Q4_K or Q6_K (model/quant_mix.py), or their
-# fallbacks for narrow rows (Q5_0, and Q8_0 for Q6_K); and the others each way.
+# fallbacks for narrow rows (Q5_0, and Q8_0 for Q6_K); a Q5_K_M's (Q5_K, down Q5_K or Q6_K);
+# and the others each way.
 PAIRS = [("q4_k", "q4_k"), ("q4_k", "q6_k"), ("q6_k", "q4_k"), ("q5_0", "q8_0"),
-         ("q8_0", "q5_1"), ("q5_1", "q5_0")]
+         ("q8_0", "q5_1"), ("q5_1", "q5_0"), ("q5_k", "q6_k"), ("q4_k", "q5_k")]
 
 
 @needs_gpu
@@ -138,11 +139,21 @@ def test_misaligned_q4_k_blocks_raise(rng):
                         .reshape(blocks.shape))
 
 
-@pytest.mark.parametrize("kind", ["q5_k"])
-def test_kinds_without_a_kernel_are_refused(kind):
-    blocks = np.zeros((4, kquant.FORMATS[kind].n_bytes(256)), np.uint8)
+def test_every_imported_kind_has_a_kernel():
+    """Every GGUF block kind ops/kquant.py imports (Q5_K the last, issue 34) has a FORMAT of
+    kquant_gemm.ptx, and the template declares exactly GPU_FORMATS."""
+    from fermijit.kernels_ptx import kquant_gemm as template
+
+    assert set(kquant.FORMATS) <= set(kquant_gemm.GPU_FORMATS)
+    assert template.PARAMS["FORMAT"][1] == kquant_gemm.GPU_FORMATS
+    assert set(kquant_gemm.ALIGN) == set(kquant_gemm.GPU_FORMATS)
+
+
+def test_kinds_without_a_kernel_are_refused():
+    q2_k = kquant.Format("q2_k", 256, 84, (80, 82))         # a kind fermijit does not import
+    blocks = np.zeros((4, q2_k.n_bytes(256)), np.uint8)
     with pytest.raises(FermijitError, match="no GPU kernel"):
-        kquant_gemm.gpu(kind, np.zeros((2, 256), np.float32), blocks)
+        kquant_gemm.gpu(q2_k, np.zeros((2, 256), np.float32), blocks)
 
 
 def test_activation_kinds_are_the_cpu_products():

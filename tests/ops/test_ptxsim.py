@@ -1,6 +1,6 @@
-"""flash_attention.ptx and gdn_chunk.ptx run by tests/ptxsim.py (a PTX interpreter) against the
-numpy references, so their index arithmetic is checked without a GPU: one block of each on a
-ragged shape (the GPU tests take every block)."""
+"""flash_attention.ptx, gdn_chunk.ptx and kquant_gemm.ptx run by tests/ptxsim.py (a PTX
+interpreter) against the numpy references, so their index arithmetic is checked without a GPU:
+one block of each on a ragged shape (the GPU tests take every block)."""
 
 from pathlib import Path
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from fermijit.jit import ptx
-from fermijit.ops import attention, gated_delta
+from fermijit.ops import attention, gated_delta, kquant_gemm
 from tests.numerics import assert_close
 from tests.ops.test_gated_delta import make_inputs
+from tests.ops.test_kquant_gemm_gpu import GEMM_REL, random_weights
 from tests.ptxsim import GMem, Kernel, Sim
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "kernels_ptx"
@@ -75,3 +76,88 @@ def test_gdn_chunk_blocks(rng):
     assert_close("state", expected_state[..., cols], new_state[..., cols], 1e-5, 1e-4)
     assert np.isnan(o[..., :32]).all()
     np.testing.assert_array_equal(new_state[..., :32], state[..., :32])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["q5_k"])  # and any FORMAT; q4_k passed too (~1 min each)
+def test_kquant_gemm_dense_block(rng, kind):
+    """One dense block (64 rows, 128 columns) on T 21, N 70, K 512 (both tiles partial, two
+    super-blocks): rows 0-4 random, within the GPU test's GEMM_REL of the float64 reference;
+    rows 5-20 one-hot, one in each of the 16 sub-blocks at a random offset, so each output is one
+    weight: equal to ops/kquant.py's dequantize bit for bit. The rows past T stay NaN."""
+    T, N, K, n_random = 21, 70, 512, 5
+    x = np.zeros((T, K), np.float32)
+    x[:n_random] = rng.standard_normal((n_random, K))
+    cols = 32 * np.arange(T - n_random) + rng.integers(0, 32, T - n_random)
+    x[np.arange(n_random, T), cols] = 1
+    blocks = random_weights(rng, kind, (N,), K)
+    mem = GMem()
+    ax, aw = mem.put(x), mem.put(blocks)
+    aout = mem.put(np.full((T + 2, N), np.nan, np.float32))
+    heap = mem.build()
+    Sim(Kernel(rendered("kquant_gemm", MODE="dense", FORMAT=kind), f"kquant_gemm_{kind}_dense"),
+        {"__param__": [ax, aw, 0, aout, 0, 0, 0, T, N, K]}, heap, (1, 1), 256).run_block(0, 0)
+    out = mem.get(aout, (T + 2, N))
+    expected = kquant_gemm.reference(kind, x[:n_random], blocks)
+    scale = float(np.abs(expected).max())
+    err = float(np.abs(out[:n_random] - expected).max())
+    print(f"kquant_gemm {kind} ptxsim: max |error| {err:.3g}, {err / scale:.3g} of the largest")
+    assert_close("y", expected, out[:n_random], GEMM_REL * scale, GEMM_REL)
+    weights = kquant_gemm.dequantize(kind, blocks)[:, cols].T + np.float32(0)  # -0.0 -> +0.0
+    np.testing.assert_array_equal(out[n_random:T].view(np.uint32),
+                                  np.ascontiguousarray(weights).view(np.uint32))
+    assert np.isnan(out[T:]).all()
+
+
+@pytest.mark.slow
+def test_kquant_gemm_q5_k_expert_blocks(rng):
+    """The expert modes, one block each, on expert 1's tile of T 7, top-2 of 3 experts, H = I =
+    256 (q4_gemm's routing, ops/expert_matmul.sort_slots): gate_up's gathered rows and SwiGLU
+    (columns 0-63 of h; the other slots' rows stay NaN), down's weighted scatter-add into y
+    (columns 0-127 of the tile's tokens; the rest of y as it was)."""
+    from fermijit.ops.expert_matmul import sort_slots
+
+    T, H, I, E, top_k, tile = 7, 256, 256, 3, 2, 1
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(np.int32)
+    weights = rng.random((T, top_k)).astype(np.float32)
+    order, _, tiles = sort_slots(ids, E)
+    rows = (order // top_k).astype(np.int32)
+    slot_weights = weights.reshape(-1)[order]
+    e, first, end, _ = tiles[tile]
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    h_in = rng.standard_normal((T * top_k, I)).astype(np.float32)
+    base = rng.standard_normal((T, H)).astype(np.float32)
+    gate_up = random_weights(rng, "q5_k", (E, 2 * I), H, 0.03 / np.sqrt(H))
+    down = random_weights(rng, "q5_k", (E, H), I, 0.03 / np.sqrt(I))
+    mem = GMem()
+    ax, agu, adn, ah_in = (mem.put(a) for a in (x, gate_up, down, h_in))
+    ah = mem.put(np.full((T * top_k, I), np.nan, np.float32))
+    ay, atiles, arows, aw = (mem.put(a) for a in (base, tiles, rows, slot_weights))
+    heap = mem.build()
+    text = rendered("kquant_gemm", MODE="expert_gate_up", FORMAT="q5_k")
+    Sim(Kernel(text, "kquant_gemm_q5_k_expert_gate_up"),
+        {"__param__": [ax, agu, 0, ah, atiles, arows, 0, 0, I, H]}, heap,
+        (I // 64, len(tiles)), 256).run_block(0, tile)
+    text = rendered("kquant_gemm", MODE="expert_down", FORMAT="q5_k")
+    Sim(Kernel(text, "kquant_gemm_q5_k_expert_down"),
+        {"__param__": [ah_in, adn, 0, ay, atiles, arows, aw, 0, H, I]}, heap,
+        (H // 128, len(tiles)), 256).run_block(0, tile)
+    w_gu = kquant_gemm.dequantize("q5_k", gate_up[e]).astype(np.float64)
+    gu = x[rows[first:end]].astype(np.float64) @ w_gu.T
+    g, u = gu[:, :64], gu[:, I:I + 64]
+    expected_h = g / (1 + np.exp(-g)) * u
+    w_dn = kquant_gemm.dequantize("q5_k", down[e]).astype(np.float64)
+    expected_y = base.astype(np.float64)
+    expected_y[rows[first:end], :128] += slot_weights[first:end, None] * (
+        h_in[first:end].astype(np.float64) @ w_dn[:128].T)        # a token once an expert
+    h, y = mem.get(ah, (T * top_k, I)), mem.get(ay, (T, H))
+    for name, expected, got in (("h", expected_h, h[first:end, :64]), ("y", expected_y, y)):
+        scale = float(np.abs(expected).max())
+        print(f"kquant_gemm q5_k expert ptxsim {name}: max |error| "
+              f"{np.abs(got - expected).max() / scale:.3g} of the largest")
+        assert_close(name, expected, got, GEMM_REL * scale, GEMM_REL)
+    h[first:end, :64] = np.nan
+    assert np.isnan(h).all()
+    touched = np.zeros((T, H), bool)
+    touched[rows[first:end], :128] = True
+    np.testing.assert_array_equal(y[~touched], base[~touched])

@@ -3,13 +3,17 @@ width a multiple of 256, so the mix is Q4_K and Q6_K as at full size (model/quan
 for the LM head, and attn_v / in_proj_qkv / ffn_down of the use_more_bits layers), 128 experts,
 top 8, the MTP head; and "narrow", every width 128, where llama.cpp's rules fall back to Q5_0
 (for Q4_K) and Q8_0 (for Q6_K; the LM head too). Their blocks run through
-kernels_ptx/kquant_gemm.ptx as imported.
+kernels_ptx/kquant_gemm.ptx as imported. Q5_K, which synth does not draw (llama.cpp's Q4_K_M
+gives it to an 8-expert model's o_proj, Q5_K_M to most matrices), is put into the q4_k_m model
+in place of the Q4_K of every mixer's output projection and of the experts (`as_q5_k`).
 
 With fp32 activations the GPU's logits and handed-off state follow the float64 reference over
 the same blocks (model/reference.py) to fp32 rounding; with W4A8 (the default) they follow the
 all-CPU prefill (each projection's input rounded as the CPU's product of its format rounds it:
 Q8_K per 256) except where an activation lands on the other side of an 8-bit rounding boundary.
 The CPU-only tests check what the GPU prefill is given: the model accepted, its arrays, its plan."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ from fermijit.model.reference import Reference
 from fermijit.model.state import KvKind
 from fermijit.model.weights import BlockTensor, QuantTensor
 from fermijit.model import convert
+from fermijit.ops import kquant, kquant_gemm
 from fermijit.prefill import expert_stream, gpu_layout, hybrid
 from tests.fermijit.prefill.test_hybrid_gpu import gpu_prefiller, handed_off_pairs, prompt
 from tests.gpu import needs_gpu, report_error
@@ -181,3 +186,89 @@ def test_w4a8_logits_and_state_follow_the_cpu_prefill(directory, model, mtp):
     report_error("q4_k_m gpu vs CPU Q6_K head", head, logits)
     assert_rel_but_flips("q4_k_m gpu vs CPU head", head, logits, GPU_W4A8, W4A8_FLIP, N_PROMPT)
 
+
+
+def as_q5_k(directory, blocks_of):
+    """The model of `directory` with the Q4_K of every mixer's output projection (out_proj,
+    o_proj) and of the experts (routed and shared) as Q5_K: blocks_of(Q4_K BlockTensor) -> Q5_K
+    blocks of its shape. (Not the input projections: the CPU reads them joined, Layer.joined_in.)"""
+    model = load_model(directory, kv=KvKind.F32)[1]
+
+    def swap(obj, names):
+        return dataclasses.replace(obj, **{
+            n: BlockTensor("q5_k", blocks_of(getattr(obj, n))) for n in names
+            if isinstance(getattr(obj, n, None), BlockTensor) and getattr(obj, n).kind == "q4_k"
+            and getattr(obj, n).in_perm is None})
+
+    def layer(w):
+        return dataclasses.replace(w, mixer=swap(w.mixer, ("out_proj", "o_proj")), experts=swap(
+            w.experts, ("gate_up", "down", "shared_gate_up", "shared_down")))
+
+    model.layers = tuple(layer(w) for w in model.layers)
+    if model.mtp is not None:
+        model.mtp = dataclasses.replace(model.mtp, layer=layer(model.mtp.layer))
+    return model
+
+
+def q5_k_zeros(t):
+    return np.zeros((*t.blocks.shape[:-1], kquant.Q5_K.n_bytes(t.shape[-1])), np.uint8)
+
+
+def test_q5_k_projections_take_the_gpu_gemms(directory):
+    """A model with Q5_K matrices is the GPU prefill's (it was refused, so the CPU prefilled
+    it): each Q5_K projection's kind is q5_k (kquant_gemm.ptx's, Q8_K activations), its blocks
+    are resident as they are, the experts' layouts and the plan take them."""
+    if directory.name != "q4_k_m":
+        pytest.skip("the narrow model's rows are not whole 256-blocks")
+    model = as_q5_k(directory, q5_k_zeros)
+    gpu_layout.check_supported(model)                         # no refusal
+    kinds = gpu_layout.dense_kinds(model)
+    for layer_kinds in kinds:
+        proj = "out_proj" if "out_proj" in layer_kinds else "o_proj"
+        assert layer_kinds[proj] == "q5_k" and layer_kinds["shared_gate_up"] == "q5_k"
+    assert "q5_k" in {k for layer in kinds for k in (layer["gate_up"], layer["down"])}
+    assert kquant_gemm.act_kind("q5_k") == "q8_k" and gpu_layout.has_k_quants(model)
+    for arrays, w in zip(gpu_layout.dense_arrays(model), model.layers):
+        proj = "out_proj" if hasattr(w.mixer, "out_proj") else "o_proj"
+        assert arrays[f"{proj}_blocks"] is getattr(w.mixer, proj).blocks
+        assert arrays["shared_down_blocks"] is w.experts.shared_down.blocks
+    experts = model.layers[0].experts
+    lay = expert_stream.Layout.of(experts)
+    assert [a.nbytes for a in expert_stream.expert_arrays(experts)] == [
+        experts.gate_up.blocks.nbytes, experts.down.blocks.nbytes]
+    assert lay.per_expert[0] == experts.gate_up.blocks[0].nbytes       # Q5_K's 176-byte blocks
+    assert hybrid.plan(model, N_PROMPT, 0, 1 << 34, 1 << 34).n_chunks == 1
+    permuted = dataclasses.replace(model.layers[0].mixer.out_proj,
+                                   in_perm=np.arange(model.layers[0].mixer.out_proj.shape[-1]))
+    assert gpu_layout.kind(permuted) is None                  # still the CPU's only
+
+
+@needs_gpu
+def test_q5_k_model_prefills_on_the_gpu_as_the_cpu(directory):
+    """The q4_k_m model with its output projections and experts requantised to Q5_K (llama.cpp's
+    quantize_row_q5_K of the Q4_K weights): the GPU's W4A8 logits and handed-off state follow
+    the all-CPU prefill's within the Q4_K model's bounds (test_w4a8_logits_and_state_...)."""
+    from fermijit.ops import kquant_quantize
+
+    if directory.name != "q4_k_m":
+        pytest.skip("the narrow model's rows are not whole 256-blocks")
+    model = as_q5_k(directory, lambda t: kquant_quantize.quantize_cpu(
+        kquant.Q5_K, kquant.dequantize(kquant.Q4_K, t.blocks)))
+    assert "q5_k" in {k for layer in gpu_layout.dense_kinds(model) for k in layer.values()}
+    tokens = prompt(model, N_PROMPT)
+    pf, err = gpu_prefiller(model)
+    state = model.new_state(N_PROMPT)
+    logits = pf.prefill(tokens, state, all_logits=True)
+    assert pf.broken is None, err.getvalue()
+    cpu_state = model.new_state(N_PROMPT)
+    cpu_logits = model.prefill(tokens, cpu_state, all_logits=True)
+    report_error("q5_k gpu w4a8 vs all-CPU logits", cpu_logits, logits)
+    assert_rel_but_flips("q5_k gpu w4a8 vs all-CPU logits", cpu_logits, logits, GPU_W4A8,
+                         W4A8_FLIP, N_PROMPT)
+    assert_rel("q5_k gpu w4a8 vs all-CPU logits, first position", cpu_logits[:1], logits[:1],
+               GPU_W4A8)
+    errors = []
+    for ours, cpu in handed_off_pairs(state, cpu_state, transposed=False):
+        report_error("q5_k handed-off state vs all-CPU", cpu, ours)
+        errors.append(rel_error(cpu, ours))
+    assert max(errors) <= GPU_STATE_VS_CPU, errors
