@@ -174,8 +174,8 @@ def cpu(q, k, v, g, beta, state, out=None):
 # --- GPU (kernels_ptx/gdn_chunk.ptx: the chunked form, C = 64) ----------------------------------
 
 GPU_CHUNK = 64
-GPU_KEY_DIMS = (64, 128)  # the scan stages K in 64-column halves and holds S[:dk, 32] in 18 KB
-GPU_VALUE_BLOCK = 32      # value columns per scan block
+GPU_KEY_DIMS = (64, 128)  # the scan stages K in 64-column halves and holds S[:dk, 16] in 10 KB
+GPU_VALUE_BLOCK = 16      # value columns per scan block (the model's 32 heads x 8: 256 blocks)
 
 
 def gpu(q, k, v, g, beta, state, out=None):

@@ -26,6 +26,9 @@ SHAPES = {
     # (three stages skipped, the fetch before each taking the tile after) across 3 chunks
     "T300-Hk2-Hv4-dk128-dv64": (300, 2, 4, 128, 64),
     "T150-Hk1-Hv2-dk64-dv64": (150, 1, 2, 64, 64),
+    # 16 value columns a scan block: an odd count of them (3), on both key widths
+    "T130-Hk1-Hv2-dk128-dv48": (130, 1, 2, 128, 48),
+    "T77-Hk1-Hv1-dk64-dv16": (77, 1, 1, 64, 16),
 }
 
 

@@ -49,10 +49,14 @@ def test_flash_attention_block(rng):
 
 
 @pytest.mark.slow
-def test_gdn_chunk_blocks(rng):
-    """gdn_chunk_prep's blocks, then one gdn_chunk_scan block over 2 ragged chunks (dk = 64:
-    the scan's skipped halves): its 32 columns of o and of the state."""
-    T, Hk, Hv, dk, dv = 70, 1, 1, 64, 64
+@pytest.mark.parametrize("T,dk,dv,block", [(70, 64, 48, 1), (130, 128, 32, 1), (100, 128, 48, 2)],
+                         ids=["T70-dk64", "T130-dk128", "T100-dk128-last"])
+def test_gdn_chunk_blocks(rng, T, dk, dv, block):
+    """gdn_chunk_prep's blocks, then one gdn_chunk_scan block (16 value columns, its halves each
+    summing half of every product's terms) over ragged chunks: its columns of o and of the
+    state; the rest of o stays NaN, the rest of the state as it was. dk = 64: the scan's skipped
+    halves; dk = 128 over 3 chunks: the tiles fetched a stage ahead across chunks."""
+    Hk, Hv, width = 1, 2, gated_delta.GPU_VALUE_BLOCK
     q, k, v, g, beta, state = make_inputs(rng, T, Hk, Hv, dk, dv)
     expected_o, expected_state = gated_delta.reference(q, k, v, g, beta, state.copy())
     n = -(-T // 64)
@@ -63,19 +67,28 @@ def test_gdn_chunk_blocks(rng):
     astate, aout = mem.put(state), mem.put(np.full((T, Hv, dv), np.nan, np.float32))
     heap = mem.build()
     text = rendered("gdn_chunk")
+    head = 1
     prep = Sim(Kernel(text, "gdn_chunk_prep"),
                {"__param__": [aq, ak, ag, abeta, *scratch, T, Hk, Hv, dk]}, heap, (n, Hv), 256)
     for chunk in range(n):
-        prep.run_block(chunk, 0)
+        prep.run_block(chunk, head)
     Sim(Kernel(text, "gdn_chunk_scan"),
         {"__param__": [aq, ak, av, *scratch, astate, aout, T, Hk, Hv, dk, dv]}, heap,
-        (dv // 32, Hv), 256).run_block(1, 0)
-    cols = slice(32, 64)
+        (dv // width, Hv), 256).run_block(block, head)
+    cols = slice(block * width, (block + 1) * width)
     o, new_state = mem.get(aout, (T, Hv, dv)), mem.get(astate, (Hv, dk, dv))
-    assert_close("o", expected_o[..., cols], o[..., cols], 1e-5, 1e-4)
-    assert_close("state", expected_state[..., cols], new_state[..., cols], 1e-5, 1e-4)
-    assert np.isnan(o[..., :32]).all()
-    np.testing.assert_array_equal(new_state[..., :32], state[..., :32])
+    assert not np.isnan(o[:, head, cols]).any()
+    assert_close("o", expected_o[:, head, cols], o[:, head, cols], 1e-5, 1e-4)
+    assert_close("state", expected_state[head, :, cols], new_state[head, :, cols], 1e-5, 1e-4)
+    err_o = np.abs(o[:, head, cols] - expected_o[:, head, cols]).max()
+    err_s = np.abs(new_state[head, :, cols] - expected_state[head, :, cols]).max()
+    print(f"gdn scan ptxsim T{T} dk{dk}: max rel err o "
+          f"{err_o / np.abs(expected_o[:, head, cols]).max():.3g}, state "
+          f"{err_s / np.abs(expected_state[head, :, cols]).max():.3g}")
+    o[:, head, cols] = np.nan
+    assert np.isnan(o).all()
+    new_state[head, :, cols] = state[head, :, cols]
+    np.testing.assert_array_equal(new_state, state)
 
 
 @pytest.mark.slow
