@@ -83,3 +83,37 @@ def test_logits_are_bitwise_equal_at_three_threads():
                        timeout=600, cwd=root, env=dict(os.environ, NUMBA_NUM_THREADS="3"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == one
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one CPU: nothing to compare")
+def test_fused_moe_decode_is_bitwise_equal_at_one_and_two_threads(tmp_path):
+    """A small synthetic reap128 whose experts take decode's fused MoE (shared I = routed I; the
+    default model's test above never reaches it): the same logits over 1 and 2 threads."""
+    from fermijit.model import synth
+    from fermijit.ops import moe
+    from tests.model.test_synth import SMALL
+
+    dst = tmp_path / "m"
+    synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, show_progress=False,
+                overrides=dict(SMALL, moe_intermediate_size=128,
+                               shared_expert_intermediate_size=128))
+    _, model = load_model(dst)
+    assert moe.Scratch.make(model.layers[0].experts, model.top_k).is_fused
+    prompt = np.random.default_rng(1).integers(0, model.vocab_size, 40).astype(np.int32)
+    before = numba.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            configure_threads(n)
+            state = model.new_state(prompt.size + N_DECODE + 1)
+            token = int(np.argmax(model.prefill(prompt, state)))
+            logits = []
+            for _ in range(N_DECODE):
+                logits.append(model.decode(token, state).copy())
+                token = int(np.argmax(logits[-1]))
+            runs.append(logits)
+    finally:
+        configure_threads(before)
+    assert all(np.isfinite(a).all() for a in runs[0])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert np.array_equal(a, b), f"step {i}: max diff {np.abs(a - b).max()}"
