@@ -208,8 +208,9 @@ MAX_PLANS = 8
 def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     """The calls of `decode_rows` over ws's R rows of `state`, as `Model._decode_steps` lists a
     token's: per row decode's own fused steps (attention, MoE), the products over the R rows
-    at once (`like_gemv`: each row the GEMV's bits, matvec's few-token tiles), the residual
-    steps of the R rows in one call (ops.residual_rows: the fp32 router and gates read once),
+    at once (`like_gemv`: each row the GEMV's bits, matvec's few-token tiles; the GDN gates'
+    fp32 rows in the fork of its input projection, as decode's), the residual steps of the R
+    rows in one call (ops.residual_rows: the fp32 router read once),
     the GDN rows in one call that leaves the state after every row but the last in `saves`
     (ops.gdn_rows; without saves, decode's step row by row)."""
     R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
@@ -234,8 +235,14 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
             steps.append(attention_rows_step(model, mixer, s, ws))
             steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         else:
-            steps += residual(w.input_norm, w.gates_in, ws.gates_in)      # b | a
-            steps.append(product(ws.act, w.joined_in, ws.gdn_in))         # qkv | z
+            if isinstance(w.joined_in, matvec.Q4Matrix) and R <= matvec.FEW_TOKENS:
+                steps += residual(w.input_norm, ws.no_product, None)
+                # qkv | z with b | a (fp32) in its fork, as decode's: one fork fewer
+                steps.append(("matvec.product", *matvec.launch_with_rows(
+                    w.joined_in, ws.act, ws.gdn_in, ws.xn, w.gates_in, ws.gates_in)))
+            else:
+                steps += residual(w.input_norm, w.gates_in, ws.gates_in)  # b | a
+                steps.append(product(ws.act, w.joined_in, ws.gdn_in))     # qkv | z
             if saves is not None:  # every row in one call, the state after each kept
                 steps.append(_gdn_rows_step(model, mixer, s, ws, saves, n_gdn))
             else:  # row by row through decode's step

@@ -584,10 +584,10 @@ def _gemv_rows_share(thread, n_threads, args):
 
 
 def _gemv_rows_body(qs, d, xq, dx, xsum8, out, x, w, p):
-    """The decode GEMV and p [1, R'] = x [1, K] · wᵀ (fp32 rows: the GDN gates, read from the
-    mixer's input as its projection) in one fork: one launch a layer fewer where residual_step
-    would fork the product (3 threads and more), and the product over the threads where it
-    would run on the calling thread (fewer)."""
+    """The decode GEMV (or a verify step's few tokens') and p [T, R'] = x [T, K] · wᵀ (fp32
+    rows: the GDN gates, read from the mixer's input as its projection) in one fork: one launch
+    a layer fewer where residual_step would fork the product (3 threads and more), and the
+    product over the threads where it would run on the calling thread (fewer)."""
     fork(((qs, d, xq, dx, xsum8, out), (x, w, p)))
 
 
@@ -735,28 +735,37 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
 _gemv_rows_kernels: dict = {}
 
 
-def gemv_rows_kernel(isa: Isa):
-    """`_gemv_rows_body`'s kernel for `isa`: (qs, d_bits, xq, dx, xsum8, out, x, w, p)."""
-    if isa not in _gemv_rows_kernels:
-        variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
+def gemv_rows_kernel(isa: Isa, n_tok: int = 1):
+    """`_gemv_rows_body`'s kernel for `isa` and n_tok tokens (1: the GEMV's tile; up to
+    FEW_TOKENS: `_few_body`'s spread tiles of every token, a verify step's rows): (qs, d_bits,
+    xq, dx, xsum8, out, x, w, p)."""
+    key = (isa, n_tok)
+    if key not in _gemv_rows_kernels:
+        if n_tok == 1:
+            variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
+        else:
+            variant, tiles = _tiles(isa, (GEMV_STREAMS[isa], n_tok), Q4_0, _few_tokens_vec(isa))
         variant += "-rows"
         share = kernel(_gemv_share, fastmath=False, variant=variant, **tiles)
-        _gemv_rows_kernels[isa] = kernel(
+        _gemv_rows_kernels[key] = kernel(
             _gemv_rows_body, fastmath=False, variant=variant,
             fork=omp.fork(bind(_gemv_rows_share, variant, gemv_share=share)))
-    return _gemv_rows_kernels[isa]
+    return _gemv_rows_kernels[key]
 
 
 def launch_with_rows(w: Q4Matrix, act: Q8Act, out, x, w_rows, p):
-    """`launch` of one token's GEMV with p [1, R'] = x [1, K] · w_rowsᵀ (fp32) in its fork:
+    """`launch` of one token's GEMV (or a verify step's few tokens', `like_gemv`: each row the
+    GEMV's bits) with p [T, R'] = x [T, K] · w_rowsᵀ (fp32, fp32_rows' bits) in its fork:
     (kernel, args), for decode's plan."""
-    if act.xq.shape[0] != 1:
-        raise FermijitError("matvec: a GEMV with fp32 rows takes one token")
-    kernel_, args = launch(w, act, out)
-    check_array("matvec", "x", x, np.float32, (1, act.xq.shape[1]))
+    n_tok = act.xq.shape[0]
+    if not 1 <= n_tok <= FEW_TOKENS:
+        raise FermijitError(f"matvec: a GEMV with fp32 rows takes 1 to {FEW_TOKENS} tokens, "
+                            f"not {n_tok}")
+    _, args = launch(w, act, out, like_gemv=True)
+    check_array("matvec", "x", x, np.float32, (n_tok, act.xq.shape[1]))
     check_array("matvec", "w_rows", w_rows, np.float32, (None, act.xq.shape[1]))
-    check_array("matvec", "p", p, np.float32, (1, w_rows.shape[0]))
-    return gemv_rows_kernel(act.vec.isa), args + (x, w_rows, p)
+    check_array("matvec", "p", p, np.float32, (n_tok, w_rows.shape[0]))
+    return gemv_rows_kernel(act.vec.isa, n_tok), args + (x, w_rows, p)
 
 
 def gemv_shape(isa: Isa, fmt: _Format = Q4_0) -> tuple[int, int]:

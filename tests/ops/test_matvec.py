@@ -319,29 +319,36 @@ def test_gemv_streams_equal_the_one_row_tile(rng, isa, rows):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
-@pytest.mark.parametrize("rows,k,n_fp32", [(5, 96, 3), (33, 1056, 64), (1, 32, 1), (12, 512, 9)],
-                         ids=["R5-K96-P3", "R33-K1056-P64", "R1-K32-P1", "R12-K512-P9"])
-def test_gemv_with_fp32_rows_is_both_products(rng, isa, rows, k, n_fp32):
-    """Decode's GEMV with an fp32 product of the same input in its fork (the GDN gates beside
-    the joined in-projection): the GEMV's outputs bit for bit, the fp32 rows fp32_rows' (each
-    output one way, whatever the split), at every thread count."""
+@pytest.mark.parametrize("rows,k,n_fp32,n_tok", [(5, 96, 3, 1), (33, 1056, 64, 1), (1, 32, 1, 1),
+                                                 (12, 512, 9, 1), (33, 1056, 64, 2),
+                                                 (7, 160, 5, 3), (12, 512, 9, 2)],
+                         ids=["R5-K96-P3", "R33-K1056-P64", "R1-K32-P1", "R12-K512-P9",
+                              "R33-K1056-P64-T2", "R7-K160-P5-T3", "R12-K512-P9-T2"])
+def test_gemv_with_fp32_rows_is_both_products(rng, isa, rows, k, n_fp32, n_tok):
+    """Decode's GEMV (or a verify step's few tokens) with an fp32 product of the same input in
+    its fork (the GDN gates beside the joined in-projection): each token's outputs bit for bit
+    its own GEMV's, the fp32 rows fp32_rows' of that token alone (each output one way, whatever
+    the split and the tokens beside it), at every thread count."""
     from fermijit.ops import fp32_rows
 
     qs, d = q4_weights(rng, rows, k)
-    x = rng.standard_normal((1, k)).astype(np.float32)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
     w_rows = rng.standard_normal((n_fp32, k)).astype(np.float32)
     act = matvec.quantize_act(x, isa)
     w = matvec.Q4Matrix.of(qs, d)
-    want = matvec.product(w, act, poisoned((1, rows)))
-    want_p = poisoned((1, n_fp32))
-    fp32_rows.rows_range(x, w_rows, want_p, 0, n_fp32)
+    want, want_p = poisoned((n_tok, rows)), poisoned((n_tok, n_fp32))
+    for t in range(n_tok):
+        matvec.product(w, matvec.quantize_act(x[t:t + 1], isa), want[t:t + 1])
+        fp32_rows.rows_range(x[t:t + 1], w_rows, want_p[t:t + 1], 0, n_fp32)
     assert_close("fp32 rows", x.astype(np.float64) @ w_rows.astype(np.float64).T, want_p,
                  atol=1e-5 * np.abs(want_p).max(), rtol=1e-5)
+    assert_close("product", matvec.reference(qs, d, x), want, atol=RTOL * np.abs(want).max(),
+                 rtol=RTOL)
     full = numba.get_num_threads()
     try:
         for n in sorted({1, full}):
             configure_threads(n)
-            out, p = poisoned((1, rows)), poisoned((1, n_fp32))
+            out, p = poisoned((n_tok, rows)), poisoned((n_tok, n_fp32))
             kernel_, args = matvec.launch_with_rows(w, act, out, x, w_rows, p)
             kernel_(*args)
             np.testing.assert_array_equal(out, want, err_msg=f"{n} threads")
@@ -361,3 +368,9 @@ def test_gemv_with_fp32_rows_bad_inputs(rng):
     with pytest.raises(FermijitError, match="p has shape|p "):
         matvec.launch_with_rows(w, act, np.empty((1, 4), np.float32), x,
                                 np.zeros((3, 64), np.float32), np.empty((1, 2), np.float32))
+    many = matvec.quantize_act(np.zeros((matvec.FEW_TOKENS + 1, 64), np.float32))
+    with pytest.raises(FermijitError, match="tokens"):
+        matvec.launch_with_rows(w, many, np.empty((matvec.FEW_TOKENS + 1, 4), np.float32),
+                                np.zeros((matvec.FEW_TOKENS + 1, 64), np.float32),
+                                np.zeros((3, 64), np.float32),
+                                np.empty((matvec.FEW_TOKENS + 1, 3), np.float32))
