@@ -1,8 +1,9 @@
 """ops.residual_step for R rows of one call (a speculative verify step's rows, model/batch.py):
-row r bit for bit residual_step on row r, with the fp32 product's rows of w forked over the
-threads once for all R rows (each thread's rows of w read once from memory, then from its cache
-for the other rows), not once per row: a verify step of 2 rows made 4 calls (and 4 forks) of
-this step a layer, each reading the 1 MB router (0.5 MB GDN gates) of a full-size layer.
+row r bit for bit residual_step on row r (its kernel, whose row loop takes R rows), with the fp32
+product's rows of w forked over the threads once for all R rows (each thread's rows of w read once
+from memory, then from its cache for the other rows), not once per row: a verify step of 2 rows
+made 4 calls (and 4 forks) of this step a layer, each reading the 1 MB router (0.5 MB GDN gates)
+of a full-size layer.
 
     x[r] += y[r], xn[r] = rmsnorm(x[r]), act[r] = quantise(xn[r]), p[r] = w · xn[r]
     ids[r], weights[r] = router(p[r], k)                      (k > 0)
@@ -15,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.jit import omp
-from fermijit.ops import fp32_rows, matvec, residual_step, rmsnorm, router
+from fermijit.ops import matvec, residual_step
 from fermijit.ops.matvec import Q8Act
 
 
@@ -31,31 +31,6 @@ def reference(x, y, norm_w, eps, w, top_k=0):
     return x_new, xn, np.concatenate([r[2] for r in rows])
 
 
-def _rows_step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes, w, p,
-               ids, weights):
-    for r in range(x.shape[0]):
-        x_r = x[r:r + 1]
-        if add:
-            y_r = y[r:r + 1]
-            for j in range(x.shape[1]):
-                x_r[0, j] = x_r[0, j] + y_r[0, j]
-        rmsnorm._rmsnorm_serial(x_r, norm_w, eps, xn[r:r + 1])
-        matvec._quantize_act_kernel(xn[r:r + 1], xq[r:r + 1], dx[r:r + 1], xsum8[r:r + 1],
-                                    lanes, step_blocks, half_lanes)
-    if w.shape[0]:
-        if omp.team_size() >= residual_step.PRODUCT_FORK_THREADS:
-            fork((xn, w, p))
-        else:
-            fp32_rows.rows_range(xn, w, p, 0, w.shape[0])
-        if ids.shape[1]:
-            for r in range(x.shape[0]):
-                router._route_tokens(p[r:r + 1], ids[r:r + 1], weights[r:r + 1])
-
-
-# No fast-math: the product's sums keep fp32_rows' order, as residual_step's.
-_rows_kernel = omp.forking_kernel(_rows_step, fastmath=False, fork=fp32_rows.rows_share)
-
-
 def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids, weights):
     """The call's kernel and arguments, for a caller that repeats it (a verify step's plan): x
     [R, H] updated in place (y None: left as it is), xn [R, H], act a Q8Act of [R, H], p [R, R']
@@ -67,7 +42,7 @@ def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids, weights):
             raise FermijitError(f"residual_rows: {name} has {a.shape[0]} rows for x's {R}")
     v = act.vec
     half = matvec.simd.HALF_OF.get(v.isa)
-    return _rows_kernel(), (x, x if y is None else y, y is not None, norm_w, float(eps), xn,
+    return residual_step._step_kernel(), (x, x if y is None else y, y is not None, norm_w, float(eps), xn,
                             act.xq, act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
                             half.lanes if half else 0, w, p, ids, weights)
 

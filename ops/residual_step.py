@@ -51,18 +51,25 @@ def reference(x, y, norm_w, eps, w, top_k=0):
 
 def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes, w, p, ids,
           weights):
-    if add:
-        for j in range(x.shape[1]):
-            x[0, j] = x[0, j] + y[0, j]
-    rmsnorm._rmsnorm_serial(x, norm_w, eps, xn)
-    matvec._quantize_act_kernel(xn, xq, dx, xsum8, lanes, step_blocks, half_lanes)
+    # Row by row (a decode token: one; a verify step's few: ops/residual_rows.py), the product's
+    # rows of w forked once for all of them (each thread's rows of w read from memory once).
+    for r in range(x.shape[0]):
+        x_r = x[r:r + 1]
+        if add:
+            y_r = y[r:r + 1]
+            for j in range(x.shape[1]):
+                x_r[0, j] = x_r[0, j] + y_r[0, j]
+        rmsnorm._rmsnorm_serial(x_r, norm_w, eps, xn[r:r + 1])
+        matvec._quantize_act_kernel(xn[r:r + 1], xq[r:r + 1], dx[r:r + 1], xsum8[r:r + 1],
+                                    lanes, step_blocks, half_lanes)
     if w.shape[0]:
         if omp.team_size() >= PRODUCT_FORK_THREADS:
             fork((xn, w, p))
         else:
             fp32_rows.rows_range(xn, w, p, 0, w.shape[0])
         if ids.shape[1]:
-            router._route_tokens(p, ids, weights)
+            for r in range(x.shape[0]):
+                router._route_tokens(p[r:r + 1], ids[r:r + 1], weights[r:r + 1])
 
 
 # No fast-math: the product's sums keep fp32_rows' order (its share is compiled into this kernel).
