@@ -49,13 +49,14 @@ def test_flash_attention_block(rng):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("T,dk,dv,block", [(70, 64, 48, 1), (130, 128, 32, 1), (100, 128, 48, 2)],
-                         ids=["T70-dk64", "T130-dk128", "T100-dk128-last"])
+@pytest.mark.parametrize("T,dk,dv,block", [(70, 64, 48, 1), (130, 128, 48, 2)],
+                         ids=["T70-dk64", "T130-dk128-last"])
 def test_gdn_chunk_blocks(rng, T, dk, dv, block):
     """gdn_chunk_prep's blocks, then one gdn_chunk_scan block (16 value columns, its halves each
     summing half of every product's terms) over ragged chunks: its columns of o and of the
     state; the rest of o stays NaN, the rest of the state as it was. dk = 64: the scan's skipped
-    halves; dk = 128 over 3 chunks: the tiles fetched a stage ahead across chunks."""
+    halves; dk = 128 over 3 chunks, the last block: the tiles fetched a stage ahead across
+    chunks (one case: each takes 20-40 s in the interpreter)."""
     Hk, Hv, width = 1, 2, gated_delta.GPU_VALUE_BLOCK
     q, k, v, g, beta, state = make_inputs(rng, T, Hk, Hv, dk, dv)
     expected_o, expected_state = gated_delta.reference(q, k, v, g, beta, state.copy())
