@@ -21,7 +21,6 @@ Dimension legend: as model/forward.py; B sequences in the batch.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from fermijit import FermijitError

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.ops import matvec, residual_step
+from fermijit.ops import residual_step
 from fermijit.ops.matvec import Q8Act
 
 
@@ -40,11 +40,7 @@ def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids, weights):
     for name, a in (("xn", xn), ("act", act.xq), ("p", p), ("ids", ids), ("weights", weights)):
         if a.shape[0] != R:
             raise FermijitError(f"residual_rows: {name} has {a.shape[0]} rows for x's {R}")
-    v = act.vec
-    half = matvec.simd.HALF_OF.get(v.isa)
-    return residual_step._step_kernel(), (x, x if y is None else y, y is not None, norm_w, float(eps), xn,
-                            act.xq, act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
-                            half.lanes if half else 0, w, p, ids, weights)
+    return residual_step.launch(x, y, norm_w, eps, xn, act, w, p, ids, weights)
 
 
 def cpu(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids, weights):

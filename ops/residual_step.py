@@ -68,8 +68,7 @@ def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_la
         else:
             fp32_rows.rows_range(xn, w, p, 0, w.shape[0])
         if ids.shape[1]:
-            for r in range(x.shape[0]):
-                router._route_tokens(p[r:r + 1], ids[r:r + 1], weights[r:r + 1])
+            router._route_tokens(p, ids, weights)  # every row's
 
 
 # No fast-math: the product's sums keep fp32_rows' order (its share is compiled into this kernel).
