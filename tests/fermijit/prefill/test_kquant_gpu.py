@@ -191,23 +191,35 @@ def test_w4a8_logits_and_state_follow_the_cpu_prefill(directory, model, mtp):
 def as_q5_k(directory, blocks_of):
     """The model of `directory` with the Q4_K of every mixer's output projection (out_proj,
     o_proj) and of the experts (routed and shared) as Q5_K: blocks_of(Q4_K BlockTensor) -> Q5_K
-    blocks of its shape. (Not the input projections: the CPU reads them joined, Layer.joined_in.)"""
+    blocks of its shape. (Not the input projections: the CPU reads them joined, Layer.joined_in.)
+    -> (the model, the float64 W4A8 reference over the same blocks)."""
     model = load_model(directory, kv=KvKind.F32)[1]
+    cfg, weights, _ = convert.load_converted(directory)
+    made = {}
 
     def swap(obj, names):
-        return dataclasses.replace(obj, **{
-            n: BlockTensor("q5_k", blocks_of(getattr(obj, n))) for n in names
-            if isinstance(getattr(obj, n, None), BlockTensor) and getattr(obj, n).kind == "q4_k"
+        return dataclasses.replace(obj, **{n: q5_k(getattr(obj, n)) for n in names if isinstance(
+            getattr(obj, n, None), BlockTensor) and getattr(obj, n).kind == "q4_k"
             and getattr(obj, n).in_perm is None})
+
+    def q5_k(t):  # the model and the reference hold the same blocks (made once)
+        if id(t.blocks) not in made:
+            made[id(t.blocks)] = BlockTensor("q5_k", blocks_of(t))
+        return made[id(t.blocks)]
 
     def layer(w):
         return dataclasses.replace(w, mixer=swap(w.mixer, ("out_proj", "o_proj")), experts=swap(
             w.experts, ("gate_up", "down", "shared_gate_up", "shared_down")))
 
+    def layer_weights(w):
+        return dataclasses.replace(w, mixer=swap(w.mixer, ("out_proj", "o_proj")), mlp=swap(
+            w.mlp, ("experts_gate_up", "experts_down", "shared_gate_up", "shared_down")))
+
     model.layers = tuple(layer(w) for w in model.layers)
     if model.mtp is not None:
         model.mtp = dataclasses.replace(model.mtp, layer=layer(model.mtp.layer))
-    return model
+    weights = dataclasses.replace(weights, layers=tuple(layer_weights(w) for w in weights.layers))
+    return model, Reference(cfg.text_config, weights, quantize_activations=True)
 
 
 def q5_k_zeros(t):
@@ -220,7 +232,7 @@ def test_q5_k_projections_take_the_gpu_gemms(directory):
     are resident as they are, the experts' layouts and the plan take them."""
     if directory.name != "q4_k_m":
         pytest.skip("the narrow model's rows are not whole 256-blocks")
-    model = as_q5_k(directory, q5_k_zeros)
+    model, _ = as_q5_k(directory, q5_k_zeros)
     gpu_layout.check_supported(model)                         # no refusal
     kinds = gpu_layout.dense_kinds(model)
     for layer_kinds in kinds:
@@ -252,7 +264,7 @@ def test_q5_k_model_prefills_on_the_gpu_as_the_cpu(directory):
 
     if directory.name != "q4_k_m":
         pytest.skip("the narrow model's rows are not whole 256-blocks")
-    model = as_q5_k(directory, lambda t: kquant_quantize.quantize_cpu(
+    model, reference = as_q5_k(directory, lambda t: kquant_quantize.quantize_cpu(
         kquant.Q5_K, kquant.dequantize(kquant.Q4_K, t.blocks)))
     assert "q5_k" in {k for layer in gpu_layout.dense_kinds(model) for k in layer.values()}
     tokens = prompt(model, N_PROMPT)
@@ -265,8 +277,18 @@ def test_q5_k_model_prefills_on_the_gpu_as_the_cpu(directory):
     report_error("q5_k gpu w4a8 vs all-CPU logits", cpu_logits, logits)
     assert_rel_but_flips("q5_k gpu w4a8 vs all-CPU logits", cpu_logits, logits, GPU_W4A8,
                          W4A8_FLIP, N_PROMPT)
-    assert_rel("q5_k gpu w4a8 vs all-CPU logits, first position", cpu_logits[:1], logits[:1],
-               GPU_W4A8)
+    # The first position: within GPU_W4A8 of the CPU's, or of the float64 reference's where the
+    # CPU's fp32 sums put an activation across an 8-bit rounding boundary (the H200, this model:
+    # the CPU 3.4e-2 from both at the first position, an activation of layer 2's experts
+    # flipped; the GPU and the reference agree); the whole prompt as test_w4a8_logits_...'s.
+    expected = reference.forward(tokens, reference.new_state())
+    first = min(rel_error(cpu_logits[:1], logits[:1]), rel_error(expected[:1], logits[:1]))
+    assert first <= GPU_W4A8, (rel_error(cpu_logits[:1], logits[:1]),
+                               rel_error(expected[:1], logits[:1]))
+    gpu_distance, cpu_distance = rel_error(expected, logits), rel_error(expected, cpu_logits)
+    print(f"rel err q5_k vs the float64 W4A8 reference: gpu {gpu_distance:.3g}, "
+          f"cpu {cpu_distance:.3g}")
+    assert gpu_distance <= VS_CPU_DISTANCE * cpu_distance
     errors = []
     for ours, cpu in handed_off_pairs(state, cpu_state, transposed=False):
         report_error("q5_k handed-off state vs all-CPU", cpu, ours)
