@@ -202,19 +202,40 @@ def gpu(q, k, v, g, beta, state, out=None):
     o = gpu_jit.output(op, out, (T, Hv, dv))
     if T == 0:
         return gpu_jit.result(op, o, out, on_device), state
-    n_chunks = -(-T // GPU_CHUNK)
-    gamma = gpu_jit.empty((Hv, n_chunks, GPU_CHUNK), np.float32)
-    ab = gpu_jit.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
-    mqk = gpu_jit.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32)
     q_dev, k_dev = (gpu_jit.to_device(op, n, a, np.float32) for n, a in (("q", q), ("k", k)))
     state_dev = gpu_jit.to_device(op, "state", state, np.float32)
-    gpu_jit.kernel("gdn_chunk", "gdn_chunk_prep")(
-        (n_chunks, Hv), (256,), q_dev, k_dev, gpu_jit.to_device(op, "g", g, np.float32),
-        gpu_jit.to_device(op, "beta", beta, np.float32), gamma, ab, mqk, T, Hk, Hv, dk)
-    gpu_jit.kernel("gdn_chunk", "gdn_chunk_scan")(
-        (dv // GPU_VALUE_BLOCK, Hv), (256,), q_dev, k_dev,
-        gpu_jit.to_device(op, "v", v, np.float32), gamma, ab, mqk, state_dev, o, T, Hk, Hv, dk,
-        dv)
+    scratch = gpu_scratch(T, Hv)
+    gpu_prep(q_dev, k_dev, gpu_jit.to_device(op, "g", g, np.float32),
+             gpu_jit.to_device(op, "beta", beta, np.float32), scratch, T, Hk, Hv, dk)
+    gpu_scan(q_dev, k_dev, gpu_jit.to_device(op, "v", v, np.float32), scratch, state_dev, o, T,
+             Hk, Hv, dk, dv)
     if not gpu_jit.is_device(state):
         gpu_jit.result(op, state_dev, state, False)
     return gpu_jit.result(op, o, out, on_device), state
+
+
+def gpu_scratch(T: int, Hv: int) -> tuple:
+    """Device scratch of the two kernels for T tokens: per chunk the decays (gamma) and the two
+    [C, C] blocks prep writes and the scan reads."""
+    from fermijit.jit import gpu as gpu_jit
+
+    n_chunks = -(-T // GPU_CHUNK)
+    return (gpu_jit.empty((Hv, n_chunks, GPU_CHUNK), np.float32),
+            *(gpu_jit.empty((Hv, n_chunks, GPU_CHUNK, GPU_CHUNK), np.float32) for _ in (0, 1)))
+
+
+def gpu_prep(q, k, g, beta, scratch, T: int, Hk: int, Hv: int, dk: int) -> None:
+    """gdn_chunk_prep on device arrays, unchecked (`gpu` checks): a block per (chunk, head)."""
+    from fermijit.jit import gpu as gpu_jit
+
+    gpu_jit.kernel("gdn_chunk", "gdn_chunk_prep")(
+        (-(-T // GPU_CHUNK), Hv), (256,), q, k, g, beta, *scratch, T, Hk, Hv, dk)
+
+
+def gpu_scan(q, k, v, scratch, state, o, T: int, Hk: int, Hv: int, dk: int, dv: int) -> None:
+    """gdn_chunk_scan on device arrays after `gpu_prep`, unchecked: a block per GPU_VALUE_BLOCK
+    value columns of a head."""
+    from fermijit.jit import gpu as gpu_jit
+
+    gpu_jit.kernel("gdn_chunk", "gdn_chunk_scan")(
+        (dv // GPU_VALUE_BLOCK, Hv), (256,), q, k, v, *scratch, state, o, T, Hk, Hv, dk, dv)

@@ -255,8 +255,7 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float,
                                  + 2 * 2 * 64 * 64 * 128)
     # The chunked GDN's two kernels apart (issue 31 item 4: which one holds the time): prep over
     # all chunks (K K^T, Q K^T, the inversion), then the scan alone on prep's scratch.
-    gdn_scratch = [ga.empty(shape, np.float32)
-                   for shape in ((32, n_chunks, 64), (32, n_chunks, 64, 64), (32, n_chunks, 64, 64))]
+    gdn_scratch = gated_delta.gpu_scratch(T, 32)
     gdn_prep_flops = 32 * n_chunks * 2 * 2 * 64 * 64 * 128
     rows = [
         bandwidth_row("embedding f16", f"T{T} H{HIDDEN}",
@@ -287,13 +286,11 @@ def layer_op_rows(rng, n_tokens: int, fma_gflops: float, copy_gbps: float,
                     lambda: gated_delta.gpu(gdn_q, gdn_k, gdn_v, gdn_g, gdn_beta, gdn_state,
                                             out=out_gdn), gdn_flops),
         compute_row("gated delta prep (of chunked)", f"T{T} Hv32 dk128 C64",
-                    lambda: gpu.kernel("gdn_chunk", "gdn_chunk_prep")(
-                        (n_chunks, 32), (256,), gdn_q, gdn_k, gdn_g, gdn_beta, *gdn_scratch,
-                        T, 16, 32, 128), gdn_prep_flops),
+                    lambda: gated_delta.gpu_prep(gdn_q, gdn_k, gdn_g, gdn_beta, gdn_scratch, T,
+                                                 16, 32, 128), gdn_prep_flops),
         compute_row("gated delta scan (of chunked)", f"T{T} Hv32 dk128 dv128",
-                    lambda: gpu.kernel("gdn_chunk", "gdn_chunk_scan")(
-                        (128 // gated_delta.GPU_VALUE_BLOCK, 32), (256,), gdn_q, gdn_k, gdn_v,
-                        *gdn_scratch, gdn_state, out_gdn, T, 16, 32, 128, 128),
+                    lambda: gated_delta.gpu_scan(gdn_q, gdn_k, gdn_v, gdn_scratch, gdn_state,
+                                                 out_gdn, T, 16, 32, 128, 128),
                     gdn_flops - gdn_prep_flops),
     ]
     return [r for r in rows if r is not None]
