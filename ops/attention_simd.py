@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fermijit.jit import cpu as jit_cpu
-from fermijit.jit import simd
+from fermijit.jit import mathf, simd
 from fermijit.jit.cpu import Isa
 from fermijit.jit.simd import F32, I8, I32, I64, vec
 from fermijit.ops import fp32_rows
@@ -276,6 +276,70 @@ def weighted_rows(typingctx, p, v, a, j0, n):
     return sig, codegen
 
 
+# Query heads a Q8_0 weighted-value tile holds in registers, tried in turn (else one at a time):
+# with 32 vector registers (AVX-512) all 8 of the full-size model's group, 16 accumulators of a
+# 32-dim block, so each value block is converted from int8 once for them; with 16, two heads.
+def q8_value_heads() -> tuple:
+    return (8, 4, 3) if "avx512f" in jit_cpu.target_features() else (2,)
+
+
+@intrinsic
+def weighted_q8_rows(typingctx, p, vq, vd, a, j0, n):
+    """weighted_rows over Q8_0 values: a[g] += Σ_{j < n} p[g, j] · x_j for every row g of a,
+    x_j = vq[j0 + j] · vd[j0 + j] per 32-block (codes converted to fp32 times the scale: the
+    dequantised value, bit for bit) made in registers per key and block, never stored (staging a
+    64-key block as fp32, 64 KB at D = 256, went through L2: a quarter of a 16k decode step's
+    attention). Per 32-dim block, q8_value_heads()' rows at a time in registers over the keys;
+    each a[g, d] sums its keys in order with the same fused multiply-adds as weighted_rows, so
+    the bits are weighted_rows' over the dequantised rows."""
+    sig = types.none(p, vq, vd, a, j0, n)
+
+    def codegen(context, builder, sig, args):
+        pa, qa, da, aa = (context.make_array(sig.args[i])(context, builder, args[i])
+                          for i in range(4))
+        j0v, nv = args[4:6]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        n_rows = builder.extract_value(aa.shape, 0)
+        nb = builder.extract_value(da.shape, 1)
+        q_stride, d_stride, a_stride, p_stride = (builder.extract_value(x.strides, 0)
+                                                  for x in (qa, da, aa, pa))
+        vf = vec(F32, LANES)
+        halves = 32 // LANES
+
+        def tile(b, row0, n_heads):
+            a_rows = [builder.mul(builder.add(row0, c(h)), a_stride) for h in range(n_heads)]
+            p_rows = [builder.mul(builder.add(row0, c(h)), p_stride) for h in range(n_heads)]
+            cols = [builder.mul(builder.add(builder.mul(b, c(32)), c(u * LANES)), c(4))
+                    for u in range(halves)]
+            accs = [[cgutils.alloca_once_value(builder, simd.load(builder, aa.data,
+                                                                  builder.add(r, o), vf))
+                     for o in cols] for r in a_rows]
+            with cgutils.for_range(builder, nv) as key:
+                row = builder.add(j0v, key.index)
+                scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
+                    builder.mul(row, d_stride), builder.mul(b, c(4))), F32), LANES)
+                q_row = builder.add(builder.mul(row, q_stride), builder.mul(b, c(32)))
+                xs = [builder.fmul(builder.sitofp(simd.load(builder, qa.data, builder.add(
+                    q_row, c(u * LANES)), vec(I8, LANES)), vf), scale) for u in range(halves)]
+                for p_row, row_accs in zip(p_rows, accs):
+                    w = simd.splat(builder, simd.load_scalar(builder, pa.data, builder.add(
+                        p_row, builder.mul(key.index, c(4))), F32), LANES)
+                    for acc, x in zip(row_accs, xs):
+                        builder.store(simd.muladd(builder, w, x, builder.load(acc)), acc)
+            for r, row_accs in zip(a_rows, accs):
+                for acc, o in zip(row_accs, cols):
+                    dst = simd.byte_ptr(builder, aa.data, builder.add(r, o))
+                    builder.store(builder.load(acc), builder.bitcast(dst, vf.as_pointer()),
+                                  align=4)
+
+        with cgutils.for_range(builder, nb) as block:
+            _in_groups(builder, n_rows, q8_value_heads(),
+                       lambda row0, heads: tile(block.index, row0, heads))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def row_max(typingctx, p, g, n, m0):
     """max(m0, p[g, 0..n-1]) in 16-float vectors (compare and select: exact, so the order does
@@ -303,6 +367,41 @@ def row_max(typingctx, p, g, n, m0):
             b = builder.load(m)
             builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), m)
         return builder.load(m)
+
+    return sig, codegen
+
+
+@intrinsic
+def exp_row(typingctx, p, g, n, m):
+    """p[g, j] = e^(p[g, j] - m) for j < n (mathf's exp, 16 at a time: Numba left that loop
+    mostly scalar, a tenth of a 16k decode step's attention) -> their sum: 16-lane partial sums
+    in order, added by halving, then the leftover scores in order."""
+    sig = types.float32(p, g, n, m)
+
+    def codegen(context, builder, sig, args):
+        pa = context.make_array(sig.args[0])(context, builder, args[0])
+        gv, nv, mv = args[1:4]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        vf = vec(F32, LANES)
+        row = builder.mul(gv, builder.extract_value(pa.strides, 0))
+        ms = simd.splat(builder, mv, LANES)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+        n_vec = builder.udiv(nv, c(LANES))
+        with cgutils.for_range(builder, n_vec) as loop:
+            ptr = builder.bitcast(simd.byte_ptr(builder, pa.data, builder.add(
+                row, builder.mul(loop.index, c(4 * LANES)))), vf.as_pointer())
+            e = mathf.emit_exp(builder, builder.fsub(builder.load(ptr, align=4), ms))
+            builder.store(e, ptr, align=4)
+            builder.store(builder.fadd(builder.load(acc), e), acc)
+        total = cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(acc)))
+        with cgutils.for_range(builder, builder.sub(nv, builder.mul(n_vec, c(LANES)))) as loop:
+            j = builder.add(builder.mul(n_vec, c(LANES)), loop.index)
+            ptr = builder.bitcast(simd.byte_ptr(builder, pa.data, builder.add(
+                row, builder.mul(j, c(4)))), F32.as_pointer())
+            e = mathf.emit_exp(builder, builder.fsub(builder.load(ptr), mv))
+            builder.store(e, ptr)
+            builder.store(builder.fadd(builder.load(total), e), total)
+        return builder.load(total)
 
     return sig, codegen
 
@@ -423,8 +522,9 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
     """p[g, i] for the BLOCK_KEYS keys of a transposed block (transposed_keys) and query rows
     h0..h0+n_heads-1 (qq [., D] codes, qd [., nb] scales, qc [., nb] 128 · the codes' sum per
     block): per block b, vpdpbusd of 16 keys' dword w (a register) with the query's dword w
-    (broadcast) over w < 8, less 128 · Σq, converted, times qd_b · kd_b and added over b. Each
-    lane the same operations: a key's score has the same bits in any lane or block."""
+    (broadcast) over w < 8, less 128 · Σq, converted, times qd_b · kd_b and added over b, the
+    even blocks and the odd ones apart, then the two sums (q8_scores_by_head's order). Each lane
+    the same operations: a key's score has the same bits in any lane or block."""
     sig = types.none(qq, qd, qc, kt, kdt, p, h0, n_heads)
     v = simd.AVX512VNNI
 
@@ -440,10 +540,10 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
         with cgutils.for_range(builder, nv) as head:
             h = builder.add(h0v, head.index)
             q_row, s_row = builder.mul(h, stride(qqa)), builder.mul(h, stride(qda))
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-                   for _ in range(n_groups)]
-            with cgutils.for_range(builder, nb) as block:
-                b = block.index
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                     for _ in range(n_groups)] for _ in range(2)]      # even, odd blocks
+
+            def block(b, acc):
                 sums = [ir.Constant(vi, None)] * n_groups
                 for w in range(8):
                     qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
@@ -462,11 +562,111 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
                     isum = builder.sitofp(builder.sub(sums[gi], corr), vf)
                     builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
                                               builder.load(acc[gi])), acc[gi])
+
+            with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pair:
+                for par in range(2):
+                    block(builder.add(builder.mul(pair.index, c(2)), c(par)), accs[par])
+            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                block(builder.sub(nb, c(1)), accs[0])
             p_row = builder.mul(head.index, stride(pa))
             for gi in range(n_groups):
                 dst = simd.byte_ptr(builder, pa.data, builder.add(p_row, c(4 * KEY_GROUP * gi)))
-                builder.store(builder.load(acc[gi]), builder.bitcast(dst, vf.as_pointer()),
-                              align=4)
+                builder.store(builder.fadd(builder.load(accs[0][gi]), builder.load(accs[1][gi])),
+                              builder.bitcast(dst, vf.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# --- Q8_0 scores by heads in the lanes (AVX-512 VNNI, one query) ------------------------------
+
+HEAD_LANES = 8  # heads a q8_scores_by_head register takes: 8 lanes a block, two blocks
+
+
+@intrinsic
+def q8_scores_by_head(typingctx, qt, qct, qdt, kq, kd, p, j0, n):
+    """p[g, j] for keys j0..j0+n-1 of one kv head (kq [S, D] codes, kd [S, nb] scales) and its
+    G = p.shape[0] query heads of one query, without transposing keys (transposed_keys is as
+    costly as the scores when one query reads them, in decode): for each pair of blocks
+    (2c, 2c+1) of a key, its 64 bytes in one register (made unsigned), dword w of each block
+    broadcast over 8 lanes (vpermd) and vpdpbusd with the query dwords of the same (block, w) of
+    HEAD_LANES heads; the heads' scores are the lanes. The query, laid out by _queries_by_head:
+    qt [groups, pairs, 8, 16] int32 (lane 8·(b % 2) + h: dword w of block b of head
+    HEAD_LANES·group + h; 0 where there is none), qct [groups, pairs, 16] -128 · Σq per block,
+    qdt [groups, pairs, 16] the scales. Per lane, q8_scores_by_key's operations in its order
+    (the even blocks' sum in the low lanes, the odd ones' in the high), so the same bits. Keys in
+    runs of 8, the run's [8 keys, 8 heads] transposed into p: p needs whole runs of columns."""
+    sig = types.none(qt, qct, qdt, kq, kd, p, j0, n)
+    v = simd.AVX512VNNI
+
+    def codegen(context, builder, sig, args):
+        ta, ca, da, ka, sa, pa = (context.make_array(sig.args[i])(context, builder, args[i])
+                                  for i in range(6))
+        j0v, nv = args[6:8]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        stride = lambda arr, i=0: builder.extract_value(arr.strides, i)  # noqa: E731
+        n_rows = builder.extract_value(pa.shape, 0)
+        n_groups, n_pairs = (builder.extract_value(ta.shape, i) for i in range(2))
+        nb = builder.extract_value(sa.shape, 1)
+        vi, vf, v8 = vec(I32, 16), vec(F32, 16), vec(F32, HEAD_LANES)
+        flip = ir.Constant(vec(I8, 64), [0x80] * 64)
+        lanes = lambda *idx: ir.Constant(vec(I32, len(idx)), list(idx))  # noqa: E731
+        last = builder.sub(nv, c(1))
+        scores = cgutils.alloca_once(builder, v8, size=8)        # a run's [key, head]
+
+        def pair(key_row, kd_row, group, cp, whole, s):
+            """s + the scores of block pair cp (whole: both blocks; else block 2cp alone)."""
+            at = builder.add(key_row, builder.mul(cp, c(64)))
+            if whole:
+                k64 = simd.load(builder, ka.data, at, vec(I8, 64))
+                kd2 = simd.load(builder, sa.data, builder.add(kd_row, builder.mul(cp, c(8))),
+                                vec(F32, 2))
+            else:
+                k64 = builder.shuffle_vector(simd.load(builder, ka.data, at, vec(I8, 32)),
+                                             ir.Constant(vec(I8, 32), None), lanes(*range(64)))
+                kd2 = builder.insert_element(ir.Constant(vec(F32, 2), None), simd.load_scalar(
+                    builder, sa.data, builder.add(kd_row, builder.mul(cp, c(8))), F32),
+                    ir.Constant(I32, 0))
+            ku = builder.bitcast(builder.xor(k64, flip), vi)
+            base = builder.add(builder.mul(group, stride(ta)), builder.mul(cp, stride(ta, 1)))
+            cbase = builder.add(builder.mul(group, stride(ca)), builder.mul(cp, stride(ca, 1)))
+            acc = simd.load(builder, ca.data, cbase, vi)
+            for w in range(8):
+                kw = builder.shuffle_vector(ku, ku, lanes(*[w] * 8, *[8 + w] * 8))
+                qw = simd.load(builder, ta.data, builder.add(base, c(64 * w)), vi)
+                acc = simd.dpbusd(v, builder, acc, kw, qw)
+            kdv = builder.shuffle_vector(kd2, kd2, lanes(*[0] * 8, *[1] * 8))
+            qd = simd.load(builder, da.data, cbase, vf)
+            return simd.muladd(builder, builder.sitofp(acc, vf), builder.fmul(qd, kdv), s)
+
+        with cgutils.for_range(builder, n_groups) as grp:
+            with cgutils.for_range(builder, builder.udiv(builder.add(nv, c(7)), c(8))) as run:
+                with cgutils.for_range(builder, c(8)) as i:
+                    j = builder.add(builder.mul(run.index, c(8)), i.index)
+                    key = builder.add(j0v, builder.select(builder.icmp_unsigned("<", j, nv), j,
+                                                          last))
+                    key_row, kd_row = builder.mul(key, stride(ka)), builder.mul(key, stride(sa))
+                    s = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                    with cgutils.for_range(builder, builder.udiv(nb, c(2))) as cp:
+                        builder.store(pair(key_row, kd_row, grp.index, cp.index, True,
+                                           builder.load(s)), s)
+                    with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                        builder.store(pair(key_row, kd_row, grp.index, builder.udiv(nb, c(2)),
+                                           False, builder.load(s)), s)
+                    sv = builder.load(s)
+                    builder.store(builder.fadd(
+                        builder.shuffle_vector(sv, sv, lanes(*range(8))),
+                        builder.shuffle_vector(sv, sv, lanes(*range(8, 16)))),
+                        builder.gep(scores, [i.index]))
+                rows = _transpose8(builder, [builder.bitcast(builder.load(builder.gep(
+                    scores, [c(i)])), vec(I32, 8)) for i in range(8)])
+                for h, row in enumerate(rows):
+                    g = builder.add(builder.mul(grp.index, c(HEAD_LANES)), c(h))
+                    with builder.if_then(builder.icmp_unsigned("<", g, n_rows)):
+                        dst = simd.byte_ptr(builder, pa.data, builder.add(
+                            builder.mul(g, stride(pa)), builder.mul(run.index, c(32))))
+                        builder.store(builder.bitcast(row, v8), builder.bitcast(
+                            dst, v8.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
