@@ -26,8 +26,9 @@ from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
-from fermijit.ops.attention_simd import (BLOCK_KEYS, HEAD_LANES, SCORE_KEYS, dequantized_rows,
-                                         exp_row, group_scores, make_q8_scores, q8_scores_by_head,
+from fermijit.ops.attention_simd import (BLOCK_KEYS, HEAD_LANES, SCORE_KEYS, by_head_lane,
+                                         by_head_sum_lane, dequantized_rows, exp_row,
+                                         group_scores, make_q8_scores, q8_scores_by_head,
                                          q8_scores_by_key, row_max, transposed_keys,
                                          weighted_q8_rows, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
@@ -371,11 +372,11 @@ def _quantize_queries(q, qq, qd, qc):
 
 @kernel(fastmath=False)
 def _queries_by_head(qq, qd, qc, qt, qct, qdt):
-    """The rounded queries (qq viewed as int32 [T, Hq, D/4]) laid out for q8_scores_by_head:
-    qt [T, Hkv, groups, pairs, 8, 16], qct and qdt [T, Hkv, groups, pairs, 16] (lane
-    8 · (b % 2) + h of pair b // 2: block b of head HEAD_LANES · group + h of the kv head's;
-    zeros where there is none)."""
-    T, Hkv, n_groups = qt.shape[0], qt.shape[1], qt.shape[2]
+    """The rounded queries (qq viewed as int32 [T, Hq, D/4]) laid out for q8_scores_by_head
+    (attention_simd.by_head_lane, by_head_sum_lane): qt [T, Hkv, groups, pairs, 8, 16], qct and
+    qdt [T, Hkv, groups, pairs, 16]: head HEAD_LANES · group + h of the kv head's, blocks
+    2 · pair and 2 · pair + 1; zeros where there is none."""
+    T, Hkv = qt.shape[0], qt.shape[1]
     G, nb = qq.shape[1] // Hkv, qd.shape[2]
     qt[:] = 0
     qct[:] = 0
@@ -385,9 +386,10 @@ def _queries_by_head(qq, qd, qc, qt, qct, qdt):
             for g in range(G):
                 grp, h = g // HEAD_LANES, g % HEAD_LANES
                 for b in range(nb):
-                    lane = HEAD_LANES * (b % 2) + h
                     for w in range(8):
-                        qt[t, hkv, grp, b // 2, w, lane] = qq[t, hkv * G + g, 8 * b + w]
+                        reg, lane = by_head_lane(b % 2, w, h)
+                        qt[t, hkv, grp, b // 2, reg, lane] = qq[t, hkv * G + g, 8 * b + w]
+                    lane = by_head_sum_lane(b % 2, h)
                     qct[t, hkv, grp, b // 2, lane] = -qc[t, hkv * G + g, b]
                     qdt[t, hkv, grp, b // 2, lane] = qd[t, hkv * G + g, b]
 

@@ -8,6 +8,7 @@ Letters: as ops/attention.py.
 
 from __future__ import annotations
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -580,22 +581,38 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
 
 # --- Q8_0 scores by heads in the lanes (AVX-512 VNNI, one query) ------------------------------
 
-HEAD_LANES = 8  # heads a q8_scores_by_head register takes: 8 lanes a block, two blocks
+HEAD_LANES = 8  # heads a q8_scores_by_head step takes: two registers of 4 heads x 4 dwords
+
+
+@numba.njit
+def by_head_lane(b, w, h):
+    """(register, lane) of q8_scores_by_head's query layout holding dword w of block b (of a
+    pair: b in 0, 1) of head h < HEAD_LANES: register 2 · (w % 4) + h // 4, lane
+    8 · b + 4 · (w // 4) + h % 4 (the key register's bytes as loaded, each 128-bit lane's
+    dword w % 4 broadcast)."""
+    return 2 * (w % 4) + h // 4, 8 * b + 4 * (w // 4) + h % 4
+
+
+@numba.njit
+def by_head_sum_lane(b, h):
+    """The lane of head h's block b (of a pair) in q8_scores_by_head's folded sums (qct, qdt)."""
+    return 8 * (h // 4) + 4 * b + h % 4
 
 
 @intrinsic
 def q8_scores_by_head(typingctx, qt, qct, qdt, kq, kd, p, j0, n):
     """p[g, j] for keys j0..j0+n-1 of one kv head (kq [S, D] codes, kd [S, nb] scales) and its
     G = p.shape[0] query heads of one query, without transposing keys (transposed_keys is as
-    costly as the scores when one query reads them, in decode): for each pair of blocks
-    (2c, 2c+1) of a key, its 64 bytes in one register (made unsigned), dword w of each block
-    broadcast over 8 lanes (vpermd) and vpdpbusd with the query dwords of the same (block, w) of
-    HEAD_LANES heads; the heads' scores are the lanes. The query, laid out by _queries_by_head:
-    qt [groups, pairs, 8, 16] int32 (lane 8·(b % 2) + h: dword w of block b of head
-    HEAD_LANES·group + h; 0 where there is none), qct [groups, pairs, 16] -128 · Σq per block,
-    qdt [groups, pairs, 16] the scales. Per lane, q8_scores_by_key's operations in its order
-    (the even blocks' sum in the low lanes, the odd ones' in the high), so the same bits. Keys in
-    runs of 8, the run's [8 keys, 8 heads] transposed into p: p needs whole runs of columns."""
+    costly as the scores when one query reads them, in decode): a pair of blocks of a key, 64
+    bytes made unsigned, in one register; each 128-bit lane's dword w broadcast in the lane
+    (vpshufd, w < 4) and vpdpbusd with the query dwords the lanes then meet, for heads 0-3 and
+    4-7 of HEAD_LANES; the two 128-bit lanes of a block added, so each lane holds a (head,
+    block) sum. The query, laid out by ops/attention.py _queries_by_head (by_head_lane,
+    by_head_sum_lane): qt [groups, pairs, 8, 16] int32 codes, qct [groups, pairs, 16]
+    -128 · Σq per block, qdt [groups, pairs, 16] scales; 0 where there is no head or block. Per
+    (head, block), q8_scores_by_key's operations in its order (even blocks and odd ones summed
+    apart, then added), so the same bits. Keys in runs of 8, the run's [8 keys, 8 heads]
+    transposed into p: p needs whole runs of 8 columns."""
     sig = types.none(qt, qct, qdt, kq, kd, p, j0, n)
     v = simd.AVX512VNNI
 
@@ -606,13 +623,14 @@ def q8_scores_by_head(typingctx, qt, qct, qdt, kq, kd, p, j0, n):
         c = lambda x: ir.Constant(I64, x)  # noqa: E731
         stride = lambda arr, i=0: builder.extract_value(arr.strides, i)  # noqa: E731
         n_rows = builder.extract_value(pa.shape, 0)
-        n_groups, n_pairs = (builder.extract_value(ta.shape, i) for i in range(2))
+        n_groups = builder.extract_value(ta.shape, 0)
         nb = builder.extract_value(sa.shape, 1)
         vi, vf, v8 = vec(I32, 16), vec(F32, 16), vec(F32, HEAD_LANES)
         flip = ir.Constant(vec(I8, 64), [0x80] * 64)
         lanes = lambda *idx: ir.Constant(vec(I32, len(idx)), list(idx))  # noqa: E731
         last = builder.sub(nv, c(1))
         scores = cgutils.alloca_once(builder, v8, size=8)        # a run's [key, head]
+        kd_lanes = [b for _ in range(2) for b in range(2) for _ in range(4)]
 
         def pair(key_row, kd_row, group, cp, whole, s):
             """s + the scores of block pair cp (whole: both blocks; else block 2cp alone)."""
@@ -630,14 +648,24 @@ def q8_scores_by_head(typingctx, qt, qct, qdt, kq, kd, p, j0, n):
             ku = builder.bitcast(builder.xor(k64, flip), vi)
             base = builder.add(builder.mul(group, stride(ta)), builder.mul(cp, stride(ta, 1)))
             cbase = builder.add(builder.mul(group, stride(ca)), builder.mul(cp, stride(ca, 1)))
-            acc = simd.load(builder, ca.data, cbase, vi)
-            for w in range(8):
-                kw = builder.shuffle_vector(ku, ku, lanes(*[w] * 8, *[8 + w] * 8))
-                qw = simd.load(builder, ta.data, builder.add(base, c(64 * w)), vi)
-                acc = simd.dpbusd(v, builder, acc, kw, qw)
-            kdv = builder.shuffle_vector(kd2, kd2, lanes(*[0] * 8, *[1] * 8))
+            halves = [ir.Constant(vi, None)] * 2                   # heads 0-3, 4-7
+            for w in range(4):
+                kw = builder.shuffle_vector(ku, ku, lanes(*[4 * L + w for L in range(4)
+                                                            for _ in range(4)]))
+                for half in range(2):
+                    qw = simd.load(builder, ta.data, builder.add(base, c(64 * (2 * w + half))),
+                                   vi)
+                    halves[half] = simd.dpbusd(v, builder, halves[half], kw, qw)
+            a, b = halves                     # 128-bit lanes: block 0 twice, block 1 twice
+            isum = builder.add(builder.add(
+                builder.shuffle_vector(a, b, lanes(*range(4), *range(8, 12), *range(16, 20),
+                                                   *range(24, 28))),
+                builder.shuffle_vector(a, b, lanes(*range(4, 8), *range(12, 16), *range(20, 24),
+                                                   *range(28, 32)))),
+                simd.load(builder, ca.data, cbase, vi))
+            kdv = builder.shuffle_vector(kd2, kd2, lanes(*kd_lanes))
             qd = simd.load(builder, da.data, cbase, vf)
-            return simd.muladd(builder, builder.sitofp(acc, vf), builder.fmul(qd, kdv), s)
+            return simd.muladd(builder, builder.sitofp(isum, vf), builder.fmul(qd, kdv), s)
 
         with cgutils.for_range(builder, n_groups) as grp:
             with cgutils.for_range(builder, builder.udiv(builder.add(nv, c(7)), c(8))) as run:
@@ -655,8 +683,10 @@ def q8_scores_by_head(typingctx, qt, qct, qdt, kq, kd, p, j0, n):
                                            False, builder.load(s)), s)
                     sv = builder.load(s)
                     builder.store(builder.fadd(
-                        builder.shuffle_vector(sv, sv, lanes(*range(8))),
-                        builder.shuffle_vector(sv, sv, lanes(*range(8, 16)))),
+                        builder.shuffle_vector(sv, sv, lanes(*[by_head_sum_lane(0, h)
+                                                               for h in range(8)])),
+                        builder.shuffle_vector(sv, sv, lanes(*[by_head_sum_lane(1, h)
+                                                               for h in range(8)]))),
                         builder.gep(scores, [i.index]))
                 rows = _transpose8(builder, [builder.bitcast(builder.load(builder.gep(
                     scores, [c(i)])), vec(I32, 8)) for i in range(8)])
