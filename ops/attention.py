@@ -155,22 +155,27 @@ def _weighted_f32(p, v, v_rows, v0, hkv, jb, n, a, tile):
     weighted_rows(p, v_rows, a, v0, n)
 
 
-@kernel
+# Whether one query (decode) reads a Q8_0 cache's values as stored, made fp32 in registers
+# (weighted_q8_rows), rather than staged: the same bits. Bound per ISA in _kernel. Full-size
+# decode shapes (Hq 16, Hkv 2, D 256), parts of a key visit timed alone, 1 thread, this machine:
+# AVX-512 43 ns a visit vs 79 staged (the 64 KB of staged rows went through L2); AVX2 code
+# (haswell target) 86 vs 118; SSE (westmere, 16 registers, no FMA) 219 vs 194: staged there.
+VALUES_IN_REGISTERS = True
+
+
 def _staged_q8(v, hkv, jb, n, rows, tile):
     """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache for a tile of queries: codes
     times scales, fp32 (the reference's values), into rows [BLOCK, D], once for every query that
-    reads them. None for one query (_weighted_q8)."""
-    if tile > 1:
+    reads them. None for one query where VALUES_IN_REGISTERS (_weighted_q8)."""
+    if tile > 1 or not VALUES_IN_REGISTERS:
         dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
     return rows, 0
 
 
-@kernel
 def _weighted_q8(p, v, v_rows, v0, hkv, jb, n, a, tile):
-    """a += p · the values: a tile's from the staged rows; one query's (decode) made fp32 in
-    registers from the codes (weighted_q8_rows: the same bits, without the 64 KB of staged
-    rows, which went through L2, a third of a decode step's attention)."""
-    if tile == 1:
+    """a += p · the values: from the staged rows, or for one query where VALUES_IN_REGISTERS
+    from the codes (weighted_q8_rows: the same bits)."""
+    if tile == 1 and VALUES_IN_REGISTERS:
         weighted_q8_rows(p, v[0][hkv], v[1][hkv], a, jb, n)
     else:
         weighted_rows(p, v_rows, a, v0, n)
@@ -344,13 +349,15 @@ def _kernel(isa: Isa | None):
         keys = _keys_as_stored
         if isa is None:
             label, scores, staged, weighted = "f32", _scores_f32, _staged_f32, _weighted_f32
-        elif isa is Isa.AVX512VNNI:
-            label, staged, weighted = f"q8_{isa.label}", _staged_q8, _weighted_q8
-            scores = kernel(_scores_q8_vnni)
-            keys = _keys_transposed
         else:
-            label, staged, weighted = f"q8_{isa.label}", _staged_q8, _weighted_q8
-            scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
+            label = f"q8_{isa.label}"
+            in_registers = isa is not Isa.SSSE3
+            staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=in_registers)
+                                for f in (_staged_q8, _weighted_q8))
+            if isa is Isa.AVX512VNNI:
+                scores, keys = kernel(_scores_q8_vnni), _keys_transposed
+            else:
+                scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
                             _staged_keys=keys, _weighted=weighted)
         _kernels[isa] = omp.forking_kernel(
