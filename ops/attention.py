@@ -26,11 +26,9 @@ from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
-from fermijit.ops.attention_simd import (BLOCK_KEYS, HEAD_LANES, SCORE_KEYS, by_head_lane,
-                                         by_head_sum_lane, dequantized_rows, exp_row,
-                                         group_scores, make_q8_scores, q8_scores_by_head,
-                                         q8_scores_by_key, row_max, transposed_keys,
-                                         weighted_q8_rows, weighted_rows)
+from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
+                                         group_scores, make_q8_scores, q8_scores_by_key, row_max,
+                                         transposed_keys, weighted_q8_rows, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 
@@ -87,10 +85,10 @@ def n_ranges(n_keys):
 
 
 @kernel
-def _scores_f32(q, k, keys, t, hkv, jb, n, p, tile):
+def _scores_f32(q, k, t, hkv, jb, n, p):
     """p[g, j] = q[t, hkv·G + g] · k[hkv, jb + j] for j < n: every head of the group against 4
     keys a tile (in L1) before the next ones; other head dims one score at a time. The fp32
-    cache: k = keys = (k,)."""
+    cache: k = (k,)."""
     G, D = p.shape[0], q.shape[2]
     h0 = hkv * G
     q_t, k_h = q[t], k[0][hkv]                                        # [Hq, D], [S, D]
@@ -103,37 +101,29 @@ def _scores_f32(q, k, keys, t, hkv, jb, n, p, tile):
             fp32_rows.one(q_t, k_h, p, h0 + g, jb + j, g, j)
 
 
-def _scores_q8_vnni(q, k, keys, t, hkv, jb, n, p, tile):
-    """_scores_q8 with AVX-512 VNNI, the same bits either way: for a tile of queries from the
-    block's keys transposed (_keys_transposed: keys = (codes, scales) laid out for
-    attention_simd.q8_scores_by_key; 16 keys a register, no horizontal sums, 4-5x fewer
-    instructions than a key at a time); for one query (decode) from the cache, the heads in the
-    lanes (q8_scores_by_head, with q[3:6] from _queries_by_head): the transposition, once for
-    8 heads, cost as much as the scores."""
+def _scores_q8_by_key(q, k, t, hkv, jb, n, p):
+    """_scores_q8 with AVX-512 VNNI from the block's keys transposed (_keys_transposed: k =
+    (codes, scales) laid out for attention_simd.q8_scores_by_key): 16 keys a register, no
+    horizontal sums (4-5x fewer instructions than a key at a time)."""
     G = p.shape[0]
-    if tile == 1:
-        q8_scores_by_head(q[3][t, hkv], q[4][t, hkv], q[5][t, hkv], k[0][hkv], k[1][hkv], p, jb,
-                          n)
-    else:
-        q8_scores_by_key(q[0][t], q[1][t], q[2][t], keys[0], keys[1], p, hkv * G, G)
+    q8_scores_by_key(q[0][t], q[1][t], q[2][t], k[0], k[1], p, hkv * G, G)
 
 
 @kernel
-def _keys_as_stored(k, hkv, jb, n, buffers, tile):
+def _keys_as_stored(k, hkv, jb, n, buffers):
     """The keys scores read: the cache itself."""
     return k
 
 
 @kernel
-def _keys_transposed(k, hkv, jb, n, buffers, tile):
+def _keys_transposed(k, hkv, jb, n, buffers):
     """Keys jb..jb+n-1 of kv head hkv transposed into buffers (attention_simd.transposed_keys),
-    once for every query of a tile of more than one."""
-    if tile > 1:
-        transposed_keys(k[0][hkv], k[1][hkv], buffers[0], buffers[1], jb, n)
+    once for every query of a tile."""
+    transposed_keys(k[0][hkv], k[1][hkv], buffers[0], buffers[1], jb, n)
     return buffers
 
 
-def _scores_q8(q, k, keys, t, hkv, jb, n, p, tile):
+def _scores_q8(q, k, t, hkv, jb, n, p):
     """_scores_f32 over a Q8_0 cache, k = (codes [Hkv, S, D] int8, scales [Hkv, S, nb]), for
     the query rounded to Q8_0: q = (codes [T, Hq, D], scales [T, Hq, nb], 128 · the codes' sum
     per block [T, Hq, nb]). `q8_scores` is bound per ISA (attention_simd.make_q8_scores)."""
@@ -152,21 +142,22 @@ def _staged_f32(v, hkv, jb, n, rows, tile):
 
 @kernel
 def _weighted_f32(p, v, v_rows, v0, hkv, jb, n, a, tile):
+    """a += p · the value rows."""
     weighted_rows(p, v_rows, a, v0, n)
 
 
 # Whether one query (decode) reads a Q8_0 cache's values as stored, made fp32 in registers
 # (weighted_q8_rows), rather than staged: the same bits. Bound per ISA in _kernel. Full-size
-# decode shapes (Hq 16, Hkv 2, D 256), parts of a key visit timed alone, 1 thread, this machine:
-# AVX-512 43 ns a visit vs 79 staged (the 64 KB of staged rows went through L2); AVX2 code
-# (haswell target) 86 vs 118; SSE (westmere, 16 registers, no FMA) 219 vs 194: staged there.
+# decode shapes (Hq 16, Hkv 2, D 256), the values' part of a key visit timed alone, 1 thread,
+# this machine: AVX-512 43 ns vs 79 staged (the 64 KB of staged rows went through L2); AVX2 code
+# (haswell target) 86 vs 118; SSE (westmere: 16 registers, no FMA) 219 vs 194, so staged there.
 VALUES_IN_REGISTERS = True
 
 
 def _staged_q8(v, hkv, jb, n, rows, tile):
     """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache for a tile of queries: codes
     times scales, fp32 (the reference's values), into rows [BLOCK, D], once for every query that
-    reads them. None for one query where VALUES_IN_REGISTERS (_weighted_q8)."""
+    reads them. Nothing for one query where VALUES_IN_REGISTERS (_weighted_q8)."""
     if tile > 1 or not VALUES_IN_REGISTERS:
         dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
     return rows, 0
@@ -206,7 +197,7 @@ def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, rows, key_buffers):
     heads over the range; an empty range leaves m = -inf, l = 0, a = 0). Block by block of keys,
     each block's values staged once (rows: scratch [BLOCK, D]); every query takes each of its
     blocks through the same three steps, so it has the same bits alone (decode: t1 = t0 + 1) as
-    in any tile (where one query has a path of its own, its bits are the tile's). `_scores`,
+    in any tile (one query's values, read by a path of its own, have the tile's bits). `_scores`,
     `_staged`, `_staged_keys` (key_buffers: its scratch) and `_weighted` are bound per cache type
     and ISA."""
     r0 = r * RANGE_KEYS
@@ -218,12 +209,12 @@ def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, rows, key_buffers):
     tile = t1 - t0
     for jb in range(r0, r1, BLOCK):
         v_rows, v0 = _staged(v, hkv, jb, min(BLOCK, r1 - jb), rows, tile)
-        keys = _staged_keys(k, hkv, jb, min(BLOCK, r1 - jb), key_buffers, tile)
+        keys = _staged_keys(k, hkv, jb, min(BLOCK, r1 - jb), key_buffers)
         for i in range(tile):
             j1 = min(start + t0 + i + 1, r1)              # query t0 + i's last key + 1
             if j1 > jb:
                 n = min(BLOCK, j1 - jb)
-                _scores(q, k, keys, t0 + i, hkv, jb, n, p, tile)
+                _scores(q, keys, t0 + i, hkv, jb, n, p)
                 _online_softmax(p, n, a[i], m[i], l[i])
                 _weighted(p, v, v_rows, v0, hkv, jb, n, a[i], tile)
 
@@ -351,11 +342,10 @@ def _kernel(isa: Isa | None):
             label, scores, staged, weighted = "f32", _scores_f32, _staged_f32, _weighted_f32
         else:
             label = f"q8_{isa.label}"
-            in_registers = isa is not Isa.SSSE3
-            staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=in_registers)
+            staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
                                 for f in (_staged_q8, _weighted_q8))
             if isa is Isa.AVX512VNNI:
-                scores, keys = kernel(_scores_q8_vnni), _keys_transposed
+                scores, keys = kernel(_scores_q8_by_key), _keys_transposed
             else:
                 scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
@@ -375,30 +365,6 @@ def _quantize_queries(q, qq, qd, qc):
             kv_quant.quantize_row(q[t, h], qq[t, h], qd[t, h], qc[t, h])
             for b in range(qc.shape[2]):
                 qc[t, h, b] *= 128
-
-
-@kernel(fastmath=False)
-def _queries_by_head(qq, qd, qc, qt, qct, qdt):
-    """The rounded queries (qq viewed as int32 [T, Hq, D/4]) laid out for q8_scores_by_head
-    (attention_simd.by_head_lane, by_head_sum_lane): qt [T, Hkv, groups, pairs, 8, 16], qct and
-    qdt [T, Hkv, groups, pairs, 16]: head HEAD_LANES · group + h of the kv head's, blocks
-    2 · pair and 2 · pair + 1; zeros where there is none."""
-    T, Hkv = qt.shape[0], qt.shape[1]
-    G, nb = qq.shape[1] // Hkv, qd.shape[2]
-    qt[:] = 0
-    qct[:] = 0
-    qdt[:] = 0
-    for t in range(T):
-        for hkv in range(Hkv):
-            for g in range(G):
-                grp, h = g // HEAD_LANES, g % HEAD_LANES
-                for b in range(nb):
-                    for w in range(8):
-                        reg, lane = by_head_lane(b % 2, w, h)
-                        qt[t, hkv, grp, b // 2, reg, lane] = qq[t, hkv * G + g, 8 * b + w]
-                    lane = by_head_sum_lane(b % 2, h)
-                    qct[t, hkv, grp, b // 2, lane] = -qc[t, hkv * G + g, b]
-                    qdt[t, hkv, grp, b // 2, lane] = qd[t, hkv * G + g, b]
 
 
 def _check_cache(op: str, k, v, D: int) -> tuple[int, int]:
@@ -467,15 +433,8 @@ def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
     rounded = (np.empty((T, Hq, D), np.int8), np.empty((T, Hq, nb), np.float32),
                np.empty((T, Hq, nb), np.int32))
     _quantize_queries(q, *rounded)
-    isa = isa or jit_cpu.selected_isa()
-    if isa is Isa.AVX512VNNI:  # q8_scores_by_head's layout, where some tile is one query
-        single = R > 0 or tile == 1 or T % tile == 1
-        shape = (T if single else 0, Hkv, -(-Hq // Hkv // HEAD_LANES), -(-nb // 2))
-        by_head = (np.empty(shape + (8, 16), np.int32), np.empty(shape + (16,), np.int32),
-                   np.empty(shape + (16,), np.float32))
-        _queries_by_head(rounded[0].view(np.int32), rounded[1], rounded[2], *by_head)
-        rounded += by_head
-    _kernel(isa)(rounded, (k.qs, k.d), (v.qs, v.d), start, tile, acc, m, l, gate, o)
+    _kernel(isa or jit_cpu.selected_isa())(rounded, (k.qs, k.d), (v.qs, v.d), start, tile, acc,
+                                           m, l, gate, o)
 
 
 # --- GPU ---------------------------------------------------------------------------------------

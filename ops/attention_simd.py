@@ -8,7 +8,6 @@ Letters: as ops/attention.py.
 
 from __future__ import annotations
 
-import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -525,9 +524,8 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
     """p[g, i] for the BLOCK_KEYS keys of a transposed block (transposed_keys) and query rows
     h0..h0+n_heads-1 (qq [., D] codes, qd [., nb] scales, qc [., nb] 128 · the codes' sum per
     block): per block b, vpdpbusd of 16 keys' dword w (a register) with the query's dword w
-    (broadcast) over w < 8, less 128 · Σq, converted, times qd_b · kd_b and added over b, the
-    even blocks and the odd ones apart, then the two sums (q8_scores_by_head's order). Each lane
-    the same operations: a key's score has the same bits in any lane or block."""
+    (broadcast) over w < 8, less 128 · Σq, converted, times qd_b · kd_b and added over b. Each
+    lane the same operations: a key's score has the same bits in any lane or block."""
     sig = types.none(qq, qd, qc, kt, kdt, p, h0, n_heads)
     v = simd.AVX512VNNI
 
@@ -543,10 +541,10 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
         with cgutils.for_range(builder, nv) as head:
             h = builder.add(h0v, head.index)
             q_row, s_row = builder.mul(h, stride(qqa)), builder.mul(h, stride(qda))
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-                     for _ in range(n_groups)] for _ in range(2)]      # even, odd blocks
-
-            def block(b, acc):
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                   for _ in range(n_groups)]
+            with cgutils.for_range(builder, nb) as block:
+                b = block.index
                 sums = [ir.Constant(vi, None)] * n_groups
                 for w in range(8):
                     qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
@@ -565,140 +563,11 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
                     isum = builder.sitofp(builder.sub(sums[gi], corr), vf)
                     builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
                                               builder.load(acc[gi])), acc[gi])
-
-            with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pair:
-                for par in range(2):
-                    block(builder.add(builder.mul(pair.index, c(2)), c(par)), accs[par])
-            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                block(builder.sub(nb, c(1)), accs[0])
             p_row = builder.mul(head.index, stride(pa))
             for gi in range(n_groups):
                 dst = simd.byte_ptr(builder, pa.data, builder.add(p_row, c(4 * KEY_GROUP * gi)))
-                builder.store(builder.fadd(builder.load(accs[0][gi]), builder.load(accs[1][gi])),
-                              builder.bitcast(dst, vf.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-# --- Q8_0 scores by heads in the lanes (AVX-512 VNNI, one query) ------------------------------
-
-HEAD_LANES = 8  # heads a q8_scores_by_head step takes: two registers of 4 heads x 4 dwords
-
-
-@numba.njit
-def by_head_lane(b, w, h):
-    """(register, lane) of q8_scores_by_head's query layout holding dword w of block b (of a
-    pair: b in 0, 1) of head h < HEAD_LANES: register 2 · (w % 4) + h // 4, lane
-    8 · b + 4 · (w // 4) + h % 4 (the key register's bytes as loaded, each 128-bit lane's
-    dword w % 4 broadcast)."""
-    return 2 * (w % 4) + h // 4, 8 * b + 4 * (w // 4) + h % 4
-
-
-@numba.njit
-def by_head_sum_lane(b, h):
-    """The lane of head h's block b (of a pair) in q8_scores_by_head's folded sums (qct, qdt)."""
-    return 8 * (h // 4) + 4 * b + h % 4
-
-
-@intrinsic
-def q8_scores_by_head(typingctx, qt, qct, qdt, kq, kd, p, j0, n):
-    """p[g, j] for keys j0..j0+n-1 of one kv head (kq [S, D] codes, kd [S, nb] scales) and its
-    G = p.shape[0] query heads of one query, without transposing keys (transposed_keys is as
-    costly as the scores when one query reads them, in decode): a pair of blocks of a key, 64
-    bytes made unsigned, in one register; each 128-bit lane's dword w broadcast in the lane
-    (vpshufd, w < 4) and vpdpbusd with the query dwords the lanes then meet, for heads 0-3 and
-    4-7 of HEAD_LANES; the two 128-bit lanes of a block added, so each lane holds a (head,
-    block) sum. The query, laid out by ops/attention.py _queries_by_head (by_head_lane,
-    by_head_sum_lane): qt [groups, pairs, 8, 16] int32 codes, qct [groups, pairs, 16]
-    -128 · Σq per block, qdt [groups, pairs, 16] scales; 0 where there is no head or block. Per
-    (head, block), q8_scores_by_key's operations in its order (even blocks and odd ones summed
-    apart, then added), so the same bits. Keys in runs of 8, the run's [8 keys, 8 heads]
-    transposed into p: p needs whole runs of 8 columns."""
-    sig = types.none(qt, qct, qdt, kq, kd, p, j0, n)
-    v = simd.AVX512VNNI
-
-    def codegen(context, builder, sig, args):
-        ta, ca, da, ka, sa, pa = (context.make_array(sig.args[i])(context, builder, args[i])
-                                  for i in range(6))
-        j0v, nv = args[6:8]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        stride = lambda arr, i=0: builder.extract_value(arr.strides, i)  # noqa: E731
-        n_rows = builder.extract_value(pa.shape, 0)
-        n_groups = builder.extract_value(ta.shape, 0)
-        nb = builder.extract_value(sa.shape, 1)
-        vi, vf, v8 = vec(I32, 16), vec(F32, 16), vec(F32, HEAD_LANES)
-        flip = ir.Constant(vec(I8, 64), [0x80] * 64)
-        lanes = lambda *idx: ir.Constant(vec(I32, len(idx)), list(idx))  # noqa: E731
-        last = builder.sub(nv, c(1))
-        scores = cgutils.alloca_once(builder, v8, size=8)        # a run's [key, head]
-        kd_lanes = [b for _ in range(2) for b in range(2) for _ in range(4)]
-
-        def pair(key_row, kd_row, group, cp, whole, s):
-            """s + the scores of block pair cp (whole: both blocks; else block 2cp alone)."""
-            at = builder.add(key_row, builder.mul(cp, c(64)))
-            if whole:
-                k64 = simd.load(builder, ka.data, at, vec(I8, 64))
-                kd2 = simd.load(builder, sa.data, builder.add(kd_row, builder.mul(cp, c(8))),
-                                vec(F32, 2))
-            else:
-                k64 = builder.shuffle_vector(simd.load(builder, ka.data, at, vec(I8, 32)),
-                                             ir.Constant(vec(I8, 32), None), lanes(*range(64)))
-                kd2 = builder.insert_element(ir.Constant(vec(F32, 2), None), simd.load_scalar(
-                    builder, sa.data, builder.add(kd_row, builder.mul(cp, c(8))), F32),
-                    ir.Constant(I32, 0))
-            ku = builder.bitcast(builder.xor(k64, flip), vi)
-            base = builder.add(builder.mul(group, stride(ta)), builder.mul(cp, stride(ta, 1)))
-            cbase = builder.add(builder.mul(group, stride(ca)), builder.mul(cp, stride(ca, 1)))
-            halves = [ir.Constant(vi, None)] * 2                   # heads 0-3, 4-7
-            for w in range(4):
-                kw = builder.shuffle_vector(ku, ku, lanes(*[4 * L + w for L in range(4)
-                                                            for _ in range(4)]))
-                for half in range(2):
-                    qw = simd.load(builder, ta.data, builder.add(base, c(64 * (2 * w + half))),
-                                   vi)
-                    halves[half] = simd.dpbusd(v, builder, halves[half], kw, qw)
-            a, b = halves                     # 128-bit lanes: block 0 twice, block 1 twice
-            isum = builder.add(builder.add(
-                builder.shuffle_vector(a, b, lanes(*range(4), *range(8, 12), *range(16, 20),
-                                                   *range(24, 28))),
-                builder.shuffle_vector(a, b, lanes(*range(4, 8), *range(12, 16), *range(20, 24),
-                                                   *range(28, 32)))),
-                simd.load(builder, ca.data, cbase, vi))
-            kdv = builder.shuffle_vector(kd2, kd2, lanes(*kd_lanes))
-            qd = simd.load(builder, da.data, cbase, vf)
-            return simd.muladd(builder, builder.sitofp(isum, vf), builder.fmul(qd, kdv), s)
-
-        with cgutils.for_range(builder, n_groups) as grp:
-            with cgutils.for_range(builder, builder.udiv(builder.add(nv, c(7)), c(8))) as run:
-                with cgutils.for_range(builder, c(8)) as i:
-                    j = builder.add(builder.mul(run.index, c(8)), i.index)
-                    key = builder.add(j0v, builder.select(builder.icmp_unsigned("<", j, nv), j,
-                                                          last))
-                    key_row, kd_row = builder.mul(key, stride(ka)), builder.mul(key, stride(sa))
-                    s = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-                    with cgutils.for_range(builder, builder.udiv(nb, c(2))) as cp:
-                        builder.store(pair(key_row, kd_row, grp.index, cp.index, True,
-                                           builder.load(s)), s)
-                    with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                        builder.store(pair(key_row, kd_row, grp.index, builder.udiv(nb, c(2)),
-                                           False, builder.load(s)), s)
-                    sv = builder.load(s)
-                    builder.store(builder.fadd(
-                        builder.shuffle_vector(sv, sv, lanes(*[by_head_sum_lane(0, h)
-                                                               for h in range(8)])),
-                        builder.shuffle_vector(sv, sv, lanes(*[by_head_sum_lane(1, h)
-                                                               for h in range(8)]))),
-                        builder.gep(scores, [i.index]))
-                rows = _transpose8(builder, [builder.bitcast(builder.load(builder.gep(
-                    scores, [c(i)])), vec(I32, 8)) for i in range(8)])
-                for h, row in enumerate(rows):
-                    g = builder.add(builder.mul(grp.index, c(HEAD_LANES)), c(h))
-                    with builder.if_then(builder.icmp_unsigned("<", g, n_rows)):
-                        dst = simd.byte_ptr(builder, pa.data, builder.add(
-                            builder.mul(g, stride(pa)), builder.mul(run.index, c(32))))
-                        builder.store(builder.bitcast(row, v8), builder.bitcast(
-                            dst, v8.as_pointer()), align=4)
+                builder.store(builder.load(acc[gi]), builder.bitcast(dst, vf.as_pointer()),
+                              align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -146,7 +146,7 @@ Q8_CASES = {
     "T9-Hq10-Hkv2-D96-S40-start5": (9, 10, 2, 96, 40, 5, 1.0),
     "T63-Hq4-Hkv2-D160-S63-start0": (63, 4, 2, 160, 63, 0, 1.0),
     "T1-Hq3-Hkv3-D32-S5-start0": (1, 3, 3, 32, 5, 0, 1.0),
-    # 12 heads a kv head: the AVX-512 decode scores' second group of 8 heads, partly empty
+    # 12 heads a kv head, 3 blocks: decode's values in registers by tiles of 4 heads (AVX-512)
     "T1-Hq12-Hkv1-D96-S300-start290": (1, 12, 1, 96, 300, 290, 1.0),
 }
 
@@ -182,7 +182,7 @@ def test_q8_reference_is_the_dequantised_attention(rng):
 @pytest.mark.parametrize("heads", [(16, 2), (6, 2), (20, 2)], ids=["G8", "G3", "G10"])
 def test_q8_query_has_the_same_bits_in_any_pass(rng, heads, isa):
     """As test_a_query_has_the_same_bits_in_any_pass, over a Q8_0 cache, for every variant: a
-    decode step (one query) reads values and, on AVX-512, keys by paths of its own."""
+    decode step (one query) reads the values by a path of its own (weighted_q8_rows)."""
     Hq, Hkv = heads
     q, k, v, gate = _inputs(rng, 530, Hq, Hkv, 96, 540)
     k8, v8 = _q8(k, v)
