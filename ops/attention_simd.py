@@ -376,7 +376,7 @@ def row_max(typingctx, p, g, n, m0):
 @intrinsic
 def exp_row(typingctx, p, g, n, m):
     """p[g, j] = e^(p[g, j] - m) for j < n (mathf's exp, 16 at a time: Numba left that loop
-    mostly scalar, a tenth of a 16k decode step's attention) -> their sum: 16-lane partial sums
+    mostly scalar, an eighth of a decode step's attention) -> their sum: 16-lane partial sums
     in order, added by halving, then the leftover scores in order."""
     sig = types.float32(p, g, n, m)
 
