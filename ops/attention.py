@@ -26,9 +26,9 @@ from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
-from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows,
+from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
                                          group_scores, make_q8_scores, q8_scores_by_key, row_max,
-                                         transposed_keys, weighted_rows)
+                                         transposed_keys, weighted_q8_rows, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 
@@ -135,17 +135,41 @@ def _scores_q8(q, k, t, hkv, jb, n, p):
 
 
 @kernel
-def _staged_f32(v, hkv, jb, n, rows):
+def _staged_f32(v, hkv, jb, n, rows, tile):
     """(value rows, first row) of keys jb..jb+n-1: the fp32 cache's own."""
     return v[0][hkv], jb
 
 
 @kernel
-def _staged_q8(v, hkv, jb, n, rows):
-    """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache: codes times scales, fp32
-    (the reference's values), into rows [BLOCK, D], once for every query that reads them."""
-    dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
+def _weighted_f32(p, v, v_rows, v0, hkv, jb, n, a, tile):
+    """a += p · the value rows."""
+    weighted_rows(p, v_rows, a, v0, n)
+
+
+# Whether one query (decode) reads a Q8_0 cache's values as stored, made fp32 in registers
+# (weighted_q8_rows), rather than staged: the same bits. Bound per ISA in _kernel. Full-size
+# decode shapes (Hq 16, Hkv 2, D 256), the values' part of a key visit timed alone, 1 thread,
+# this machine: AVX-512 43 ns vs 79 staged (the 64 KB of staged rows went through L2); AVX2 code
+# (haswell target) 86 vs 118; SSE (westmere: 16 registers, no FMA) 219 vs 194, so staged there.
+VALUES_IN_REGISTERS = True
+
+
+def _staged_q8(v, hkv, jb, n, rows, tile):
+    """(value rows, first row) of keys jb..jb+n-1 of a Q8_0 cache for a tile of queries: codes
+    times scales, fp32 (the reference's values), into rows [BLOCK, D], once for every query that
+    reads them. Nothing for one query where VALUES_IN_REGISTERS (_weighted_q8)."""
+    if tile > 1 or not VALUES_IN_REGISTERS:
+        dequantized_rows(v[0][hkv], v[1][hkv], rows, jb, n)
     return rows, 0
+
+
+def _weighted_q8(p, v, v_rows, v0, hkv, jb, n, a, tile):
+    """a += p · the values: from the staged rows, or for one query where VALUES_IN_REGISTERS
+    from the codes (weighted_q8_rows: the same bits)."""
+    if tile == 1 and VALUES_IN_REGISTERS:
+        weighted_q8_rows(p, v[0][hkv], v[1][hkv], a, jb, n)
+    else:
+        weighted_rows(p, v_rows, a, v0, n)
 
 
 @kernel
@@ -160,11 +184,7 @@ def _online_softmax(p, n, a, m_t, l_t):
     for g in range(G):
         m_new = row_max(p, g, n, m_t[g])
         rescale = np.exp(m_t[g] - m_new)
-        total = np.float32(0)
-        for j in range(n):
-            p[g, j] = mathf.exp(p[g, j] - m_new)
-            total += p[g, j]
-        l_t[g] = l_t[g] * rescale + total
+        l_t[g] = l_t[g] * rescale + exp_row(p, g, n, m_new)
         m_t[g] = m_new
         if rescale != 1:
             for d in range(D):
@@ -177,24 +197,26 @@ def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, rows, key_buffers):
     heads over the range; an empty range leaves m = -inf, l = 0, a = 0). Block by block of keys,
     each block's values staged once (rows: scratch [BLOCK, D]); every query takes each of its
     blocks through the same three steps, so it has the same bits alone (decode: t1 = t0 + 1) as
-    in any tile. `_scores`, `_staged` and `_staged_keys` (key_buffers: its scratch) are bound per
-    cache type and ISA."""
+    in any tile (one query's values, read by a path of its own, have the tile's bits). `_scores`,
+    `_staged`, `_staged_keys` (key_buffers: its scratch) and `_weighted` are bound per cache type
+    and ISA."""
     r0 = r * RANGE_KEYS
     r1 = min(r0 + RANGE_KEYS, start + t1)                  # the tile's last query's keys
     for i in range(t1 - t0):
         a[i] = 0
         m[i] = -np.inf
         l[i] = 0
+    tile = t1 - t0
     for jb in range(r0, r1, BLOCK):
-        v_rows, v0 = _staged(v, hkv, jb, min(BLOCK, r1 - jb), rows)
+        v_rows, v0 = _staged(v, hkv, jb, min(BLOCK, r1 - jb), rows, tile)
         keys = _staged_keys(k, hkv, jb, min(BLOCK, r1 - jb), key_buffers)
-        for i in range(t1 - t0):
+        for i in range(tile):
             j1 = min(start + t0 + i + 1, r1)              # query t0 + i's last key + 1
             if j1 > jb:
                 n = min(BLOCK, j1 - jb)
                 _scores(q, keys, t0 + i, hkv, jb, n, p)
                 _online_softmax(p, n, a[i], m[i], l[i])
-                weighted_rows(p, v_rows, a[i], v0, n)
+                _weighted(p, v, v_rows, v0, hkv, jb, n, a[i], tile)
 
 
 @kernel(fastmath=False)
@@ -317,16 +339,17 @@ def _kernel(isa: Isa | None):
     if isa not in _kernels:
         keys = _keys_as_stored
         if isa is None:
-            label, scores, staged = "f32", _scores_f32, _staged_f32
-        elif isa is Isa.AVX512VNNI:
-            label, staged = f"q8_{isa.label}", _staged_q8
-            scores = kernel(_scores_q8_by_key)
-            keys = _keys_transposed
+            label, scores, staged, weighted = "f32", _scores_f32, _staged_f32, _weighted_f32
         else:
-            label, staged = f"q8_{isa.label}", _staged_q8
-            scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
+            label = f"q8_{isa.label}"
+            staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
+                                for f in (_staged_q8, _weighted_q8))
+            if isa is Isa.AVX512VNNI:
+                scores, keys = kernel(_scores_q8_by_key), _keys_transposed
+            else:
+                scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
-                            _staged_keys=keys)
+                            _staged_keys=keys, _weighted=weighted)
         _kernels[isa] = omp.forking_kernel(
             bind(_attention_body, label), fork=bind(attend_share, label, _tile_range=tile_range),
             fork_combine=_combine_share)

@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fermijit.jit import cpu as jit_cpu
-from fermijit.jit import simd
+from fermijit.jit import mathf, simd
 from fermijit.jit.cpu import Isa
 from fermijit.jit.simd import F32, I8, I32, I64, vec
 from fermijit.ops import fp32_rows
@@ -73,8 +73,10 @@ def group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
 # --- Q8_0 scores ---------------------------------------------------------------------------------
 
 # Query heads a Q8_0 score tile takes against one key (the first dividing the group's heads, else
-# one at a time): the key's registers loaded and made unsigned once for them.
-Q8_HEAD_GROUPS = {Isa.AVX512VNNI: (4, 3), Isa.AVX2: (2,), Isa.SSSE3: (2,)}
+# one at a time): the key's registers loaded and made unsigned once for them. AVX2 and SSE: all
+# 8 of the full-size model's, 3 of the default model's; decode scores alone (full size, haswell
+# and westmere targets, 1 thread) 82 and 135 ns a key visit, against 94 and 185 by 2 heads.
+Q8_HEAD_GROUPS = {Isa.AVX512VNNI: (4, 3), Isa.AVX2: (8, 3, 2), Isa.SSSE3: (8, 3, 2)}
 Q8_STEP_REGISTERS = 4  # registers of a key row a full step reads (the rest: halving steps)
 
 
@@ -276,6 +278,70 @@ def weighted_rows(typingctx, p, v, a, j0, n):
     return sig, codegen
 
 
+# Query heads a Q8_0 weighted-value tile holds in registers, tried in turn (else one at a time):
+# with 32 vector registers (AVX-512) all 8 of the full-size model's group, 16 accumulators of a
+# 32-dim block, so each value block is converted from int8 once for them; with 16, two heads.
+def q8_value_heads() -> tuple:
+    return (8, 4, 3) if "avx512f" in jit_cpu.target_features() else (2,)
+
+
+@intrinsic
+def weighted_q8_rows(typingctx, p, vq, vd, a, j0, n):
+    """weighted_rows over Q8_0 values: a[g] += Σ_{j < n} p[g, j] · x_j for every row g of a,
+    x_j = vq[j0 + j] · vd[j0 + j] per 32-block (codes converted to fp32 times the scale: the
+    dequantised value, bit for bit) made in registers per key and block, never stored (staging a
+    64-key block as fp32, 64 KB at D = 256, went through L2: a quarter of a 16k decode step's
+    attention). Per 32-dim block, q8_value_heads()' rows at a time in registers over the keys;
+    each a[g, d] sums its keys in order with the same fused multiply-adds as weighted_rows, so
+    the bits are weighted_rows' over the dequantised rows."""
+    sig = types.none(p, vq, vd, a, j0, n)
+
+    def codegen(context, builder, sig, args):
+        pa, qa, da, aa = (context.make_array(sig.args[i])(context, builder, args[i])
+                          for i in range(4))
+        j0v, nv = args[4:6]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        n_rows = builder.extract_value(aa.shape, 0)
+        nb = builder.extract_value(da.shape, 1)
+        q_stride, d_stride, a_stride, p_stride = (builder.extract_value(x.strides, 0)
+                                                  for x in (qa, da, aa, pa))
+        vf = vec(F32, LANES)
+        halves = 32 // LANES
+
+        def tile(b, row0, n_heads):
+            a_rows = [builder.mul(builder.add(row0, c(h)), a_stride) for h in range(n_heads)]
+            p_rows = [builder.mul(builder.add(row0, c(h)), p_stride) for h in range(n_heads)]
+            cols = [builder.mul(builder.add(builder.mul(b, c(32)), c(u * LANES)), c(4))
+                    for u in range(halves)]
+            accs = [[cgutils.alloca_once_value(builder, simd.load(builder, aa.data,
+                                                                  builder.add(r, o), vf))
+                     for o in cols] for r in a_rows]
+            with cgutils.for_range(builder, nv) as key:
+                row = builder.add(j0v, key.index)
+                scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
+                    builder.mul(row, d_stride), builder.mul(b, c(4))), F32), LANES)
+                q_row = builder.add(builder.mul(row, q_stride), builder.mul(b, c(32)))
+                xs = [builder.fmul(builder.sitofp(simd.load(builder, qa.data, builder.add(
+                    q_row, c(u * LANES)), vec(I8, LANES)), vf), scale) for u in range(halves)]
+                for p_row, row_accs in zip(p_rows, accs):
+                    w = simd.splat(builder, simd.load_scalar(builder, pa.data, builder.add(
+                        p_row, builder.mul(key.index, c(4))), F32), LANES)
+                    for acc, x in zip(row_accs, xs):
+                        builder.store(simd.muladd(builder, w, x, builder.load(acc)), acc)
+            for r, row_accs in zip(a_rows, accs):
+                for acc, o in zip(row_accs, cols):
+                    dst = simd.byte_ptr(builder, aa.data, builder.add(r, o))
+                    builder.store(builder.load(acc), builder.bitcast(dst, vf.as_pointer()),
+                                  align=4)
+
+        with cgutils.for_range(builder, nb) as block:
+            _in_groups(builder, n_rows, q8_value_heads(),
+                       lambda row0, heads: tile(block.index, row0, heads))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @intrinsic
 def row_max(typingctx, p, g, n, m0):
     """max(m0, p[g, 0..n-1]) in 16-float vectors (compare and select: exact, so the order does
@@ -303,6 +369,41 @@ def row_max(typingctx, p, g, n, m0):
             b = builder.load(m)
             builder.store(builder.select(builder.fcmp_ordered(">", x, b), x, b), m)
         return builder.load(m)
+
+    return sig, codegen
+
+
+@intrinsic
+def exp_row(typingctx, p, g, n, m):
+    """p[g, j] = e^(p[g, j] - m) for j < n (mathf's exp, 16 at a time: Numba left that loop
+    mostly scalar, an eighth of a decode step's attention) -> their sum: 16-lane partial sums
+    in order, added by halving, then the leftover scores in order."""
+    sig = types.float32(p, g, n, m)
+
+    def codegen(context, builder, sig, args):
+        pa = context.make_array(sig.args[0])(context, builder, args[0])
+        gv, nv, mv = args[1:4]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        vf = vec(F32, LANES)
+        row = builder.mul(gv, builder.extract_value(pa.strides, 0))
+        ms = simd.splat(builder, mv, LANES)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+        n_vec = builder.udiv(nv, c(LANES))
+        with cgutils.for_range(builder, n_vec) as loop:
+            ptr = builder.bitcast(simd.byte_ptr(builder, pa.data, builder.add(
+                row, builder.mul(loop.index, c(4 * LANES)))), vf.as_pointer())
+            e = mathf.emit_exp(builder, builder.fsub(builder.load(ptr, align=4), ms))
+            builder.store(e, ptr, align=4)
+            builder.store(builder.fadd(builder.load(acc), e), acc)
+        total = cgutils.alloca_once_value(builder, simd.hsum(builder, builder.load(acc)))
+        with cgutils.for_range(builder, builder.sub(nv, builder.mul(n_vec, c(LANES)))) as loop:
+            j = builder.add(builder.mul(n_vec, c(LANES)), loop.index)
+            ptr = builder.bitcast(simd.byte_ptr(builder, pa.data, builder.add(
+                row, builder.mul(j, c(4)))), F32.as_pointer())
+            e = mathf.emit_exp(builder, builder.fsub(builder.load(ptr), mv))
+            builder.store(e, ptr)
+            builder.store(builder.fadd(builder.load(total), e), total)
+        return builder.load(total)
 
     return sig, codegen
 

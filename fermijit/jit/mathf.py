@@ -15,6 +15,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 _LOG2E = np.float32(1.44269504088896341)
@@ -48,6 +49,33 @@ def exp(x):
     p = p * r + _P5
     p = p * (r * r) + r + np.float32(1.0)
     return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))  # 2^n
+
+
+def emit_exp(builder, x):
+    """`exp` in LLVM IR for an f32 value or vector x (the same operations, unfused, in the same
+    order: the same bits), for kernels written as intrinsics, where a call to `exp` would be
+    one lane at a time."""
+    n = x.type.count if isinstance(x.type, ir.VectorType) else 0
+    i32 = ir.VectorType(ir.IntType(32), n) if n else ir.IntType(32)
+
+    def k(value, ty=x.type):
+        return ir.Constant(ty, [value] * n if n else value)
+
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(x.type, [x.type]),
+                                           f"llvm.floor.{'v%df32' % n if n else 'f32'}")
+    nf = builder.call(floor, [builder.fadd(builder.fmul(x, k(float(_LOG2E))), k(0.5))])
+    r = builder.fsub(builder.fsub(x, builder.fmul(nf, k(float(_LN2_HI)))),
+                     builder.fmul(nf, k(float(_LN2_LO))))
+    p = k(float(_P0))
+    for coef in (_P1, _P2, _P3, _P4, _P5):
+        p = builder.fadd(builder.fmul(p, r), k(float(coef)))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), k(1.0))
+    two_n = builder.bitcast(builder.shl(builder.add(builder.fptosi(nf, i32), k(127, i32)),
+                                        k(23, i32)), x.type)
+    y = builder.fmul(p, two_n)
+    y = builder.select(builder.fcmp_ordered(">", x, k(float(_X_MAX))), k(float("inf")), y)
+    y = builder.select(builder.fcmp_ordered("<", x, k(float(_X_MIN))), k(0.0), y)
+    return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
 
 
 @intrinsic

@@ -146,6 +146,8 @@ Q8_CASES = {
     "T9-Hq10-Hkv2-D96-S40-start5": (9, 10, 2, 96, 40, 5, 1.0),
     "T63-Hq4-Hkv2-D160-S63-start0": (63, 4, 2, 160, 63, 0, 1.0),
     "T1-Hq3-Hkv3-D32-S5-start0": (1, 3, 3, 32, 5, 0, 1.0),
+    # 12 heads a kv head, 3 blocks: decode's values in registers by tiles of 4 heads (AVX-512)
+    "T1-Hq12-Hkv1-D96-S300-start290": (1, 12, 1, 96, 300, 290, 1.0),
 }
 
 
@@ -176,18 +178,21 @@ def test_q8_reference_is_the_dequantised_attention(rng):
     assert np.abs(expected - f32).max() < 0.05
 
 
-@pytest.mark.parametrize("heads", [(16, 2), (6, 2)], ids=["G8", "G3"])
-def test_q8_query_has_the_same_bits_in_any_pass(rng, heads):
-    """As test_a_query_has_the_same_bits_in_any_pass, over a Q8_0 cache."""
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("heads", [(16, 2), (6, 2), (20, 2)], ids=["G8", "G3", "G10"])
+def test_q8_query_has_the_same_bits_in_any_pass(rng, heads, isa):
+    """As test_a_query_has_the_same_bits_in_any_pass, over a Q8_0 cache, for every variant: a
+    decode step (one query) reads the values by a path of its own (weighted_q8_rows)."""
     Hq, Hkv = heads
-    q, k, v, gate = _inputs(rng, 530, Hq, Hkv, 64, 540)
+    q, k, v, gate = _inputs(rng, 530, Hq, Hkv, 96, 540)
     k8, v8 = _q8(k, v)
-    whole = attention.cpu(q, k8, v8, gate, 0)
+    whole = attention.cpu(q, k8, v8, gate, 0, isa=isa)
     for t in (0, 255, 256, 529):
-        assert np.array_equal(attention.cpu(q[t:t + 1], k8, v8, gate[t:t + 1], t),
+        assert np.array_equal(attention.cpu(q[t:t + 1], k8, v8, gate[t:t + 1], t, isa=isa),
                               whole[t:t + 1]), t
     for lo, hi in ((250, 259), (508, 517)):
-        assert np.array_equal(attention.cpu(q[lo:hi], k8, v8, gate[lo:hi], lo), whole[lo:hi]), lo
+        assert np.array_equal(attention.cpu(q[lo:hi], k8, v8, gate[lo:hi], lo, isa=isa),
+                              whole[lo:hi]), lo
 
 
 def test_q8_bad_inputs(rng):
