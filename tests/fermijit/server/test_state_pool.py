@@ -207,9 +207,11 @@ def test_each_array_starts_on_a_cache_line(model):
     assert all(a.ctypes.data % ALIGN == 0 for s in pool.free for a in s.arrays)
 
 
-def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatch):
-    """`give` leaves the zeroing to the pool's thread (slowed down here): a state taken
-    meanwhile gets zeroed arrays or fresh ones, never those still being zeroed."""
+def test_a_state_taken_while_others_are_zeroed_waits_for_their_zeros(model, rng, monkeypatch):
+    """`give` leaves the zeroing to the pool's threads (slowed down here): a state taken
+    meanwhile waits for them and gets those arrays zeroed, never fresh ones (their page faults
+    in the GPU's hand-off: a second batch's "state out" 4x the first's on the H200) nor ones
+    still being zeroed."""
     import time
 
     pool = GdnPool(model, capacity=2)
@@ -222,14 +224,67 @@ def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatc
     monkeypatch.setattr(pool, "_zero", slow)
     ended = model.new_state(8)
     pool.take(ended)
+    mine = gdn(ended)
     scribble(ended, rng)
     pool.give(ended)
-    time.sleep(0.02)                                          # the thread is zeroing
+    time.sleep(0.02)                                          # the threads are zeroing
     new = model.new_state(8)
     pool.take(new)
     assert all(not a.any() for a in gdn(new))
+    assert all(any(a is b for b in mine) for a in gdn(new))   # the pool's, not fresh
     pool.wait()
-    assert len(pool.free) == pool.n_layers
+    assert pool.free == []
+
+
+def test_take_waits_only_for_states_being_zeroed(model, monkeypatch):
+    """An empty pool with nothing being zeroed: `take` leaves the state's own (fresh) arrays at
+    once, however long it would wait for a zeroed one."""
+    import time
+
+    from fermijit.server import state_pool
+
+    monkeypatch.setattr(state_pool, "TAKE_WAIT_S", 30.0)
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1)
+    pool.take(model.new_state(8))
+    state = model.new_state(8)
+    before = gdn(state)
+    start = time.perf_counter()
+    pool.take(state)
+    assert time.perf_counter() - start < 5.0
+    assert all(a is b for a, b in zip(gdn(state), before))
+
+
+def test_given_back_states_are_zeroed_on_several_threads(model, rng, monkeypatch):
+    """Two states given back together (a batch ending): their layers zeroed concurrently."""
+    import threading
+    import time
+
+    from fermijit.server.state_pool import ZERO_THREADS
+
+    pool = GdnPool(model, capacity=2)
+    pool.fill(2)
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def slow(s):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.05)
+        with lock:
+            now[0] -= 1
+        GdnPool._zero(s)
+
+    monkeypatch.setattr(pool, "_zero", slow)
+    states = [model.new_state(8) for _ in range(2)]
+    for s in states:
+        pool.take(s)
+        scribble(s, rng)
+    for s in states:
+        pool.give(s)
+    pool.wait()
+    assert most[0] == min(ZERO_THREADS, 2 * pool.n_layers) > 1
+    assert len(pool.free) == 2 * pool.n_layers
     assert all(not a.any() for s in pool.free for a in s.arrays)
 
 
