@@ -88,9 +88,16 @@ class GdnPool:
         if state.position != 0:
             return
         for i, s in enumerate(state.layers):
-            if isinstance(s, GdnState) and self._wait_free():
-                state.layers[i] = self.free.pop()  # the zeroing threads only append
-                self._held -= 1
+            if isinstance(s, GdnState):
+                state.layers[i] = self.take_one() or s
+
+    def take_one(self) -> GdnState | None:
+        """A zeroed GdnState (after waiting, as `take`), or None where the pool has none: for
+        Model.new_state's `gdn`, so a new state is made with the pool's arrays."""
+        if not self._wait_free():
+            return None
+        self._held -= 1
+        return self.free.pop()  # the zeroing threads only append
 
     def _wait_free(self) -> bool:
         """Whether a zeroed GdnState is free, waiting (at most TAKE_WAIT_S) for one being

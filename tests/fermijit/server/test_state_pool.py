@@ -109,6 +109,29 @@ def test_a_new_state_takes_the_pools_arrays_and_an_ended_one_gives_them_back_zer
     assert all(not a.any() for a in gdn(again))              # zeroed, not the scribbles
 
 
+def test_a_new_state_is_made_with_the_pools_arrays(model, monkeypatch):
+    """Model.new_state(gdn=pool.take_one) (the scheduler's, through PromptPrefill): the pool's
+    zeroed GDN states, without making zeros to throw away; where the pool runs out, new zeros."""
+    import fermijit.model.state as state_module
+
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1)
+    pooled = [a for s in pool.free for a in s.arrays]
+    made = []
+    real_zeros = np.zeros
+    monkeypatch.setattr(state_module.np, "zeros",
+                        lambda *a, **k: made.append(a[0]) or real_zeros(*a, **k))
+    state = model.new_state(16, gdn=pool.take_one)
+    gdn_shapes = set(pool.shapes)
+    assert not [shape for shape in made if tuple(shape) in gdn_shapes]
+    assert all(any(a is b for b in pooled) for a in gdn(state)) and pool.free == []
+    assert all(not a.any() for a in gdn(state))
+    other = model.new_state(16, gdn=pool.take_one)            # the pool is empty: zeros
+    assert all(not a.any() and not any(np.shares_memory(a, b) for b in pooled)
+               for a in gdn(other))
+    assert len(gdn(other)) == len(gdn(state))
+
+
 def test_live_states_never_share_arrays(model, rng):
     """A pool of one state's worth and three new states, then states ending and new ones
     starting in turn: no two live states ever hold the same memory."""
