@@ -31,6 +31,8 @@ echo "serve bench rc=$?"
 tail -5 "$out/serve-bench.log"
 echo "the default servers' GPU prefill calls (--verbose): sequences, rows, phases"
 grep -h "^gpu prefill of" "$out/serve-default.log"
+echo "the scheduler's share of each 8-prompt batch (--verbose): before the call, after it"
+grep -h "^serve: 8 prompt" "$out/serve-default.log"
 # Where a warm start's seconds go (issue 28 item 4: <= 3 s): one more start with -X importtime,
 # and one under cProfile (stopped by SIGINT once serving: uvicorn's clean exit writes the profile).
 python3 -m tests.fermijit.server.start_profile $full "$out" 2>"$out/start-profile.log"
