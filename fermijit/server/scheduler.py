@@ -196,9 +196,10 @@ class Scheduler:
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
         # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
         # GPU prefills (`_serve`), none on the CPU (its prefill's own page faults are noise); and
-        # the sequences ended since the loop last gave theirs back.
+        # the sequences ended but not yet given back (`_finish`: those ended in `_prefilled`).
         self.gdn_pool = GdnPool(engine.model, 0)
         self._ended: list[Sequence] = []
+        self._is_deferring = False   # inside `_prefilled`: ended states given back after it
 
     # --- any thread -----------------------------------------------------------------------------
 
@@ -468,7 +469,7 @@ class Scheduler:
         token, then every snapshot, so that of prompts prefilled together none waits for the
         others' snapshots (a state copy each, ~65 MB at full size). Returns when the first
         tokens were sent (time.perf_counter)."""
-        prefills = []
+        prefills, self._is_deferring = [], True
         for s, logits in done:
             prefills.append(s.prefill)
             s.prefill = None
@@ -479,6 +480,10 @@ class Scheduler:
             prefill.finish(logits)
             if not s.is_done:
                 self.active.append(s)
+        self._is_deferring = False
+        for s in self._ended:  # those that ended at their first token, now snapshotted
+            self.gdn_pool.give(s.state)
+        self._ended = []
         return sent
 
     def _prefill_failed(self, seqs: list[Sequence], e: Exception) -> None:
@@ -583,9 +588,16 @@ class Scheduler:
             fed = np.concatenate([s.prompt, np.asarray(s.generated[:s.state.position - n_prompt],
                                                        np.int32)])
             cache.add(fed, s.state, logits)
+        # Over for good (snapshotted): its GDN states to the pool now, so that they are zeroed
+        # while the other sequences ending in this step snapshot theirs (a batch that arrives as
+        # this one ends then finds them zeroed); in `_prefilled`, once its prompt's snapshot is
+        # taken.
+        if self._is_deferring:
+            self._ended.append(s)
+        else:
+            self.gdn_pool.give(s.state)
         if reason is not None:
             s.job.emit(Finished(reason, n_prompt, s.n_cached, len(s.generated)))
-        self._ended.append(s)
 
     @staticmethod
     def _fail(job: Job, error: ApiError) -> None:

@@ -197,6 +197,39 @@ def test_batches_on_recycled_states_answer_as_alone(engine, prompts, alone, more
         assert pool.free and all(not a.any() for s in pool.free for a in s.arrays)
 
 
+def test_a_state_is_given_back_as_its_sequence_ends_after_its_snapshots(
+        engine, prompts, monkeypatch):  # noqa: F811
+    """`_finish` gives an ended sequence's GDN states to the pool at once (zeroed while the
+    others ending in that step snapshot theirs), after every snapshot of it: one that ends at its
+    first token (max_tokens 1: in `_prefilled`) only once its prompt is snapshotted, so the same
+    prompt again, restored from that snapshot, answers as before."""
+    import time
+
+    given, snapshotted = [], []
+    with serving(engine, Reserving(engine.model)) as (url, scheduler):
+        pool, cache = scheduler.gdn_pool, scheduler.engine.cache
+        give, add = pool.give, cache.add
+        monkeypatch.setattr(pool, "give", lambda state: (given.append(
+            (len(snapshotted), len(state.layers))), give(state)))
+        monkeypatch.setattr(cache, "add", lambda *a, **k: (snapshotted.append(a[1].position),
+                                                           add(*a, **k)))
+        first = complete(url, prompts[0], max_tokens=1)
+        for _ in range(500):                                  # given after its Finished
+            if given:
+                break
+            time.sleep(0.01)
+        assert given and given[0][1] > 0                      # a state with its layers
+        assert given[0][0] == len(snapshotted) >= 1           # after its prompt's snapshot
+        again = complete(url, prompts[0], max_tokens=1)
+        assert text(again) == text(first)
+        given.clear()
+        snapshotted.clear()
+        complete(url, prompts[1])                # ends in a decode step: given before Finished
+        assert len(given) == 1 and given[0][1] > 0
+        assert given[0][0] == len(snapshotted) >= 2            # its prompt's, then its answer's
+        assert scheduler._ended == [] and not scheduler._is_deferring
+
+
 def test_a_prefill_that_fails_after_writing_its_states_returns_nothing_dirty(
         engine, prompts, alone, more):  # noqa: F811
     """A GPU-side failure after the hand-off began writing (the states' arrays scribbled, then
