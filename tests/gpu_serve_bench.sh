@@ -27,7 +27,8 @@ case ",$steps," in *,state,*)  # the GPU tests of the states' way in and out alo
   timeout 240 python3 -m pytest -q -rsP -p no:cacheprovider \
     tests/fermijit/prefill/test_hybrid_gpu.py tests/fermijit/server/test_state_pool.py \
     >"$out/state-tests.log" 2>&1
-  echo "GPU prefill state tests rc=$?"; grep -E "passed|failed|error" "$out/state-tests.log" | tail -1
+  echo "GPU prefill state tests rc=$?"
+  grep -E "passed|failed|error" "$out/state-tests.log" | tail -1
   grep -E "^(FAILED|ERROR)|^E  " "$out/state-tests.log" | head -20;;
 esac
 case ",$steps," in *,bench,*) ;; *) exit 0;; esac
