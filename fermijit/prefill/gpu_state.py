@@ -119,7 +119,7 @@ def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
         int(scales.gpudata) + (h * positions + start) * nb * F32)], (codes, scales)
 
 
-def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
+def hand_off(dev: DeviceModel, sequences: list[tuple], timings: dict | None = None) -> None:
     """Each sequence's (device states, host `State`, end, waiting) device caches (the positions
     from the host state's to `end`: `handed_rows`) and states into the host state, which then
     holds `end` positions; with the MTP head, `waiting` (device [1, H]) becomes its hidden state
@@ -127,8 +127,19 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
     rate) before any host state changes, so a failure leaves them all as they were; but for a
     new state's (position 0) GDN arrays in page-locked memory (the server's pool:
     fermijit/server/state_pool.py), which the DMA writes in place (no host copy), and which a
-    failure sets back to the zeros they were."""
+    failure sets back to the zeros they were. `timings` (a dict) gets the host seconds of its
+    steps: the rows' rounding (the launches, and their end), the copies (their calls and the
+    DMA's end), the host copy out of the hand-off buffer (run_batch's --verbose phases)."""
+    import time
+
     from fermijit.jit import gpu
+
+    clock = [time.perf_counter()]
+
+    def step(name: str) -> None:
+        clock.append(time.perf_counter())
+        if timings is not None:
+            timings[name] = clock[-1] - clock[-2]
 
     cuda = gpu.driver()
     pieces = []  # (host array to fill, device address), in handed_arrays' order
@@ -162,6 +173,7 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
     if held:  # the rounding ran on the legacy stream; the copies go on another
         with gpu.check("rounding the KV cache to Q8_0"):
             cuda.Context.synchronize()
+    step("rounding")
     try:
         with gpu.check("copying the state back"):
             at = 0
@@ -177,7 +189,9 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
         for a, _ in direct:
             a.fill(0)
         raise
+    step("copies")
     fill_from(buf, [a for a, _ in pieces])
+    step("host copy")
     for (_, state, end, _), h in zip(sequences, hidden):
         state.position = end
         if h is not None:

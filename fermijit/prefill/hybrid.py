@@ -509,9 +509,11 @@ class GpuPrefiller:
             fed += pieces
             self.last_pass = run
             observed += run.observed
+        steps: dict = {}
         gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
-                                                 waiting)))
+                                                 waiting)), steps)
         phase("state out")
+        phases.update({f"state out ({k})": v for k, v in steps.items()})  # its parts
         if self.verbose and n_rows > 2:
             self._say(f"gpu prefill of {len(items)} sequence(s), {n_rows} rows: " + ", ".join(
                 f"{k} {v:.3f} s" for k, v in phases.items()))

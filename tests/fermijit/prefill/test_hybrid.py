@@ -386,8 +386,11 @@ def test_the_hand_off_writes_new_page_locked_gdn_states_in_place(monkeypatch, rn
 
     cuda = Cuda()
     monkeypatch.setattr(gpu, "driver", lambda: cuda)
-    gpu_state.hand_off(dev, sequences)
+    timings = {}
+    gpu_state.hand_off(dev, sequences, timings)
     assert [s.position for s in states] == [10, 10]
+    assert list(timings) == ["rounding", "copies", "host copy"]   # its steps (--verbose)
+    assert all(t >= 0 for t in timings.values())
     direct = [d for d in cuda.dests if d.dtype == np.float32]
     assert len(direct) == 2 and direct[0] is pooled.conv and direct[1] is pooled.recurrent
     for d, s, start in zip(on_device, states, (0, 3)):
