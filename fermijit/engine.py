@@ -252,14 +252,15 @@ class PromptPrefill:
     tokens left (`rest`); snapshots where a pass ends at a multiple of `snapshot_every` (passes
     are aligned to them: `align`) or `snapshot_every` past the last one (a prefill that cannot
     align), and at the end (`finish`). With `mtp`, the state carries the MTP layer
-    (model/mtp.py)."""
+    (model/mtp.py). `gdn`: a new state's GDN layers from it (Model.new_state; the server's
+    pool of resident ones)."""
 
     def __init__(self, model, prompt: np.ndarray, context: int, cache=None,
-                 positions: int | None = None, mtp: bool = False):
+                 positions: int | None = None, mtp: bool = False, gdn=None):
         self.prompt, self.cache = np.asarray(prompt, np.int32), cache
         state, self.logits = (None, None) if cache is None else cache.restore(self.prompt,
                                                                                context)
-        self.state = model.new_state(context, positions, mtp) if state is None else state
+        self.state = model.new_state(context, positions, mtp, gdn) if state is None else state
         self.n_cached = self._last_snapshot = self.state.position
 
     @property

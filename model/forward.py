@@ -410,11 +410,13 @@ class Model:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def new_state(self, context: int, positions: int | None = None, mtp: bool = False) -> State:
+    def new_state(self, context: int, positions: int | None = None, mtp: bool = False,
+                  gdn=None) -> State:
         """Zeros, the KV caches (of kind `kv_kind`) allocated to `context` positions (at most
         the model's), taking memory as they are used; the memory of `positions` of them
         (default: all) checked now (model/state.py); with `mtp`, the MTP layer's cache last and
-        no hidden state waiting (model/mtp.py)."""
+        no hidden state waiting (model/mtp.py); `gdn()` a GDN layer's zeroed state where it
+        gives one (model/state.py new_state)."""
         if not 1 <= context <= self.max_context:
             raise FermijitError(f"context must be between 1 and {self.max_context} "
                                 f"(max_position_embeddings), got {context}")
@@ -426,7 +428,7 @@ class Model:
         state = new_state(self.is_attention + ((True,) if mtp else ()), context,
                           (self.n_kv_heads, self.head_dim), (self.conv_dim, self.conv_taps - 1),
                           (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind,
-                          positions)
+                          positions, gdn)
         if mtp:
             state.hidden = np.empty((0, self.hidden), np.float32)
         return state

@@ -327,9 +327,11 @@ def state_nbytes(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[in
 
 def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],
               conv_shape: tuple[int, int], recurrent_shape: tuple[int, int, int],
-              kv: KvKind = DEFAULT_KV, positions: int | None = None) -> State:
+              kv: KvKind = DEFAULT_KV, positions: int | None = None, gdn=None) -> State:
     """Zeros: `layer_kinds[i]` is True for an attention layer; kv_shape (Hkv, D), conv_shape
-    (C, Kc-1), recurrent_shape (Hv, dk, dv); KV caches of kind `kv` for `context` positions.
+    (C, Kc-1), recurrent_shape (Hv, dk, dv); KV caches of kind `kv` for `context` positions;
+    each GDN layer's state `gdn()` where that gives one (zeroed, of these shapes: the server's
+    pool, fermijit/server/state_pool.py), else new zeros.
     When the `positions` the caller will use (default: all of them) need more than the memory
     available, a FermijitError saying so, before any allocation (an over-large cache
     failed later, or was killed); the rest is checked as the state grows (check_room)."""
@@ -343,6 +345,7 @@ def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, 
     hkv, d = kv_shape
     layers: list[KvCache | GdnState] = [
         KvCache.zeros(kv, hkv, context, d) if is_attention else
-        GdnState(np.zeros(conv_shape, np.float32), np.zeros(recurrent_shape, np.float32))
+        (gdn and gdn()) or GdnState(np.zeros(conv_shape, np.float32),
+                                    np.zeros(recurrent_shape, np.float32))
         for is_attention in layer_kinds]
     return State(0, layers, memory_checked_to=positions)

@@ -27,37 +27,59 @@ if TYPE_CHECKING:
 COPY_THREADS = 4
 
 
+# Floats (256 bytes) where each array starts in a sequence's device block (`upload_states`): the
+# pool's own alignment, so the kernels see the addresses separate allocations had.
+DEVICE_ALIGN = 64
+
+
 def upload_states(state: State, n_positions: int) -> list:
     """The host state on the device: KV caches with room for `n_positions` holding the
     state's positions, GDN states (and the MTP head's cache, last, where the state has it: its
-    row at position - 1 is sent too, unwritten yet, and the prefill writes it first). A state at
-    position 0 is the empty one (Model.new_state): its device copy is cleared, not sent (~100
-    MB for the full-size shapes)."""
+    row at position - 1 is sent too, unwritten yet, and the prefill writes it first). They are
+    views of two device allocations, the GDN states' (the same size every call: the pool's
+    same block again) and the KV caches': a state at position 0 is the empty one
+    (Model.new_state), whose GDN states are cleared by one memset, not sent (~100 MB for the
+    full-size shapes). (An allocation and a memset per array cost ~5 ms a sequence on the
+    H200's host: 8 prompts prefilled together spent 0.03-0.12 s sending states in.)"""
     from fermijit.jit import gpu
 
-    cuda, states, held = gpu.driver(), [], state.position
+    cuda, held = gpu.driver(), state.position
+    shapes = [[(a.shape[0], n_positions, a.shape[2]) for a in (s.k, s.v)]
+              if isinstance(s, KvCache) else [s.conv.shape, s.recurrent.shape]
+              for s in state.layers]
+
+    def floats(shape) -> int:
+        return -(-int(np.prod(shape)) // DEVICE_ALIGN) * DEVICE_ALIGN
+
+    states, blocks, at = [], {}, {False: 0, True: 0}  # by is-a-KV-cache: the next free float
     with gpu.check("sending the state in"):
-        for s in state.layers:
-            if isinstance(s, KvCache):
-                pair = []
-                for a in (s.k, s.v):
+        for is_kv in (False, True):
+            n = sum(floats(x) for s, pair in zip(state.layers, shapes)
+                    if isinstance(s, KvCache) == is_kv for x in pair)
+            if n:
+                blocks[is_kv] = gpu.empty((n,))
+                if not (is_kv or held):
+                    cuda.memset_d32(blocks[is_kv].gpudata, 0, n)
+        for s, pair in zip(state.layers, shapes):
+            is_kv, views = isinstance(s, KvCache), []
+            for shape in pair:
+                start = at[is_kv]
+                at[is_kv] += floats(shape)
+                views.append(blocks[is_kv][start:start + int(np.prod(shape))].reshape(shape))
+            if is_kv:
+                for a, dev in zip((s.k, s.v), views):
                     heads, _, dim = a.shape
-                    dev = gpu.empty((heads, n_positions, dim))
                     for h in range(heads if held else 0):
                         rows = a[h, :held]
                         rows = (rows.dequantize() if isinstance(rows, Q8Rows)
                                 else np.ascontiguousarray(rows))
                         cuda.memcpy_htod(int(dev.gpudata) + h * n_positions * dim * F32, rows)
-                    pair.append(dev)
-                states.append(KvCache(*pair))
-            elif held:
-                states.append(GdnState(*(gpu.to_device("gpu prefill", "gdn state", a, np.float32)
-                                         for a in (s.conv, s.recurrent))))
+                states.append(KvCache(*views))
             else:
-                pair = [gpu.empty(a.shape) for a in (s.conv, s.recurrent)]
-                for dev in pair:
-                    cuda.memset_d32(dev.gpudata, 0, dev.size)
-                states.append(GdnState(*pair))
+                for a, dev in zip((s.conv, s.recurrent), views):
+                    if held:
+                        cuda.memcpy_htod(int(dev.gpudata), np.ascontiguousarray(a, np.float32))
+                states.append(GdnState(*views))
     return states
 
 
@@ -97,7 +119,7 @@ def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
         int(scales.gpudata) + (h * positions + start) * nb * F32)], (codes, scales)
 
 
-def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
+def hand_off(dev: DeviceModel, sequences: list[tuple], timings: dict | None = None) -> None:
     """Each sequence's (device states, host `State`, end, waiting) device caches (the positions
     from the host state's to `end`: `handed_rows`) and states into the host state, which then
     holds `end` positions; with the MTP head, `waiting` (device [1, H]) becomes its hidden state
@@ -105,8 +127,19 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
     rate) before any host state changes, so a failure leaves them all as they were; but for a
     new state's (position 0) GDN arrays in page-locked memory (the server's pool:
     fermijit/server/state_pool.py), which the DMA writes in place (no host copy), and which a
-    failure sets back to the zeros they were."""
+    failure sets back to the zeros they were. `timings` (a dict) gets the host seconds of its
+    steps: the rows' rounding (the launches, and their end), the copies (their calls and the
+    DMA's end), the host copy out of the hand-off buffer (run_batch's --verbose phases)."""
+    import time
+
     from fermijit.jit import gpu
+
+    clock = [time.perf_counter()]
+
+    def step(name: str) -> None:
+        clock.append(time.perf_counter())
+        if timings is not None:
+            timings[name] = clock[-1] - clock[-2]
 
     cuda = gpu.driver()
     pieces = []  # (host array to fill, device address), in handed_arrays' order
@@ -140,6 +173,7 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
     if held:  # the rounding ran on the legacy stream; the copies go on another
         with gpu.check("rounding the KV cache to Q8_0"):
             cuda.Context.synchronize()
+    step("rounding")
     try:
         with gpu.check("copying the state back"):
             at = 0
@@ -155,7 +189,9 @@ def hand_off(dev: DeviceModel, sequences: list[tuple]) -> None:
         for a, _ in direct:
             a.fill(0)
         raise
+    step("copies")
     fill_from(buf, [a for a, _ in pieces])
+    step("host copy")
     for (_, state, end, _), h in zip(sequences, hidden):
         state.position = end
         if h is not None:

@@ -404,10 +404,13 @@ class GpuPrefiller:
 
         groups = []
         for with_head in (False, True):
+            mine = [k for k, item in enumerate(items)
+                    if mtp.has_head(self.model, item.state) == with_head]
+            if len(mine) > 1 and self._fits([items[k] for k in mine], with_head):
+                groups.append(mine)  # all in one call: one plan (~2 ms each at full size)
+                continue
             group: list[int] = []
-            for k, item in enumerate(items):
-                if mtp.has_head(self.model, item.state) != with_head:
-                    continue
+            for k in mine:
                 if group and not self._fits([items[j] for j in group + [k]], with_head):
                     groups.append(group)
                     group = []
@@ -506,9 +509,11 @@ class GpuPrefiller:
             fed += pieces
             self.last_pass = run
             observed += run.observed
+        steps: dict = {}
         gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
-                                                 waiting)))
+                                                 waiting)), steps)
         phase("state out")
+        phases.update({f"state out ({k})": v for k, v in steps.items()})  # its parts
         if self.verbose and n_rows > 2:
             self._say(f"gpu prefill of {len(items)} sequence(s), {n_rows} rows: " + ", ".join(
                 f"{k} {v:.3f} s" for k, v in phases.items()))

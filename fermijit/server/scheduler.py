@@ -132,6 +132,8 @@ class GpuJob:
         self.logits: list | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
+        self.prefiller = prefiller
+        self.started = self.ended = time.perf_counter()  # the thread's start, its call's end
         for s in self.seqs:
             s.is_in_flight = True
         threading.Thread(target=self._run, args=(prefiller, align, n_threads), daemon=True,
@@ -148,6 +150,7 @@ class GpuJob:
         except Exception as e:  # noqa: BLE001 - handled on the scheduler's thread
             self.error = e
         finally:
+            self.ended = time.perf_counter()
             gpu.release_thread()
             self.done.set()
 
@@ -184,6 +187,7 @@ class Scheduler:
         self._decode_owed = 0.0
         self._cpu_prefiller = None   # the fallback, made on first need
         self._gpu_job: GpuJob | None = None
+        self._gathered_at = 0.0      # when an idle scheduler took its latest batch's first job
         self._n_threads = 1
         if engine.tokenizer.chat_template is None:
             engine.tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
@@ -192,9 +196,10 @@ class Scheduler:
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
         # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
         # GPU prefills (`_serve`), none on the CPU (its prefill's own page faults are noise); and
-        # the sequences ended since the loop last gave theirs back.
+        # the sequences ended but not yet given back (`_finish`: those ended in `_prefilled`).
         self.gdn_pool = GdnPool(engine.model, 0)
         self._ended: list[Sequence] = []
+        self._is_deferring = False   # inside `_prefilled`: ended states given back after it
 
     # --- any thread -----------------------------------------------------------------------------
 
@@ -294,6 +299,8 @@ class Scheduler:
             if job.cancelled.is_set():
                 self.n_cancelled += 1
                 continue
+            if not (self.active or self.prefilling):
+                self._gathered_at = time.perf_counter()
             try:
                 seq = self._start(job)
             except ApiError as e:
@@ -327,9 +334,11 @@ class Scheduler:
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)
         if with_images is None:  # restored from the cache; the rest by _prefill_chunk
+            # a new state's GDN layers the pool's (not restored from the cache; none made to
+            # be replaced: 8 full-size states' np.zeros cost 23-70 ms of the batch's admission)
             p = engine_module.PromptPrefill(model, prompt, n_prompt + max_tokens, engine.cache,
-                                              mtp=self.drafts is not None)
-            self.gdn_pool.take(p.state)  # a new one's (not restored from the cache)
+                                              mtp=self.drafts is not None,
+                                              gdn=self.gdn_pool.take_one)
             state, logits, n_cached = p.state, p.logits, p.n_cached
         else:  # on the CPU, as generate --image, and without the cache
             from fermijit.model import multimodal
@@ -440,24 +449,42 @@ class Scheduler:
             return self._prefill_failed(live, job.error)
         for s in live:
             s.is_new = False
-        self._prefilled([(s, row) for s, row in zip(job.seqs, job.logits)
-                         if s in live and s.prefill.rest.size == 0])
+        collected = time.perf_counter()
+        sent = self._prefilled([(s, row) for s, row in zip(job.seqs, job.logits)
+                                if s in live and s.prefill.rest.size == 0])
         self.n_chunks += 1
+        if getattr(job.prefiller, "verbose", False):
+            # Where a batch's time to first token goes outside the GPU call's phases (its
+            # --verbose line): issue 28 item 5's 8 concurrent prompts.
+            done = time.perf_counter()
+            print(f"serve: {len(job.seqs)} prompt(s) on the GPU: first taken to the call "
+                  f"{max(0.0, job.started - self._gathered_at):.3f} s, the call "
+                  f"{job.ended - job.started:.3f} s, its end to collected "
+                  f"{collected - job.ended:.3f} s, to the first tokens sent "
+                  f"{sent - job.ended:.3f} s, then snapshots {done - sent:.3f} s",
+                  file=sys.stderr, flush=True)
 
-    def _prefilled(self, done: list) -> None:
+    def _prefilled(self, done: list) -> float:
         """Prompts prefilled whole, (sequence, the logits after its prompt) each: every first
         token, then every snapshot, so that of prompts prefilled together none waits for the
-        others' snapshots (a state copy each, ~65 MB at full size)."""
-        prefills = []
+        others' snapshots (a state copy each, ~65 MB at full size). Returns when the first
+        tokens were sent (time.perf_counter)."""
+        prefills, self._is_deferring = [], True
         for s, logits in done:
             prefills.append(s.prefill)
             s.prefill = None
             self.prefilling.remove(s)
             self._accept(s, s.sampler.sample(logits), logits)  # first tokens, then snapshots
+        sent = time.perf_counter()
         for (s, logits), prefill in zip(done, prefills):
             prefill.finish(logits)
             if not s.is_done:
                 self.active.append(s)
+        self._is_deferring = False
+        for s in self._ended:  # those that ended at their first token, now snapshotted
+            self.gdn_pool.give(s.state)
+        self._ended = []
+        return sent
 
     def _prefill_failed(self, seqs: list[Sequence], e: Exception) -> None:
         """A prefill_batch call raised: each of its prompts restarts from the cache on the CPU,
@@ -561,9 +588,16 @@ class Scheduler:
             fed = np.concatenate([s.prompt, np.asarray(s.generated[:s.state.position - n_prompt],
                                                        np.int32)])
             cache.add(fed, s.state, logits)
+        # Over for good (snapshotted): its GDN states to the pool now, so that they are zeroed
+        # while the other sequences ending in this step snapshot theirs (a batch that arrives as
+        # this one ends then finds them zeroed); in `_prefilled`, once its prompt's snapshot is
+        # taken.
+        if self._is_deferring:
+            self._ended.append(s)
+        else:
+            self.gdn_pool.give(s.state)
         if reason is not None:
             s.job.emit(Finished(reason, n_prompt, s.n_cached, len(s.generated)))
-        self._ended.append(s)
 
     @staticmethod
     def _fail(job: Job, error: ApiError) -> None:

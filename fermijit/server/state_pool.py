@@ -12,10 +12,16 @@ server prefilling on the CPU pools nothing: capacity 0, its prefill's page fault
 
 The scheduler's thread alone calls it. A state is given back only once its sequence is over for
 good (its snapshot taken): `give` takes its GDN layers out of it (its `layers` emptied), so an
-ended state cannot write into arrays a live sequence now has. They are zeroed on a thread of
-the pool's (~7 ms a state at full size: 8 ended together held the scheduler ~50 ms) before `take`
-can hand them out again, so the pool gives zeros only; a state a failed prefill may have half
-written is never given back (the scheduler drops it).
+ended state cannot write into arrays a live sequence now has. They are zeroed on threads of
+the pool's (ZERO_THREADS; ~7 ms a state on one thread at full size: 8 ended together held the
+scheduler ~50 ms) before `take` can hand them out again, so the pool gives zeros only; a state a
+failed prefill may have half written is never given back (the scheduler drops it).
+
+A batch that arrives as the previous one ends (the clients of the first send the next: the
+bench's second batch of 8 concurrent prompts) finds the pool's states still being zeroed: `take`
+waits for them (a few ms on ZERO_THREADS threads) rather than handing out fresh arrays, whose
+page faults in the hand-off cost ~25 ms a sequence on the H200's host (8 prompts' "state out"
+0.21-0.23 s against 0.05-0.07 s on the pool's states).
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ import numpy as np
 from fermijit.model.state import GdnState, State
 
 ALIGN = 64  # bytes: where each array starts in its block (the kernels' cache lines)
+# Threads zeroing given-back states (numpy's fill releases the GIL): memset is bound by one
+# core's store rate, several together by the memory's.
+ZERO_THREADS = 4
+# The longest `take` waits for a state being zeroed before it leaves a layer's fresh arrays
+# (a safeguard: zeroing a full-size state takes ~7 ms on one thread).
+TAKE_WAIT_S = 1.0
 
 
 class GdnPool:
@@ -42,7 +54,9 @@ class GdnPool:
         self.free: list[GdnState] = []    # zeroed, to take
         self._dirty: queue.Queue = queue.Queue()  # given back, to zero (`_zeroing`)
         self._held = 0                    # GdnStates free or to zero
-        self._zeroer: threading.Thread | None = None
+        self._zeroing_now = 0             # GdnStates given back, not yet free
+        self._zeroed = threading.Condition()
+        self._zeroers: list[threading.Thread] = []
         self._made = weakref.WeakValueDictionary()  # id -> the arrays `fill` made (views)
 
     def fill(self, n_sequences: int, allocate=None) -> None:
@@ -69,13 +83,30 @@ class GdnPool:
 
     def take(self, state: State) -> None:
         """A new state (position 0, all zeros): its GDN layers swapped for the pool's, as many as
-        it holds (the others stay as they are)."""
+        it holds (the others stay as they are); where none is free but some are being zeroed,
+        after waiting for them."""
         if state.position != 0:
             return
         for i, s in enumerate(state.layers):
-            if isinstance(s, GdnState) and self.free:  # the zeroing thread only appends
-                state.layers[i] = self.free.pop()
-                self._held -= 1
+            if isinstance(s, GdnState):
+                state.layers[i] = self.take_one() or s
+
+    def take_one(self) -> GdnState | None:
+        """A zeroed GdnState (after waiting, as `take`), or None where the pool has none: for
+        Model.new_state's `gdn`, so a new state is made with the pool's arrays."""
+        if not self._wait_free():
+            return None
+        self._held -= 1
+        return self.free.pop()  # the zeroing threads only append
+
+    def _wait_free(self) -> bool:
+        """Whether a zeroed GdnState is free, waiting (at most TAKE_WAIT_S) for one being
+        zeroed where none is yet."""
+        if self.free:
+            return True
+        with self._zeroed:
+            return self._zeroed.wait_for(lambda: self.free or not self._zeroing_now,
+                                         TAKE_WAIT_S) and bool(self.free)
 
     def give(self, state: State) -> None:
         """A state no one reads or writes again: its GDN layers into the pool, to be zeroed
@@ -84,19 +115,27 @@ class GdnPool:
         layers, state.layers = state.layers, []
         for s in layers:
             if self._held < self.capacity and self._fits(s):
-                if self._zeroer is None:
-                    self._zeroer = threading.Thread(target=self._zeroing, daemon=True,
-                                                    name="fermijit-gdn-zeroing")
-                    self._zeroer.start()
+                while len(self._zeroers) < ZERO_THREADS:
+                    self._zeroers.append(threading.Thread(target=self._zeroing, daemon=True,
+                                                          name="fermijit-gdn-zeroing"))
+                    self._zeroers[-1].start()
                 self._held += 1
+                with self._zeroed:
+                    self._zeroing_now += 1
                 self._dirty.put(s)
 
     def _zeroing(self) -> None:
         while True:
             s = self._dirty.get()
-            self._zero(s)
-            self.free.append(s)  # only once zeroed
-            self._dirty.task_done()
+            try:
+                self._zero(s)
+                with self._zeroed:
+                    self.free.append(s)  # only once zeroed
+            finally:
+                with self._zeroed:
+                    self._zeroing_now -= 1
+                    self._zeroed.notify_all()
+                self._dirty.task_done()
 
     @staticmethod
     def _zero(s: GdnState) -> None:

@@ -386,8 +386,11 @@ def test_the_hand_off_writes_new_page_locked_gdn_states_in_place(monkeypatch, rn
 
     cuda = Cuda()
     monkeypatch.setattr(gpu, "driver", lambda: cuda)
-    gpu_state.hand_off(dev, sequences)
+    timings = {}
+    gpu_state.hand_off(dev, sequences, timings)
     assert [s.position for s in states] == [10, 10]
+    assert list(timings) == ["rounding", "copies", "host copy"]   # its steps (--verbose)
+    assert all(t >= 0 for t in timings.values())
     direct = [d for d in cuda.dests if d.dtype == np.float32]
     assert len(direct) == 2 and direct[0] is pooled.conv and direct[1] is pooled.recurrent
     for d, s, start in zip(on_device, states, (0, 3)):
@@ -396,3 +399,97 @@ def test_the_hand_off_writes_new_page_locked_gdn_states_in_place(monkeypatch, rn
         for a, b in ((s.layers[1].k, d[1].k), (s.layers[1].v, d[1].v)):
             np.testing.assert_array_equal(a[:, start:10], values(b)[:, start:10])
             assert not a[:, :start].any()
+
+
+def test_states_go_in_as_views_of_two_allocations(monkeypatch, rng, default_model):
+    """gpu_state.upload_states with a stand-in driver over fake device memory (poisoned NaN): a
+    sequence's device states are views of two allocations (its GDN states', its KV caches'),
+    each array on its own DEVICE_ALIGN floats, none overlapping; a new state's GDN states are
+    zeros (one memset), a held one's are its host arrays, and its KV rows its host rows
+    (dequantised from Q8_0) for each head, the rest of the room unwritten."""
+    import contextlib
+    import types
+
+    from fermijit.ops import kv_quant
+
+    base, memory = 1 << 20, np.full(1 << 24, np.nan, np.float32)
+    allocations = []
+
+    class Dev:
+        def __init__(self, shape, at):
+            self.shape, self.at, self.dtype = tuple(shape), at, np.dtype(np.float32)
+            self.size, self.gpudata = int(np.prod(shape)), base + 4 * at
+
+        def __getitem__(self, rows):
+            start, stop, step = rows.indices(self.size)
+            assert step == 1 and len(self.shape) == 1
+            return Dev((stop - start,), self.at + start)
+
+        def reshape(self, shape):
+            assert int(np.prod(shape)) == self.size
+            return Dev(shape, self.at)
+
+        def values(self):
+            return memory[self.at:self.at + self.size].reshape(self.shape)
+
+    def empty(shape, dtype=np.float32):
+        at = sum(int(np.prod(s)) for s in allocations) + 7  # not aligned itself: the pool's is
+        allocations.append(shape)
+        return Dev(shape, at)
+
+    class Cuda:
+        n_memsets = 0
+
+        def memset_d32(self, address, value, count):
+            self.n_memsets += 1
+            at = (int(address) - base) // 4
+            memory.view(np.uint32)[at:at + count] = value
+
+        def memcpy_htod(self, address, host):
+            out = memory.view(np.uint8)[int(address) - base:][:host.nbytes]
+            out[...] = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+
+    cuda = Cuda()
+    monkeypatch.setattr(gpu, "driver", lambda: cuda)
+    monkeypatch.setattr(gpu, "empty", empty)
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+
+    def arrays(states):
+        return ([a for s in states if isinstance(s, KvCache) for a in (s.k, s.v)],
+                [a for s in states if not isinstance(s, KvCache) for a in (s.conv, s.recurrent)])
+
+    new = default_model.new_state(40)
+    held = default_model.new_state(40)
+    for s in held.layers:
+        if isinstance(s, KvCache):
+            for a in (s.k, s.v):
+                for h in range(a.shape[0]):
+                    rows = rng.standard_normal((9, a.shape[2])).astype(np.float32)
+                    a[h, :9] = kv_quant.reference(rows) if hasattr(a, "qs") else rows
+        else:
+            for a in s.arrays:
+                a[...] = rng.standard_normal(a.shape)
+    held.position = 9
+    for state, n_memsets in ((new, 1), (held, 0)):
+        del allocations[:]
+        cuda.n_memsets = 0
+        dev = gpu_state.upload_states(state, 30)
+        assert len(allocations) == 2 and cuda.n_memsets == n_memsets
+        kv, gdn = arrays(dev)
+        host_kv, host_gdn = arrays(state.layers)
+        spans = sorted((a.at, a.at + a.size) for a in kv + gdn)
+        assert all(a.at % gpu_state.DEVICE_ALIGN == 7 for a in kv + gdn)
+        assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+        first_kv = min(a.at for a in kv)
+        assert all(a.at < first_kv for a in gdn)              # two blocks: GDN's, then KV's
+        for d, h in zip(gdn, host_gdn):
+            assert d.shape == h.shape
+            np.testing.assert_array_equal(d.values(), h if state.position else 0 * h)
+        for d, h in zip(kv, host_kv):
+            assert d.shape == (h.shape[0], 30, h.shape[2])
+            got = d.values()
+            for head in range(h.shape[0]):
+                rows = h[head, :state.position]
+                rows = rows.dequantize() if hasattr(rows, "dequantize") else rows
+                np.testing.assert_array_equal(got[head, :state.position], rows)
+            assert np.isnan(got[:, state.position:]).all()

@@ -109,6 +109,29 @@ def test_a_new_state_takes_the_pools_arrays_and_an_ended_one_gives_them_back_zer
     assert all(not a.any() for a in gdn(again))              # zeroed, not the scribbles
 
 
+def test_a_new_state_is_made_with_the_pools_arrays(model, monkeypatch):
+    """Model.new_state(gdn=pool.take_one) (the scheduler's, through PromptPrefill): the pool's
+    zeroed GDN states, without making zeros to throw away; where the pool runs out, new zeros."""
+    import fermijit.model.state as state_module
+
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1)
+    pooled = [a for s in pool.free for a in s.arrays]
+    made = []
+    real_zeros = np.zeros
+    monkeypatch.setattr(state_module.np, "zeros",
+                        lambda *a, **k: made.append(a[0]) or real_zeros(*a, **k))
+    state = model.new_state(16, gdn=pool.take_one)
+    gdn_shapes = set(pool.shapes)
+    assert not [shape for shape in made if tuple(shape) in gdn_shapes]
+    assert all(any(a is b for b in pooled) for a in gdn(state)) and pool.free == []
+    assert all(not a.any() for a in gdn(state))
+    other = model.new_state(16, gdn=pool.take_one)            # the pool is empty: zeros
+    assert all(not a.any() and not any(np.shares_memory(a, b) for b in pooled)
+               for a in gdn(other))
+    assert len(gdn(other)) == len(gdn(state))
+
+
 def test_live_states_never_share_arrays(model, rng):
     """A pool of one state's worth and three new states, then states ending and new ones
     starting in turn: no two live states ever hold the same memory."""
@@ -174,6 +197,39 @@ def test_batches_on_recycled_states_answer_as_alone(engine, prompts, alone, more
         assert pool.free and all(not a.any() for s in pool.free for a in s.arrays)
 
 
+def test_a_state_is_given_back_as_its_sequence_ends_after_its_snapshots(
+        engine, prompts, monkeypatch):  # noqa: F811
+    """`_finish` gives an ended sequence's GDN states to the pool at once (zeroed while the
+    others ending in that step snapshot theirs), after every snapshot of it: one that ends at its
+    first token (max_tokens 1: in `_prefilled`) only once its prompt is snapshotted, so the same
+    prompt again, restored from that snapshot, answers as before."""
+    import time
+
+    given, snapshotted = [], []
+    with serving(engine, Reserving(engine.model)) as (url, scheduler):
+        pool, cache = scheduler.gdn_pool, scheduler.engine.cache
+        give, add = pool.give, cache.add
+        monkeypatch.setattr(pool, "give", lambda state: (given.append(
+            (len(snapshotted), len(state.layers))), give(state)))
+        monkeypatch.setattr(cache, "add", lambda *a, **k: (snapshotted.append(a[1].position),
+                                                           add(*a, **k)))
+        first = complete(url, prompts[0], max_tokens=1)
+        for _ in range(500):                                  # given after its Finished
+            if given:
+                break
+            time.sleep(0.01)
+        assert given and given[0][1] > 0                      # a state with its layers
+        assert given[0][0] == len(snapshotted) >= 1           # after its prompt's snapshot
+        again = complete(url, prompts[0], max_tokens=1)
+        assert text(again) == text(first)
+        given.clear()
+        snapshotted.clear()
+        complete(url, prompts[1])                # ends in a decode step: given before Finished
+        assert len(given) == 1 and given[0][1] > 0
+        assert given[0][0] == len(snapshotted) >= 2            # its prompt's, then its answer's
+        assert scheduler._ended == [] and not scheduler._is_deferring
+
+
 def test_a_prefill_that_fails_after_writing_its_states_returns_nothing_dirty(
         engine, prompts, alone, more):  # noqa: F811
     """A GPU-side failure after the hand-off began writing (the states' arrays scribbled, then
@@ -207,9 +263,11 @@ def test_each_array_starts_on_a_cache_line(model):
     assert all(a.ctypes.data % ALIGN == 0 for s in pool.free for a in s.arrays)
 
 
-def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatch):
-    """`give` leaves the zeroing to the pool's thread (slowed down here): a state taken
-    meanwhile gets zeroed arrays or fresh ones, never those still being zeroed."""
+def test_a_state_taken_while_others_are_zeroed_waits_for_their_zeros(model, rng, monkeypatch):
+    """`give` leaves the zeroing to the pool's threads (slowed down here): a state taken
+    meanwhile waits for them and gets those arrays zeroed, never fresh ones (their page faults
+    in the GPU's hand-off: a second batch's "state out" 4x the first's on the H200) nor ones
+    still being zeroed."""
     import time
 
     pool = GdnPool(model, capacity=2)
@@ -222,14 +280,67 @@ def test_a_state_taken_while_others_are_zeroed_gets_zeros(model, rng, monkeypatc
     monkeypatch.setattr(pool, "_zero", slow)
     ended = model.new_state(8)
     pool.take(ended)
+    mine = gdn(ended)
     scribble(ended, rng)
     pool.give(ended)
-    time.sleep(0.02)                                          # the thread is zeroing
+    time.sleep(0.02)                                          # the threads are zeroing
     new = model.new_state(8)
     pool.take(new)
     assert all(not a.any() for a in gdn(new))
+    assert all(any(a is b for b in mine) for a in gdn(new))   # the pool's, not fresh
     pool.wait()
-    assert len(pool.free) == pool.n_layers
+    assert pool.free == []
+
+
+def test_take_waits_only_for_states_being_zeroed(model, monkeypatch):
+    """An empty pool with nothing being zeroed: `take` leaves the state's own (fresh) arrays at
+    once, however long it would wait for a zeroed one."""
+    import time
+
+    from fermijit.server import state_pool
+
+    monkeypatch.setattr(state_pool, "TAKE_WAIT_S", 30.0)
+    pool = GdnPool(model, capacity=1)
+    pool.fill(1)
+    pool.take(model.new_state(8))
+    state = model.new_state(8)
+    before = gdn(state)
+    start = time.perf_counter()
+    pool.take(state)
+    assert time.perf_counter() - start < 5.0
+    assert all(a is b for a, b in zip(gdn(state), before))
+
+
+def test_given_back_states_are_zeroed_on_several_threads(model, rng, monkeypatch):
+    """Two states given back together (a batch ending): their layers zeroed concurrently."""
+    import threading
+    import time
+
+    from fermijit.server.state_pool import ZERO_THREADS
+
+    pool = GdnPool(model, capacity=2)
+    pool.fill(2)
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def slow(s):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.05)
+        with lock:
+            now[0] -= 1
+        GdnPool._zero(s)
+
+    monkeypatch.setattr(pool, "_zero", slow)
+    states = [model.new_state(8) for _ in range(2)]
+    for s in states:
+        pool.take(s)
+        scribble(s, rng)
+    for s in states:
+        pool.give(s)
+    pool.wait()
+    assert most[0] == min(ZERO_THREADS, 2 * pool.n_layers) > 1
+    assert len(pool.free) == 2 * pool.n_layers
     assert all(not a.any() for s in pool.free for a in s.arrays)
 
 
