@@ -31,13 +31,14 @@ DISPATCH_SAMPLES = 20000
 
 class _Clock:
     def __init__(self):
-        # op -> [calls, seconds, kernel seconds, kernel calls, prange kernels' seconds]
+        # op -> [calls, seconds, kernel seconds, kernel calls, prange kernels' seconds, calls]
         self.rows: dict[str, list] = {}
         self.regions: dict[str, omp.Regions] = {}  # op -> its parallel regions (omp.Regions)
         self.active: str | None = None
         self.kernel_s = 0.0
         self.kernel_calls = 0
         self.prange_s = 0.0
+        self.prange_calls = 0
 
     def timed(self, name, fn):
         def wrapper(*args, **kwargs):
@@ -50,7 +51,7 @@ class _Clock:
     def run(self, label, fn, args, kwargs=None):
         """fn(*args, **kwargs), its time counted to `label` (an op called inside: to `label`)."""
         self.active = label
-        k0, c0, p0 = self.kernel_s, self.kernel_calls, self.prange_s
+        k0, c0, p0, q0 = self.kernel_s, self.kernel_calls, self.prange_s, self.prange_calls
         r0 = omp.Regions.now()
         start = time.perf_counter()
         try:
@@ -59,12 +60,13 @@ class _Clock:
             dt = time.perf_counter() - start
             regions = omp.Regions.now() - r0
             self.active = None
-            row = self.rows.setdefault(label, [0, 0.0, 0.0, 0, 0.0])
+            row = self.rows.setdefault(label, [0, 0.0, 0.0, 0, 0.0, 0])
             row[0] += 1
             row[1] += dt
             row[2] += self.kernel_s - k0
             row[3] += self.kernel_calls - c0
             row[4] += self.prange_s - p0
+            row[5] += self.prange_calls - q0
             if label in self.regions:
                 regions = self.regions[label] + regions
             self.regions[label] = regions
@@ -145,6 +147,7 @@ def profile_call(fn, *args, wrap_ops: bool = True) -> list[dict]:
             clock.kernel_calls += 1
             if self.targetoptions.get("parallel"):
                 clock.prange_s += dt
+                clock.prange_calls += 1
 
     patch(numba_dispatcher.Dispatcher, "__call__", timed_call)
     try:
@@ -162,8 +165,9 @@ def profile_call(fn, *args, wrap_ops: bool = True) -> list[dict]:
 
     dispatch_s = _dispatch_seconds()  # after: its 20000 serial calls let the thread team sleep
     rows = []
-    for op, (calls, secs, kern, kcalls, prange_s) in clock.rows.items():
+    for op, (calls, secs, kern, kcalls, prange_s, pcalls) in clock.rows.items():
         kernel = max(0.0, kern - kcalls * dispatch_s)
+        prange_s = min(kernel, max(0.0, prange_s - pcalls * dispatch_s))
         rows.append({"op": op, "calls": calls, "ms": 1e3 * secs, "kernel_ms": 1e3 * kernel,
                      "python_ms": 1e3 * (secs - kernel), "us_per_call": 1e6 * secs / calls,
                      "split": split(clock.regions[op], 1e3 * kernel, 1e3 * prange_s)})
@@ -177,7 +181,8 @@ def profile_call(fn, *args, wrap_ops: bool = True) -> list[dict]:
                  "kernel_ms": kernel_ms, "python_ms": sum(r["python_ms"] for r in rows),
                  "us_per_call": None, "dispatch_us": 1e6 * dispatch_s,
                  "threads": numba.get_num_threads(),
-                 "split": split(regions, kernel_ms, 1e3 * clock.prange_s)})
+                 "split": split(regions, kernel_ms, sum(r["split"]["prange"] for r in rows
+                                                         if "split" in r))})
     return rows
 
 
