@@ -23,7 +23,7 @@ import numpy as np
 from fermijit.jit import omp
 
 OP_MODULES = ("embedding", "rmsnorm", "attention", "attention_step", "conv1d", "gated_delta",
-              "gdn_step", "l2norm", "matvec", "moe", "residual_step", "rope", "router",
+              "gdn_step", "kv_quant", "l2norm", "matvec", "moe", "residual_step", "rope", "router",
               "fp32_rows")
 GLUE = "forward glue (Python, numpy copies and adds)"
 DISPATCH_SAMPLES = 20000
