@@ -21,7 +21,6 @@ import dataclasses
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.jit import omp
 from fermijit.jit.checks import check_array
 from fermijit.jit.cpu import kernel
 from fermijit.ops import matvec
@@ -100,21 +99,11 @@ def quantize_row(x, qs, d, sums):
 
 
 @kernel(fastmath=False)
-def _store_rows(x, qs, d, start, first, last):  # tokens [first, last) of x
+def _store(x, qs, d, start):
     no_sums = np.empty(0, np.int32)
-    for t in range(first, last):
+    for t in range(x.shape[0]):
         for h in range(x.shape[1]):
             quantize_row(x[t, h], qs[h, start + t], d[h, start + t], no_sums)
-
-
-def _store_body(x, qs, d, start):
-    fork((x, qs, d, start))
-
-
-# A prefill pass's tokens over the threads (512 tokens of a full-size layer's keys or values:
-# ~0.7 ms on one thread, twice a layer); every row `quantize_row`'s bits.
-_store = omp.forking_kernel(_store_body, fastmath=False,
-                            fork=omp.rows_share(_store_rows, "kv-store"))
 
 
 def store(x, rows: Q8Rows, start: int) -> None:
@@ -128,7 +117,4 @@ def store(x, rows: Q8Rows, start: int) -> None:
         raise FermijitError(f"{op}: head dim {D} is not whole {BLOCK}-blocks")
     if not 0 <= start <= S - T:
         raise FermijitError(f"{op}: rows {start}..{start + T - 1} of a cache of {S}")
-    if T >= omp.ROWS_MIN:
-        _store()(x, rows.qs, rows.d, int(start))
-    else:
-        _store_rows(x, rows.qs, rows.d, int(start), 0, T)
+    _store(x, rows.qs, rows.d, int(start))
