@@ -98,7 +98,7 @@ def profile_token(model, token: int, state) -> list[dict]:
 
 def profile_prefill(model, tokens, state) -> list[dict]:
     """`profile_token`'s rows for a prefill of `tokens` (prefill's kernels launch their own
-    threads too, through Numba's prange: those count as kernels outside the regions)."""
+    threads too, through Numba's prange: those count in the `prange` column, unsplit)."""
     return profile_call(model.prefill, tokens, state)
 
 
