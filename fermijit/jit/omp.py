@@ -316,9 +316,11 @@ def _rows_share(thread, n_threads, args):
 def rows_share(rows_range, name: str):
     """A `fork` share calling `rows_range(*args, first, last)` on the thread's equal run [first,
     last) of the rows of args[0] (its first axis): for prefill's kernels of independent rows (the
-    router, the GDN gates, RoPE), each row's arithmetic whatever the run, so the same bits at
-    every thread count and as the one-thread call `rows_range(*args, 0, n)`. `name`: the op's,
-    its own (`bind`)."""
+    router, the GDN gates, RoPE, the query | gate split), each row's arithmetic whatever the run,
+    so the same bits at every thread count and as the one-thread call `rows_range(*args, 0, n)`.
+    `name`: the op's, its own (`bind`). A row that makes many array views is a poor fit:
+    kv_quant.store (~40 slices a row) ran 3x slower over 2 threads than on one, likely the views'
+    shared reference counts."""
     return bind(_rows_share, name, rows_range=rows_range)
 
 
