@@ -26,6 +26,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.host import blas, numa
 from fermijit.jit import omp
+from fermijit.jit.cpu import kernel
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model import block_moe
 from fermijit.model.block_moe import BlockExperts
@@ -274,6 +275,37 @@ class DecodePlan:
 
 def _state_arrays(state: State) -> tuple:
     return tuple(a for layer in state.layers for a in vars(layer).values())
+
+
+def _split_heads_rows(qg, q, gate, first, last):
+    """q, gate [T, H, D] <- the halves of each head of qg [T, H, 2D], tokens [first, last)."""
+    d = q.shape[2]
+    for t in range(first, last):
+        for h in range(q.shape[1]):
+            src, dst_q, dst_gate = qg[t, h], q[t, h], gate[t, h]
+            for i in range(d):
+                dst_q[i] = src[i]
+                dst_gate[i] = src[d + i]
+
+
+def _split_heads_body(qg, q, gate):
+    fork((qg, q, gate))
+
+
+_split_heads_one = kernel(_split_heads_rows)
+# A prefill pass's tokens over the threads: two numpy copies of [T, H, D] on one thread were
+# ~1.6 ms an attention layer of 512 tokens (full-size heads), most of the forward's glue.
+_split_heads = omp.forking_kernel(_split_heads_body,
+                                  fork=omp.rows_share(_split_heads_one, "split-heads"))
+
+
+def split_heads(qg, q, gate) -> None:
+    """q, gate [T, H, D] <- each head's query | gate halves of qg [T, H, 2D] (fp32, C-contiguous:
+    the workspace's), copied."""
+    if qg.shape[0] >= omp.ROWS_MIN:
+        _split_heads()(qg, q, gate)
+    else:
+        _split_heads_one(qg, q, gate, 0, qg.shape[0])
 
 
 def silu(x):
@@ -811,8 +843,7 @@ class Model:
             linear(ws.xn, w.k_proj, ws.k.reshape(T, -1), act)
             linear(ws.xn, w.v_proj, ws.v.reshape(T, -1), act)
         qg = ws.qg.reshape(T, self.n_heads, 2 * D)
-        np.copyto(ws.q, qg[..., :D])
-        np.copyto(ws.gate, qg[..., D:])
+        split_heads(qg, ws.q, ws.gate)
         rmsnorm.cpu(ws.q, w.q_norm, self.eps, out=ws.q)              # per head, before RoPE
         rmsnorm.cpu(ws.k, w.k_norm, self.eps, out=ws.k)
         if ws.mrope is None:

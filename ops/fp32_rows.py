@@ -12,7 +12,7 @@ lanes are added by halving (simd.hsum), then the K mod 16 leftover products one 
 tokens x rows shares its loads (`tile`) but keeps an accumulator per output, so the tile shape,
 the ISA (a 16-float vector is 1 zmm, 2 ymm or 4 xmm) and the thread are free choices that never
 change a bit. Decode (ops/residual_step.py, T = 1) forks `rows_share` over the threads; prefill
-calls `cpu`, its tiles over the threads.
+calls `cpu`, its tiles over the threads (one fork: `_product_share`).
 
 Letters: T tokens, R outputs (rows of w), K inputs.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -181,18 +181,27 @@ def _rows_body(x, w, out):
 decode_rows = omp.forking_kernel(_rows_body, fastmath=False, fork=rows_share)
 
 
-def _product(x, w, out):
-    """The prefill body: tiles of TOK tokens x ROWS rows over the threads, token tiles outermost
-    (a thread's run of tiles reuses its tokens from L1 and w from L2: 1 MB at full size); the
-    edges one output at a time. `full`, TOK and ROWS are bound per ISA (TILES)."""
+def _product_share(thread, n_threads, args):
+    """The prefill product's share of a thread (jit.omp.fork): an equal run of the tiles of TOK
+    tokens x ROWS rows, token tiles outermost (a thread's run of tiles reuses its tokens from L1
+    and w from L2: 1 MB at full size), then an equal run of the edges' tokens, one output at a
+    time. `full`, TOK and ROWS are bound per ISA (TILES). A fork, not a prange, so that `bench
+    decode --profile` splits its time (16 threads: 53 ms of a 512-token prefill, ~3x one
+    thread's, with no split to say why)."""
+    x, w, out = args
     n_tok, n_rows = x.shape[0], w.shape[0]
     n_t, n_r = n_tok // TOK, n_rows // ROWS
-    for job in prange(n_t * n_r):
+    n_jobs = n_t * n_r
+    for job in range(thread * n_jobs // n_threads, (thread + 1) * n_jobs // n_threads):
         t0, r0 = job // n_r * TOK, job % n_r * ROWS
         full(x, w, out, t0, r0, t0, r0)
-    for t in prange(n_tok):  # edges: the last tokens' every row, the others' leftover rows
-        for r in range(n_r * ROWS if t < n_t * TOK else 0, n_rows):
+    for t in range(thread * n_tok // n_threads, (thread + 1) * n_tok // n_threads):
+        for r in range(n_r * ROWS if t < n_t * TOK else 0, n_rows):  # the last tokens' every row
             one(x, w, out, t, r, t, r)
+
+
+def _product_body(x, w, out):
+    fork((x, w, out))
 
 
 # Tokens x rows per tile: as many 16-float accumulators as the ISA's registers hold beside the
@@ -200,9 +209,10 @@ def _product(x, w, out):
 # xmm). AVX-512, 1 thread, [512, 2048] x [128, 2048] (tiles tried in one run, load 0.5): 4x2
 # 4.20 ms, 4x4 3.07-3.37, 3x6 2.89, 4x5 2.73, 5x4 2.66; numpy's OpenBLAS sgemm (FMA) 2.91.
 TILES = {Isa.AVX512VNNI: (5, 4), Isa.AVX2: (2, 2), Isa.SSSE3: (2, 1)}
-_kernels = {isa: kernel(_product, parallel=True, fastmath=False, variant=isa.label,
-                        full=tile(*shape), TOK=shape[0], ROWS=shape[1])
-            for isa, shape in TILES.items()}
+_kernels = {isa: omp.forking_kernel(
+    jit_cpu.bind(_product_body, isa.label), fastmath=False,
+    fork=jit_cpu.bind(_product_share, isa.label, full=tile(*shape), TOK=shape[0], ROWS=shape[1]))
+    for isa, shape in TILES.items()}
 
 
 def cpu(x, w, out=None, isa: Isa | None = None):
@@ -212,5 +222,5 @@ def cpu(x, w, out=None, isa: Isa | None = None):
     check_array(op, "x", x, np.float32, ndim=2)
     check_array(op, "w", w, np.float32, (None, x.shape[1]))
     out = output(op, out, (x.shape[0], w.shape[0]), np.float32)
-    _kernels[isa or jit_cpu.selected_isa()](x, w, out)
+    _kernels[isa or jit_cpu.selected_isa()]()(x, w, out)
     return out

@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.jit import omp
 from fermijit.jit.checks import check_array, output
 from fermijit.jit.cpu import kernel
 
@@ -92,12 +93,12 @@ def _cpu_tables(positions: bytes, rotary_dim: int, theta: float):
 
 
 @kernel
-def _rotate(x, cos, sin, out, is_in_place):  # x, out [T, H, D]; cos, sin [T, R/2]
-    n_tokens, n_heads, d = x.shape
+def _rotate_rows(x, cos, sin, out, is_in_place, first, last):  # x, out [T, H, D]; cos [T, R/2]
+    n_heads, d = x.shape[1], x.shape[2]
     half = cos.shape[1]
     lo = np.empty(half, np.float32)
     hi = np.empty(half, np.float32)
-    for t in range(n_tokens):
+    for t in range(first, last):
         c, s = cos[t], sin[t]
         for h in range(n_heads):
             src, dst = x[t, h], out[t, h]  # rows, a copy of the pairs first: vectorised loops
@@ -109,6 +110,14 @@ def _rotate(x, cos, sin, out, is_in_place):  # x, out [T, H, D]; cos, sin [T, R/
                 dst[j + half] = hi[j] * c[j] + lo[j] * s[j]
             for i in range(2 * half, d if not is_in_place else 0):
                 dst[i] = src[i]
+
+
+def _rotate_body(x, cos, sin, out, is_in_place):
+    fork((x, cos, sin, out, is_in_place))
+
+
+# Prefill's tokens over the threads (a 512-token pass: ~0.9 ms a layer on one thread).
+_rotate = omp.forking_kernel(_rotate_body, fork=omp.rows_share(_rotate_rows, "rope"))
 
 
 def _check_rotation(op: str, rotary_dim, theta, d: int) -> None:
@@ -134,7 +143,7 @@ def cpu(x, positions, rotary_dim, theta, out=None):
         _rope_serial(x, positions, _inv_freq(int(rotary_dim), float(theta)), out, is_in_place)
     else:
         cos, sin = _cpu_tables(positions.tobytes(), int(rotary_dim), float(theta))
-        _rotate(x, cos, sin, out, is_in_place)
+        _rotate()(x, cos, sin, out, is_in_place)
     return out
 
 

@@ -303,6 +303,27 @@ def forking_kernel(body, fastmath=FASTMATH, **shares):
     return get
 
 
+# Rows below which a caller of `rows_share` runs them on its own thread: a fork costs ~1 us on 2
+# threads, ~5 us on 16, a row of the router, the GDN gates or RoPE well under 1 us.
+ROWS_MIN = 32
+
+
+def _rows_share(thread, n_threads, args):
+    n_rows = args[0].shape[0]
+    rows_range(*args, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)
+
+
+def rows_share(rows_range, name: str):
+    """A `fork` share calling `rows_range(*args, first, last)` on the thread's equal run [first,
+    last) of the rows of args[0] (its first axis): for prefill's kernels of independent rows (the
+    router, the GDN gates, RoPE, the query | gate split), each row's arithmetic whatever the run,
+    so the same bits at every thread count and as the one-thread call `rows_range(*args, 0, n)`.
+    `name`: the op's, its own (`bind`). A row that makes many array views is a poor fit:
+    kv_quant.store (~40 slices a row) ran 3x slower over 2 threads than on one, likely the views'
+    shared reference counts."""
+    return bind(_rows_share, name, rows_range=rows_range)
+
+
 @kernel
 def jobs_starting_in(lo, hi, done, n, count):
     """Of `count` jobs of weight n starting at done, done + n, ...: the range [first, end) of

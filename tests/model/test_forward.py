@@ -361,6 +361,17 @@ def test_prefill_keeps_its_workspaces(converted, monkeypatch):
     assert sorted(m._prefill_ws) == [5, PROMPT.size]
 
 
+@pytest.mark.parametrize("T", [1, 5, 67], ids=["T1", "T5", "T67-threads"])
+def test_split_heads_copies_each_half(rng, T):
+    """Prefill's query | gate split (67 tokens: past omp.ROWS_MIN, over the threads), against
+    numpy's slices, outputs NaN-poisoned."""
+    qg = rng.standard_normal((T, 3, 2 * 40)).astype(np.float32)
+    q, gate = np.full((T, 3, 40), np.nan, np.float32), np.full((T, 3, 40), np.nan, np.float32)
+    forward.split_heads(qg, q, gate)
+    np.testing.assert_array_equal(q, qg[..., :40])
+    np.testing.assert_array_equal(gate, qg[..., 40:])
+
+
 def test_prefill_buffers_start_on_cache_lines(converted):
     """Every fp32 buffer of a prefill pass (its Workspace's and the MoE's) starts on a cache line:
     numpy's own start 16 or 48 bytes into one, which splits each 64-byte GEMM store."""

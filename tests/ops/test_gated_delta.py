@@ -7,6 +7,7 @@ import pytest
 
 from fermijit import FermijitError
 from fermijit.jit import cpu as cpu_isa
+from fermijit.jit import omp
 from fermijit.ops import gated_delta
 from tests import hf as tests_hf
 from tests.numerics import assert_close, poisoned
@@ -58,7 +59,8 @@ def _f64(xs):
 
 # --- gates ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,Hv", [(1, 32), (63, 7), (150, 4)], ids=["T1-H32", "T63-H7", "T150-H4"])
+@pytest.mark.parametrize("T,Hv", [(1, 32), (63, 7), (150, 4), (131, 32)],
+                         ids=["T1-H32", "T63-H7", "T150-H4", "T131-H32"])
 def test_gates_cpu_matches_reference(rng, T, Hv):
     a = (rng.standard_normal((T, Hv)) * 10).astype(np.float32)     # softplus far into both tails
     b = (rng.standard_normal((T, Hv)) * 30).astype(np.float32)     # sigmoid saturating, no overflow
@@ -84,6 +86,33 @@ def test_gates_cpu_takes_the_halves_of_one_buffer_bit_for_bit(rng):
                                 out=(poisoned((T, Hv)), poisoned((T, Hv))))
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one CPU: nothing to compare")
+def test_gates_rows_over_threads_give_each_rows_own_bits(rng):
+    """A prefill call (rows over the threads: T >= omp.ROWS_MIN) gives every row the bits of a
+    one-row call (decode's), whatever the thread count."""
+    T, Hv = 131, 32
+    assert T >= omp.ROWS_MIN
+    a = (rng.standard_normal((T, Hv)) * 10).astype(np.float32)
+    b = (rng.standard_normal((T, Hv)) * 30).astype(np.float32)
+    A_log = rng.uniform(-3, 2, Hv).astype(np.float32)
+    dt_bias = rng.standard_normal(Hv).astype(np.float32)
+    results = []
+    before = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            results.append(gated_delta.gates_cpu(a, b, A_log, dt_bias,
+                                                 out=(poisoned((T, Hv)), poisoned((T, Hv)))))
+    finally:
+        numba.set_num_threads(before)
+    for x, y in zip(*results):
+        np.testing.assert_array_equal(x, y)
+    for t in range(T):
+        for x, y in zip(gated_delta.gates_cpu(a[t:t + 1], b[t:t + 1], A_log, dt_bias),
+                        results[0]):
+            np.testing.assert_array_equal(x[0], y[t])
 
 
 def test_gates_reference_formula():

@@ -19,12 +19,12 @@ def test_reference_is_the_activation_rounding(rng):
     assert np.abs(rows.dequantize() - x).max() <= rows.d.max() / 2 * 1.0001
 
 
-@pytest.mark.parametrize("shape", [(5, 2, 256), (1, 1, 32), (7, 3, 96)],
-                         ids=["T5-Hkv2-D256", "T1-Hkv1-D32", "T7-Hkv3-D96"])
+@pytest.mark.parametrize("shape", [(5, 2, 256), (1, 1, 32), (7, 3, 96), (67, 2, 256)],
+                         ids=["T5-Hkv2-D256", "T1-Hkv1-D32", "T7-Hkv3-D96", "T67-Hkv2-D256"])
 def test_store_matches_reference(rng, shape):
     T, Hkv, D = shape
     x = rng.standard_normal(shape).astype(np.float32)
-    cache = kv_quant.empty((Hkv, 20, D), np.zeros)
+    cache = kv_quant.empty((Hkv, T + 13, D), np.zeros)
     cache.d[...] = np.nan
     kv_quant.store(x, cache, 9)
     expected = kv_quant.reference(x.transpose(1, 0, 2))

@@ -1,5 +1,6 @@
 """rope.cpu against the numpy reference, the reference against transformers (MODEL.md §5.4)."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ CASES = {  # (T, H, D, R, theta); the last is past TABLE_MIN_ELEMENTS (cached an
     "T7-H3-D64-R64": (7, 3, 64, 64, 1e4),
     "T3-H1-D10-R2": (3, 1, 10, 2, 500.0),
     "T20-H18-D256-R64": (20, 18, 256, 64, MODEL_THETA),
+    "T67-H18-D256-R64": (67, 18, 256, 64, MODEL_THETA),  # odd rows over the threads
 }
 
 
@@ -57,6 +59,25 @@ def test_tables_give_each_tokens_own_bits(rng):
         assert np.array_equal(one, whole[t:t + 1]), t
     again = x.copy()
     assert np.array_equal(rope.cpu(again, positions, 64, MODEL_THETA, out=again), whole)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one CPU: nothing to compare")
+def test_tables_same_bits_for_any_thread_count(rng):
+    """Prefill's tokens over the threads: the same bits at 1 and 2 threads (odd token count),
+    each token's a one-token call's."""
+    x, positions = _inputs(rng, 67, 18, 256)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            results.append(rope.cpu(x, positions, 64, MODEL_THETA, out=poisoned(x.shape)))
+    finally:
+        numba.set_num_threads(before)
+    assert np.array_equal(*results)
+    for t in range(0, 67, 11):
+        assert np.array_equal(rope.cpu(x[t:t + 1], positions[t:t + 1], 64, MODEL_THETA),
+                              results[0][t:t + 1]), t
 
 
 def test_in_place(rng):

@@ -1,9 +1,12 @@
 """router.cpu against the numpy reference, and against torch's softmax + topk (MODEL.md §4)."""
 
+import numba
 import numpy as np
 import pytest
 
 from fermijit import FermijitError
+from fermijit.jit import omp
+from fermijit.jit.cpu import configure_threads
 from fermijit.ops import router
 from tests.numerics import assert_close, poisoned
 
@@ -17,6 +20,7 @@ CASES = {  # (T or None for a single [E] token, E, k)
     "E256-k8": (None, 256, 8),
     "T7-E256-k8": (7, 256, 8),
     "T33-E128-k8": (33, 128, 8),
+    "T131-E128-k8": (131, 128, 8),  # past omp.ROWS_MIN: rows over the threads, odd shares
     "T5-E60-k3": (5, 60, 3),
     "T4-E10-k10": (4, 10, 10),
     "T3-E5-k1": (3, 5, 1),
@@ -47,6 +51,27 @@ def test_router(rng, case):
     assert_close("weights sum to 1", np.ones(weight.shape[:-1]), weight.sum(-1, dtype=np.float64),
                  1e-6, 0)
     assert (np.diff(weight, axis=-1) <= 0).all()
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="one CPU: nothing to compare")
+def test_rows_over_threads_give_each_rows_own_bits(rng):
+    """A prefill call (rows over the threads) gives every row the bits of a one-row call
+    (decode's), whatever the thread count."""
+    logits = _logits(rng, 131, 128)
+    assert logits.shape[0] >= omp.ROWS_MIN
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            configure_threads(n)
+            results.append(_check(logits, 8))
+    finally:
+        configure_threads(before)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    for t in range(logits.shape[0]):
+        for a, b in zip(router.cpu(logits[t], 8), results[0]):
+            np.testing.assert_array_equal(a, b[t])
 
 
 def test_ties_go_to_the_lower_expert(rng):

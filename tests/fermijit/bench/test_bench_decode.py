@@ -91,6 +91,15 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
     assert r["sweep"] == [] and r["sweep_threads"] == []
     prefill = {row["op"]: row for row in r["prefill_profile"]}
     assert prefill["moe.cpu"]["calls"] == 4 and prefill["token"]["ms"] > 0
+    # Prefill's prange kernels (the SwiGLU, the weighted sum) apart from serial code; the split
+    # covers each op's kernel time.
+    assert prefill["moe.cpu"]["split"]["prange"] > 0
+    for row in prefill.values():
+        s = row.get("split")
+        if s:
+            assert min(s["serial"], s["prange"], s["idle"], s["fork_join"]) >= 0, row
+            assert (s["serial"] + s["prange"] + s["work"] + s["idle"] + s["fork_join"]
+                    <= row["kernel_ms"] * 1.01 + 1e-3), row
 
 
 def test_threads_sweep_reports_each_count_and_splits_its_token(report, capsys, monkeypatch):

@@ -48,7 +48,7 @@ CHECK = textwrap.dedent("""
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
-    kernels.append(fp32_rows._kernels[isa])
+    kernels.append(fp32_rows._kernels[isa]())  # made on first use (a forking kernel)
     kernels += [kquant_matvec.product_kernel(kquant.Q4_K, isa, s)
                 for s in (kquant_matvec.GEMV_TILE, kquant_matvec.GEMM_TILE)]
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
