@@ -249,9 +249,6 @@ class Scheduler:
                 memory = getattr(prefiller, "host_memory", None)  # page-locked: DMA in place
                 self._guarded(lambda: self.gdn_pool.fill(self.max_batch, memory), "prefilling")
         while self._is_running:
-            for s in self._ended:  # over for good (snapshotted): their GDN states reused
-                self.gdn_pool.give(s.state)
-            self._ended = []
             self._admit()
             self._collect_gpu_job()
             waiting = [s for s in self.prefilling if not s.is_in_flight]
@@ -470,20 +467,22 @@ class Scheduler:
         others' snapshots (a state copy each, ~65 MB at full size). Returns when the first
         tokens were sent (time.perf_counter)."""
         prefills, self._is_deferring = [], True
-        for s, logits in done:
-            prefills.append(s.prefill)
-            s.prefill = None
-            self.prefilling.remove(s)
-            self._accept(s, s.sampler.sample(logits), logits)  # first tokens, then snapshots
-        sent = time.perf_counter()
-        for (s, logits), prefill in zip(done, prefills):
-            prefill.finish(logits)
-            if not s.is_done:
-                self.active.append(s)
-        self._is_deferring = False
-        for s in self._ended:  # those that ended at their first token, now snapshotted
-            self.gdn_pool.give(s.state)
-        self._ended = []
+        try:
+            for s, logits in done:
+                prefills.append(s.prefill)
+                s.prefill = None
+                self.prefilling.remove(s)
+                self._accept(s, s.sampler.sample(logits), logits)  # first tokens, snapshots after
+            sent = time.perf_counter()
+            for (s, logits), prefill in zip(done, prefills):
+                prefill.finish(logits)
+                if not s.is_done:
+                    self.active.append(s)
+        finally:
+            self._is_deferring = False
+            for s in self._ended:  # those that ended at their first token, now snapshotted
+                self.gdn_pool.give(s.state)
+            self._ended = []
         return sent
 
     def _prefill_failed(self, seqs: list[Sequence], e: Exception) -> None:
