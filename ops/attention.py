@@ -322,12 +322,22 @@ def _combine_share(thread, n_threads, args):
         combine_head(acc, m, l, start, gate, o, th)
 
 
+# Floats of range partials a thread of the merge takes at least: decode's merge at 64 positions
+# (one range, 16 heads: 4k floats) is no work for 16 threads to be woken for.
+MERGE_FLOATS = 32768
+
+
 def _attention_body(q, k, v, start, tile, acc, m, l, gate, o):
-    """The items over the threads (one fork); with key ranges in acc, every (query, head)
-    merged after them (another)."""
-    fork((q, k, v, start, tile, acc, m, l, gate, o))
-    if acc.shape[0] > 0:
-        fork_combine((acc, m, l, start, gate, o))
+    """The items over the threads (one fork, no more threads than items: decode at a few
+    hundred positions has 2-4); with key ranges in acc, every (query, head) merged after them
+    (another, threads by the floats to merge). The team's size never changes the bits."""
+    T, Hq, D = o.shape
+    Hkv = k[0].shape[0]
+    R = acc.shape[0]
+    n_items = R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv     # attend_share's
+    fork(n_items, (q, k, v, start, tile, acc, m, l, gate, o))
+    if R > 0:
+        fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
 
 
 _kernels: dict = {}
@@ -352,7 +362,7 @@ def _kernel(isa: Isa | None):
                             _staged_keys=keys, _weighted=weighted)
         _kernels[isa] = omp.forking_kernel(
             bind(_attention_body, label), fork=bind(attend_share, label, _tile_range=tile_range),
-            fork_combine=_combine_share)
+            fork_combine=_combine_share, capped=("fork", "fork_combine"))
     return _kernels[isa]()
 
 
