@@ -27,9 +27,11 @@ Letters: as ops/gdn_step.py; R rows.
 from __future__ import annotations
 
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 from fermijit import FermijitError
-from fermijit.jit import omp
+from fermijit.jit import omp, simd
 from fermijit.jit.cpu import kernel
 from fermijit.ops import gated_delta, gdn_step, matvec, rmsnorm
 
@@ -50,13 +52,13 @@ def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l
 
 
 def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
-               q_scale, rec_src, rec_dst, q, k, v, g, beta, o, xq, dx, xsum8, lanes,
+               q_scale, rec_src, rec_dst, is_in_place, q, k, v, g, beta, o, xq, dx, xsum8, lanes,
                step_blocks, half_lanes):
     for r in range(len(mixed)):
         gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
-    deltas = np.empty((v.shape[1], 2, v.shape[2]), np.float32)
+    deltas = np.empty((v.shape[1], 3, v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
-          o, deltas, z, norm_w, eps))
+          o, deltas, z, norm_w, eps, is_in_place))
     for r in range(len(mixed)):
         o_r = o[r]
         matvec._quantize_act_kernel(o_r.reshape(1, o_r.shape[1] * o_r.shape[2]), xq[r], dx[r],
@@ -116,16 +118,116 @@ def _recurrent_rows_head(q, k, v, g, beta, src, dst, o, delta, h):
                 o1[j] += x * q1                                             # and S^T q
 
 
+@intrinsic
+def _stream_row(typingctx, dst, i, src):
+    """dst[i, :] = src through streaming stores (jit.simd.store_stream): a saved state's row,
+    written once and read again only by a rollback."""
+    sig = types.none(dst, i, src)
+
+    def codegen(context, builder, sig, args):
+        da, sa = (context.make_array(sig.args[n])(context, builder, args[n]) for n in (0, 2))
+        row = simd.byte_ptr(builder, da.data, builder.mul(args[1], builder.extract_value(
+            da.strides, 0)))
+        simd.store_stream(builder, sa.data, row, builder.extract_value(sa.shape, 0))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    sig = types.none()
+
+    def codegen(context, builder, sig, args):
+        simd.store_fence(builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@kernel
+def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h, is_in_place):
+    """`_recurrent_rows_head` of 2 rows (a verify step of one draft), the same values by the
+    same operations, its state traffic a token's but the save: the state after row 0 (S1 =
+    alpha_0 S0 + k_0 d_0^T) goes to `saves` through streaming stores (it is read again only by
+    a rollback: written without being read into the cache first, it took ~1/3 of a 2-row
+    step's state traffic), and the last sweep recomputes S1 from S0, still in the thread's
+    cache, rather than reading the save back: dst = alpha_1 S1 + k_1 d_1^T, in place when dst
+    is the state (is_in_place: the live state). state, saves, dst [Hv, dk, dv] (S0, S1's and
+    S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta [3, dv]: d_0, d_1 and a row of
+    S1."""
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    hk = h // (Hv // Hk)
+    S = state[h]                                                            # [dk, dv]
+    d0, d1, x_row = delta[0], delta[1], delta[2]
+    o0, o1 = o_0[0, h], o_1[0, h]
+    d0[:] = 0
+    o0[:] = 0
+    kq = np.float32(0)
+    for i in range(dk):
+        k_i = k[0, hk, i]
+        q_i = q[0, hk, i]
+        kq += k_i * q_i
+        for j in range(dv):
+            d0[j] += S[i, j] * k_i                                          # S^T k
+            o0[j] += S[i, j] * q_i                                          # S^T q
+    alpha0 = np.exp(g[0, h])
+    for j in range(dv):
+        d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
+        o0[j] = alpha0 * o0[j] + kq * d0[j]
+    d1[:] = 0
+    o1[:] = 0
+    kq = np.float32(0)
+    saved = saves[h]
+    for i in range(dk):                       # S1, saved; row 1's S1^T k and S1^T q from it
+        k_i = k[0, hk, i]
+        k1 = k[1, hk, i]
+        q1 = q[1, hk, i]
+        kq += k1 * q1
+        for j in range(dv):
+            x = alpha0 * S[i, j] + k_i * d0[j]
+            x_row[j] = x
+            d1[j] += x * k1
+            o1[j] += x * q1
+        _stream_row(saved, i, x_row)
+    _store_fence()
+    alpha1 = np.exp(g[1, h])
+    for j in range(dv):
+        d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
+        o1[j] = alpha1 * o1[j] + kq * d1[j]
+    # S1's row through memory (x_row), as the saved value it must equal: one expression of
+    # both rows' updates let the fast-math flags reassociate the products (last bits off).
+    if is_in_place:  # one array read and written: the stores known to alias only their loads
+        for i in range(dk):
+            k0 = k[0, hk, i]
+            k1 = k[1, hk, i]
+            for j in range(dv):
+                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
+            for j in range(dv):
+                S[i, j] = alpha1 * x_row[j] + k1 * d1[j]
+    else:
+        D = dst[h]
+        for i in range(dk):
+            k0 = k[0, hk, i]
+            k1 = k[1, hk, i]
+            for j in range(dv):
+                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
+            for j in range(dv):
+                D[i, j] = alpha1 * x_row[j] + k1 * d1[j]
+
+
 def _rows_share(thread, n_threads, args):
     # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn.
     (mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst, o,
-     deltas, z, norm_w, eps) = args
+     deltas, z, norm_w, eps, is_in_place) = args
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     nk, group = Hk * dk, Hv // Hk
     k0, k1 = thread * Hk // n_threads, (thread + 1) * Hk // n_threads
     h0, h1 = k0 * group, k1 * group
-    for r in range(len(mixed)):
+    R = len(mixed)
+    for r in range(R):
         m, cs, cd = mixed[r], conv_src[r], conv_dst[r]
         q_r, k_r, v_r = q[r:r + 1], k[r:r + 1], v[r:r + 1]
         for lo, hi in ((k0 * dk, k1 * dk), (nk + k0 * dk, nk + k1 * dk),
@@ -133,7 +235,11 @@ def _rows_share(thread, n_threads, args):
             cd[lo:hi] = cs[lo:hi]
         gdn_step.prepare_heads(m, conv_w, cd, q_r, k_r, v_r, l2_eps, q_scale, k0, k1)
     for h in range(h0, h1):
-        _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
+        if R == 2:
+            _recurrent_pair_head(q, k, v, g, beta, rec_src[0], rec_dst[0], rec_dst[R - 1], o[0],
+                                 o[R - 1], deltas[h], h, is_in_place)
+        else:
+            _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
     for r in range(len(mixed)):
         o_r, z_r = o[r], z[r]
         rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])
@@ -173,7 +279,8 @@ def launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, e
     return _rows_kernel(), (
         tuple(mixed), tuple(z), tuple(a), tuple(b), conv_w, tuple(conv_src), tuple(conv_dst),
         A_log, dt_bias, norm_w, float(eps), float(l2_eps),
-        float(1 / np.sqrt(scratch.q.shape[2])), tuple(rec_src), tuple(rec_dst), scratch.q,
+        float(1 / np.sqrt(scratch.q.shape[2])), tuple(rec_src), tuple(rec_dst),
+        rec_dst[-1].ctypes.data == rec_src[0].ctypes.data, scratch.q,
         scratch.k, scratch.v, scratch.g, scratch.beta, tuple(o), tuple(x.xq for x in acts),
         tuple(x.dx for x in acts), tuple(x.xsum8 for x in acts), v_.lanes,
         matvec.blocks_per_step(v_), half.lanes if half else 0)

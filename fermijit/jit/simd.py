@@ -99,6 +99,46 @@ def prefetch(builder, ptr, offset, locality: int = PREFETCH_LOCALITY, write: boo
           [p, ir.Constant(I32, int(write)), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
+STREAM_BYTES = 16  # a streaming store's unit: one SSE register (movntps), on every ISA
+
+
+def store_stream(builder, src, dst, n_floats):
+    """dst[:n] = src[:n] (float32 pointers): non-temporal stores (movntps: the lines go to memory
+    without first being read into the cache) where dst is 16-byte aligned and n a multiple of 4,
+    plain stores otherwise (the same values either way). For data written once and not read
+    again soon; the caller orders them before other threads read it (`store_fence`)."""
+    c = lambda n: ir.Constant(I64, n)  # noqa: E731
+    per = STREAM_BYTES // 4
+    vty = vec(F32, per)
+    src_b, dst_b = byte_ptr(builder, src, 0), byte_ptr(builder, dst, 0)
+    aligned = builder.and_(
+        builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(dst_b, I64), c(STREAM_BYTES - 1)),
+                              c(0)),
+        builder.icmp_unsigned("==", builder.and_(n_floats, c(per - 1)), c(0)))
+    with builder.if_else(aligned) as (streamed, plain):
+        with streamed:
+            hint = builder.module.add_metadata([ir.Constant(I32, 1)])
+            with cgutils.for_range(builder, builder.udiv(n_floats, c(per))) as loop:
+                off = builder.mul(loop.index, c(STREAM_BYTES))
+                v = builder.load(builder.bitcast(builder.gep(src_b, [off]), vty.as_pointer()),
+                                 align=4)
+                st = builder.store(v, builder.bitcast(builder.gep(dst_b, [off]),
+                                                      vty.as_pointer()), align=STREAM_BYTES)
+                st.set_metadata("nontemporal", hint)
+        with plain:
+            with cgutils.for_range(builder, n_floats) as loop:
+                off = builder.mul(loop.index, c(4))
+                x = builder.load(builder.bitcast(builder.gep(src_b, [off]), F32.as_pointer()),
+                                 align=4)
+                builder.store(x, builder.bitcast(builder.gep(dst_b, [off]), F32.as_pointer()),
+                              align=4)
+
+
+def store_fence(builder):
+    """sfence: the streaming stores before it are visible before any store after it."""
+    _call(builder, "llvm.x86.sse.sfence", ir.VoidType(), [])
+
+
 # --- integer idioms -----------------------------------------------------------------------------
 
 def splat(builder, value, n: int):
