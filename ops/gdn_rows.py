@@ -58,11 +58,12 @@ def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_
         gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
     deltas = np.empty((v.shape[1], 3, v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
-          o, deltas, z, norm_w, eps, is_in_place))
-    for r in range(len(mixed)):
-        o_r = o[r]
-        matvec._quantize_act_kernel(o_r.reshape(1, o_r.shape[1] * o_r.shape[2]), xq[r], dx[r],
-                                    xsum8[r], lanes, step_blocks, half_lanes)
+          o, deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes))
+    if v.shape[2] % 32:  # a 32-block spans two heads (maybe two threads'): quantised here
+        for r in range(len(mixed)):
+            o_r = o[r]
+            matvec._quantize_act_kernel(o_r.reshape(1, o_r.shape[1] * o_r.shape[2]), xq[r],
+                                        dx[r], xsum8[r], lanes, step_blocks, half_lanes)
 
 
 @kernel
@@ -218,9 +219,11 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
 
 
 def _rows_share(thread, n_threads, args):
-    # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn.
+    # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn, then
+    # each row's gated norm and quantisation of the thread's heads (one thread quantising both
+    # rows' whole outputs after the fork was ~14 us of a full-size layer).
     (mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst, o,
-     deltas, z, norm_w, eps, is_in_place) = args
+     deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes) = args
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     nk, group = Hk * dk, Hv // Hk
@@ -240,9 +243,12 @@ def _rows_share(thread, n_threads, args):
                                  o[R - 1], deltas[h], h, is_in_place)
         else:
             _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
-    for r in range(len(mixed)):
+    for r in range(R):
         o_r, z_r = o[r], z[r]
         rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])
+        if dv % 32 == 0:  # the thread's heads' blocks of each row's output (as gdn_step's)
+            matvec.quantize_blocks(o_r[0].reshape(Hv * dv), xq[r][0], dx[r][0], xsum8[r][0],
+                                   h0 * dv // 32, h1 * dv // 32, lanes, step_blocks, half_lanes)
 
 
 _rows_kernel = omp.forking_kernel(_rows_body, fork=_rows_share)

@@ -90,7 +90,8 @@ def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True):
 
 
 SHAPES = {"R2-Hk2-Hv4-d32": (2, 2, 4, 32, 32), "R3-Hk3-Hv6-dk32-dv64": (3, 3, 6, 32, 64),
-          "R2-Hk1-Hv2-dk64-dv32": (2, 1, 2, 64, 32), "R1-Hk2-Hv2": (1, 2, 2, 32, 32)}
+          "R2-Hk1-Hv2-dk64-dv32": (2, 1, 2, 64, 32), "R1-Hk2-Hv2": (1, 2, 2, 32, 32),
+          "R2-Hk1-Hv2-dk32-dv48": (2, 1, 2, 32, 48)}  # a 32-block across heads
 
 
 # Where the states go: the last row's into the live state or apart; the saves' rows aligned for
