@@ -53,23 +53,28 @@ def _one_by_one(x, R, Hk, Hv, dk, dv):
     return outs, convs, states, acts
 
 
+def _line_aligned(shape):
+    """A NaN buffer starting a cache line (as GdnSaves'): the saved rows streamed."""
+    a = matvec.aligned_empty(shape)
+    a[...] = np.nan
+    return a
+
+
 def _misaligned(shape):
-    """A NaN buffer 4 bytes past a 16-byte boundary: no streaming store can take its rows."""
+    """A NaN buffer 4 bytes past a cache line: no streaming store can take its rows."""
     n = int(np.prod(shape))
-    flat = poisoned(n + 4)
-    start = (-flat.ctypes.data % 16) // 4 + 1
-    return flat[start:start + n].reshape(shape)
+    flat = _line_aligned(n + 16)
+    return flat[1:1 + n].reshape(shape)
 
 
 def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True):
     """gdn_rows.cpu over x's rows: the last row's state into the live one (in_place) or an array
-    of its own; the saves' rows 16-byte aligned (streamed: 2 rows) or not (plain stores)."""
+    of its own; the saves starting a cache line (streamed: 2 rows) or not (plain stores)."""
     x = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in x.items()}
     live_conv, live_state = x["conv_state"], x["state"]
     save_conv = poisoned((R - 1, *live_conv.shape))
-    save_state = (poisoned if aligned else _misaligned)((R - 1, *live_state.shape))
-    if not aligned:
-        assert all(save_state[r].ctypes.data % 16 for r in range(R - 1))
+    save_state = (_line_aligned if aligned else _misaligned)((R - 1, *live_state.shape))
+    assert all((save_state[r].ctypes.data % 64 == 0) == aligned for r in range(R - 1))
     conv_dst = [save_conv[r] for r in range(R - 1)] + [live_conv]
     rec_dst = [save_state[r] for r in range(R - 1)] + [live_state if in_place
                                                        else poisoned(live_state.shape)]
