@@ -14,7 +14,14 @@ gated RMSNorm are gdn_step's own routines, in its order), so the state is read f
 and each row's written once; row r's write sweep also makes row r+1's read sweep
 (`_recurrent_rows_head`: R + 1 sweeps of a head, not 2R). 30 full-size layers, cold, 2 threads:
 2 rows 1.98x one row's time (2.27x with a head's rows one after another), the saves' writes
-~2 ms of it (scratch measurement, load ~2).
+~2 ms of it (scratch measurement, load ~2). Two rows (one draft, the default) take
+`_recurrent_pair_head`: the saved state goes to memory through streaming stores (the lines not
+read into the cache first: a save is read again only by a rollback) and the last sweep
+recomputes it from the state still in cache instead of reading it back, so the state traffic is
+a token's plus one write; each row's output is quantised in the threads' shares. Full-size
+reap128, 2 threads, `bench decode --speculative mtp`, 3 interleaved fresh-process rounds against
+the last kernel (load 3-4): the GDN rows 1.92x -> 1.72x a token's GDN step (24.5 -> 20.9 ms);
+the recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (min), plain stores 33.
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
