@@ -19,9 +19,10 @@ and each row's written once; row r's write sweep also makes row r+1's read sweep
 read into the cache first: a save is read again only by a rollback) and the last sweep
 recomputes it from the state still in cache instead of reading it back, so the state traffic is
 a token's plus one write; each row's output is quantised in the threads' shares. Full-size
-reap128, 2 threads, `bench decode --speculative mtp`, 3 interleaved fresh-process rounds against
-the last kernel (load 3-4): the GDN rows 1.92x -> 1.72x a token's GDN step (24.5 -> 20.9 ms);
-the recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (min), plain stores 33.
+reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved fresh-process rounds against
+the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medians of the
+rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
+5), 33 with plain stores.
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
@@ -158,8 +159,8 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     """`_recurrent_rows_head` of 2 rows (a verify step of one draft), the same values by the
     same operations, its state traffic a token's but the save: the state after row 0 (S1 =
     alpha_0 S0 + k_0 d_0^T) goes to `saves` through streaming stores (it is read again only by
-    a rollback: written without being read into the cache first, it took ~1/3 of a 2-row
-    step's state traffic), and the last sweep recomputes S1 from S0, still in the thread's
+    a rollback: its lines are not read into the cache before they are written), and the last
+    sweep recomputes S1 from S0, still in the thread's
     cache, rather than reading the save back: dst = alpha_1 S1 + k_1 d_1^T, in place when dst
     is the state (is_in_place: the live state). state, saves, dst [Hv, dk, dv] (S0, S1's and
     S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta [3, dv]: d_0, d_1 and a row of
