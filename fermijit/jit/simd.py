@@ -106,8 +106,8 @@ def store_stream(builder, src, dst, n_floats):
     """dst[:n] = src[:n] (float32 pointers): non-temporal stores (movntps, 16 bytes each: every
     ISA has them; a line's four back to back) where dst starts a cache line and n fills whole
     lines, so each line goes to memory whole without first being read into the cache; plain
-    stores otherwise (a line written in part through the write-combining buffers was slower
-    than plain stores, full-size GDN states here). The same values either way. For data
+    stores otherwise (a line written only in part leaves the write-combining buffer as partial
+    writes; not measured here). The same values either way. For data
     written once and not read again soon; the caller orders the stores before other threads
     read it (`store_fence`)."""
     c = lambda n: ir.Constant(I64, n)  # noqa: E731
