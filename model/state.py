@@ -346,6 +346,6 @@ def new_state(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, 
     layers: list[KvCache | GdnState] = [
         KvCache.zeros(kv, hkv, context, d) if is_attention else
         (gdn and gdn()) or GdnState(np.zeros(conv_shape, np.float32),
-                                    np.zeros(recurrent_shape, np.float32))
+                                    reserved(recurrent_shape, np.float32))  # page-aligned
         for is_attention in layer_kinds]
     return State(0, layers, memory_checked_to=positions)

@@ -14,7 +14,15 @@ gated RMSNorm are gdn_step's own routines, in its order), so the state is read f
 and each row's written once; row r's write sweep also makes row r+1's read sweep
 (`_recurrent_rows_head`: R + 1 sweeps of a head, not 2R). 30 full-size layers, cold, 2 threads:
 2 rows 1.98x one row's time (2.27x with a head's rows one after another), the saves' writes
-~2 ms of it (scratch measurement, load ~2).
+~2 ms of it (scratch measurement, load ~2). Two rows (one draft, the default) take
+`_recurrent_pair_head`: the saved state goes to memory through streaming stores (the lines not
+read into the cache first: a save is read again only by a rollback) and the last sweep
+recomputes it from the state still in cache instead of reading it back, so the state traffic is
+a token's plus one write; each row's output is quantised in the threads' shares. Full-size
+reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved fresh-process rounds against
+the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medians of the
+rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
+5), 33 with plain stores.
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
@@ -27,9 +35,11 @@ Letters: as ops/gdn_step.py; R rows.
 from __future__ import annotations
 
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
 from fermijit import FermijitError
-from fermijit.jit import omp
+from fermijit.jit import omp, simd
 from fermijit.jit.cpu import kernel
 from fermijit.ops import gated_delta, gdn_step, matvec, rmsnorm
 
@@ -50,17 +60,18 @@ def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l
 
 
 def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
-               q_scale, rec_src, rec_dst, q, k, v, g, beta, o, xq, dx, xsum8, lanes,
+               q_scale, rec_src, rec_dst, is_in_place, q, k, v, g, beta, o, xq, dx, xsum8, lanes,
                step_blocks, half_lanes):
     for r in range(len(mixed)):
         gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
-    deltas = np.empty((v.shape[1], 2, v.shape[2]), np.float32)
+    deltas = np.empty((v.shape[1], 3, v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
-          o, deltas, z, norm_w, eps))
-    for r in range(len(mixed)):
-        o_r = o[r]
-        matvec._quantize_act_kernel(o_r.reshape(1, o_r.shape[1] * o_r.shape[2]), xq[r], dx[r],
-                                    xsum8[r], lanes, step_blocks, half_lanes)
+          o, deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes))
+    if v.shape[2] % 32:  # a 32-block spans two heads (maybe two threads'): quantised here
+        for r in range(len(mixed)):
+            o_r = o[r]
+            matvec._quantize_act_kernel(o_r.reshape(1, o_r.shape[1] * o_r.shape[2]), xq[r],
+                                        dx[r], xsum8[r], lanes, step_blocks, half_lanes)
 
 
 @kernel
@@ -116,16 +127,118 @@ def _recurrent_rows_head(q, k, v, g, beta, src, dst, o, delta, h):
                 o1[j] += x * q1                                             # and S^T q
 
 
+@intrinsic
+def _stream_row(typingctx, dst, i, src):
+    """dst[i, :] = src through streaming stores (jit.simd.store_stream): a saved state's row,
+    written once and read again only by a rollback."""
+    sig = types.none(dst, i, src)
+
+    def codegen(context, builder, sig, args):
+        da, sa = (context.make_array(sig.args[n])(context, builder, args[n]) for n in (0, 2))
+        row = simd.byte_ptr(builder, da.data, builder.mul(args[1], builder.extract_value(
+            da.strides, 0)))
+        simd.store_stream(builder, sa.data, row, builder.extract_value(sa.shape, 0))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):
+    sig = types.none()
+
+    def codegen(context, builder, sig, args):
+        simd.store_fence(builder)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@kernel
+def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h, is_in_place):
+    """`_recurrent_rows_head` of 2 rows (a verify step of one draft), the same values by the
+    same operations, its state traffic a token's but the save: the state after row 0 (S1 =
+    alpha_0 S0 + k_0 d_0^T) goes to `saves` through streaming stores (it is read again only by
+    a rollback: its lines are not read into the cache before they are written), and the last
+    sweep recomputes S1 from S0, still in the thread's
+    cache, rather than reading the save back: dst = alpha_1 S1 + k_1 d_1^T, in place when dst
+    is the state (is_in_place: the live state). state, saves, dst [Hv, dk, dv] (S0, S1's and
+    S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta [3, dv]: d_0, d_1 and a row of
+    S1."""
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv, dv = v.shape[1], v.shape[2]
+    hk = h // (Hv // Hk)
+    S = state[h]                                                            # [dk, dv]
+    d0, d1, x_row = delta[0], delta[1], delta[2]
+    o0, o1 = o_0[0, h], o_1[0, h]
+    d0[:] = 0
+    o0[:] = 0
+    kq = np.float32(0)
+    for i in range(dk):
+        k_i = k[0, hk, i]
+        q_i = q[0, hk, i]
+        kq += k_i * q_i
+        for j in range(dv):
+            d0[j] += S[i, j] * k_i                                          # S^T k
+            o0[j] += S[i, j] * q_i                                          # S^T q
+    alpha0 = np.exp(g[0, h])
+    for j in range(dv):
+        d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
+        o0[j] = alpha0 * o0[j] + kq * d0[j]
+    d1[:] = 0
+    o1[:] = 0
+    kq = np.float32(0)
+    saved = saves[h]
+    for i in range(dk):                       # S1, saved; row 1's S1^T k and S1^T q from it
+        k_i = k[0, hk, i]
+        k1 = k[1, hk, i]
+        q1 = q[1, hk, i]
+        kq += k1 * q1
+        for j in range(dv):
+            x = alpha0 * S[i, j] + k_i * d0[j]
+            x_row[j] = x
+            d1[j] += x * k1
+            o1[j] += x * q1
+        _stream_row(saved, i, x_row)
+    _store_fence()
+    alpha1 = np.exp(g[1, h])
+    for j in range(dv):
+        d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
+        o1[j] = alpha1 * o1[j] + kq * d1[j]
+    # S1's row through memory (x_row), as the saved value it must equal: one expression of
+    # both rows' updates let the fast-math flags reassociate the products (last bits off).
+    if is_in_place:  # one array read and written: the stores known to alias only their loads
+        for i in range(dk):
+            k0 = k[0, hk, i]
+            k1 = k[1, hk, i]
+            for j in range(dv):
+                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
+            for j in range(dv):
+                S[i, j] = alpha1 * x_row[j] + k1 * d1[j]
+    else:
+        D = dst[h]
+        for i in range(dk):
+            k0 = k[0, hk, i]
+            k1 = k[1, hk, i]
+            for j in range(dv):
+                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
+            for j in range(dv):
+                D[i, j] = alpha1 * x_row[j] + k1 * d1[j]
+
+
 def _rows_share(thread, n_threads, args):
-    # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn.
+    # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn, then
+    # each row's gated norm and quantisation of the thread's heads (one thread quantising both
+    # rows' whole outputs after the fork was ~14 us of a full-size layer).
     (mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst, o,
-     deltas, z, norm_w, eps) = args
+     deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes) = args
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     nk, group = Hk * dk, Hv // Hk
     k0, k1 = thread * Hk // n_threads, (thread + 1) * Hk // n_threads
     h0, h1 = k0 * group, k1 * group
-    for r in range(len(mixed)):
+    R = len(mixed)
+    for r in range(R):
         m, cs, cd = mixed[r], conv_src[r], conv_dst[r]
         q_r, k_r, v_r = q[r:r + 1], k[r:r + 1], v[r:r + 1]
         for lo, hi in ((k0 * dk, k1 * dk), (nk + k0 * dk, nk + k1 * dk),
@@ -133,10 +246,17 @@ def _rows_share(thread, n_threads, args):
             cd[lo:hi] = cs[lo:hi]
         gdn_step.prepare_heads(m, conv_w, cd, q_r, k_r, v_r, l2_eps, q_scale, k0, k1)
     for h in range(h0, h1):
-        _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
-    for r in range(len(mixed)):
+        if R == 2:
+            _recurrent_pair_head(q, k, v, g, beta, rec_src[0], rec_dst[0], rec_dst[R - 1], o[0],
+                                 o[R - 1], deltas[h], h, is_in_place)
+        else:
+            _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
+    for r in range(R):
         o_r, z_r = o[r], z[r]
         rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])
+        if dv % 32 == 0:  # the thread's heads' blocks of each row's output (as gdn_step's)
+            matvec.quantize_blocks(o_r[0].reshape(Hv * dv), xq[r][0], dx[r][0], xsum8[r][0],
+                                   h0 * dv // 32, h1 * dv // 32, lanes, step_blocks, half_lanes)
 
 
 _rows_kernel = omp.forking_kernel(_rows_body, fork=_rows_share)
@@ -173,7 +293,8 @@ def launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, e
     return _rows_kernel(), (
         tuple(mixed), tuple(z), tuple(a), tuple(b), conv_w, tuple(conv_src), tuple(conv_dst),
         A_log, dt_bias, norm_w, float(eps), float(l2_eps),
-        float(1 / np.sqrt(scratch.q.shape[2])), tuple(rec_src), tuple(rec_dst), scratch.q,
+        float(1 / np.sqrt(scratch.q.shape[2])), tuple(rec_src), tuple(rec_dst),
+        rec_dst[-1].ctypes.data == rec_src[0].ctypes.data, scratch.q,
         scratch.k, scratch.v, scratch.g, scratch.beta, tuple(o), tuple(x.xq for x in acts),
         tuple(x.dx for x in acts), tuple(x.xsum8 for x in acts), v_.lanes,
         matvec.blocks_per_step(v_), half.lanes if half else 0)

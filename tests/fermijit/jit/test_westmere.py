@@ -18,8 +18,8 @@ CHECK = textwrap.dedent("""
     import numpy as np
     from fermijit.jit import cpu
     isa = cpu.select_isa(sys.argv[1])
-    from fermijit.ops import (attention, fp32_rows, gemm, kquant, kquant_matvec, kv_quant, matvec,
-                              quant, quantize_rows)
+    from fermijit.ops import (attention, fp32_rows, gdn_rows, gemm, kquant, kquant_matvec, kv_quant,
+                              matvec, quant, quantize_rows)
     rng = np.random.default_rng(7)
     qs, d = quant.quantize_q4_0(rng.standard_normal((13, 1056)).astype(np.float32))
     x = rng.standard_normal((3, 1056)).astype(np.float32)
@@ -43,7 +43,30 @@ CHECK = textwrap.dedent("""
     y += (kquant_matvec.cpu(kquant.Q4_K, kb, x512[0], isa=isa),
           kquant_matvec.cpu(kquant.Q4_K, kb, x512, isa=isa))
     ref += (kquant.reference(kquant.Q4_K, kb, x512[0]), kquant.reference(kquant.Q4_K, kb, x512))
+    # a verify step's GDN rows: the saved state through streaming stores (movntps, sfence)
+    R, Hk, Hv, dk, dv = 2, 2, 4, 32, 32
+    C = 2 * Hk * dk + Hv * dv
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    mixed, z, a, b = f32(R, C), f32(R, Hv, dv), f32(R, Hv), f32(R, Hv)
+    conv_w, conv0 = 0.5 * f32(C, 4), f32(C, 3)
+    A_log, dt_bias, norm_w = rng.uniform(0, 2, Hv).astype(np.float32), f32(Hv), f32(dv)
+    state0 = 0.1 * f32(Hv, dk, dv)
+    want = gdn_rows.reference(mixed, z, a, b, conv_w, conv0, A_log, dt_bias, norm_w, 1e-6, 1e-6,
+                              state0)
+    live, save = state0.copy(), matvec.aligned_empty(state0.shape)
+    conv_live, conv_save = conv0.copy(), np.empty_like(conv0)
+    o = np.empty((R, Hv, dv), np.float32)
+    acts = matvec.quantize_act(np.zeros((R, Hv * dv), np.float32), isa)
+    rows = lambda x: [x[r:r + 1] for r in range(R)]  # noqa: E731
+    gdn_rows.cpu(rows(mixed.copy()), rows(z), rows(a), rows(b), conv_w, [conv_live, conv_save],
+                 [conv_save, conv_live], A_log, dt_bias, norm_w, 1e-6, 1e-6, [live, save],
+                 [save, live], gdn_rows.Scratch(R, Hk, Hv, dk, dv), rows(o),
+                 [matvec.Q8Act(acts.xq[r:r + 1], acts.dx[r:r + 1], acts.xsum8[r:r + 1],
+                               acts.vec) for r in range(R)])
+    y += (o, save, live)
+    ref += (want[0], want[2][0], want[2][1])
     kernels = [matvec.gemv_kernel(isa), matvec._product(isa, matvec.GEMM_TILE)]
+    kernels.append(gdn_rows._rows_kernel())
     kernels.append(attention._kernel(isa))
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
