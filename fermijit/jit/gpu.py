@@ -278,6 +278,71 @@ def to_device(op: str, name: str, a, dtype, shape: tuple | None = None, ndim: in
         return ga.to_gpu(a, allocator=_pool().allocate)
 
 
+# Bytes: where each array of `upload` starts in its allocation (what a cuMemAlloc of its own gave it).
+UPLOAD_ALIGN = 256
+# Bytes: a pageable array at most this big is queued like a page-locked one (the driver stages it
+# on the spot: microseconds); a bigger one goes through pycuda's memcpy_htod, which releases the
+# GIL for the copy.
+QUEUE_PAGEABLE_MAX = 1 << 20
+
+
+def upload(op: str, arrays: list[np.ndarray]) -> list:
+    """Host arrays (C-contiguous) on the device as views of ONE allocation, each from an
+    UPLOAD_ALIGN-byte offset, in the order given: the GPU prefill's dense weights (~800 arrays,
+    ~1.5 GB at full size). The copies go on a copy stream through `_queue_htod`, which keeps the
+    GIL (page-locked sources, the registered model file's pages, and small pageable ones), or
+    through memcpy_htod (larger pageable ones: the driver stages them, the GIL released), and are
+    awaited once. (An allocation and a pycuda copy per array, each releasing and retaking the GIL,
+    took 0.72-0.96 s of the server's start on the H200's host, with the CPU kernels' warm-up on
+    another thread waiting for the GIL as often: issue 28 item 4.)"""
+    cuda = driver()
+    sizes = [int(a.nbytes) for a in arrays]
+    offsets = np.cumsum([0] + [-(-n // UPLOAD_ALIGN) * UPLOAD_ALIGN for n in sizes])
+    ga = gpuarray()
+    with check(f"{op}: allocating {int(offsets[-1])} bytes"):
+        block = cuda.mem_alloc(max(int(offsets[-1]), 1))
+    base = int(block)
+    out = [ga.GPUArray(a.shape, a.dtype, gpudata=base + int(at), base=block)
+           for a, at in zip(arrays, offsets)]
+    locked = [is_page_locked(a) for a in arrays]
+    stream = copy_stream()
+    # Pageable ones first: an async copy from pageable memory waits for the stream's work before.
+    order = sorted(range(len(arrays)), key=lambda n: locked[n])
+    with check(f"{op}: copying {len(arrays)} arrays to the device"):
+        for n in order:
+            a = arrays[n]
+            if not a.flags.c_contiguous:
+                raise FermijitError(f"{op}: array {n} is not C-contiguous")
+            if not a.nbytes:
+                continue
+            if locked[n] or a.nbytes <= QUEUE_PAGEABLE_MAX:
+                _queue_htod(base + int(offsets[n]), a, stream)
+            else:
+                cuda.memcpy_htod(base + int(offsets[n]), a)
+        stream.synchronize()
+    return out
+
+
+def _queue_htod(address: int, host: np.ndarray, stream) -> None:
+    """cuMemcpyHtoDAsync of `host` to `address` on `stream`, called through ctypes.PyDLL: queued
+    without releasing the GIL (pycuda's memcpy_htod_async releases and retakes it, and retaking it
+    waits up to the switch interval, 5 ms, while another thread runs Python)."""
+    rc = _libcuda_holding_gil().cuMemcpyHtoDAsync_v2(
+        ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data), ctypes.c_size_t(host.nbytes),
+        ctypes.c_void_p(stream.handle))
+    if rc != 0:
+        raise FermijitError(f"copying {host.nbytes} bytes to the device failed: CUDA error {rc}")
+
+
+def is_page_locked(a: np.ndarray) -> bool:
+    """Whether host array `a` lies in page-locked memory: a `pinned` buffer or a `register`ed
+    range (the model file's pages)."""
+    if is_pinned(a):
+        return True
+    at = a.ctypes.data
+    return any(start <= at and at + a.nbytes <= start + n for start, n in list(_registered.keys()))
+
+
 def output(op: str, out, shape: tuple, dtype=np.float32):
     """The device array a kernel writes: `out` itself when it is on the device, else a new one
     (checked against a numpy `out` first, so a bad `out` fails before any launch)."""
@@ -401,6 +466,16 @@ def register(address: int, nbytes: int) -> Registered | None:
         return None
     held = _registered[(address, nbytes)] = Registered(address, nbytes)
     return held
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda_holding_gil():
+    """The driver API through ctypes.PyDLL: its calls keep the GIL (`_queue_htod`)."""
+    lib = ctypes.PyDLL("libcuda.so.1")
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_void_p]
+    lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
+    return lib
 
 
 @functools.lru_cache(maxsize=None)
