@@ -581,3 +581,121 @@ def test_the_dense_weights_go_up_as_views_of_one_allocation(monkeypatch, default
         assert d.shape == h.shape and d.dtype == h.dtype
         np.testing.assert_array_equal(d.values(), h)
     assert dev.resident_bytes == sum(h.nbytes for _, h in pairs)
+
+
+def test_the_hand_off_rounds_each_sequences_kv_caches_in_one_launch(monkeypatch, rng,
+                                                                      default_model):
+    """gpu_state.upload_states then hand_off with a stand-in driver over fake device memory
+    (poisoned 0xFF), the rounding to Q8_0 a stand-in for act_quant.gpu running its numpy
+    reference (the kernel's own test holds it to that): the Q8_0 KV caches of each sequence are
+    rounded in ONE launch over its KV block (issue 28 item 5: ~20 a sequence took 0.03-0.12 s of
+    an 8-prompt batch's hand-off), and each head's new rows arrive as act_quant.reference's
+    codes and scales of the rows the pass wrote; the rows held before are untouched."""
+    import contextlib
+
+    from fermijit.ops import act_quant
+
+    memory, base, used = np.full(1 << 26, 0xFF, np.uint8), 1 << 32, [0]
+
+    class Dev:
+        def __init__(self, shape, at, dtype=np.float32):
+            self.shape, self.at, self.dtype = tuple(shape), at, np.dtype(dtype)
+            self.size = int(np.prod(shape))
+            self.nbytes, self.gpudata = self.size * self.dtype.itemsize, base + at
+
+        def __getitem__(self, rows):
+            start, stop, step = rows.indices(self.size)
+            assert step == 1 and len(self.shape) == 1
+            return Dev((stop - start,), self.at + start * self.dtype.itemsize, self.dtype)
+
+        def reshape(self, shape):
+            assert int(np.prod(shape)) == self.size
+            return Dev(shape, self.at, self.dtype)
+
+        def values(self):
+            return memory[self.at:self.at + self.nbytes].view(self.dtype).reshape(self.shape)
+
+    def empty(shape, dtype=np.float32):
+        at = used[0]
+        used[0] += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 256) * 256
+        return Dev(shape, at, dtype)
+
+    launches = []
+
+    def rounding(x, out=None, codes=False):
+        assert out is x and codes and len(x.shape) == 1
+        launches.append(x.size)
+        q, d, y = act_quant.reference(x.values())
+        x.values()[...] = y
+        on_device = empty(q.shape, np.int8), empty(d.shape)
+        for a, v in zip(on_device, (q, d)):
+            a.values()[...] = v
+        return (x, *on_device)
+
+    class Cuda:
+        Context = type("Context", (), {"synchronize": staticmethod(lambda: None)})
+
+        def memset_d32(self, address, value, count):
+            memory[address - base:][:4 * count].view(np.uint32)[...] = value
+
+        def memcpy_htod(self, address, host):
+            memory[address - base:][:host.nbytes] = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+
+        def memcpy_dtoh_async(self, dest, src, stream):
+            out = dest.reshape(-1).view(np.uint8)
+            out[...] = memory[src - base:][:out.size]
+
+    monkeypatch.setattr(gpu, "driver", lambda: Cuda())
+    monkeypatch.setattr(gpu, "empty", empty)
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(act_quant, "gpu", rounding)
+    states = [default_model.new_state(40), default_model.new_state(40)]
+    held = states[1]
+    for s in held.layers:
+        if isinstance(s, KvCache):
+            for a in (s.k, s.v):
+                assert hasattr(a, "qs")  # the default kind: Q8_0 rows
+                a[:, :9] = kv_quant_rows(rng, (a.shape[0], 9, a.shape[2]))
+    held.position = 9
+    before = [[a.copy() for s in st.layers if isinstance(s, KvCache) for a in (s.k, s.v)]
+              for st in states]
+    ends = [12, 30]
+    on_device = [gpu_state.upload_states(st, end) for st, end in zip(states, ends)]
+    written = []  # the pass's rows per sequence: fp32 [heads, positions, dim] of each cache
+    for dev_states, st, end in zip(on_device, states, ends):
+        assert dev_states.kv_block is not None
+        rows = []
+        for d in dev_states:
+            if isinstance(d, KvCache):
+                for x in (d.k, d.v):
+                    v = x.values()
+                    v[:, st.position:end] = rng.standard_normal(v[:, st.position:end].shape)
+                    rows.append(v.copy())
+        written.append(rows)
+    dev = types_namespace(host_buffer=lambda name, n: np.zeros(n, np.uint8),
+                          readback=types_namespace(synchronize=lambda: None))
+    starts = [st.position for st in states]
+    gpu_state.hand_off(dev, [(d, st, end, None) for d, st, end in zip(on_device, states, ends)])
+    assert len(launches) == 2                              # one per sequence
+    for st, start, end, rows, old in zip(states, starts, ends, written, before):
+        assert st.position == end
+        caches = [a for s in st.layers if isinstance(s, KvCache) for a in (s.k, s.v)]
+        assert len(caches) == len(rows) > 2
+        for a, r, o in zip(caches, rows, old):
+            q, d, _ = act_quant.reference(r[:, start:end])
+            np.testing.assert_array_equal(a.qs[:, start:end], q)
+            np.testing.assert_array_equal(a.d[:, start:end], d)
+            np.testing.assert_array_equal(a.qs[:, :start], o.qs[:, :start])
+            np.testing.assert_array_equal(a.d[:, :start], o.d[:, :start])
+
+
+def kv_quant_rows(rng, shape):
+    from fermijit.ops import kv_quant
+
+    return kv_quant.reference(rng.standard_normal(shape).astype(np.float32))
+
+
+def types_namespace(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
