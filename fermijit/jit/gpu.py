@@ -17,6 +17,7 @@ import ctypes
 import functools
 import sys
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -144,6 +145,9 @@ def check(what: str, rendered: ptx.Rendered | None = None, log: list[str] | None
 
 # Modules per context, then per (template, parameters): PTX is JIT-compiled once per context.
 _modules: dict[tuple, object] = {}
+# Seconds spent loading modules (the driver's JIT or its cache; pycuda holds the GIL meanwhile):
+# the server's start shows them (`--verbose`, issue 28 item 4).
+module_load_s = 0.0
 
 _PTX_TO_STRUCT = {"u64": "P", "s64": "q", "b64": "Q", "u32": "I", "s32": "i", "b32": "I",
                   "f32": "f"}
@@ -167,9 +171,12 @@ class Kernel:
             def jit_log(ok: bool, info: str, error: str) -> None:
                 log.extend(s.strip() for s in (info, error) if s and s.strip())
 
+            start = time.perf_counter()
             with check("loading the module (driver JIT)", rendered, log):
                 _modules[key] = cuda.module_from_buffer(rendered.text.encode(),
                                                         message_handler=jit_log)
+            global module_load_s  # noqa: PLW0603
+            module_load_s += time.perf_counter() - start
         with check(f"getting {entry}", rendered):
             self.function = _modules[key].get_function(entry)
         self.arg_format = "".join(_PTX_TO_STRUCT[t] for t in self.entry.param_types)

@@ -72,11 +72,12 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         times = {"load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
-    if made["gpu"].get("seconds") is not None:
-        times["gpu prefill"] = made["gpu"]["seconds"]
     scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts)
     said = f", MTP drafts {drafts.n}" if drafts is not None else ""
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())  # the GPU's beside the rest
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    if made["gpu"].get("seconds") is not None:  # the GPU's beside the rest, from when it began
+        parts += (f", gpu prefill {made['gpu']['seconds']:.1f} from "
+                  f"{made['gpu']['started'] - start:.1f}")
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{said}{', API key required' if api_key else ''})", file=err, flush=True)
