@@ -4,11 +4,12 @@
 # (filling the kernel cache), then 3 interleaved rounds of fresh starts in three modes (the
 # GPU's preparation beside the CPU warm-up as `serve` does it, the same one after the other,
 # --prefill cpu), each with the server's phases and a first and second 64-token request; last,
-# the slowest imports (tests/fermijit/server/start_bench.py). About 2-3 minutes with the model
-# written. STEPS (default start): `tests` first runs the GPU tests of what the start prepares
-# (the dense weights' upload, the hand-off's Q8_0 rounding in one launch a sequence: the GPU
-# prefill's and the server pool's tests), ~2-4 minutes with a cold kernel cache: run it as a
-# second command if the two near the device's limit.
+# the slowest imports (tests/fermijit/server/start_bench.py), and a probe of what registering
+# the model file stalls. About 2-3 minutes with the model written. STEPS (default start):
+# `tests` first runs the GPU tests of what the start prepares (the dense weights' upload, the
+# hand-off's Q8_0 rounding in one launch a sequence: the GPU prefill's and the server pool's
+# tests), ~2-4 minutes with a cold kernel cache: run it as a second command if the two near the
+# device's limit.
 # Usage, from the project root, after shared/device/prepare.sh here:
 #   bash tests/gpu_start_bench.sh OUT [tests,start]
 set -u
@@ -32,3 +33,6 @@ nproc; uptime
 timeout 400 python3 -m tests.fermijit.server.start_bench $full "$out" 3 2>"$out/start-bench.err"
 echo "start bench rc=$?"; tail -3 "$out/start-bench.err"
 grep -h "gpu prefill ready\|unavailable" "$out/start-bench.log" | head -4
+# Does registering the model file (the experts' source) stall another thread's mmap (the
+# memory-map lock) or its Python? The CPU kernels' loading maps memory as the GPU starts beside it.
+timeout 60 python3 -m tests.fermijit.server.start_bench --probe $full 2>&1 | tail -2

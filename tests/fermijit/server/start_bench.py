@@ -134,6 +134,62 @@ def imports(model_dir: Path, log: Path) -> list[tuple[float, str]]:
     return sorted(found, reverse=True)
 
 
+def register_probe(model_dir: Path) -> str:
+    """Whether registering the model file with the driver (the experts' "mapped" source: ~0.6 s
+    at full size) stalls another thread's mmap/munmap (the process's memory-map lock: the CPU
+    kernels' loading maps memory) or its Python (the GIL): a thread maps and unmaps 1 MiB every
+    millisecond, another counts, beside gpu.register of the whole file."""
+    import mmap
+    import threading
+
+    from fermijit.jit import gpu
+
+    if gpu.unavailable_reason() is not None:
+        return f"register probe: no GPU ({gpu.unavailable_reason()})"
+    gpu.driver()
+    path = model_dir / "model.safetensors"
+    root = np.memmap(path, np.uint8, "r")
+    page = mmap.PAGESIZE
+    first = root.ctypes.data // page * page
+    size = -(-(root.ctypes.data + root.nbytes) // page) * page - first
+    maps, counts, stop = [], [0], [False]
+
+    def mapper():
+        while not stop[0]:
+            t = time.perf_counter()
+            m = mmap.mmap(-1, 1 << 20)
+            m[0] = 1
+            m.close()
+            maps.append(time.perf_counter() - t)
+            time.sleep(0.001)
+
+    def counter():
+        while not stop[0]:
+            counts[0] += 1
+
+    threads = [threading.Thread(target=f) for f in (mapper, counter)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    before, n_before = len(maps), counts[0]
+    t0 = time.perf_counter()
+    held = gpu.register(first, size)
+    reg_s = time.perf_counter() - t0
+    during, n_during = maps[before:], counts[0] - n_before
+    time.sleep(reg_s)
+    n_after = counts[0] - n_before - n_during
+    stop[0] = True
+    for t in threads:
+        t.join()
+    outcome = "refused" if held is None else "registered"
+    del held
+    return (f"register probe: gpu.register of {size / 1e9:.1f} GB took {reg_s:.2f} s "
+            f"({outcome}); beside it a 1 MiB mmap+munmap "
+            f"took at most {max(during, default=0) * 1e3:.1f} ms ({len(during)} of them; "
+            f"{max(maps[:before], default=0) * 1e3:.1f} ms before), a counting thread counted "
+            f"{n_during} (then {n_after} in as long)")
+
+
 KEYS = ("serving_s", "ready_s", "load", "kernels", "gpu prefill", "gpu prefill from",
         "gpu: driver", "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
         "gpu: kernels (2-token pass)", "gpu: of which module loads", "first_request_s",
@@ -165,4 +221,7 @@ def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--probe":
+        print(register_probe(Path(sys.argv[2])))
+        sys.exit()
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS)
