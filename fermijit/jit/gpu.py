@@ -322,7 +322,10 @@ def upload(op: str, arrays: list[np.ndarray]) -> list:
                 raise FermijitError(f"{op}: array {n} is not C-contiguous")
             if not a.nbytes:
                 continue
-            if locked[n] or a.nbytes <= QUEUE_PAGEABLE_MAX:
+            if locked[n]:
+                for at, piece in split_at_registrations(a):
+                    _queue_htod(base + int(offsets[n]) + at, piece, stream)
+            elif a.nbytes <= QUEUE_PAGEABLE_MAX:
                 _queue_htod(base + int(offsets[n]), a, stream)
             else:
                 cuda.memcpy_htod(base + int(offsets[n]), a)
@@ -342,12 +345,30 @@ def _queue_htod(address: int, host: np.ndarray, stream) -> None:
 
 
 def is_page_locked(a: np.ndarray) -> bool:
-    """Whether host array `a` lies in page-locked memory: a `pinned` buffer or a `register`ed
-    range (the model file's pages)."""
+    """Whether host array `a` lies in page-locked memory: a `pinned` buffer or `register`ed
+    ranges (the model file's pages, registered in chunks: it may span several)."""
     if is_pinned(a):
         return True
-    at = a.ctypes.data
-    return any(start <= at and at + a.nbytes <= start + n for start, n in list(_registered.keys()))
+    at, end = a.ctypes.data, a.ctypes.data + a.nbytes
+    for start, n in sorted(_registered.keys()):
+        if start <= at < start + n:
+            at = start + n
+        if at >= end:
+            return True
+    return False
+
+
+def split_at_registrations(host: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(byte offset, uint8 view) pieces of contiguous `host` cut where a registered range begins
+    or ends inside it: one copy must read from one registration (a copy from a range that only
+    starts inside one fails), and the model file is registered in chunks
+    (expert_stream.REGISTER_CHUNK_BYTES)."""
+    flat = host.reshape(-1).view(np.uint8)
+    at, end = flat.ctypes.data, flat.ctypes.data + flat.nbytes
+    cuts = sorted({x for start, n in list(_registered.keys()) for x in (start, start + n)
+                   if at < x < end})
+    bounds = [at, *cuts, end]
+    return [(lo - at, flat[lo - at:hi - at]) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def output(op: str, out, shape: tuple, dtype=np.float32):

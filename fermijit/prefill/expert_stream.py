@@ -40,6 +40,11 @@ SOURCES = ("mapped", "pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
 RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
 REGION_ALIGN = 256           # bytes: where each array's region of a layer buffer starts
+# The model file is registered with the driver in chunks of this many bytes: pinning its pages
+# holds the process's memory-map lock (~0.6 s for the whole 11 GB file at once on the H200's
+# host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
+# its code); a copy is cut where one chunk ends (gpu.split_at_registrations).
+REGISTER_CHUNK_BYTES = 256 << 20
 
 
 def routed_arrays(w) -> tuple[np.ndarray, ...]:
@@ -184,7 +189,11 @@ class Streamer:
                     src = self.pool[layer][start + a * size:start + b * size]
                 else:
                     src = arrays[r][a:b].reshape(-1)
-                pieces.append((device_base + start + a * size, src))
+                if self.source == "mapped":  # a copy reads from one registered chunk
+                    pieces += [(device_base + start + a * size + at, part)
+                               for at, part in gpu.split_at_registrations(src)]
+                else:
+                    pieces.append((device_base + start + a * size, src))
         with gpu.check(f"copying experts of layer {layer} to the device"):
             if self.source == "ring":
                 self._staged(pieces)
@@ -228,9 +237,10 @@ def _file_root(a: np.ndarray) -> np.ndarray | None:
 
 
 def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
-    """Every model file holding experts registered with the driver as it is mapped, whole (a
-    copy from a range that only starts inside a registration fails: the LM head's scales beside
-    the last expert did); None where the driver refuses (Fermi's drivers: no read-only
+    """Every model file holding experts registered with the driver as it is mapped, whole, in
+    REGISTER_CHUNK_BYTES chunks (a copy from a range that only starts inside a registration
+    fails: the LM head's scales beside the last expert did; copies are cut at the chunks'
+    ends: gpu.split_at_registrations); None where the driver refuses (Fermi's drivers: no read-only
     registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
     from fermijit.jit import gpu
 
@@ -238,13 +248,15 @@ def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     if any(r is None for r in roots):
         return None
     page, held = mmap.PAGESIZE, []
+    chunk = max(page, REGISTER_CHUNK_BYTES // page * page)
     for root in {id(r): r for r in roots}.values():
         first = root.ctypes.data // page * page
         last = -(-(root.ctypes.data + root.nbytes) // page) * page
-        registered = gpu.register(first, last - first)
-        if registered is None:
-            return None
-        held.append(registered)
+        for at in range(first, last, chunk):
+            registered = gpu.register(at, min(chunk, last - at))
+            if registered is None:
+                return None  # those registered already are unregistered as `held` goes
+            held.append(registered)
     return held
 
 

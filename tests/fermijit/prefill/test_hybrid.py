@@ -699,3 +699,110 @@ def types_namespace(**kw):
     import types
 
     return types.SimpleNamespace(**kw)
+
+
+def test_the_model_file_is_registered_in_chunks_and_copies_cut_at_their_ends(monkeypatch,
+                                                                               tmp_path, rng):
+    """expert_stream._register_in_place registers a file mapping in page-aligned
+    REGISTER_CHUNK_BYTES chunks covering it whole (pinning 11 GB at once held the memory-map lock
+    ~0.6 s, stalling the kernel warm-up's mmaps beside it), with a stand-in for gpu.register
+    (the driver's bookkeeping: gpu._registered); gpu.split_at_registrations cuts a range at each
+    chunk's end, every piece inside one chunk and the pieces the range in order; a range across
+    chunks is page-locked, one past the file is not; a refusal midway registers nothing."""
+    import mmap
+
+    from fermijit.prefill import expert_stream
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "weights"
+    data = rng.integers(0, 256, 10 * page + 123, dtype=np.uint8)
+    data.tofile(path)
+    root = np.memmap(path, np.uint8, "r")
+    arrays = [(root[100:3 * page], root[5 * page + 7:])]   # two "expert" views of the file
+    calls = []
+
+    def register(address, nbytes):
+        calls.append((address, nbytes))
+        held = gpu.Registered(address, nbytes)
+        gpu._registered[(address, nbytes)] = held
+        return held
+
+    monkeypatch.setattr(gpu, "register", register)
+    monkeypatch.setattr(gpu, "_registered", __import__("weakref").WeakValueDictionary())
+    monkeypatch.setattr(expert_stream, "REGISTER_CHUNK_BYTES", 3 * page)
+    held = expert_stream._register_in_place(arrays)
+    first = root.ctypes.data // page * page
+    last = -(-(root.ctypes.data + root.nbytes) // page) * page
+    assert len(held) == len(calls) == -(-(last - first) // (3 * page)) > 2
+    assert calls[0][0] == first and calls[-1][0] + calls[-1][1] == last
+    assert all(a % page == 0 and n <= 3 * page for a, n in calls)
+    assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))
+    for a in (root[1:], root[page + 5:7 * page + 1], arrays[0][0], root[:10]):
+        pieces = gpu.split_at_registrations(a)
+        assert gpu.is_page_locked(a)
+        assert np.array_equal(np.concatenate([p for _, p in pieces]), a)
+        assert [at for at, _ in pieces] == list(np.cumsum([0] + [p.nbytes for _, p in pieces])[:-1])
+        for _, p in pieces:
+            assert sum(s <= p.ctypes.data and p.ctypes.data + p.nbytes <= s + n
+                       for s, n in calls) == 1
+    assert len(gpu.split_at_registrations(root[page + 5:7 * page + 1])) == 3
+    assert not gpu.is_page_locked(np.zeros(10, np.uint8))
+
+    del held
+    refused = []
+
+    def refuse_third(address, nbytes):
+        if len(refused) == 2:
+            return None
+        refused.append(register(address, nbytes))
+        return refused[-1]
+
+    monkeypatch.setattr(gpu, "register", refuse_third)
+    assert expert_stream._register_in_place(arrays) is None
+    refused.clear()
+    import gc
+
+    gc.collect()
+    assert not gpu._registered       # the chunks registered before the refusal let go
+
+
+def test_an_upload_from_registered_chunks_is_cut_at_their_ends(monkeypatch, rng):
+    """gpu.upload of a page-locked array across two registered chunks (stand-ins): two queued
+    copies, each from one chunk, to the right device offsets."""
+    import contextlib
+    import types
+    import weakref
+
+    memory = np.full(1 << 16, 0xFF, np.uint8)
+    base = 1 << 32
+    host = rng.integers(0, 256, 5000, dtype=np.uint8)
+    at = host.ctypes.data
+    monkeypatch.setattr(gpu, "_registered", weakref.WeakValueDictionary())
+    chunks = [gpu.Registered(at - 8, 2008), gpu.Registered(at + 2000, 4000)]
+    for c in chunks:
+        gpu._registered[(c.address, c.nbytes)] = c
+    queued = []
+
+    def queue(address, piece, stream):
+        start = piece.ctypes.data
+        if np.shares_memory(piece, host):  # from the chunks: from one of them
+            assert sum(c.address <= start and start + piece.nbytes <= c.address + c.nbytes
+                       for c in chunks) == 1
+        queued.append(piece.nbytes)
+        memory[address - base:][:piece.nbytes] = piece.reshape(-1).view(np.uint8)
+
+    class GPUArray:
+        def __init__(self, shape, dtype, gpudata, base):
+            self.gpudata = gpudata
+
+    monkeypatch.setattr(gpu, "driver", lambda: types.SimpleNamespace(mem_alloc=lambda n: base))
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(gpu, "gpuarray", lambda: types.SimpleNamespace(GPUArray=GPUArray))
+    monkeypatch.setattr(gpu, "copy_stream", lambda: types.SimpleNamespace(
+        handle=1, synchronize=lambda: None))
+    monkeypatch.setattr(gpu, "_queue_htod", queue)
+    small = np.arange(3, dtype=np.float32)
+    out = gpu.upload("test", [small, host])
+    assert queued == [small.nbytes, 2000, 3000]
+    assert out[1].gpudata == base + gpu.UPLOAD_ALIGN
+    np.testing.assert_array_equal(memory[gpu.UPLOAD_ALIGN:][:host.size], host)
