@@ -10,8 +10,10 @@ as "first"), then ROUNDS interleaved rounds of three modes:
 Each start: seconds from Popen to "serving", the server's "ready in" line (load, kernels, the
 GPU's seconds and when it began) and "gpu prefill ready" line (driver, experts, dense weights,
 2-token pass, its module loads), then one 64-token request's time to first token and a second
-one's (readiness: the first must not compile or upload more than the second). Last, one start
-under -X importtime: the slowest top-level imports. Prints a table of medians; writes the rows as
+one's (readiness: the first must not compile or upload more than the second; --prefill auto
+prefills them on the GPU: gpu_tokens, from /health, says so). Last, one start under -X
+importtime: the slowest top-level imports. `--probe`: whether registering the model file with the
+driver (whole, then in serve's chunks) stalls another thread's mmap or Python. Prints a table of medians; writes the rows as
 JSON and the logs under OUT.
 
     python3 -m tests.fermijit.server.start_bench MODEL_DIR OUT [ROUNDS]
@@ -85,6 +87,7 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
             with httpx.Client(base_url=url, timeout=600) as client:
                 row["first_request_s"] = _ttft(client, ids[0])
                 row["second_request_s"] = _ttft(client, ids[1])
+                row["gpu_tokens"] = client.get("/health").json()["prefilled_tokens"].get("gpu", 0)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -134,7 +137,7 @@ def imports(model_dir: Path, log: Path) -> list[tuple[float, str]]:
     return sorted(found, reverse=True)
 
 
-def register_probe(model_dir: Path) -> str:
+def register_probe(model_dir: Path, chunk: int | None = None) -> str:
     """Whether registering the model file with the driver (the experts' "mapped" source: ~0.6 s
     at full size) stalls another thread's mmap/munmap (the process's memory-map lock: the CPU
     kernels' loading maps memory) or its Python (the GIL): a thread maps and unmaps 1 MiB every
@@ -173,7 +176,8 @@ def register_probe(model_dir: Path) -> str:
     time.sleep(0.2)
     before, n_before = len(maps), counts[0]
     t0 = time.perf_counter()
-    held = gpu.register(first, size)
+    step = chunk or size
+    held = [gpu.register(at, min(step, first + size - at)) for at in range(first, first + size, step)]
     reg_s = time.perf_counter() - t0
     during, n_during = maps[before:], counts[0] - n_before
     time.sleep(reg_s)
@@ -181,10 +185,13 @@ def register_probe(model_dir: Path) -> str:
     stop[0] = True
     for t in threads:
         t.join()
-    outcome = "refused" if held is None else "registered"
+    outcome = "refused" if any(h is None for h in held) else "registered"
     del held
-    return (f"register probe: gpu.register of {size / 1e9:.1f} GB took {reg_s:.2f} s "
-            f"({outcome}); beside it a 1 MiB mmap+munmap "
+    import gc
+
+    gc.collect()  # unregistered
+    return (f"register probe: gpu.register of {size / 1e9:.1f} GB in {len(range(0, size, step))} "
+            f"piece(s) took {reg_s:.2f} s ({outcome}); beside it a 1 MiB mmap+munmap "
             f"took at most {max(during, default=0) * 1e3:.1f} ms ({len(during)} of them; "
             f"{max(maps[:before], default=0) * 1e3:.1f} ms before), a counting thread counted "
             f"{n_during} (then {n_after} in as long)")
@@ -193,7 +200,7 @@ def register_probe(model_dir: Path) -> str:
 KEYS = ("serving_s", "ready_s", "load", "kernels", "gpu prefill", "gpu prefill from",
         "gpu: driver", "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
         "gpu: kernels (2-token pass)", "gpu: of which module loads", "first_request_s",
-        "second_request_s")
+        "second_request_s", "gpu_tokens")
 
 
 def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
@@ -221,7 +228,10 @@ def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--probe":
+    if sys.argv[1] == "--probe":  # the whole file at once, then as serve registers it
+        from fermijit.prefill import expert_stream
+
         print(register_probe(Path(sys.argv[2])))
+        print(register_probe(Path(sys.argv[2]), expert_stream.REGISTER_CHUNK_BYTES))
         sys.exit()
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS)
