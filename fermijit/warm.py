@@ -63,10 +63,11 @@ def kernel_sample(model):
     prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
     kinds = model.is_attention
     n = max(kinds.index(kind) for kind in set(kinds)) + 1
-    return model if n == len(kinds) else _with_layers(model, range(n))
+    return model if n == len(kinds) else with_layers(model, range(n))
 
 
-def _with_layers(model, indices):
+def with_layers(model, indices):
+    """`model` cut to its layers `indices` (a shallow copy: the weights are shared)."""
     sample = copy.copy(model)
     sample.layers = tuple(model.layers[i] for i in indices)
     sample.is_attention = tuple(model.is_attention[i] for i in indices)
@@ -88,7 +89,7 @@ def run_job(model, job: str, n_prefill: int) -> None:
     """One of `jobs(model)` on a throwaway state of a model of that one layer."""
     step, kind = job.split()
     layer = model.is_attention.index(kind == "attention")
-    one = _with_layers(model, [layer])
+    one = with_layers(model, [layer])
     n_prefill = max(1, min(n_prefill, model.max_context - 1))
     state = one.new_state(n_prefill + 1)
     if step == "prefill":

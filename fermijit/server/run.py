@@ -16,7 +16,7 @@ from fermijit import FermijitError
 
 
 def warm_up(engine, max_batch: int, drafts=None) -> None:
-    """Compile (or load) every kernel a request meets: prefill (of 2 tokens and of
+    """Compile (or load) every kernel a request meets: prefill (of 2 tokens, and of
     `warm_prefill_tokens`: ops switch kernels past sizes), decode, sampling and the batched steps of 2, 3, 4 and max_batch
     sequences (the products' kernels differ for 2, 3 and more tokens, ops/matvec.py FEW_TOKENS;
     the scheduler decodes one sequence alone with Model.decode, never a batch of 1), on
@@ -26,10 +26,16 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     "ready" means ready.)"""
     from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
+    from fermijit.warm import with_layers
 
     model = engine.model
-    for n_prefill in (2, warm_prefill_tokens(model)):  # the kernels below the sizes and past them
-        engine_warm_up(model, np.zeros(2, np.int32), n_prefill, sampler=engine.sampler(Settings()))
+    engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
+    # The kernels past the sizes: a prefill alone, on one layer of each kind (half kernel_sample's
+    # four on the reap128 shape: its experts' pages are read for nothing but loading kernels).
+    n = warm_prefill_tokens(model)
+    for layer in sorted({model.is_attention.index(kind) for kind in set(model.is_attention)}):
+        one = with_layers(model, [layer])
+        one.prefill(np.zeros(n, np.int32), one.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
         sample = kernel_sample(model)
         for n in sorted({min(n, max_batch) for n in (2, 3, 4, max_batch)}):
@@ -44,11 +50,11 @@ def warm_prefill_tokens(model) -> int:
     """The warm-up prompt's tokens: long enough that a longer prompt's prefill meets no other
     kernel. Ops switch kernels past sizes: omp.ROWS_MIN rows (the router, the GDN gates, the
     query | gate split), 2^15-2^16 elements of [T, hidden] or wider arrays (ops/embedding.py,
-    rmsnorm.py, rope.py, l2norm.py): twice the tokens where [T, hidden] holds 2^16 (64 on the
-    reap128 shape; tests/fermijit/server/test_warm_up.py checks longer prompts load nothing)."""
+    rmsnorm.py, rope.py, l2norm.py): the tokens where [T, hidden] holds 2^16 (32 on the reap128
+    shape; tests/fermijit/server/test_warm_up.py checks longer prompts load nothing)."""
     from fermijit.jit import omp
 
-    return max(1, min(model.max_context - 1, max(omp.ROWS_MIN, 2 * -(-(1 << 16) // model.hidden))))
+    return max(1, min(model.max_context - 1, max(omp.ROWS_MIN, -(-(1 << 16) // model.hidden))))
 
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
