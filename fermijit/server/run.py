@@ -24,22 +24,20 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     prefill and a batch of 2 only, the first prompt of 8+ tokens loaded 8 more kernels on the
     reap128 shape and the first batch of 3 and of 4 two each, while serving: issue 28 item 4,
     "ready" means ready.)"""
-    from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
+    from fermijit.engine import Settings, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
-    from fermijit.warm import with_layers
+    from fermijit.warm import light_sample
 
     model = engine.model
     engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
-    # The kernels past the sizes: a prefill alone, on one layer of each kind (half kernel_sample's
-    # four on the reap128 shape: its experts' pages are read for nothing but loading kernels).
+    # The rest on a light copy (one layer of each kind, a few rows of the LM head: the same
+    # kernels): a prefill past the sizes, the batched steps.
+    light = light_sample(model)
     n = warm_prefill_tokens(model)
-    for layer in sorted({model.is_attention.index(kind) for kind in set(model.is_attention)}):
-        one = with_layers(model, [layer])
-        one.prefill(np.zeros(n, np.int32), one.new_state(n + 1))
+    light.prefill(np.zeros(n, np.int32), light.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
-        sample = kernel_sample(model)
         for n in sorted({min(n, max_batch) for n in (2, 3, 4, max_batch)}):
-            decode_batch(sample, np.zeros(n, np.int32), [sample.new_state(2) for _ in range(n)])
+            decode_batch(light, np.zeros(n, np.int32), [light.new_state(2) for _ in range(n)])
     if drafts is not None:
         from fermijit import speculative
 
