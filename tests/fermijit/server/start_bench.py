@@ -84,10 +84,14 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
 
             vocab = 1000
             ids = np.random.default_rng(len(lines)).integers(300, vocab, (2, 64)).tolist()
-            with httpx.Client(base_url=url, timeout=600) as client:
-                row["first_request_s"] = _ttft(client, ids[0])
-                row["second_request_s"] = _ttft(client, ids[1])
-                row["gpu_tokens"] = client.get("/health").json()["prefilled_tokens"].get("gpu", 0)
+            try:
+                with httpx.Client(base_url=url, timeout=600) as client:
+                    row["first_request_s"] = _ttft(client, ids[0])
+                    row["second_request_s"] = _ttft(client, ids[1])
+                    row["gpu_tokens"] = client.get("/health").json()["prefilled_tokens"].get(
+                        "gpu", 0)
+            except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+                row["request_error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -115,6 +119,8 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
                 row["gpu: " + m.group(1)] = float(m.group(2))
     row["said"] = [ln.strip() for ln in text.splitlines()
                    if "ready" in ln or "unavailable" in ln or "Error" in ln][:6]
+    if "request_error" in row:
+        row["said"].append(row["request_error"])
     return row
 
 
@@ -216,6 +222,9 @@ def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
                                                      indent=1))
     print(f"first start (kernel cache filled as it goes): serving after "
           f"{first.get('serving_s', float('nan')):.2f} s; {' | '.join(first['said'][:3])}")
+    errors = [r["request_error"] for m in MODES for r in rows[m] if "request_error" in r]
+    if errors:
+        print(f"{len(errors)} start(s) failed a request, e.g. {errors[0]}")
     print(f"medians of {rounds} fresh starts per mode (seconds):")
     print(f"{'':30s}" + "".join(f"{m:>10s}" for m in MODES))
     for key in KEYS:
