@@ -285,7 +285,8 @@ def to_device(op: str, name: str, a, dtype, shape: tuple | None = None, ndim: in
         return ga.to_gpu(a, allocator=_pool().allocate)
 
 
-# Bytes: where each array of `upload` starts in its allocation (what a cuMemAlloc of its own gave it).
+# Bytes: where each array of `upload` starts in its allocation (what a cuMemAlloc of its own
+# gave it).
 UPLOAD_ALIGN = 256
 # Bytes: a pageable array at most this big is queued like a page-locked one (the driver stages it
 # on the spot: microseconds); a bigger one goes through pycuda's memcpy_htod, which releases the

@@ -17,13 +17,13 @@ from fermijit import FermijitError
 
 def warm_up(engine, max_batch: int, drafts=None) -> None:
     """Compile (or load) every kernel a request meets: prefill (of 2 tokens, and of
-    `warm_prefill_tokens`: ops switch kernels past sizes), decode, sampling and the batched steps of 2, 3, 4 and max_batch
-    sequences (the products' kernels differ for 2, 3 and more tokens, ops/matvec.py FEW_TOKENS;
-    the scheduler decodes one sequence alone with Model.decode, never a batch of 1), on
-    throwaway states; with `drafts` (speculative.Drafts), a speculative step's. (With a 2-token
-    prefill and a batch of 2 only, the first prompt of 8+ tokens loaded 8 more kernels on the
-    reap128 shape and the first batch of 3 and of 4 two each, while serving: issue 28 item 4,
-    "ready" means ready.)"""
+    `warm_prefill_tokens`: ops switch kernels past sizes), decode, sampling and the batched
+    steps of 2, 3, 4 and max_batch sequences (the products' kernels differ for 2, 3 and more
+    tokens, ops/matvec.py FEW_TOKENS; the scheduler decodes one sequence alone with
+    Model.decode, never a batch of 1), on throwaway states; with `drafts` (speculative.Drafts),
+    a speculative step's. (With a 2-token prefill and a batch of 2 only, the first prompt of 8+
+    tokens loaded 8 more kernels on the reap128 shape and the first batches of 3 and of 4 two
+    each, while serving: issue 28 item 4, "ready" means ready.)"""
     from fermijit.engine import Settings, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
     from fermijit.warm import light_sample
@@ -36,8 +36,9 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     n = warm_prefill_tokens(model)
     light.prefill(np.zeros(n, np.int32), light.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
-        for n in sorted({min(n, max_batch) for n in (2, 3, 4, max_batch)}):
-            decode_batch(light, np.zeros(n, np.int32), [light.new_state(2) for _ in range(n)])
+        for rows in sorted({min(b, max_batch) for b in (2, 3, 4, max_batch)}):
+            decode_batch(light, np.zeros(rows, np.int32),
+                         [light.new_state(2) for _ in range(rows)])
     if drafts is not None:
         from fermijit import speculative
 

@@ -639,7 +639,8 @@ def test_the_hand_off_rounds_each_sequences_kv_caches_in_one_launch(monkeypatch,
             memory[address - base:][:4 * count].view(np.uint32)[...] = value
 
         def memcpy_htod(self, address, host):
-            memory[address - base:][:host.nbytes] = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+            out = memory[address - base:][:host.nbytes]
+            out[...] = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
 
         def memcpy_dtoh_async(self, dest, src, stream):
             out = dest.reshape(-1).view(np.uint8)

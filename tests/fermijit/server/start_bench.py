@@ -13,8 +13,8 @@ GPU's seconds and when it began) and "gpu prefill ready" line (driver, experts, 
 one's (readiness: the first must not compile or upload more than the second; --prefill auto
 prefills them on the GPU: gpu_tokens, from /health, says so). Last, one start under -X
 importtime: the slowest top-level imports. `--probe`: whether registering the model file with the
-driver (whole, then in serve's chunks) stalls another thread's mmap or Python. Prints a table of medians; writes the rows as
-JSON and the logs under OUT.
+driver (whole, then in serve's chunks) stalls another thread's mmap or Python. Prints a table of
+medians; writes the rows as JSON and the logs under OUT.
 
     python3 -m tests.fermijit.server.start_bench MODEL_DIR OUT [ROUNDS]
 """
@@ -183,7 +183,8 @@ def register_probe(model_dir: Path, chunk: int | None = None) -> str:
     before, n_before = len(maps), counts[0]
     t0 = time.perf_counter()
     step = chunk or size
-    held = [gpu.register(at, min(step, first + size - at)) for at in range(first, first + size, step)]
+    held = [gpu.register(at, min(step, first + size - at))
+            for at in range(first, first + size, step)]
     reg_s = time.perf_counter() - t0
     during, n_during = maps[before:], counts[0] - n_before
     time.sleep(reg_s)
