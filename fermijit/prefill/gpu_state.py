@@ -182,8 +182,8 @@ def hand_off(dev: DeviceModel, sequences: list[tuple], timings: dict | None = No
     hidden = []  # the waiting hidden states' host arrays, or None
     for states, state, end, waiting in sequences:
         block, rounded = getattr(states, "kv_block", None), None
-        if block is not None and any(isinstance(s, KvCache) and isinstance(s.k, Q8Rows)
-                                     for s in state.layers):
+        kinds = {isinstance(s.k, Q8Rows) for s in state.layers if isinstance(s, KvCache)}
+        if block is not None and kinds == {True}:  # rounded in place: every cache Q8_0
             with gpu.check("rounding the KV cache to Q8_0"):
                 rounded = _q8_block(block)
             held.append(rounded)
