@@ -25,6 +25,7 @@ too (a second, page-locked copy beside the model file's pages had doubled the RS
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import mmap
 
@@ -135,6 +136,7 @@ class Streamer:
         self.layouts = [Layout.of(w) for w in layers]
         self.layer_bytes = max(lay.layer_bytes for lay in self.layouts)
         self.host = [expert_arrays(w) for w in layers]
+        self.addresses = [[a.ctypes.data for a in arrays] for arrays in self.host]
         self.stream = gpu.copy_stream()
         self.pool: list[np.ndarray] = []
         self.registered = None
@@ -143,6 +145,8 @@ class Streamer:
             if self.registered is None:
                 source = "pinned"
         self.source = source
+        # Where the registered chunks begin and end: the copies are cut there (`copy`).
+        self.bounds = gpu.registered_bounds() if source == "mapped" else []
         if source == "pinned":
             for lay, arrays in zip(self.layouts, self.host):
                 buf = gpu.pinned(lay.layer_bytes)
@@ -189,9 +193,11 @@ class Streamer:
                     src = self.pool[layer][start + a * size:start + b * size]
                 else:
                     src = arrays[r][a:b].reshape(-1)
-                if self.source == "mapped":  # a copy reads from one registered chunk
+                first = self.addresses[layer][r] + a * size  # a copy reads from one chunk
+                if (self.source == "mapped" and bisect.bisect_right(self.bounds, first)
+                        < bisect.bisect_left(self.bounds, first + (b - a) * size)):
                     pieces += [(device_base + start + a * size + at, part)
-                               for at, part in gpu.split_at_registrations(src)]
+                               for at, part in gpu.split_at_registrations(src, self.bounds)]
                 else:
                     pieces.append((device_base + start + a * size, src))
         with gpu.check(f"copying experts of layer {layer} to the device"):

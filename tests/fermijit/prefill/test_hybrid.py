@@ -807,3 +807,60 @@ def test_an_upload_from_registered_chunks_is_cut_at_their_ends(monkeypatch, rng)
     assert queued == [small.nbytes, 2000, 3000]
     assert out[1].gpudata == base + gpu.UPLOAD_ALIGN
     np.testing.assert_array_equal(memory[gpu.UPLOAD_ALIGN:][:host.size], host)
+
+
+def test_the_streamer_copies_experts_from_registered_chunks(monkeypatch, tmp_path, rng):
+    """expert_stream.Streamer on "mapped" experts (views of a file, registered in chunks by a
+    stand-in driver): the experts asked for land in the layer buffer at the layout's offsets,
+    each copy read from one registered chunk (those across a chunk's end cut there), no other
+    byte of the buffer written."""
+    import contextlib
+    import mmap
+    import types
+    import weakref
+
+    from fermijit.prefill import expert_stream
+
+    page, E = mmap.PAGESIZE, 8
+    path = tmp_path / "weights"
+    rng.integers(0, 256, 6 * page + 77, dtype=np.uint8).tofile(path)
+    root = np.memmap(path, np.uint8, "r")
+    layers = [tuple(root[at:at + E * n].reshape(E, n) for at, n in pair)
+              for pair in (((13, 1000), (9000, 300)), ((17000, 800), (24000, 8)))]
+    monkeypatch.setattr(expert_stream, "expert_arrays", lambda w: w)
+    monkeypatch.setattr(expert_stream, "REGISTER_CHUNK_BYTES", page)
+    monkeypatch.setattr(gpu, "_registered", weakref.WeakValueDictionary())
+    chunks = []
+
+    def register(address, nbytes):
+        chunks.append(gpu.Registered(address, nbytes))
+        gpu._registered[(address, nbytes)] = chunks[-1]
+        return chunks[-1]
+
+    memory = np.zeros(1 << 16, np.uint8)
+    base = 1 << 32
+
+    def copy(address, src, stream):
+        start = src.ctypes.data
+        assert sum(c.address <= start and start + src.nbytes <= c.address + c.nbytes
+                   for c in chunks) == 1
+        memory[address - base:][:src.nbytes] = src.reshape(-1).view(np.uint8)
+
+    monkeypatch.setattr(gpu, "register", register)
+    monkeypatch.setattr(gpu, "copy_stream", lambda: None)
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(gpu, "event", lambda: types.SimpleNamespace(record=lambda s=None: None))
+    monkeypatch.setattr(gpu, "driver", lambda: types.SimpleNamespace(memcpy_htod_async=copy))
+    streamer = expert_stream.Streamer(layers, "mapped")
+    assert streamer.source == "mapped" and len(chunks) > 4
+    for layer, arrays in enumerate(layers):
+        memory[...] = 0
+        wanted = rng.random(E) < 0.5
+        wanted[[0, -1]] = True
+        streamer.copy(layer, wanted, base)
+        lay = streamer.layouts[layer]
+        expected = np.zeros_like(memory)
+        for start, a in zip(lay.offsets, arrays):
+            region = expected[start:start + a.nbytes].reshape(a.shape)
+            region[wanted] = a[wanted]
+        np.testing.assert_array_equal(memory, expected)
