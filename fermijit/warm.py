@@ -63,10 +63,39 @@ def kernel_sample(model):
     prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
     kinds = model.is_attention
     n = max(kinds.index(kind) for kind in set(kinds)) + 1
-    return model if n == len(kinds) else _with_layers(model, range(n))
+    return model if n == len(kinds) else with_layers(model, range(n))
 
 
-def _with_layers(model, indices):
+# Rows of the LM head kept by `light_sample`: the head's product takes the same kernel for any
+# number of rows (ops/matvec.py picks by tokens), at 1/240 of the reap128 head's 0.5 GB.
+LIGHT_HEAD_ROWS = 1024
+
+
+def light_sample(model):
+    """`model` cut to one layer of each kind and its LM head to its first LIGHT_HEAD_ROWS rows
+    (vocab_size with it): the same kernels as the model's for any prompt or batch, for the
+    server's extra warm-ups (fermijit/server/run.py: a prefill past the sizes where ops switch
+    kernels, batched steps of 3+ rows), whose every step read the whole head and four layers'
+    experts for nothing but loading kernels (+1.3 s of a full-size start on 2 cores)."""
+    import dataclasses
+
+    kinds = model.is_attention
+    light = with_layers(model, sorted({kinds.index(kind) for kind in set(kinds)}))
+    rows = min(LIGHT_HEAD_ROWS, model.vocab_size)
+    w = model.lm_head
+    if isinstance(w, np.ndarray):
+        light.lm_head = w[:rows]
+    else:  # matvec.Q4Matrix, QuantTensor, BlockTensor: every array's rows
+        light.lm_head = dataclasses.replace(w, **{
+            f.name: getattr(w, f.name)[:rows] for f in dataclasses.fields(w)
+            if isinstance(getattr(w, f.name), np.ndarray) and getattr(w, f.name).ndim >= 1
+            and getattr(w, f.name).shape[0] == model.vocab_size})
+    light.vocab_size = rows
+    return light
+
+
+def with_layers(model, indices):
+    """`model` cut to its layers `indices` (a shallow copy: the weights are shared)."""
     sample = copy.copy(model)
     sample.layers = tuple(model.layers[i] for i in indices)
     sample.is_attention = tuple(model.is_attention[i] for i in indices)
@@ -88,7 +117,7 @@ def run_job(model, job: str, n_prefill: int) -> None:
     """One of `jobs(model)` on a throwaway state of a model of that one layer."""
     step, kind = job.split()
     layer = model.is_attention.index(kind == "attention")
-    one = _with_layers(model, [layer])
+    one = with_layers(model, [layer])
     n_prefill = max(1, min(n_prefill, model.max_context - 1))
     state = one.new_state(n_prefill + 1)
     if step == "prefill":

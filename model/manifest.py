@@ -192,15 +192,21 @@ def sample(weights: SafetensorsFile, name: str, entry: TensorEntry,
     h = hashlib.sha256()
     n_experts = entry.shape[0] if len(entry.shape) == 3 else 1
     for stored, dtype, _ in stored_specs(name, entry.shape, entry.quant):
-        flat = weights.raw(stored).reshape(-1)
+        # A plain ndarray view (np.memmap's slicing costs microseconds a chunk: 0.23 s of every
+        # full-size load for ~30,000 chunks, issue 28 item 4), and the chunks gathered into one
+        # array hashed at once: sha256 of their concatenation, what hashing them in turn gives.
+        flat = np.asarray(weights.raw(stored)).reshape(-1)
         raw = flat.view(np.uint8)
-        for a, b in sample_spans(raw.size, n_experts):
-            h.update(raw[a:b])
-            if check_floats and dtype in ("F16", "F32"):
-                size = flat.itemsize
-                if not np.isfinite(flat[a // size:b // size]).all():
-                    raise FermijitError(f"{weights.path}: tensor {name} holds NaN or infinite "
-                                        f"values")
+        spans = sample_spans(raw.size, n_experts)
+        if len(spans) == 1:
+            chunks = raw[spans[0][0]:spans[0][1]]
+        else:  # every chunk whole (sample_spans): SAMPLE_CHUNK_NBYTES from a 64-aligned start
+            starts = np.array([a for a, _ in spans])
+            chunks = raw[starts[:, None] + np.arange(SAMPLE_CHUNK_NBYTES)]
+        h.update(np.ascontiguousarray(chunks))
+        if (check_floats and dtype in ("F16", "F32")
+                and not np.isfinite(np.ascontiguousarray(chunks).view(flat.dtype)).all()):
+            raise FermijitError(f"{weights.path}: tensor {name} holds NaN or infinite values")
     return h.hexdigest()
 
 

@@ -13,10 +13,12 @@ already on the device the result stays there (prefill chains kernels without hos
 from __future__ import annotations
 
 import atexit
+import bisect
 import ctypes
 import functools
 import sys
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -144,6 +146,9 @@ def check(what: str, rendered: ptx.Rendered | None = None, log: list[str] | None
 
 # Modules per context, then per (template, parameters): PTX is JIT-compiled once per context.
 _modules: dict[tuple, object] = {}
+# Seconds spent loading modules (the driver's JIT or its cache; pycuda holds the GIL meanwhile):
+# the server's start shows them (`--verbose`, issue 28 item 4).
+module_load_s = 0.0
 
 _PTX_TO_STRUCT = {"u64": "P", "s64": "q", "b64": "Q", "u32": "I", "s32": "i", "b32": "I",
                   "f32": "f"}
@@ -167,9 +172,12 @@ class Kernel:
             def jit_log(ok: bool, info: str, error: str) -> None:
                 log.extend(s.strip() for s in (info, error) if s and s.strip())
 
+            start = time.perf_counter()
             with check("loading the module (driver JIT)", rendered, log):
                 _modules[key] = cuda.module_from_buffer(rendered.text.encode(),
                                                         message_handler=jit_log)
+            global module_load_s  # noqa: PLW0603
+            module_load_s += time.perf_counter() - start
         with check(f"getting {entry}", rendered):
             self.function = _modules[key].get_function(entry)
         self.arg_format = "".join(_PTX_TO_STRUCT[t] for t in self.entry.param_types)
@@ -276,6 +284,104 @@ def to_device(op: str, name: str, a, dtype, shape: tuple | None = None, ndim: in
     ga = gpuarray()
     with check(f"{op}: copying {name} to the device"):
         return ga.to_gpu(a, allocator=_pool().allocate)
+
+
+# Bytes: where each array of `upload` starts in its allocation (what a cuMemAlloc of its own
+# gave it).
+UPLOAD_ALIGN = 256
+# Bytes: a pageable array at most this big is queued like a page-locked one (the driver stages it
+# on the spot: microseconds); a bigger one goes through pycuda's memcpy_htod, which releases the
+# GIL for the copy.
+QUEUE_PAGEABLE_MAX = 1 << 20
+
+
+def upload(op: str, arrays: list[np.ndarray]) -> list:
+    """Host arrays (C-contiguous) on the device as views of ONE allocation, each from an
+    UPLOAD_ALIGN-byte offset, in the order given: the GPU prefill's dense weights (~800 arrays,
+    ~1.5 GB at full size). The copies go on a copy stream through `_queue_htod`, which keeps the
+    GIL (page-locked sources, the registered model file's pages, and small pageable ones), or
+    through memcpy_htod (larger pageable ones: the driver stages them, the GIL released), and are
+    awaited once. (An allocation and a pycuda copy per array, each releasing and retaking the GIL,
+    took 0.72-0.96 s of the server's start on the H200's host, with the CPU kernels' warm-up on
+    another thread waiting for the GIL as often: issue 28 item 4.)"""
+    cuda = driver()
+    sizes = [int(a.nbytes) for a in arrays]
+    offsets = np.cumsum([0] + [-(-n // UPLOAD_ALIGN) * UPLOAD_ALIGN for n in sizes])
+    ga = gpuarray()
+    with check(f"{op}: allocating {int(offsets[-1])} bytes"):
+        block = cuda.mem_alloc(max(int(offsets[-1]), 1))
+    base = int(block)
+    out = [ga.GPUArray(a.shape, a.dtype, gpudata=base + int(at), base=block)
+           for a, at in zip(arrays, offsets)]
+    locked = [is_page_locked(a) for a in arrays]
+    stream = copy_stream()
+    # Pageable ones first: an async copy from pageable memory waits for the stream's work before.
+    order = sorted(range(len(arrays)), key=lambda n: locked[n])
+    bounds = registered_bounds()
+    with check(f"{op}: copying {len(arrays)} arrays to the device"):
+        for n in order:
+            a = arrays[n]
+            if not a.flags.c_contiguous:
+                raise FermijitError(f"{op}: array {n} is not C-contiguous")
+            if not a.nbytes:
+                continue
+            if locked[n]:
+                for at, piece in split_at_registrations(a, bounds):
+                    _queue_htod(base + int(offsets[n]) + at, piece, stream)
+            elif a.nbytes <= QUEUE_PAGEABLE_MAX:
+                _queue_htod(base + int(offsets[n]), a, stream)
+            else:
+                cuda.memcpy_htod(base + int(offsets[n]), a)
+        stream.synchronize()
+    return out
+
+
+def _queue_htod(address: int, host: np.ndarray, stream) -> None:
+    """cuMemcpyHtoDAsync of `host` to `address` on `stream`, called through ctypes.PyDLL: queued
+    without releasing the GIL (pycuda's memcpy_htod_async releases and retakes it, and retaking it
+    waits up to the switch interval, 5 ms, while another thread runs Python)."""
+    rc = _libcuda_holding_gil().cuMemcpyHtoDAsync_v2(
+        ctypes.c_uint64(address), ctypes.c_void_p(host.ctypes.data), ctypes.c_size_t(host.nbytes),
+        ctypes.c_void_p(stream.handle))
+    if rc != 0:
+        raise FermijitError(f"copying {host.nbytes} bytes to the device failed: CUDA error {rc}")
+
+
+def is_page_locked(a: np.ndarray) -> bool:
+    """Whether host array `a` lies in page-locked memory: a `pinned` buffer or `register`ed
+    ranges (the model file's pages, registered in chunks: it may span several)."""
+    if is_pinned(a):
+        return True
+    at, end = a.ctypes.data, a.ctypes.data + a.nbytes
+    for start, n in sorted(_registered.keys()):
+        if start <= at < start + n:
+            at = start + n
+        if at >= end:
+            return True
+    return False
+
+
+def registered_bounds() -> list[int]:
+    """The addresses where registered ranges begin or end, sorted (`split_at_registrations`)."""
+    return sorted({x for start, n in list(_registered.keys()) for x in (start, start + n)})
+
+
+def split_at_registrations(host: np.ndarray,
+                           bounds: list[int] | None = None) -> list[tuple[int, np.ndarray]]:
+    """(byte offset, uint8 view) pieces of contiguous `host` cut where a registered range begins
+    or ends inside it (`bounds`: registered_bounds(), default now), or [(0, host)] where none
+    does: one copy must read from one registration (a copy from a range that only starts inside
+    one fails), and the model file is registered in chunks (expert_stream.REGISTER_CHUNK_BYTES).
+    On the expert streamer's path per copy: ~1 us uncut."""
+    at = host.__array_interface__["data"][0]
+    end = at + host.nbytes
+    bounds = registered_bounds() if bounds is None else bounds
+    cuts = bounds[bisect.bisect_right(bounds, at):bisect.bisect_left(bounds, end)]
+    if not cuts:
+        return [(0, host)]
+    flat = host.reshape(-1).view(np.uint8)
+    bounds = [at, *cuts, end]
+    return [(lo - at, flat[lo - at:hi - at]) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def output(op: str, out, shape: tuple, dtype=np.float32):
@@ -401,6 +507,16 @@ def register(address: int, nbytes: int) -> Registered | None:
         return None
     held = _registered[(address, nbytes)] = Registered(address, nbytes)
     return held
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda_holding_gil():
+    """The driver API through ctypes.PyDLL: its calls keep the GIL (`_queue_htod`)."""
+    lib = ctypes.PyDLL("libcuda.so.1")
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_void_p]
+    lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
+    return lib
 
 
 @functools.lru_cache(maxsize=None)

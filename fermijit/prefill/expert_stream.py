@@ -25,6 +25,7 @@ too (a second, page-locked copy beside the model file's pages had doubled the RS
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import mmap
 
@@ -40,6 +41,11 @@ SOURCES = ("mapped", "pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
 RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
 REGION_ALIGN = 256           # bytes: where each array's region of a layer buffer starts
+# The model file is registered with the driver in chunks of this many bytes: pinning its pages
+# holds the process's memory-map lock (~0.6 s for the whole 11 GB file at once on the H200's
+# host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
+# its code); a copy is cut where one chunk ends (gpu.split_at_registrations).
+REGISTER_CHUNK_BYTES = 256 << 20
 
 
 def routed_arrays(w) -> tuple[np.ndarray, ...]:
@@ -130,6 +136,7 @@ class Streamer:
         self.layouts = [Layout.of(w) for w in layers]
         self.layer_bytes = max(lay.layer_bytes for lay in self.layouts)
         self.host = [expert_arrays(w) for w in layers]
+        self.addresses = [[a.ctypes.data for a in arrays] for arrays in self.host]
         self.stream = gpu.copy_stream()
         self.pool: list[np.ndarray] = []
         self.registered = None
@@ -138,6 +145,8 @@ class Streamer:
             if self.registered is None:
                 source = "pinned"
         self.source = source
+        # Where the registered chunks begin and end: the copies are cut there (`copy`).
+        self.bounds = gpu.registered_bounds() if source == "mapped" else []
         if source == "pinned":
             for lay, arrays in zip(self.layouts, self.host):
                 buf = gpu.pinned(lay.layer_bytes)
@@ -184,7 +193,13 @@ class Streamer:
                     src = self.pool[layer][start + a * size:start + b * size]
                 else:
                     src = arrays[r][a:b].reshape(-1)
-                pieces.append((device_base + start + a * size, src))
+                first = self.addresses[layer][r] + a * size  # a copy reads from one chunk
+                if (self.source == "mapped" and bisect.bisect_right(self.bounds, first)
+                        < bisect.bisect_left(self.bounds, first + (b - a) * size)):
+                    pieces += [(device_base + start + a * size + at, part)
+                               for at, part in gpu.split_at_registrations(src, self.bounds)]
+                else:
+                    pieces.append((device_base + start + a * size, src))
         with gpu.check(f"copying experts of layer {layer} to the device"):
             if self.source == "ring":
                 self._staged(pieces)
@@ -228,9 +243,10 @@ def _file_root(a: np.ndarray) -> np.ndarray | None:
 
 
 def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
-    """Every model file holding experts registered with the driver as it is mapped, whole (a
-    copy from a range that only starts inside a registration fails: the LM head's scales beside
-    the last expert did); None where the driver refuses (Fermi's drivers: no read-only
+    """Every model file holding experts registered with the driver as it is mapped, whole, in
+    REGISTER_CHUNK_BYTES chunks (a copy from a range that only starts inside a registration
+    fails: the LM head's scales beside the last expert did; copies are cut at the chunks'
+    ends: gpu.split_at_registrations); None where the driver refuses (Fermi's drivers: no read-only
     registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
     from fermijit.jit import gpu
 
@@ -238,13 +254,15 @@ def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     if any(r is None for r in roots):
         return None
     page, held = mmap.PAGESIZE, []
+    chunk = max(page, REGISTER_CHUNK_BYTES // page * page)
     for root in {id(r): r for r in roots}.values():
         first = root.ctypes.data // page * page
         last = -(-(root.ctypes.data + root.nbytes) // page) * page
-        registered = gpu.register(first, last - first)
-        if registered is None:
-            return None
-        held.append(registered)
+        for at in range(first, last, chunk):
+            registered = gpu.register(at, min(chunk, last - at))
+            if registered is None:
+                return None  # those registered already are unregistered as `held` goes
+            held.append(registered)
     return held
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from fermijit.model.state import GdnState, KvCache, State
 from fermijit.ops.kv_quant import Q8Rows
+from fermijit.ops.quant import BLOCK
 from fermijit.prefill.gpu_layout import F32
 
 if TYPE_CHECKING:
@@ -32,7 +33,15 @@ COPY_THREADS = 4
 DEVICE_ALIGN = 64
 
 
-def upload_states(state: State, n_positions: int) -> list:
+class DeviceStates(list):
+    """`upload_states`' device states per layer, with `kv_block`: the one device allocation their
+    KV caches are views of (None without attention layers), which the hand-off rounds to Q8_0 in
+    one launch."""
+
+    kv_block = None
+
+
+def upload_states(state: State, n_positions: int) -> DeviceStates:
     """The host state on the device: KV caches with room for `n_positions` holding the
     state's positions, GDN states (and the MTP head's cache, last, where the state has it: its
     row at position - 1 is sent too, unwritten yet, and the prefill writes it first). They are
@@ -51,7 +60,8 @@ def upload_states(state: State, n_positions: int) -> list:
     def floats(shape) -> int:
         return -(-int(np.prod(shape)) // DEVICE_ALIGN) * DEVICE_ALIGN
 
-    states, blocks, at = [], {}, {False: 0, True: 0}  # by is-a-KV-cache: the next free float
+    states, blocks = DeviceStates(), {}
+    at = {False: 0, True: 0}  # by is-a-KV-cache: the next free float
     with gpu.check("sending the state in"):
         for is_kv in (False, True):
             n = sum(floats(x) for s, pair in zip(state.layers, shapes)
@@ -80,6 +90,7 @@ def upload_states(state: State, n_positions: int) -> list:
                     if held:
                         cuda.memcpy_htod(int(dev.gpudata), np.ascontiguousarray(a, np.float32))
                 states.append(GdnState(*views))
+    states.kv_block = blocks.get(True)
     return states
 
 
@@ -104,6 +115,29 @@ def handed_arrays(state: State, end: int) -> list[list[np.ndarray]]:
     return [[x for a in (s.k, s.v) for h in range(a.shape[0]) for x in head_rows(a, h, *rows)]
             if isinstance(s, KvCache) else [s.conv, s.recurrent]
             for s, rows in zip(state.layers, handed_rows(state, end))]
+
+
+def _q8_block(block) -> tuple:
+    """A sequence's KV block (`DeviceStates.kv_block`: every KV cache of it, each on
+    DEVICE_ALIGN floats, a multiple of the 32-block) rounded to Q8_0 on the GPU in place, in ONE
+    launch (its blocks are rounded alone: the same codes and scales as a launch per cache, ~20
+    of them a sequence at full size: 0.03-0.12 s of an 8-prompt batch's hand-off on the H200);
+    returns its (codes, scales) device arrays."""
+    from fermijit.ops import act_quant
+
+    _, codes, scales = act_quant.gpu(block, out=block, codes=True)
+    return codes, scales
+
+
+def _q8_block_sources(dev_rows, start: int, block, rounded: tuple) -> list[int]:
+    """The addresses of each head's codes, then scales, from `start`, of a device cache [heads,
+    positions, dim] inside `block`, rounded by `_q8_block` into `rounded` (codes, scales)."""
+    heads, positions, dim = dev_rows.shape
+    at = (int(dev_rows.gpudata) - int(block.gpudata)) // F32  # its first float in the block
+    codes, scales = rounded
+    return [address for h in range(heads) for first in [at + (h * positions + start) * dim]
+            for address in (int(codes.gpudata) + first,
+                            int(scales.gpudata) + first // BLOCK * F32)]
 
 
 def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
@@ -147,9 +181,19 @@ def hand_off(dev: DeviceModel, sequences: list[tuple], timings: dict | None = No
     held = []    # the rounded caches' device arrays, alive until copied
     hidden = []  # the waiting hidden states' host arrays, or None
     for states, state, end, waiting in sequences:
+        block, rounded = getattr(states, "kv_block", None), None
+        kinds = {isinstance(s.k, Q8Rows) for s in state.layers if isinstance(s, KvCache)}
+        if block is not None and kinds == {True}:  # rounded in place: every cache Q8_0
+            with gpu.check("rounding the KV cache to Q8_0"):
+                rounded = _q8_block(block)
+            held.append(rounded)
         for d, s, host, (start, _) in zip(states, state.layers, handed_arrays(state, end),
                                           handed_rows(state, end)):
-            if isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
+            if isinstance(d, KvCache) and isinstance(s.k, Q8Rows) and rounded is not None:
+                sources = [a for x in (d.k, d.v)
+                           for a in _q8_block_sources(x, start, block, rounded)]
+                # in handed_arrays' order: k's heads (codes, scales each), then v's
+            elif isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
                 sources = []
                 for x in (d.k, d.v):
                     with gpu.check("rounding the KV cache to Q8_0"):

@@ -280,6 +280,7 @@ class GpuPrefiller:
             return False
 
     def _prepare(self) -> None:
+        from fermijit.jit import gpu
         from fermijit.prefill import gpu_prefill
 
         start = time.perf_counter()
@@ -291,14 +292,15 @@ class GpuPrefiller:
                                               ring_slot_bytes(pin_budget))
         warm = self.model.new_state(2)
         observer, self.observer = self.observer, None     # the warm-up pass is not calibration
-        start = time.perf_counter()
+        start, modules = time.perf_counter(), gpu.module_load_s
         try:
             self.run(np.zeros(2, np.int32), warm)
         finally:
             self.observer = observer
         # Seconds per part of the start (`--verbose`; issue 28 item 4's start-up budget).
         self.prepare_s = {"driver": driver_s, **self.device.prepare_s,
-                          "kernels (2-token pass)": time.perf_counter() - start}
+                          "kernels (2-token pass)": time.perf_counter() - start,
+                          "of which module loads": gpu.module_load_s - modules}
         if self.verbose:
             self._say("gpu prefill ready: " + ", ".join(f"{k} {v:.2f} s"
                                                         for k, v in self.prepare_s.items()))
@@ -586,7 +588,8 @@ class AutoPrefiller:
 def preparing(prefiller):
     """`prefiller.prepare()` on a thread while the block runs (the CPU kernels' warm-up: the
     GPU's start, ~2.6 s at full size on the H200, overlaps it instead of following it); yields a
-    dict that gets "seconds" (None when the GPU could not start) once the block is done."""
+    dict that gets "started" (perf_counter) and "seconds" (None when the GPU could not start)
+    once the block is done."""
     from fermijit.jit import omp
 
     result: dict = {}
@@ -595,14 +598,14 @@ def preparing(prefiller):
         # (Numba's workqueue layer is not thread-safe): the GPU then starts after the block.
         yield result
         if not isinstance(prefiller, CpuPrefiller):
-            start = time.perf_counter()
+            start = result["started"] = time.perf_counter()
             result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
         return
 
     def prepare() -> None:
         from fermijit.jit import gpu
 
-        start = time.perf_counter()
+        start = result["started"] = time.perf_counter()
         try:
             result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
         finally:

@@ -16,22 +16,44 @@ from fermijit import FermijitError
 
 
 def warm_up(engine, max_batch: int, drafts=None) -> None:
-    """Compile (or load) every kernel a request meets: prefill, decode, sampling and the batched
-    step of 2 sequences (grouped launches differ from 1 row on; the scheduler decodes one
-    sequence alone with Model.decode, never a batch of 1), on throwaway states; with `drafts`
-    (speculative.Drafts), a speculative step's."""
-    from fermijit.engine import Settings, kernel_sample, warm_up as engine_warm_up
+    """Compile (or load) every kernel a request meets: prefill (of 2 tokens, and of
+    `warm_prefill_tokens`: ops switch kernels past sizes), decode, sampling and the batched
+    steps of 2, 3, 4 and max_batch sequences (the products' kernels differ for 2, 3 and more
+    tokens, ops/matvec.py FEW_TOKENS; the scheduler decodes one sequence alone with
+    Model.decode, never a batch of 1), on throwaway states; with `drafts` (speculative.Drafts),
+    a speculative step's. (With a 2-token prefill and a batch of 2 only, the first prompt of 8+
+    tokens loaded 8 more kernels on the reap128 shape and the first batches of 3 and of 4 two
+    each, while serving: issue 28 item 4, "ready" means ready.)"""
+    from fermijit.engine import Settings, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
+    from fermijit.warm import light_sample
 
     model = engine.model
     engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
+    # The rest on a light copy (one layer of each kind, a few rows of the LM head: the same
+    # kernels): a prefill past the sizes, the batched steps.
+    light = light_sample(model)
+    n = warm_prefill_tokens(model)
+    light.prefill(np.zeros(n, np.int32), light.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
-        sample = kernel_sample(model)
-        decode_batch(sample, np.zeros(2, np.int32), [sample.new_state(2) for _ in range(2)])
+        for rows in sorted({min(b, max_batch) for b in (2, 3, 4, max_batch)}):
+            decode_batch(light, np.zeros(rows, np.int32),
+                         [light.new_state(2) for _ in range(rows)])
     if drafts is not None:
         from fermijit import speculative
 
         speculative.warm_up(model, engine.sampler(Settings()), drafts)
+
+
+def warm_prefill_tokens(model) -> int:
+    """The warm-up prompt's tokens: long enough that a longer prompt's prefill meets no other
+    kernel. Ops switch kernels past sizes: omp.ROWS_MIN rows (the router, the GDN gates, the
+    query | gate split), 2^15-2^16 elements of [T, hidden] or wider arrays (ops/embedding.py,
+    rmsnorm.py, rope.py, l2norm.py): the tokens where [T, hidden] holds 2^16 (32 on the reap128
+    shape; tests/fermijit/server/test_warm_up.py checks longer prompts load nothing)."""
+    from fermijit.jit import omp
+
+    return max(1, min(model.max_context - 1, max(omp.ROWS_MIN, -(-(1 << 16) // model.hidden))))
 
 
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
@@ -72,11 +94,12 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         times = {"load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
-    if made["gpu"].get("seconds") is not None:
-        times["gpu prefill"] = made["gpu"]["seconds"]
     scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts)
     said = f", MTP drafts {drafts.n}" if drafts is not None else ""
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())  # the GPU's beside the rest
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    if made["gpu"].get("seconds") is not None:  # the GPU's beside the rest, from when it began
+        parts += (f", gpu prefill {made['gpu']['seconds']:.1f} from "
+                  f"{made['gpu']['started'] - start:.1f}")
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{said}{', API key required' if api_key else ''})", file=err, flush=True)

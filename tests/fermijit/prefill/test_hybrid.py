@@ -493,3 +493,374 @@ def test_states_go_in_as_views_of_two_allocations(monkeypatch, rng, default_mode
                 rows = rows.dequantize() if hasattr(rows, "dequantize") else rows
                 np.testing.assert_array_equal(got[head, :state.position], rows)
             assert np.isnan(got[:, state.position:]).all()
+
+
+def test_the_dense_weights_go_up_as_views_of_one_allocation(monkeypatch, default_model):
+    """gpu_prefill.DeviceModel's dense weights, norm and LM head with a stand-in driver over fake
+    device memory (poisoned 0xFF): gpu.upload makes ONE allocation, each array a view of it on its
+    own UPLOAD_ALIGN bytes (none overlapping) holding the host array's bytes; the copies are
+    queued on one stream (no GIL released: `_queue_htod`) but for pageable arrays larger than
+    QUEUE_PAGEABLE_MAX, which go through memcpy_htod, and are awaited once (issue 28 item 4: an
+    allocation and a GIL-releasing copy per array took 0.72-0.96 s of the server's start)."""
+    import contextlib
+    import types
+
+    from fermijit.prefill import expert_stream
+
+    memory = np.full(64 << 20, 0xFF, np.uint8)
+    base = 1 << 32
+    calls = {"alloc": 0, "queued": 0, "sync_copies": 0, "synchronize": 0}
+
+    class Allocation(int):
+        pass
+
+    class Cuda:
+        def mem_alloc(self, n):
+            calls["alloc"] += 1
+            assert n <= memory.size
+            return Allocation(base)
+
+        def memcpy_htod(self, address, host):
+            calls["sync_copies"] += 1
+            assert not gpu.is_page_locked(host) and host.nbytes > gpu.QUEUE_PAGEABLE_MAX
+            memory[address - base:][:host.nbytes] = host.reshape(-1).view(np.uint8)
+
+    def queue(address, host, stream):
+        calls["queued"] += 1
+        assert stream.synchronized == 0           # awaited after every copy was queued
+        memory[address - base:][:host.nbytes] = host.reshape(-1).view(np.uint8)
+
+    class Stream:
+        handle, synchronized = 7, 0
+
+        def synchronize(self):
+            calls["synchronize"] += 1
+            self.synchronized += 1
+
+    class GPUArray:
+        def __init__(self, shape, dtype, gpudata, base):
+            self.shape, self.dtype, self.gpudata, self.base = shape, np.dtype(dtype), gpudata, base
+            self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+
+        def values(self):
+            at = self.gpudata - base
+            return memory[at:at + self.nbytes].view(self.dtype).reshape(self.shape)
+
+    class Streamer:  # no experts streamed: only the dense weights' way up is under test
+        def __init__(self, layers, source, ring_slot_bytes):
+            self.layer_bytes, self.source = 1, source
+
+        def rebind(self, i, w):
+            return w
+
+    monkeypatch.setattr(gpu, "driver", lambda: Cuda())
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(gpu, "gpuarray", lambda: types.SimpleNamespace(GPUArray=GPUArray))
+    monkeypatch.setattr(gpu, "copy_stream", lambda: Stream())
+    monkeypatch.setattr(gpu, "_queue_htod", queue)
+    monkeypatch.setattr(gpu, "empty", lambda shape, dtype=np.float32: None)
+    monkeypatch.setattr(expert_stream, "Streamer", Streamer)
+    monkeypatch.setattr(gpu, "QUEUE_PAGEABLE_MAX", 64 << 10)  # so both ways are taken
+    before = default_model.layers, default_model.mtp
+    try:
+        dev = gpu_prefill.DeviceModel(default_model, "pinned")
+    finally:
+        default_model.layers, default_model.mtp = before
+    host = gpu_layout.dense_arrays(default_model)
+    pairs = ([(dev.layers[i][k], v) for i, a in enumerate(host) for k, v in a.items()]
+             + [(dev.norm, default_model.norm)]
+             + [(dev.head[k], v) for k, v in gpu_layout.head_arrays(default_model).items()])
+    assert [k for a in dev.layers for k in a] == [k for a in host for k in a]
+    assert calls["alloc"] == 1 and calls["synchronize"] == 1
+    assert calls["queued"] + calls["sync_copies"] == len(pairs)
+    assert calls["sync_copies"] > 0 and calls["queued"] > 0
+    spans = sorted((d.gpudata, d.gpudata + d.nbytes) for d, _ in pairs)
+    assert all(a % gpu.UPLOAD_ALIGN == 0 for a, _ in spans)
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    for d, h in pairs:
+        assert d.shape == h.shape and d.dtype == h.dtype
+        np.testing.assert_array_equal(d.values(), h)
+    assert dev.resident_bytes == sum(h.nbytes for _, h in pairs)
+
+
+def test_the_hand_off_rounds_each_sequences_kv_caches_in_one_launch(monkeypatch, rng,
+                                                                      default_model):
+    """gpu_state.upload_states then hand_off with a stand-in driver over fake device memory
+    (poisoned 0xFF), the rounding to Q8_0 a stand-in for act_quant.gpu running its numpy
+    reference (the kernel's own test holds it to that): the Q8_0 KV caches of each sequence are
+    rounded in ONE launch over its KV block (issue 28 item 5: ~20 a sequence took 0.03-0.12 s of
+    an 8-prompt batch's hand-off), and each head's new rows arrive as act_quant.reference's
+    codes and scales of the rows the pass wrote; the rows held before are untouched."""
+    import contextlib
+
+    from fermijit.ops import act_quant
+
+    memory, base, used = np.full(1 << 26, 0xFF, np.uint8), 1 << 32, [0]
+
+    class Dev:
+        def __init__(self, shape, at, dtype=np.float32):
+            self.shape, self.at, self.dtype = tuple(shape), at, np.dtype(dtype)
+            self.size = int(np.prod(shape))
+            self.nbytes, self.gpudata = self.size * self.dtype.itemsize, base + at
+
+        def __getitem__(self, rows):
+            start, stop, step = rows.indices(self.size)
+            assert step == 1 and len(self.shape) == 1
+            return Dev((stop - start,), self.at + start * self.dtype.itemsize, self.dtype)
+
+        def reshape(self, shape):
+            assert int(np.prod(shape)) == self.size
+            return Dev(shape, self.at, self.dtype)
+
+        def values(self):
+            return memory[self.at:self.at + self.nbytes].view(self.dtype).reshape(self.shape)
+
+    def empty(shape, dtype=np.float32):
+        at = used[0]
+        used[0] += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // 256) * 256
+        return Dev(shape, at, dtype)
+
+    launches = []
+
+    def rounding(x, out=None, codes=False):
+        assert out is x and codes and len(x.shape) == 1
+        launches.append(x.size)
+        q, d, y = act_quant.reference(x.values())
+        x.values()[...] = y
+        on_device = empty(q.shape, np.int8), empty(d.shape)
+        for a, v in zip(on_device, (q, d)):
+            a.values()[...] = v
+        return (x, *on_device)
+
+    class Cuda:
+        Context = type("Context", (), {"synchronize": staticmethod(lambda: None)})
+
+        def memset_d32(self, address, value, count):
+            memory[address - base:][:4 * count].view(np.uint32)[...] = value
+
+        def memcpy_htod(self, address, host):
+            out = memory[address - base:][:host.nbytes]
+            out[...] = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+
+        def memcpy_dtoh_async(self, dest, src, stream):
+            out = dest.reshape(-1).view(np.uint8)
+            out[...] = memory[src - base:][:out.size]
+
+    monkeypatch.setattr(gpu, "driver", lambda: Cuda())
+    monkeypatch.setattr(gpu, "empty", empty)
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(act_quant, "gpu", rounding)
+    states = [default_model.new_state(40), default_model.new_state(40)]
+    held = states[1]
+    for s in held.layers:
+        if isinstance(s, KvCache):
+            for a in (s.k, s.v):
+                assert hasattr(a, "qs")  # the default kind: Q8_0 rows
+                a[:, :9] = kv_quant_rows(rng, (a.shape[0], 9, a.shape[2]))
+    held.position = 9
+    before = [[a.copy() for s in st.layers if isinstance(s, KvCache) for a in (s.k, s.v)]
+              for st in states]
+    ends = [12, 30]
+    on_device = [gpu_state.upload_states(st, end) for st, end in zip(states, ends)]
+    written = []  # the pass's rows per sequence: fp32 [heads, positions, dim] of each cache
+    for dev_states, st, end in zip(on_device, states, ends):
+        assert dev_states.kv_block is not None
+        rows = []
+        for d in dev_states:
+            if isinstance(d, KvCache):
+                for x in (d.k, d.v):
+                    v = x.values()
+                    v[:, st.position:end] = rng.standard_normal(v[:, st.position:end].shape)
+                    rows.append(v.copy())
+        written.append(rows)
+    dev = types_namespace(host_buffer=lambda name, n: np.zeros(n, np.uint8),
+                          readback=types_namespace(synchronize=lambda: None))
+    starts = [st.position for st in states]
+    gpu_state.hand_off(dev, [(d, st, end, None) for d, st, end in zip(on_device, states, ends)])
+    assert len(launches) == 2                              # one per sequence
+    for st, start, end, rows, old in zip(states, starts, ends, written, before):
+        assert st.position == end
+        caches = [a for s in st.layers if isinstance(s, KvCache) for a in (s.k, s.v)]
+        assert len(caches) == len(rows) > 2
+        for a, r, o in zip(caches, rows, old):
+            q, d, _ = act_quant.reference(r[:, start:end])
+            np.testing.assert_array_equal(a.qs[:, start:end], q)
+            np.testing.assert_array_equal(a.d[:, start:end], d)
+            np.testing.assert_array_equal(a.qs[:, :start], o.qs[:, :start])
+            np.testing.assert_array_equal(a.d[:, :start], o.d[:, :start])
+
+
+def kv_quant_rows(rng, shape):
+    from fermijit.ops import kv_quant
+
+    return kv_quant.reference(rng.standard_normal(shape).astype(np.float32))
+
+
+def types_namespace(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+def test_the_model_file_is_registered_in_chunks_and_copies_cut_at_their_ends(monkeypatch,
+                                                                               tmp_path, rng):
+    """expert_stream._register_in_place registers a file mapping in page-aligned
+    REGISTER_CHUNK_BYTES chunks covering it whole (pinning 11 GB at once held the memory-map lock
+    ~0.6 s, stalling the kernel warm-up's mmaps beside it), with a stand-in for gpu.register
+    (the driver's bookkeeping: gpu._registered); gpu.split_at_registrations cuts a range at each
+    chunk's end, every piece inside one chunk and the pieces the range in order; a range across
+    chunks is page-locked, one past the file is not; a refusal midway registers nothing."""
+    import mmap
+
+    from fermijit.prefill import expert_stream
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "weights"
+    data = rng.integers(0, 256, 10 * page + 123, dtype=np.uint8)
+    data.tofile(path)
+    root = np.memmap(path, np.uint8, "r")
+    arrays = [(root[100:3 * page], root[5 * page + 7:])]   # two "expert" views of the file
+    calls = []
+
+    def register(address, nbytes):
+        calls.append((address, nbytes))
+        held = gpu.Registered(address, nbytes)
+        gpu._registered[(address, nbytes)] = held
+        return held
+
+    monkeypatch.setattr(gpu, "register", register)
+    monkeypatch.setattr(gpu, "_registered", __import__("weakref").WeakValueDictionary())
+    monkeypatch.setattr(expert_stream, "REGISTER_CHUNK_BYTES", 3 * page)
+    held = expert_stream._register_in_place(arrays)
+    first = root.ctypes.data // page * page
+    last = -(-(root.ctypes.data + root.nbytes) // page) * page
+    assert len(held) == len(calls) == -(-(last - first) // (3 * page)) > 2
+    assert calls[0][0] == first and calls[-1][0] + calls[-1][1] == last
+    assert all(a % page == 0 and n <= 3 * page for a, n in calls)
+    assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))
+    for a in (root[1:], root[page + 5:7 * page + 1], arrays[0][0], root[:10]):
+        pieces = gpu.split_at_registrations(a)
+        assert gpu.is_page_locked(a)
+        assert np.array_equal(np.concatenate([p for _, p in pieces]), a)
+        assert [at for at, _ in pieces] == list(np.cumsum([0] + [p.nbytes for _, p in pieces])[:-1])
+        for _, p in pieces:
+            assert sum(s <= p.ctypes.data and p.ctypes.data + p.nbytes <= s + n
+                       for s, n in calls) == 1
+    assert len(gpu.split_at_registrations(root[page + 5:7 * page + 1])) == 3
+    assert not gpu.is_page_locked(np.zeros(10, np.uint8))
+
+    del held
+    refused = []
+
+    def refuse_third(address, nbytes):
+        if len(refused) == 2:
+            return None
+        refused.append(register(address, nbytes))
+        return refused[-1]
+
+    monkeypatch.setattr(gpu, "register", refuse_third)
+    assert expert_stream._register_in_place(arrays) is None
+    refused.clear()
+    import gc
+
+    gc.collect()
+    assert not gpu._registered       # the chunks registered before the refusal let go
+
+
+def test_an_upload_from_registered_chunks_is_cut_at_their_ends(monkeypatch, rng):
+    """gpu.upload of a page-locked array across two registered chunks (stand-ins): two queued
+    copies, each from one chunk, to the right device offsets."""
+    import contextlib
+    import types
+    import weakref
+
+    memory = np.full(1 << 16, 0xFF, np.uint8)
+    base = 1 << 32
+    host = rng.integers(0, 256, 5000, dtype=np.uint8)
+    at = host.ctypes.data
+    monkeypatch.setattr(gpu, "_registered", weakref.WeakValueDictionary())
+    chunks = [gpu.Registered(at - 8, 2008), gpu.Registered(at + 2000, 4000)]
+    for c in chunks:
+        gpu._registered[(c.address, c.nbytes)] = c
+    queued = []
+
+    def queue(address, piece, stream):
+        start = piece.ctypes.data
+        if np.shares_memory(piece, host):  # from the chunks: from one of them
+            assert sum(c.address <= start and start + piece.nbytes <= c.address + c.nbytes
+                       for c in chunks) == 1
+        queued.append(piece.nbytes)
+        memory[address - base:][:piece.nbytes] = piece.reshape(-1).view(np.uint8)
+
+    class GPUArray:
+        def __init__(self, shape, dtype, gpudata, base):
+            self.gpudata = gpudata
+
+    monkeypatch.setattr(gpu, "driver", lambda: types.SimpleNamespace(mem_alloc=lambda n: base))
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(gpu, "gpuarray", lambda: types.SimpleNamespace(GPUArray=GPUArray))
+    monkeypatch.setattr(gpu, "copy_stream", lambda: types.SimpleNamespace(
+        handle=1, synchronize=lambda: None))
+    monkeypatch.setattr(gpu, "_queue_htod", queue)
+    small = np.arange(3, dtype=np.float32)
+    out = gpu.upload("test", [small, host])
+    assert queued == [small.nbytes, 2000, 3000]
+    assert out[1].gpudata == base + gpu.UPLOAD_ALIGN
+    np.testing.assert_array_equal(memory[gpu.UPLOAD_ALIGN:][:host.size], host)
+
+
+def test_the_streamer_copies_experts_from_registered_chunks(monkeypatch, tmp_path, rng):
+    """expert_stream.Streamer on "mapped" experts (views of a file, registered in chunks by a
+    stand-in driver): the experts asked for land in the layer buffer at the layout's offsets,
+    each copy read from one registered chunk (those across a chunk's end cut there), no other
+    byte of the buffer written."""
+    import contextlib
+    import mmap
+    import types
+    import weakref
+
+    from fermijit.prefill import expert_stream
+
+    page, E = mmap.PAGESIZE, 8
+    path = tmp_path / "weights"
+    rng.integers(0, 256, 6 * page + 77, dtype=np.uint8).tofile(path)
+    root = np.memmap(path, np.uint8, "r")
+    layers = [tuple(root[at:at + E * n].reshape(E, n) for at, n in pair)
+              for pair in (((13, 1000), (9000, 300)), ((17000, 800), (24000, 8)))]
+    monkeypatch.setattr(expert_stream, "expert_arrays", lambda w: w)
+    monkeypatch.setattr(expert_stream, "REGISTER_CHUNK_BYTES", page)
+    monkeypatch.setattr(gpu, "_registered", weakref.WeakValueDictionary())
+    chunks = []
+
+    def register(address, nbytes):
+        chunks.append(gpu.Registered(address, nbytes))
+        gpu._registered[(address, nbytes)] = chunks[-1]
+        return chunks[-1]
+
+    memory = np.zeros(1 << 16, np.uint8)
+    base = 1 << 32
+
+    def copy(address, src, stream):
+        start = src.ctypes.data
+        assert sum(c.address <= start and start + src.nbytes <= c.address + c.nbytes
+                   for c in chunks) == 1
+        memory[address - base:][:src.nbytes] = src.reshape(-1).view(np.uint8)
+
+    monkeypatch.setattr(gpu, "register", register)
+    monkeypatch.setattr(gpu, "copy_stream", lambda: None)
+    monkeypatch.setattr(gpu, "check", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(gpu, "event", lambda: types.SimpleNamespace(record=lambda s=None: None))
+    monkeypatch.setattr(gpu, "driver", lambda: types.SimpleNamespace(memcpy_htod_async=copy))
+    streamer = expert_stream.Streamer(layers, "mapped")
+    assert streamer.source == "mapped" and len(chunks) > 4
+    for layer, arrays in enumerate(layers):
+        memory[...] = 0
+        wanted = rng.random(E) < 0.5
+        wanted[[0, -1]] = True
+        streamer.copy(layer, wanted, base)
+        lay = streamer.layouts[layer]
+        expected = np.zeros_like(memory)
+        for start, a in zip(lay.offsets, arrays):
+            region = expected[start:start + a.nbytes].reshape(a.shape)
+            region[wanted] = a[wanted]
+        np.testing.assert_array_equal(memory, expected)

@@ -1,6 +1,7 @@
 """`serve`'s warm-up (fermijit/server/run.py warm_up) loads every kernel its first requests meet:
-in a fresh process, after it, one request alone and two together (the batched step) compile or
-load no kernel (issue 28 item 4: the start's kernels, and no first request paying for more)."""
+in a fresh process, after it, requests alone of 2 to 600 prompt tokens and 2, 3, 4 and 8 together
+(the batched steps) compile or load no kernel (issue 28 item 4: the start's kernels, and no first
+request paying for more)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,11 @@ def request(prompt):
     return httpx.post(f"{server.url}/v1/completions", timeout=120, json={
         "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}).status_code
 codes = [request([1, 2])]
-with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    codes += list(pool.map(request, [[3, 4], [5, 6]]))
+for n in (8, 40, 200, 600):  # past every size where an op takes another kernel
+    codes.append(request([7 + k % 50 for k in range(n)]))
+for n in (2, 3, 4, 8):       # batched steps of as many rows
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        codes += list(pool.map(request, [[3 + k, 4] for k in range(n)]))
 server.stop()
 scheduler.stop()
 print(codes, seen)
@@ -47,4 +51,4 @@ def test_no_kernel_is_loaded_after_the_warm_up():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[200, 200, 200] []", out.stdout
+    assert out.stdout.strip().splitlines()[-1] == f"{[200] * 22} []", out.stdout

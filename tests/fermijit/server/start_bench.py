@@ -1,0 +1,247 @@
+"""Issue 28 item 4 (start to ready <= 3 s with a warm kernel cache, the model in the page cache):
+`serve` started in fresh processes (run by tests/gpu_start_bench.sh on the GPU host; it runs on
+the CPU too, where the GPU modes report no GPU). A first start fills the kernel cache (reported
+as "first"), then ROUNDS interleaved rounds of three modes:
+  - default:  `serve --gpu-mem 6G --verbose` (--prefill auto: the GPU's preparation on a thread
+              beside the load's tail and the CPU kernels' warm-up);
+  - after:    the same with the GPU's preparation after the warm-up (hybrid.preparing replaced by
+              a sequential one): each part's time without the other beside it;
+  - cpu:      `serve --prefill cpu` (no GPU at all).
+Each start: seconds from Popen to "serving", the server's "ready in" line (load, kernels, the
+GPU's seconds and when it began) and "gpu prefill ready" line (driver, experts, dense weights,
+2-token pass, its module loads), then one 64-token request's time to first token and a second
+one's (readiness: the first must not compile or upload more than the second; --prefill auto
+prefills them on the GPU: gpu_tokens, from /health, says so). Last, one start under -X
+importtime: the slowest top-level imports. `--probe`: whether registering the model file with the
+driver (whole, then in serve's chunks) stalls another thread's mmap or Python. Prints a table of
+medians; writes the rows as JSON and the logs under OUT.
+
+    python3 -m tests.fermijit.server.start_bench MODEL_DIR OUT [ROUNDS]
+"""
+
+import json
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROUNDS = 3
+GPU_MEM = "6G"
+MODES = ("default", "after", "cpu")
+
+# `after`: the GPU's preparation once the CPU kernels are warm (the path serve takes without the
+# omp threading layer), in the same process layout as `python -m fermijit`.
+AFTER = """
+import contextlib, sys, time
+from fermijit.prefill import hybrid
+
+@contextlib.contextmanager
+def after(prefiller):
+    result = {}
+    yield result
+    if not isinstance(prefiller, hybrid.CpuPrefiller):
+        start = result["started"] = time.perf_counter()
+        result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+
+hybrid.preparing = after
+sys.argv[0] = "fermijit"
+from fermijit.cli import main
+main()
+"""
+
+
+def command(model_dir: Path, mode: str, python_flags: tuple = ()) -> list[str]:
+    serve = ["serve", "--model", str(model_dir), "--port", "0", "--verbose"]
+    serve += ["--prefill", "cpu"] if mode == "cpu" else ["--gpu-mem", GPU_MEM]
+    if mode == "after":
+        return [sys.executable, *python_flags, "-c", AFTER, *serve]
+    return [sys.executable, *python_flags, "-m", "fermijit", *serve]
+
+
+def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
+          requests: bool = True) -> dict:
+    """One start: its figures (see the module's doc), its stderr appended to `log`."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command(model_dir, mode, python_flags), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    lines, url, row = [], None, {"mode": mode}
+    for line in proc.stderr:
+        lines.append(line)
+        match = re.search(r"serving on (http://\S+)/v1", line)
+        if match:
+            row["serving_s"], url = time.perf_counter() - t0, match.group(1)
+            break
+    try:
+        if url is not None and requests:
+            import httpx
+
+            from tests.fermijit.server.test_serve_gpu import _ttft
+
+            vocab = 1000
+            ids = np.random.default_rng(len(lines)).integers(300, vocab, (2, 64)).tolist()
+            try:
+                with httpx.Client(base_url=url, timeout=600) as client:
+                    row["first_request_s"] = _ttft(client, ids[0])
+                    row["second_request_s"] = _ttft(client, ids[1])
+                    row["gpu_tokens"] = client.get("/health").json()["prefilled_tokens"].get(
+                        "gpu", 0)
+            except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+                row["request_error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rest = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest = proc.communicate()[1]
+    text = "".join(lines) + (rest or "")
+    with open(log, "a") as f:
+        f.write(f"=== {mode} ===\n{text}")
+    ready = re.search(r"ready in ([\d.]+) s \((.*?)\); serving", text)
+    if ready:
+        row["ready_s"] = float(ready.group(1))
+        for part in ready.group(2).split(", "):
+            m = re.match(r"(.+?) ([\d.]+)(?: from ([\d.]+))?$", part)
+            if m:
+                row[m.group(1)] = float(m.group(2))
+                if m.group(3):
+                    row[m.group(1) + " from"] = float(m.group(3))
+    gpu = re.search(r"gpu prefill ready: (.*)", text)
+    if gpu:
+        for part in gpu.group(1).split(", "):
+            m = re.match(r"(.+?) ([\d.]+) s$", part)
+            if m:
+                row["gpu: " + m.group(1)] = float(m.group(2))
+    row["said"] = [ln.strip() for ln in text.splitlines()
+                   if "ready" in ln or "unavailable" in ln or "Error" in ln][:6]
+    if "request_error" in row:
+        row["said"].append(row["request_error"])
+    return row
+
+
+def imports(model_dir: Path, log: Path) -> list[tuple[float, str]]:
+    """The slowest top-level imports of a default start under -X importtime."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command(model_dir, "default", ("-X", "importtime")),
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    found = []
+    for line in proc.stderr:
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \| (\s*)(\S+)", line)
+        if m and not m.group(3):
+            found.append((int(m.group(2)) / 1e6, m.group(4)))
+        if "serving on http" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    with open(log, "a") as f:
+        f.write(f"importtime start: {time.perf_counter() - t0:.2f} s\n")
+    return sorted(found, reverse=True)
+
+
+def register_probe(model_dir: Path, chunk: int | None = None) -> str:
+    """Whether registering the model file with the driver (the experts' "mapped" source: ~0.6 s
+    at full size) stalls another thread's mmap/munmap (the process's memory-map lock: the CPU
+    kernels' loading maps memory) or its Python (the GIL): a thread maps and unmaps 1 MiB every
+    millisecond, another counts, beside gpu.register of the whole file."""
+    import mmap
+    import threading
+
+    from fermijit.jit import gpu
+
+    if gpu.unavailable_reason() is not None:
+        return f"register probe: no GPU ({gpu.unavailable_reason()})"
+    gpu.driver()
+    path = model_dir / "model.safetensors"
+    root = np.memmap(path, np.uint8, "r")
+    page = mmap.PAGESIZE
+    first = root.ctypes.data // page * page
+    size = -(-(root.ctypes.data + root.nbytes) // page) * page - first
+    maps, counts, stop = [], [0], [False]
+
+    def mapper():
+        while not stop[0]:
+            t = time.perf_counter()
+            m = mmap.mmap(-1, 1 << 20)
+            m[0] = 1
+            m.close()
+            maps.append(time.perf_counter() - t)
+            time.sleep(0.001)
+
+    def counter():
+        while not stop[0]:
+            counts[0] += 1
+
+    threads = [threading.Thread(target=f) for f in (mapper, counter)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    before, n_before = len(maps), counts[0]
+    t0 = time.perf_counter()
+    step = chunk or size
+    held = [gpu.register(at, min(step, first + size - at))
+            for at in range(first, first + size, step)]
+    reg_s = time.perf_counter() - t0
+    during, n_during = maps[before:], counts[0] - n_before
+    time.sleep(reg_s)
+    n_after = counts[0] - n_before - n_during
+    stop[0] = True
+    for t in threads:
+        t.join()
+    outcome = "refused" if any(h is None for h in held) else "registered"
+    del held
+    import gc
+
+    gc.collect()  # unregistered
+    return (f"register probe: gpu.register of {size / 1e9:.1f} GB in {len(range(0, size, step))} "
+            f"piece(s) took {reg_s:.2f} s ({outcome}); beside it a 1 MiB mmap+munmap "
+            f"took at most {max(during, default=0) * 1e3:.1f} ms ({len(during)} of them; "
+            f"{max(maps[:before], default=0) * 1e3:.1f} ms before), a counting thread counted "
+            f"{n_during} (then {n_after} in as long)")
+
+
+KEYS = ("serving_s", "ready_s", "load", "kernels", "gpu prefill", "gpu prefill from",
+        "gpu: driver", "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
+        "gpu: kernels (2-token pass)", "gpu: of which module loads", "first_request_s",
+        "second_request_s", "gpu_tokens")
+
+
+def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "start-bench.log"
+    first = start(model_dir, "default", log)
+    rows = {mode: [] for mode in MODES}
+    for r in range(rounds):
+        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+            rows[mode].append(start(model_dir, mode, log))
+    slow = imports(model_dir, log)
+    (out / "start-bench.json").write_text(json.dumps({"first": first, "rounds": rows},
+                                                     indent=1))
+    print(f"first start (kernel cache filled as it goes): serving after "
+          f"{first.get('serving_s', float('nan')):.2f} s; {' | '.join(first['said'][:3])}")
+    errors = [r["request_error"] for m in MODES for r in rows[m] if "request_error" in r]
+    if errors:
+        print(f"{len(errors)} start(s) failed a request, e.g. {errors[0]}")
+    print(f"medians of {rounds} fresh starts per mode (seconds):")
+    print(f"{'':30s}" + "".join(f"{m:>10s}" for m in MODES))
+    for key in KEYS:
+        values = [[row[key] for row in rows[m] if key in row] for m in MODES]
+        if any(values):
+            print(f"{key:30s}" + "".join(f"{statistics.median(v):10.2f}" if v else f"{'-':>10s}"
+                                         for v in values))
+    print("slowest top-level imports (-X importtime, default start): "
+          + ", ".join(f"{name} {s:.2f}" for s, name in slow[:8]))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--probe":  # the whole file at once, then as serve registers it
+        from fermijit.prefill import expert_stream
+
+        print(register_probe(Path(sys.argv[2])))
+        print(register_probe(Path(sys.argv[2]), expert_stream.REGISTER_CHUNK_BYTES))
+        sys.exit()
+    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS)
