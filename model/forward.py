@@ -25,7 +25,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.host import blas, numa
-from fermijit.jit import omp
+from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import kernel
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model import block_moe
@@ -245,6 +245,20 @@ def product_steps(x, w, out, act, acts: _BlockActs) -> list:
     steps, block_act = acts.steps(x, w)
     return steps + [("kquant.product", *kquant_matvec.launch(
         kquant.FORMATS[w.kind], w.blocks, block_act, out))]
+
+
+# Consecutive compiled steps of a decode plan run as one dispatch (jit/sequence.py): the same
+# kernels' code, the same bits. False: each its own call (the ops' own profile rows).
+JOIN_STEPS = True
+
+
+def join_steps(steps: list) -> list:
+    """A plan's steps with each run of consecutive kernels one step (`JOIN_STEPS`), labelled
+    `joined: ` and their ops (the profile's rows)."""
+    if not JOIN_STEPS:
+        return steps
+    return sequence.join(steps, lambda labels: "joined: " + "+".join(
+        label.removesuffix(".cpu") for label in labels))
 
 
 def run_steps(steps) -> None:
@@ -654,7 +668,7 @@ class Model:
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
         if ws.plan is None or not ws.plan.fits(state, self.moe_observer):
             ws.plan = DecodePlan(_state_arrays(state), self.moe_observer,
-                                 self._decode_steps(state, ws))
+                                 join_steps(self._decode_steps(state, ws)))
         run_steps(ws.plan.steps)
         state.position += 1
         if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
