@@ -705,9 +705,9 @@ class Model:
                     steps += (product(ws.xn, mixer.q_proj, ws.qg, ws.act)
                               + product(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act)
                               + product(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act))
-                steps.append(("attention_step.cpu", attention_step.cpu, (
+                steps += attention_step.launch(
                     ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions, self.rotary_dim,
-                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)))
+                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)
                 acts.written(ws.o.reshape(1, -1))
                 steps += product(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
             elif isinstance(w.joined_in, matvec.Q4Matrix) and w.gates_in is not None:
