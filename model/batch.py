@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.jit import omp
+from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import decode_isa
 from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, join_steps,
                                     linear, linear_step, run_steps)
@@ -228,6 +228,7 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
     n_gdn = 0
     for i, (w, s) in enumerate(zip(model.layers, state.layers)):
+        steps.append(sequence.BREAK)                             # a joined step a layer
         mixer = w.mixer
         if model.is_attention[i]:
             steps += residual(w.input_norm, ws.no_product, None)
@@ -258,6 +259,7 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         if model.moe_observer is not None:
             steps.append(("moe_observer", model.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
         steps += moe_rows_steps(ws, w.experts)
+    steps.append(sequence.BREAK)
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps

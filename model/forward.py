@@ -248,17 +248,18 @@ def product_steps(x, w, out, act, acts: _BlockActs) -> list:
         kquant.FORMATS[w.kind], w.blocks, block_act, out))]
 
 
-# Consecutive compiled steps of a decode plan run as one dispatch (jit/sequence.py): the same
-# kernels' code, the same bits. False: each its own call (the ops' own profile rows).
+# Consecutive compiled steps of a decode plan (a layer's: the plan marks them) run as one
+# dispatch (jit/sequence.py): the same kernels' code, the same bits. False: each its own call
+# (the ops' own profile rows).
 JOIN_STEPS = True
 
 
 def join_steps(steps: list) -> list:
-    """A plan's steps with each run of consecutive kernels one step (`JOIN_STEPS`), labelled
-    with its calls by op, e.g. `joined 251: residual_step 81, matvec.product 80, ...` (the
-    profile's rows)."""
+    """A plan's steps with each layer's run of consecutive kernels one step (`JOIN_STEPS`),
+    labelled with its calls by op, e.g. `joined 6: residual_step 2, matvec.product 2, ...` (the
+    profile's rows: one a kind of layer, their calls summed)."""
     if not JOIN_STEPS:
-        return steps
+        return sequence.without_breaks(steps)
 
     def name(labels):
         counts = collections.Counter(label.removesuffix(".cpu") for label in labels)
@@ -279,10 +280,10 @@ class DecodePlan:
     """Every call of a decode token, with its arguments, made once for a state's arrays
     (`Model._decode_steps`): a token then costs a Python loop over ~6 calls a layer, not the ops'
     argument assembly and checks (~50-100 us a layer, ~3 ms of a full-size token at every thread
-    count: 7 % of a 16-thread token); with `join_steps`, the kernels from the first layer's to the
-    LM head's are one dispatch (the embedding before them is Python): a token's time outside the
-    parallel regions, 8 full-size layers, 2 threads, 1.11 -> 0.53 ms (tokens of the two plans
-    interleaved in one process, load ~4)."""
+    count: 7 % of a 16-thread token); with `join_steps`, each layer's kernels are one dispatch (and
+    the final norm's with the LM head's): a token's time outside the parallel regions, 8
+    full-size layers, 2 threads, 1.11 -> 0.53 ms with the whole token one dispatch (tokens of the
+    two plans interleaved in one process, load ~4)."""
 
     arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
     observer: object     # Model.moe_observer at the time (called between the router and the MoE)
@@ -704,6 +705,7 @@ class Model:
             return ("residual_step.cpu", *residual_step.launch(*args))
 
         for w, s in zip(self.layers, state.layers):
+            steps.append(sequence.BREAK)                            # a joined step a layer
             mixer = w.mixer
             if isinstance(s, KvCache):
                 steps.append(residual(ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product,
@@ -741,6 +743,7 @@ class Model:
             if self.moe_observer is not None:
                 steps.append(("moe_observer", self.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
             steps += self._moe_steps(w.experts, ws, acts)
+        steps.append(sequence.BREAK)
         steps.append(residual(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p))
         steps += product(ws.xn, self.lm_head, ws.logits, ws.act)
         return steps

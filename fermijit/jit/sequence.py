@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 
-from numba import types
+import numpy as np
+from llvmlite import ir
+from numba import typeof, types
 from numba.core import cgutils
 from numba.core.dispatcher import Dispatcher
-from numba.experimental import structref
+from numba.core.registry import cpu_target
 from numba.extending import intrinsic
 
 from fermijit.jit.cpu import kernel
@@ -78,86 +80,118 @@ def run_each(addresses, arguments):
 # --- a sequence held in native memory ------------------------------------------------------------
 # Given as a tuple, a sequence's arguments are unboxed at every call: a full-size token's ~2000
 # arrays, each a MemInfo made and its Python object read (cold: ~0.4 ms for 8 layers' 56 calls
-# after a 400 MB sweep, this machine; ~70 us warm). Stored once in a struct (`Sequence`, made by
-# `_make`), they are read by its runner (`_runner`) from the struct's memory, whose address is
-# the runner's one argument.
+# after a 400 MB sweep, this machine; ~70 us warm). Stored once in a buffer (`_fill`), in
+# Numba's data layout with no MemInfo (so nothing in the kernels counts references to them:
+# Numba's NRT_incref/decref skip a null one; the step keeps the arrays alive), they are read by
+# the sequence's runner (`_runner`), whose one argument is the buffer's address. (A StructRef
+# did the same with reference counts: its constructor for 8 layers' 56 calls took ~200 s to
+# compile.)
 
-@structref.register
-class _SequenceType(types.StructRef):
-    def preprocess_fields(self, fields):
-        return tuple((name, types.unliteral(t)) for name, t in fields)
+def _storable(ty) -> bool:
+    """Tuples of arrays and numbers (nested), which `_store` lays out and clears."""
+    if isinstance(ty, types.BaseTuple):
+        return all(_storable(t) for t in ty.types)
+    return isinstance(ty, (types.Array, types.Number, types.Boolean))
 
 
-class Sequence(structref.StructRefProxy):
-    """(addresses, arguments) in native memory: what a runner (`_runner`) calls."""
+def _clear_meminfos(builder, pointer, ty, path: list) -> None:
+    """Null every array's MemInfo (field 0 of its struct) in the data at `pointer`."""
+    i32 = ir.IntType(32)
+    if isinstance(ty, types.BaseTuple):
+        for i, t in enumerate(ty.types):
+            _clear_meminfos(builder, pointer, t, path + [i])
+    elif isinstance(ty, types.Array):
+        field = builder.gep(pointer, [ir.Constant(i32, i) for i in [0] + path + [0]])
+        builder.store(ir.Constant(field.type.pointee, None), field)
 
 
-structref.define_proxy(Sequence, _SequenceType, ["addresses", "arguments"])
+@intrinsic
+def _store(typingctx, value, address):
+    """value (a `_storable` tuple) into the buffer at `address`, in its data layout, with no
+    MemInfo: borrowed, never counted."""
+    if not _storable(value):
+        return None
+
+    def codegen(context, builder, sig, args):
+        model = context.data_model_manager[value]
+        pointer = builder.inttoptr(args[1], model.get_data_type().as_pointer())
+        builder.store(model.as_data(builder, args[0]), pointer)
+        _clear_meminfos(builder, pointer, value, [])
+        return context.get_dummy_value()
+
+    return types.none(value, types.int64), codegen
 
 
 @kernel
-def _make(addresses, arguments):
-    return Sequence(addresses, arguments)
+def _fill(value, address):
+    _store(value, address)
 
 
-def _run_from(payload_ty):
-    """An intrinsic `run(data)`: the calls of the Sequence payload of type `payload_ty` at
-    address `data` (int64), read in place (borrowed: the Sequence's owner keeps it alive)."""
-    addresses_ty = payload_ty.field_dict["addresses"]
-    arguments_ty = payload_ty.field_dict["arguments"]
+def _run_from(stored_ty):
+    """An intrinsic `run(address)`: the calls of the (addresses, arguments) of type `stored_ty`
+    stored at `address` by `_fill`."""
+    addresses_ty, arguments_ty = stored_ty.types
 
     @intrinsic
-    def run(typingctx, data):
+    def run(typingctx, address):
         def codegen(context, builder, sig, args):
-            data_ty = context.data_model_manager[payload_ty].get_data_type()
-            pointer = builder.inttoptr(args[0], data_ty.as_pointer())
-            payload = context.make_data_helper(builder, payload_ty, ref=pointer)
-            _emit_calls(context, builder, cgutils.unpack_tuple(builder, payload.addresses),
-                        payload.arguments, arguments_ty)
+            model = context.data_model_manager[stored_ty]
+            pointer = builder.inttoptr(args[0], model.get_data_type().as_pointer())
+            stored = model.from_data(builder, builder.load(pointer))
+            addresses, arguments = cgutils.unpack_tuple(builder, stored)
+            _emit_calls(context, builder, cgutils.unpack_tuple(builder, addresses), arguments,
+                        arguments_ty)
             return context.get_dummy_value()
 
         return types.none(types.int64), codegen
 
-    assert isinstance(addresses_ty, types.BaseTuple)
     return run
 
 
-def _runner_body(data):
-    run(data)
+def _runner_body(address):
+    run(address)
 
 
 _runners: dict = {}
 
 
-def _runner(sequence_ty):
-    """The kernel running Sequences of type `sequence_ty` given their payload's address: one
-    per tuple of argument types, cached under a digest of it."""
-    key = str(sequence_ty)
+def _runner(stored_ty):
+    """The kernel running sequences stored as `stored_ty` given their buffer's address: one per
+    tuple of argument types, cached under a digest of it."""
+    key = str(stored_ty)
     if key not in _runners:
-        payload_ty = sequence_ty.get_data_type()
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         _runners[key] = kernel(_runner_body, variant=f"sequence-{digest}",
-                               run=_run_from(payload_ty))
+                               run=_run_from(stored_ty))
     return _runners[key]
 
 
 class Joined:
-    """A joined step's callable: `runner(data)` on its Sequence's payload, which it keeps."""
+    """A joined step's callable: its runner on its buffer, which it keeps with the arguments'
+    arrays (the buffer borrows them)."""
 
-    __slots__ = ("runner", "sequence")
+    __slots__ = ("runner", "buffer", "arguments")
 
-    def __init__(self, runner, sequence):
-        self.runner, self.sequence = runner, sequence
+    def __init__(self, runner, buffer, arguments):
+        self.runner, self.buffer, self.arguments = runner, buffer, arguments
 
-    def __call__(self, data):
-        self.runner(data)
+    def __call__(self, address):
+        self.runner(address)
 
 
-def joined_step(label: str, addresses: tuple, arguments: tuple) -> tuple:
-    """The step (label, Joined, (payload address,)) running kernels at `addresses` on
-    `arguments` in turn."""
-    sequence = _make(addresses, arguments)
-    return label, Joined(_runner(sequence._type), sequence), (sequence._meminfo.data,)
+def joined_step(label: str, addresses: tuple, arguments: tuple) -> tuple | None:
+    """The step (label, Joined, (buffer address,)) running the kernels at `addresses` on
+    `arguments` in turn; None where the arguments are not all arrays and numbers."""
+    stored = (addresses, arguments)
+    stored_ty = typeof(stored)
+    if not _storable(stored_ty):
+        return None
+    context = cpu_target.target_context
+    nbytes = context.get_abi_sizeof(context.data_model_manager[stored_ty].get_data_type())
+    buffer = np.zeros(nbytes + 64, np.uint8)
+    address = (buffer.ctypes.data + 63) // 64 * 64
+    _fill(stored, address)
+    return label, Joined(_runner(stored_ty), buffer, arguments), (address,)
 
 
 def _takes(compiled: tuple, argtys: tuple) -> bool:
@@ -192,6 +226,15 @@ def callable_address(fn, args: tuple) -> int | None:
     return address or None
 
 
+# A plan's mark between runs to join apart (decode's layers): each run one kernel per kind of
+# layer, whatever the model's depth (a compile of ~10-30 s a kind, under load, then cached).
+BREAK = ("|", None, ())
+
+
+def without_breaks(steps: list) -> list:
+    return [step for step in steps if step is not BREAK]
+
+
 def join(steps: list, name=" + ".join) -> list:
     """Decode-plan steps (label, callable, args) with each run of two or more consecutive
     joinable kernels (`callable_address`) made one step (`joined_step`), labelled
@@ -200,14 +243,18 @@ def join(steps: list, name=" + ".join) -> list:
 
     def flush():
         if len(run) >= 2:
-            out.append(joined_step(name([step[0] for step, _ in run]),
-                                   tuple(address for _, address in run),
-                                   tuple(step[2] for step, _ in run)))
+            step = joined_step(name([step[0] for step, _ in run]),
+                               tuple(address for _, address in run),
+                               tuple(step[2] for step, _ in run))
+            out.extend([step] if step is not None else [step for step, _ in run])
         else:
             out.extend(step for step, _ in run)
         run.clear()
 
     for step in steps:
+        if step is BREAK:
+            flush()
+            continue
         address = callable_address(step[1], step[2])
         if address is None:
             flush()

@@ -28,6 +28,12 @@ def _sum_into(x, out):  # reads what the step before wrote: the order matters
 
 
 @kernel
+def _sum_pair(pair):
+    x, (out, _) = pair
+    _sum_into(x, out)
+
+
+@kernel
 def _returns(x):
     return x.sum()
 
@@ -36,7 +42,9 @@ def test_joined_steps_are_the_calls_in_order(rng):
     n = 37  # ragged
     x = rng.standard_normal(n).astype(np.float32)
     mid, total = poisoned(n), poisoned(1)
-    steps = [("scale", _scale_add, (x, np.float32(2.5), mid)), ("sum", _sum_into, (mid, total))]
+    # nested tuples of arrays and numbers, as the ops' launches take them
+    steps = [("scale", _scale_add, (x, np.float32(2.5), mid)),
+             ("sum", _sum_pair, ((mid, (total, 3)),))]
     want_mid, want_total = poisoned(n), poisoned(1)
     _scale_add(x, np.float32(2.5), want_mid)
     _sum_into(want_mid, want_total)
@@ -54,8 +62,10 @@ def test_what_cannot_be_joined_stays_apart(rng):
     python_step = ("python", np.copyto, (out, x))
     returning = ("returns", _returns, (x,))
     kernel_step = ("scale", _scale_add, (x, np.float32(1), out))
-    lone = sequence.join([kernel_step, python_step, returning, kernel_step, kernel_step])
-    assert [label for label, _, _ in lone] == ["scale", "python", "returns", "scale + scale"]
+    lone = sequence.join([kernel_step, python_step, returning, kernel_step, kernel_step,
+                          sequence.BREAK, kernel_step, kernel_step])
+    assert [label for label, _, _ in lone] == ["scale", "python", "returns", "scale + scale",
+                                               "scale + scale"]
     assert lone[0] is kernel_step and lone[1] is python_step and lone[2] is returning
     assert sequence.callable_address(_returns, (x,)) is None
     assert sequence.callable_address(np.copyto, (out, x)) is None
