@@ -322,12 +322,22 @@ def _combine_share(thread, n_threads, args):
         combine_head(acc, m, l, start, gate, o, th)
 
 
+# Floats of range partials a thread of the merge takes at least: decode's merge at 64 positions
+# (one range, 16 heads: 4k floats) is no work for 16 threads to be woken for.
+MERGE_FLOATS = 32768
+
+
 def _attention_body(q, k, v, start, tile, acc, m, l, gate, o):
-    """The items over the threads (one fork); with key ranges in acc, every (query, head)
-    merged after them (another)."""
-    fork((q, k, v, start, tile, acc, m, l, gate, o))
-    if acc.shape[0] > 0:
-        fork_combine((acc, m, l, start, gate, o))
+    """The items over the threads (one fork, no more threads than items: decode at a few
+    hundred positions has 2-4); with key ranges in acc, every (query, head) merged after them
+    (another, threads by the floats to merge). The team's size never changes the bits."""
+    T, Hq, D = o.shape
+    Hkv = k[0].shape[0]
+    R = acc.shape[0]
+    n_items = R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv     # attend_share's
+    fork(n_items, (q, k, v, start, tile, acc, m, l, gate, o))
+    if R > 0:
+        fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
 
 
 def _decode_body(q, k, v, positions, acc_all, m_all, l_all, gate, o):
@@ -336,14 +346,16 @@ def _decode_body(q, k, v, positions, acc_all, m_all, l_all, gate, o):
     chooses it; o itself where R = 1), the tile `tile_queries`'. For decode's plan, whose
     arguments are made once and stay the same every token (jit/sequence.py joins it)."""
     T, Hq, D = o.shape
+    Hkv = k[0].shape[0]
     start = positions[0]
-    R = 0 if T * k[0].shape[0] >= SPLIT_ITEMS else n_ranges(start + T)
+    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
     acc = o.reshape(1, T, Hq, D) if R == 1 else acc_all[:R]
     m, l = m_all[:R], l_all[:R]
-    tile = max(1, min(TILE_QUERIES, T * k[0].shape[0] // (ITEMS_PER_THREAD * omp.team_size())))
-    fork((q, k, v, start, tile, acc, m, l, gate, o))
+    tile = max(1, min(TILE_QUERIES, T * Hkv // (ITEMS_PER_THREAD * omp.team_size())))
+    n_items = R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv     # attend_share's
+    fork(n_items, (q, k, v, start, tile, acc, m, l, gate, o))
     if R > 0:
-        fork_combine((acc, m, l, start, gate, o))
+        fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
 
 
 _kernels: dict = {}
@@ -366,12 +378,12 @@ def _kernel(isa: Isa | None, decode: bool = False):
                 scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
                             _staged_keys=keys, _weighted=weighted)
-        body, share = _attention_body, attend_share
+        body = _attention_body
         if decode:
             body, label = _decode_body, label + "-decode"
         _kernels[isa, decode] = omp.forking_kernel(
-            bind(body, label), fork=bind(share, label, _tile_range=tile_range),
-            fork_combine=_combine_share)
+            bind(body, label), fork=bind(attend_share, label, _tile_range=tile_range),
+            fork_combine=_combine_share, capped=("fork", "fork_combine"))
     return _kernels[isa, decode]()
 
 
@@ -391,20 +403,38 @@ def decode_launch(q, k, v, gate, positions, o, isa: Isa | None = None) -> list:
     nb = D // kv_quant.BLOCK
     rounded = (np.empty((T, Hq, D), np.int8), np.empty((T, Hq, nb), f32),
                np.empty((T, Hq, nb), np.int32))
-    return [("attention.quantize_queries", _quantize_queries, (q, *rounded)),
+    return [("attention.quantize_queries", _quantize_queries_one, (q, *rounded, 0, T)),
             ("attention.decode", _kernel(isa or jit_cpu.selected_isa(), True),
              (rounded, (k.qs, k.d), (v.qs, v.d), positions, *scratch, gate, o))]
 
 
-@kernel(fastmath=False)
-def _quantize_queries(q, qq, qd, qc):
+def _quantize_query_rows(q, qq, qd, qc, first, last):
     """q [T, Hq, D] -> its Q8_0 codes, scales and 128 · the codes' sum per block (the keys'
-    rounding: ops/kv_quant.py)."""
-    for t in range(q.shape[0]):
+    rounding: ops/kv_quant.py), tokens [first, last)."""
+    for t in range(first, last):
         for h in range(q.shape[1]):
             kv_quant.quantize_row(q[t, h], qq[t, h], qd[t, h], qc[t, h])
             for b in range(qc.shape[2]):
                 qc[t, h, b] *= 128
+
+
+def _quantize_queries_body(q, qq, qd, qc):
+    fork((q, qq, qd, qc))
+
+
+_quantize_queries_one = kernel(_quantize_query_rows, fastmath=False)
+# A prefill pass's queries over the threads: 512 tokens' 8,192 rows were ~8 ms an attention layer
+# on one thread (full-size heads), most of a 16-thread prefill's serial time in attention.
+_quantize_queries_threads = omp.forking_kernel(
+    _quantize_queries_body, fastmath=False,
+    fork=omp.rows_share(_quantize_queries_one, "quantize-queries"))
+
+
+def _quantize_queries(q, qq, qd, qc) -> None:
+    if q.shape[0] >= omp.ROWS_MIN:
+        _quantize_queries_threads()(q, qq, qd, qc)
+    else:
+        _quantize_queries_one(q, qq, qd, qc, 0, q.shape[0])
 
 
 def _check_cache(op: str, k, v, D: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array
+from fermijit.jit import omp
 from fermijit.jit.cpu import kernel
 from fermijit.ops import matvec
 from fermijit.ops.quant import BLOCK
@@ -98,12 +99,23 @@ def quantize_row(x, qs, d, sums):
             sums[b] = total
 
 
-@kernel(fastmath=False)
-def _store(x, qs, d, start):
+def _store_rows(x, qs, d, start, first, last):
     no_sums = np.empty(0, np.int32)
-    for t in range(x.shape[0]):
+    for t in range(first, last):
         for h in range(x.shape[1]):
             quantize_row(x[t, h], qs[h, start + t], d[h, start + t], no_sums)
+
+
+def _store_body(x, qs, d, start):
+    fork((x, qs, d, start))
+
+
+_store_one = kernel(_store_rows, fastmath=False)
+# A prefill pass's tokens over the threads (512 tokens' keys or values: ~1.1 ms a layer on one
+# thread). This ran 3x slower over 2 threads than on one while every view of a row counted a
+# shared reference; a fork's arrays no longer carry one (jit/omp.py `_unowned`).
+_store_threads = omp.forking_kernel(_store_body, fastmath=False,
+                                    fork=omp.rows_share(_store_one, "kv-store"))
 
 
 def store(x, rows: Q8Rows, start: int) -> None:
@@ -117,4 +129,7 @@ def store(x, rows: Q8Rows, start: int) -> None:
         raise FermijitError(f"{op}: head dim {D} is not whole {BLOCK}-blocks")
     if not 0 <= start <= S - T:
         raise FermijitError(f"{op}: rows {start}..{start + T - 1} of a cache of {S}")
-    _store(x, rows.qs, rows.d, int(start))
+    if T >= omp.ROWS_MIN:
+        _store_threads()(x, rows.qs, rows.d, int(start))
+    else:
+        _store_one(x, rows.qs, rows.d, int(start), 0, T)

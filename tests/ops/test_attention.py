@@ -222,3 +222,19 @@ def test_tiles_of_any_size_give_the_same_bits(rng, monkeypatch, q8):
         monkeypatch.setattr(attention, "tile_queries", lambda n_queries, n_kv_heads: tile)
         outs.append(attention.cpu(q, k, v, gate, 390))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("T", [1, 5, 40, 67])
+def test_rounded_queries_are_the_cache_rounding_on_one_thread_or_many(rng, T):
+    """A prefill pass's queries are rounded over the threads (from omp.ROWS_MIN rows), a decode
+    step's on its own thread: kv_quant's rounding either way, 128 · the codes' sums beside."""
+    q = rng.standard_normal((T, 3, 64)).astype(np.float32)
+    qq = np.full((T, 3, 64), 99, np.int8)
+    qd = np.full((T, 3, 2), np.nan, np.float32)
+    qc = np.full((T, 3, 2), -7, np.int32)
+    attention._quantize_queries(q, qq, qd, qc)
+    expected = kv_quant.reference(q)
+    np.testing.assert_array_equal(qq, expected.qs)
+    np.testing.assert_array_equal(qd, expected.d)
+    sums = expected.qs.reshape(T, 3, 2, 32).astype(np.int32).sum(axis=-1)
+    np.testing.assert_array_equal(qc, 128 * sums)

@@ -48,6 +48,60 @@ def test_each_thread_of_the_team_runs_its_share_once():
         numba.set_num_threads(full)
 
 
+def _launch_capped(cap, seen):
+    fork(cap, (seen,))
+
+
+record_capped = kernel(_launch_capped, fork=omp.fork(_record, capped=True), variant=_TEAM)
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_a_capped_fork_runs_a_team_of_at_most_its_cap_and_at_least_one():
+    full = numba.get_num_threads()
+    cases = [(0, 1), (1, 1), (full, full), (full + 5, full)] + [(full - 1, full - 1)] * (full > 1)
+    for cap, team in cases:
+        seen = np.full(numba.config.NUMBA_NUM_THREADS + 1, -1)
+        record_capped(cap, seen)
+        assert seen[:team].tolist() == [team] * team
+        assert (seen[team:] == -1).all()
+
+
+@numba.extending.intrinsic
+def _owner_of(typingctx, ary):
+    """The meminfo pointer of an array, as an int."""
+    def codegen(context, builder, sig, args):
+        meminfo = context.make_array(sig.args[0])(context, builder, args[0]).meminfo
+        return builder.ptrtoint(meminfo, context.get_value_type(numba.types.intp))
+
+    return numba.types.intp(ary), codegen
+
+
+def _owners(thread, n_threads, args):
+    seen, (data, other) = args
+    view = data[1:]                                      # a view, and one of a nested tuple's
+    seen[thread, 0] = _owner_of(seen) + _owner_of(view) + _owner_of(other[::2])
+    view[thread] = thread + 1                            # writes go through as before
+
+
+def _launch_owners(seen, data, other):
+    fork((seen, (data, other)))
+
+
+owners_in_shares = kernel(_launch_owners, fork=omp.fork(_owners), variant=_TEAM)
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_shares_see_arrays_without_an_owner_so_views_count_no_references():
+    """Each view counted a reference on its array's meminfo, an atomic add on a line every
+    thread shares; a share's arrays (nested ones too) come without one, and work as before."""
+    n = numba.get_num_threads()
+    seen = np.full((n, 1), -1, dtype=np.intp)
+    data = np.zeros(n + 1)
+    owners_in_shares(seen, data, np.ones(4))
+    assert (seen == 0).all()
+    assert data[1:].tolist() == [t + 1 for t in range(n)]
+
+
 CACHED = textwrap.dedent("""
     import numba
     import numpy as np
