@@ -26,6 +26,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import decode_isa
+from fermijit.model import forward
 from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, join_steps,
                                     linear, linear_step, run_steps)
 from fermijit.model.state import KvCache, State
@@ -189,7 +190,7 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
     plan = next((p for p in ws.plans if p.fits_arrays(arrays, model.moe_observer)), None)
     if plan is None:
         plan = DecodePlan(arrays, model.moe_observer,
-                          join_steps(_rows_steps(model, state, ws, saves)))
+                          join_steps(_rows_steps(model, state, ws, saves)), forward.JOIN_STEPS)
         ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()

@@ -288,12 +288,14 @@ class DecodePlan:
     arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
     observer: object     # Model.moe_observer at the time (called between the router and the MoE)
     steps: list          # (label, callable, args)
+    joined: bool = True  # JOIN_STEPS at the time: a plan made the other way is made again
 
     def fits(self, state: State, observer) -> bool:
         return self.fits_arrays(_state_arrays(state), observer)
 
     def fits_arrays(self, arrays: tuple, observer) -> bool:
-        return (observer is self.observer and len(arrays) == len(self.arrays)
+        return (observer is self.observer and self.joined == JOIN_STEPS
+                and len(arrays) == len(self.arrays)
                 and all(a is b for a, b in zip(arrays, self.arrays)))
 
 
@@ -678,7 +680,7 @@ class Model:
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
         if ws.plan is None or not ws.plan.fits(state, self.moe_observer):
             ws.plan = DecodePlan(_state_arrays(state), self.moe_observer,
-                                 join_steps(self._decode_steps(state, ws)))
+                                 join_steps(self._decode_steps(state, ws)), JOIN_STEPS)
         run_steps(ws.plan.steps)
         state.position += 1
         if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
