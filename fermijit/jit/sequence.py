@@ -8,11 +8,16 @@ sweep), ~5-15 us between a token's kernels. A full-size token made ~250 such cal
 at every thread count (the "serial" and "Python" columns of a 16-thread profile).
 
 How: each kernel's own machine code (the code its dispatcher runs, compiled alone or loaded from
-the cache) is called through its address, with Numba's calling convention, from a small kernel
-taking (addresses, arguments): not linked and optimised again inside a caller (under fast-math a
-re-optimised copy may round differently: jit/dispatch.py), so every call gives the bits of the
-call through its own dispatcher. The addresses are arguments, not constants, so the caller is
-one cached kernel per tuple of argument types.
+the cache) is called through its address, with Numba's calling convention, from a small kernel,
+the runner: not linked and optimised again inside a caller (under fast-math a re-optimised copy
+may round differently: jit/dispatch.py), so every call gives the bits of the call through its
+own dispatcher. The addresses and the arguments are stored once in a buffer (`joined_step`), the
+runner's one argument its address: one cached runner per tuple of argument types (decode's plan
+joins a layer at a time: one per kind of layer, whatever the model's depth).
+
+Measured (8 full-size layers, 2 threads; tokens of the plan joined and one by one interleaved in
+one process, load ~1): a token's time outside the parallel regions 0.97 -> 0.53 ms; the full
+size (40 layers, load ~2.5) 4.13 -> 2.12 ms, 1.8 % of the token (median of 30 pairs).
 
 Only kernels that return nothing, compiled for the arguments' types (or read-only arrays where
 they are writable), are joined (`callable_address`); anything else stays a call of its own.
