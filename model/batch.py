@@ -24,10 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.jit import omp
+from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import decode_isa
-from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
-                                    linear_step, run_steps)
+from fermijit.model import forward
+from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, join_steps,
+                                    linear, linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
                           residual_rows, residual_step)
@@ -188,7 +189,8 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
     arrays = _state_arrays(state) + (() if saves is None else saves.arrays)
     plan = next((p for p in ws.plans if p.fits_arrays(arrays, model.moe_observer)), None)
     if plan is None:
-        plan = DecodePlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
+        plan = DecodePlan(arrays, model.moe_observer,
+                          join_steps(_rows_steps(model, state, ws, saves)), forward.JOIN_STEPS)
         ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()
@@ -227,6 +229,7 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
     n_gdn = 0
     for i, (w, s) in enumerate(zip(model.layers, state.layers)):
+        steps.append(sequence.BREAK)                             # a joined step a layer
         mixer = w.mixer
         if model.is_attention[i]:
             steps += residual(w.input_norm, ws.no_product, None)
@@ -257,6 +260,7 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
         if model.moe_observer is not None:
             steps.append(("moe_observer", model.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
         steps += moe_rows_steps(ws, w.experts)
+    steps.append(sequence.BREAK)
     steps += residual(model.norm, ws.no_product, None)
     steps.append(product(ws.act, model.lm_head, ws.logits))
     return steps

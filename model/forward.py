@@ -18,6 +18,7 @@ Dimension legend: as model/weights.py; T tokens in this pass.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.host import blas, numa
-from fermijit.jit import omp
+from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import kernel
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model import block_moe
@@ -247,6 +248,26 @@ def product_steps(x, w, out, act, acts: _BlockActs) -> list:
         kquant.FORMATS[w.kind], w.blocks, block_act, out))]
 
 
+# Consecutive compiled steps of a decode plan (a layer's: the plan marks them) run as one
+# dispatch (jit/sequence.py): the same kernels' code, the same bits. False: each its own call
+# (the ops' own profile rows).
+JOIN_STEPS = True
+
+
+def join_steps(steps: list) -> list:
+    """A plan's steps with each layer's run of consecutive kernels one step (`JOIN_STEPS`),
+    labelled with its calls by op, e.g. `joined 6: residual_step 2, matvec.product 2, ...` (the
+    profile's rows: one a kind of layer, their calls summed)."""
+    if not JOIN_STEPS:
+        return sequence.without_breaks(steps)
+
+    def name(labels):
+        counts = collections.Counter(label.removesuffix(".cpu") for label in labels)
+        return f"joined {len(labels)}: " + ", ".join(f"{op} {n}" for op, n in counts.items())
+
+    return sequence.join(steps, name)
+
+
 def run_steps(steps) -> None:
     """A decode plan's calls in order (a function of its own: fermijit/bench/profile.py times each
     step under its label)."""
@@ -259,17 +280,22 @@ class DecodePlan:
     """Every call of a decode token, with its arguments, made once for a state's arrays
     (`Model._decode_steps`): a token then costs a Python loop over ~6 calls a layer, not the ops'
     argument assembly and checks (~50-100 us a layer, ~3 ms of a full-size token at every thread
-    count: 7 % of a 16-thread token)."""
+    count: 7 % of a 16-thread token); with `join_steps`, each layer's kernels are one dispatch (and
+    the final norm's with the LM head's): a token's time outside the parallel regions, 8
+    full-size layers, 2 threads, 1.11 -> 0.53 ms with the whole token one dispatch (tokens of the
+    two plans interleaved in one process, load ~4)."""
 
     arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
     observer: object     # Model.moe_observer at the time (called between the router and the MoE)
     steps: list          # (label, callable, args)
+    joined: bool = True  # JOIN_STEPS at the time: a plan made the other way is made again
 
     def fits(self, state: State, observer) -> bool:
         return self.fits_arrays(_state_arrays(state), observer)
 
     def fits_arrays(self, arrays: tuple, observer) -> bool:
-        return (observer is self.observer and len(arrays) == len(self.arrays)
+        return (observer is self.observer and self.joined == JOIN_STEPS
+                and len(arrays) == len(self.arrays)
                 and all(a is b for a, b in zip(arrays, self.arrays)))
 
 
@@ -648,13 +674,13 @@ class Model:
     def _decode_fused(self, state: State, ws: Workspace) -> np.ndarray:
         """`forward` and `logits` for one token of a quantised model (ws.tokens), as a plan of
         ~6 kernel calls a layer made once (`_decode_steps`, every buffer made once by
-        Workspace)."""
+        Workspace), joined into one dispatch (`join_steps`)."""
         if omp.in_forked_child:
             omp.check_process()
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
         if ws.plan is None or not ws.plan.fits(state, self.moe_observer):
             ws.plan = DecodePlan(_state_arrays(state), self.moe_observer,
-                                 self._decode_steps(state, ws))
+                                 join_steps(self._decode_steps(state, ws)), JOIN_STEPS)
         run_steps(ws.plan.steps)
         state.position += 1
         if state.hidden is not None:  # waits for the MTP head (model/mtp.py)
@@ -681,6 +707,7 @@ class Model:
             return ("residual_step.cpu", *residual_step.launch(*args))
 
         for w, s in zip(self.layers, state.layers):
+            steps.append(sequence.BREAK)                            # a joined step a layer
             mixer = w.mixer
             if isinstance(s, KvCache):
                 steps.append(residual(ws.x, y, w.input_norm, eps, ws.xn, ws.act, ws.no_product,
@@ -691,9 +718,9 @@ class Model:
                     steps += (product(ws.xn, mixer.q_proj, ws.qg, ws.act)
                               + product(ws.xn, mixer.k_proj, ws.k.reshape(1, -1), ws.act)
                               + product(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act))
-                steps.append(("attention_step.cpu", attention_step.cpu, (
+                steps += attention_step.launch(
                     ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions, self.rotary_dim,
-                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)))
+                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)
                 acts.written(ws.o.reshape(1, -1))
                 steps += product(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
             elif isinstance(w.joined_in, matvec.Q4Matrix) and w.gates_in is not None:
@@ -718,6 +745,7 @@ class Model:
             if self.moe_observer is not None:
                 steps.append(("moe_observer", self.moe_observer, (w, ws.xn, ws.ids, ws.weights)))
             steps += self._moe_steps(w.experts, ws, acts)
+        steps.append(sequence.BREAK)
         steps.append(residual(ws.x, y, self.norm, eps, ws.xn, ws.act, ws.no_product, ws.no_p))
         steps += product(ws.xn, self.lm_head, ws.logits, ws.act)
         return steps

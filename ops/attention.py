@@ -340,13 +340,31 @@ def _attention_body(q, k, v, start, tile, acc, m, l, gate, o):
         fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
 
 
+def _decode_body(q, k, v, positions, acc_all, m_all, l_all, gate, o):
+    """`_attention_body` of the T queries at positions[0], ... (their cache start): the key
+    ranges' scratch the first R of acc_all, m_all, l_all (R from the position, as `attend`
+    chooses it; o itself where R = 1), the tile `tile_queries`'. For decode's plan, whose
+    arguments are made once and stay the same every token (jit/sequence.py joins it)."""
+    T, Hq, D = o.shape
+    Hkv = k[0].shape[0]
+    start = positions[0]
+    R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
+    acc = o.reshape(1, T, Hq, D) if R == 1 else acc_all[:R]
+    m, l = m_all[:R], l_all[:R]
+    tile = max(1, min(TILE_QUERIES, T * Hkv // (ITEMS_PER_THREAD * omp.team_size())))
+    n_items = R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv     # attend_share's
+    fork(n_items, (q, k, v, start, tile, acc, m, l, gate, o))
+    if R > 0:
+        fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
+
+
 _kernels: dict = {}
 
 
-def _kernel(isa: Isa | None):
+def _kernel(isa: Isa | None, decode: bool = False):
     """The fp32 cache's kernel (isa None), or the Q8_0 cache's for `isa`: attend_share over
-    _tile_range with the cache type's scores and value staging."""
-    if isa not in _kernels:
+    _tile_range with the cache type's scores and value staging; `decode`: `_decode_body`'s."""
+    if (isa, decode) not in _kernels:
         keys = _keys_as_stored
         if isa is None:
             label, scores, staged, weighted = "f32", _scores_f32, _staged_f32, _weighted_f32
@@ -360,10 +378,34 @@ def _kernel(isa: Isa | None):
                 scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
                             _staged_keys=keys, _weighted=weighted)
-        _kernels[isa] = omp.forking_kernel(
-            bind(_attention_body, label), fork=bind(attend_share, label, _tile_range=tile_range),
+        body = _attention_body
+        if decode:
+            body, label = _decode_body, label + "-decode"
+        _kernels[isa, decode] = omp.forking_kernel(
+            bind(body, label), fork=bind(attend_share, label, _tile_range=tile_range),
             fork_combine=_combine_share, capped=("fork", "fork_combine"))
-    return _kernels[isa]()
+    return _kernels[isa, decode]()
+
+
+def decode_launch(q, k, v, gate, positions, o, isa: Isa | None = None) -> list:
+    """`attend` of o's T queries at positions[0] (int64 [1]; read when called) as steps of decode's
+    plan, (label, kernel, args), their scratch made once for the cache's S positions: the
+    queries rounded (a Q8_0 cache), then attention. The buffers' shapes are the caller's
+    (decode's workspace): unchecked."""
+    T, Hq, D = o.shape
+    S = k.shape[1]
+    R = n_ranges(S)
+    f32 = np.float32
+    scratch = (np.empty((R, T, Hq, D), f32), np.empty((R, T, Hq), f32), np.empty((R, T, Hq), f32))
+    if not isinstance(k, Q8Rows):
+        return [("attention.decode", _kernel(None, True),
+                 (q, (k,), (v,), positions, *scratch, gate, o))]
+    nb = D // kv_quant.BLOCK
+    rounded = (np.empty((T, Hq, D), np.int8), np.empty((T, Hq, nb), f32),
+               np.empty((T, Hq, nb), np.int32))
+    return [("attention.quantize_queries", _quantize_queries_one, (q, *rounded, 0, T)),
+            ("attention.decode", _kernel(isa or jit_cpu.selected_isa(), True),
+             (rounded, (k.qs, k.d), (v.qs, v.d), positions, *scratch, gate, o))]
 
 
 def _quantize_query_rows(q, qq, qd, qc, first, last):

@@ -106,6 +106,27 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
     return act
 
 
+def launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
+           act: Q8Act) -> list:
+    """`cpu`'s calls as steps of decode's plan, (label, kernel, args), every argument made once
+    (the position read from positions[0] by the kernels, the key ranges' scratch sized for the
+    cache: attention.decode_launch): kernels only, so the plan joins them with the projections
+    around them into one dispatch (jit/sequence.py). Python and the dispatches of `cpu` were
+    ~120 us an attention layer between the kernels (cold caches, this machine)."""
+    v_ = act.vec
+    half = matvec.simd.HALF_OF.get(v_.isa)
+    is_q8 = isinstance(cache_k, Q8Rows)
+    inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
+    return ([("attention_step.cpu", _step_kernels[is_q8], (
+                qkv, q_norm, k_norm, float(eps), positions, inv_freq,
+                (cache_k.qs, cache_k.d) if is_q8 else (cache_k,),
+                (cache_v.qs, cache_v.d) if is_q8 else (cache_v,), q, gate))]
+            + attention.decode_launch(q, cache_k, cache_v, gate, positions, o)
+            + [("matvec.quantize_act", matvec._quantize_act_kernel, (
+                o.reshape(1, -1), act.xq, act.dx, act.xsum8, v_.lanes,
+                matvec.blocks_per_step(v_), half.lanes if half else 0))])
+
+
 def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
          act: Q8Act) -> Q8Act:
     """`cpu` of R consecutive tokens of one sequence (a verify step's rows, model/batch.py):

@@ -109,16 +109,23 @@ def _shared_gate_kernel(x, w_sg):
 
 
 @kernel(fastmath=False)
-def _weighted_rows(routed, weights, shared, gate, y):
-    """y = gate · shared + weights[0] · routed[0] + weights[1] · routed[1] + ..., in that order
-    for every element: a row at a time (vectorised along it; the experts' sum per element as
-    one dependent chain cost ~4x as long, 9 rows of 2048 on this machine)."""
-    for j in range(y.size):
+def _weighted_range(routed, weights, shared, gate, y, j0, j1):
+    """y[j0:j1] = gate · shared + weights[0] · routed[0] + weights[1] · routed[1] + ..., in
+    that order for every element: a row at a time (vectorised along it; the experts' sum per
+    element as one dependent chain cost ~4x as long, 9 rows of 2048 on this machine). Each
+    element's bits whatever the range (no fast-math: no reordering, no contraction)."""
+    for j in range(j0, j1):
         y[j] = gate * shared[j]
     for i in range(weights.size):
         w_i, r_i = weights[i], routed[i]
-        for j in range(y.size):
+        for j in range(j0, j1):
             y[j] = y[j] + w_i * r_i[j]
+
+
+@kernel(fastmath=False)
+def _weighted_rows(routed, weights, shared, gate, y):
+    """`_weighted_range` of every element."""
+    _weighted_range(routed, weights, shared, gate, y, 0, y.size)
 
 
 @kernel
@@ -190,40 +197,43 @@ def _gate_up_share(thread, n_threads, args):
 
 
 def _down_share(thread, n_threads, args):
-    """matvec's gathered launch (its (matrix, row) jobs split over the threads, each matrix's run
-    as ROWS side-by-side streams) of each token's arguments in `args`, the tokens' same matrix
-    in turn (as _gate_up_share)."""
-    n_rows = args[0][0].shape[1]
-    n_jobs = (args[0][2].size + args[0][3].shape[0]) * n_rows
-    first, last = thread * n_jobs // n_threads, (thread + 1) * n_jobs // n_threads
-    i = first // n_rows
-    while i * n_rows < last:
-        g0 = max(first - i * n_rows, 0)
-        g1 = min(last - i * n_rows, n_rows)
-        per = (g1 - g0) // ROWS
-        for a in args:
+    """The down launch and the combination, by rows: the thread's run [j0, j1) of the rows of
+    every matrix (routed experts, then the shared one; each run as ROWS side-by-side streams),
+    then each token's combination of those rows (`_combine`'s, each element its bits whatever
+    the run; the shared expert's gate σ(w_sg · x) computed by every thread, the same bits). So
+    no thread combines all the rows while the team waits (~20 us of a full-size layer on one
+    thread, cold, this machine: ~0.8 ms of a 40-layer token at every thread count). `args`: the
+    tokens' down arguments, then their combination arguments (as _gate_up_share, the tokens'
+    same matrix in turn)."""
+    down, combine = args
+    n_rows = down[0][0].shape[1]
+    n_mats = down[0][2].size + down[0][3].shape[0]
+    g0, g1 = thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads
+    per = (g1 - g0) // ROWS
+    for i in range(n_mats):
+        for a in down:
             qs, d, idx, sqs, sd, xq, dx, xsum8, out = a
             w, s = matvec._expert(qs, d, idx, sqs, sd, i)
             for j in range(per):
                 spread_tile(w, s, xq, dx, xsum8, out, g0 + j, i, i, per)
             for r in range(g0 + per * ROWS, g1):
                 one_by_1(w, s, xq, dx, xsum8, out, r, i, i)
-        i += 1
+    for c in combine:
+        x, idx, weights, routed, w_sg, out = c
+        k = idx.size
+        _weighted_range(routed[:k], weights, routed[k], _shared_gate_kernel(x, w_sg), out,
+                        g0, g1)
 
 
 def _fused_body(gate_up, down, combine):
     """A decode token's MoE (or a verify step's few tokens', each bit for bit its decode) with
     the shared expert riding in the routed launches (Scratch): the gate_up launch with the
-    SwiGLU and its quantisation in its shares (_gate_up_share), the gathered down launch
-    (_down_share) and each token's combination, in one dispatch: decode paid ~27 us of Python
+    SwiGLU and its quantisation in its shares (_gate_up_share), then the down launch with the
+    combination in its shares (_down_share), in one dispatch: decode paid ~27 us of Python
     and dispatch a layer for them as four calls (`bench decode --profile`, 8 full-size layers).
     The same bits as those calls one by one. Each argument holds the tokens' arguments."""
     fork_gate_up(gate_up)
-    fork_down(down)
-    for c in combine:
-        x, idx, weights, routed, w_sg, out = c
-        k = idx.size
-        _combine(routed[:k], weights, routed[k], x, w_sg, out)
+    fork_down((down, combine))
 
 
 _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code for Westmere)

@@ -181,7 +181,9 @@ def step_costs(model, prompt, drafts) -> Costs:
 def _split(parts: dict, rolled: list) -> dict:
     """{label: [ms in decode, ms in verify]}: each plan step timed on its own (a kernel's calls
     summed by label), interleaved rounds, each label's best round; the rollback as `rollback`.
-    Where a verify step's time goes beside a token's (issue 32 item 4)."""
+    Where a verify step's time goes beside a token's (issue 32 item 4). The plans' kernels
+    one by one (forward.JOIN_STEPS off meanwhile: the plans made again), not joined a layer a
+    dispatch as they run."""
     from fermijit.model import batch, forward
 
     acc: dict = {}
@@ -195,6 +197,7 @@ def _split(parts: dict, rolled: list) -> dict:
 
     best: dict = {}
     forward.run_steps = batch.run_steps = timed_steps
+    joined, forward.JOIN_STEPS = forward.JOIN_STEPS, False
     try:
         for _ in range(SPLIT_ROUNDS):
             for i, f in enumerate(parts.values()):
@@ -209,6 +212,7 @@ def _split(parts: dict, rolled: list) -> dict:
                     row[i] = min(row[i], 1e3 * took / CALLS)
     finally:
         forward.run_steps, batch.run_steps = saved
+        forward.JOIN_STEPS = joined
     return {label: [0.0 if t == float("inf") else round(t, 4) for t in row]
             for label, row in sorted(best.items(), key=lambda kv: -max(
                 t for t in kv[1] if t != float("inf")))}

@@ -131,3 +131,60 @@ def test_rows_are_the_step_row_by_row(rng, case, q8):
                ("v d", want_v.d, got_v.d)] if q8 else [("k", want_k, got_k), ("v", want_v, got_v)])
     for name, want, got in pairs:
         assert np.array_equal(want, got), name
+
+
+LAUNCH_CASES = {  # Hq, Hkv, D, rotary dims, first position: two tokens each, R changing in some
+    "Hq4-Hkv2-D64-pos0": (4, 2, 64, 32, 0),
+    "Hq6-Hkv3-D32-pos255": (6, 3, 32, 32, 255),     # 256 keys, then 257: one range, then two
+    "Hq4-Hkv2-D64-pos700": (4, 2, 64, 16, 700),
+    "Hq32-Hkv16-D32-pos40": (32, 16, 32, 32, 40),   # T·Hkv >= SPLIT_ITEMS: tiles, no ranges
+}
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("case", LAUNCH_CASES.values(), ids=LAUNCH_CASES.keys())
+def test_launch_steps_are_cpu(rng, case, q8, isa):
+    """Decode's plan form (attention_step.launch: kernels made once, the position read from
+    the array each call), its steps one by one and joined into one dispatch (jit/sequence.py):
+    the cache, o and its quantisation bit for bit `cpu`, over two consecutive tokens."""
+    from fermijit.jit import sequence
+
+    Hq, Hkv, D, R, pos = case
+    f = np.float32
+    ck, cv = rng.standard_normal((2, Hkv, pos + 3, D)).astype(f)
+    if q8:
+        ck, cv = kv_quant.reference(ck), kv_quant.reference(cv)
+    qn, kn = (0.3 * rng.standard_normal((2, D))).astype(f)
+    want_k, want_v = ck.copy(), cv.copy()
+    caches = {"steps": (ck.copy(), cv.copy()), "joined": (ck.copy(), cv.copy())}
+    plans = {}
+    for name, (k, v) in caches.items():
+        bufs = dict(qkv=poisoned((1, (Hq * 2 + Hkv * 2) * D)), positions=np.zeros(1, np.int64),
+                    q=poisoned((1, Hq, D)), gate=poisoned((1, Hq, D)), o=poisoned((1, Hq, D)),
+                    act=matvec.quantize_act(np.zeros((1, Hq * D), f), isa))
+        steps = attention_step.launch(bufs["qkv"], qn, kn, EPS, bufs["positions"], R, THETA, k, v,
+                                      bufs["q"], bufs["gate"], bufs["o"], bufs["act"])
+        if name == "joined":
+            steps = sequence.join(steps)
+            assert len(steps) == 1
+        plans[name] = steps, bufs
+    for p in (pos, pos + 1):
+        qkv = rng.standard_normal((1, (Hq * 2 + Hkv * 2) * D)).astype(f)
+        want_o = poisoned((1, Hq, D))
+        want_act = matvec.quantize_act(np.zeros((1, Hq * D), f), isa)
+        attention_step.cpu(qkv.copy(), qn, kn, EPS, np.array([p], np.int64), R, THETA, want_k,
+                           want_v, poisoned((1, Hq, D)), poisoned((1, Hq, D)), want_o, want_act)
+        for name, (steps, bufs) in plans.items():
+            bufs["qkv"][:] = qkv
+            bufs["positions"][0] = p
+            bufs["o"][:] = np.nan
+            for _, fn, args in steps:
+                fn(*args)
+            k, v = caches[name]
+            pairs = [("o", want_o, bufs["o"]), ("xq", want_act.xq, bufs["act"].xq),
+                     ("dx", want_act.dx, bufs["act"].dx)]
+            pairs += ([("k", want_k.qs, k.qs), ("k d", want_k.d, k.d), ("v", want_v.qs, v.qs),
+                       ("v d", want_v.d, v.d)] if q8 else [("k", want_k, k), ("v", want_v, v)])
+            for what, want, got in pairs:
+                assert np.array_equal(want, got), f"{name}, position {p}: {what}"

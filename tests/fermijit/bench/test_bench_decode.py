@@ -3,6 +3,7 @@ speeds themselves are not tested: timed tests are noise)."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import numba
@@ -81,13 +82,26 @@ def test_report_structure_and_arithmetic(report, capsys, monkeypatch):
                                              + r["bytes_per_token"]["state"])
 
     rows = {row["op"]: row for row in r["profile"]}
-    assert {"matvec.product", "moe.decode", "residual_step.cpu", "token"} <= set(rows)
     token = rows.pop("token")
     assert sum(row["ms"] for row in rows.values()) == pytest.approx(token["ms"], rel=1e-6)
     for row in rows.values():
         assert row["kernel_ms"] >= 0 and row["kernel_ms"] <= row["ms"] + 1e-9, row
-    assert rows["moe.decode"]["calls"] == 4 and rows["matvec.product"]["kernel_ms"] > 0
-    assert rows["residual_step.cpu"]["calls"] == 2 * 4 + 1  # each sublayer's input, the head's
+    # The plan's kernels run joined, a step a layer and one for the head (model/forward.py
+    # join_steps): a row a kind of step, labelled with each call's kernel calls by op; the
+    # embedding (Python) before them.
+    joined = {op: row for op, row in rows.items() if op.startswith("joined ")}
+    assert joined and "embedding.cpu" in rows
+    assert sum(row["calls"] for row in joined.values()) == 4 + 1
+    calls = collections.Counter()
+    for op, row in joined.items():
+        head, ops = op.split(": ", 1)
+        per_call = {name: int(n) for name, n in (part.rsplit(" ", 1) for part in ops.split(", "))}
+        assert int(head.removeprefix("joined ")) == sum(per_call.values())
+        for name, n in per_call.items():
+            calls[name] += n * row["calls"]
+        assert row["kernel_ms"] > 0
+    assert calls["moe.decode"] == 4 and calls["matvec.product"] > 0
+    assert calls["residual_step"] == 2 * 4 + 1  # each sublayer's input, the head's
     assert r["sweep"] == [] and r["sweep_threads"] == []
     prefill = {row["op"]: row for row in r["prefill_profile"]}
     assert prefill["moe.cpu"]["calls"] == 4 and prefill["token"]["ms"] > 0
