@@ -26,9 +26,8 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import decode_isa
-from fermijit.model import forward
-from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, join_steps,
-                                    linear, linear_step, run_steps)
+from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
+                                    linear_step, run_steps)
 from fermijit.model.state import KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
                           residual_rows, residual_step)
@@ -189,8 +188,7 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
     arrays = _state_arrays(state) + (() if saves is None else saves.arrays)
     plan = next((p for p in ws.plans if p.fits_arrays(arrays, model.moe_observer)), None)
     if plan is None:
-        plan = DecodePlan(arrays, model.moe_observer,
-                          join_steps(_rows_steps(model, state, ws, saves)), forward.JOIN_STEPS)
+        plan = DecodePlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
         ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()

@@ -287,8 +287,12 @@ class DecodePlan:
 
     arrays: tuple        # the state's arrays it was made for: a state with others needs a new plan
     observer: object     # Model.moe_observer at the time (called between the router and the MoE)
-    steps: list          # (label, callable, args)
-    joined: bool = True  # JOIN_STEPS at the time: a plan made the other way is made again
+    steps: list          # (label, callable, args), joined as JOIN_STEPS says (join_steps)
+    joined: bool = dataclasses.field(init=False)  # JOIN_STEPS then: made again when it changes
+
+    def __post_init__(self):
+        self.joined = JOIN_STEPS
+        self.steps = join_steps(self.steps)
 
     def fits(self, state: State, observer) -> bool:
         return self.fits_arrays(_state_arrays(state), observer)
@@ -680,7 +684,7 @@ class Model:
         ws.positions[0] = state.position + state.rope_delta  # delta: after images
         if ws.plan is None or not ws.plan.fits(state, self.moe_observer):
             ws.plan = DecodePlan(_state_arrays(state), self.moe_observer,
-                                 join_steps(self._decode_steps(state, ws)), JOIN_STEPS)
+                                 self._decode_steps(state, ws))
         run_steps(ws.plan.steps)
         state.position += 1
         if state.hidden is not None:  # waits for the MTP head (model/mtp.py)

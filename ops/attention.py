@@ -250,6 +250,13 @@ def _query(item, T, Hkv, per):
     return (rank // 2 if rank % 2 == 0 else T - 1 - rank // 2), hkv
 
 
+@kernel
+def _n_items(R, T, Hkv, tile):
+    """attend_share's items: (query, kv head, key range) triples with R ranges, else (tile of
+    `tile` queries, kv head) pairs."""
+    return R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv
+
+
 def attend_share(thread, n_threads, args):
     """A thread's contiguous run of items (jit.omp.fork). With ranges in acc [R, T, Hq, D]
     (R > 0; m, l [R, T, Hq]): the items are (query, kv head, key range) triples, range r of each
@@ -274,7 +281,7 @@ def attend_share(thread, n_threads, args):
                    np.zeros((D // 32, BLOCK), dtype=np.float32))
     n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1
-    n_items = per * n_tiles * Hkv
+    n_items = _n_items(acc.shape[0], T, Hkv, tile)
     for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
         first, hkv = _query(item, n_tiles, Hkv, per)
         t0 = first * width
@@ -334,8 +341,7 @@ def _attention_body(q, k, v, start, tile, acc, m, l, gate, o):
     T, Hq, D = o.shape
     Hkv = k[0].shape[0]
     R = acc.shape[0]
-    n_items = R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv     # attend_share's
-    fork(n_items, (q, k, v, start, tile, acc, m, l, gate, o))
+    fork(_n_items(R, T, Hkv, tile), (q, k, v, start, tile, acc, m, l, gate, o))
     if R > 0:
         fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
 
@@ -352,8 +358,7 @@ def _decode_body(q, k, v, positions, acc_all, m_all, l_all, gate, o):
     acc = o.reshape(1, T, Hq, D) if R == 1 else acc_all[:R]
     m, l = m_all[:R], l_all[:R]
     tile = max(1, min(TILE_QUERIES, T * Hkv // (ITEMS_PER_THREAD * omp.team_size())))
-    n_items = R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv     # attend_share's
-    fork(n_items, (q, k, v, start, tile, acc, m, l, gate, o))
+    fork(_n_items(R, T, Hkv, tile), (q, k, v, start, tile, acc, m, l, gate, o))
     if R > 0:
         fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
 

@@ -86,6 +86,21 @@ _step_kernels = {False: kernel(_step_body, variant="f32", _store_row=_store_f32)
                  True: kernel(_step_body, variant="q8_0", _store_row=_store_q8)}
 
 
+def _caches(cache_k, cache_v) -> tuple:
+    """(is_q8, k, v): the caches as the step kernel takes them, (codes, scales) or (fp32,)."""
+    if isinstance(cache_k, Q8Rows):
+        return True, (cache_k.qs, cache_k.d), (cache_v.qs, cache_v.d)
+    return False, (cache_k,), (cache_v,)
+
+
+def _quantize_args(o2, act: Q8Act) -> tuple:
+    """matvec._quantize_act_kernel's arguments for the rows o2 [R, Hq·D] into `act`."""
+    v_ = act.vec
+    half = matvec.simd.HALF_OF.get(v_.isa)
+    return (o2, act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
+            half.lanes if half else 0)
+
+
 def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
         act: Q8Act) -> Q8Act:
     """`reference` for decode, into preallocated buffers: the token at positions[0] (int64 [1]);
@@ -93,16 +108,11 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
     value; o [1, Hq, D] and its quantisation `act` (a Q8Act of [1, Hq·D]). q, gate [1, Hq, D]
     are scratch. The caller (model/forward.py's decode) made every buffer once, of the right
     shapes and dtypes: only the kernels' signatures check them."""
-    v_ = act.vec
-    half = matvec.simd.HALF_OF.get(v_.isa)
-    is_q8 = isinstance(cache_k, Q8Rows)
+    is_q8, ck, cv = _caches(cache_k, cache_v)
     _step_kernels[is_q8](qkv, q_norm, k_norm, float(eps), positions,
-                         rope._inv_freq(int(rotary_dim), float(theta)),
-                         (cache_k.qs, cache_k.d) if is_q8 else (cache_k,),
-                         (cache_v.qs, cache_v.d) if is_q8 else (cache_v,), q, gate)
+                         rope._inv_freq(int(rotary_dim), float(theta)), ck, cv, q, gate)
     attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
-    matvec._quantize_act_kernel(o.reshape(1, -1), act.xq, act.dx, act.xsum8, v_.lanes,
-                                matvec.blocks_per_step(v_), half.lanes if half else 0)
+    matvec._quantize_act_kernel(*_quantize_args(o.reshape(1, -1), act))
     return act
 
 
@@ -113,18 +123,13 @@ def launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cach
     cache: attention.decode_launch): kernels only, so the plan joins them with the projections
     around them into one dispatch (jit/sequence.py). Python and the dispatches of `cpu` were
     ~120 us an attention layer between the kernels (cold caches, this machine)."""
-    v_ = act.vec
-    half = matvec.simd.HALF_OF.get(v_.isa)
-    is_q8 = isinstance(cache_k, Q8Rows)
+    is_q8, ck, cv = _caches(cache_k, cache_v)
     inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
-    return ([("attention_step.cpu", _step_kernels[is_q8], (
-                qkv, q_norm, k_norm, float(eps), positions, inv_freq,
-                (cache_k.qs, cache_k.d) if is_q8 else (cache_k,),
-                (cache_v.qs, cache_v.d) if is_q8 else (cache_v,), q, gate))]
+    return ([("attention_step.cpu", _step_kernels[is_q8],
+              (qkv, q_norm, k_norm, float(eps), positions, inv_freq, ck, cv, q, gate))]
             + attention.decode_launch(q, cache_k, cache_v, gate, positions, o)
-            + [("matvec.quantize_act", matvec._quantize_act_kernel, (
-                o.reshape(1, -1), act.xq, act.dx, act.xsum8, v_.lanes,
-                matvec.blocks_per_step(v_), half.lanes if half else 0))])
+            + [("matvec.quantize_act", matvec._quantize_act_kernel,
+                _quantize_args(o.reshape(1, -1), act))])
 
 
 def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
@@ -134,16 +139,11 @@ def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_
     [R, Hq·D]. Each row's stages before attention in turn, then one attention pass over the R
     queries (each query's bits are a decode step's: ops/attention.py) and one quantisation:
     one fork for the rows, not one a row."""
-    v_ = act.vec
-    half = matvec.simd.HALF_OF.get(v_.isa)
-    is_q8 = isinstance(cache_k, Q8Rows)
+    is_q8, ck, cv = _caches(cache_k, cache_v)
     inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
-    ck, cv = ((cache_k.qs, cache_k.d), (cache_v.qs, cache_v.d)) if is_q8 else ((cache_k,),
-                                                                               (cache_v,))
     for r in range(qkv.shape[0]):
         _step_kernels[is_q8](qkv[r:r + 1], q_norm, k_norm, float(eps), positions[r:r + 1],
                              inv_freq, ck, cv, q[r:r + 1], gate[r:r + 1])
     attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
-    matvec._quantize_act_kernel(o.reshape(o.shape[0], -1), act.xq, act.dx, act.xsum8, v_.lanes,
-                                matvec.blocks_per_step(v_), half.lanes if half else 0)
+    matvec._quantize_act_kernel(*_quantize_args(o.reshape(o.shape[0], -1), act))
     return act

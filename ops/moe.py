@@ -122,16 +122,10 @@ def _weighted_range(routed, weights, shared, gate, y, j0, j1):
             y[j] = y[j] + w_i * r_i[j]
 
 
-@kernel(fastmath=False)
-def _weighted_rows(routed, weights, shared, gate, y):
-    """`_weighted_range` of every element."""
-    _weighted_range(routed, weights, shared, gate, y, 0, y.size)
-
-
 @kernel
 def _combine(routed, weights, shared, x, w_sg, y):
     """y = Σ_k weights[k] · routed[k] + σ(w_sg · x) · shared; routed [k, H], shared [H]."""
-    _weighted_rows(routed, weights, shared, _shared_gate_kernel(x, w_sg), y)
+    _weighted_range(routed, weights, shared, _shared_gate_kernel(x, w_sg), y, 0, y.size)
 
 
 @dataclass

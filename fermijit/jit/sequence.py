@@ -57,31 +57,6 @@ def _emit_calls(context, builder, addresses, arguments, arguments_ty) -> None:
         builder.call(fn, [retval, excinfo] + list(packed))
 
 
-def _is_sequence(addresses, arguments) -> bool:
-    return (isinstance(addresses, types.BaseTuple) and isinstance(arguments, types.BaseTuple)
-            and len(addresses) == len(arguments)
-            and all(isinstance(t, types.BaseTuple) for t in arguments.types))
-
-
-@intrinsic
-def _call_each(typingctx, addresses, arguments):
-    """addresses: n int64; arguments: n tuples: calls address i with the items of tuple i."""
-    if not _is_sequence(addresses, arguments):
-        return None
-
-    def codegen(context, builder, sig, args):
-        _emit_calls(context, builder, cgutils.unpack_tuple(builder, args[0]), args[1], arguments)
-        return context.get_dummy_value()
-
-    return types.none(addresses, arguments), codegen
-
-
-@kernel
-def run_each(addresses, arguments):
-    """Kernel i of a sequence (its address, `callable_address`) on arguments[i], in turn."""
-    _call_each(addresses, arguments)
-
-
 # --- a sequence held in native memory ------------------------------------------------------------
 # Given as a tuple, a sequence's arguments are unboxed at every call: a full-size token's ~2000
 # arrays, each a MemInfo made and its Python object read (cold: ~0.4 ms for 8 layers' 56 calls

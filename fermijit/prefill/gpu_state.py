@@ -140,19 +140,6 @@ def _q8_block_sources(dev_rows, start: int, block, rounded: tuple) -> list[int]:
                             int(scales.gpudata) + first // BLOCK * F32)]
 
 
-def _q8_sources(dev_rows, start: int) -> tuple[list[int], tuple]:
-    """A device cache [heads, positions, dim] fp32 rounded to Q8_0 on the GPU (in place: it is
-    not read again), and the addresses of each head's codes, then scales, from `start`."""
-    from fermijit.ops import act_quant
-
-    heads, positions, dim = dev_rows.shape
-    _, codes, scales = act_quant.gpu(dev_rows, out=dev_rows, codes=True)
-    nb = scales.shape[2]
-    return [address for h in range(heads) for address in (
-        int(codes.gpudata) + (h * positions + start) * dim,
-        int(scales.gpudata) + (h * positions + start) * nb * F32)], (codes, scales)
-
-
 def hand_off(dev: DeviceModel, sequences: list[tuple], timings: dict | None = None) -> None:
     """Each sequence's (device states, host `State`, end, waiting) device caches (the positions
     from the host state's to `end`: `handed_rows`) and states into the host state, which then
@@ -181,25 +168,19 @@ def hand_off(dev: DeviceModel, sequences: list[tuple], timings: dict | None = No
     held = []    # the rounded caches' device arrays, alive until copied
     hidden = []  # the waiting hidden states' host arrays, or None
     for states, state, end, waiting in sequences:
-        block, rounded = getattr(states, "kv_block", None), None
-        kinds = {isinstance(s.k, Q8Rows) for s in state.layers if isinstance(s, KvCache)}
-        if block is not None and kinds == {True}:  # rounded in place: every cache Q8_0
+        rounded = None
+        if any(isinstance(s, KvCache) and isinstance(s.k, Q8Rows) for s in state.layers):
+            # a state's caches are all of one kind, in one KV block (upload_states): rounded
+            # in place, one launch
             with gpu.check("rounding the KV cache to Q8_0"):
-                rounded = _q8_block(block)
+                rounded = _q8_block(states.kv_block)
             held.append(rounded)
         for d, s, host, (start, _) in zip(states, state.layers, handed_arrays(state, end),
                                           handed_rows(state, end)):
-            if isinstance(d, KvCache) and isinstance(s.k, Q8Rows) and rounded is not None:
+            if isinstance(d, KvCache) and rounded is not None:
                 sources = [a for x in (d.k, d.v)
-                           for a in _q8_block_sources(x, start, block, rounded)]
+                           for a in _q8_block_sources(x, start, states.kv_block, rounded)]
                 # in handed_arrays' order: k's heads (codes, scales each), then v's
-            elif isinstance(d, KvCache) and isinstance(s.k, Q8Rows):
-                sources = []
-                for x in (d.k, d.v):
-                    with gpu.check("rounding the KV cache to Q8_0"):
-                        addresses, arrays = _q8_sources(x, start)
-                    sources += addresses
-                    held.append(arrays)
             elif isinstance(d, KvCache):
                 heads, positions, dim = d.k.shape
                 sources = [int(x.gpudata) + (h * positions + start) * dim * F32

@@ -30,8 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.fermijit.server import start_profile
+from tests.fermijit.server.test_serve_gpu import GPU_MEM
+
 ROUNDS = 3
-GPU_MEM = "6G"
 MODES = ("default", "after", "cpu")
 
 # `after`: the GPU's preparation once the CPU kernels are warm (the path serve takes without the
@@ -127,20 +129,10 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
 def imports(model_dir: Path, log: Path) -> list[tuple[float, str]]:
     """The slowest top-level imports of a default start under -X importtime."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command(model_dir, "default", ("-X", "importtime")),
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    found = []
-    for line in proc.stderr:
-        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \| (\s*)(\S+)", line)
-        if m and not m.group(3):
-            found.append((int(m.group(2)) / 1e6, m.group(4)))
-        if "serving on http" in line:
-            break
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+    _, text = start_profile.start(model_dir, ["-X", "importtime"])
     with open(log, "a") as f:
         f.write(f"importtime start: {time.perf_counter() - t0:.2f} s\n")
-    return sorted(found, reverse=True)
+    return start_profile.top_level_imports(text)
 
 
 def register_probe(model_dir: Path, chunk: int | None = None) -> str:
