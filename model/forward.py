@@ -702,6 +702,7 @@ class Model:
         steps = [("embedding.cpu", embedding.cpu, (ws.tokens, self.embed, ws.x))]
         eps, y = self.eps, None                                     # y: the sublayer output
         acts = _BlockActs()
+        attention_scratch: dict = {}                                # one set for every layer
 
         def product(x, w, out, act):
             return product_steps(x, w, out, act, acts)
@@ -724,7 +725,7 @@ class Model:
                               + product(ws.xn, mixer.v_proj, ws.v.reshape(1, -1), ws.act))
                 steps += attention_step.launch(
                     ws.attn_in, mixer.q_norm, mixer.k_norm, eps, ws.positions, self.rotary_dim,
-                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn)
+                    self.theta, s.k, s.v, ws.q, ws.gate, ws.o, ws.act_attn, attention_scratch)
                 acts.written(ws.o.reshape(1, -1))
                 steps += product(ws.o.reshape(1, -1), mixer.o_proj, ws.y, ws.act_attn)
             elif isinstance(w.joined_in, matvec.Q4Matrix) and w.gates_in is not None:

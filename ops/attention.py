@@ -392,22 +392,33 @@ def _kernel(isa: Isa | None, decode: bool = False):
     return _kernels[isa, decode]()
 
 
-def decode_launch(q, k, v, gate, positions, o, isa: Isa | None = None) -> list:
+def decode_launch(q, k, v, gate, positions, o, isa: Isa | None = None,
+                  shared: dict | None = None) -> list:
     """`attend` of o's T queries at positions[0] (int64 [1]; read when called) as steps of decode's
     plan, (label, kernel, args), their scratch made once for the cache's S positions: the
-    queries rounded (a Q8_0 cache), then attention. The buffers' shapes are the caller's
-    (decode's workspace): unchecked."""
+    queries rounded (a Q8_0 cache), then attention. `shared`: scratch by shape, for a plan's
+    layers, which run one after another and write it before they read it (one set, not one a
+    layer: 16 MB of key ranges' partials a layer at the full context). The buffers' shapes are
+    the caller's (decode's workspace): unchecked."""
     T, Hq, D = o.shape
-    S = k.shape[1]
-    R = n_ranges(S)
+    R = n_ranges(k.shape[1])
+    nb = D // kv_quant.BLOCK
     f32 = np.float32
-    scratch = (np.empty((R, T, Hq, D), f32), np.empty((R, T, Hq), f32), np.empty((R, T, Hq), f32))
+
+    def made(key, make):
+        if shared is None:
+            return make()
+        if key not in shared:
+            shared[key] = make()
+        return shared[key]
+
+    scratch = made(("ranges", R, T, Hq, D), lambda: (
+        np.empty((R, T, Hq, D), f32), np.empty((R, T, Hq), f32), np.empty((R, T, Hq), f32)))
     if not isinstance(k, Q8Rows):
         return [("attention.decode", _kernel(None, True),
                  (q, (k,), (v,), positions, *scratch, gate, o))]
-    nb = D // kv_quant.BLOCK
-    rounded = (np.empty((T, Hq, D), np.int8), np.empty((T, Hq, nb), f32),
-               np.empty((T, Hq, nb), np.int32))
+    rounded = made(("rounded", T, Hq, D), lambda: (
+        np.empty((T, Hq, D), np.int8), np.empty((T, Hq, nb), f32), np.empty((T, Hq, nb), np.int32)))
     return [("attention.quantize_queries", _quantize_queries_one, (q, *rounded, 0, T)),
             ("attention.decode", _kernel(isa or jit_cpu.selected_isa(), True),
              (rounded, (k.qs, k.d), (v.qs, v.d), positions, *scratch, gate, o))]

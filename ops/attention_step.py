@@ -117,17 +117,18 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
 
 
 def launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
-           act: Q8Act) -> list:
+           act: Q8Act, shared: dict | None = None) -> list:
     """`cpu`'s calls as steps of decode's plan, (label, kernel, args), every argument made once
     (the position read from positions[0] by the kernels, the key ranges' scratch sized for the
     cache: attention.decode_launch): kernels only, so the plan joins them with the projections
     around them into one dispatch (jit/sequence.py). Python and the dispatches of `cpu` were
-    ~120 us an attention layer between the kernels (cold caches, this machine)."""
+    ~120 us an attention layer between the kernels (cold caches, this machine). `shared`: the
+    plan's attention scratch, one set for its layers (attention.decode_launch)."""
     is_q8, ck, cv = _caches(cache_k, cache_v)
     inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
     return ([("attention_step.cpu", _step_kernels[is_q8],
               (qkv, q_norm, k_norm, float(eps), positions, inv_freq, ck, cv, q, gate))]
-            + attention.decode_launch(q, cache_k, cache_v, gate, positions, o)
+            + attention.decode_launch(q, cache_k, cache_v, gate, positions, o, shared=shared)
             + [("matvec.quantize_act", matvec._quantize_act_kernel,
                 _quantize_args(o.reshape(1, -1), act))])
 

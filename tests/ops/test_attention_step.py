@@ -147,7 +147,8 @@ LAUNCH_CASES = {  # Hq, Hkv, D, rotary dims, first position: two tokens each, R 
 def test_launch_steps_are_cpu(rng, case, q8, isa):
     """Decode's plan form (attention_step.launch: kernels made once, the position read from
     the array each call), its steps one by one and joined into one dispatch (jit/sequence.py):
-    the cache, o and its quantisation bit for bit `cpu`, over two consecutive tokens."""
+    the cache, o and its quantisation bit for bit `cpu`, over two consecutive tokens; the two
+    plans share their attention scratch, as a plan's layers do (one set, written before read)."""
     from fermijit.jit import sequence
 
     Hq, Hkv, D, R, pos = case
@@ -158,17 +159,18 @@ def test_launch_steps_are_cpu(rng, case, q8, isa):
     qn, kn = (0.3 * rng.standard_normal((2, D))).astype(f)
     want_k, want_v = ck.copy(), cv.copy()
     caches = {"steps": (ck.copy(), cv.copy()), "joined": (ck.copy(), cv.copy())}
-    plans = {}
+    plans, shared = {}, {}
     for name, (k, v) in caches.items():
         bufs = dict(qkv=poisoned((1, (Hq * 2 + Hkv * 2) * D)), positions=np.zeros(1, np.int64),
                     q=poisoned((1, Hq, D)), gate=poisoned((1, Hq, D)), o=poisoned((1, Hq, D)),
                     act=matvec.quantize_act(np.zeros((1, Hq * D), f), isa))
         steps = attention_step.launch(bufs["qkv"], qn, kn, EPS, bufs["positions"], R, THETA, k, v,
-                                      bufs["q"], bufs["gate"], bufs["o"], bufs["act"])
+                                      bufs["q"], bufs["gate"], bufs["o"], bufs["act"], shared)
         if name == "joined":
             steps = sequence.join(steps)
             assert len(steps) == 1
         plans[name] = steps, bufs
+    assert len(shared) == 1 + q8                             # key ranges' partials (and queries)
     for p in (pos, pos + 1):
         qkv = rng.standard_normal((1, (Hq * 2 + Hkv * 2) * D)).astype(f)
         want_o = poisoned((1, Hq, D))
