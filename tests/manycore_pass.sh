@@ -11,7 +11,8 @@
 # Elsewhere (a rehearsal): PYTHON=.venv/bin/python LAYERS=4 LLAMA_BENCH=path/llama-bench bash
 # tests/manycore_pass.sh OUT (without .device-wheels nothing is installed; LAYERS: a slice of the
 # model, 4 at least: llama.cpp aborts on one without an attention layer; LLAMA_BENCH: a built
-# llama-bench, no build; counts above this machine's cores left out).
+# llama-bench, no build; counts above this machine's cores left out; KEEP=1 leaves the
+# synthesised model and GGUF in /dev/shm for the next call).
 set -u
 out=${1:?usage: tests/manycore_pass.sh OUTDIR}
 mkdir -p "$out"
@@ -65,7 +66,7 @@ if [ -x "$bench" ]; then
   run versus bench llama-cpp --model "$model" --gguf "$gguf" --llama-bench "$bench" \
     --threads "$pair" --rounds 3
 fi
-rm -rf "$model" "$gguf"
+[ -n "${KEEP:-}" ] || rm -rf "$model" "$gguf"  # KEEP=1: left for a next call
 step "pass finished"
 $py - "$out" <<'EOF'
 import json, sys
