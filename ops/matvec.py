@@ -542,23 +542,27 @@ def _product_body(qs, d, xq, dx, xsum8, out):
             one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
 
 
-def _gemv_share(thread, n_threads, args):
-    """One thread's run of rows cut into ROWS equal runs read side by side (GEMV_STREAMS), the
-    rows left over one by one, token by token: the GEMV's (one token) and a verify step's few
-    tokens' (`_few_body`: a tile of all of them)."""
+def _gemv_share(thread, n_threads, args, counter):
+    """A thread's runs of rows (jit.omp.first_run / next_run: claimed while any are left, so
+    threads that stream faster take more), each cut into ROWS equal runs read side by side
+    (GEMV_STREAMS), the rows left over one by one, token by token: the GEMV's (one token) and a
+    verify step's few tokens' (`_few_body`: a tile of all of them). Every row the tile's bits,
+    whichever run takes it."""
     qs, d, xq, dx, xsum8, out = args
     n_rows = qs.shape[0]
-    first = thread * n_rows // n_threads
-    last = (thread + 1) * n_rows // n_threads
-    per = (last - first) // ROWS
-    for s in range(ROWS):
-        _warm(qs, first + s * per)
-        _warm(d, first + s * per)
-    for j in range(per):
-        spread_tile(qs, d, xq, dx, xsum8, out, first + j, 0, 0, per)
-    for r in range(first + per * ROWS, last):
-        for t in range(xq.shape[0]):
-            one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
+    least = omp.least_units(qs.shape[1] + 2 * d.shape[1])
+    first, last = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS)
+    while first < last:
+        per = (last - first) // ROWS
+        for s in range(ROWS):
+            _warm(qs, first + s * per)
+            _warm(d, first + s * per)
+        for j in range(per):
+            spread_tile(qs, d, xq, dx, xsum8, out, first + j, 0, 0, per)
+        for r in range(first + per * ROWS, last):
+            for t in range(xq.shape[0]):
+                one_by_1(qs, d, xq, dx, xsum8, out, r, t, t)
+        first, last = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS)
 
 
 def _few_body(qs, d, xq, dx, xsum8, out):
@@ -573,14 +577,15 @@ def _gemv_body(qs, d, xq, dx, xsum8, out):
     fork((qs, d, xq, dx, xsum8, out))
 
 
-def _gemv_rows_share(thread, n_threads, args):
-    """The GEMV's share, then the thread's run of rows of an fp32 product of the same input
-    (fp32_rows.rows_range, as residual_step's fork splits them: each output its bits)."""
+def _gemv_rows_share(thread, n_threads, args, counter):
+    """The thread's run of rows of an fp32 product of the same input (fp32_rows.rows_range, as
+    residual_step's fork splits them: each output its bits), then the GEMV's share, whose claimed
+    runs even out the static one."""
     gemv, (x, w, p) = args
-    gemv_share(thread, n_threads, gemv)
     n_rows = w.shape[0]
     fp32_rows.rows_range(x, w, p, thread * n_rows // n_threads,
                          (thread + 1) * n_rows // n_threads)
+    gemv_share(thread, n_threads, gemv, counter)
 
 
 def _gemv_rows_body(qs, d, xq, dx, xsum8, out, x, w, p):
@@ -598,8 +603,8 @@ def _expert(qs, d, idx, sqs, sd, i):
     return (qs[idx[i]], d[idx[i]]) if i < n else (sqs[i - n], sd[i - n])
 
 
-def _gathered_share(thread, n_threads, args):
-    """One thread's run of (matrix, row) jobs, matrix by matrix, each matrix's run read as ROWS
+def _gathered_share(thread, n_threads, args, counter):
+    """A thread's runs of (matrix, row) jobs (claimed: jit.omp.first_run), matrix by matrix, each matrix's run read as ROWS
     side-by-side streams (GEMV_STREAMS): a division-free inner loop (a per-row job // rows cost
     ~14 % against a plain product on the same memory). No `_warm` bursts: prefetching the next
     matrix's first rows near the end of this one (or each matrix's at its start) was slower than
@@ -607,21 +612,24 @@ def _gathered_share(thread, n_threads, args):
     passes in one process: gate_up 1.07x at 1 and 2 threads, down 1.01-1.03x)."""
     qs, d, idx, sqs, sd, xq, dx, xsum8, out = args
     n_rows = qs.shape[1]
-    first = thread * (idx.size + sqs.shape[0]) * n_rows // n_threads
-    last = (thread + 1) * (idx.size + sqs.shape[0]) * n_rows // n_threads
+    n_jobs = (idx.size + sqs.shape[0]) * n_rows
+    least = omp.least_units(qs.shape[2] + 2 * d.shape[2])
     shared_x = xq.shape[0] == 1
-    i = first // n_rows
-    while i * n_rows < last:
-        w, s = _expert(qs, d, idx, sqs, sd, i)
-        g0 = max(first - i * n_rows, 0)
-        g1 = min(last - i * n_rows, n_rows)
-        per = (g1 - g0) // ROWS
-        t = 0 if shared_x else i
-        for j in range(per):
-            spread_tile(w, s, xq, dx, xsum8, out, g0 + j, t, i, per)
-        for r in range(g0 + per * ROWS, g1):
-            one_by_1(w, s, xq, dx, xsum8, out, r, t, i)
-        i += 1
+    first, last = omp.first_run(counter, thread, n_threads, n_jobs, least, ROWS)
+    while first < last:
+        i = first // n_rows
+        while i * n_rows < last:
+            w, s = _expert(qs, d, idx, sqs, sd, i)
+            g0 = max(first - i * n_rows, 0)
+            g1 = min(last - i * n_rows, n_rows)
+            per = (g1 - g0) // ROWS
+            t = 0 if shared_x else i
+            for j in range(per):
+                spread_tile(w, s, xq, dx, xsum8, out, g0 + j, t, i, per)
+            for r in range(g0 + per * ROWS, g1):
+                one_by_1(w, s, xq, dx, xsum8, out, r, t, i)
+            i += 1
+        first, last = omp.next_run(counter, thread, n_threads, n_jobs, least, ROWS)
 
 
 def _gathered_body(qs, d, idx, sqs, sd, xq, dx, xsum8, out):
@@ -675,6 +683,7 @@ def _grouped_body(qs, d, offsets, xq, dx, xsum8, out):
 
 _SHARES = {_product_body: _product_share, _gemv_body: _gemv_share, _few_body: _gemv_share,
            _gathered_body: _gathered_share, _grouped_body: _grouped_share}
+_CHUNKED = (_gemv_body, _few_body, _gathered_body)  # decode's: runs claimed (jit.omp.first_run)
 
 
 def _array(dtype, ndim, readonly=False):
@@ -728,7 +737,8 @@ def _product(isa: Isa, shape: tuple[int, int], body=_product_body, fmt: _Format 
         # let fresh and cached code round differently: first and later runs disagreed by ulps).
         _products[key] = kernel(
             body, fastmath=False, variant=variant, signatures=_SIGNATURES[body],
-            fork=omp.fork(bind(_SHARES[body], variant, **tiles)), **tiles)
+            fork=omp.fork(bind(_SHARES[body], variant, **tiles), chunked=body in _CHUNKED),
+            **tiles)
     return _products[key]
 
 
@@ -749,7 +759,7 @@ def gemv_rows_kernel(isa: Isa, n_tok: int = 1):
         share = kernel(_gemv_share, fastmath=False, variant=variant, **tiles)
         _gemv_rows_kernels[key] = kernel(
             _gemv_rows_body, fastmath=False, variant=variant,
-            fork=omp.fork(bind(_gemv_rows_share, variant, gemv_share=share)))
+            fork=omp.fork(bind(_gemv_rows_share, variant, gemv_share=share), chunked=True))
     return _gemv_rows_kernels[key]
 
 
@@ -782,14 +792,14 @@ def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
                     _few_tokens_vec(isa) if fmt is Q8_0 else None)
 
 
-def gemv_fork(isa: Isa, share, name: str, rows: int | None = None):
+def gemv_fork(isa: Isa, share, name: str, rows: int | None = None, chunked: bool = False):
     """(variant name, a fork intrinsic of `share`) with the decode GEMV's tiles bound as its
     globals (ROWS, spread_tile, one_by_1, tile, rows_by_1: `_tiles`), for a kernel of another
     op; `name` makes the variant's symbols its own (jit.cpu.bind). `rows`: tiles of that many
-    rows instead of the GEMV's."""
+    rows instead of the GEMV's; `chunked`: the share takes the launch's work counter (omp.fork)."""
     variant, tiles = _tiles(isa, (rows, 1) if rows else gemv_shape(isa), Q4_0)
     variant += "-" + name
-    return variant, omp.fork(bind(share, variant, **tiles))
+    return variant, omp.fork(bind(share, variant, **tiles), chunked=chunked)
 
 
 def _call(op: str, kernel_, *args):

@@ -24,7 +24,7 @@ from numba import prange
 
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
-from fermijit.jit import mathf
+from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import decode_isa, kernel
 from fermijit.ops import expert_matmul, matvec
 from fermijit.ops.gemm import prefetch_bytes
@@ -162,11 +162,11 @@ class Scratch:
                    np.zeros(1, np.int32), is_fused)
 
 
-def _gate_up_share(thread, n_threads, args):
-    """A thread's run of 32-blocks of h, in (matrix, block) order over the routed experts then
-    the shared one: each block's 32 gate rows and 32 up rows side by side (the GEMV tile's two
-    streams, gate row j beside up row I + j; one at a time where the tile takes one row), then
-    that block's SwiGLU and its quantisation for the down projection. So only the down launch
+def _gate_up_share(thread, n_threads, args, counter):
+    """A thread's runs of 32-blocks of h (claimed while any are left: jit.omp.first_run), in
+    (matrix, block) order over the routed experts then the shared one: each block's 32 gate rows
+    and 32 up rows side by side (the GEMV tile's two streams, gate row j beside up row I + j; one
+    at a time where the tile takes one row), then that block's SwiGLU and its quantisation for the down projection. So only the down launch
     waits for all threads, and no thread waits through the SwiGLU and the quantiser of every
     row (~11 us of a full-size layer on one thread, this machine). `args` holds each token's
     arguments (decode: one; a verify step's rows: a few), the tokens' same block in turn: the
@@ -174,25 +174,31 @@ def _gate_up_share(thread, n_threads, args):
     n_inter = args[0][9].shape[1]
     per_row = n_inter // 32
     n_units = args[0][9].shape[0] * per_row
-    for unit in range(thread * n_units // n_threads, (thread + 1) * n_units // n_threads):
-        i = unit // per_row
-        b = unit - i * per_row
-        for a in args:
-            (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
-             half_lanes) = a
-            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
-            for j in range(b * 32, b * 32 + 32):
-                spread_tile(w, s, xq, dx, xsum8, gu, j, 0, i, n_inter)  # rows j, I + j
-                if ROWS == 1:
-                    spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, 0, i, n_inter)
-            swiglu_range(gu[i], h[i], b * 32, b * 32 + 32)
-            matvec.quantize_blocks(h[i], hq[i], hdx[i], hxsum8[i], b, b + 1, lanes, step_blocks,
-                                   half_lanes)
+    qs0, d0 = args[0][0], args[0][1]
+    least = omp.least_units(64 * (qs0.shape[2] + 2 * d0.shape[2]) * len(args))
+    first, last = omp.first_run(counter, thread, n_threads, n_units, least, 1)
+    while first < last:
+        for unit in range(first, last):
+            i = unit // per_row
+            b = unit - i * per_row
+            for a in args:
+                (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
+                 half_lanes) = a
+                w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+                for j in range(b * 32, b * 32 + 32):
+                    spread_tile(w, s, xq, dx, xsum8, gu, j, 0, i, n_inter)  # rows j, I + j
+                    if ROWS == 1:
+                        spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, 0, i, n_inter)
+                swiglu_range(gu[i], h[i], b * 32, b * 32 + 32)
+                matvec.quantize_blocks(h[i], hq[i], hdx[i], hxsum8[i], b, b + 1, lanes,
+                                       step_blocks, half_lanes)
+        first, last = omp.next_run(counter, thread, n_threads, n_units, least, 1)
 
 
-def _down_share(thread, n_threads, args):
-    """The down launch and the combination, by rows: the thread's run [j0, j1) of the rows of
-    every matrix (routed experts, then the shared one; each run as ROWS side-by-side streams),
+def _down_share(thread, n_threads, args, counter):
+    """The down launch and the combination, by rows: each run [j0, j1) the thread claims
+    (jit.omp.first_run: while any are left, so faster threads take more) of the rows of every
+    matrix (routed experts, then the shared one; each run as ROWS side-by-side streams),
     then each token's combination of those rows (`_combine`'s, each element its bits whatever
     the run; the shared expert's gate σ(w_sg · x) computed by every thread, the same bits). So
     no thread combines all the rows while the team waits (~20 us of a full-size layer on one
@@ -200,23 +206,27 @@ def _down_share(thread, n_threads, args):
     tokens' down arguments, then their combination arguments (as _gate_up_share, the tokens'
     same matrix in turn)."""
     down, combine = args
-    n_rows = down[0][0].shape[1]
+    qs0, d0 = down[0][0], down[0][1]
+    n_rows = qs0.shape[1]
     n_mats = down[0][2].size + down[0][3].shape[0]
-    g0, g1 = thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads
-    per = (g1 - g0) // ROWS
-    for i in range(n_mats):
-        for a in down:
-            qs, d, idx, sqs, sd, xq, dx, xsum8, out = a
-            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
-            for j in range(per):
-                spread_tile(w, s, xq, dx, xsum8, out, g0 + j, i, i, per)
-            for r in range(g0 + per * ROWS, g1):
-                one_by_1(w, s, xq, dx, xsum8, out, r, i, i)
-    for c in combine:
-        x, idx, weights, routed, w_sg, out = c
-        k = idx.size
-        _weighted_range(routed[:k], weights, routed[k], _shared_gate_kernel(x, w_sg), out,
-                        g0, g1)
+    least = omp.least_units(n_mats * (qs0.shape[2] + 2 * d0.shape[2]) * len(down))
+    g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS)
+    while g0 < g1:
+        per = (g1 - g0) // ROWS
+        for i in range(n_mats):
+            for a in down:
+                qs, d, idx, sqs, sd, xq, dx, xsum8, out = a
+                w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+                for j in range(per):
+                    spread_tile(w, s, xq, dx, xsum8, out, g0 + j, i, i, per)
+                for r in range(g0 + per * ROWS, g1):
+                    one_by_1(w, s, xq, dx, xsum8, out, r, i, i)
+        for c in combine:
+            x, idx, weights, routed, w_sg, out = c
+            k = idx.size
+            _weighted_range(routed[:k], weights, routed[k], _shared_gate_kernel(x, w_sg), out,
+                            g0, g1)
+        g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS)
 
 
 def _fused_body(gate_up, down, combine):
@@ -236,8 +246,8 @@ _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code 
 def _fused_kernel(isa):
     if isa not in _fused_kernels:
         _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up",  # pairs: rows j, I + j
-                                      matvec.GEMV_STREAMS[isa])
-        variant, down = matvec.gemv_fork(isa, _down_share, "moe-down")
+                                      matvec.GEMV_STREAMS[isa], chunked=True)
+        variant, down = matvec.gemv_fork(isa, _down_share, "moe-down", chunked=True)
         # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
         _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant + "-swiglu",
                                      fork_down=down, fork_gate_up=gate_up)

@@ -165,7 +165,7 @@ def _unowned(context, builder, ty, value):
     return value
 
 
-def fork(share, capped: bool = False):
+def fork(share, capped: bool = False, chunked: bool = False):
     """An intrinsic `fork(args)`: `share(thread, n_threads, args)` on each thread of one OpenMP
     team of Numba's thread count (`numba.set_num_threads`; args: a tuple; `share`: a plain
     function, compiled in nopython mode). Returns when every thread has finished. Without omp
@@ -174,7 +174,9 @@ def fork(share, capped: bool = False):
     first `cap` threads, the others back at once. The team itself stays whole (but for a cap of
     one: the calling thread alone): libgomp ends the pool threads a smaller team leaves out, and
     the next whole team creates them again (~300 us a fork of 16 threads on the H200's host; an
-    attention layer's capped fork of 2 items did it every token).
+    attention layer's capped fork of 2 items did it every token). `chunked`: the share is
+    `share(thread, n_threads, args, counter)`, `counter` the launch's own work counter (zero at
+    the fork, on a cache line of its own) for `first_run` / `next_run`.
 
     `share` must not raise: nothing propagates out of a thread (check inputs before the fork).
     Include `available()` in the cache key of kernels that use it: their code differs."""
@@ -182,17 +184,26 @@ def fork(share, capped: bool = False):
 
     def codegen(context, builder, sig, llargs):
         args_type, args = sig.args[-1], llargs[-1]
-        share_sig = types.none(types.int64, types.int64, args_type)
+        share_sig = types.none(types.int64, types.int64, args_type,
+                               *((types.voidptr,) if chunked else ()))
         # Not looked up by code object: the same `share` code is bound to other tiles per
         # ISA. (Numba still files the result under that key; nothing here reads it back.)
         share_fn = context.compile_subroutine(builder, share, share_sig, caching=False)
 
-        def run_share(b, thread, team, packed):
+        def run_share(b, thread, team, packed, counter):
             context.call_internal_no_propagate(b, share_fn.fndesc, share_sig,
-                                               [thread, team, packed])
+                                               [thread, team, packed] + [counter] * chunked)
 
+        # The launch's work counter: zeroed here, before every fork of this call site; alone on
+        # its cache line (the threads' atomic adds would otherwise bounce the arguments' line).
+        counter = None
+        if chunked:
+            line = cgutils.alloca_once(builder, ir.ArrayType(_I64, SLOT))
+            line.align = 8 * SLOT
+            counter = builder.bitcast(line, _VOID_P)
+            builder.store(ir.Constant(_I64, 0), builder.bitcast(line, _I64.as_pointer()))
         if not use_omp:
-            run_share(builder, ir.Constant(_I64, 0), ir.Constant(_I64, 1), args)
+            run_share(builder, ir.Constant(_I64, 0), ir.Constant(_I64, 1), args, counter)
             return context.get_dummy_value()
         module = builder.module
         outlined_ty = ir.FunctionType(ir.VoidType(), [_VOID_P])
@@ -200,15 +211,16 @@ def fork(share, capped: bool = False):
         outlined.linkage = "internal"
         b = ir.IRBuilder(outlined.append_basic_block("entry"))
         # The region's data: the threads with shares (the team, or the cap), the arguments.
-        data_ty = ir.LiteralStructType([_I64, args.type])
+        data_ty = ir.LiteralStructType([_I64, args.type, _VOID_P])
         data = b.bitcast(outlined.args[0], data_ty.as_pointer())
         zero = ir.Constant(_I32, 0)
         sharing = b.load(b.gep(data, [zero, zero]))
         packed = b.load(b.gep(data, [zero, ir.Constant(_I32, 1)]))
+        shared_counter = b.load(b.gep(data, [zero, ir.Constant(_I32, 2)]))
         thread = _omp_int(b, "omp_get_thread_num")
         start = _cycles(b)
         with b.if_then(b.icmp_signed("<", thread, sharing)):
-            run_share(b, thread, sharing, packed)
+            run_share(b, thread, sharing, packed, shared_counter)
         with b.if_then(_is_on(b)):
             b.store(b.sub(_cycles(b), start), _slot(b, thread))
         b.ret_void()
@@ -228,6 +240,8 @@ def fork(share, capped: bool = False):
         builder.store(sharing, builder.gep(slot, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)]))
         builder.store(_unowned(context, builder, args_type, args),
                       builder.gep(slot, [ir.Constant(_I32, 0), ir.Constant(_I32, 1)]))
+        builder.store(counter if chunked else ir.Constant(_VOID_P, None),
+                      builder.gep(slot, [ir.Constant(_I32, 0), ir.Constant(_I32, 2)]))
         gomp_parallel = cgutils.get_or_insert_function(
             module, ir.FunctionType(ir.VoidType(), [outlined_ty.as_pointer(), _VOID_P,
                                                     _I32, _I32]), "GOMP_parallel")
@@ -261,6 +275,96 @@ def team_size(typingctx):
             builder.module, ir.FunctionType(_I64, []), "get_num_threads"), [])
 
     return types.int64(), codegen
+
+
+# Dynamic shares (`fork`'s `chunked`): a thread claims runs of a launch's units (rows, or jobs)
+# from its work counter until none are left, instead of one equal run, so threads that stream
+# faster take more (issue 29: on 16 threads some threads streamed ~1.5x slower than others on a
+# loaded memory system; 6.3 of a 30 ms token was threads idle inside regions). Guided: each claim
+# takes 1/(GUIDE x team) of the units left, at least the share's `least` (CHUNK_BYTES of weights:
+# each run restarts the tile's side-by-side streams and their prefetch), so the first runs are
+# long streams and the last ones short enough to balance. A team of one runs [0, n) as before.
+# Every unit is computed by the same arithmetic whichever thread or run takes it.
+GUIDE = 2
+CHUNK_BYTES = 32 << 10
+SCHEDULE_SYMBOL = "fermijit_omp_schedule"
+_schedule = np.ones(SLOT, np.int64)  # word 0: 1 dynamic runs, 0 the static equal runs
+llvm.add_symbol(SCHEDULE_SYMBOL, _schedule.ctypes.data)
+
+
+def set_dynamic(on: bool) -> bool:
+    """Chunked shares claim runs dynamically (True, the default) or take the static equal run
+    thread * n // team (where rows were placed for their thread's node: `--numa rows`). Between
+    launches only. Returns the previous setting."""
+    previous = bool(_schedule[0])
+    _schedule[0] = int(bool(on))
+    return previous
+
+
+@intrinsic
+def _is_dynamic(typingctx):
+    def codegen(context, builder, sig, args):
+        module = builder.module
+        table = module.globals.get(SCHEDULE_SYMBOL)
+        if table is None:
+            table = ir.GlobalVariable(module, ir.ArrayType(_I64, _schedule.size), SCHEDULE_SYMBOL)
+            table.linkage = "external"
+        word = builder.gep(table, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)])
+        return builder.icmp_signed("!=", builder.load(word), ir.Constant(_I64, 0))
+
+    return types.boolean(), codegen
+
+
+@intrinsic
+def _counter_now(typingctx, counter):
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(args[0], _I64.as_pointer())
+        return builder.load_atomic(ptr, "monotonic", 8)
+
+    return types.int64(types.voidptr), codegen
+
+
+@intrinsic
+def _counter_add(typingctx, counter, n):
+    """The counter's value before adding n (atomically)."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(args[0], _I64.as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
+
+    return types.int64(types.voidptr, types.int64), codegen
+
+
+@kernel
+def least_units(unit_bytes):
+    """The fewest units a claimed run takes: CHUNK_BYTES of them (at least one)."""
+    return max(1, CHUNK_BYTES // max(1, unit_bytes))
+
+
+@kernel
+def _claim(counter, n_threads, n, least, step):
+    left = n - _counter_now(counter)
+    size = max(least, left // (GUIDE * n_threads), 1)
+    size = (size + step - 1) // step * step
+    first = _counter_add(counter, size)
+    return min(first, n), min(first + size, n)
+
+
+@kernel
+def first_run(counter, thread, n_threads, n, least, step):
+    """A chunked share's first run [first, last) of its n units (empty: none left): claimed from
+    the launch's `counter` (a multiple of `step` units, at least `least`), or the static equal run
+    (`set_dynamic(False)`, or a team of one: all of them)."""
+    if n_threads <= 1 or not _is_dynamic():
+        return thread * n // n_threads, (thread + 1) * n // n_threads
+    return _claim(counter, n_threads, n, least, step)
+
+
+@kernel
+def next_run(counter, thread, n_threads, n, least, step):
+    """The run after `first_run`'s and each one since (empty when the units are done)."""
+    if n_threads <= 1 or not _is_dynamic():
+        return n, n
+    return _claim(counter, n_threads, n, least, step)
 
 
 @intrinsic
@@ -331,19 +435,20 @@ class Regions:
 _FIELDS = ("count", "wall_s", "share_max_s", "busy_mean_s", "busy_s")
 
 
-def forking_kernel(body, fastmath=FASTMATH, capped=(), **shares):
+def forking_kernel(body, fastmath=FASTMATH, capped=(), chunked=(), **shares):
     """A function returning `cpu.kernel(body)` whose globals named in `shares` are `fork`
     intrinsics over those share functions (the omp variant where Numba's omp layer runs, else a
     team of one), made on its first call: making it starts the OpenMP threads. A share is compiled
     into the kernel, under the kernel's `fastmath`: False where a share's sums must keep their
     order (Numba's fast-math pass flags every float operation of the module). The shares named
-    in `capped` are `fork(cap, args)` intrinsics (`fork`'s `capped`)."""
+    in `capped` are `fork(cap, args)` intrinsics (`fork`'s `capped`), those in `chunked` take the
+    launch's work counter (`fork`'s `chunked`)."""
     made = []
 
     def get():
         if not made:
             variant = "omp" if available() else "serial"
-            forks = {name: fork(bind(share, variant), name in capped)
+            forks = {name: fork(bind(share, variant), name in capped, name in chunked)
                      for name, share in shares.items()}
             made.append(kernel(body, fastmath=fastmath, variant=variant, **forks))
         return made[0]
