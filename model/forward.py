@@ -982,7 +982,8 @@ def load_model(directory, show_progress: bool = False,
     model.source = source
     model.kv_kind = kv
     if source is not None and numa.selected() == "rows":
-        from fermijit.jit import cpu
+        from fermijit.jit import cpu, omp
 
         numa.place_rows(model.row_split_arrays(), numa.team_nodes(cpu.configure_threads(None)))
+        omp.set_dynamic(False)  # each thread its static run of rows, the run placed on its node
     return cfg, model

@@ -285,3 +285,141 @@ def test_idle_threads_spin_briefly_unless_the_user_chose():
     if loaded == "True":  # the omp layer: libgomp was loaded after the variable was set
         assert run(GOMP_SPINCOUNT="12345")[0] == "12345"
     assert run(OMP_WAIT_POLICY="active")[0] == "None"
+
+
+def _cover(thread, n_threads, args, counter):
+    """Each unit of every run the thread claims: counted once more (NaN: never before)."""
+    out, owner, runs, n, least, step = args
+    first, last = omp.first_run(counter, thread, n_threads, n, least, step)
+    while first < last:
+        runs[thread] += 1
+        for u in range(first, last):
+            out[u] = 1.0 if np.isnan(out[u]) else out[u] + 1.0
+            owner[u] = thread
+        first, last = omp.next_run(counter, thread, n_threads, n, least, step)
+
+
+def _launch_cover(out, owner, runs, n, least, step):
+    fork((out, owner, runs, n, least, step))
+
+
+cover_units = kernel(_launch_cover, fork=omp.fork(_cover, chunked=True), variant=_TEAM)
+
+
+def check_cover(team: int) -> int:
+    """Chunked shares of ragged unit counts, least run lengths and steps on the current team
+    (`team` threads): every unit claimed exactly once (outputs NaN-poisoned), dynamically in runs
+    of whole steps (but the last) of at least `least` units, or (omp.set_dynamic(False)) as the
+    static equal runs. Returns the most runs a launch took (more than the team: dynamic)."""
+    most = 0
+    for n in (0, 1, 2, 5, 16, 37, 1000, 4099):
+        for least, step in ((1, 1), (3, 2), (7, 3), (64, 1)):
+            for dynamic in (True, False):
+                previous = omp.set_dynamic(dynamic)
+                out, owner = np.full(n, np.nan), np.full(n, -1, np.int64)
+                runs = np.zeros(numba.config.NUMBA_NUM_THREADS, np.int64)
+                try:
+                    cover_units(out, owner, runs, n, least, step)
+                finally:
+                    omp.set_dynamic(previous)
+                where = f"n {n}, least {least}, step {step}, dynamic {dynamic}, team {team}"
+                assert (out == 1.0).all(), where
+                assert ((owner >= 0) & (owner < team)).all(), where
+                if not dynamic or team == 1:
+                    want = np.repeat(np.arange(team), np.diff([t * n // team
+                                                               for t in range(team + 1)]))
+                    np.testing.assert_array_equal(owner, want, err_msg=where)
+                else:
+                    starts = np.flatnonzero(np.diff(owner, prepend=-1))
+                    lengths = np.diff(np.append(starts, n))
+                    # a run may continue a run of the same thread: whole runs are still whole
+                    # steps and at least `least` long, but for the last (the units left)
+                    assert (lengths[:-1] % step == 0).all() and (lengths[:-1] >= least).all(), \
+                        where
+                    most = max(most, int(runs.sum()))
+    return most
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_a_chunked_share_claims_every_unit_exactly_once():
+    full = numba.get_num_threads()
+    try:
+        for team in sorted({1, 2, full}):
+            numba.set_num_threads(team)
+            most = check_cover(team)
+            assert team == 1 or most > team  # runs claimed dynamically, not one a thread
+    finally:
+        numba.set_num_threads(full)
+
+
+CHUNKED_TEAMS = textwrap.dedent("""
+    import numba
+    import numpy as np
+    from tests.fermijit.jit.test_omp import check_cover
+    from fermijit.jit import omp
+    from fermijit.ops import matvec, moe, quant
+
+    def q4(rng, shape):
+        return quant.quantize_q4_0(rng.standard_normal(shape).astype(np.float32) * 0.3)
+
+    def q8(rng, shape):
+        return quant.quantize_q8_0(rng.standard_normal(shape).astype(np.float32))
+
+    rng = np.random.default_rng(29)
+    # Ragged rows, long enough to be many runs of at least omp.CHUNK_BYTES each.
+    qs, d = q4(rng, (3001, 256))
+    w = matvec.Q4Matrix.of(qs, d)
+    q8s, q8d = q8(rng, (2999, 256))
+    gqs, gd = q4(rng, (16, 1001, 256))
+    sqs, sd = q4(rng, (1, 1001, 256))
+    idx = np.array([5, 0, 11, 3, 15, 7, 9, 2], np.int32)
+    x1 = rng.standard_normal((1, 256)).astype(np.float32)
+    x2 = rng.standard_normal((2, 256)).astype(np.float32)
+    w_rows = rng.standard_normal((37, 256)).astype(np.float32)
+    hid, inter, e = 2048, 128, 16
+    mw = moe.MoeWeights(*q4(rng, (e, 2 * inter, hid)), *q4(rng, (e, hid, inter)),
+                        *q4(rng, (1, 2 * inter, hid)), *q4(rng, (1, hid, inter)),
+                        rng.standard_normal(hid).astype(np.float32) * 0.1)
+    xm = rng.standard_normal((1, hid)).astype(np.float32)
+    ids = idx[None]
+    wts = rng.uniform(0.05, 1, (1, 8)).astype(np.float32)
+    wts /= wts.sum()
+
+    def products():
+        out = {}
+        act1, act2 = matvec.quantize_act(x1), matvec.quantize_act(x2, matvec.decode_isa())
+        out["gemv"] = matvec.product(w, act1, np.full(3001, np.nan, np.float32))
+        out["few"] = matvec.product(w, act2, np.full((2, 3001), np.nan, np.float32),
+                                    like_gemv=True)
+        out["q8"] = matvec.q8_cpu(q8s, q8d, act1, np.full(2999, np.nan, np.float32))
+        out["gathered"] = matvec.gathered_cpu(gqs, gd, idx, act1, np.full((9, 1001), np.nan,
+                                              np.float32), shared=(sqs, sd))
+        y, p = np.full((1, 3001), np.nan, np.float32), np.full((1, 37), np.nan, np.float32)
+        kernel_, args = matvec.launch_with_rows(w, act1, y, x1, w_rows, p)
+        kernel_(*args)
+        out["gemv_rows"], out["rows"] = y, p
+        out["moe"] = moe.cpu(xm, ids, wts, mw, np.full((1, hid), np.nan, np.float32),
+                             moe.Scratch.make(mw, 8))
+        return out
+
+    full = numba.get_num_threads()
+    numba.set_num_threads(1)
+    want = products()
+    assert all(not np.isnan(v).any() for v in want.values())
+    for team in range(1, full + 1):
+        numba.set_num_threads(team)
+        assert team == 1 or check_cover(team) > team
+        for dynamic in (True, False):
+            omp.set_dynamic(dynamic)
+            for name, got in products().items():
+                np.testing.assert_array_equal(got, want[name], err_msg=f"{name}, team {team}")
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_chunked_shares_cover_every_row_once_on_teams_larger_than_the_machine():
+    """Teams of 1 to 5 threads (more than this machine's cores): every unit of a chunked share
+    claimed once, and decode's chunked products (GEMV, few tokens, Q8_0 head, gathered experts,
+    GEMV with fp32 rows, the fused MoE) every output the one-thread bits, dynamic or static."""
+    assert _python(["-c", CHUNKED_TEAMS], NUMBA_NUM_THREADS="5").strip() == "ok"
