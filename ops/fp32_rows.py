@@ -162,14 +162,18 @@ def rows_range(x, w, out, first, last):
             one(x, w, out, t, r, t, r)
 
 
-def rows_share(thread, n_threads, args):
-    """A thread's run of rows of decode's product (jit.omp.fork; `rows_range`) for every token
-    of x (a verify step's few: ops/residual_rows.py), its rows of w read from memory once. The
-    router's 1 MB a layer read by one thread was ~40 MB of a full-size token that 16 threads
-    waited on."""
+def rows_share(thread, n_threads, args, counter):
+    """A thread's runs of rows of decode's product (jit.omp.fork, chunked: runs claimed while any
+    are left, jit.omp.first_run; `rows_range`) for every token of x (a verify step's few:
+    ops/residual_rows.py), its rows of w read from memory once. The router's 1 MB a layer read
+    by one thread was ~40 MB of a full-size token that 16 threads waited on."""
     x, w, out = args
     n_rows = w.shape[0]
-    rows_range(x, w, out, thread * n_rows // n_threads, (thread + 1) * n_rows // n_threads)
+    least = omp.least_units(4 * w.shape[1])
+    first, last = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS_SIDE_BY_SIDE)
+    while first < last:
+        rows_range(x, w, out, first, last)
+        first, last = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS_SIDE_BY_SIDE)
 
 
 def _rows_body(x, w, out):
@@ -178,7 +182,7 @@ def _rows_body(x, w, out):
 
 # Decode's product alone (residual_step forks `rows_share` inside its own kernel); no fast-math:
 # the share's sums keep their order.
-decode_rows = omp.forking_kernel(_rows_body, fastmath=False, fork=rows_share)
+decode_rows = omp.forking_kernel(_rows_body, fastmath=False, chunked=("fork",), fork=rows_share)
 
 
 def _product_share(thread, n_threads, args):

@@ -72,7 +72,8 @@ def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_la
 
 
 # No fast-math: the product's sums keep fp32_rows' order (its share is compiled into this kernel).
-_step_kernel = omp.forking_kernel(_step, fastmath=False, fork=fp32_rows.rows_share)
+_step_kernel = omp.forking_kernel(_step, fastmath=False, chunked=("fork",),
+                                  fork=fp32_rows.rows_share)
 
 
 NO_IDS = np.empty((1, 0), np.int32)

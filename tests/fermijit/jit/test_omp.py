@@ -357,7 +357,7 @@ CHUNKED_TEAMS = textwrap.dedent("""
     import numpy as np
     from tests.fermijit.jit.test_omp import check_cover
     from fermijit.jit import omp
-    from fermijit.ops import matvec, moe, quant
+    from fermijit.ops import fp32_rows, matvec, moe, quant
 
     def q4(rng, shape):
         return quant.quantize_q4_0(rng.standard_normal(shape).astype(np.float32) * 0.3)
@@ -376,6 +376,7 @@ CHUNKED_TEAMS = textwrap.dedent("""
     x1 = rng.standard_normal((1, 256)).astype(np.float32)
     x2 = rng.standard_normal((2, 256)).astype(np.float32)
     w_rows = rng.standard_normal((37, 256)).astype(np.float32)
+    w_fp32 = rng.standard_normal((1003, 256)).astype(np.float32)
     hid, inter, e = 2048, 128, 16
     mw = moe.MoeWeights(*q4(rng, (e, 2 * inter, hid)), *q4(rng, (e, hid, inter)),
                         *q4(rng, (1, 2 * inter, hid)), *q4(rng, (1, hid, inter)),
@@ -398,6 +399,8 @@ CHUNKED_TEAMS = textwrap.dedent("""
         kernel_, args = matvec.launch_with_rows(w, act1, y, x1, w_rows, p)
         kernel_(*args)
         out["gemv_rows"], out["rows"] = y, p
+        out["fp32"] = np.full((2, 1003), np.nan, np.float32)
+        fp32_rows.decode_rows()(x2, w_fp32, out["fp32"])
         out["moe"] = moe.cpu(xm, ids, wts, mw, np.full((1, hid), np.nan, np.float32),
                              moe.Scratch.make(mw, 8))
         return out
@@ -421,5 +424,6 @@ CHUNKED_TEAMS = textwrap.dedent("""
 def test_chunked_shares_cover_every_row_once_on_teams_larger_than_the_machine():
     """Teams of 1 to 5 threads (more than this machine's cores): every unit of a chunked share
     claimed once, and decode's chunked products (GEMV, few tokens, Q8_0 head, gathered experts,
-    GEMV with fp32 rows, the fused MoE) every output the one-thread bits, dynamic or static."""
+    GEMV with fp32 rows, fp32 rows, the fused MoE) every output the one-thread bits, dynamic or
+    static."""
     assert _python(["-c", CHUNKED_TEAMS], NUMBA_NUM_THREADS="5").strip() == "ok"

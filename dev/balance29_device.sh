@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 29, dynamic shares (branch balance29): static equal runs (FERMIJIT_STATIC_SHARES=1, main's
+# splits) against claimed runs, fresh processes, interleaved, on the full-size REAP-128 model in
+# /dev/shm/fj-reap128 (made by tests/manycore_pass.sh with KEEP=1, or `python -m fermijit synth
+# qwen3.6-35b-a3b-reap128 /dev/shm/fj-reap128` first). ~3-4 min on the 16-core host:
+#   bash dev/balance29_device.sh $OUT          (carry .device-wheels where the host needs them)
+# Prints last: per schedule and thread count the medians of tok/s, of the ceiling (paired) and a
+# profiled token's split (work / idle / fork ms), then the 16-thread idle per op, and whether
+# the chunked shares' tests (every unit once; every output the one-thread bits) pass at 16.
+set -u
+out=${1:?usage: dev/balance29_device.sh OUTDIR}
+mkdir -p "$out"
+if [ -d .device-wheels ]; then source tests/gpu_install.sh; fi
+py=${PYTHON:-python3}
+model=${MODEL:-/dev/shm/fj-reap128}
+rounds=${ROUNDS:-3}
+start=$SECONDS
+log="$out/balance29.log"
+step() { echo "[$((SECONDS - start)) s] $*" | tee -a "$log"; }
+cores=$($py -c "import os; print(len(os.sched_getaffinity(0)))")
+top=$(( cores < 16 ? cores : 16 ))
+half=$(( top / 2 > 0 ? top / 2 : 1 ))
+[ -f "$model/fermijit.json" ] || { echo "no model at $model"; exit 1; }
+$py -m fermijit bench decode --model "$model" --prompt-tokens 8 --tokens 2 >>"$log" 2>&1
+step "kernels compiled ($cores cpus)"
+# The chunked shares' tests on this host's whole team (and 5 threads in a child).
+NUMBA_NUM_THREADS=$top timeout 120 $py -m pytest -q -p no:cacheprovider tests/fermijit/jit/test_omp.py \
+  -k chunked >"$out/tests.log" 2>&1 && tests=passed || tests="FAILED (tests.log)"
+step "tests $tests"
+for r in $(seq "$rounds"); do
+  for side in static dynamic; do
+    flag=0; [ $side = static ] && flag=1
+    FERMIJIT_STATIC_SHARES=$flag timeout 240 $py -m fermijit bench decode --model "$model" \
+      --threads "$top" --prompt-tokens 16 --tokens 16 --profile --threads-sweep "$half,$top" \
+      --json >"$out/$side-$r.json" 2>>"$log" || step "$side $r failed"
+    step "$side round $r"
+  done
+done
+$py - "$out" "$tests" <<'PY'
+import glob, json, statistics as st, sys
+out, tests = sys.argv[1], sys.argv[2]
+runs = {}
+for side in ("static", "dynamic"):
+    for f in sorted(glob.glob(f"{out}/{side}-*.json")):
+        try:
+            runs.setdefault(side, []).append(json.load(open(f)))
+        except ValueError:
+            pass
+print("schedule threads  tok/s  paired%   work   idle   fork   (medians of rounds: tok/s each)")
+for side, ds in runs.items():
+    counts = sorted({r["threads"] for d in ds for r in d.get("sweep") or []})
+    for n in counts:
+        rows = [r for d in ds for r in d.get("sweep") or [] if r["threads"] == n]
+        med = lambda f: st.median(f(r) for r in rows)
+        print(f"{side:8} {n:7} {med(lambda r: r['tok_s']):6.2f} "
+              f"{100 * med(lambda r: r['of_ceiling_paired']):7.1f} "
+              f"{med(lambda r: r['split']['work']):6.2f} {med(lambda r: r['split']['idle']):6.2f} "
+              f"{med(lambda r: r['split']['fork_join']):6.2f}   "
+              f"{[round(r['tok_s'], 2) for r in rows]}")
+print("idle ms per op, one profiled token at the main run's threads (median of rounds):")
+for side, ds in runs.items():
+    ops = {}
+    for d in ds:
+        for p in d.get("profile") or []:
+            if p.get("split"):
+                ops.setdefault(p["op"][:40], []).append((p["split"]["work"], p["split"]["idle"]))
+    for op, v in ops.items():
+        print(f"  {side:8} {op:40} work {st.median(a for a, _ in v):6.2f} "
+              f"idle {st.median(b for _, b in v):6.2f}")
+print(f"chunked shares tests: {tests}")
+PY
