@@ -291,7 +291,7 @@ SCHEDULE_SYMBOL = "fermijit_omp_schedule"
 _schedule = np.ones(SLOT, np.int64)  # word 0: 1 dynamic runs, 0 the static equal runs
 llvm.add_symbol(SCHEDULE_SYMBOL, _schedule.ctypes.data)
 # FERMIJIT_STATIC_SHARES=1: the static equal runs from the start (an A/B of the two schedules in
-# fresh processes: dev/balance29_device.sh).
+# fresh processes: tests/dynamic_shares_pass.sh).
 STATIC_ENV = "FERMIJIT_STATIC_SHARES"
 if os.environ.get(STATIC_ENV, "") not in ("", "0"):
     _schedule[0] = 0

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# Issue 29, dynamic shares (branch balance29): static equal runs (FERMIJIT_STATIC_SHARES=1, main's
-# splits) against claimed runs, fresh processes, interleaved, on the full-size REAP-128 model in
-# /dev/shm/fj-reap128 (made by tests/manycore_pass.sh with KEEP=1, or `python -m fermijit synth
-# qwen3.6-35b-a3b-reap128 /dev/shm/fj-reap128` first). ~3-4 min on the 16-core host:
-#   bash dev/balance29_device.sh $OUT          (carry .device-wheels where the host needs them)
-# Prints last: per schedule and thread count the medians of tok/s, of the ceiling (paired) and a
-# profiled token's split (work / idle / fork ms), then the 16-thread idle per op, and whether
-# the chunked shares' tests (every unit once; every output the one-thread bits) pass at 16.
+# Issue 29, dynamic shares: the chunked shares' static equal runs (main's splits:
+# FERMIJIT_STATIC_SHARES=1, or omp.set_dynamic(False)) against claimed runs, on the full-size
+# REAP-128 model in /dev/shm/fj-reap128 (made by tests/manycore_pass.sh with KEEP=1, or `python
+# -m fermijit synth qwen3.6-35b-a3b-reap128 /dev/shm/fj-reap128` first). ~3-4 min on the 16-core
+# host:   bash tests/dynamic_shares_pass.sh $OUT   (carry .device-wheels where the host needs them)
+# 1. the chunked shares' tests on the whole team (every unit once; every output the one-thread
+# bits); 2. tests/dynamic_shares_ab.py at half and all of 16 threads: one process, paired token
+# windows alternating the schedules (ms a token, ratio, work/idle/fork per token, same greedy
+# tokens); 3. ROUNDS (2) fresh-process rounds of `bench decode --threads-sweep` per schedule,
+# interleaved. Prints last: per schedule and thread count the medians of tok/s, of the ceiling
+# (paired with the probe) and a profiled token's split (work / idle / fork ms), the idle per op.
+# Note: with claimed runs a thread that wakes late takes fewer runs, so its wake-up shows as
+# "idle" (the longest share minus the mean) instead of fork/join: compare idle + fork.
 set -u
-out=${1:?usage: dev/balance29_device.sh OUTDIR}
+out=${1:?usage: tests/dynamic_shares_pass.sh OUTDIR}
 mkdir -p "$out"
 if [ -d .device-wheels ]; then source tests/gpu_install.sh; fi
 py=${PYTHON:-python3}
 model=${MODEL:-/dev/shm/fj-reap128}
-rounds=${ROUNDS:-3}
+rounds=${ROUNDS:-2}
 start=$SECONDS
 log="$out/balance29.log"
 step() { echo "[$((SECONDS - start)) s] $*" | tee -a "$log"; }
@@ -27,6 +32,9 @@ step "kernels compiled ($cores cpus)"
 NUMBA_NUM_THREADS=$top timeout 120 $py -m pytest -q -p no:cacheprovider tests/fermijit/jit/test_omp.py \
   -k chunked >"$out/tests.log" 2>&1 && tests=passed || tests="FAILED (tests.log)"
 step "tests $tests"
+timeout 150 $py tests/dynamic_shares_ab.py "$model" "$half,$top" 8 6 >"$out/ab.txt" 2>>"$log" \
+  || step "in-process A/B failed"
+step "in-process A/B done"
 for r in $(seq "$rounds"); do
   for side in static dynamic; do
     flag=0; [ $side = static ] && flag=1
@@ -69,3 +77,5 @@ for side, ds in runs.items():
               f"idle {st.median(b for _, b in v):6.2f}")
 print(f"chunked shares tests: {tests}")
 PY
+echo "in-process A/B (paired windows of 6 tokens, 8 pairs):"
+cat "$out/ab.txt"
