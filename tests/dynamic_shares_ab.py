@@ -1,10 +1,12 @@
-"""Issue 29: an in-process A/B of the chunked shares' schedules, the static equal runs (main's
-splits) against claimed runs (jit.omp.first_run). One model and state; windows of W greedy
-tokens alternate static | dynamic (the order swapped every pair), so the machine's drift hits
-both; each window also counts its parallel regions (jit.omp.Regions: per token, the threads'
-mean work, idle inside regions and fork/join). First checks that both schedules decode the same
-greedy tokens from the same prompt. Prints one line per thread count (JSON with --json).
-Usage: python tests/dynamic_shares_ab.py MODEL THREADS[,THREADS...] [PAIRS] [W] [--json]"""
+"""Issue 29: an in-process A/B of the chunked shares' schedules: the static equal runs (main's
+splits) against claimed runs (jit.omp.first_run) of given GUIDE and CHUNK_BYTES. One model and
+state; windows of W greedy tokens go round the schedules (the order rotated every round), so
+the machine's drift hits all; each window also counts its parallel regions (jit.omp.Regions: per
+token, the threads' mean work, idle inside regions and fork/join). First checks that every
+schedule decodes the same greedy tokens from the same prompt. One line per thread count and
+schedule (JSON with --json).
+Usage: python tests/dynamic_shares_ab.py MODEL THREADS[,THREADS...] [ROUNDS] [W] [SCHEDULES]
+  SCHEDULES: comma-separated, `static` or GUIDE:CHUNK_KB (default static,2:32)"""
 
 import json
 import os
@@ -22,14 +24,23 @@ from fermijit.model.forward import load_model  # noqa: E402
 
 args = [a for a in sys.argv[1:] if a != "--json"]
 model_dir, counts = args[0], [int(c) for c in args[1].split(",")]
-pairs = int(args[2]) if len(args) > 2 else 8
+rounds = int(args[2]) if len(args) > 2 else 8
 w = int(args[3]) if len(args) > 3 else 6
+names = (args[4] if len(args) > 4 else "static,2:32").split(",")
 _, model = load_model(model_dir)
 prompt = np.random.default_rng(0).integers(0, 1000, 32).tolist()
 
 
-def window(dynamic, token, state):
-    omp.set_dynamic(dynamic)
+def use(name):
+    if name == "static":
+        omp.set_dynamic(False)
+    else:
+        guide, kb = name.split(":")
+        omp.set_dynamic(True, int(guide), int(kb) << 10)
+
+
+def window(name, token, state):
+    use(name)
     times, toks = [], []
     r0 = omp.Regions.now()
     for _ in range(w):
@@ -43,43 +54,47 @@ def window(dynamic, token, state):
 
 
 def fresh():
-    state = model.new_state(len(prompt) + 2 * (pairs + 1) * w + 4)
+    state = model.new_state(len(prompt) + (len(names) * rounds + 2) * w + 4)
     return state, int(np.argmax(model.prefill(prompt, state)))
 
 
+default = omp.set_dynamic(True)
 results = []
 for n in counts:
     cpu.configure_threads(n)
-    s1, t1 = fresh()
-    s2, t2 = fresh()
-    same = window(False, t1, s1)[2] == window(True, t2, s2)[2]
+    toks = []
+    for name in names:
+        s, t = fresh()
+        toks.append(window(name, t, s)[2])
+    same = all(t == toks[0] for t in toks)
     state, token = fresh()
-    window(True, token, state)  # warm
+    window(names[-1], token, state)  # warm
     omp.Regions.start()
-    ms, splits, ratios = {False: [], True: []}, {False: [], True: []}, []
-    for p in range(pairs):
+    ms = {name: [] for name in names}
+    splits = {name: [] for name in names}
+    ratios = {name: [] for name in names}
+    for r in range(rounds):
         got = {}
-        for dyn in ((False, True) if p % 2 == 0 else (True, False)):
-            m, split, _, token = window(dyn, token, state)
-            got[dyn] = m
-            ms[dyn].append(1e3 * m)
-            splits[dyn].append(split)
-        ratios.append(got[False] / got[True])
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            m, split, _, token = window(name, token, state)
+            got[name] = m
+            ms[name].append(1e3 * m)
+            splits[name].append(split)
+        for name in names:
+            ratios[name].append(got[names[0]] / got[name])
     omp.Regions.stop()
-    omp.set_dynamic(True)
-    row = {"threads": n, "same_tokens": same, "static_ms": st.median(ms[False]),
-           "dynamic_ms": st.median(ms[True]), "speedup": st.median(ratios), "pairs": ratios}
-    for dyn, name in ((False, "static"), (True, "dynamic")):
+    for name in names:
+        row = {"threads": n, "schedule": name, "same_tokens": same, "ms": st.median(ms[name]),
+               "vs_first": st.median(ratios[name]), "ratios": ratios[name]}
         for k in ("work", "idle", "fork"):
-            row[f"{name}_{k}_ms"] = st.median(s[k] for s in splits[dyn])
-    results.append(row)
-    if "--json" not in sys.argv:
-        print(f"threads {n:3}: ms/token static {row['static_ms']:.2f} dynamic "
-              f"{row['dynamic_ms']:.2f}, static/dynamic {row['speedup']:.3f} (paired windows, "
-              f"{min(ratios):.3f}-{max(ratios):.3f}); per token work/idle/fork static "
-              f"{row['static_work_ms']:.2f}/{row['static_idle_ms']:.2f}/"
-              f"{row['static_fork_ms']:.2f}, dynamic {row['dynamic_work_ms']:.2f}/"
-              f"{row['dynamic_idle_ms']:.2f}/{row['dynamic_fork_ms']:.2f}; same greedy tokens: "
-              f"{'yes' if same else 'NO'}", flush=True)
+            row[f"{k}_ms"] = st.median(s[k] for s in splits[name])
+        results.append(row)
+        if "--json" not in sys.argv:
+            print(f"threads {n:3} {name:>7}: {row['ms']:7.2f} ms/token, {names[0]}/this "
+                  f"{row['vs_first']:.3f} (paired windows {min(ratios[name]):.3f}-"
+                  f"{max(ratios[name]):.3f}); per token work {row['work_ms']:.2f} idle "
+                  f"{row['idle_ms']:.2f} fork {row['fork_ms']:.2f}; same greedy tokens: "
+                  f"{'yes' if same else 'NO'}", flush=True)
+omp.set_dynamic(*default)
 if "--json" in sys.argv:
     print(json.dumps(results))

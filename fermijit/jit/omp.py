@@ -288,36 +288,42 @@ def team_size(typingctx):
 GUIDE = 2
 CHUNK_BYTES = 32 << 10
 SCHEDULE_SYMBOL = "fermijit_omp_schedule"
-_schedule = np.ones(SLOT, np.int64)  # word 0: 1 dynamic runs, 0 the static equal runs
+DYNAMIC, GUIDE_WORD, CHUNK_WORD = range(3)  # the schedule's words, read by the kernels per launch
+_schedule = np.zeros(SLOT, np.int64)
+_schedule[[DYNAMIC, GUIDE_WORD, CHUNK_WORD]] = 1, GUIDE, CHUNK_BYTES
 llvm.add_symbol(SCHEDULE_SYMBOL, _schedule.ctypes.data)
 # FERMIJIT_STATIC_SHARES=1: the static equal runs from the start (an A/B of the two schedules in
 # fresh processes: tests/dynamic_shares_pass.sh).
 STATIC_ENV = "FERMIJIT_STATIC_SHARES"
 if os.environ.get(STATIC_ENV, "") not in ("", "0"):
-    _schedule[0] = 0
+    _schedule[DYNAMIC] = 0
 
 
-def set_dynamic(on: bool) -> bool:
+def set_dynamic(on: bool, guide: int | None = None, chunk_bytes: int | None = None) -> tuple:
     """Chunked shares claim runs dynamically (True, the default) or take the static equal run
-    thread * n // team (where rows were placed for their thread's node: `--numa rows`). Between
-    launches only. Returns the previous setting."""
-    previous = bool(_schedule[0])
-    _schedule[0] = int(bool(on))
+    thread * n // team (where rows were placed for their thread's node: `--numa rows`); `guide`
+    and `chunk_bytes` (if given) replace GUIDE and CHUNK_BYTES (tuning: tests/dynamic_shares_ab.py).
+    Between launches only. Returns the previous (on, guide, chunk_bytes)."""
+    previous = (bool(_schedule[DYNAMIC]), int(_schedule[GUIDE_WORD]), int(_schedule[CHUNK_WORD]))
+    _schedule[DYNAMIC] = int(bool(on))
+    if guide is not None:
+        _schedule[GUIDE_WORD] = max(1, int(guide))
+    if chunk_bytes is not None:
+        _schedule[CHUNK_WORD] = max(1, int(chunk_bytes))
     return previous
 
 
 @intrinsic
-def _is_dynamic(typingctx):
+def _schedule_word(typingctx, index):
     def codegen(context, builder, sig, args):
         module = builder.module
         table = module.globals.get(SCHEDULE_SYMBOL)
         if table is None:
             table = ir.GlobalVariable(module, ir.ArrayType(_I64, _schedule.size), SCHEDULE_SYMBOL)
             table.linkage = "external"
-        word = builder.gep(table, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)])
-        return builder.icmp_signed("!=", builder.load(word), ir.Constant(_I64, 0))
+        return builder.load(builder.gep(table, [ir.Constant(_I32, 0), args[0]]))
 
-    return types.boolean(), codegen
+    return types.int64(types.int64), codegen
 
 
 @intrinsic
@@ -342,13 +348,13 @@ def _counter_add(typingctx, counter, n):
 @kernel
 def least_units(unit_bytes):
     """The fewest units a claimed run takes: CHUNK_BYTES of them (at least one)."""
-    return max(1, CHUNK_BYTES // max(1, unit_bytes))
+    return max(1, _schedule_word(CHUNK_WORD) // max(1, unit_bytes))
 
 
 @kernel
 def _claim(counter, n_threads, n, least, step):
     left = n - _counter_now(counter)
-    size = max(least, left // (GUIDE * n_threads), 1)
+    size = max(least, left // (_schedule_word(GUIDE_WORD) * n_threads), 1)
     size = (size + step - 1) // step * step
     first = _counter_add(counter, size)
     return min(first, n), min(first + size, n)
@@ -359,7 +365,7 @@ def first_run(counter, thread, n_threads, n, least, step):
     """A chunked share's first run [first, last) of its n units (empty: none left): claimed from
     the launch's `counter` (a multiple of `step` units, at least `least`), or the static equal run
     (`set_dynamic(False)`, or a team of one: all of them)."""
-    if n_threads <= 1 or not _is_dynamic():
+    if n_threads <= 1 or _schedule_word(DYNAMIC) == 0:
         return thread * n // n_threads, (thread + 1) * n // n_threads
     return _claim(counter, n_threads, n, least, step)
 
@@ -367,7 +373,7 @@ def first_run(counter, thread, n_threads, n, least, step):
 @kernel
 def next_run(counter, thread, n_threads, n, least, step):
     """The run after `first_run`'s and each one since (empty when the units are done)."""
-    if n_threads <= 1 or not _is_dynamic():
+    if n_threads <= 1 or _schedule_word(DYNAMIC) == 0:
         return n, n
     return _claim(counter, n_threads, n, least, step)
 

@@ -321,7 +321,7 @@ def check_cover(team: int) -> int:
                 try:
                     cover_units(out, owner, runs, n, least, step)
                 finally:
-                    omp.set_dynamic(previous)
+                    omp.set_dynamic(*previous)
                 where = f"n {n}, least {least}, step {step}, dynamic {dynamic}, team {team}"
                 assert (out == 1.0).all(), where
                 assert ((owner >= 0) & (owner < team)).all(), where
