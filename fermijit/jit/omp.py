@@ -38,9 +38,9 @@ LIBGOMP = "libgomp.so.1"
 
 # The regions' counters, int64, in memory the kernels reach through a symbol (resolved when a
 # kernel is linked, so cached kernels find this process's copy): a header, then one cache line
-# per thread (its share's cycles), so threads never share a line.
+# per thread (its share's cycles, then the cycle its share ended), so threads never share a line.
 STATS_SYMBOL = "fermijit_omp_regions"
-ON, REGIONS, WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM = range(6)
+ON, REGIONS, WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM, WAIT_MEAN = range(7)
 SLOT = 8                     # int64s a thread: one 64-byte line
 MAX_TEAM = 1024
 _stats = np.zeros(SLOT * (MAX_TEAM + 1), np.int64)  # the header takes the first line
@@ -111,6 +111,13 @@ def _slot(builder, thread):
                                             ir.Constant(_I64, SLOT)))
 
 
+def _end_slot(builder, thread):
+    """The cycle thread `thread`'s share ended (its line's second word)."""
+    return _stats_word(builder, builder.add(builder.mul(builder.add(thread, ir.Constant(_I64, 1)),
+                                                        ir.Constant(_I64, SLOT)),
+                                            ir.Constant(_I64, 1)))
+
+
 def _is_on(builder):
     return builder.icmp_signed("!=", builder.load(_stats_word(builder, ON)), ir.Constant(_I64, 0))
 
@@ -126,10 +133,14 @@ def _omp_int(builder, name: str):
 
 def _account(builder, team, wall):
     """After a region (on the calling thread, counting on): its wall cycles, the longest share,
-    the threads' mean and total share cycles; the slots reset."""
+    the threads' mean and total share cycles, their mean wait from the end of their share to the
+    last share's end (a thread that started late, and took fewer of a chunked share's runs,
+    waits less: its late start is the fork's); the slots reset."""
     c = lambda n: ir.Constant(_I64, n)  # noqa: E731
     longest = cgutils.alloca_once_value(builder, c(0))
     busy = cgutils.alloca_once_value(builder, c(0))
+    last_end = cgutils.alloca_once_value(builder, c(0))
+    wait = cgutils.alloca_once_value(builder, c(0))
     with cgutils.for_range(builder, team) as loop:
         share_ptr = _slot(builder, loop.index)
         share = builder.load(share_ptr)
@@ -137,7 +148,14 @@ def _account(builder, team, wall):
         builder.store(c(0), share_ptr)  # a thread left out of a later team counts nothing
         old = builder.load(longest)
         builder.store(builder.select(builder.icmp_signed(">", share, old), share, old), longest)
+        end = builder.load(_end_slot(builder, loop.index))
+        old = builder.load(last_end)
+        builder.store(builder.select(builder.icmp_signed(">", end, old), end, old), last_end)
+    with cgutils.for_range(builder, team) as loop:
+        _add(builder, wait, builder.sub(builder.load(last_end),
+                                        builder.load(_end_slot(builder, loop.index))))
     total = builder.load(busy)
+    _add(builder, _stats_word(builder, WAIT_MEAN), builder.sdiv(builder.load(wait), team))
     _add(builder, _stats_word(builder, REGIONS), c(1))
     _add(builder, _stats_word(builder, WALL), wall)
     _add(builder, _stats_word(builder, SHARE_MAX), builder.load(longest))
@@ -222,7 +240,9 @@ def fork(share, capped: bool = False, chunked: bool = False):
         with b.if_then(b.icmp_signed("<", thread, sharing)):
             run_share(b, thread, sharing, packed, shared_counter)
         with b.if_then(_is_on(b)):
-            b.store(b.sub(_cycles(b), start), _slot(b, thread))
+            end = _cycles(b)
+            b.store(b.sub(end, start), _slot(b, thread))
+            b.store(end, _end_slot(b, thread))
         b.ret_void()
 
         # Numba's own symbol for its thread count (numba.get_num_threads() in a kernel goes
@@ -399,13 +419,15 @@ def cycles_per_second() -> float:
 class Regions:
     """The parallel regions counted since `Regions.start()`, in seconds: the calling thread's wall
     time inside them (`wall_s`), of which the longest share of each (`share_max_s`); the threads'
-    mean time in their shares (`busy_mean_s`) and their total (`busy_s`)."""
+    mean time in their shares (`busy_mean_s`) and their total (`busy_s`); their mean wait from
+    the end of their share to the end of the region's last (`wait_mean_s`)."""
 
     count: int
     wall_s: float
     share_max_s: float
     busy_mean_s: float
     busy_s: float
+    wait_mean_s: float
 
     @staticmethod
     def start() -> None:
@@ -424,7 +446,8 @@ class Regions:
         """What was counted so far (counting goes on); differences of two: the regions between."""
         hz = cycles_per_second()
         return Regions(int(_stats[REGIONS]), *(float(_stats[i]) / hz for i in
-                                              (WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM)))
+                                              (WALL, SHARE_MAX, BUSY_MEAN, BUSY_SUM,
+                                               WAIT_MEAN)))
 
     def __sub__(self, other: "Regions") -> "Regions":
         return Regions(*(getattr(self, f) - getattr(other, f) for f in _FIELDS))
@@ -434,16 +457,19 @@ class Regions:
 
     @property
     def idle_s(self) -> float:
-        """Threads idle inside regions (waiting for the slowest share), per thread."""
-        return self.share_max_s - self.busy_mean_s
+        """Threads idle inside regions (waiting for the slowest share to end), per thread. Where
+        every thread starts at once, the longest share minus the mean share; a thread that starts
+        late (and of a chunked share takes fewer runs) counts its late start as the fork's."""
+        return self.wait_mean_s
 
     @property
     def fork_join_s(self) -> float:
-        """The calling thread's time in regions outside the longest share: the fork and join."""
-        return self.wall_s - self.share_max_s
+        """The rest of the calling thread's time in regions, per thread: the fork (the threads'
+        starts) and the join."""
+        return self.wall_s - self.busy_mean_s - self.wait_mean_s
 
 
-_FIELDS = ("count", "wall_s", "share_max_s", "busy_mean_s", "busy_s")
+_FIELDS = ("count", "wall_s", "share_max_s", "busy_mean_s", "busy_s", "wait_mean_s")
 
 
 def forking_kernel(body, fastmath=FASTMATH, capped=(), chunked=(), **shares):
