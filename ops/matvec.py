@@ -604,8 +604,9 @@ def _expert(qs, d, idx, sqs, sd, i):
 
 
 def _gathered_share(thread, n_threads, args, counter):
-    """A thread's runs of (matrix, row) jobs (claimed: jit.omp.first_run), matrix by matrix, each matrix's run read as ROWS
-    side-by-side streams (GEMV_STREAMS): a division-free inner loop (a per-row job // rows cost
+    """A thread's runs of (matrix, row) jobs (jit.omp.first_run: claimed while any are left),
+    matrix by matrix, each matrix's run read as ROWS side-by-side streams (GEMV_STREAMS): a
+    division-free inner loop (a per-row job // rows cost
     ~14 % against a plain product on the same memory). No `_warm` bursts: prefetching the next
     matrix's first rows near the end of this one (or each matrix's at its start) was slower than
     the tile's own prefetch alone (8 random experts + the shared one, 8 full-size layers, paired

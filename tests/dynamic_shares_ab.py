@@ -1,12 +1,13 @@
 """Issue 29: an in-process A/B of the chunked shares' schedules: the static equal runs (main's
-splits) against claimed runs (jit.omp.first_run) of given GUIDE and CHUNK_BYTES. One model and
-state; windows of W greedy tokens go round the schedules (the order rotated every round), so
+splits) against claimed runs (jit.omp.first_run) of given GUIDE, CHUNK_BYTES and
+STATIC_PERCENT. One model and state; windows of W greedy tokens go round the schedules (the order rotated every round), so
 the machine's drift hits all; each window also counts its parallel regions (jit.omp.Regions: per
 token, the threads' mean work, idle inside regions and fork/join). First checks that every
 schedule decodes the same greedy tokens from the same prompt. One line per thread count and
 schedule (JSON with --json).
 Usage: python tests/dynamic_shares_ab.py MODEL THREADS[,THREADS...] [ROUNDS] [W] [SCHEDULES]
-  SCHEDULES: comma-separated, `static` or GUIDE:CHUNK_KB (default static,2:32)"""
+  SCHEDULES: comma-separated, `static` or GUIDE:CHUNK_KB[:STATIC_PERCENT] (default static,2:32:50,
+  jit/omp.py's defaults)"""
 
 import json
 import os
@@ -14,8 +15,10 @@ import statistics as st
 import sys
 import time
 
-# Run as a script from tests/: that folder first on the path would shadow the package (tests/fermijit).
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+# Run as a script from tests/: that folder first on the path would shadow the package
+# (tests/fermijit).
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 import numpy as np  # noqa: E402
 
@@ -26,7 +29,7 @@ args = [a for a in sys.argv[1:] if a != "--json"]
 model_dir, counts = args[0], [int(c) for c in args[1].split(",")]
 rounds = int(args[2]) if len(args) > 2 else 8
 w = int(args[3]) if len(args) > 3 else 6
-names = (args[4] if len(args) > 4 else "static,2:32").split(",")
+names = (args[4] if len(args) > 4 else "static,2:32:50").split(",")
 _, model = load_model(model_dir)
 prompt = np.random.default_rng(0).integers(0, 1000, 32).tolist()
 
@@ -35,8 +38,8 @@ def use(name):
     if name == "static":
         omp.set_dynamic(False)
     else:
-        guide, kb = name.split(":")
-        omp.set_dynamic(True, int(guide), int(kb) << 10)
+        guide, kb, *percent = name.split(":")
+        omp.set_dynamic(True, int(guide), int(kb) << 10, int(percent[0]) if percent else None)
 
 
 def window(name, token, state):

@@ -32,7 +32,8 @@ step "kernels compiled ($cores cpus)"
 NUMBA_NUM_THREADS=$top timeout 120 $py -m pytest -q -p no:cacheprovider tests/fermijit/jit/test_omp.py \
   -k chunked >"$out/tests.log" 2>&1 && tests=passed || tests="FAILED (tests.log)"
 step "tests $tests"
-timeout 200 $py tests/dynamic_shares_ab.py "$model" "$half,$top" 8 4 "${SCHEDULES:-static,2:32,1:32,1:128,4:32,2:128}" \
+schedules=${SCHEDULES:-static,2:32:50,2:32:0,2:32:75,1:128:50,4:32:50,2:128:50}
+timeout 200 $py tests/dynamic_shares_ab.py "$model" "$half,$top" 8 4 "$schedules" \
   >"$out/ab.txt" 2>>"$log" \
   || step "in-process A/B failed"
 step "in-process A/B done"
@@ -78,5 +79,5 @@ for side, ds in runs.items():
               f"idle {st.median(b for _, b in v):6.2f}")
 print(f"chunked shares tests: {tests}")
 PY
-echo "in-process A/B (windows of 4 tokens round the schedules, 8 rounds; GUIDE:CHUNK_KB):"
+echo "in-process A/B (4-token windows round the schedules, 8 rounds; GUIDE:CHUNK_KB:STATIC_%):"
 cat "$out/ab.txt"

@@ -297,20 +297,24 @@ def team_size(typingctx):
     return types.int64(), codegen
 
 
-# Dynamic shares (`fork`'s `chunked`): a thread claims runs of a launch's units (rows, or jobs)
-# from its work counter until none are left, instead of one equal run, so threads that stream
+# Dynamic shares (`fork`'s `chunked`): a thread takes its equal run of the first STATIC_PERCENT
+# of a launch's units (rows, or jobs: one long stream each, as the static split), then claims
+# runs of the rest from the launch's work counter until none are left, so threads that stream
 # faster take more (issue 29: on 16 threads some threads streamed ~1.5x slower than others on a
 # loaded memory system; 6.3 of a 30 ms token was threads idle inside regions). Guided: each claim
 # takes 1/(GUIDE x team) of the units left, at least the share's `least` (CHUNK_BYTES of weights:
 # each run restarts the tile's side-by-side streams and their prefetch), so the first runs are
-# long streams and the last ones short enough to balance. A team of one runs [0, n) as before.
-# Every unit is computed by the same arithmetic whichever thread or run takes it.
+# long and the last ones short enough to balance. A team of one runs [0, n) as before. Every
+# unit is computed by the same arithmetic whichever thread or run takes it. The defaults are
+# not measured at 16 threads yet (tests/dynamic_shares_pass.sh sweeps them).
 GUIDE = 2
 CHUNK_BYTES = 32 << 10
+STATIC_PERCENT = 50
 SCHEDULE_SYMBOL = "fermijit_omp_schedule"
-DYNAMIC, GUIDE_WORD, CHUNK_WORD = range(3)  # the schedule's words, read by the kernels per launch
+# The schedule's words, read by the kernels per launch.
+DYNAMIC, GUIDE_WORD, CHUNK_WORD, STATIC_WORD = range(4)
 _schedule = np.zeros(SLOT, np.int64)
-_schedule[[DYNAMIC, GUIDE_WORD, CHUNK_WORD]] = 1, GUIDE, CHUNK_BYTES
+_schedule[[DYNAMIC, GUIDE_WORD, CHUNK_WORD, STATIC_WORD]] = 1, GUIDE, CHUNK_BYTES, STATIC_PERCENT
 llvm.add_symbol(SCHEDULE_SYMBOL, _schedule.ctypes.data)
 # FERMIJIT_STATIC_SHARES=1: the static equal runs from the start (an A/B of the two schedules in
 # fresh processes: tests/dynamic_shares_pass.sh).
@@ -319,17 +323,21 @@ if os.environ.get(STATIC_ENV, "") not in ("", "0"):
     _schedule[DYNAMIC] = 0
 
 
-def set_dynamic(on: bool, guide: int | None = None, chunk_bytes: int | None = None) -> tuple:
+def set_dynamic(on: bool, guide: int | None = None, chunk_bytes: int | None = None,
+                static_percent: int | None = None) -> tuple:
     """Chunked shares claim runs dynamically (True, the default) or take the static equal run
-    thread * n // team (where rows were placed for their thread's node: `--numa rows`); `guide`
-    and `chunk_bytes` (if given) replace GUIDE and CHUNK_BYTES (tuning: tests/dynamic_shares_ab.py).
-    Between launches only. Returns the previous (on, guide, chunk_bytes)."""
-    previous = (bool(_schedule[DYNAMIC]), int(_schedule[GUIDE_WORD]), int(_schedule[CHUNK_WORD]))
+    thread * n // team (where rows were placed for their thread's node: `--numa rows`); `guide`,
+    `chunk_bytes` and `static_percent` (if given) replace GUIDE, CHUNK_BYTES and STATIC_PERCENT
+    (tuning: tests/dynamic_shares_ab.py). Between launches only. Returns the previous (on, guide,
+    chunk_bytes, static_percent)."""
+    previous = (bool(_schedule[DYNAMIC]), *(int(_schedule[i]) for i in
+                                            (GUIDE_WORD, CHUNK_WORD, STATIC_WORD)))
     _schedule[DYNAMIC] = int(bool(on))
-    if guide is not None:
-        _schedule[GUIDE_WORD] = max(1, int(guide))
-    if chunk_bytes is not None:
-        _schedule[CHUNK_WORD] = max(1, int(chunk_bytes))
+    for word, value, low, high in ((GUIDE_WORD, guide, 1, 1 << 20),
+                                   (CHUNK_WORD, chunk_bytes, 1, 1 << 40),
+                                   (STATIC_WORD, static_percent, 0, 100)):
+        if value is not None:
+            _schedule[word] = min(max(low, int(value)), high)
     return previous
 
 
@@ -372,21 +380,34 @@ def least_units(unit_bytes):
 
 
 @kernel
+def static_units(n):
+    """Of a chunked share's n units, the first ones split in static equal runs (STATIC_PERCENT):
+    the rest is the pool the threads claim runs from."""
+    return n * _schedule_word(STATIC_WORD) // 100
+
+
+@kernel
 def _claim(counter, n_threads, n, least, step):
-    left = n - _counter_now(counter)
+    base = static_units(n)
+    left = n - base - _counter_now(counter)
     size = max(least, left // (_schedule_word(GUIDE_WORD) * n_threads), 1)
     size = (size + step - 1) // step * step
-    first = _counter_add(counter, size)
+    first = base + _counter_add(counter, size)
     return min(first, n), min(first + size, n)
 
 
 @kernel
 def first_run(counter, thread, n_threads, n, least, step):
-    """A chunked share's first run [first, last) of its n units (empty: none left): claimed from
-    the launch's `counter` (a multiple of `step` units, at least `least`), or the static equal run
-    (`set_dynamic(False)`, or a team of one: all of them)."""
+    """A chunked share's first run [first, last) of its n units (empty: none left): the thread's
+    static equal run of the first `static_units`, else claimed from the launch's `counter` (a
+    multiple of `step` units, at least `least`); with `set_dynamic(False)`, or a team of one, the
+    static equal run of all of them."""
     if n_threads <= 1 or _schedule_word(DYNAMIC) == 0:
         return thread * n // n_threads, (thread + 1) * n // n_threads
+    base = static_units(n)
+    first, last = thread * base // n_threads, (thread + 1) * base // n_threads
+    if first < last:
+        return first, last
     return _claim(counter, n_threads, n, least, step)
 
 

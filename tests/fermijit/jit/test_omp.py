@@ -1,5 +1,6 @@
 """fermijit.jit.omp: one OpenMP fork per launch."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -307,31 +308,35 @@ cover_units = kernel(_launch_cover, fork=omp.fork(_cover, chunked=True), variant
 
 
 def check_cover(team: int) -> int:
-    """Chunked shares of ragged unit counts, least run lengths and steps on the current team
-    (`team` threads): every unit claimed exactly once (outputs NaN-poisoned), dynamically in runs
-    of whole steps (but the last) of at least `least` units, or (omp.set_dynamic(False)) as the
-    static equal runs. Returns the most runs a launch took (more than the team: dynamic)."""
+    """Chunked shares of ragged unit counts, least run lengths, steps and static parts on the
+    current team (`team` threads): every unit taken exactly once (outputs NaN-poisoned): the
+    static part's as its equal runs, the rest claimed in runs of whole steps (but the last) of at
+    least `least` units; or (omp.set_dynamic(False)) all as the static equal runs. Returns the
+    most runs a launch took (more than the team: claimed)."""
     most = 0
-    for n in (0, 1, 2, 5, 16, 37, 1000, 4099):
+    for n, percent in itertools.product((0, 1, 2, 5, 16, 37, 1000, 4099), (0, 50, 90)):
         for least, step in ((1, 1), (3, 2), (7, 3), (64, 1)):
             for dynamic in (True, False):
-                previous = omp.set_dynamic(dynamic)
+                previous = omp.set_dynamic(dynamic, static_percent=percent)
                 out, owner = np.full(n, np.nan), np.full(n, -1, np.int64)
                 runs = np.zeros(numba.config.NUMBA_NUM_THREADS, np.int64)
                 try:
                     cover_units(out, owner, runs, n, least, step)
                 finally:
                     omp.set_dynamic(*previous)
-                where = f"n {n}, least {least}, step {step}, dynamic {dynamic}, team {team}"
+                where = (f"n {n}, least {least}, step {step}, dynamic {dynamic} (static "
+                         f"{percent} %), team {team}")
                 assert (out == 1.0).all(), where
                 assert ((owner >= 0) & (owner < team)).all(), where
-                if not dynamic or team == 1:
-                    want = np.repeat(np.arange(team), np.diff([t * n // team
-                                                               for t in range(team + 1)]))
-                    np.testing.assert_array_equal(owner, want, err_msg=where)
-                else:
-                    starts = np.flatnonzero(np.diff(owner, prepend=-1))
-                    lengths = np.diff(np.append(starts, n))
+                # the static equal runs of the first `static` units (all without claims)
+                static = n if not dynamic or team == 1 else n * percent // 100
+                want = np.repeat(np.arange(team), np.diff([t * static // team
+                                                           for t in range(team + 1)]))
+                np.testing.assert_array_equal(owner[:static], want, err_msg=where)
+                if static < n:
+                    pool = owner[static:]
+                    starts = np.flatnonzero(np.diff(pool, prepend=-1))
+                    lengths = np.diff(np.append(starts, pool.size))
                     # a run may continue a run of the same thread: whole runs are still whole
                     # steps and at least `least` long, but for the last (the units left)
                     assert (lengths[:-1] % step == 0).all() and (lengths[:-1] >= least).all(), \
@@ -412,10 +417,11 @@ CHUNKED_TEAMS = textwrap.dedent("""
     for team in range(1, full + 1):
         numba.set_num_threads(team)
         assert team == 1 or check_cover(team) > team
-        for dynamic in (True, False):
-            omp.set_dynamic(dynamic)
+        for dynamic, percent in ((True, 0), (True, 50), (False, 50)):
+            omp.set_dynamic(dynamic, static_percent=percent)
             for name, got in products().items():
-                np.testing.assert_array_equal(got, want[name], err_msg=f"{name}, team {team}")
+                np.testing.assert_array_equal(got, want[name], err_msg=f"{name}, team {team}, "
+                                              f"dynamic {dynamic}, static {percent} %")
     print("ok")
 """)
 
