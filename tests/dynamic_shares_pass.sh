@@ -29,7 +29,8 @@ half=$(( top / 2 > 0 ? top / 2 : 1 ))
 $py -m fermijit bench decode --model "$model" --prompt-tokens 8 --tokens 2 >>"$log" 2>&1
 step "kernels compiled ($cores cpus)"
 # The chunked shares' tests on this host's whole team (and 5 threads in a child).
-NUMBA_NUM_THREADS=$top timeout 120 $py -m pytest -q -p no:cacheprovider tests/fermijit/jit/test_omp.py \
+NUMBA_NUM_THREADS=$top timeout 120 $py -m pytest -q -p no:cacheprovider \
+  tests/fermijit/jit/test_omp.py \
   -k chunked >"$out/tests.log" 2>&1 && tests=passed || tests="FAILED (tests.log)"
 step "tests $tests"
 schedules=${SCHEDULES:-static,2:32:50,2:32:0,2:32:75,1:128:50,4:32:50,2:128:50}
