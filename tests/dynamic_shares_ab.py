@@ -1,6 +1,6 @@
 """Issue 29: an in-process A/B of the chunked shares' schedules: the static equal runs (main's
-splits) against claimed runs (jit.omp.first_run) of given GUIDE, CHUNK_BYTES and STATIC_PERCENT. One model
-and state; windows of W greedy tokens go round the schedules (the order rotated every round), so
+splits) against claimed runs (jit.omp.first_run) of given GUIDE, CHUNK_BYTES and STATIC_PERCENT.
+One model and state; windows of W greedy tokens go round the schedules (the order rotated every round), so
 the machine's drift hits all; each window also counts its parallel regions (jit.omp.Regions: per
 token, the threads' mean work, idle inside regions and fork/join). First checks that every schedule
 decodes the same greedy tokens from the same prompt. One line per thread count and schedule (JSON
