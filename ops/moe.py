@@ -166,12 +166,12 @@ def _gate_up_share(thread, n_threads, args, counter):
     """A thread's runs of 32-blocks of h (claimed while any are left: jit.omp.first_run), in
     (matrix, block) order over the routed experts then the shared one: each block's 32 gate rows
     and 32 up rows side by side (the GEMV tile's two streams, gate row j beside up row I + j; one
-    at a time where the tile takes one row), then that block's SwiGLU and its quantisation for the down
-    projection. So only the down launch waits for all threads, and no thread waits through the
-    SwiGLU and the quantiser of every row (~11 us of a full-size layer on one thread, this
-    machine). `args` holds each token's arguments (decode: one; a verify step's rows: a few), the
-    tokens' same block in turn: the shared expert's rows are read from memory once for all of
-    them."""
+    at a time where the tile takes one row), then that block's SwiGLU and its quantisation for
+    the down projection. So only the down launch waits for all threads, and no thread waits
+    through the SwiGLU and the quantiser of every row (~11 us of a full-size layer on one thread,
+    this machine). `args` holds each token's arguments (decode: one; a verify step's rows: a
+    few), the tokens' same block in turn: the shared expert's rows are read from memory once for
+    all of them."""
     n_inter = args[0][9].shape[1]
     per_row = n_inter // 32
     n_units = args[0][9].shape[0] * per_row

@@ -1,13 +1,13 @@
 """Issue 29: an in-process A/B of the chunked shares' schedules: the static equal runs (main's
 splits) against claimed runs (jit.omp.first_run) of given GUIDE, CHUNK_BYTES and STATIC_PERCENT.
-One model and state; windows of W greedy tokens go round the schedules (the order rotated every round), so
-the machine's drift hits all; each window also counts its parallel regions (jit.omp.Regions: per
-token, the threads' mean work, idle inside regions and fork/join). First checks that every schedule
-decodes the same greedy tokens from the same prompt. One line per thread count and schedule (JSON
-with --json).
+One model and state; windows of W greedy tokens go round the schedules (the order rotated every
+round), so the machine's drift hits all; each window also counts its parallel regions
+(jit.omp.Regions: per token, the threads' mean work, idle inside regions and fork/join). First
+checks that every schedule decodes the same greedy tokens from the same prompt. One line per
+thread count and schedule (JSON with --json).
 Usage: python tests/dynamic_shares_ab.py MODEL THREADS[,THREADS...] [ROUNDS] [W] [SCHEDULES]
-  SCHEDULES: comma-separated, `static` or GUIDE:CHUNK_KB[:STATIC_PERCENT] (default static,2:32:50,
-  jit/omp.py's defaults)"""
+  SCHEDULES: comma-separated, `static` or GUIDE:CHUNK_KB[:STATIC_PERCENT] (default
+  static,2:32:50, jit/omp.py's defaults)"""
 
 import json
 import os
