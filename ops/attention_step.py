@@ -133,18 +133,34 @@ def launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cach
                 _quantize_args(o.reshape(1, -1), act))])
 
 
+def rows_launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q,
+                gate, o, act: Q8Act, shared: dict | None = None) -> list:
+    """`rows` as steps of a verify step's plan (model/batch.py, the MTP head's rows: model/mtp.py),
+    as `launch` is decode's: each row's stages before attention (the step kernel on the row's
+    views, its position read from positions[r] when called), then one attention launch over the
+    R queries at positions[0] (attention.decode_launch: each query's bits a decode step's, its
+    scratch made once, `shared` as `launch`'s) and one quantisation of the R rows. Kernels only,
+    so the plan joins them with the products around them (jit/sequence.py); `rows` went through
+    Python between its kernels and allocated attention's scratch every call."""
+    is_q8, ck, cv = _caches(cache_k, cache_v)
+    inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
+    R = qkv.shape[0]
+    return ([("attention_step.cpu", _step_kernels[is_q8],
+              (qkv[r:r + 1], q_norm, k_norm, float(eps), positions[r:r + 1], inv_freq, ck, cv,
+               q[r:r + 1], gate[r:r + 1])) for r in range(R)]
+            + attention.decode_launch(q, cache_k, cache_v, gate, positions, o, shared=shared)
+            + [("matvec.quantize_act", matvec._quantize_act_kernel,
+                _quantize_args(o.reshape(R, -1), act))])
+
+
 def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
          act: Q8Act) -> Q8Act:
     """`cpu` of R consecutive tokens of one sequence (a verify step's rows, model/batch.py):
     qkv [R, ...], positions int64 [R] (consecutive), q, gate, o [R, Hq, D], act a Q8Act of
     [R, Hq·D]. Each row's stages before attention in turn, then one attention pass over the R
     queries (each query's bits are a decode step's: ops/attention.py) and one quantisation:
-    one fork for the rows, not one a row."""
-    is_q8, ck, cv = _caches(cache_k, cache_v)
-    inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
-    for r in range(qkv.shape[0]):
-        _step_kernels[is_q8](qkv[r:r + 1], q_norm, k_norm, float(eps), positions[r:r + 1],
-                             inv_freq, ck, cv, q[r:r + 1], gate[r:r + 1])
-    attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
-    matvec._quantize_act_kernel(*_quantize_args(o.reshape(o.shape[0], -1), act))
+    one fork for the rows, not one a row. `rows_launch`'s steps, run once."""
+    for _, fn, args in rows_launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta,
+                                   cache_k, cache_v, q, gate, o, act):
+        fn(*args)
     return act
