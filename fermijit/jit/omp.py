@@ -169,9 +169,12 @@ def fork(share, capped: bool = False):
     """An intrinsic `fork(args)`: `share(thread, n_threads, args)` on each thread of one OpenMP
     team of Numba's thread count (`numba.set_num_threads`; args: a tuple; `share`: a plain
     function, compiled in nopython mode). Returns when every thread has finished. Without omp
-    (`available()`), a team of one. `capped`: the intrinsic is `fork(cap, args)`, a team of at
-    most `cap` threads (at least one): for work of few items, whose other threads would be woken
-    (futex wake-ups: ~80 us a fork of 16 threads on the H200's host) for nothing.
+    (`available()`), a team of one. `capped`: the intrinsic is `fork(cap, args)`, shares for at
+    most `cap` threads (at least one), for work of few items: `share(thread, cap, args)` on the
+    first `cap` threads, the others back at once. The team itself stays whole (but for a cap of
+    one: the calling thread alone): libgomp ends the pool threads a smaller team leaves out, and
+    the next whole team creates them again (~300 us a fork of 16 threads on the H200's host; an
+    attention layer's capped fork of 2 items did it every token).
 
     `share` must not raise: nothing propagates out of a thread (check inputs before the fork).
     Include `available()` in the cache key of kernels that use it: their code differs."""
@@ -196,26 +199,35 @@ def fork(share, capped: bool = False):
         outlined = ir.Function(module, outlined_ty, module.get_unique_name("omp_share"))
         outlined.linkage = "internal"
         b = ir.IRBuilder(outlined.append_basic_block("entry"))
-        args_ty = args.type
-        packed = b.load(b.bitcast(outlined.args[0], args_ty.as_pointer()))
+        # The region's data: the threads with shares (the team, or the cap), the arguments.
+        data_ty = ir.LiteralStructType([_I64, args.type])
+        data = b.bitcast(outlined.args[0], data_ty.as_pointer())
+        zero = ir.Constant(_I32, 0)
+        sharing = b.load(b.gep(data, [zero, zero]))
+        packed = b.load(b.gep(data, [zero, ir.Constant(_I32, 1)]))
         thread = _omp_int(b, "omp_get_thread_num")
         start = _cycles(b)
-        run_share(b, thread, _omp_int(b, "omp_get_num_threads"), packed)
+        with b.if_then(b.icmp_signed("<", thread, sharing)):
+            run_share(b, thread, sharing, packed)
         with b.if_then(_is_on(b)):
             b.store(b.sub(_cycles(b), start), _slot(b, thread))
         b.ret_void()
 
-        slot = cgutils.alloca_once(builder, args_ty)
-        builder.store(_unowned(context, builder, args_type, args), slot)
         # Numba's own symbol for its thread count (numba.get_num_threads() in a kernel goes
         # through a ctypes pointer, which makes the kernel uncacheable).
         team = builder.call(cgutils.get_or_insert_function(
             module, ir.FunctionType(_I64, []), "get_num_threads"), [])
+        sharing = team
         if capped:
+            one = ir.Constant(_I64, 1)
             cap = context.cast(builder, llargs[0], sig.args[0], types.int64)
-            cap = builder.select(builder.icmp_signed("<", cap, ir.Constant(_I64, 1)),
-                                 ir.Constant(_I64, 1), cap)
-            team = builder.select(builder.icmp_signed("<", cap, team), cap, team)
+            cap = builder.select(builder.icmp_signed("<", cap, one), one, cap)
+            sharing = builder.select(builder.icmp_signed("<", cap, team), cap, team)
+            team = builder.select(builder.icmp_signed("==", sharing, one), one, team)
+        slot = cgutils.alloca_once(builder, data_ty)
+        builder.store(sharing, builder.gep(slot, [ir.Constant(_I32, 0), ir.Constant(_I32, 0)]))
+        builder.store(_unowned(context, builder, args_type, args),
+                      builder.gep(slot, [ir.Constant(_I32, 0), ir.Constant(_I32, 1)]))
         gomp_parallel = cgutils.get_or_insert_function(
             module, ir.FunctionType(ir.VoidType(), [outlined_ty.as_pointer(), _VOID_P,
                                                     _I32, _I32]), "GOMP_parallel")

@@ -66,6 +66,36 @@ def test_a_capped_fork_runs_a_team_of_at_most_its_cap_and_at_least_one():
         assert (seen[team:] == -1).all()
 
 
+KEEPS_THREADS = textwrap.dedent("""
+    import os
+    import numba
+    import numpy as np
+    from fermijit.jit import omp
+    from fermijit.jit.cpu import kernel
+    from tests.fermijit.jit.test_omp import _launch_capped, _launch, _record
+    omp.available()
+    numba.set_num_threads(4)            # over fermijit's default of the physical cores
+    capped = kernel(_launch_capped, fork=omp.fork(_record, capped=True), variant="omp")
+    whole = kernel(_launch, fork=omp.fork(_record), variant="omp")
+    seen = np.full(8, -1)
+    whole(seen)
+    ids = set(os.listdir("/proc/self/task"))
+    for _ in range(50):
+        capped(2, seen)
+        whole(seen)
+        ids |= set(os.listdir("/proc/self/task"))
+    print(len(ids) - len(os.listdir("/proc/self/task")))
+""")
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_a_capped_fork_keeps_the_pools_threads():
+    """libgomp ends the pool threads a smaller team leaves out; the next whole team creates them
+    again (~300 us a fork of 16 threads). A capped fork of 2 between whole forks of 4 threads: no
+    thread ever ended (the old capped team made 2 new threads a pair of forks)."""
+    assert int(_python(["-c", KEEPS_THREADS], NUMBA_NUM_THREADS="4")) == 0
+
+
 @numba.extending.intrinsic
 def _owner_of(typingctx, ary):
     """The meminfo pointer of an array, as an int."""
