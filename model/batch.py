@@ -226,13 +226,14 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     steps = [("embedding.cpu", embedding.cpu, (ws.tokens, model.embed, ws.x))]
     C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
     n_gdn = 0
+    attention_scratch: dict = {}                                 # one set for every layer
     for i, (w, s) in enumerate(zip(model.layers, state.layers)):
         steps.append(sequence.BREAK)                             # a joined step a layer
         mixer = w.mixer
         if model.is_attention[i]:
             steps += residual(w.input_norm, ws.no_product, None)
             steps.append(product(ws.act, w.joined_in, ws.attn_in))       # q | k | v
-            steps.append(attention_rows_step(model, mixer, s, ws))
+            steps += attention_rows_steps(model, mixer, s, ws, attention_scratch)
             steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         else:
             if isinstance(w.joined_in, matvec.Q4Matrix) and R <= matvec.FEW_TOKENS:
@@ -273,12 +274,15 @@ def residual_rows_step(ws: BatchWorkspace, y, norm_w, eps, w, p, routed=False):
         ws.ids if routed else ws.no_ids, ws.weights if routed else ws.no_weights))
 
 
-def attention_rows_step(model: Model, mixer, kv: KvCache, ws: BatchWorkspace):
-    """The plan's attention step of ws's rows (ws.attn_in, consecutive positions of the `kv`
-    cache) into ws.o: one call (ops.attention_step.rows: each row its decode's bits)."""
-    return ("attention_step.cpu", attention_step.rows, (
+def attention_rows_steps(model: Model, mixer, kv: KvCache, ws: BatchWorkspace,
+                         shared: dict | None = None) -> list:
+    """The plan's attention steps of ws's rows (ws.attn_in, consecutive positions of the `kv`
+    cache) into ws.o: kernels only (ops.attention_step.rows_launch: each row its decode's bits),
+    joined with the layer's products; `shared` the plan's attention scratch, one set for its
+    layers (as decode's plan)."""
+    return attention_step.rows_launch(
         ws.attn_in, mixer.q_norm, mixer.k_norm, model.eps, ws.positions, model.rotary_dim,
-        model.theta, kv.k, kv.v, ws.q_rows, ws.gate_rows, ws.o, ws.act_attn))
+        model.theta, kv.k, kv.v, ws.q_rows, ws.gate_rows, ws.o, ws.act_attn, shared)
 
 
 def moe_rows_steps(ws: BatchWorkspace, experts) -> list:

@@ -218,7 +218,7 @@ class DecodeRows:
                  product(self.act_cat, m.fc, ws.x)]                   # x = fc · [e; h]
         steps += residual(None, layer.input_norm, ws.no_product, None)
         steps.append(product(ws.act, layer.joined_in, ws.attn_in))    # q | k | v
-        steps.append(batch.attention_rows_step(model, mixer, kv, ws))
+        steps += batch.attention_rows_steps(model, mixer, kv, ws)
         steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         steps += residual(ws.y, layer.post_norm, layer.router, ws.router_logits, routed=True)
         steps += batch.moe_rows_steps(ws, layer.experts)

@@ -3,8 +3,8 @@ call: the query/gate split, the per-head q and k RMSNorms, RoPE on both, the new
 into the cache, attention over the cache with the sigmoid output gate, and the output quantised
 for o_proj.
 
-Every stage is an existing op's kernel (ops.rmsnorm, rope, attention, matvec's activation
-quantiser), called in the same order, so the result is the ops' one by one, bit for bit
+Every stage is an existing op's kernel (ops.rmsnorm, rope, attention, the activation
+quantiser: ops/quantize_rows.py's, matvec.quantize_act's bits), called in the same order, so the result is the ops' one by one, bit for bit
 (tests/ops/test_attention_step.py): the stages before attention from one compiled function, then
 attention's own compiled kernel and the quantiser's, without argument checks: three dispatches
 instead of ~9 checked calls (~120 us of Python an attention layer on the profile of the full-size
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit.cpu import kernel
-from fermijit.ops import attention, kv_quant, matvec, rmsnorm, rope
+from fermijit.ops import attention, gemm, kv_quant, quantize_rows, rmsnorm, rope
 from fermijit.ops.kv_quant import Q8Rows
 from fermijit.ops.matvec import Q8Act
 
@@ -93,12 +93,11 @@ def _caches(cache_k, cache_v) -> tuple:
     return False, (cache_k,), (cache_v,)
 
 
-def _quantize_args(o2, act: Q8Act) -> tuple:
-    """matvec._quantize_act_kernel's arguments for the rows o2 [R, Hq·D] into `act`."""
-    v_ = act.vec
-    half = matvec.simd.HALF_OF.get(v_.isa)
-    return (o2, act.xq, act.dx, act.xsum8, v_.lanes, matvec.blocks_per_step(v_),
-            half.lanes if half else 0)
+def _quantize_step(o2, act: Q8Act) -> tuple:
+    """(kernel, args) quantising the rows o2 [R, Hq·D] into `act` on the calling thread
+    (ops/quantize_rows.py: matvec.quantize_act's bits, ~4x its scalar kernel)."""
+    return quantize_rows.rows_serial, (o2, gemm.x_offsets(act.vec.isa, o2.shape[1] // 32),
+                                       act.xq, act.dx, act.xsum8)
 
 
 def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
@@ -112,7 +111,8 @@ def cpu(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v
     _step_kernels[is_q8](qkv, q_norm, k_norm, float(eps), positions,
                          rope._inv_freq(int(rotary_dim), float(theta)), ck, cv, q, gate)
     attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
-    matvec._quantize_act_kernel(*_quantize_args(o.reshape(1, -1), act))
+    quantize, args = _quantize_step(o.reshape(1, -1), act)
+    quantize(*args)
     return act
 
 
@@ -129,8 +129,26 @@ def launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cach
     return ([("attention_step.cpu", _step_kernels[is_q8],
               (qkv, q_norm, k_norm, float(eps), positions, inv_freq, ck, cv, q, gate))]
             + attention.decode_launch(q, cache_k, cache_v, gate, positions, o, shared=shared)
-            + [("matvec.quantize_act", matvec._quantize_act_kernel,
-                _quantize_args(o.reshape(1, -1), act))])
+            + [("matvec.quantize_act", *_quantize_step(o.reshape(1, -1), act))])
+
+
+def rows_launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q,
+                gate, o, act: Q8Act, shared: dict | None = None) -> list:
+    """`rows` as steps of a verify step's plan (model/batch.py, the MTP head's rows: model/mtp.py),
+    as `launch` is decode's: each row's stages before attention (the step kernel on the row's
+    views, its position read from positions[r] when called), then one attention launch over the
+    R queries at positions[0] (attention.decode_launch: each query's bits a decode step's, its
+    scratch made once, `shared` as `launch`'s) and one quantisation of the R rows. Kernels only,
+    so the plan joins them with the products around them (jit/sequence.py); `rows` went through
+    Python between its kernels and allocated attention's scratch every call."""
+    is_q8, ck, cv = _caches(cache_k, cache_v)
+    inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
+    R = qkv.shape[0]
+    return ([("attention_step.cpu", _step_kernels[is_q8],
+              (qkv[r:r + 1], q_norm, k_norm, float(eps), positions[r:r + 1], inv_freq, ck, cv,
+               q[r:r + 1], gate[r:r + 1])) for r in range(R)]
+            + attention.decode_launch(q, cache_k, cache_v, gate, positions, o, shared=shared)
+            + [("matvec.quantize_act", *_quantize_step(o.reshape(R, -1), act))])
 
 
 def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_v, q, gate, o,
@@ -139,12 +157,8 @@ def rows(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta, cache_k, cache_
     qkv [R, ...], positions int64 [R] (consecutive), q, gate, o [R, Hq, D], act a Q8Act of
     [R, Hq·D]. Each row's stages before attention in turn, then one attention pass over the R
     queries (each query's bits are a decode step's: ops/attention.py) and one quantisation:
-    one fork for the rows, not one a row."""
-    is_q8, ck, cv = _caches(cache_k, cache_v)
-    inv_freq = rope._inv_freq(int(rotary_dim), float(theta))
-    for r in range(qkv.shape[0]):
-        _step_kernels[is_q8](qkv[r:r + 1], q_norm, k_norm, float(eps), positions[r:r + 1],
-                             inv_freq, ck, cv, q[r:r + 1], gate[r:r + 1])
-    attention.attend(q, cache_k, cache_v, gate, int(positions[0]), o)
-    matvec._quantize_act_kernel(*_quantize_args(o.reshape(o.shape[0], -1), act))
+    one fork for the rows, not one a row. `rows_launch`'s steps, run once."""
+    for _, fn, args in rows_launch(qkv, q_norm, k_norm, eps, positions, rotary_dim, theta,
+                                   cache_k, cache_v, q, gate, o, act):
+        fn(*args)
     return act

@@ -55,8 +55,8 @@ PREFETCH_BYTES = 4096
 # worse (86 %, 2 threads). SSE (16 registers) gained nothing: 1.
 GEMV_STREAMS = {Isa.SSSE3: 1, Isa.AVX2: 2, Isa.AVX512VNNI: 2}
 # The one-token GEMV's rows side by side, where more streams than GEMV_STREAMS read faster, by
-# decode variant and format (the MoE's gate_up pairs stay GEMV_STREAMS'; a verify step's tiles
-# too). Intel AVX-512 2-core VM (AVX2 decode, its Q8_0 with vpdpbusd on ymm: _few_tokens_vec),
+# decode variant and format (the MoE's gate_up pairs stay GEMV_STREAMS'; a verify step's few
+# tokens' tiles take these too: FEW_TOKENS). Intel AVX-512 2-core VM (AVX2 decode, its Q8_0 with vpdpbusd on ymm: _few_tokens_vec),
 # cold, 2 threads, one process, 7 interleaved rounds, each walk against a read-probe pass just
 # before it, load ~1.7 (issue 29's session, its GEMVs with other tiles): reap128's 80 dense Q4_0
 # matrices 2 rows 79.5 % of the probe, 3 rows 83.2, 4 82.7; its 62080x2048 Q8_0 LM head 2 rows
@@ -76,7 +76,7 @@ LINE = 64
 # The tile's GEMM shape, for `like_gemv` products (batched decode); prefill runs ops.gemm.
 GEMM_TILE = (2, 4)
 # A speculative verify step's 2-3 rows (Q4_0 like_gemv, and the Q8_0 LM head) take a tile of
-# all of them and GEMV_STREAMS rows read side by side, as the GEMV's (`_few_body`): each weight
+# all of them and the GEMV's rows read side by side (gemv_shape), as the GEMV's (`_few_body`): each weight
 # block unpacked once for all tokens, each thread's rows two sequential streams. Earlier, a tile
 # of one row (one stream): 1 thread, AVX2, 2 tokens, cold: reap128's 12288x2048 in-projection
 # 910 us against 1050-1170 for the (2, 4) tile's one-token tails, 1230-1310 for two GEMVs (one:
@@ -85,7 +85,12 @@ GEMM_TILE = (2, 4)
 # machine (rocketlake, 2 cores, load 2.5-3.5), cold (40 x 12288x2048 Q4_0; 5 x 62080x2048 Q8_0):
 # 2 tokens Q4_0 1x2 tile 1.21x, 2x2 tile 1.07x, 2x2 with vpdpbusd (_few_tokens_vec) 1.03x; Q8_0
 # 1.72x, 1.11x, 1.03x (1x2 with vpdpbusd 1.05x); 3 tokens Q4_0 1x3 1.51x, 2x3 1.15x, 1.09x;
-# Q8_0 1.13x, 1.12x, 1.03x.
+# Q8_0 1.13x, 1.12x, 1.03x. Since the GEMV reads GEMV_ROWS rows side by side, the few tokens'
+# tile reads as many (gemv_shape): cold, 8 full-size layers' dense Q4_0 matrices and the Q8_0 LM
+# head, against the 1-token GEMV, medians of interleaved rounds' ratios (dev/prod_probe.py, this
+# machine, load ~1.5): 2 tokens, 2 threads, products 1.071 / 1.074 -> 1.030 / 1.033, head 1.061 /
+# 1.065 -> 1.021 / 1.025; 1 thread 1.064 -> 1.021, 1.081 -> 1.023; 3 tokens, 2 threads 1.185 ->
+# 1.147, 1.076 -> 1.053. Every row's bits are the one-row tile's either way.
 FEW_TOKENS = 3
 # GEMM cache blocking: a panel of this many bytes of weight rows meets a block of this many bytes
 # of activations, both held in L2 (1-2 MiB), instead of every row group reading all T tokens.
@@ -755,7 +760,7 @@ def gemv_rows_kernel(isa: Isa, n_tok: int = 1):
         if n_tok == 1:
             variant, tiles = _tiles(isa, gemv_shape(isa), Q4_0)
         else:
-            variant, tiles = _tiles(isa, (GEMV_STREAMS[isa], n_tok), Q4_0, _few_tokens_vec(isa))
+            variant, tiles = _tiles(isa, (gemv_shape(isa)[0], n_tok), Q4_0, _few_tokens_vec(isa))
         variant += "-rows"
         share = kernel(_gemv_share, fastmath=False, variant=variant, **tiles)
         _gemv_rows_kernels[key] = kernel(
@@ -910,7 +915,7 @@ def _few_tokens_kernel(isa: Isa, n_tok: int, fmt: _Format, more: tuple[int, int]
     rows side by side and every token (`_few_body`), else `_product_body`'s tiles of `more`."""
     if n_tok > FEW_TOKENS:
         return _product(isa, more, fmt=fmt)
-    return _product(isa, (GEMV_STREAMS[isa], n_tok), _few_body, fmt, _few_tokens_vec(isa))
+    return _product(isa, (gemv_shape(isa, fmt)[0], n_tok), _few_body, fmt, _few_tokens_vec(isa))
 
 
 def _few_tokens_vec(isa: Isa) -> Vec | None:

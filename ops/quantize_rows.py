@@ -92,20 +92,35 @@ def _block_round(typingctx, x, t, b, xq, lo, hi, inv, xsum8):
     return sig, codegen
 
 
+@kernel(fastmath=False)
+def quantize_row(x, t, offsets, xq, dx, xsum8):
+    """Row t of x [T, K] into rows t of xq [T, K] (block b's elements 0..15 at offsets[b, 0],
+    16..31 at offsets[b, 1]), dx, xsum8 [T, K/32]: the row's maxima first, then its blocks'
+    scales and rounding, so that no block's chain of max tree, two divisions and rounding waits
+    on the last (T 512, K 384, 1 thread, 2 interleaved rounds: 61-67 -> 55-61 us; K 512: 79-87
+    -> 71-72)."""
+    for b in range(x.shape[1] // 32):
+        dx[t, b] = _block_amax(x, t, b) / np.float32(127.0)
+    for b in range(x.shape[1] // 32):
+        db = dx[t, b]
+        inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+        _block_round(x, t, b, xq, offsets[b, 0], offsets[b, 1], inv, xsum8)
+
+
 @kernel(parallel=True, fastmath=False)
 def _quantize_rows(x, offsets, xq, dx, xsum8):
-    """x [T, K] -> xq [T, K] (block b's elements 0..15 at offsets[b, 0], 16..31 at offsets[b, 1]),
-    dx, xsum8 [T, K/32]. A row's maxima first, then its blocks' scales and rounding, so that no
-    block's chain of max tree, two divisions and rounding waits on the last (T 512, K 384,
-    1 thread, 2 interleaved rounds: 61-67 -> 55-61 us; K 512: 79-87 -> 71-72)."""
-    n_tok, k = x.shape
-    for t in prange(n_tok):
-        for b in range(k // 32):
-            dx[t, b] = _block_amax(x, t, b) / np.float32(127.0)
-        for b in range(k // 32):
-            db = dx[t, b]
-            inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
-            _block_round(x, t, b, xq, offsets[b, 0], offsets[b, 1], inv, xsum8)
+    """x [T, K] -> xq [T, K], dx, xsum8 [T, K/32], a row a thread (`quantize_row`)."""
+    for t in prange(x.shape[0]):
+        quantize_row(x, t, offsets, xq, dx, xsum8)
+
+
+@kernel(fastmath=False)
+def rows_serial(x, offsets, xq, dx, xsum8):
+    """`_quantize_rows` on the calling thread, for decode's plans (a token's, or a verify
+    step's few rows): matvec's scalar kernel took ~4.5 us a full-size row (2048), each
+    residual step's, twice a layer, on the calling thread while the others waited."""
+    for t in range(x.shape[0]):
+        quantize_row(x, t, offsets, xq, dx, xsum8)
 
 
 def quantize_rows(x, act) -> None:

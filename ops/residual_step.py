@@ -13,7 +13,9 @@ layer (`bench decode --profile`), 2 ms a token of the real model's 40 layers.
 
 The norm, the quantisation and the routing are the ops' own kernels, so those outputs are bit for
 bit ops.rmsnorm / matvec.quantize_act / ops.router on the same input (tests/ops/
-test_residual_step.py). The product is ops.fp32_rows's, its rows forked over the threads
+test_residual_step.py). The quantisation is ops/quantize_rows.py's row (explicit vectors, matvec's
+bits): matvec's scalar kernel took ~4.5 us a full-size row (2048) on the calling thread, the
+other threads waiting, twice a layer (a verify step: twice a layer and row). The product is ops.fp32_rows's, its rows forked over the threads
 (fp32_rows.rows_share) from PRODUCT_FORK_THREADS threads on: each output the same bits as
 prefill's product of the same input row, whatever the thread count. On one thread the router's
 and gates' 55 MB of a full-size token (1 MB a layer for REAP-128's router) were ~4 ms that the
@@ -34,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from fermijit.jit import omp
-from fermijit.ops import fp32_rows, matvec, rmsnorm, router
+from fermijit.ops import fp32_rows, gemm, quantize_rows, rmsnorm, router
 from fermijit.ops.matvec import Q8Act
 
 PRODUCT_FORK_THREADS = 2  # the product's rows go over the team from this many threads on
@@ -49,8 +51,7 @@ def reference(x, y, norm_w, eps, w, top_k=0):
     return x, xn, (router.reference(p.astype(np.float32), top_k) if top_k else p)
 
 
-def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_lanes, w, p, ids,
-          weights):
+def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, offsets, w, p, ids, weights):
     # Row by row (a decode token: one; a verify step's few: ops/residual_rows.py), the product's
     # rows of w forked once for all of them (each thread's rows of w read from memory once).
     for r in range(x.shape[0]):
@@ -60,8 +61,7 @@ def _step(x, y, add, norm_w, eps, xn, xq, dx, xsum8, lanes, step_blocks, half_la
             for j in range(x.shape[1]):
                 x_r[0, j] = x_r[0, j] + y_r[0, j]
         rmsnorm._rmsnorm_serial(x_r, norm_w, eps, xn[r:r + 1])
-        matvec._quantize_act_kernel(xn[r:r + 1], xq[r:r + 1], dx[r:r + 1], xsum8[r:r + 1],
-                                    lanes, step_blocks, half_lanes)
+        quantize_rows.quantize_row(xn, r, offsets, xq, dx, xsum8)
     if w.shape[0]:
         if omp.team_size() >= PRODUCT_FORK_THREADS:
             fork((xn, w, p))
@@ -94,8 +94,6 @@ def cpu(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS)
 def launch(x, y, norm_w, eps, xn, act: Q8Act, w, p, ids=NO_IDS, weights=NO_WEIGHTS):
     """`cpu`'s kernel and arguments, for a caller that repeats the call every token (model/
     forward.py's decode plan): (kernel, args)."""
-    v = act.vec
-    half = matvec.simd.HALF_OF.get(v.isa)
+    offsets = gemm.x_offsets(act.vec.isa, xn.shape[1] // 32)
     return _step_kernel(), (x, x if y is None else y, y is not None, norm_w, float(eps), xn,
-                            act.xq, act.dx, act.xsum8, v.lanes, matvec.blocks_per_step(v),
-                            half.lanes if half else 0, w, p, ids, weights)
+                            act.xq, act.dx, act.xsum8, offsets, w, p, ids, weights)

@@ -190,3 +190,73 @@ def test_launch_steps_are_cpu(rng, case, q8, isa):
                        ("v d", want_v.d, v.d)] if q8 else [("k", want_k, k), ("v", want_v, v)])
             for what, want, got in pairs:
                 assert np.array_equal(want, got), f"{name}, position {p}: {what}"
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("n_rows", [1, 2, 3])
+@pytest.mark.parametrize("case", LAUNCH_CASES.values(), ids=LAUNCH_CASES.keys())
+def test_rows_launch_steps_are_cpu_row_by_row(rng, case, n_rows, q8, isa):
+    """A verify step's plan form (attention_step.rows_launch: kernels made once, the positions
+    read from the array each call), its steps one by one and joined into one dispatch: the
+    cache, o and its quantisation bit for bit `cpu` on each row in turn, over two consecutive
+    steps (the keys' ranges changing in some cases); both plans sharing their scratch with a
+    decode plan's (`launch`), as a model's plans' layers share theirs."""
+    from fermijit.jit import sequence
+
+    Hq, Hkv, D, R, pos = case
+    f = np.float32
+    width = (Hq * 2 + Hkv * 2) * D
+    ck, cv = rng.standard_normal((2, Hkv, pos + 2 * n_rows + 1, D)).astype(f)
+    if q8:
+        ck, cv = kv_quant.reference(ck), kv_quant.reference(cv)
+    qn, kn = (0.3 * rng.standard_normal((2, D))).astype(f)
+    want_k, want_v = ck.copy(), cv.copy()
+    caches = {"steps": (ck.copy(), cv.copy()), "joined": (ck.copy(), cv.copy())}
+    plans, shared = {}, {}
+    for name, (k, v) in caches.items():
+        bufs = dict(qkv=poisoned((n_rows, width)), positions=np.zeros(n_rows, np.int64),
+                    q=poisoned((n_rows, Hq, D)), gate=poisoned((n_rows, Hq, D)),
+                    o=poisoned((n_rows, Hq, D)),
+                    act=matvec.quantize_act(np.zeros((n_rows, Hq * D), f), isa))
+        steps = attention_step.rows_launch(bufs["qkv"], qn, kn, EPS, bufs["positions"], R,
+                                           THETA, k, v, bufs["q"], bufs["gate"], bufs["o"],
+                                           bufs["act"], shared)
+        assert len(steps) == n_rows + 2 + q8
+        if name == "joined":
+            steps = sequence.join(steps)
+            assert len(steps) == 1
+        plans[name] = steps, bufs
+    for p in (pos, pos + n_rows):
+        qkv = rng.standard_normal((n_rows, width)).astype(f)
+        want_o = poisoned((n_rows, Hq, D))
+        want_act = matvec.quantize_act(np.zeros((n_rows, Hq * D), f), isa)
+        for r in range(n_rows):
+            row_act = matvec.Q8Act(want_act.xq[r:r + 1], want_act.dx[r:r + 1],
+                                   want_act.xsum8[r:r + 1], want_act.vec)
+            attention_step.cpu(qkv[r:r + 1].copy(), qn, kn, EPS, np.array([p + r], np.int64),
+                               R, THETA, want_k, want_v, poisoned((1, Hq, D)),
+                               poisoned((1, Hq, D)), want_o[r:r + 1], row_act)
+        for name, (steps, bufs) in plans.items():
+            bufs["qkv"][:] = qkv
+            bufs["positions"][:] = np.arange(p, p + n_rows)
+            bufs["o"][:] = np.nan
+            for a in (bufs["act"].xq, bufs["act"].dx, bufs["act"].xsum8):
+                a[...] = 0
+            for _, fn, args in steps:
+                fn(*args)
+            k, v = caches[name]
+            pairs = [("o", want_o, bufs["o"]), ("xq", want_act.xq, bufs["act"].xq),
+                     ("dx", want_act.dx, bufs["act"].dx),
+                     ("xsum8", want_act.xsum8, bufs["act"].xsum8)]
+            pairs += ([("k", want_k.qs, k.qs), ("k d", want_k.d, k.d), ("v", want_v.qs, v.qs),
+                       ("v d", want_v.d, v.d)] if q8 else [("k", want_k, k), ("v", want_v, v)])
+            for what, want, got in pairs:
+                assert np.array_equal(want, got), f"{name}, position {p}: {what}"
+        # and close to the references (each row over the cache as the rows before it left it)
+        tol = (20 if q8 else 1) * RTOL
+        for r in range(n_rows):
+            ref_o = attention_step.reference(qkv[r:r + 1], qn, kn, EPS, p + r, R, THETA, want_k,
+                                             want_v)[0]
+            assert_close(f"o row {r}", ref_o, plans["joined"][1]["o"][r:r + 1],
+                         tol * np.abs(ref_o).max(), tol)

@@ -37,6 +37,17 @@ CHECK = textwrap.dedent("""
         q, g = rng.standard_normal((2, t, 8, 64)).astype(np.float32)
         y += (attention.cpu(q, k8, v8, g, start, isa=isa),)
         ref += (attention.reference(q, k8, v8, g, start),)
+    # decode's residual step: its row's quantisation (quantize_rows.rows_serial's row) is
+    # matvec.quantize_act's, bit for bit
+    from fermijit.ops import residual_step
+    norm = rng.standard_normal(1056).astype(np.float32)
+    xn1, p1 = np.empty((1, 1056), np.float32), np.empty((1, 2), np.float32)
+    act1 = matvec.quantize_act(np.zeros((1, 1056), np.float32), isa)
+    residual_step.cpu(x[:1].copy(), x[1:2].copy(), norm, 1e-6, xn1, act1, x[:2].copy(), p1)
+    _, want_xn, want_p = residual_step.reference(x[:1], x[1:2], norm, 1e-6, x[:2])
+    own = matvec.quantize_act(xn1, isa)
+    y += (xn1, p1, act1.dx, act1.xq.astype(np.float32), act1.xsum8.astype(np.float32))
+    ref += (want_xn, want_p, own.dx, own.xq.astype(np.float32), own.xsum8.astype(np.float32))
     kb = rng.integers(0, 256, (5, kquant.Q4_K.n_bytes(512)), dtype=np.uint8)
     kb.reshape(5, 2, 144)[..., :4] = np.array([0.01, 0.002], np.float16).view(np.uint8)
     x512 = np.ascontiguousarray(x[:, :512])
@@ -71,6 +82,7 @@ CHECK = textwrap.dedent("""
     kernels.append(matvec.gemv_kernel(isa, matvec.Q8_0))
     kernels.append(gemm.product_kernel(isa))  # the prefill GEMM, which matvec.cpu(x) ran
     kernels.append(quantize_rows._quantize_rows)  # prefill's quantisation, which it ran too
+    kernels.append(residual_step._step_kernel())  # decode's residual step, with its row's
     kernels.append(fp32_rows._kernels[isa]())  # made on first use (a forking kernel)
     kernels += [kquant_matvec.product_kernel(kquant.Q4_K, isa, s)
                 for s in (kquant_matvec.GEMV_TILE, kquant_matvec.GEMM_TILE)]
