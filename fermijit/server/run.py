@@ -81,9 +81,15 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     def prepare_gpu(model) -> None:
         """The GPU's preparation on its thread from as soon as the model is loaded (its expert
         registration, 0.64 s at full size on the H200's host, holds no GIL), beside the rest of
-        the load and the CPU kernels' warm-up (issue 28 item 4)."""
-        made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
-        made["gpu"] = stack.enter_context(hybrid.preparing(made["prefiller"]))
+        the load and the CPU kernels' warm-up (issue 28 item 4); then the scheduler's
+        page-locked hand-off room and GDN states (scheduler.ready_to_serve: made after "ready",
+        the first request waited for them)."""
+        from fermijit.server.scheduler import ready_to_serve
+
+        prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
+                                                    err)
+        made["gpu"] = stack.enter_context(hybrid.preparing(
+            prefiller, lambda: ready_to_serve(prefiller, model, max_batch)))
 
     with contextlib.ExitStack() as stack:
         engine = Engine.load(model_dir, cache_settings, show_progress=True,
@@ -94,12 +100,15 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         times = {"load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
-    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts)
+    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts,
+                          gdn_pool=made["gpu"].get("then"))
     said = f", MTP drafts {drafts.n}" if drafts is not None else ""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
     if made["gpu"].get("seconds") is not None:  # the GPU's beside the rest, from when it began
         parts += (f", gpu prefill {made['gpu']['seconds']:.1f} from "
                   f"{made['gpu']['started'] - start:.1f}")
+        if "then_s" in made["gpu"]:  # then its hand-off room and the pool's states
+            parts += f", gpu room {made['gpu']['then_s']:.1f}"
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{said}{', API key required' if api_key else ''})", file=err, flush=True)

@@ -43,12 +43,16 @@ import contextlib, sys, time
 from fermijit.prefill import hybrid
 
 @contextlib.contextmanager
-def after(prefiller):
+def after(prefiller, then=None):
     result = {}
     yield result
     if not isinstance(prefiller, hybrid.CpuPrefiller):
         start = result["started"] = time.perf_counter()
         result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+        if then is not None and result["seconds"] is not None:
+            start = time.perf_counter()
+            result["then"] = then()
+            result["then_s"] = time.perf_counter() - start
 
 hybrid.preparing = after
 sys.argv[0] = "fermijit"
