@@ -448,10 +448,11 @@ class GpuPrefiller:
         logits [V] ([T, V] with `all_logits`, for one item). The states have the MTP head all or
         none (`_groups`). `time_layers` and `profile` keep CUDA events for `bench prefill` in
         `last_pass`."""
+        from fermijit.jit import gpu
         from fermijit.model import mtp
         from fermijit.prefill import gpu_prefill, gpu_state
 
-        clock = [time.perf_counter()]
+        clock, modules = [time.perf_counter()], gpu.module_load_s
         phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
 
         def phase(name: str) -> None:
@@ -516,6 +517,8 @@ class GpuPrefiller:
                                                  waiting)), steps)
         phase("state out")
         phases.update({f"state out ({k})": v for k, v in steps.items()})  # its parts
+        if gpu.module_load_s > modules:  # a kernel the warm-up's pass had not loaded
+            phases["of which module loads"] = gpu.module_load_s - modules
         if self.verbose and n_rows > 2:
             self._say(f"gpu prefill of {len(items)} sequence(s), {n_rows} rows: " + ", ".join(
                 f"{k} {v:.3f} s" for k, v in phases.items()))

@@ -4,6 +4,7 @@ start the scheduler, run uvicorn until interrupted."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
 import threading
@@ -56,6 +57,28 @@ def warm_prefill_tokens(model) -> int:
     return max(1, min(model.max_context - 1, max(omp.ROWS_MIN, -(-(1 << 16) // model.hidden))))
 
 
+# Seconds: Python's switch interval while the start's threads share the GIL (the CPU kernels'
+# warm-up here, the GPU's preparation on its thread: both run Python between calls that release
+# the GIL, and a thread coming back from one waits for the GIL up to the interval, 5 ms by
+# default, while the other runs Python: issue 28 item 4, the CPU kernels' load 1.1 s alone, 2.1 s
+# beside the GPU's start on the H200's host). The default again once ready.
+# FERMIJIT_START_SWITCH_S sets it (0: Python's default).
+START_SWITCH_S = 0.0002
+START_SWITCH_ENV = "FERMIJIT_START_SWITCH_S"
+
+
+@contextlib.contextmanager
+def start_switch_interval():
+    """sys.setswitchinterval(START_SWITCH_S) inside the block, as it was after it."""
+    before = sys.getswitchinterval()
+    interval = float(os.environ.get(START_SWITCH_ENV, START_SWITCH_S)) or before
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False,
@@ -92,6 +115,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
             prefiller, lambda: ready_to_serve(prefiller, model, max_batch)))
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(start_switch_interval())  # left last: after the GPU's thread
         engine = Engine.load(model_dir, cache_settings, show_progress=True,
                              warn=lambda line: print(line, file=err, flush=True), kv=kv,
                              speculative=speculative, on_model=prepare_gpu)
