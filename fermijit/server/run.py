@@ -89,6 +89,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     import uvicorn
 
     from fermijit.engine import Engine
+    from fermijit.model.convert import checks_beside
     from fermijit.prefill import hybrid
     from fermijit.server.app import check_api_key, make_app
     from fermijit.server.scheduler import Scheduler
@@ -116,6 +117,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(start_switch_interval())  # left last: after the GPU's thread
+        stack.enter_context(checks_beside())  # the load's checks beside the warm-up, awaited
         engine = Engine.load(model_dir, cache_settings, show_progress=True,
                              warn=lambda line: print(line, file=err, flush=True), kv=kv,
                              speculative=speculative, on_model=prepare_gpu)
