@@ -597,11 +597,14 @@ class _HostAllocation:
         context = _context
         if context is None:  # the process is ending: the context went first, and its memory
             return
-        lib = _libcuda()
-        # The context current for the free, whatever thread drops the last reference.
-        if lib.cuCtxPushCurrent_v2(ctypes.c_void_p(context.handle)) == 0:
-            lib.cuMemFreeHost(ctypes.c_void_p(self.address))
-            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        try:
+            lib = _libcuda()
+            # The context current for the free, whatever thread drops the last reference.
+            if lib.cuCtxPushCurrent_v2(ctypes.c_void_p(context.handle)) == 0:
+                lib.cuMemFreeHost(ctypes.c_void_p(self.address))
+                lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        except Exception:  # noqa: BLE001 - at the interpreter's end its modules may be gone
+            pass
 
 
 _pinned: dict[int, int] = {}  # address -> bytes of each live `pinned` buffer
