@@ -332,8 +332,7 @@ def _launch(function: int, grid: tuple, block: tuple, stream, packed: bytes, wha
 def _libcuda_launch():
     """cuLaunchKernel through ctypes.PyDLL: the GIL kept (`_launch`)."""
     lib = ctypes.PyDLL("libcuda.so.1")
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuLaunchKernel.argtypes = DRIVER_ARGTYPES["cuLaunchKernel"]
     lib.cuLaunchKernel.restype = ctypes.c_int
     return lib
 
@@ -690,18 +689,26 @@ def _libcuda_holding_gil():
 
 @functools.lru_cache(maxsize=None)
 def _libcuda():
-    """The driver API through ctypes, for what pycuda does not wrap with flags (register)."""
+    """The driver API through ctypes, for what pycuda does not wrap with flags (register), and
+    the driver-API way's module loads and page-locking (`launch_way`)."""
     lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-    lib.cuModuleLoadDataEx.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
-                                       ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                        ctypes.c_char_p]
-    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
-                                   ctypes.c_uint]
-    lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
-    lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    for name, argtypes in DRIVER_ARGTYPES.items():
+        if name != "cuLaunchKernel" and hasattr(lib, name):  # an older driver: what it has
+            getattr(lib, name).argtypes = argtypes
     return lib
+
+
+# The driver calls made through ctypes, and their argument types (cuda.h); all return CUresult.
+DRIVER_ARGTYPES = {
+    "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+    "cuMemHostUnregister": [ctypes.c_void_p],
+    "cuModuleLoadDataEx": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_uint,
+                           ctypes.c_void_p, ctypes.c_void_p],
+    "cuModuleGetFunction": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p],
+    "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuMemHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint],
+    "cuMemFreeHost": [ctypes.c_void_p],
+    "cuCtxPushCurrent_v2": [ctypes.c_void_p],
+    "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
+    "cuLaunchKernel": [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3,
+}

@@ -18,53 +18,69 @@ from tests import gpu as gpu_marks
 
 
 class FakeDriver:
-    """libcuda's calls the driver way makes, through ctypes' argument objects."""
+    """libcuda's calls the driver way makes, as C functions (ctypes callbacks with the argument
+    types gpu.DRIVER_ARGTYPES gives the library): what the calls pass goes through ctypes'
+    conversions as it would to the driver."""
 
     def __init__(self, load_rc: int = 0):
         self.load_rc, self.loads, self.launches, self.functions = load_rc, [], [], []
         self.allocations, self.freed, self.pushed = {}, [], []
+        self._callbacks = []  # kept alive
+        for name, argtypes in gpu.DRIVER_ARGTYPES.items():
+            c = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(getattr(self, "_" + name))
+            self._callbacks.append(c)
+            setattr(self, name, c)
 
-    def cuModuleLoadDataEx(self, handle, image, n, options, values):
-        self.loads.append(bytes(image.value))
+    def _cuModuleLoadDataEx(self, handle, image, n, options, values):
+        self.loads.append(image)
+        keys = (ctypes.c_int * n).from_address(options)
+        vals = (ctypes.c_void_p * n).from_address(values)
+        assert list(keys) == [3, 4, 5, 6] and vals[1] == vals[3] == gpu._JIT_LOG_BYTES
         if self.load_rc:
-            error = ctypes.cast(values[2], ctypes.POINTER(ctypes.c_char * 64)).contents
-            error.value = b"ptxas fatal: a stand-in error"
+            ctypes.memmove(vals[2], b"ptxas fatal: a stand-in error\0", 30)
             return self.load_rc
-        handle._obj.value = 0x1000 + len(self.loads)
+        handle[0] = 0x1000 + len(self.loads)
         return 0
 
-    def cuModuleGetFunction(self, handle, module, name):
-        self.functions.append((module.value, name))
-        handle._obj.value = 0x2000 + len(self.functions)
+    def _cuModuleGetFunction(self, handle, module, name):
+        self.functions.append((module, name))
+        handle[0] = 0x2000 + len(self.functions)
         return 0
 
-    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        assert params is None and extra[0] == 1 and extra[2] == 2 and extra[4] in (0, None)
-        size = ctypes.c_size_t.from_address(extra[3]).value
+    def _cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        words = (ctypes.c_void_p * 5).from_address(extra)
+        assert params is None and words[0] == 1 and words[2] == 2 and words[4] is None
+        size = ctypes.c_size_t.from_address(words[3]).value
         self.launches.append((function, (gx, gy, gz), (bx, by, bz), shared, stream,
-                              ctypes.string_at(extra[1], size)))
+                              ctypes.string_at(words[1], size)))
         return 0
 
-    def cuGetErrorString(self, rc, text):
-        text._obj.value = b"a stand-in failure"
+    def _cuGetErrorString(self, rc, text):
+        text[0] = self._error = ctypes.c_char_p(b"a stand-in failure").value
         return 0
 
-    def cuMemHostAlloc(self, address, nbytes, flags):
+    def _cuMemHostAlloc(self, address, nbytes, flags):
         buf = ctypes.create_string_buffer(nbytes)
-        address._obj.value = ctypes.addressof(buf)
+        address[0] = ctypes.addressof(buf)
         self.allocations[ctypes.addressof(buf)] = (buf, flags)
         return 0
 
-    def cuMemFreeHost(self, address):
-        self.freed.append(address.value)
+    def _cuMemFreeHost(self, address):
+        self.freed.append(address)
         return 0
 
-    def cuCtxPushCurrent_v2(self, context):
-        self.pushed.append(context.value)
+    def _cuCtxPushCurrent_v2(self, context):
+        self.pushed.append(context)
         return 0
 
-    def cuCtxPopCurrent_v2(self, context):
-        self.pushed.pop()
+    def _cuCtxPopCurrent_v2(self, context):
+        context[0] = self.pushed.pop()
+        return 0
+
+    def _cuMemHostRegister_v2(self, address, nbytes, flags):
+        return 1
+
+    def _cuMemHostUnregister(self, address):
         return 0
 
 
@@ -92,6 +108,7 @@ def test_a_launch_passes_the_arguments_packed_as_pycuda_packs_them(fake):
     kernel = gpu.Kernel(rendered, entry)
     again = gpu.Kernel(rendered, entry)
     assert len(fake.loads) == 1 and fake.loads[0] == rendered.text.encode()
+    assert fake.functions == [(0x1001, entry.encode())]
     assert kernel.handle == 0x2001 and again.handle == 0x2001 and kernel.function is None
 
     class Stream:
@@ -102,7 +119,7 @@ def test_a_launch_passes_the_arguments_packed_as_pycuda_packs_them(fake):
     kernel((3, 2), (128, 2), *args)
     (f, grid, block, shared, stream, packed), second = fake.launches
     assert (f, grid, block, shared, stream) == (0x2001, (5, 1, 1), (256, 1, 1), 0, 0x5151)
-    assert second[1:5] == ((3, 2, 1), (128, 2, 1), 0, None)
+    assert second[1:5] == ((3, 2, 1), (128, 2, 1), 0, None)  # the legacy default stream
     fmt = "".join(gpu._PTX_TO_STRUCT[t] for t in kernel.entry.param_types)
     assert packed == struct.pack(fmt, *(0 if a is None else a for a in args))
     values = struct.unpack(fmt, packed)
