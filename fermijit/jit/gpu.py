@@ -2,8 +2,10 @@
 
 Importing this module never imports pycuda. `unavailable_reason()` says why GPU paths cannot run
 (no pycuda, no driver, no device); `kernel()` raises that reason as a FermijitError. PTX is loaded
-with `pycuda.driver.module_from_buffer`, so the driver JIT-compiles the `.target sm_20` text for
-whatever GPU is present and nvcc is never needed (DESIGN.md, GPU prefill).
+with the driver's cuModuleLoadDataEx (through ctypes, the GIL released: `launch_way`; or
+`pycuda.driver.module_from_buffer`), so the driver JIT-compiles the `.target sm_20` text for
+whatever GPU is present and nvcc is never needed (DESIGN.md, GPU prefill). pycuda keeps the
+context, the device memory and the streams.
 
 Arrays: an op's `gpu(...)` takes numpy arrays or `pycuda.gpuarray.GPUArray`s. With numpy inputs
 it copies them in and returns numpy, so it is a drop-in for `cpu(...)`; when its first input is
