@@ -2,8 +2,10 @@
 
 Importing this module never imports pycuda. `unavailable_reason()` says why GPU paths cannot run
 (no pycuda, no driver, no device); `kernel()` raises that reason as a FermijitError. PTX is loaded
-with `pycuda.driver.module_from_buffer`, so the driver JIT-compiles the `.target sm_20` text for
-whatever GPU is present and nvcc is never needed (DESIGN.md, GPU prefill).
+with the driver's cuModuleLoadDataEx (through ctypes, the GIL released: `launch_way`; or
+`pycuda.driver.module_from_buffer`), so the driver JIT-compiles the `.target sm_20` text for
+whatever GPU is present and nvcc is never needed (DESIGN.md, GPU prefill). pycuda keeps the
+context, the device memory and the streams.
 
 Arrays: an op's `gpu(...)` takes numpy arrays or `pycuda.gpuarray.GPUArray`s. With numpy inputs
 it copies them in and returns numpy, so it is a drop-in for `cpu(...)`; when its first input is
@@ -16,6 +18,8 @@ import atexit
 import bisect
 import ctypes
 import functools
+import os
+import struct
 import sys
 import threading
 import time
@@ -165,23 +169,31 @@ class Kernel:
                                 f"{sorted(rendered.entries)}")
         self.rendered = rendered
         self.entry = rendered.entries[entry]
-        key = (_context_key(cuda), rendered.template, rendered.params)
+        key = (_context_key(cuda), rendered.template, rendered.params, launch_way())
         if key not in _modules:
-            log: list[str] = []
-
-            def jit_log(ok: bool, info: str, error: str) -> None:
-                log.extend(s.strip() for s in (info, error) if s and s.strip())
-
             start = time.perf_counter()
-            with check("loading the module (driver JIT)", rendered, log):
-                _modules[key] = cuda.module_from_buffer(rendered.text.encode(),
-                                                        message_handler=jit_log)
+            if key[-1] == "driver":
+                _modules[key] = _DriverModule.load(rendered)
+            else:
+                log: list[str] = []
+
+                def jit_log(ok: bool, info: str, error: str) -> None:
+                    log.extend(s.strip() for s in (info, error) if s and s.strip())
+
+                with check("loading the module (driver JIT)", rendered, log):
+                    _modules[key] = cuda.module_from_buffer(rendered.text.encode(),
+                                                            message_handler=jit_log)
             global module_load_s  # noqa: PLW0603
             module_load_s += time.perf_counter() - start
-        with check(f"getting {entry}", rendered):
-            self.function = _modules[key].get_function(entry)
         self.arg_format = "".join(_PTX_TO_STRUCT[t] for t in self.entry.param_types)
-        self.function.prepare(self.arg_format)
+        module = _modules[key]
+        if isinstance(module, _DriverModule):
+            self.function, self.handle = None, module.function(entry, rendered)
+        else:
+            with check(f"getting {entry}", rendered):
+                self.function = module.get_function(entry)
+            self.function.prepare(self.arg_format)
+            self.handle = None
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], *args,
                  stream=None) -> None:
@@ -198,9 +210,133 @@ class Kernel:
                                 f"{e.max_threads}")
         if any(not 0 < g <= m for g, m in zip(grid, FERMI_MAX_GRID)):
             raise FermijitError(f"{label}: grid {grid} exceeds Fermi's {FERMI_MAX_GRID}")
+        if self.handle is not None:
+            _launch(self.handle, grid, block, stream, struct.pack(self.arg_format, *values),
+                    f"launching {e.name} grid={grid} block={block}", self.rendered)
+            return
         with check(f"launching {e.name} grid={grid} block={block}", self.rendered):
             self.function.prepared_async_call(grid[:2] if grid[2] == 1 else grid, block, stream,
                                               *values)
+
+
+# --- the driver API's module loads and launches (issue 28 item 4) --------------------------------
+# pycuda's module_from_buffer keeps the GIL for the whole cuModuleLoadDataEx (the driver's JIT, or
+# its cache): the GPU's start, on a thread beside the CPU kernels' warm-up, held the GIL through
+# every module of its 2-token pass. "driver" (the default) loads modules through ctypes.CDLL (the
+# GIL released for the load) and launches through ctypes.PyDLL's cuLaunchKernel with the
+# arguments packed as pycuda packs them (struct's native alignment, CU_LAUNCH_PARAM_BUFFER_*),
+# keeping the GIL (a launch is microseconds; retaking the GIL costs up to the switch interval);
+# FERMIJIT_GPU_LAUNCH=pycuda: pycuda's own, as before. The memory and streams stay pycuda's.
+LAUNCH_ENV = "FERMIJIT_GPU_LAUNCH"
+LAUNCH_WAYS = ("driver", "pycuda")
+_JIT_LOG_BYTES = 16 << 10
+# cuda.h: CUjit_option, cuLaunchKernel's `extra` keys, cuMemHostAlloc's flags
+_JIT_INFO_LOG_BUFFER, _JIT_INFO_LOG_BUFFER_SIZE_BYTES = 3, 4
+_JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 5, 6
+_LAUNCH_PARAM_END, _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
+MEMHOSTALLOC_PORTABLE = 0x01
+
+
+def launch_way() -> str:
+    """How kernels are loaded and launched: FERMIJIT_GPU_LAUNCH (default "driver"), "pycuda"
+    where the driver library cannot be opened through ctypes."""
+    way = os.environ.get(LAUNCH_ENV, "driver")
+    if way not in LAUNCH_WAYS:
+        raise FermijitError(f"{LAUNCH_ENV} must be one of {', '.join(LAUNCH_WAYS)}, got {way!r}")
+    if way == "driver":
+        try:
+            _libcuda(), _libcuda_launch()
+        except (OSError, AttributeError):
+            return "pycuda"
+    return way
+
+
+def _error_text(call: str, rc: int) -> str:
+    """"call failed: the driver's description" (pycuda's wording for its errors)."""
+    text = ctypes.c_char_p()
+    try:
+        if _libcuda().cuGetErrorString(rc, ctypes.byref(text)) == 0 and text.value:
+            return f"{call} failed: {text.value.decode(errors='replace')}"
+    except (OSError, AttributeError):
+        pass
+    return f"{call} failed: CUDA error {rc}"
+
+
+def driver_error(what: str, call: str, rc: int, rendered: ptx.Rendered | None = None,
+                 log: list[str] | None = None) -> FermijitError:
+    """The FermijitError `check` makes of a pycuda error, for a driver call through ctypes that
+    returned `rc` (the PTX and the JIT log on stderr as there)."""
+    detail = " ".join(log or [])
+    if rendered is not None:
+        print(f"--- {rendered.label} ---\n{ptx.numbered(rendered.text)}", file=sys.stderr)
+        if detail:
+            print(detail, file=sys.stderr)
+    where = rendered.label if rendered is not None else "GPU"
+    return FermijitError(f"{where}: {what} failed: {_error_text(call, rc)} {detail}".strip())
+
+
+class _DriverModule:
+    """A CUmodule loaded through ctypes (never unloaded: it lives as long as the context)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+        self.functions: dict[str, int] = {}
+
+    @classmethod
+    def load(cls, rendered: ptx.Rendered) -> "_DriverModule":
+        """cuModuleLoadDataEx of the rendered PTX (NUL-terminated), with the JIT's logs; the GIL
+        is released meanwhile (ctypes.CDLL)."""
+        image = ctypes.create_string_buffer(rendered.text.encode())
+        info = ctypes.create_string_buffer(_JIT_LOG_BYTES)
+        error = ctypes.create_string_buffer(_JIT_LOG_BYTES)
+        options = (ctypes.c_int * 4)(_JIT_INFO_LOG_BUFFER, _JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+                                     _JIT_ERROR_LOG_BUFFER, _JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
+        values = (ctypes.c_void_p * 4)(ctypes.addressof(info), _JIT_LOG_BYTES,
+                                       ctypes.addressof(error), _JIT_LOG_BYTES)
+        handle = ctypes.c_void_p()
+        rc = _libcuda().cuModuleLoadDataEx(ctypes.byref(handle), image, 4, options, values)
+        if rc != 0:
+            log = [b.value.decode(errors="replace").strip() for b in (info, error)]
+            raise driver_error("loading the module (driver JIT)", "cuModuleLoadDataEx", rc,
+                               rendered, [t for t in log if t])
+        return cls(handle.value)
+
+    def function(self, entry: str, rendered: ptx.Rendered) -> int:
+        """The CUfunction of `entry`."""
+        if entry not in self.functions:
+            handle = ctypes.c_void_p()
+            rc = _libcuda().cuModuleGetFunction(ctypes.byref(handle), ctypes.c_void_p(self.handle),
+                                                entry.encode())
+            if rc != 0:
+                raise driver_error(f"getting {entry}", "cuModuleGetFunction", rc, rendered)
+            self.functions[entry] = handle.value
+        return self.functions[entry]
+
+
+def _launch(function: int, grid: tuple, block: tuple, stream, packed: bytes, what: str,
+            rendered: ptx.Rendered) -> None:
+    """cuLaunchKernel of `function` with its arguments packed in one buffer (as pycuda's
+    prepared calls pass them), on `stream` (a pycuda Stream; None: the legacy default stream),
+    keeping the GIL."""
+    buf = ctypes.create_string_buffer(packed, len(packed))
+    size = ctypes.c_size_t(len(packed))
+    extra = (ctypes.c_void_p * 5)(_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buf),
+                                  _LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
+                                  _LAUNCH_PARAM_END)
+    rc = _libcuda_launch().cuLaunchKernel(function, *grid, *block, 0,
+                                          stream.handle if stream is not None else None,
+                                          None, extra)
+    if rc != 0:
+        raise driver_error(what, "cuLaunchKernel", rc, rendered)
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda_launch():
+    """cuLaunchKernel through ctypes.PyDLL: the GIL kept (`_launch`)."""
+    lib = ctypes.PyDLL("libcuda.so.1")
+    lib.cuLaunchKernel.argtypes = DRIVER_ARGTYPES["cuLaunchKernel"]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    return lib
 
 
 def _context_key(cuda) -> int:
@@ -431,11 +567,45 @@ def pinned(nbytes: int) -> np.ndarray:
     from it run at the link's rate and asynchronously (about 55 GB/s against 9 GB/s pageable on
     the H200, shared/device/README.md)."""
     cuda = driver()
-    with check(f"page-locking {nbytes} bytes of host memory"):
-        buf = cuda.pagelocked_empty(int(nbytes), np.uint8)
+    if launch_way() == "driver":
+        buf = np.asarray(_HostAllocation(int(nbytes)))
+    else:
+        with check(f"page-locking {nbytes} bytes of host memory"):
+            buf = cuda.pagelocked_empty(int(nbytes), np.uint8)
     _pinned[buf.ctypes.data] = buf.nbytes
     weakref.finalize(buf, _pinned.pop, buf.ctypes.data, None)
     return buf
+
+
+class _HostAllocation:
+    """cuMemHostAlloc's page-locked bytes through ctypes.CDLL: the GIL released while the driver
+    allocates and locks them (pycuda's pagelocked_empty keeps it: the server's hand-off room and
+    GDN pool, ~1 GB at full size, are made beside the CPU kernels' warm-up). A numpy array over
+    it keeps it (its base); freed with it."""
+
+    def __init__(self, nbytes: int):
+        address = ctypes.c_void_p()
+        rc = _libcuda().cuMemHostAlloc(ctypes.byref(address), max(1, nbytes),
+                                       MEMHOSTALLOC_PORTABLE)
+        if rc != 0:
+            raise driver_error(f"page-locking {nbytes} bytes of host memory", "cuMemHostAlloc",
+                               rc)
+        self.address = address.value
+        self.__array_interface__ = {"data": (self.address, False), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+    def __del__(self):
+        context = _context
+        if context is None:  # the process is ending: the context went first, and its memory
+            return
+        try:
+            lib = _libcuda()
+            # The context current for the free, whatever thread drops the last reference.
+            if lib.cuCtxPushCurrent_v2(ctypes.c_void_p(context.handle)) == 0:
+                lib.cuMemFreeHost(ctypes.c_void_p(self.address))
+                lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        except Exception:  # noqa: BLE001 - at the interpreter's end its modules may be gone
+            pass
 
 
 _pinned: dict[int, int] = {}  # address -> bytes of each live `pinned` buffer
@@ -521,8 +691,26 @@ def _libcuda_holding_gil():
 
 @functools.lru_cache(maxsize=None)
 def _libcuda():
-    """The driver API through ctypes, for what pycuda does not wrap with flags (register)."""
+    """The driver API through ctypes, for what pycuda does not wrap with flags (register), and
+    the driver-API way's module loads and page-locking (`launch_way`)."""
     lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+    for name, argtypes in DRIVER_ARGTYPES.items():
+        if name != "cuLaunchKernel" and hasattr(lib, name):  # an older driver: what it has
+            getattr(lib, name).argtypes = argtypes
     return lib
+
+
+# The driver calls made through ctypes, and their argument types (cuda.h); all return CUresult.
+DRIVER_ARGTYPES = {
+    "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+    "cuMemHostUnregister": [ctypes.c_void_p],
+    "cuModuleLoadDataEx": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_uint,
+                           ctypes.c_void_p, ctypes.c_void_p],
+    "cuModuleGetFunction": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p],
+    "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuMemHostAlloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint],
+    "cuMemFreeHost": [ctypes.c_void_p],
+    "cuCtxPushCurrent_v2": [ctypes.c_void_p],
+    "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
+    "cuLaunchKernel": [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3,
+}

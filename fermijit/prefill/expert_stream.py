@@ -28,6 +28,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import mmap
+import os
+import threading
 
 import numpy as np
 
@@ -46,6 +48,11 @@ REGION_ALIGN = 256           # bytes: where each array's region of a layer buffe
 # host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
 # its code); a copy is cut where one chunk ends (gpu.split_at_registrations).
 REGISTER_CHUNK_BYTES = 256 << 20
+# Threads registering the chunks at once (each call releases the GIL; the driver pins each
+# chunk's pages itself: ~0.8 s of the server's GPU start for the 11 GB file on one thread, on the
+# H200's host); FERMIJIT_REGISTER_THREADS sets it (1: one after the other, as before).
+REGISTER_THREADS = 4
+REGISTER_THREADS_ENV = "FERMIJIT_REGISTER_THREADS"
 
 
 def routed_arrays(w) -> tuple[np.ndarray, ...]:
@@ -253,17 +260,46 @@ def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     roots = [_file_root(a) for arrays in host for a in arrays]
     if any(r is None for r in roots):
         return None
-    page, held = mmap.PAGESIZE, []
+    page = mmap.PAGESIZE
     chunk = max(page, REGISTER_CHUNK_BYTES // page * page)
+    pieces = []
     for root in {id(r): r for r in roots}.values():
         first = root.ctypes.data // page * page
         last = -(-(root.ctypes.data + root.nbytes) // page) * page
-        for at in range(first, last, chunk):
-            registered = gpu.register(at, min(chunk, last - at))
+        pieces += [(at, min(chunk, last - at)) for at in range(first, last, chunk)]
+    n_threads = max(1, min(len(pieces), int(os.environ.get(REGISTER_THREADS_ENV,
+                                                           REGISTER_THREADS))))
+    if n_threads == 1:
+        held = []
+        for at, n in pieces:
+            registered = gpu.register(at, n)
             if registered is None:
                 return None  # those registered already are unregistered as `held` goes
             held.append(registered)
-    return held
+        return held
+    gpu.driver()  # the context made on this thread, before the others push it
+    held: list = [None] * len(pieces)
+    todo = iter(range(len(pieces)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        try:
+            while True:
+                with lock:
+                    k = next(todo, None)
+                if k is None:
+                    return
+                held[k] = gpu.register(*pieces[k])
+        finally:
+            gpu.release_thread()  # pycuda aborts on a thread that ends with a context pushed
+
+    threads = [threading.Thread(target=work, name=f"fermijit-register-{n}", daemon=True)
+               for n in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return None if any(r is None for r in held) else held
 
 
 def _release_pages(a: np.ndarray) -> None:

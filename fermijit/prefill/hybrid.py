@@ -448,10 +448,11 @@ class GpuPrefiller:
         logits [V] ([T, V] with `all_logits`, for one item). The states have the MTP head all or
         none (`_groups`). `time_layers` and `profile` keep CUDA events for `bench prefill` in
         `last_pass`."""
+        from fermijit.jit import gpu
         from fermijit.model import mtp
         from fermijit.prefill import gpu_prefill, gpu_state
 
-        clock = [time.perf_counter()]
+        clock, modules = [time.perf_counter()], gpu.module_load_s
         phases = self.last_phases = {}           # host seconds per phase (bench --verbose)
 
         def phase(name: str) -> None:
@@ -516,6 +517,8 @@ class GpuPrefiller:
                                                  waiting)), steps)
         phase("state out")
         phases.update({f"state out ({k})": v for k, v in steps.items()})  # its parts
+        if gpu.module_load_s > modules:  # a kernel the warm-up's pass had not loaded
+            phases["of which module loads"] = gpu.module_load_s - modules
         if self.verbose and n_rows > 2:
             self._say(f"gpu prefill of {len(items)} sequence(s), {n_rows} rows: " + ", ".join(
                 f"{k} {v:.3f} s" for k, v in phases.items()))
@@ -585,29 +588,41 @@ class AutoPrefiller:
 
 
 @contextlib.contextmanager
-def preparing(prefiller):
+def preparing(prefiller, then=None):
     """`prefiller.prepare()` on a thread while the block runs (the CPU kernels' warm-up: the
-    GPU's start, ~2.6 s at full size on the H200, overlaps it instead of following it); yields a
-    dict that gets "started" (perf_counter) and "seconds" (None when the GPU could not start)
-    once the block is done."""
+    GPU's start, ~2.6 s at full size on the H200, overlaps it instead of following it), and
+    after it `then()` where given and the GPU started (the server's page-locked room: its
+    driver calls release the GIL); yields a dict that gets "started" (perf_counter), "seconds"
+    (None when the GPU could not start), "then" (`then`'s result) and "then_s" once the block
+    is done."""
     from fermijit.jit import omp
 
     result: dict = {}
+
+    def run() -> None:
+        start = result["started"] = time.perf_counter()
+        result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+        if then is not None and result["seconds"] is not None:
+            start = time.perf_counter()
+            try:
+                result["then"] = then()
+            except Exception as e:  # noqa: BLE001 - then the caller does without it
+                print(f"gpu prefill: {one_line(e)}", file=sys.stderr, flush=True)
+            result["then_s"] = time.perf_counter() - start
+
     if isinstance(prefiller, CpuPrefiller) or not omp.available():
         # Without the omp layer two threads' parallel kernels at once abort the process
         # (Numba's workqueue layer is not thread-safe): the GPU then starts after the block.
         yield result
         if not isinstance(prefiller, CpuPrefiller):
-            start = result["started"] = time.perf_counter()
-            result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+            run()
         return
 
     def prepare() -> None:
         from fermijit.jit import gpu
 
-        start = result["started"] = time.perf_counter()
         try:
-            result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+            run()
         finally:
             gpu.release_thread()
 

@@ -4,6 +4,7 @@ start the scheduler, run uvicorn until interrupted."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
 import threading
@@ -56,6 +57,28 @@ def warm_prefill_tokens(model) -> int:
     return max(1, min(model.max_context - 1, max(omp.ROWS_MIN, -(-(1 << 16) // model.hidden))))
 
 
+# Seconds: Python's switch interval while the start's threads share the GIL (the CPU kernels'
+# warm-up here, the GPU's preparation on its thread: both run Python between calls that release
+# the GIL, and a thread coming back from one waits for the GIL up to the interval, 5 ms by
+# default, while the other runs Python: issue 28 item 4, the CPU kernels' load 1.1 s alone, 2.1 s
+# beside the GPU's start on the H200's host). The default again once ready.
+# FERMIJIT_START_SWITCH_S sets it (0: Python's default).
+START_SWITCH_S = 0.0002
+START_SWITCH_ENV = "FERMIJIT_START_SWITCH_S"
+
+
+@contextlib.contextmanager
+def start_switch_interval():
+    """sys.setswitchinterval(START_SWITCH_S) inside the block, as it was after it."""
+    before = sys.getswitchinterval()
+    interval = float(os.environ.get(START_SWITCH_ENV, START_SWITCH_S)) or before
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch: int,
           queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False,
@@ -66,6 +89,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     import uvicorn
 
     from fermijit.engine import Engine
+    from fermijit.model.convert import checks_beside
     from fermijit.prefill import hybrid
     from fermijit.server.app import check_api_key, make_app
     from fermijit.server.scheduler import Scheduler
@@ -81,11 +105,19 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     def prepare_gpu(model) -> None:
         """The GPU's preparation on its thread from as soon as the model is loaded (its expert
         registration, 0.64 s at full size on the H200's host, holds no GIL), beside the rest of
-        the load and the CPU kernels' warm-up (issue 28 item 4)."""
-        made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
-        made["gpu"] = stack.enter_context(hybrid.preparing(made["prefiller"]))
+        the load and the CPU kernels' warm-up (issue 28 item 4); then the scheduler's
+        page-locked hand-off room and GDN states (scheduler.ready_to_serve: made after "ready",
+        the first request waited for them)."""
+        from fermijit.server.scheduler import ready_to_serve
+
+        prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
+                                                    err)
+        made["gpu"] = stack.enter_context(hybrid.preparing(
+            prefiller, lambda: ready_to_serve(prefiller, model, max_batch)))
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(start_switch_interval())  # left last: after the GPU's thread
+        stack.enter_context(checks_beside())  # the load's checks beside the warm-up, awaited
         engine = Engine.load(model_dir, cache_settings, show_progress=True,
                              warn=lambda line: print(line, file=err, flush=True), kv=kv,
                              speculative=speculative, on_model=prepare_gpu)
@@ -94,12 +126,15 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         times = {"load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
-    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts)
+    scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts,
+                          gdn_pool=made["gpu"].get("then"))
     said = f", MTP drafts {drafts.n}" if drafts is not None else ""
     parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
     if made["gpu"].get("seconds") is not None:  # the GPU's beside the rest, from when it began
         parts += (f", gpu prefill {made['gpu']['seconds']:.1f} from "
                   f"{made['gpu']['started'] - start:.1f}")
+        if "then_s" in made["gpu"]:  # then its hand-off room and the pool's states
+            parts += f", gpu room {made['gpu']['then_s']:.1f}"
     print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{said}{', API key required' if api_key else ''})", file=err, flush=True)

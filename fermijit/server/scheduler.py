@@ -155,14 +155,34 @@ class GpuJob:
             self.done.set()
 
 
+def ready_to_serve(prefiller, model, max_batch: int) -> GdnPool | None:
+    """Where `prefiller` prefills on the GPU: its page-locked hand-off room for a batch of
+    `max_batch` prompts, and a pool of `max_batch` sequences' GDN states in page-locked memory
+    (the hand-off writes them by DMA in place); None elsewhere (the CPU's prefill pools none).
+    Made on the scheduler's thread before its first request, a fresh server's first request
+    waited for them (~1 GB page-locked at full size); serve makes them as it starts, on the
+    GPU's thread (fermijit/server/run.py)."""
+    reserve = getattr(prefiller, "reserve", None)
+    if reserve is None:
+        return None
+    reserve(max_batch)  # a batch of prompts together, before any arrives
+    if not prefiller.prepare():
+        return None
+    pool = GdnPool(model, max_batch)
+    pool.fill(max_batch, getattr(prefiller, "host_memory", None))  # page-locked: DMA in place
+    return pool
+
+
 class Scheduler:
     """Runs `engine` (fermijit/engine.py Engine) on its own thread; `submit` from any thread."""
 
     def __init__(self, engine, max_batch: int = 8, queue_size: int = 64,
-                 kv_mem: int | None = None, drafts=None):
+                 kv_mem: int | None = None, drafts=None, gdn_pool=None):
         """`kv_mem`: bytes the running sequences' states may hold (--kv-mem); `drafts`
         (speculative.Drafts, default one draft a step) where the engine was loaded for
-        speculative decoding."""
+        speculative decoding; `gdn_pool`: new sequences' GDN states made ready already, with
+        the GPU prefiller's hand-off room (`ready_to_serve`; serve makes them as it starts),
+        else the scheduler's thread makes them before it takes its first request."""
         if max_batch < 1 or queue_size < 1:
             raise FermijitError(f"max_batch and queue_size must be >= 1, got {max_batch}, "
                                 f"{queue_size}")
@@ -197,7 +217,8 @@ class Scheduler:
         # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
         # GPU prefills (`_serve`), none on the CPU (its prefill's own page faults are noise); and
         # the sequences ended but not yet given back (`_finish`: those ended in `_prefilled`).
-        self.gdn_pool = GdnPool(engine.model, 0)
+        self.gdn_pool = GdnPool(engine.model, 0) if gdn_pool is None else gdn_pool
+        self._is_pool_ready = gdn_pool is not None
         self._ended: list[Sequence] = []
         self._is_deferring = False   # inside `_prefilled`: ended states given back after it
 
@@ -240,14 +261,12 @@ class Scheduler:
             gpu.release_thread()  # the GPU prefill ran on this thread
 
     def _serve(self) -> None:
-        prefiller = self.engine.prefiller
-        reserve = getattr(prefiller, "reserve", None)
-        if reserve is not None:  # a batch of prompts together, before any arrives
-            self._guarded(lambda: reserve(self.max_batch), "prefilling")
-            if prefiller.prepare():  # the GPU's hand-off then writes resident GDN states
-                self.gdn_pool = GdnPool(self.engine.model, self.max_batch)
-                memory = getattr(prefiller, "host_memory", None)  # page-locked: DMA in place
-                self._guarded(lambda: self.gdn_pool.fill(self.max_batch, memory), "prefilling")
+        if not self._is_pool_ready:
+            made: list = []
+            self._guarded(lambda: made.append(ready_to_serve(
+                self.engine.prefiller, self.engine.model, self.max_batch)), "prefilling")
+            if made and made[0] is not None:
+                self.gdn_pool = made[0]
         while self._is_running:
             self._admit()
             self._collect_gpu_job()

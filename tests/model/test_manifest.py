@@ -183,3 +183,24 @@ def test_a_sample_is_the_sha256_of_its_chunks_in_turn(model):
                 h.update(raw[a:b].tobytes())
         assert manifest.sample(weights, name, e, check_floats=True) == h.hexdigest(), name
     assert n_chunked > 0
+
+
+def test_a_load_inside_checks_beside_is_checked_on_leaving_the_block(copy, model):
+    """convert.checks_beside (serve: the load's check beside the warm-up, issue 28 item 4): the
+    load returns, the check runs on a thread of its own, and leaving the block raises what it
+    found, the same FermijitError as a load outside the block; a sound model passes; the block's
+    own error wins over the check's, which is still awaited."""
+    flip(copy, "layers.1.input_layernorm", value=np.nan)
+    with pytest.raises(FermijitError, match="tensor layers.1.input_layernorm does not match"):
+        with convert.checks_beside():
+            convert.load_converted(copy)  # returns: its check is on a thread
+            loaded = True
+    assert loaded
+    with convert.checks_beside():
+        convert.load_converted(model)
+    with pytest.raises(KeyError):
+        with convert.checks_beside():
+            convert.load_converted(copy)
+            raise KeyError("the block's own")
+    with pytest.raises(FermijitError, match="does not match"):  # outside: at once, as before
+        convert.load_converted(copy)

@@ -702,17 +702,27 @@ def types_namespace(**kw):
     return types.SimpleNamespace(**kw)
 
 
+@pytest.mark.parametrize("n_threads", [1, 3])
 def test_the_model_file_is_registered_in_chunks_and_copies_cut_at_their_ends(monkeypatch,
-                                                                               tmp_path, rng):
+                                                                               tmp_path, rng,
+                                                                               n_threads):
     """expert_stream._register_in_place registers a file mapping in page-aligned
     REGISTER_CHUNK_BYTES chunks covering it whole (pinning 11 GB at once held the memory-map lock
-    ~0.6 s, stalling the kernel warm-up's mmaps beside it), with a stand-in for gpu.register
-    (the driver's bookkeeping: gpu._registered); gpu.split_at_registrations cuts a range at each
+    ~0.6 s, stalling the kernel warm-up's mmaps beside it), on REGISTER_THREADS threads (each
+    popping the context it pushed before it ends), with a stand-in for gpu.register (the
+    driver's bookkeeping: gpu._registered); gpu.split_at_registrations cuts a range at each
     chunk's end, every piece inside one chunk and the pieces the range in order; a range across
     chunks is page-locked, one past the file is not; a refusal midway registers nothing."""
     import mmap
+    import threading
 
     from fermijit.prefill import expert_stream
+
+    pushed, released = set(), []
+    monkeypatch.setenv(expert_stream.REGISTER_THREADS_ENV, str(n_threads))
+    monkeypatch.setattr(gpu, "driver", lambda: pushed.add(threading.get_ident()))
+    monkeypatch.setattr(gpu, "release_thread",
+                        lambda: released.append(threading.current_thread().name))
 
     page = mmap.PAGESIZE
     path = tmp_path / "weights"
@@ -734,6 +744,11 @@ def test_the_model_file_is_registered_in_chunks_and_copies_cut_at_their_ends(mon
     held = expert_stream._register_in_place(arrays)
     first = root.ctypes.data // page * page
     last = -(-(root.ctypes.data + root.nbytes) // page) * page
+    assert [r.address for r in held] == sorted(a for a, _ in calls)  # in the file's order
+    calls.sort()
+    if n_threads > 1:
+        assert sorted(released) == [f"fermijit-register-{n}" for n in range(n_threads)]
+        assert len(pushed) <= n_threads + 1
     assert len(held) == len(calls) == -(-(last - first) // (3 * page)) > 2
     assert calls[0][0] == first and calls[-1][0] + calls[-1][1] == last
     assert all(a % page == 0 and n <= 3 * page for a, n in calls)

@@ -1,12 +1,14 @@
 """Issue 28 item 4 (start to ready <= 3 s with a warm kernel cache, the model in the page cache):
 `serve` started in fresh processes (run by tests/gpu_start_bench.sh on the GPU host; it runs on
 the CPU too, where the GPU modes report no GPU). A first start fills the kernel cache (reported
-as "first"), then ROUNDS interleaved rounds of three modes:
+as "first"), then ROUNDS interleaved rounds of the modes (START_MODES; default these three):
   - default:  `serve --gpu-mem 6G --verbose` (--prefill auto: the GPU's preparation on a thread
               beside the load's tail and the CPU kernels' warm-up);
-  - after:    the same with the GPU's preparation after the warm-up (hybrid.preparing replaced by
-              a sequential one): each part's time without the other beside it;
-  - cpu:      `serve --prefill cpu` (no GPU at all).
+  - pycuda:   the same the way it was before the driver-API path (ENV: pycuda's module loads
+              and page-locking, one registering thread, Python's switch interval);
+  - cpu:      `serve --prefill cpu` (no GPU at all);
+  and on request (START_MODES=a,b,...): switch0, register1 (ENV), after (the GPU's preparation
+  after the warm-up: hybrid.preparing replaced by a sequential one).
 Each start: seconds from Popen to "serving", the server's "ready in" line (load, kernels, the
 GPU's seconds and when it began) and "gpu prefill ready" line (driver, experts, dense weights,
 2-token pass, its module loads), then one 64-token request's time to first token and a second
@@ -34,7 +36,15 @@ from tests.fermijit.server import start_profile
 from tests.fermijit.server.test_serve_gpu import GPU_MEM
 
 ROUNDS = 3
-MODES = ("default", "after", "cpu")
+# START_MODES (comma-separated) picks the modes; default these three.
+MODES = ("default", "pycuda", "cpu")
+# Each mode's environment beside the command's: "pycuda" is the GPU's start as it was before the
+# driver-API path (pycuda's module loads and page-locking, which keep the GIL; one registering
+# thread; Python's own switch interval); "switch0" the driver path with Python's own interval.
+ENV = {"pycuda": {"FERMIJIT_GPU_LAUNCH": "pycuda", "FERMIJIT_START_SWITCH_S": "0",
+                  "FERMIJIT_REGISTER_THREADS": "1"},
+       "switch0": {"FERMIJIT_START_SWITCH_S": "0"},
+       "register1": {"FERMIJIT_REGISTER_THREADS": "1"}}
 
 # `after`: the GPU's preparation once the CPU kernels are warm (the path serve takes without the
 # omp threading layer), in the same process layout as `python -m fermijit`.
@@ -43,12 +53,16 @@ import contextlib, sys, time
 from fermijit.prefill import hybrid
 
 @contextlib.contextmanager
-def after(prefiller):
+def after(prefiller, then=None):
     result = {}
     yield result
     if not isinstance(prefiller, hybrid.CpuPrefiller):
         start = result["started"] = time.perf_counter()
         result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
+        if then is not None and result["seconds"] is not None:
+            start = time.perf_counter()
+            result["then"] = then()
+            result["then_s"] = time.perf_counter() - start
 
 hybrid.preparing = after
 sys.argv[0] = "fermijit"
@@ -68,9 +82,12 @@ def command(model_dir: Path, mode: str, python_flags: tuple = ()) -> list[str]:
 def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
           requests: bool = True) -> dict:
     """One start: its figures (see the module's doc), its stderr appended to `log`."""
+    import os
+
     t0 = time.perf_counter()
     proc = subprocess.Popen(command(model_dir, mode, python_flags), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **ENV.get(mode, {})})
     lines, url, row = [], None, {"mode": mode}
     for line in proc.stderr:
         lines.append(line)
@@ -119,6 +136,11 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
             m = re.match(r"(.+?) ([\d.]+) s$", part)
             if m:
                 row["gpu: " + m.group(1)] = float(m.group(2))
+    # The requests' GPU passes (--verbose): the first's against the second's, phase by phase
+    passes = [ln.split(": ", 1)[1] for ln in text.splitlines()
+              if ln.startswith("gpu prefill of ") and ": " in ln]
+    for name, line in zip(("first_request_gpu", "second_request_gpu"), passes):
+        row[name] = line
     row["said"] = [ln.strip() for ln in text.splitlines()
                    if "ready" in ln or "unavailable" in ln or "Error" in ln][:6]
     if "request_error" in row:
@@ -196,37 +218,73 @@ def register_probe(model_dir: Path, chunk: int | None = None) -> str:
             f"{n_during} (then {n_after} in as long)")
 
 
-KEYS = ("serving_s", "ready_s", "load", "kernels", "gpu prefill", "gpu prefill from",
+KEYS = ("serving_s", "ready_s", "load", "kernels", "gpu prefill", "gpu prefill from", "gpu room",
         "gpu: driver", "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
         "gpu: kernels (2-token pass)", "gpu: of which module loads", "first_request_s",
         "second_request_s", "gpu_tokens")
 
 
 def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
+    import os
+
+    modes = tuple(os.environ.get("START_MODES", ",".join(MODES)).split(","))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "start-bench.log"
     first = start(model_dir, "default", log)
-    rows = {mode: [] for mode in MODES}
+    rows = {mode: [] for mode in modes}
     for r in range(rounds):
-        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             rows[mode].append(start(model_dir, mode, log))
-    slow = imports(model_dir, log)
+    slow = imports(model_dir, log) if os.environ.get("START_IMPORTS", "1") != "0" else []
     (out / "start-bench.json").write_text(json.dumps({"first": first, "rounds": rows},
                                                      indent=1))
     print(f"first start (kernel cache filled as it goes): serving after "
           f"{first.get('serving_s', float('nan')):.2f} s; {' | '.join(first['said'][:3])}")
-    errors = [r["request_error"] for m in MODES for r in rows[m] if "request_error" in r]
+    errors = [r["request_error"] for m in modes for r in rows[m] if "request_error" in r]
     if errors:
         print(f"{len(errors)} start(s) failed a request, e.g. {errors[0]}")
-    print(f"medians of {rounds} fresh starts per mode (seconds):")
-    print(f"{'':30s}" + "".join(f"{m:>10s}" for m in MODES))
+    for m in modes:  # the last round's GPU passes of the two requests, where there were some
+        last = rows[m][-1] if rows[m] else {}
+        for name in ("first_request_gpu", "second_request_gpu"):
+            if name in last:
+                print(f"{m} {name}: {last[name]}")
+    print(f"medians of {rounds} fresh starts per mode (seconds; each mode's env: "
+          f"{ {m: ENV[m] for m in modes if m in ENV} }):")
+    print(f"{'':30s}" + "".join(f"{m:>10s}" for m in modes))
     for key in KEYS:
-        values = [[row[key] for row in rows[m] if key in row] for m in MODES]
+        values = [[row[key] for row in rows[m] if key in row] for m in modes]
         if any(values):
             print(f"{key:30s}" + "".join(f"{statistics.median(v):10.2f}" if v else f"{'-':>10s}"
                                          for v in values))
-    print("slowest top-level imports (-X importtime, default start): "
-          + ", ".join(f"{name} {s:.2f}" for s, name in slow[:8]))
+    if slow:
+        print("slowest top-level imports (-X importtime, default start): "
+              + ", ".join(f"{name} {s:.2f}" for s, name in slow[:8]))
+
+
+def register_threads_probe(model_dir: Path) -> str:
+    """Seconds to register the model file's expert pages as serve does
+    (expert_stream._register_in_place, REGISTER_CHUNK_BYTES chunks) on 1, 2, 4 and 8 threads,
+    each registration dropped (unregistered) before the next."""
+    import gc
+    import os
+
+    from fermijit.jit import gpu
+    from fermijit.prefill import expert_stream
+
+    if gpu.unavailable_reason() is not None:
+        return f"register threads probe: no GPU ({gpu.unavailable_reason()})"
+    gpu.driver()
+    root = np.memmap(model_dir / "model.safetensors", np.uint8, "r")
+    said = []
+    for n in (1, 2, 4, 8):
+        os.environ[expert_stream.REGISTER_THREADS_ENV] = str(n)
+        t0 = time.perf_counter()
+        held = expert_stream._register_in_place([(root,)])
+        took = time.perf_counter() - t0
+        said.append(f"{n} thread(s) {took:.2f} s{'' if held else ' (refused)'}")
+        del held
+        gc.collect()
+    return "register threads probe (the whole file, serve's chunks): " + ", ".join(said)
 
 
 if __name__ == "__main__":
@@ -235,5 +293,6 @@ if __name__ == "__main__":
 
         print(register_probe(Path(sys.argv[2])))
         print(register_probe(Path(sys.argv[2]), expert_stream.REGISTER_CHUNK_BYTES))
+        print(register_threads_probe(Path(sys.argv[2])))
         sys.exit()
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS)

@@ -351,3 +351,72 @@ def test_a_cpu_server_pools_nothing(engine, prompts, alone):  # noqa: F811
         assert [text(r) for r in at_once(url, prompts)] == alone
         scheduler.gdn_pool.wait()
         assert scheduler.gdn_pool.free == [] and scheduler.gdn_pool.capacity == 0
+
+
+class Locking(Reserving):
+    """As `Reserving`, counting its calls and handing out its own "page-locked" blocks."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.reserved, self.blocks = [], []
+
+    def reserve(self, n_sequences):
+        self.reserved.append(n_sequences)
+
+    def host_memory(self, nbytes):
+        self.blocks.append(np.full(nbytes, 0xFF, np.uint8))  # poisoned: fill zeroes it
+        return self.blocks[-1]
+
+
+def test_ready_to_serve_makes_the_room_and_the_pool_before_the_scheduler_starts(engine):
+    """scheduler.ready_to_serve (serve calls it on the GPU's thread as it starts): the prefiller's
+    room for a batch and a pool of max_batch states in its memory, zeroed; a scheduler given it
+    neither reserves nor fills again (the first request waited for them, ~1 GB page-locked at
+    full size); nothing for the CPU's prefiller."""
+    from fermijit.prefill.hybrid import CpuPrefiller
+    from fermijit.server.scheduler import Scheduler, ready_to_serve
+
+    assert ready_to_serve(CpuPrefiller(engine.model), engine.model, 4) is None
+    prefiller = Locking(engine.model)
+    pool = ready_to_serve(prefiller, engine.model, 3)
+    assert prefiller.reserved == [3] and len(prefiller.blocks) == 3
+    assert len(pool.free) == 3 * pool.n_layers
+    assert all(not a.any() for s in pool.free for a in s.arrays)
+    blocks = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in prefiller.blocks]
+    assert all(any(lo <= a.ctypes.data < hi for lo, hi in blocks)
+               for s in pool.free for a in s.arrays)
+    before, engine.prefiller = engine.prefiller, prefiller
+    try:
+        scheduler = Scheduler(engine, max_batch=3, gdn_pool=pool)
+        scheduler.start()
+        scheduler.stop()
+    finally:
+        engine.prefiller = before
+    assert scheduler.gdn_pool is pool and prefiller.reserved == [3]
+    assert len(prefiller.blocks) == 3
+
+
+def test_preparing_runs_then_after_a_prepared_gpu_only():
+    """hybrid.preparing's `then`: after prepare() succeeds (its result and seconds kept), not
+    after it fails; a `then` that raises is said and left out."""
+    from fermijit.prefill import hybrid
+
+    class Prefiller:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def prepare(self):
+            return self.ok
+
+    for ok in (True, False):
+        with hybrid.preparing(Prefiller(ok), lambda: "made") as result:
+            pass
+        assert (result.get("then"), "then_s" in result) == (("made", True) if ok else
+                                                             (None, False))
+
+    def bad():
+        raise RuntimeError("cuMemHostAlloc failed: out of memory (test)")
+
+    with hybrid.preparing(Prefiller(True), bad) as result:
+        pass
+    assert "then" not in result and result["seconds"] is not None
