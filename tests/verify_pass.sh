@@ -22,6 +22,10 @@ step() { echo "[$((SECONDS - start)) s] $*" | tee -a "$log"; }
 { lscpu | head -20; free -g; uptime; git log --oneline -1 2>/dev/null; } >>"$log" 2>&1
 [ -f "$model/fermijit.json" ] || $py -m fermijit synth qwen3.6-35b-a3b-reap128 "$model" >>"$log" 2>&1
 step "model ready ($model), threads $threads"
+# compiles into the cache (a machine whose cache is cold: a few minutes more than the < 4 above)
+timeout 300 $py -m fermijit bench decode --model "$model" --speculative mtp --prompts 1 \
+  --prompt-tokens 8 --tokens 4 --threads "$threads" >>"$log" 2>&1 || step "warm-up failed"
+step "kernels compiled"
 for r in $(seq 1 "${ROUNDS:-3}"); do
   timeout 100 $py -m fermijit bench decode --model "$model" --speculative mtp --prompts 1 \
     --prompt-tokens 32 --tokens 16 --threads "$threads" --json >"$out/spec-r$r.json" 2>>"$log" \
