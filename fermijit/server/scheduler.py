@@ -155,13 +155,13 @@ class GpuJob:
             self.done.set()
 
 
-def ready_to_serve(prefiller, model, max_batch: int) -> GdnPool | None:
+def ready_to_serve(prefiller, model, max_batch: int, on_pool=None) -> GdnPool | None:
     """Where `prefiller` prefills on the GPU: its page-locked hand-off room for a batch of
     `max_batch` prompts, and a pool of `max_batch` sequences' GDN states in page-locked memory
     (the hand-off writes them by DMA in place); None elsewhere (the CPU's prefill pools none).
     Made on the scheduler's thread before its first request, a fresh server's first request
     waited for them (~1 GB page-locked at full size); serve makes them as it starts, on the
-    GPU's thread (fermijit/server/run.py)."""
+    GPU's thread (fermijit/server/run.py). `on_pool(pool)` before the pool is filled."""
     reserve = getattr(prefiller, "reserve", None)
     if reserve is None:
         return None
@@ -169,6 +169,8 @@ def ready_to_serve(prefiller, model, max_batch: int) -> GdnPool | None:
     if not prefiller.prepare():
         return None
     pool = GdnPool(model, max_batch)
+    if on_pool is not None:
+        on_pool(pool)
     pool.fill(max_batch, getattr(prefiller, "host_memory", None))  # page-locked: DMA in place
     return pool
 
@@ -261,12 +263,10 @@ class Scheduler:
             gpu.release_thread()  # the GPU prefill ran on this thread
 
     def _serve(self) -> None:
-        if not self._is_pool_ready:
-            made: list = []
-            self._guarded(lambda: made.append(ready_to_serve(
-                self.engine.prefiller, self.engine.model, self.max_batch)), "prefilling")
-            if made and made[0] is not None:
-                self.gdn_pool = made[0]
+        if not self._is_pool_ready:  # the pool in place before it fills, as before
+            self._guarded(lambda: ready_to_serve(
+                self.engine.prefiller, self.engine.model, self.max_batch,
+                on_pool=lambda pool: setattr(self, "gdn_pool", pool)), "prefilling")
         while self._is_running:
             self._admit()
             self._collect_gpu_job()
