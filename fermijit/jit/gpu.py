@@ -138,14 +138,8 @@ def check(what: str, rendered: ptx.Rendered | None = None, log: list[str] | None
     try:
         yield
     except cuda.Error as e:
-        detail = " ".join(log or [])
-        if rendered is not None:
-            print(f"--- {rendered.label} ---\n{ptx.numbered(rendered.text)}", file=sys.stderr)
-            if detail:
-                print(detail, file=sys.stderr)
-        where = rendered.label if rendered is not None else "GPU"
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FermijitError(f"{where}: {what} failed: {msg} {detail}".strip()) from e
+        raise _failure(what, msg, rendered, log) from e
 
 
 # Modules per context, then per (template, parameters): PTX is JIT-compiled once per context.
@@ -266,13 +260,19 @@ def driver_error(what: str, call: str, rc: int, rendered: ptx.Rendered | None = 
                  log: list[str] | None = None) -> FermijitError:
     """The FermijitError `check` makes of a pycuda error, for a driver call through ctypes that
     returned `rc` (the PTX and the JIT log on stderr as there)."""
+    return _failure(what, _error_text(call, rc), rendered, log)
+
+
+def _failure(what: str, msg: str, rendered: ptx.Rendered | None, log: list[str] | None):
+    """The one-line FermijitError of a failed GPU call; the PTX with line numbers and the JIT
+    log on stderr, where a module was being loaded, so they can be read."""
     detail = " ".join(log or [])
     if rendered is not None:
         print(f"--- {rendered.label} ---\n{ptx.numbered(rendered.text)}", file=sys.stderr)
         if detail:
             print(detail, file=sys.stderr)
     where = rendered.label if rendered is not None else "GPU"
-    return FermijitError(f"{where}: {what} failed: {_error_text(call, rc)} {detail}".strip())
+    return FermijitError(f"{where}: {what} failed: {msg} {detail}".strip())
 
 
 class _DriverModule:
