@@ -212,6 +212,13 @@ def _down_share(thread, n_threads, args, counter):
     n_mats = down[0][2].size + down[0][3].shape[0]
     least = omp.least_units(n_mats * (qs0.shape[2] + 2 * d0.shape[2]) * len(down))
     g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS)
+    if g0 >= g1:
+        return
+    gates = np.empty(len(combine), np.float32)  # each token's, once a thread, not once a run
+    n = 0
+    for c in combine:
+        gates[n] = _shared_gate_kernel(c[0], c[4])
+        n += 1
     while g0 < g1:
         per = (g1 - g0) // ROWS
         for i in range(n_mats):
@@ -222,11 +229,12 @@ def _down_share(thread, n_threads, args, counter):
                     spread_tile(w, s, xq, dx, xsum8, out, g0 + j, i, i, per)
                 for r in range(g0 + per * ROWS, g1):
                     one_by_1(w, s, xq, dx, xsum8, out, r, i, i)
+        n = 0
         for c in combine:
             x, idx, weights, routed, w_sg, out = c
             k = idx.size
-            _weighted_range(routed[:k], weights, routed[k], _shared_gate_kernel(x, w_sg), out,
-                            g0, g1)
+            _weighted_range(routed[:k], weights, routed[k], gates[n], out, g0, g1)
+            n += 1
         g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS)
 
 
