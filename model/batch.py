@@ -94,9 +94,12 @@ class BatchWorkspace:
         self.ids = np.empty((B, model.top_k), np.int32)
         self.weights = np.empty((B, model.top_k), f)
         self.logits = np.empty((B, model.vocab_size), f)
-        # A verify step's few rows take decode's own MoE kernel (decode_rows): one each.
-        self.moe_scratches = [moe.Scratch.make(model.layers[0].experts, model.top_k)
-                              for _ in range(B)]
+        # A verify step's few rows: decode's fused MoE for one, the rows launch (the union of
+        # their experts) for more (decode_rows).
+        experts = model.layers[0].experts
+        self.moe_scratch = moe.Scratch.make(experts, model.top_k)
+        self.moe_rows = (moe.RowsScratch.make(experts, model.top_k, B)
+                         if B > 1 and self.moe_scratch.is_fused else None)
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
@@ -287,17 +290,16 @@ def attention_rows_steps(model: Model, mixer, kv: KvCache, ws: BatchWorkspace,
 
 def moe_rows_steps(ws: BatchWorkspace, experts) -> list:
     """The plan's MoE of ws's rows (ws.xn, routed into ws.ids, ws.weights) into ws.y: every row
-    in one call of decode's fused kernel (moe.rows_launch: each row its decode's bits, the
-    shared expert read once), or row by row where it does not take the model."""
+    in one call (moe.rows_launch: the union of the rows' experts, each read once; each row its
+    decode's bits), one row by decode's fused kernel, or row by row where the rows launch does
+    not take the model."""
     rows = [slice(b, b + 1) for b in range(ws.n_seqs)]
-    if ws.moe_scratches[0].is_fused:
-        return [("moe.decode", *moe.rows_launch(
-            [ws.xn[r] for r in rows], ws.act_rows, [ws.ids[r] for r in rows],
-            [ws.weights[r] for r in rows], experts, [ws.y[r] for r in rows],
-            ws.moe_scratches))]
+    if ws.moe_rows is not None:
+        return [("moe.decode", *moe.rows_launch(ws.xn, ws.act, ws.ids, ws.weights, experts,
+                                                ws.y, ws.moe_rows))]
     return [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
                                               ws.weights[r], experts, ws.y[r],
-                                              ws.moe_scratches[0])) for b, r in enumerate(rows)]
+                                              ws.moe_scratch)) for b, r in enumerate(rows)]
 
 
 def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves", g: int):

@@ -25,7 +25,8 @@ from numba import prange
 from fermijit import FermijitError
 from fermijit.jit.checks import check_array, output
 from fermijit.jit import mathf, omp
-from fermijit.jit.cpu import decode_isa, kernel
+from fermijit.jit import simd
+from fermijit.jit.cpu import bind, decode_isa, kernel
 from fermijit.ops import expert_matmul, matvec
 from fermijit.ops.gemm import prefetch_bytes
 from fermijit.ops.matvec import Q8Act
@@ -315,31 +316,24 @@ def decode_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch):
     expert has shapes of its own."""
     if not s.is_fused:
         return _launches, (x, act, ids, weights, w, out, s)
-    return rows_launch([x], [act], [ids], [weights], w, [out], [s])
+    return _token_launch(x, act, ids, weights, w, out, s)
 
 
-def rows_launch(xs, acts, ids, weights, w: MoeWeights, outs, scratches):
-    """`decode_launch` of a few tokens in one call (a verify step's rows, model/batch.py): per
-    token its x [1, H], act, ids, weights [1, k], out [1, H] and Scratch (its own: the tokens'
-    blocks are in flight together), each token bit for bit its decode; the fused kernel only
-    (Scratch.is_fused), whose forks take the tokens' same blocks in turn."""
+def _token_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch):
+    """The fused kernel's arguments for one token (decode_launch's)."""
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    gate_up, down, combine = [], [], []
-    for x, act, idx, wt, out, s in zip(xs, acts, ids, weights, outs, scratches):
-        if not s.is_fused:
-            raise FermijitError("moe: a shared expert of other shapes has no fused rows launch")
-        # moe's checks cover the weights: the prepared launches check only what each call adds.
-        if s.act_h is None or s.act_h.vec is not act.vec:
-            s.act_h = matvec.quantize_act(s.h, act.vec.isa)
-        v, h = act.vec, s.act_h
-        half = matvec.simd.HALF_OF.get(v.isa)
-        gate_up.append((w.gate_up_qs, gu_bits, idx[0], w.shared_gate_up_qs, shared_gu_bits,
-                        act.xq, act.dx, act.xsum8, s.gu, s.h, h.xq, h.dx, h.xsum8, v.lanes,
-                        matvec.blocks_per_step(v), half.lanes if half else 0))
-        down.append((w.down_qs, down_bits, idx[0], w.shared_down_qs, shared_down_bits, h.xq,
-                     h.dx, h.xsum8, s.routed))
-        combine.append((x[0], idx[0], wt[0], s.routed, w.shared_gate, out[0]))
-    return _fused_kernel(acts[0].vec.isa), (tuple(gate_up), tuple(down), tuple(combine))
+    # moe's checks cover the weights: the prepared launches check only what each call adds.
+    if s.act_h is None or s.act_h.vec is not act.vec:
+        s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+    v, h = act.vec, s.act_h
+    half = matvec.simd.HALF_OF.get(v.isa)
+    gate_up = (w.gate_up_qs, gu_bits, ids[0], w.shared_gate_up_qs, shared_gu_bits, act.xq,
+               act.dx, act.xsum8, s.gu, s.h, h.xq, h.dx, h.xsum8, v.lanes,
+               matvec.blocks_per_step(v), half.lanes if half else 0)
+    down = (w.down_qs, down_bits, ids[0], w.shared_down_qs, shared_down_bits, h.xq, h.dx,
+            h.xsum8, s.routed)
+    combine = (x[0], ids[0], weights[0], s.routed, w.shared_gate, out[0])
+    return _fused_kernel(act.vec.isa), ((gate_up,), (down,), (combine,))
 
 
 def _launches(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
@@ -354,6 +348,228 @@ def _launches(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> No
     matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
     matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
     _combine(s.routed, weights[0], s.shared[0], x[0], w.shared_gate, out[0])
+
+
+# --- a verify step's few tokens: their experts' union, each expert read once ----------------------
+#
+# Decode's fused kernel over a verify step's R tokens read each token's experts in turn: an expert
+# two tokens chose was streamed from memory twice, and each token's rows dotted one activation a
+# weight load. Here the launch first makes the union of the tokens' experts (the shared expert
+# last, chosen by every token); its units are (union expert, block of rows), and each weight row
+# is loaded once for every token that chose the expert: two tokens' activations against the same
+# weight block in one tile (matvec's few-token tile of 2 tokens, `spread_pair`; vpdpbusd where
+# the few-token products take it), a lone token's through decode's tile. Every (row, token) is
+# the one-token tile's value, so each token keeps decode's bits. Token t's rows of union expert u
+# live at row u·R + t of the scratch (gu, h, its quantisation, the down outputs).
+
+
+@kernel
+def _union_of(ids, n_experts, union, chosen, slots):
+    """The union of the tokens' experts in order of first choice: union[:U] their ids, chosen[u,
+    t] whether token t chose union[u] (row U, the shared expert: every token), slots[t, j] the
+    union position of token t's j-th choice. Returns U."""
+    n_tok, top_k = ids.shape
+    n_union = 0
+    for t in range(n_tok):
+        for j in range(top_k):
+            e = ids[t, j]
+            if e < 0 or e >= n_experts:
+                raise IndexError("expert index out of range")
+            u = 0
+            while u < n_union and union[u] != e:
+                u += 1
+            if u == n_union:
+                union[u] = e
+                chosen[u, :] = 0
+                n_union += 1
+            chosen[u, t] = 1
+            slots[t, j] = u
+    chosen[n_union, :] = 1
+    return n_union
+
+
+@kernel(fastmath=False)
+def _weighted_gather(routed, n_tok, t, slots, weights, shared_row, gate, y, j0, j1):
+    """`_weighted_range` of token t of the union launch (its routed rows at routed[slots[i] · n_tok
+    + t], the shared expert's at routed[shared_row]): the same operations in the same order, so
+    each element has decode's bits."""
+    sh = routed[shared_row]
+    for j in range(j0, j1):
+        y[j] = gate * sh[j]
+    for i in range(weights.size):
+        w_i, r_i = weights[i], routed[slots[i] * n_tok + t]
+        for j in range(j0, j1):
+            y[j] = y[j] + w_i * r_i[j]
+
+
+def _union_gate_up_share(thread, n_threads, args, counter):
+    """`_gate_up_share` over the union: a thread's claimed runs of (union expert, 32-block of h)
+    units, each block's 32 gate and 32 up rows loaded once for the tokens that chose the expert
+    (two consecutive ones in one `spread_pair` tile), then each such token's SwiGLU and
+    quantisation of the block."""
+    (qs, d, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
+     half_lanes), idx, chosen = args
+    n_tok, n_inter = xq.shape[0], h.shape[1]
+    per_row = n_inter // 32
+    n_units = (idx.size + sqs.shape[0]) * per_row
+    least = omp.least_units(64 * (qs.shape[2] + 2 * d.shape[2]))
+    first, last = omp.first_run(counter, thread, n_threads, n_units, least, 1)
+    while first < last:
+        for unit in range(first, last):
+            i = unit // per_row
+            b = unit - i * per_row
+            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+            for j in range(b * 32, b * 32 + 32):
+                t = 0
+                while t < n_tok:
+                    o = i * n_tok + t
+                    if chosen[i, t] == 0:
+                        t += 1
+                    elif t + 1 < n_tok and chosen[i, t + 1] != 0:
+                        spread_pair(w, s, xq, dx, xsum8, gu, j, t, o, n_inter)  # rows j, I + j
+                        if ROWS == 1:
+                            spread_pair(w, s, xq, dx, xsum8, gu, n_inter + j, t, o, n_inter)
+                        t += 2
+                    else:
+                        spread_tile(w, s, xq, dx, xsum8, gu, j, t, o, n_inter)
+                        if ROWS == 1:
+                            spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, t, o, n_inter)
+                        t += 1
+            for t in range(n_tok):
+                if chosen[i, t] != 0:
+                    o = i * n_tok + t
+                    swiglu_range(gu[o], h[o], b * 32, b * 32 + 32)
+                    matvec.quantize_blocks(h[o], hq[o], hdx[o], hxsum8[o], b, b + 1, lanes,
+                                           step_blocks, half_lanes)
+        first, last = omp.next_run(counter, thread, n_threads, n_units, least, 1)
+
+
+def _union_down_share(thread, n_threads, args, counter):
+    """`_down_share` over the union: a thread's claimed runs of rows of every union matrix (each
+    row loaded once for the tokens that chose it, as `_union_gate_up_share`), then each token's
+    combination of those rows (`_weighted_gather`)."""
+    (qs, d, sqs, sd, hq, hdx, hxsum8, routed), idx, chosen, (x, weights, w_sg, out), slots = args
+    n_tok, n_rows = x.shape[0], qs.shape[1]
+    n_mats = idx.size + sqs.shape[0]
+    least = omp.least_units(n_mats * (qs.shape[2] + 2 * d.shape[2]))
+    g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS)
+    if g0 >= g1:
+        return
+    gates = np.empty(n_tok, np.float32)  # each token's, once a thread, not once a run
+    for t in range(n_tok):
+        gates[t] = _shared_gate_kernel(x[t], w_sg)
+    while g0 < g1:
+        per = (g1 - g0) // ROWS
+        for i in range(n_mats):
+            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+            t = 0
+            while t < n_tok:
+                o = i * n_tok + t
+                if chosen[i, t] == 0:
+                    t += 1
+                elif t + 1 < n_tok and chosen[i, t + 1] != 0:
+                    for j in range(per):
+                        spread_pair(w, s, hq, hdx, hxsum8, routed, g0 + j, o, o, per)
+                    for r in range(g0 + per * ROWS, g1):
+                        pair_by_1(w, s, hq, hdx, hxsum8, routed, r, o, o)
+                    t += 2
+                else:
+                    for j in range(per):
+                        spread_tile(w, s, hq, hdx, hxsum8, routed, g0 + j, o, o, per)
+                    for r in range(g0 + per * ROWS, g1):
+                        one_by_1(w, s, hq, hdx, hxsum8, routed, r, o, o)
+                    t += 1
+        for t in range(n_tok):
+            _weighted_gather(routed, n_tok, t, slots[t], weights[t], idx.size * n_tok + t,
+                             gates[t], out[t], g0, g1)
+        g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS)
+
+
+def _union_body(gate_up, down, combine, union):
+    """A verify step's few tokens' MoE in one dispatch: their experts' union (`_union_of`), then
+    the gate_up and down launches over it (each with the SwiGLU, the quantisation, the
+    combination in its shares, as `_fused_body`)."""
+    ids, union_ids, chosen, slots = union
+    n_union = _union_of(ids, gate_up[0].shape[0], union_ids, chosen, slots)
+    idx = union_ids[:n_union]
+    fork_gate_up((gate_up, idx, chosen))
+    fork_down((down, idx, chosen, combine, slots))
+
+
+_union_kernels: dict = {}  # Isa -> the kernel, made on first use
+
+
+def _union_kernel(isa):
+    if isa not in _union_kernels:
+        pair_v = matvec._few_tokens_vec(isa) or simd.VEC_OF[isa]  # the few-token products'
+        forks = {}
+        for name, share, rows in (
+                ("gate_up", _union_gate_up_share, matvec.GEMV_STREAMS[isa]),  # rows j, I + j
+                ("down", _union_down_share, matvec.gemv_shape(isa)[0])):
+            variant, tiles = matvec._tiles(isa, (rows, 1), matvec.Q4_0)
+            variant += f"-moe-union-{name}-pair-{pair_v.isa.label}{pair_v.nbytes * 8}"
+            tiles.update(spread_pair=matvec._make_tile(matvec.Q4_0, pair_v, rows, 2, True),
+                         pair_by_1=matvec._make_tile(matvec.Q4_0, pair_v, 1, 2))
+            forks[f"fork_{name}"] = omp.fork(bind(share, variant, **tiles), chunked=True)
+        # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
+        _union_kernels[isa] = kernel(_union_body, fastmath=False, variant=variant + "-union",
+                                     **forks)
+    return _union_kernels[isa]
+
+
+@dataclass
+class RowsScratch:
+    """`rows_launch`'s buffers for R tokens, made once (a verify step's workspace): the union
+    (at most R·k routed experts, the shared one after them) and, per (union expert u, token t),
+    row u·R + t of gu, h and the down outputs."""
+
+    union: np.ndarray      # [R·k] int32
+    chosen: np.ndarray     # [R·k + 1, R] uint8
+    slots: np.ndarray      # [R, k] int64
+    gu: np.ndarray         # [(R·k + 1)·R, 2I]
+    h: np.ndarray          # [(R·k + 1)·R, I]
+    routed: np.ndarray     # [(R·k + 1)·R, H]
+    act_h: Q8Act | None = None  # made by the first launch
+
+    @classmethod
+    def make(cls, w: MoeWeights, top_k: int, n_tok: int) -> "RowsScratch":
+        n = n_tok * top_k
+        rows, f = (n + 1) * n_tok, np.float32
+        two_i, hidden = w.gate_up_d.shape[1], w.down_d.shape[1]
+        return cls(np.zeros(n, np.int32), np.zeros((n + 1, n_tok), np.uint8),
+                   np.zeros((n_tok, top_k), np.int64), np.empty((rows, two_i), f),
+                   np.zeros((rows, two_i // 2), f), np.empty((rows, hidden), f))
+
+
+def rows_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: RowsScratch):
+    """A verify step's R >= 2 tokens of one sequence in one call (model/batch.py): x [R, H], its
+    quantisation `act`, ids, weights [R, k], out [R, H]; each token bit for bit its decode
+    (`decode_launch`), each expert of the tokens' union read once for all the tokens that chose
+    it (the section above). The shared expert must have the routed experts' shapes (fused)."""
+    n_tok, top_k = ids.shape
+    if w.shared_gate_up_qs.shape[1:] != w.gate_up_qs.shape[1:] or w.shared_gate_up_qs.shape[0] != 1:
+        raise FermijitError("moe: a shared expert of other shapes has no rows launch")
+    hidden = w.shared_gate.shape[0]
+    check_array("moe", "x", x, np.float32, (n_tok, hidden))
+    check_array("moe", "out", out, np.float32, (n_tok, hidden))
+    check_array("moe", "ids", ids, np.int32, (n_tok, top_k))
+    check_array("moe", "weights", weights, np.float32, (n_tok, top_k))
+    if act.xq.shape != (n_tok, hidden) or s.slots.shape != (n_tok, top_k) \
+            or s.gu.shape[1] != w.gate_up_d.shape[1]:
+        raise FermijitError(f"moe: rows launch of {n_tok} tokens, top-{top_k}: act "
+                            f"{list(act.xq.shape)}, scratch for {list(s.slots.shape)}")
+    if s.act_h is None or s.act_h.vec is not act.vec:
+        s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
+    v, h = act.vec, s.act_h
+    half = simd.HALF_OF.get(v.isa)
+    gate_up = (w.gate_up_qs, gu_bits, w.shared_gate_up_qs, shared_gu_bits, act.xq, act.dx,
+               act.xsum8, s.gu, s.h, h.xq, h.dx, h.xsum8, v.lanes, matvec.blocks_per_step(v),
+               half.lanes if half else 0)
+    down = (w.down_qs, down_bits, w.shared_down_qs, shared_down_bits, h.xq, h.dx, h.xsum8,
+            s.routed)
+    return _union_kernel(v.isa), (gate_up, down, (x, weights, w.shared_gate, out),
+                                  (ids, s.union, s.chosen, s.slots))
 
 
 @kernel

@@ -168,34 +168,64 @@ def test_fused_decode_equals_its_launches_one_by_one(rng, isa):
         assert np.array_equal(out, want)
 
 
+ROWS_CASES = {  # (tokens, experts, hidden, inter, top-k, experts the last token shares)
+    "R2-H160-I96-shares2": (2, 16, 160, 96, 4, 2), "R2-H160-I96-same": (2, 16, 160, 96, 4, 4),
+    "R2-H160-I96-apart": (2, 16, 160, 96, 4, 0), "R3-H224-I64": (3, 12, 224, 64, 3, 1),
+    "R4-H96-I160": (4, 8, 96, 160, 3, 2), "R2-H2080-I32": (2, 8, 2080, 32, 2, 1)}
+
+
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
-@pytest.mark.parametrize("n_tok", [1, 2, 3])
-def test_fused_rows_are_decode_exactly(rng, isa, n_tok):
-    """A verify step's few tokens in one fused call (moe.rows_launch: their blocks in flight
-    together, each its own scratch) give each token bit for bit its decode, at 1 and 2
-    threads, two tokens sharing experts included."""
-    n_experts, hidden, inter, top_k = 16, 160, 96, 4
+@pytest.mark.parametrize("case", ROWS_CASES.values(), ids=ROWS_CASES.keys())
+def test_fused_rows_are_decode_exactly(rng, isa, case):
+    """A verify step's few tokens in one call (moe.rows_launch: the union of their experts, each
+    read once for the tokens that chose it) give each token bit for bit its decode, at 1 and 2
+    threads, on ragged shapes (H past the wide steps; I not a multiple of the tile's rows),
+    tokens sharing experts (all of them, none), into NaN-poisoned outputs, twice (the scratch
+    reused with other routing)."""
+    n_tok, n_experts, hidden, inter, top_k, shared = case
     w = _weights(rng, n_experts, hidden, inter, inter)
-    ids, weights = _routing(rng, n_tok, n_experts, top_k)
-    ids[-1, :2] = ids[0, 2:]  # the last token shares experts with the first
-    x = rng.standard_normal((n_tok, hidden)).astype(np.float32)
-    acts = [matvec.quantize_act(x[t:t + 1], isa) for t in range(n_tok)]
-    want = []
-    for t in range(n_tok):
-        want.append(poisoned((1, hidden)))
-        moe.decode(x[t:t + 1], acts[t], ids[t:t + 1], weights[t:t + 1], w, want[-1],
-                   moe.Scratch.make(w, top_k))
     before = numba.get_num_threads()
+    s = moe.RowsScratch.make(w, top_k, n_tok)
     try:
-        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
-            configure_threads(n)
-            out = [poisoned((1, hidden)) for _ in range(n_tok)]
-            kernel_, args = moe.rows_launch(
-                [x[t:t + 1] for t in range(n_tok)], acts, [ids[t:t + 1] for t in range(n_tok)],
-                [weights[t:t + 1] for t in range(n_tok)], w, out,
-                [moe.Scratch.make(w, top_k) for _ in range(n_tok)])
-            kernel_(*args)
+        for _ in range(2):
+            ids, weights = _routing(rng, n_tok, n_experts, top_k)
+            if shared:  # the last token shares `shared` experts with the first
+                rest = np.setdiff1d(np.arange(n_experts), ids[0])
+                ids[-1] = np.concatenate([ids[0][:shared][::-1],
+                                          rng.choice(rest, top_k - shared, replace=False)])
+            x = rng.standard_normal((n_tok, hidden)).astype(np.float32)
+            act = matvec.quantize_act(x, isa)
+            want = []
             for t in range(n_tok):
-                np.testing.assert_array_equal(out[t], want[t], err_msg=f"token {t}, {n} threads")
+                want.append(poisoned((1, hidden)))
+                moe.decode(x[t:t + 1], matvec.quantize_act(x[t:t + 1], isa), ids[t:t + 1],
+                           weights[t:t + 1], w, want[-1], moe.Scratch.make(w, top_k))
+            for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+                configure_threads(n)
+                out = poisoned((n_tok, hidden))
+                kernel_, args = moe.rows_launch(x, act, ids, weights, w, out, s)
+                kernel_(*args)
+                for t in range(n_tok):
+                    np.testing.assert_array_equal(out[t:t + 1], want[t],
+                                                  err_msg=f"token {t}, {n} threads")
+            exact = _w4a8_reference(x, ids, weights, w)
+            assert_close("moe rows vs w4a8 parts", exact, out, atol=RTOL * np.abs(exact).max(),
+                         rtol=RTOL)
     finally:
         configure_threads(before)
+
+
+def test_rows_launch_checks(rng):
+    w = _weights(rng, 8, 64, 32, 32)
+    ids, weights = _routing(rng, 2, 8, 2)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    s = moe.RowsScratch.make(w, 2, 2)
+    act = matvec.quantize_act(x)
+    with pytest.raises(FermijitError, match="scratch"):
+        moe.rows_launch(x, act, ids, weights, w, np.empty((2, 64), np.float32),
+                        moe.RowsScratch.make(w, 2, 3))
+    bad = ids.copy()
+    bad[1, 0] = 8
+    kernel_, args = moe.rows_launch(x, act, bad, weights, w, np.empty((2, 64), np.float32), s)
+    with pytest.raises(IndexError):
+        kernel_(*args)
