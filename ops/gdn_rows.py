@@ -236,7 +236,7 @@ def _recurrent_pair_deferred_head(q, k, v, g, beta, state, dst, o_0, o_1, delta,
     rollback needs it (a rejected draft): the state is read once and written once (S2 into
     `dst`, apart from `state`, through streaming stores: it is read next from memory), a
     token's traffic. The same values by the same operations as `_recurrent_pair_head`'s. delta
-    [4, dv]: d_0, d_1 and two rows' scratch."""
+    [4, dv]: d_0, d_1 and two rows' scratch (S1's and S2's row i)."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     group = Hv // Hk
@@ -271,10 +271,9 @@ def _recurrent_pair_deferred_head(q, k, v, g, beta, state, dst, o_0, o_1, delta,
         q1 = q[1, hk, i]
         kq += k1 * q1
         for j in range(dv):
-            x_row[j] = alpha0 * S[i, j] + k_i * d0[j]
-        for j in range(dv):
-            d1[j] += x_row[j] * k1
-            o1[j] += x_row[j] * q1
+            x = alpha0 * S[i, j] + k_i * d0[j]
+            d1[j] += x * k1
+            o1[j] += x * q1
     alpha1 = np.exp(g[1, h])
     for j in range(dv):
         d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])

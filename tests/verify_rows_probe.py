@@ -4,7 +4,8 @@ part cold (every layer's weights in turn), rounds interleaved, medians of the ro
 
     python -m tests.verify_rows_probe MODEL THREADS [ROUNDS]   (from the project root)
 
-Parts: the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens
+Parts: the GDN layers (a token's gdn_step; 2 rows with the state after row 0 saved, as main's
+verify step; 2 rows with that save deferred, ops.gdn_rows' terms, as this branch's); the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens
 through decode's fused kernel given both tokens, as main ran them before it: each token's
 experts read apart, the tokens' same blocks in turn), with
 random routing (the synthetic model's: ~15.5 distinct experts of 2 x 8) and with routing that
@@ -23,7 +24,7 @@ cpu.configure_threads(int(sys.argv[2]))
 
 from fermijit.model.forward import load_model  # noqa: E402 (after the thread count)
 from fermijit.model.weights import QuantTensor  # noqa: E402
-from fermijit.ops import matvec, moe, residual_rows, residual_step  # noqa: E402
+from fermijit.ops import gdn_rows, gdn_step, matvec, moe, residual_rows, residual_step  # noqa: E402
 
 ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 15
 _, model = load_model(sys.argv[1])
@@ -103,6 +104,58 @@ for overlap in (0.0, 0.5):
           f"union {u:.1f} distinct experts of 2 x {k} (+ the shared one; byte ratio "
           f"{(u * per_expert + shared_bytes) / (k * per_expert + shared_bytes):.2f})")
     report("  moe", res, len(model.layers))
+
+# --- the GDN layers ---------------------------------------------------------------------------
+C, Hk, Hv = model.conv_dim, model.n_key_heads, model.n_value_heads
+dk, dv, L2 = model.key_dim, model.value_dim, 1e-6
+gdn = [w.mixer for w, att in zip(model.layers, model.is_attention) if not att]
+gdn = (gdn * (30 // len(gdn) + 1))[:max(30, len(gdn))]  # a slice: the full size's 30 states
+proj0 = rng.standard_normal((2, C + Hv * dv)).astype(f32)
+gates0 = rng.standard_normal((2, 2 * Hv)).astype(f32)
+proj, gates = proj0.copy(), gates0.copy()
+o2 = np.empty((2, Hv, dv), f32)
+a2 = matvec.quantize_act(np.zeros((2, Hv * dv), f32), isa)
+a2_rows = [matvec.Q8Act(a2.xq[r:r + 1], a2.dx[r:r + 1], a2.xsum8[r:r + 1], a2.vec)
+           for r in range(2)]
+one = [np.empty(s_, f32) for s_ in ((1, Hk, dk), (1, Hk, dk), (1, Hv, dv), (1, Hv), (1, Hv))]
+scratch2 = gdn_rows.Scratch(2, Hk, Hv, dk, dv)
+
+
+def gdn_state():
+    conv = np.zeros((C, model.conv_taps - 1), f32)
+    rec = matvec.aligned_empty((Hv, dk, dv))
+    rec[:] = 0.01 * rng.standard_normal((Hv, dk, dv))
+    return conv, rec
+
+
+def gdn_launches(case):
+    out = []
+    for m in gdn:
+        conv, rec = gdn_state()
+        rows = [(proj[r:r + 1, :C], proj[r:r + 1, C:].reshape(1, Hv, dv), gates[r:r + 1, Hv:],
+                 gates[r:r + 1, :Hv]) for r in range(2)]
+        if case == "1 token":
+            out.append(gdn_step.launch(*rows[0], m.conv1d, conv, m.A_log, m.dt_bias, m.norm,
+                                       model.eps, L2, rec, *one, o2[:1], a2_rows[0]))
+            continue
+        save_conv, (_, save_rec) = np.empty_like(conv), gdn_state()
+        deferred = case.endswith("(deferred)")
+        terms = gdn_rows.PairTerms(Hk, Hv, dk, dv) if deferred else None
+        out.append(gdn_rows.launch(
+            *[list(x) for x in zip(*rows)], m.conv1d, [conv, save_conv], [save_conv, conv],
+            m.A_log, m.dt_bias, m.norm, model.eps, L2, [rec, rec if deferred else save_rec],
+            [rec, save_rec] if deferred else [save_rec, rec], scratch2,
+            [o2[:1], o2[1:]], a2_rows, terms))
+    return out
+
+
+def fresh_inputs(case):  # each call's conv overwrote its rows' inputs
+    proj[:] = proj0
+    gates[:] = gates0
+
+
+gdn_cases = {c: gdn_launches(c) for c in ("1 token", "2 rows (saved)", "2 rows (deferred)")}
+report(f"gdn ({len(gdn)} layers' states)", timed(gdn_cases, ROUNDS, fresh_inputs), len(gdn))
 
 # --- residual steps: every layer's router (post-norm) and a no-product step (input norm) -------
 
