@@ -10,7 +10,8 @@ tensor of its own ([1, ...]), so it is "the routed op with E = 1" (ops.expert_ma
 
 `reference` is the fp32-activation spec (ops.expert_matmul.reference, twice). `cpu` is W4A8:
 decode (T = 1) runs each projection of all selected experts as one gathered launch
-(matvec.gathered); CPU prefill (T > 1) sorts the tokens by expert once (a counting sort) and runs
+(matvec.gathered); a speculative verify step's few tokens, the union of their experts, each read
+once (`rows_launch`); CPU prefill (T > 1) sorts the tokens by expert once (a counting sort) and runs
 each projection of all experts as one grouped GEMM launch (matvec.grouped).
 """
 
@@ -170,9 +171,9 @@ def _gate_up_share(thread, n_threads, args, counter):
     at a time where the tile takes one row), then that block's SwiGLU and its quantisation for
     the down projection. So only the down launch waits for all threads, and no thread waits
     through the SwiGLU and the quantiser of every row (~11 us of a full-size layer on one thread,
-    this machine). `args` holds each token's arguments (decode: one; a verify step's rows: a
-    few), the tokens' same block in turn: the shared expert's rows are read from memory once for
-    all of them."""
+    this machine). `args` holds each token's arguments (decode: one; given several, the tokens'
+    same block in turn, each token's experts read apart: how a verify step's rows ran before
+    `rows_launch`, kept for tests/verify_rows_probe.py's comparison)."""
     n_inter = args[0][9].shape[1]
     per_row = n_inter // 32
     n_units = args[0][9].shape[0] * per_row
@@ -240,7 +241,7 @@ def _down_share(thread, n_threads, args, counter):
 
 
 def _fused_body(gate_up, down, combine):
-    """A decode token's MoE (or a verify step's few tokens', each bit for bit its decode) with
+    """A decode token's MoE (or several tokens', each bit for bit its decode: _gate_up_share) with
     the shared expert riding in the routed launches (Scratch): the gate_up launch with the
     SwiGLU and its quantisation in its shares (_gate_up_share), then the down launch with the
     combination in its shares (_down_share), in one dispatch: decode paid ~27 us of Python
