@@ -24,6 +24,16 @@ the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medi
 rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
 5), 33 with plain stores.
 
+With `terms` (PairTerms, the verify step's default since), the pair's save is deferred: the
+state after row 0 is not written at all; the source keeps S0 and row 0's terms (k_0, d_0,
+alpha_0: 24 KB a full-size layer) are kept, from which `finish_save` makes S1 in place only when
+a rollback needs it (a rejected draft), and row 1's state is streamed into another array (the
+caller swaps it in as the live one). The step then reads the state once and writes it once, a
+token's traffic (saved: read once, written twice). tests/verify_rows_probe.py, cold over 30
+full-size layers' states, 2 threads, this machine (load ~2): a token's step 361 us a layer, 2
+rows saved 575 (1.60x), deferred 539 (1.49x); the rollback to row 0 pays one more sweep of the
+state (read and written) where it happens.
+
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
 
