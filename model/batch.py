@@ -196,11 +196,6 @@ def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.nd
     if omp.in_forked_child:
         omp.check_process()
     run_steps(plan.steps)
-    if saves is not None and saves.terms and ws.n_seqs == 2:  # row 1's states went to the saves:
-        gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
-        for g, s in enumerate(gdn):  # now the live ones (_gdn_rows_step)
-            s.recurrent, saves.recurrent[0][g] = saves.recurrent[0][g], s.recurrent
-        saves.deferred = True
     state.position += ws.n_seqs
     if state.hidden is not None:  # the MTP head's inputs (model/mtp.py)
         state.hidden = np.concatenate([state.hidden, ws.xn])
@@ -315,9 +310,6 @@ def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves"
         ws.gdn_scratch = gdn_rows.Scratch(R, model.n_key_heads, Hv, model.key_dim, dv)
     conv_dst = [saves.conv[r][g] for r in range(R - 1)] + [s.conv]
     rec_dst = [saves.recurrent[r][g] for r in range(R - 1)] + [s.recurrent]
-    terms = saves.terms[g] if saves.terms and R == 2 else None
-    if terms is not None:  # row 0's state deferred (left in s.recurrent), row 1's to the save
-        rec_dst = [s.recurrent, saves.recurrent[0][g]]
     rows = [ws.gdn_in[r:r + 1] for r in range(R)]
     return ("gdn_rows.cpu", *gdn_rows.launch(
         [row[:, :C] for row in rows], [row[:, C:].reshape(1, Hv, dv) for row in rows],
@@ -325,7 +317,7 @@ def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves"
         [ws.gates_in[r:r + 1, :Hv] for r in range(R)],
         mixer.conv1d, [s.conv] + conv_dst[:-1], conv_dst, mixer.A_log, mixer.dt_bias, mixer.norm,
         model.eps, L2NORM_EPS, [s.recurrent] + rec_dst[:-1], rec_dst, ws.gdn_scratch,
-        [ws.go[r:r + 1] for r in range(R)], ws.act_gdn_rows, terms))
+        [ws.go[r:r + 1] for r in range(R)], ws.act_gdn_rows))
 
 
 def _offsets(states: list[State]) -> list[int]:
@@ -354,12 +346,6 @@ class GdnSaves:
         # cache-line aligned: ops.gdn_rows streams the saved states into them (whole lines)
         self.recurrent = [[matvec.aligned_empty(recurrent, f) for _ in range(n_gdn)]
                           for _ in range(R)]
-        # 2 rows: the save after row 0 deferred (ops.gdn_rows.PairTerms): the step leaves S0 in
-        # recurrent[0][g] and these terms (`deferred` set), a rollback to row 0 makes S1 of them.
-        self.terms = ([gdn_rows.PairTerms(model.n_key_heads, model.n_value_heads,
-                                          model.key_dim, model.value_dim) for _ in range(n_gdn)]
-                      if n_rows == 2 else [])
-        self.deferred = False
 
     @property
     def arrays(self) -> tuple:
@@ -377,10 +363,6 @@ def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: i
         return
     gdn = [s for s in state.layers[:len(model.layers)] if not isinstance(s, KvCache)]
     conv, recurrent = saves.conv[n_kept - 1], saves.recurrent[n_kept - 1]
-    if saves.deferred:  # recurrent[0] holds the step's S0: row 0's state made of it
-        for g in range(len(gdn)):
-            gdn_rows.finish_save(recurrent[g], saves.terms[g])
-        saves.deferred = False
     for g, s in enumerate(gdn):
         s.conv, conv[g] = conv[g], s.conv
         s.recurrent, recurrent[g] = recurrent[g], s.recurrent
@@ -415,4 +397,3 @@ def _gdn_steps(model: Model, mixer, gdn_states, ws: BatchWorkspace, saving=None)
             if saves[b] is not None:
                 saves[b].conv[offsets[b]][g][...] = s.conv
                 saves[b].recurrent[offsets[b]][g][...] = s.recurrent
-                saves[b].deferred = False

@@ -24,16 +24,6 @@ the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medi
 rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
 5), 33 with plain stores.
 
-With `terms` (PairTerms, the verify step's default since), the pair's save is deferred: the
-state after row 0 is not written at all; the source keeps S0 and row 0's terms (k_0, d_0,
-alpha_0: 24 KB a full-size layer) are kept, from which `finish_save` makes S1 in place only when
-a rollback needs it (a rejected draft), and row 1's state is streamed into another array (the
-caller swaps it in as the live one). The step then reads the state once and writes it once, a
-token's traffic (saved: read once, written twice). tests/verify_rows_probe.py, cold over 30
-full-size layers' states, 2 threads, this machine (load ~2): a token's step 361 us a layer, 2
-rows saved 575 (1.60x), deferred 539 (1.49x); the rollback to row 0 pays one more sweep of the
-state (read and written) where it happens.
-
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
 
@@ -71,13 +61,12 @@ def reference(mixed, z, a, b, conv_w, conv_state, A_log, dt_bias, norm_w, eps, l
 
 def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
                q_scale, rec_src, rec_dst, is_in_place, q, k, v, g, beta, o, xq, dx, xsum8, lanes,
-               step_blocks, half_lanes, terms):
+               step_blocks, half_lanes):
     for r in range(len(mixed)):
         gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
-    deltas = np.empty((v.shape[1], 4, v.shape[2]), np.float32)
+    deltas = np.empty((v.shape[1], 3, v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
-          o, deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes,
-          terms))
+          o, deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes))
     if v.shape[2] % 32:  # a 32-block spans two heads (maybe two threads'): quantised here
         for r in range(len(mixed)):
             o_r = o[r]
@@ -237,126 +226,12 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
                 D[i, j] = alpha1 * x_row[j] + k1 * d1[j]
 
 
-@kernel
-def _recurrent_pair_deferred_head(q, k, v, g, beta, state, dst, o_0, o_1, delta, h, t_k, t_d,
-                                  t_alpha):
-    """`_recurrent_pair_head` with the save deferred: the state after row 0 (S1 = alpha_0 S0 +
-    k_0 d_0^T) is not written; `state` keeps S0, and row 0's terms (k_0 of the head's key head,
-    d_0, alpha_0) go to t_k, t_d, t_alpha, from which `finish_save` makes S1 in place when a
-    rollback needs it (a rejected draft): the state is read once and written once (S2 into
-    `dst`, apart from `state`, through streaming stores: it is read next from memory), a
-    token's traffic. The same values by the same operations as `_recurrent_pair_head`'s. delta
-    [4, dv]: d_0, d_1 and two rows' scratch (S1's and S2's row i)."""
-    Hk, dk = q.shape[1], q.shape[2]
-    Hv, dv = v.shape[1], v.shape[2]
-    group = Hv // Hk
-    hk = h // group
-    S = state[h]                                                            # [dk, dv]
-    d0, d1, x_row, y_row = delta[0], delta[1], delta[2], delta[3]
-    o0, o1 = o_0[0, h], o_1[0, h]
-    d0[:] = 0
-    o0[:] = 0
-    kq = np.float32(0)
-    for i in range(dk):
-        k_i = k[0, hk, i]
-        q_i = q[0, hk, i]
-        kq += k_i * q_i
-        for j in range(dv):
-            d0[j] += S[i, j] * k_i                                          # S^T k
-            o0[j] += S[i, j] * q_i                                          # S^T q
-    alpha0 = np.exp(g[0, h])
-    for j in range(dv):
-        d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
-        o0[j] = alpha0 * o0[j] + kq * d0[j]
-    t_d[h, :] = d0
-    t_alpha[h] = alpha0
-    if h == hk * group:
-        t_k[hk, :] = k[0, hk]
-    d1[:] = 0
-    o1[:] = 0
-    kq = np.float32(0)
-    for i in range(dk):                       # S1's rows (not kept): row 1's S1^T k, S1^T q
-        k_i = k[0, hk, i]
-        k1 = k[1, hk, i]
-        q1 = q[1, hk, i]
-        kq += k1 * q1
-        for j in range(dv):
-            x = alpha0 * S[i, j] + k_i * d0[j]
-            d1[j] += x * k1
-            o1[j] += x * q1
-    alpha1 = np.exp(g[1, h])
-    for j in range(dv):
-        d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
-        o1[j] = alpha1 * o1[j] + kq * d1[j]
-    D = dst[h]
-    for i in range(dk):
-        k0 = k[0, hk, i]
-        k1 = k[1, hk, i]
-        for j in range(dv):
-            x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
-        for j in range(dv):
-            y_row[j] = alpha1 * x_row[j] + k1 * d1[j]
-        _stream_row(D, i, y_row)
-    _store_fence()
-
-
-@kernel
-def _finish_head(state, t_k, t_d, t_alpha, h):
-    """S1 = alpha_0 S0 + k_0 d_0^T of head h in place (`_recurrent_pair_deferred_head`'s row 0,
-    by the same operations: gdn_step's bits)."""
-    Hk, dk = t_k.shape
-    hk = h // (state.shape[0] // Hk)
-    S, d0, alpha0 = state[h], t_d[h], t_alpha[h]
-    x_row = np.empty(state.shape[2], np.float32)
-    for i in range(dk):
-        k_i = t_k[hk, i]
-        for j in range(x_row.size):
-            x_row[j] = alpha0 * S[i, j] + k_i * d0[j]
-        for j in range(x_row.size):
-            S[i, j] = x_row[j]
-
-
-def _finish_share(thread, n_threads, args):
-    state, t_k, t_d, t_alpha = args
-    Hv = state.shape[0]
-    for h in range(thread * Hv // n_threads, (thread + 1) * Hv // n_threads):
-        _finish_head(state, t_k, t_d, t_alpha, h)
-
-
-def _finish_body(state, t_k, t_d, t_alpha):
-    fork((state, t_k, t_d, t_alpha))
-
-
-_finish_kernel = omp.forking_kernel(_finish_body, fork=_finish_share)
-
-
-class PairTerms:
-    """Row 0's terms of a 2-row call with the save deferred (`launch`'s `terms`): k_0 [Hk, dk],
-    d_0 [Hv, dv], alpha_0 [Hv], one set a GDN layer (model/batch.py's GdnSaves)."""
-
-    def __init__(self, Hk: int, Hv: int, dk: int, dv: int):
-        f = np.float32
-        self.k, self.d, self.alpha = np.empty((Hk, dk), f), np.empty((Hv, dv), f), np.empty(Hv, f)
-
-
-NO_TERMS = (np.empty((0, 0), np.float32), np.empty((0, 0), np.float32), np.empty(0, np.float32))
-
-
-def finish_save(state, terms: PairTerms) -> None:
-    """The deferred save of a 2-row call (`launch` with `terms`): `state`, which holds S0, becomes
-    the state after row 0, bit for bit what `launch` without terms saves (what a rollback to
-    row 0 needs)."""
-    _finish_kernel()(state, terms.k, terms.d, terms.alpha)
-
-
 def _rows_share(thread, n_threads, args):
     # gdn_step._heads_share's channels and heads for each row, the rows of a head in turn, then
     # each row's gated norm and quantisation of the thread's heads (one thread quantising both
     # rows' whole outputs after the fork was ~14 us of a full-size layer).
     (mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst, o,
-     deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes,
-     terms) = args
-    t_k, t_d, t_alpha = terms
+     deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes) = args
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     nk, group = Hk * dk, Hv // Hk
@@ -371,10 +246,7 @@ def _rows_share(thread, n_threads, args):
             cd[lo:hi] = cs[lo:hi]
         gdn_step.prepare_heads(m, conv_w, cd, q_r, k_r, v_r, l2_eps, q_scale, k0, k1)
     for h in range(h0, h1):
-        if t_alpha.size:  # 2 rows, the save deferred (PairTerms)
-            _recurrent_pair_deferred_head(q, k, v, g, beta, rec_src[0], rec_dst[R - 1], o[0],
-                                          o[R - 1], deltas[h], h, t_k, t_d, t_alpha)
-        elif R == 2:
+        if R == 2:
             _recurrent_pair_head(q, k, v, g, beta, rec_src[0], rec_dst[0], rec_dst[R - 1], o[0],
                                  o[R - 1], deltas[h], h, is_in_place)
         else:
@@ -401,16 +273,12 @@ class Scratch:
 
 
 def launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
-           rec_src, rec_dst, scratch: Scratch, o, acts, terms: PairTerms | None = None):
+           rec_src, rec_dst, scratch: Scratch, o, acts):
     """The call's kernel and arguments, for a caller that repeats it (model/batch.py's verify
     plan): (kernel, args). Per row r, in lists of R: mixed [1, C] (overwritten by the conv), z
     [1, Hv, dv], a, b [1, Hv], o [1, Hv, dv] and `acts` (Q8Acts of [1, Hv·dv]) its output, the
     conv and recurrent states it starts from (src: the live state for row 0, else row r-1's
-    dst) and where its state goes (dst). Every array C-contiguous, as gdn_step's.
-
-    `terms` (2 rows): row 0's recurrent state deferred: rec_dst[0] must be rec_src[0], which
-    keeps S0 (`finish_save` with these terms makes it row 0's state), and row 1's goes to
-    rec_dst[1], another array: the state read once and written once."""
+    dst) and where its state goes (dst). Every array C-contiguous, as gdn_step's."""
     R = len(mixed)
     lists = dict(mixed=mixed, z=z, a=a, b=b, conv_src=conv_src, conv_dst=conv_dst,
                  rec_src=rec_src, rec_dst=rec_dst, o=o, acts=acts)
@@ -420,11 +288,6 @@ def launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, e
     for name in ("mixed", "z", "a", "b", "conv_src", "conv_dst", "rec_src", "rec_dst", "o"):
         if not all(x.flags.c_contiguous for x in lists[name]):
             raise FermijitError(f"gdn_rows: {name} rows must be C-contiguous")
-    if terms is not None and (R != 2 or rec_dst[0] is not rec_src[0]
-                              or rec_dst[1].ctypes.data == rec_src[0].ctypes.data
-                              or terms.d.shape != rec_src[0].shape[::2]):
-        raise FermijitError("gdn_rows: a deferred save takes 2 rows, row 0's state left in its "
-                            "source and row 1's apart, terms of the state's heads")
     v_ = acts[0].vec
     half = matvec.simd.HALF_OF.get(v_.isa)
     return _rows_kernel(), (
@@ -434,14 +297,13 @@ def launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, e
         rec_dst[-1].ctypes.data == rec_src[0].ctypes.data, scratch.q,
         scratch.k, scratch.v, scratch.g, scratch.beta, tuple(o), tuple(x.xq for x in acts),
         tuple(x.dx for x in acts), tuple(x.xsum8 for x in acts), v_.lanes,
-        matvec.blocks_per_step(v_), half.lanes if half else 0,
-        NO_TERMS if terms is None else (terms.k, terms.d, terms.alpha))
+        matvec.blocks_per_step(v_), half.lanes if half else 0)
 
 
 def cpu(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w, eps, l2_eps,
-        rec_src, rec_dst, scratch: Scratch, o, acts, terms: PairTerms | None = None):
+        rec_src, rec_dst, scratch: Scratch, o, acts):
     """`launch`'s call, run once."""
     kernel_, args = launch(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_w,
-                           eps, l2_eps, rec_src, rec_dst, scratch, o, acts, terms)
+                           eps, l2_eps, rec_src, rec_dst, scratch, o, acts)
     kernel_(*args)
     return acts

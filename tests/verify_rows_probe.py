@@ -4,8 +4,8 @@ part cold (every layer's weights in turn), rounds interleaved, medians of the ro
 
     python -m tests.verify_rows_probe MODEL THREADS [ROUNDS]   (from the project root)
 
-Parts: the GDN layers (a token's gdn_step; 2 rows with the state after row 0 saved, as main's
-verify step; 2 rows with that save deferred, ops.gdn_rows' terms, as this branch's); the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens
+Parts: the GDN layers (a token's gdn_step; the verify step's 2 rows, the state after row 0
+saved); the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens
 through decode's fused kernel given both tokens, as main ran them before it: each token's
 experts read apart, the tokens' same blocks in turn), with
 random routing (the synthetic model's: ~15.5 distinct experts of 2 x 8) and with routing that
@@ -139,13 +139,10 @@ def gdn_launches(case):
                                        model.eps, L2, rec, *one, o2[:1], a2_rows[0]))
             continue
         save_conv, (_, save_rec) = np.empty_like(conv), gdn_state()
-        deferred = case.endswith("(deferred)")
-        terms = gdn_rows.PairTerms(Hk, Hv, dk, dv) if deferred else None
         out.append(gdn_rows.launch(
             *[list(x) for x in zip(*rows)], m.conv1d, [conv, save_conv], [save_conv, conv],
-            m.A_log, m.dt_bias, m.norm, model.eps, L2, [rec, rec if deferred else save_rec],
-            [rec, save_rec] if deferred else [save_rec, rec], scratch2,
-            [o2[:1], o2[1:]], a2_rows, terms))
+            m.A_log, m.dt_bias, m.norm, model.eps, L2, [rec, save_rec], [save_rec, rec],
+            scratch2, [o2[:1], o2[1:]], a2_rows))
     return out
 
 
@@ -154,7 +151,7 @@ def fresh_inputs(case):  # each call's conv overwrote its rows' inputs
     gates[:] = gates0
 
 
-gdn_cases = {c: gdn_launches(c) for c in ("1 token", "2 rows (saved)", "2 rows (deferred)")}
+gdn_cases = {c: gdn_launches(c) for c in ("1 token", "2 rows")}
 report(f"gdn ({len(gdn)} layers' states)", timed(gdn_cases, ROUNDS, fresh_inputs), len(gdn))
 
 # --- residual steps: every layer's router (post-norm) and a no-product step (input norm) -------

@@ -67,11 +67,9 @@ def _misaligned(shape):
     return flat[1:1 + n].reshape(shape)
 
 
-def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True, deferred=False):
+def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True):
     """gdn_rows.cpu over x's rows: the last row's state into the live one (in_place) or an array
-    of its own; the saves starting a cache line (streamed: 2 rows) or not (plain stores);
-    `deferred` (2 rows): row 0's state left in the live array, made by finish_save after the
-    call, row 1's into another (aligned or not)."""
+    of its own; the saves starting a cache line (streamed: 2 rows) or not (plain stores)."""
     x = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in x.items()}
     live_conv, live_state = x["conv_state"], x["state"]
     save_conv = poisoned((R - 1, *live_conv.shape))
@@ -80,12 +78,6 @@ def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True, deferred=False):
     conv_dst = [save_conv[r] for r in range(R - 1)] + [live_conv]
     rec_dst = [save_state[r] for r in range(R - 1)] + [live_state if in_place
                                                        else poisoned(live_state.shape)]
-    terms = None
-    if deferred:
-        terms = gdn_rows.PairTerms(Hk, Hv, dk, dv)
-        for a in vars(terms).values():
-            a[...] = np.nan
-        rec_dst = [live_state, save_state[0]]
     views = [_views(x, r, Hv, dv) for r in range(R)]
     o = poisoned((R, Hv, dv))
     acts = matvec.quantize_act(np.zeros((R, Hv * dv), np.float32))
@@ -98,9 +90,7 @@ def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True, deferred=False):
                  [v[3] for v in views], x["conv_w"], [live_conv] + conv_dst[:-1], conv_dst,
                  x["A_log"], x["dt_bias"], x["norm_w"], EPS, L2_EPS,
                  [live_state] + rec_dst[:-1], rec_dst, scratch, [o[r:r + 1] for r in range(R)],
-                 act_rows, terms)
-    if deferred:
-        gdn_rows.finish_save(rec_dst[0], terms)
+                 act_rows)
     return [o[r:r + 1] for r in range(R)], conv_dst, rec_dst, act_rows
 
 
@@ -112,16 +102,13 @@ SHAPES = {"R2-Hk2-Hv4-d32": (2, 2, 4, 32, 32), "R3-Hk3-Hv6-dk32-dv64": (3, 3, 6,
 # Where the states go: the last row's into the live state or apart; the saves' rows aligned for
 # streaming stores or not (2 rows: gdn_rows._recurrent_pair_head's paths).
 PLACES = {"in-place": (True, True), "apart": (False, True), "misaligned": (True, False),
-          "apart-misaligned": (False, False), "deferred": (True, True, True),
-          "deferred-misaligned": (True, False, True)}
+          "apart-misaligned": (False, False)}
 
 
 @pytest.mark.parametrize("place", PLACES.values(), ids=PLACES.keys())
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_rows_are_gdn_step_one_by_one(rng, shape, place):
     R, Hk, Hv, dk, dv = shape
-    if len(place) > 2 and R != 2:
-        pytest.skip("a deferred save takes 2 rows")
     x = _inputs(rng, R, Hk, Hv, dk, dv)
     want = _one_by_one(x, R, Hk, Hv, dk, dv)
     before = numba.get_num_threads()
