@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 32 item 4 (a 2-row verify step <= 1.35x a token, full-size reap128), at 16 threads on the
-# GPU machine's host, in one command of < 4 minutes: `bench decode --speculative mtp` in 3 fresh
-# processes (verify_of_decode and the split of both steps by plan label), then three probes of
-# the verify step's parts against a token's, each cold (every layer's weights in turn), medians
-# of interleaved rounds: the residual step (1 row vs 2: its serial row work, the router's fp32
-# product), the fused MoE (1 token vs 2, GB/s of the distinct experts read) and the few-token
-# products (the dense matrices and the Q8_0 LM head, 2 tokens vs the 1-token GEMV). A table last.
+# GPU machine's host, in one command of < 200 s: `bench decode --speculative mtp` in 3 fresh
+# processes (verify_of_decode: the verify step timed with its rollback to the first row, against
+# a token; the split of both steps by plan label), then tests/verify_rows_probe.py: the verify
+# step's parts against a token's, each cold (every layer's weights in turn), medians of
+# interleaved rounds: the GDN layers (a token's step vs the 2 rows), the fused MoE (1 token vs 2
+# through the union launch vs 2 through main's kernel, random routing and half the experts
+# shared, with the union's size and byte ratio), the residual steps, the few-token products and
+# the Q8_0 LM head. A table last.
 # Usage, from the project root: bash tests/verify_pass.sh OUT   (carry .device-wheels)
 # Settings: MODEL (default /dev/shm/fermijit-reap128; synthesised there if absent, ~1 min), THREADS
 # (default 16), PYTHON (default python3), ROUNDS (bench rounds, default 3).
