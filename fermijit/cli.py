@@ -896,8 +896,44 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+# `serve` with the GPU prefill (any --prefill but cpu): the CUDA driver started on a thread from
+# here, before the commands' imports (numba's ~0.4 s), by the driver API through ctypes (which
+# releases the GIL): cuInit and the device's primary context, made once per process, are then
+# found made when the GPU's preparation asks pycuda for them (issue 28 item 4: its "driver"
+# part). The context is fermijit's anyway (jit/gpu.py driver() retains the primary one); no GPU
+# or no driver: nothing happens. FERMIJIT_EARLY_DRIVER=0: not done.
+EARLY_DRIVER_ENV = "FERMIJIT_EARLY_DRIVER"
+
+
+def _start_driver() -> None:
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        if lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(device), 0) == 0:
+            lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+    except (OSError, AttributeError):
+        pass  # the GPU's preparation says why, as always
+
+
+def _start_driver_early(argv: list[str]) -> bool:
+    """Whether `argv` (without the program) is a `serve` that may use the GPU: then the driver
+    is started on a thread."""
+    words = " ".join(argv)
+    if ("serve" not in argv[:4] or os.environ.get(EARLY_DRIVER_ENV, "1") == "0"
+            or "--prefill cpu" in words or "--prefill=cpu" in words
+            or "-h" in argv or "--help" in argv):
+        return False
+    import threading
+
+    threading.Thread(target=_start_driver, name="fermijit-early-driver", daemon=True).start()
+    return True
+
+
 def main() -> None:
     _open_missing_streams()
+    _start_driver_early(sys.argv[1:])
     try:
         cli.main(standalone_mode=False)
         sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit
