@@ -113,14 +113,15 @@ def codegen_settings() -> tuple:
     return tuple(str(getattr(numba_config, name, None)) for name in CODEGEN_SETTINGS)
 
 
-# Numba refreshes the target context (its registries, imports and the typing context's) before
-# every load from the cache, "to ensure it is initialized": 0.30 of 0.45 s of serve's 58 loads
-# (issue 28 item 4, profiled on 2 cores). A load only unpickles the code and links it; once
-# refreshed, the context is initialized (Numba's runtime is started by the first refresh), and a
-# compile refreshes it itself (its pipeline does). So only the first load in a context
-# refreshes; FERMIJIT_LOAD_REFRESH=1: every load, as Numba does.
+# Numba refreshes the target context before every load from the cache, "to ensure it is
+# initialized": the first refresh imports Numba's implementations (linalg, random, typed
+# containers...: 0.09 s on 2 cores) and installs their registries, each later one looks for new
+# registrations (57 of them 0.007 s in serve's warm-up). A load needs none of it: it unpickles
+# the code and links it against the runtime (NRT, started here: what the refresh did that a
+# load needs), and a compile (a cache miss) refreshes the context itself (its pipeline does).
+# Issue 28 item 4. FERMIJIT_LOAD_REFRESH=1: every load refreshes, as Numba's does.
 LOAD_REFRESH_ENV = "FERMIJIT_LOAD_REFRESH"
-_refreshed: set[int] = set()  # id()s of target contexts refreshed by a load (they live for ever)
+_runtime_started: set[int] = set()  # id()s of target contexts (they live for ever)
 
 
 class SourceKeyedCache(caching.FunctionCache):
@@ -139,12 +140,16 @@ class SourceKeyedCache(caching.FunctionCache):
         return super()._index_key(sig, codegen) + self._extra_key + codegen_settings()
 
     def load_overload(self, sig, target_context):
-        if id(target_context) in _refreshed and os.environ.get(LOAD_REFRESH_ENV) != "1":
+        if os.environ.get(LOAD_REFRESH_ENV) == "1":
+            cres = super().load_overload(sig, target_context)  # Numba's: refreshed, then loaded
+        else:
+            if id(target_context) not in _runtime_started:
+                from numba.core.runtime import rtsys
+
+                rtsys.initialize(target_context)
+                _runtime_started.add(id(target_context))
             with self._guard_against_spurious_io_errors():
                 cres = self._load_overload(sig, target_context)
-        else:  # Numba's: the context refreshed, then the load
-            cres = super().load_overload(sig, target_context)
-            _refreshed.add(id(target_context))
         args, _ = sigutils.normalize_signature(sig)
         if cres is not None and tuple(cres.signature.args) != tuple(args):
             cres = None  # another signature's code (an index written by an older fermijit)

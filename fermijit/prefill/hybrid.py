@@ -629,7 +629,7 @@ def preparing(prefiller, then=None):
     release the GIL); yields a dict that gets "started" (perf_counter), "seconds" (None when the
     GPU could not start), "then" (`then`'s result), "then_started" and "then_s" once the block
     is done."""
-    from fermijit.jit import gpu, omp
+    from fermijit.jit import omp
 
     result: dict = {}
     gpu_prefiller = getattr(prefiller, "gpu", prefiller)
@@ -646,6 +646,8 @@ def preparing(prefiller, then=None):
         result["then_s"] = time.perf_counter() - start
 
     def then_ahead() -> None:
+        from fermijit.jit import gpu
+
         try:
             run_then()
         finally:

@@ -109,11 +109,12 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         the load and the CPU kernels' warm-up (issue 28 item 4); then the scheduler's
         page-locked hand-off room and GDN states (scheduler.ready_to_serve: made after "ready",
         the first request waited for them)."""
-        from fermijit.model.reap import moe_layers
-        from fermijit.prefill import expert_stream
         from fermijit.server.scheduler import ready_to_serve
 
         if prefill != "cpu":  # the experts' pages mapped ahead of the registration (if asked)
+            from fermijit.model.reap import moe_layers
+            from fermijit.prefill import expert_stream
+
             made["populating"] = expert_stream.populating(
                 [expert_stream.expert_arrays(w.experts) for w in moe_layers(model)])
         prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
@@ -136,15 +137,15 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts,
                           gdn_pool=made["gpu"].get("then"))
     said = f", MTP drafts {drafts.n}" if drafts is not None else ""
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in times.items())
     gpu = made["gpu"]
     if gpu.get("seconds") is not None:  # the GPU's beside the rest, from when it began
-        parts += f", gpu prefill {gpu['seconds']:.1f} from {gpu['started'] - began:.1f}"
+        parts += f", gpu prefill {gpu['seconds']:.2f} from {gpu['started'] - began:.2f}"
         if "then_s" in gpu:  # its hand-off room and the pool's states, ahead or after
-            parts += f", gpu room {gpu['then_s']:.1f} from {gpu['then_started'] - began:.1f}"
-    parts += f", waited for the gpu {time.perf_counter() - start - gpu_thread_s:.1f}"
+            parts += f", gpu room {gpu['then_s']:.2f} from {gpu['then_started'] - began:.2f}"
+    parts += f", waited for the gpu {time.perf_counter() - start - gpu_thread_s:.2f}"
     # From the process's exec (its imports included: issue 28 item 4 counts them), not from here
-    print(f"ready in {time.perf_counter() - began:.1f} s ({parts}); serving "
+    print(f"ready in {time.perf_counter() - began:.2f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{said}{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
