@@ -921,7 +921,9 @@ def _start_driver_early(argv: list[str]) -> bool:
     """Whether `argv` (without the program) is a `serve` that may use the GPU: then the driver
     is started on a thread."""
     words = " ".join(argv)
-    if ("serve" not in argv[:4] or os.environ.get(EARLY_DRIVER_ENV, "1") == "0"
+    command = next((w for i, w in enumerate(argv) if not w.startswith("-")
+                    and (i == 0 or argv[i - 1] not in ("--isa", "--decode-isa"))), None)
+    if (command != "serve" or os.environ.get(EARLY_DRIVER_ENV, "1") == "0"
             or "--prefill cpu" in words or "--prefill=cpu" in words
             or "-h" in argv or "--help" in argv):
         return False
