@@ -63,6 +63,12 @@ class TensorInfo:
         self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
 
 
+# MiB a populate call covers (SafetensorsFile.populate); FERMIJIT_POPULATE_CHUNK sets it
+# ("whole": the whole file in one call, as before).
+POPULATE_CHUNK_MIB = 32
+POPULATE_CHUNK_ENV = "FERMIJIT_POPULATE_CHUNK"
+
+
 class SafetensorsFile:
     """One .safetensors file, header parsed and checked; tensors are read-only memmap views."""
 
@@ -140,16 +146,23 @@ class SafetensorsFile:
         over the first ~50 tokens; populating its 11.5 GB from the page cache takes ~1 s.
         `background`: on a thread (the call releases the GIL), so the start's other work (the
         kernels' warm-up, the GPU's start) runs meanwhile; True at once. False where the kernel
-        cannot (before 5.14)."""
+        cannot (before 5.14). In pieces of POPULATE_CHUNK_ENV MiB (default POPULATE_CHUNK_MIB):
+        one call over the whole file holds the process's memory-map lock for its second, and
+        every other thread's mmap or munmap (the kernels' loading maps their code) waits behind
+        it (issue 28 item 4)."""
         data = self.mapped()
         if not isinstance(data, np.memmap) or data._mmap is None:
             return False
         page = mmap.PAGESIZE
         first = data.ctypes.data // page * page  # the mapping starts on a page at or before it
         length = data.ctypes.data + data.nbytes - first
+        setting = os.environ.get(POPULATE_CHUNK_ENV, str(POPULATE_CHUNK_MIB))
+        chunk = length if setting == "whole" else max(page, int(float(setting) * (1 << 20))
+                                                      // page * page)
 
         def advise() -> bool:
-            return madvise(first, length, MADV_POPULATE_READ)
+            return all(madvise(at, min(chunk, first + length - at), MADV_POPULATE_READ)
+                       for at in range(first, first + length, chunk))
 
         if background:
             threading.Thread(target=advise, name="fermijit-populate", daemon=True).start()

@@ -11,8 +11,9 @@
 #          would end past it are not begun, the table says how many ran).
 # Modes (START_MODES to change; start_bench.py ENV says each one's environment): default (this
 # branch), main (the start as before it: Numba's refresh at each cached load, the hand-off room
-# page-locked after the GPU's start, no early driver), ahead0 (the room after), early0 (no early
-# driver thread), popwhole (the experts' mapping pre-faulted in one call), regchunk64 (the file
+# page-locked after the GPU's start, no early driver, the model file populated in one call),
+# ahead0 (the room after), early0 (no early driver thread), popwhole (the model file's mapping
+# pre-faulted in one call, not in 32 MiB pieces), regchunk64 (the file
 # registered in 64 MiB pieces), cpu (--prefill cpu).
 # Read last: the short table, per mode the median "exec->ready" (the server's own "ready in",
 # counted from the process's exec: the target), "Popen->serving" and "Popen->1st token" (the

@@ -266,34 +266,6 @@ def file_pieces(host: list[tuple[np.ndarray, ...]], chunk: int) -> list[tuple[in
     return pieces
 
 
-# Pre-faulting the model file's mapping (madvise MADV_POPULATE_READ, Linux 5.14+) on a thread
-# from as soon as it is loaded: the registration's page pinning and the first decode then find
-# its pages mapped. In pieces of FERMIJIT_POPULATE_CHUNK MiB, so no one call holds the
-# memory-map lock long (other threads' mmaps wait behind it); "whole": one call; 0 (default):
-# not done. On 2 cores it did not pay (the start bench's `populate` modes decide on the GPU host).
-POPULATE_CHUNK_ENV = "FERMIJIT_POPULATE_CHUNK"
-MADV_POPULATE_READ = 22  # linux/mman.h
-
-
-def populating(host: list[tuple[np.ndarray, ...]]) -> threading.Thread | None:
-    """The thread (started) populating the files of `host` as POPULATE_CHUNK_ENV says; None when
-    off or not file views."""
-    setting = os.environ.get(POPULATE_CHUNK_ENV, "0")
-    chunk = 1 << 62 if setting == "whole" else int(float(setting) * (1 << 20))
-    pieces = file_pieces(host, chunk) if chunk > 0 else None
-    if not pieces:
-        return None
-
-    def run() -> None:
-        for at, n in pieces:
-            if not madvise(at, n, MADV_POPULATE_READ):
-                return  # an older kernel: nothing to gain
-
-    thread = threading.Thread(target=run, name="fermijit-populate", daemon=True)
-    thread.start()
-    return thread
-
-
 def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     """Every model file holding experts registered with the driver as it is mapped, whole, in
     REGISTER_CHUNK_BYTES chunks (a copy from a range that only starts inside a registration

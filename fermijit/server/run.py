@@ -110,13 +110,6 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         page-locked hand-off room and GDN states (scheduler.ready_to_serve: made after "ready",
         the first request waited for them)."""
         from fermijit.server.scheduler import ready_to_serve
-
-        if prefill != "cpu":  # the experts' pages mapped ahead of the registration (if asked)
-            from fermijit.model.reap import moe_layers
-            from fermijit.prefill import expert_stream
-
-            made["populating"] = expert_stream.populating(
-                [expert_stream.expert_arrays(w.experts) for w in moe_layers(model)])
         prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
                                                     err)
         made["gpu"] = stack.enter_context(hybrid.preparing(

@@ -28,7 +28,8 @@ def main(model_dir: Path, a: str, b: str, pairs: int = PAIRS) -> None:
         pairs_ = [(x[key], y[key]) for x, y in zip(rows[a], rows[b]) if key in x and key in y]
         if pairs_:
             ratios = [y / x for x, y in pairs_ if x > 0]
-            print(f"{start_bench.SHORT.get(key, key):16s} A {statistics.median(x for x, _ in pairs_):6.2f}"
+            name = start_bench.SHORT.get(key, key)
+            print(f"{name:16s} A {statistics.median(x for x, _ in pairs_):6.2f}"
                   f"  B {statistics.median(y for _, y in pairs_):6.2f}  B/A median "
                   f"{statistics.median(ratios) if ratios else float('nan'):.3f} "
                   f"({', '.join(f'{r:.2f}' for r in ratios)})")
