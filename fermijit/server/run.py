@@ -110,6 +110,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         page-locked hand-off room and GDN states (scheduler.ready_to_serve: made after "ready",
         the first request waited for them)."""
         from fermijit.server.scheduler import ready_to_serve
+
         prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
                                                     err)
         made["gpu"] = stack.enter_context(hybrid.preparing(
