@@ -41,7 +41,7 @@ case ",$steps," in *,tests,*)
   grep -E "^(FAILED|ERROR)|^E  " "$out/tests.log" | head -20;;
 esac
 case ",$steps," in *,start,*) ;; *) exit 0;; esac
-full=/dev/shm/fermijit-reap128
+full=${START_MODEL:-/dev/shm/fermijit-reap128}  # START_MODEL: another (a smaller one, to try the script)
 [ -f $full/fermijit.json ] || python3 -m fermijit synth qwen3.6-35b-a3b-reap128 $full \
   >"$out/synth.txt" 2>&1
 cat $full/model.safetensors >/dev/null  # in the page cache (tmpfs: it is)
