@@ -13,7 +13,8 @@
 # branch), main (the start as before it: Numba's refresh at each cached load, the hand-off room
 # page-locked after the GPU's start, no early driver, the model file populated in one call),
 # ahead0 (the room after), early0 (no early driver thread), popwhole (the model file's mapping
-# pre-faulted in one call, not in 32 MiB pieces), regchunk64 (the file
+# pre-faulted in one call, not in 32 MiB pieces), nice0 (its populating thread not niced),
+# regchunk64 (the file
 # registered in 64 MiB pieces), cpu (--prefill cpu).
 # Read last: the short table, per mode the median "exec->ready" (the server's own "ready in",
 # counted from the process's exec: the target), "Popen->serving" and "Popen->1st token" (the
@@ -50,7 +51,7 @@ left=$((total_s - (SECONDS - began) - 10))
 # A kernel cache of its own, empty: the first start is a cold one (the tests step filled the
 # default one), the rounds' are warm (filled by it).
 export NUMBA_CACHE_DIR=$(mktemp -d /tmp/fermijit-start-cache.XXXXXX)
-START_MODES=${START_MODES:-default,main,ahead0,early0,popwhole,regchunk64,cpu} START_IMPORTS=0 \
+START_MODES=${START_MODES:-default,main,ahead0,early0,popwhole,nice0,regchunk64,cpu} START_IMPORTS=0 \
   timeout $((left + 30)) python3 -m tests.fermijit.server.start_bench $full "$out" 3 $left \
   >"$out/start-table.txt" 2>"$out/start-bench.err"
 echo "start bench rc=$? ($((SECONDS - began)) s in all)"; tail -3 "$out/start-bench.err"

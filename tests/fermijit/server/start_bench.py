@@ -37,25 +37,27 @@ from tests.fermijit.server.test_serve_gpu import GPU_MEM
 ROUNDS = 3
 # START_MODES (comma-separated) picks the modes; default these (the device run decides the
 # defaults from them).
-MODES = ("default", "main", "ahead0", "early0", "popwhole", "regchunk64", "cpu")
+MODES = ("default", "main", "ahead0", "early0", "popwhole", "nice0", "regchunk64", "cpu")
 # Each mode's environment beside the command's. "main": the start as main had it before this
 # branch (each cached kernel's load refreshing Numba's context, the hand-off room and GDN pool
 # page-locked after the GPU's start, no early driver); the others each undo or change one thing:
 # "ahead0" the room after the GPU's start, "early0" no early driver thread (cli.py),
 # "refresh1" Numba's refresh at every load, "popwhole" the model file's mapping pre-faulted in
-# one call (model/safetensors_io.py populate: 32 MiB pieces), "regchunk64" the file registered
-# in 64 MiB pieces;
+# one call (model/safetensors_io.py populate: 32 MiB pieces), "nice0" its thread not niced,
+# "regchunk64" the file registered in 64 MiB pieces;
 # "pycuda" the GPU's start as it was before the driver-API path (pycuda's module loads and
 # page-locking, one registering thread, Python's own switch interval); "switch0" the driver
 # path with Python's own interval.
 MAIN_ENV = {"FERMIJIT_LOAD_REFRESH": "1", "FERMIJIT_PIN_AHEAD": "0",
-            "FERMIJIT_EARLY_DRIVER": "0", "FERMIJIT_POPULATE_CHUNK": "whole"}
+            "FERMIJIT_EARLY_DRIVER": "0", "FERMIJIT_POPULATE_CHUNK": "whole",
+            "FERMIJIT_POPULATE_NICE": "0"}
 ENV = {"main": MAIN_ENV,
        "ahead0": {"FERMIJIT_PIN_AHEAD": "0"},
        "early0": {"FERMIJIT_EARLY_DRIVER": "0"},
        "refresh1": {"FERMIJIT_LOAD_REFRESH": "1"},
        "popwhole": {"FERMIJIT_POPULATE_CHUNK": "whole"},
        "regchunk64": {"FERMIJIT_REGISTER_CHUNK": "64"},
+       "nice0": {"FERMIJIT_POPULATE_NICE": "0"}, "nice0-cpu": {"FERMIJIT_POPULATE_NICE": "0"},
        "pycuda": {"FERMIJIT_GPU_LAUNCH": "pycuda", "FERMIJIT_START_SWITCH_S": "0",
                   "FERMIJIT_REGISTER_THREADS": "1"},
        "switch0": {"FERMIJIT_START_SWITCH_S": "0"},
