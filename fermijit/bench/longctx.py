@@ -30,6 +30,7 @@ LENGTHS = (1024, 4096, 16384, 32768)
 DECODE_BASE = 64       # positions of the short-context decode rate the long ones are held to
 PAIRS = 5              # windows at each length, each paired with one at DECODE_BASE (as --pairs)
 FIRST_TOKEN = 1        # every window decodes greedily from this token
+PROFILE_TOKENS = 3     # profiled tokens at the base and at each length (the fastest shown)
 GPU_REPEATS = 2
 
 
@@ -37,46 +38,81 @@ def _progress(what: str) -> None:
     print(f"bench longctx: {what}", file=sys.stderr, flush=True)
 
 
-def rewinder(state):
-    """A function putting `state` back where it is now: its position and its GDN states (the
+class Rewound:
+    """A state and the way back to where it is now: its position and its GDN states (the
     recurrent state and conv window, which decode overwrites). KV rows past the position are never
     read, and decode writes them again."""
-    from fermijit.model.state import GdnState
 
-    position = state.position
-    saved = [(a, a.copy()) for s in state.layers if isinstance(s, GdnState) for a in s.arrays]
+    def __init__(self, state):
+        from fermijit.model.state import GdnState
 
-    def rewind() -> None:
-        state.position = position
-        for array, kept in saved:
+        self.state, self.position = state, state.position
+        self.saved = [(a, a.copy()) for s in state.layers if isinstance(s, GdnState)
+                      for a in s.arrays]
+
+    def rewind(self):
+        """The state as it was made (returned)."""
+        self.state.position = self.position
+        for array, kept in self.saved:
             array[...] = kept
+        return self.state
 
-    return rewind
+    def warmed(self, model):
+        """The state rewound after one token decoded from it, untimed: decode makes its plan
+        again for another state, and finds the caches holding the other's rows."""
+        model.decode(FIRST_TOKEN, self.rewind())
+        return self.rewind()
 
 
-def paired_decode(model, base_state, state, n_tokens: int, n_pairs: int) -> dict:
-    """Decode `n_tokens` tokens at `base_state` and at `state` in turn, `n_pairs` windows each,
-    every window from the state as it was at the call (both are left so), after a token
-    untimed: each window's tok/s
-    (all its tokens over their time), the pairs' ratios (state's of base_state's) and their
-    median."""
+def paired_decode(model, base: Rewound, at_length: Rewound, n_tokens: int,
+                  n_pairs: int) -> dict:
+    """Decode `n_tokens` tokens at `base` and at `at_length` in turn, `n_pairs` windows each,
+    every window from its state as it was made (both are left so), after a token untimed: each
+    window's tok/s (all its tokens over their time), the pairs' ratios (at_length's of base's)
+    and their median."""
     from fermijit.bench.decode import alternate, decode_tokens, pair_ratios
 
-    def window(s, rewind) -> float:
-        rewind()  # one token untimed first: decode makes its plan again for the other state
-        decode_tokens(model, s, FIRST_TOKEN, 1)
-        rewind()
-        times, _ = decode_tokens(model, s, FIRST_TOKEN, n_tokens)
+    def window(rewound: Rewound) -> float:
+        times, _ = decode_tokens(model, rewound.warmed(model), FIRST_TOKEN, n_tokens)
         return n_tokens / sum(times)
 
-    rewind_base, rewind = rewinder(base_state), rewinder(state)
-    pairs = alternate(range(n_pairs), lambda _: window(base_state, rewind_base),
-                      lambda _: window(state, rewind), swap=True)
-    rewind_base()
-    rewind()
+    pairs = alternate(range(n_pairs), lambda _: window(base), lambda _: window(at_length),
+                      swap=True)
+    base.rewind()
+    at_length.rewind()
     ratios = pair_ratios(pairs)
     return {"base_tok_s": [a for a, _ in pairs], "tok_s": [b for _, b in pairs],
             "ratios": ratios, "ratio": float(np.median(ratios))}
+
+
+def profiled(model, base: Rewound, at_length: Rewound) -> dict:
+    """Where a token at the length spends more than at the base: a token profiled op by op
+    (bench/profile.py; decode's steps one by one, forward.JOIN_STEPS off meanwhile, so attention
+    is an op of its own) at each, PROFILE_TOKENS in turn, the fastest of each. {op: {"base",
+    "length": ms, "idle": ms threads idle in its parallel regions at the length}}, the token
+    last, ops by their growth."""
+    from fermijit.bench import profile as profiler
+    from fermijit.model import forward
+
+    fastest: list = [None, None]
+    joined, forward.JOIN_STEPS = forward.JOIN_STEPS, False
+    try:
+        for _ in range(PROFILE_TOKENS):
+            for i, rewound in enumerate((base, at_length)):
+                rows = profiler.profile_token(model, FIRST_TOKEN, rewound.warmed(model))
+                if fastest[i] is None or rows[-1]["ms"] < fastest[i][-1]["ms"]:
+                    fastest[i] = rows
+    finally:
+        forward.JOIN_STEPS = joined
+        base.rewind()
+        at_length.rewind()
+    by_op = [{r["op"]: r for r in rows} for rows in fastest]
+    out = {op: {"base": by_op[0][op]["ms"] if op in by_op[0] else 0.0,
+                "length": r["ms"], "idle": r.get("split", {}).get("idle", 0.0)}
+           for op, r in by_op[1].items()}
+    token = out.pop("token")
+    return dict(sorted(out.items(), key=lambda kv: kv[1]["base"] - kv[1]["length"])) | {
+        "token": token}
 
 
 def run(model_dir: Path | None, synthetic: str | None, lengths: tuple[int, ...],
@@ -119,6 +155,7 @@ def run(model_dir: Path | None, synthetic: str | None, lengths: tuple[int, ...],
     base = min(DECODE_BASE, lengths[0])
     base_state = model.new_state(base + n_decode)
     model.prefill(tokens[:base], base_state)
+    at_base = Rewound(base_state)
     state = model.new_state(lengths[-1] + n_decode)
     prefill_s, base_rates = 0.0, []
     for n in lengths:
@@ -127,12 +164,15 @@ def run(model_dir: Path | None, synthetic: str | None, lengths: tuple[int, ...],
         model.prefill(tokens[state.position:n], state)
         prefill_s += time.perf_counter() - start
         _progress(f"decode at {n} and {base} positions, {n_pairs} pairs of {n_decode} tokens")
-        paired = paired_decode(model, base_state, state, n_decode, n_pairs)
+        at_length = Rewound(state)
+        paired = paired_decode(model, at_base, at_length, n_decode, n_pairs)
+        _progress(f"profiles of {PROFILE_TOKENS} tokens at {n} and {base} positions")
+        ops = profiled(model, at_base, at_length)
         base_rates += paired["base_tok_s"]
         row = {"tokens": n, "cpu_prefill_s": prefill_s, "cpu_prefill_tok_s": n / prefill_s,
                "decode_tok_s": float(np.median(paired["tok_s"])),
                "base_tok_s": float(np.median(paired["base_tok_s"])),
-               "decode_of_base": paired["ratio"], "paired": paired,
+               "decode_of_base": paired["ratio"], "paired": paired, "profile_ms": ops,
                "kv_nbytes": n * state.position_nbytes, "rss": memory_now()["rss"]}
         if gpu_pf is not None:
             _progress(f"GPU prefill of {n} tokens")
@@ -182,4 +222,23 @@ def format_report(r: dict) -> str:
                      f" {row['kv_nbytes'] / mib:9.1f} {row['rss'] / mib:9.0f}")
     lines.append(f"peak RSS {r['peak_rss'] / mib:.0f} MiB; 'of base': the median of the pairs' "
                  f"ratios, decode at the length of decode at {base['positions']} positions")
+    for row in r["rows"]:
+        lines.append(format_growth(row["profile_ms"], base["positions"], row["tokens"]))
+    return "\n".join(lines)
+
+
+GROWTH_ROWS = 6  # ops shown, those that grew most
+
+
+def format_growth(ops: dict, base: int, n: int) -> str:
+    """`profiled`'s ops that grew most from the base to the length, and the token."""
+    lines = [f"a token at {n} positions against {base}, op by op (ms; the fastest of "
+             f"{PROFILE_TOKENS} profiled tokens each, steps one by one; idle: threads waiting in "
+             f"the op's parallel regions at {n})",
+             f"{'op':<40} {'at ' + str(base):>9} {'at ' + str(n):>9} {'extra':>8} {'idle':>7}"]
+    shown = [op for op in ops if op != "token"][:GROWTH_ROWS] + ["token"]
+    for op in shown:
+        o = ops[op]
+        lines.append(f"{op[:40]:<40} {o['base']:9.2f} {o['length']:9.2f} "
+                     f"{o['length'] - o['base']:+8.2f} {o['idle']:7.2f}")
     return "\n".join(lines)

@@ -34,11 +34,13 @@ def test_report_structure_and_arithmetic(capsys):
         base_rates += paired["base_tok_s"]
         assert row["kv_nbytes"] == row["tokens"] * per_position and row["rss"] > 0
         assert "gpu_prefill_tok_s" not in row
+        assert list(row["profile_ms"])[-1] == "token"
     assert r["decode_base"]["tok_s"] == pytest.approx(float(np.median(base_rates)))
     assert r["rows"][1]["cpu_prefill_s"] > r["rows"][0]["cpu_prefill_s"]  # cumulative
     assert r["rows"][0]["cpu_prefill_of_first"] == 1
     table = bench_longctx.format_report(r)
     assert "decode at 64 positions" in table and "KV MiB" in table and "pairs min-max" in table
+    assert "a token at 300 positions against 64, op by op" in table
 
 
 def test_paired_windows_decode_the_same_positions_again():
@@ -52,8 +54,13 @@ def test_paired_windows_decode_the_same_positions_again():
     model.prefill(tokens[:64], base_state)
     model.prefill(tokens, state)
     expected = model.decode(bench_longctx.FIRST_TOKEN, state.copy()).copy()
-    paired = bench_longctx.paired_decode(model, base_state, state, 3, 2)
+    base, at_length = bench_longctx.Rewound(base_state), bench_longctx.Rewound(state)
+    paired = bench_longctx.paired_decode(model, base, at_length, 3, 2)
     assert len(paired["ratios"]) == 2 and base_state.position == 64 and state.position == 100
+    ops = bench_longctx.profiled(model, base, at_length)
+    assert list(ops)[-1] == "token" and ops["token"]["length"] > 0 and ops["token"]["base"] > 0
+    assert any(op.startswith("attention") for op in ops)    # an op of its own: steps not joined
+    assert base_state.position == 64 and state.position == 100
     np.testing.assert_array_equal(model.decode(bench_longctx.FIRST_TOKEN, state), expected)
 
 
