@@ -400,20 +400,13 @@ def _run_group(bq, bs, g, xq, dx, xsum8, xoff, xrows, out, r0, n_valid, t_first,
     prefetch_bytes(pd, d_lo, d_hi)
 
 
-def _product_share(thread, n_threads, args):
-    """One thread's run of row groups, in panels packed once, each meeting blocks of tokens that
-    stay in L2 with it."""
+def _product_groups(args, bq, bs, first, last):
+    """Row groups first..last-1, in panels packed once (into bq, bs), each meeting blocks of
+    tokens that stay in L2 with it."""
     qs, d, xq, dx, xsum8, xoff, xrows, out = args
     n_rows = qs.shape[0]
     nb = d.shape[1]
-    groups = (n_rows + ROWS - 1) // ROWS
-    first = thread * groups // n_threads
-    last = (thread + 1) * groups // n_threads
-    if first == last:
-        return
     panel = _panel_groups(nb)
-    bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
-    bs = np.empty(panel * nb * ROWS, np.float32)
     n_tok = out.shape[0]
     tok_block = max(TOKS, TOKEN_BYTES // (nb * 32) // TOKS * TOKS)
     for g0 in range(first, last, panel):
@@ -431,24 +424,42 @@ def _product_share(thread, n_threads, args):
                            min(ROWS, n_rows - g * ROWS), t0, t1, qs, 0, 0, d, 0, 0)
 
 
+def _product_share(thread, n_threads, args, counter):
+    """A thread's row groups: the runs of fine units it claims (jit.omp.fine_units), or with
+    the claims off its static equal run. Each group's tiles, whoever runs them, are the same."""
+    qs, d = args[0], args[1]
+    groups = (qs.shape[0] + ROWS - 1) // ROWS
+    nb = d.shape[1]
+    panel = _panel_groups(nb)
+    if not omp.prefill_claims():
+        first, last = thread * groups // n_threads, (thread + 1) * groups // n_threads
+        if first < last:
+            bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
+            bs = np.empty(panel * nb * ROWS, np.float32)
+            _product_groups(args, bq, bs, first, last)
+        return
+    n_units = omp.fine_units(groups, n_threads)
+    u0, u1 = omp.first_run(counter, thread, n_threads, n_units, 1, 1)
+    if u0 >= u1:
+        return
+    bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
+    bs = np.empty(panel * nb * ROWS, np.float32)
+    while u0 < u1:
+        _product_groups(args, bq, bs, u0 * groups // n_units, u1 * groups // n_units)
+        u0, u1 = omp.next_run(counter, thread, n_threads, n_units, 1, 1)
+
+
 def _product_body(qs, d, xq, dx, xsum8, xoff, xrows, out):
     fork((qs, d, xq, dx, xsum8, xoff, xrows, out))
 
 
-def _grouped_share(thread, n_threads, args):
-    """Jobs (expert, row group), in order, each worth its expert's tokens: every thread takes the
-    jobs that start in its equal share of the work (routing leaves experts unevenly loaded)."""
+def _grouped_jobs(args, bq, bs, lo, hi):
+    """Jobs (expert, row group), in order, each worth its expert's tokens: those that start in
+    the work [lo, hi) (routing leaves experts unevenly loaded)."""
     qs, d, offsets, xq, dx, xsum8, xoff, xrows, out = args
     n_experts, n_rows = qs.shape[0], qs.shape[1]
     nb = d.shape[2]
     groups = (n_rows + ROWS - 1) // ROWS
-    total = offsets[n_experts] * groups
-    lo = thread * total // n_threads
-    hi = (thread + 1) * total // n_threads
-    if lo == hi:
-        return
-    bq = np.empty(nb * UNITS * 4 * ROWS, np.uint8)
-    bs = np.empty(nb * ROWS, np.float32)
     q_row, d_row = qs.shape[2], nb * 2  # bytes a row
     done = np.int64(0)  # (as in ops/matvec.py: a literal 0 compiled jobs_starting_in twice)
     for e in range(n_experts):
@@ -456,6 +467,8 @@ def _grouped_share(thread, n_threads, args):
         n = t1 - t0
         if n == 0:
             continue
+        if done >= hi:
+            break
         g_first, g_end = jobs_starting_in(lo, hi, done, n, groups)
         for g in range(g_first, g_end):
             pack(qs[e], d[e], g * ROWS, bq, bs, 0)
@@ -467,6 +480,31 @@ def _grouped_share(thread, n_threads, args):
                        min(ROWS, n_rows - g * ROWS), t0, t1, qs, r_next * q_row, r_end * q_row,
                        d, r_next * d_row, r_end * d_row)
         done += n * groups
+
+
+def _grouped_share(thread, n_threads, args, counter):
+    """A thread's jobs: those starting in the runs of fine units of the work it claims (jit.omp.
+    fine_units; the cost of a job is not quite its tokens: its packing costs the same whatever
+    they are), or with the claims off those starting in its equal share of the work."""
+    qs, d, offsets = args[0], args[1], args[2]
+    n_experts, n_rows = qs.shape[0], qs.shape[1]
+    nb = d.shape[2]
+    total = offsets[n_experts] * ((n_rows + ROWS - 1) // ROWS)
+    if not omp.prefill_claims():
+        lo, hi = thread * total // n_threads, (thread + 1) * total // n_threads
+        if lo < hi:
+            _grouped_jobs(args, np.empty(nb * UNITS * 4 * ROWS, np.uint8),
+                          np.empty(nb * ROWS, np.float32), lo, hi)
+        return
+    n_units = omp.fine_units(total, n_threads)
+    u0, u1 = omp.first_run(counter, thread, n_threads, n_units, 1, 1)
+    if u0 >= u1:
+        return
+    bq = np.empty(nb * UNITS * 4 * ROWS, np.uint8)
+    bs = np.empty(nb * ROWS, np.float32)
+    while u0 < u1:
+        _grouped_jobs(args, bq, bs, u0 * total // n_units, u1 * total // n_units)
+        u0, u1 = omp.next_run(counter, thread, n_threads, n_units, 1, 1)
 
 
 def _grouped_body(qs, d, offsets, xq, dx, xsum8, xoff, xrows, out):
@@ -509,9 +547,13 @@ def gemm_kernel(isa: Isa, body, n_tok: int | None = None):
         bound = dict(helpers, pack=_make_pack(v), _run_group=run_group,
                      _panel_groups=kernel(_panel_groups, fastmath=False, variant=variant,
                                           ROWS=helpers["ROWS"]))
+        bound.update({name: kernel(fn, fastmath=False, variant=variant, **bound)
+                      for name, fn in (("_product_groups", _product_groups),
+                                       ("_grouped_jobs", _grouped_jobs))})
         _kernels[key] = kernel(body, fastmath=False, variant=variant,
                                signatures=_SIGNATURES[body],
-                               fork=omp.fork(bind(_SHARES[body], variant, **bound)))
+                               fork=omp.fork(bind(_SHARES[body], variant, **bound),
+                                             chunked=True))
     return _kernels[key]
 
 

@@ -396,6 +396,40 @@ def _claim(counter, n_threads, n, least, step):
     return min(first, n), min(first + size, n)
 
 
+# CPU prefill's GEMMs (ops/gemm.py: the dense product's row groups, the grouped experts' jobs)
+# claim their work too, in FINE units a thread: a thread of a static split idled while others
+# finished experts of more tokens (routing loads experts unevenly, and a job's packing costs the
+# same whatever its tokens) or streamed slower. Units, not rows, are claimed, so each run is a
+# thread's panel of row groups (or jobs) as the static split's was; every output element the
+# same arithmetic whichever thread takes it. FERMIJIT_PREFILL_CLAIM=0: the static split (an A/B
+# in fresh processes: tests/prefill_shares_pass.sh).
+FINE = 8
+CLAIM_PREFILL_WORD = 4
+CLAIM_PREFILL_ENV = "FERMIJIT_PREFILL_CLAIM"
+_schedule[CLAIM_PREFILL_WORD] = int(os.environ.get(CLAIM_PREFILL_ENV, "1") != "0")
+
+
+def set_prefill_claim(on: bool) -> bool:
+    """Prefill's GEMMs claim fine units (True, the default) or take the static split; between
+    launches only. Returns the previous setting."""
+    previous = bool(_schedule[CLAIM_PREFILL_WORD])
+    _schedule[CLAIM_PREFILL_WORD] = int(bool(on))
+    return previous
+
+
+@kernel
+def prefill_claims():
+    """Whether prefill's GEMMs claim units (`set_prefill_claim`)."""
+    return _schedule_word(CLAIM_PREFILL_WORD) != 0
+
+
+@kernel
+def fine_units(n, n_threads):
+    """The units a claimed launch cuts its n items into: FINE a thread (at most n, at least
+    one); unit u holds items [u·n // units, (u+1)·n // units)."""
+    return max(1, min(n, FINE * n_threads))
+
+
 @kernel
 def first_run(counter, thread, n_threads, n, least, step):
     """A chunked share's first run [first, last) of its n units (empty: none left): the thread's
