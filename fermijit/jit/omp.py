@@ -397,13 +397,15 @@ def _claim(counter, n_threads, n, least, step):
 
 
 # CPU prefill's GEMMs (ops/gemm.py: the dense product's row groups, the grouped experts' jobs)
-# claim their work too, in FINE units a thread: a thread of a static split idled while others
-# finished experts of more tokens (routing loads experts unevenly, and a job's packing costs the
-# same whatever its tokens) or streamed slower. Units, not rows, are claimed, so each run is a
-# thread's panel of row groups (or jobs) as the static split's was; every output element the
-# same arithmetic whichever thread takes it. FERMIJIT_PREFILL_CLAIM=0: the static split (an A/B
-# in fresh processes: tests/prefill_shares_pass.sh).
-FINE = 8
+# claim their work too (first_run / next_run), in at most FINE units a thread: a thread of a
+# static split idled while others finished experts of more tokens (routing loads experts
+# unevenly, and a job's packing costs ~5 tokens' tiles whatever its tokens) or ran slower. The
+# guided claims end in runs of one unit, so a thread waits for at most about one unit at the end:
+# 1/FINE of its share (8: up to 12 %, 32: 3 %). A unit is whole row groups (or the jobs starting
+# in its work), so every output element has the same arithmetic whichever thread takes it.
+# FERMIJIT_PREFILL_CLAIM=0: the static split as before (an A/B in fresh processes:
+# tests/prefill_shares_pass.sh).
+FINE = 32
 CLAIM_PREFILL_WORD = 4
 CLAIM_PREFILL_ENV = "FERMIJIT_PREFILL_CLAIM"
 _schedule[CLAIM_PREFILL_WORD] = int(os.environ.get(CLAIM_PREFILL_ENV, "1") != "0")

@@ -433,3 +433,25 @@ def test_chunked_shares_cover_every_row_once_on_teams_larger_than_the_machine():
     GEMV with fp32 rows, fp32 rows, the fused MoE) every output the one-thread bits, dynamic or
     static."""
     assert _python(["-c", CHUNKED_TEAMS], NUMBA_NUM_THREADS="5").strip() == "ok"
+
+
+@kernel
+def _fine_units_and_claims(n, n_threads):
+    return omp.fine_units(n, n_threads), omp.prefill_claims()
+
+
+def test_prefill_claims_fine_units_and_their_switch():
+    """Prefill's GEMMs cut n items into FINE units a thread (at most n, at least one), and claim
+    them unless FERMIJIT_PREFILL_CLAIM=0 (read at import) or set_prefill_claim(False) says not
+    (ops/gemm.py; the bits: tests/ops/test_gemm.py)."""
+    previous = omp.set_prefill_claim(True)
+    try:
+        assert _fine_units_and_claims(10_000, 3) == (3 * omp.FINE, True)
+        assert _fine_units_and_claims(5, 16) == (5, True)
+        assert _fine_units_and_claims(0, 4)[0] == 1
+        assert omp.set_prefill_claim(False) and not _fine_units_and_claims(7, 2)[1]
+    finally:
+        omp.set_prefill_claim(previous)
+    code = "from fermijit.jit import omp; print(bool(omp._schedule[omp.CLAIM_PREFILL_WORD]))"
+    assert _python(["-c", code], FERMIJIT_PREFILL_CLAIM="0").strip() == "False"
+    assert _python(["-c", code], FERMIJIT_PREFILL_CLAIM="1").strip() == "True"
