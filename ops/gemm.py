@@ -425,28 +425,19 @@ def _product_groups(args, bq, bs, first, last):
 
 
 def _product_share(thread, n_threads, args, counter):
-    """A thread's row groups: the runs of fine units it claims (jit.omp.fine_units), or with
-    the claims off its static equal run. Each group's tiles, whoever runs them, are the same."""
+    """A thread's row groups: the runs of fine units it claims, or with the claims off its
+    static equal run (jit.omp.prefill_first). Each group's tiles, whoever runs them, the same."""
     qs, d = args[0], args[1]
     groups = (qs.shape[0] + ROWS - 1) // ROWS
-    nb = d.shape[1]
-    panel = _panel_groups(nb)
-    if not omp.prefill_claims():
-        first, last = thread * groups // n_threads, (thread + 1) * groups // n_threads
-        if first < last:
-            bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
-            bs = np.empty(panel * nb * ROWS, np.float32)
-            _product_groups(args, bq, bs, first, last)
+    first, last = omp.prefill_first(counter, thread, n_threads, groups)
+    if first >= last:
         return
-    n_units = omp.fine_units(groups, n_threads)
-    u0, u1 = omp.first_run(counter, thread, n_threads, n_units, 1, 1)
-    if u0 >= u1:
-        return
-    bq = np.empty(panel * nb * UNITS * 4 * ROWS, np.uint8)
-    bs = np.empty(panel * nb * ROWS, np.float32)
-    while u0 < u1:
-        _product_groups(args, bq, bs, u0 * groups // n_units, u1 * groups // n_units)
-        u0, u1 = omp.next_run(counter, thread, n_threads, n_units, 1, 1)
+    panel = _panel_groups(d.shape[1])
+    bq = np.empty(panel * d.shape[1] * UNITS * 4 * ROWS, np.uint8)
+    bs = np.empty(panel * d.shape[1] * ROWS, np.float32)
+    while first < last:
+        _product_groups(args, bq, bs, first, last)
+        first, last = omp.prefill_next(counter, thread, n_threads, groups)
 
 
 def _product_body(qs, d, xq, dx, xsum8, xoff, xrows, out):
@@ -483,28 +474,20 @@ def _grouped_jobs(args, bq, bs, lo, hi):
 
 
 def _grouped_share(thread, n_threads, args, counter):
-    """A thread's jobs: those starting in the runs of fine units of the work it claims (jit.omp.
-    fine_units; the cost of a job is not quite its tokens: its packing costs the same whatever
-    they are), or with the claims off those starting in its equal share of the work."""
+    """A thread's jobs: those starting in the runs of the work it claims in fine units, or with
+    the claims off in its equal share of the work (jit.omp.prefill_first; a job's cost is not
+    quite its tokens: its packing costs ~5 tokens' tiles whatever they are)."""
     qs, d, offsets = args[0], args[1], args[2]
     n_experts, n_rows = qs.shape[0], qs.shape[1]
-    nb = d.shape[2]
     total = offsets[n_experts] * ((n_rows + ROWS - 1) // ROWS)
-    if not omp.prefill_claims():
-        lo, hi = thread * total // n_threads, (thread + 1) * total // n_threads
-        if lo < hi:
-            _grouped_jobs(args, np.empty(nb * UNITS * 4 * ROWS, np.uint8),
-                          np.empty(nb * ROWS, np.float32), lo, hi)
+    lo, hi = omp.prefill_first(counter, thread, n_threads, total)
+    if lo >= hi:
         return
-    n_units = omp.fine_units(total, n_threads)
-    u0, u1 = omp.first_run(counter, thread, n_threads, n_units, 1, 1)
-    if u0 >= u1:
-        return
-    bq = np.empty(nb * UNITS * 4 * ROWS, np.uint8)
-    bs = np.empty(nb * ROWS, np.float32)
-    while u0 < u1:
-        _grouped_jobs(args, bq, bs, u0 * total // n_units, u1 * total // n_units)
-        u0, u1 = omp.next_run(counter, thread, n_threads, n_units, 1, 1)
+    bq = np.empty(d.shape[2] * UNITS * 4 * ROWS, np.uint8)
+    bs = np.empty(d.shape[2] * ROWS, np.float32)
+    while lo < hi:
+        _grouped_jobs(args, bq, bs, lo, hi)
+        lo, hi = omp.prefill_next(counter, thread, n_threads, total)
 
 
 def _grouped_body(qs, d, offsets, xq, dx, xsum8, xoff, xrows, out):

@@ -420,16 +420,31 @@ def set_prefill_claim(on: bool) -> bool:
 
 
 @kernel
-def prefill_claims():
-    """Whether prefill's GEMMs claim units (`set_prefill_claim`)."""
-    return _schedule_word(CLAIM_PREFILL_WORD) != 0
-
-
-@kernel
 def fine_units(n, n_threads):
     """The units a claimed launch cuts its n items into: FINE a thread (at most n, at least
     one); unit u holds items [u·n // units, (u+1)·n // units)."""
     return max(1, min(n, FINE * n_threads))
+
+
+@kernel
+def prefill_first(counter, thread, n_threads, n):
+    """A prefill GEMM share's first run [first, last) of its n items (empty: none): its first
+    claimed run of fine units (`first_run`), or with the claims off its static equal run."""
+    if _schedule_word(CLAIM_PREFILL_WORD) == 0:
+        return thread * n // n_threads, (thread + 1) * n // n_threads
+    units = fine_units(n, n_threads)
+    u0, u1 = first_run(counter, thread, n_threads, units, 1, 1)
+    return u0 * n // units, u1 * n // units
+
+
+@kernel
+def prefill_next(counter, thread, n_threads, n):
+    """The run after `prefill_first`'s and each one since (empty when the items are done)."""
+    if _schedule_word(CLAIM_PREFILL_WORD) == 0:
+        return n, n
+    units = fine_units(n, n_threads)
+    u0, u1 = next_run(counter, thread, n_threads, units, 1, 1)
+    return u0 * n // units, u1 * n // units
 
 
 @kernel
