@@ -444,9 +444,9 @@ def _product_body(qs, d, xq, dx, xsum8, xoff, xrows, out):
     fork((qs, d, xq, dx, xsum8, xoff, xrows, out))
 
 
-def _grouped_jobs(args, bq, bs, lo, hi):
-    """Jobs (expert, row group), in order, each worth its expert's tokens: those that start in
-    the work [lo, hi) (routing leaves experts unevenly loaded)."""
+def _grouped_jobs(args, bq, bs, lo, hi, extra):
+    """Jobs (expert, row group), in order, each worth its expert's tokens plus `extra`: those
+    that start in the work [lo, hi) (routing leaves experts unevenly loaded)."""
     qs, d, offsets, xq, dx, xsum8, xoff, xrows, out = args
     n_experts, n_rows = qs.shape[0], qs.shape[1]
     nb = d.shape[2]
@@ -460,7 +460,7 @@ def _grouped_jobs(args, bq, bs, lo, hi):
             continue
         if done >= hi:
             break
-        g_first, g_end = jobs_starting_in(lo, hi, done, n, groups)
+        g_first, g_end = jobs_starting_in(lo, hi, done, n + extra, groups)
         for g in range(g_first, g_end):
             pack(qs[e], d[e], g * ROWS, bq, bs, 0)
             # The next group's rows (the next expert's first ones after the last group: the
@@ -470,23 +470,34 @@ def _grouped_jobs(args, bq, bs, lo, hi):
             _run_group(bq, bs, 0, xq, dx, xsum8, xoff, xrows, out, g * ROWS,
                        min(ROWS, n_rows - g * ROWS), t0, t1, qs, r_next * q_row, r_end * q_row,
                        d, r_next * d_row, r_end * d_row)
-        done += n * groups
+        done += (n + extra) * groups
+
+
+# A grouped job's packing costs about this many tokens' tiles whatever its tokens (1 thread,
+# AVX-512, 1024 rows, K 2048: ~1.3 us a job plus ~0.22 a token): claimed runs weigh a job as its
+# tokens plus these, so a unit of light experts' jobs costs what a unit of a heavy one's does.
+PACK_TOKENS = 6
 
 
 def _grouped_share(thread, n_threads, args, counter):
-    """A thread's jobs: those starting in the runs of the work it claims in fine units, or with
-    the claims off in its equal share of the work (jit.omp.prefill_first; a job's cost is not
-    quite its tokens: its packing costs ~5 tokens' tiles whatever they are)."""
+    """A thread's jobs: those starting in the runs of the work it claims in fine units (a job
+    weighs its tokens plus PACK_TOKENS), or with the claims off those starting in its equal
+    share of the work (each job its tokens, as before) (jit.omp.prefill_first)."""
     qs, d, offsets = args[0], args[1], args[2]
     n_experts, n_rows = qs.shape[0], qs.shape[1]
-    total = offsets[n_experts] * ((n_rows + ROWS - 1) // ROWS)
+    groups = (n_rows + ROWS - 1) // ROWS
+    extra = PACK_TOKENS if omp.prefill_claims() else 0
+    total = offsets[n_experts] * groups
+    for e in range(n_experts if extra else 0):
+        if offsets[e + 1] > offsets[e]:
+            total += extra * groups
     lo, hi = omp.prefill_first(counter, thread, n_threads, total)
     if lo >= hi:
         return
     bq = np.empty(d.shape[2] * UNITS * 4 * ROWS, np.uint8)
     bs = np.empty(d.shape[2] * ROWS, np.float32)
     while lo < hi:
-        _grouped_jobs(args, bq, bs, lo, hi)
+        _grouped_jobs(args, bq, bs, lo, hi, extra)
         lo, hi = omp.prefill_next(counter, thread, n_threads, total)
 
 
