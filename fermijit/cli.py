@@ -557,21 +557,25 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
 @full_size_options
 @click.option("--lengths", default="1024,4096,16384,32768", show_default=True,
               help="Prompt lengths, comma-separated.")
-@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Decode tokens timed after each length (their median).")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=24, show_default=True,
+              help="Decode tokens a window (decode at each length and at 64 positions in "
+                   "windows taken in turn).")
+@click.option("--pairs", "n_pairs", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Windows at each length, each paired with one at 64 positions; the median "
+                   "of the pairs' ratios is reported.")
 @click.option("--gpu", "use_gpu", is_flag=True, help="Also time the GPU prefill of each length.")
 @threads_option
 @json_option
 @kv_option
 def bench_longctx(model_dir: Path | None, synthetic: str | None, lengths: str,
-                  decode_tokens: int, use_gpu: bool, threads: int | None, as_json: bool,
-                  kv_cache: str) -> None:
+                  decode_tokens: int, n_pairs: int, use_gpu: bool, threads: int | None,
+                  as_json: bool, kv_cache: str) -> None:
     """Long context: CPU (and GPU) prefill tok/s, decode tok/s against decode at 64 positions in
-    the same run, KV cache bytes and memory, per prompt length."""
+    paired windows of the same run, KV cache bytes and memory, per prompt length."""
     from fermijit.bench import longctx as bl
 
     bl.run(model_dir, synthetic, tuple(_int_list("--lengths", lengths)), decode_tokens, use_gpu,
-           threads, as_json, kv=_kv(kv_cache))
+           threads, as_json, kv=_kv(kv_cache), n_pairs=n_pairs)
 
 
 @cli.group()
