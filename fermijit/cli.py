@@ -557,21 +557,25 @@ def bench_prefill(model_dir: Path | None, synthetic: str | None, tokens: int,
 @full_size_options
 @click.option("--lengths", default="1024,4096,16384,32768", show_default=True,
               help="Prompt lengths, comma-separated.")
-@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Decode tokens timed after each length (their median).")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=24, show_default=True,
+              help="Decode tokens a window (decode at each length and at 64 positions in "
+                   "windows taken in turn).")
+@click.option("--pairs", "n_pairs", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Windows at each length, each paired with one at 64 positions; the median "
+                   "of the pairs' ratios is reported.")
 @click.option("--gpu", "use_gpu", is_flag=True, help="Also time the GPU prefill of each length.")
 @threads_option
 @json_option
 @kv_option
 def bench_longctx(model_dir: Path | None, synthetic: str | None, lengths: str,
-                  decode_tokens: int, use_gpu: bool, threads: int | None, as_json: bool,
-                  kv_cache: str) -> None:
+                  decode_tokens: int, n_pairs: int, use_gpu: bool, threads: int | None,
+                  as_json: bool, kv_cache: str) -> None:
     """Long context: CPU (and GPU) prefill tok/s, decode tok/s against decode at 64 positions in
-    the same run, KV cache bytes and memory, per prompt length."""
+    paired windows of the same run, KV cache bytes and memory, per prompt length."""
     from fermijit.bench import longctx as bl
 
     bl.run(model_dir, synthetic, tuple(_int_list("--lengths", lengths)), decode_tokens, use_gpu,
-           threads, as_json, kv=_kv(kv_cache))
+           threads, as_json, kv=_kv(kv_cache), n_pairs=n_pairs)
 
 
 @cli.group()
@@ -896,8 +900,46 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+# `serve` with the GPU prefill (any --prefill but cpu): the CUDA driver started on a thread from
+# here, before the commands' imports (numba's ~0.4 s), by the driver API through ctypes (which
+# releases the GIL): cuInit and the device's primary context, made once per process, are then
+# found made when the GPU's preparation asks pycuda for them (issue 28 item 4: its "driver"
+# part). The context is fermijit's anyway (jit/gpu.py driver() retains the primary one); no GPU
+# or no driver: nothing happens. FERMIJIT_EARLY_DRIVER=0: not done.
+EARLY_DRIVER_ENV = "FERMIJIT_EARLY_DRIVER"
+
+
+def _start_driver() -> None:
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        if lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(device), 0) == 0:
+            lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+    except (OSError, AttributeError):
+        pass  # the GPU's preparation says why, as always
+
+
+def _start_driver_early(argv: list[str]) -> bool:
+    """Whether `argv` (without the program) is a `serve` that may use the GPU: then the driver
+    is started on a thread."""
+    words = " ".join(argv)
+    command = next((w for i, w in enumerate(argv) if not w.startswith("-")
+                    and (i == 0 or argv[i - 1] not in ("--isa", "--decode-isa"))), None)
+    if (command != "serve" or os.environ.get(EARLY_DRIVER_ENV, "1") == "0"
+            or "--prefill cpu" in words or "--prefill=cpu" in words
+            or "-h" in argv or "--help" in argv):
+        return False
+    import threading
+
+    threading.Thread(target=_start_driver, name="fermijit-early-driver", daemon=True).start()
+    return True
+
+
 def main() -> None:
     _open_missing_streams()
+    _start_driver_early(sys.argv[1:])
     try:
         cli.main(standalone_mode=False)
         sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit

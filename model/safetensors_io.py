@@ -63,6 +63,17 @@ class TensorInfo:
         self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
 
 
+# MiB a populate call covers (SafetensorsFile.populate); FERMIJIT_POPULATE_CHUNK sets it
+# ("whole": the whole file in one call, as before).
+POPULATE_CHUNK_MIB = 32
+POPULATE_CHUNK_ENV = "FERMIJIT_POPULATE_CHUNK"
+# The background populate's thread at this niceness: where cores are few it yields them to the
+# start's kernel warm-up (on 2 cores, populating beside it had made the warm-up 1.29x slower);
+# where they are many it takes an idle one anyway. FERMIJIT_POPULATE_NICE (0: not niced).
+POPULATE_NICE = 10
+POPULATE_NICE_ENV = "FERMIJIT_POPULATE_NICE"
+
+
 class SafetensorsFile:
     """One .safetensors file, header parsed and checked; tensors are read-only memmap views."""
 
@@ -140,19 +151,35 @@ class SafetensorsFile:
         over the first ~50 tokens; populating its 11.5 GB from the page cache takes ~1 s.
         `background`: on a thread (the call releases the GIL), so the start's other work (the
         kernels' warm-up, the GPU's start) runs meanwhile; True at once. False where the kernel
-        cannot (before 5.14)."""
+        cannot (before 5.14). In pieces of POPULATE_CHUNK_ENV MiB (default POPULATE_CHUNK_MIB):
+        one call over the whole file holds the process's memory-map lock for its second, and
+        every other thread's mmap or munmap (the kernels' loading maps their code) waits behind
+        it (issue 28 item 4)."""
         data = self.mapped()
         if not isinstance(data, np.memmap) or data._mmap is None:
             return False
         page = mmap.PAGESIZE
         first = data.ctypes.data // page * page  # the mapping starts on a page at or before it
         length = data.ctypes.data + data.nbytes - first
+        setting = os.environ.get(POPULATE_CHUNK_ENV, str(POPULATE_CHUNK_MIB))
+        chunk = length if setting == "whole" else max(page, int(float(setting) * (1 << 20))
+                                                      // page * page)
 
         def advise() -> bool:
-            return madvise(first, length, MADV_POPULATE_READ)
+            return all(madvise(at, min(chunk, first + length - at), MADV_POPULATE_READ)
+                       for at in range(first, first + length, chunk))
+
+        def advise_niced() -> bool:
+            nice = int(os.environ.get(POPULATE_NICE_ENV, POPULATE_NICE))
+            if nice:
+                try:  # this thread only (Linux: a thread's id is a process id to setpriority)
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+                except (OSError, AttributeError):
+                    pass
+            return advise()
 
         if background:
-            threading.Thread(target=advise, name="fermijit-populate", daemon=True).start()
+            threading.Thread(target=advise_niced, name="fermijit-populate", daemon=True).start()
             return True
         return advise()
 

@@ -10,14 +10,69 @@
 #   bash tests/gpu_longctx.sh OUT floors     bench prefill at 16k and 32k within 6 GB, with the
 #                                            C2075 projection (~3 min)
 #   bash tests/gpu_longctx.sh OUT bench-f32  the CPU figures at 1k/4k/16k with the fp32 cache
-# Full logs go to OUT; a short summary is printed last.
+#   bash tests/gpu_longctx.sh OUT paired16k  issue 31 item 3 alone (<= 200 s; no GPU used): decode
+#                                            at 16k positions against 64, 16 threads, Q8_0 cache,
+#                                            in paired windows (bench longctx --pairs): the median
+#                                            of the pairs' ratios (target >= 85 %), their spread,
+#                                            a token profiled op by op at 64 and at 16k; then
+#                                            the attn-ab stage's A/B in the time left
+#   bash tests/gpu_longctx.sh OUT attn-ab    decode attention alone at 16k, 16 threads, 10 layers'
+#                                            caches: A/B of the schedules and of huge pages
+#                                            (tests/longctx_attention_ab.py, ~40 s, no model)
+# Full logs go to OUT; a short summary is printed last. Elsewhere (a rehearsal of paired16k, no
+# .device-wheels: nothing installed): PYTHON=.venv/bin/python LAYERS=8 LENGTH=2048 THREADS=2
+# bash tests/gpu_longctx.sh OUT paired16k (LAYERS: a slice of the model, made in a folder of its
+# own; LENGTH, THREADS: in place of 16384, 16).
 set -u
-out=${1:?usage: tests/gpu_longctx.sh OUTDIR tests|bench|floors|bench-f32}
-stage=${2:?usage: tests/gpu_longctx.sh OUTDIR tests|bench|floors|bench-f32}
+usage="usage: tests/gpu_longctx.sh OUTDIR tests|bench|floors|bench-f32|paired16k|attn-ab"
+out=${1:?$usage}
+stage=${2:?$usage}
 mkdir -p "$out"
-source "$(dirname "$0")/gpu_install.sh"
+start=$SECONDS  # paired16k's budget counts the install too
+if [ -d .device-wheels ]; then source "$(dirname "$0")/gpu_install.sh"; fi
+py=${PYTHON:-python3}
 nvidia-smi -L >"$out/device.txt" 2>&1
+attention_ab() {  # the A/B of decode attention at 16k (or LENGTH), THREADS or 16 threads, for
+  # at most $1 seconds
+  timeout "$1" $py tests/longctx_attention_ab.py "${LENGTH:-16384}" "${THREADS:-16}" 12 \
+    >"$out/attention-ab.txt" 2>&1
+  echo "attention A/B rc=$?"
+}
 case "$stage" in
+attn-ab)
+  attention_ab 90
+  cat "$out/attention-ab.txt"
+  ;;
+paired16k)
+  # <= 200 s on the 16-core host: synth ~16 s (skipped when /dev/shm has the model), load, the
+  # kernels' compile where the cache is cold, the CPU prefill of 16k tokens (~75 s at 222
+  # tok/s), 7 pairs of 24-token windows (~12 s) and 2 x 3 profiled tokens; then, in the time
+  # left, the attention A/B (~20 s). The model stays in /dev/shm for a next call.
+  model=/dev/shm/fermijit-reap128${LAYERS:+-$LAYERS}
+  [ -f "$model/fermijit.json" ] || $py -m fermijit synth qwen3.6-35b-a3b-reap128 "$model" \
+    ${LAYERS:+--layers "$LAYERS"} >"$out/synth.txt" 2>&1 || { echo "synth failed"; tail -5 "$out/synth.txt"; exit 1; }
+  echo "[$((SECONDS - start)) s] model in $model"
+  timeout $((170 - (SECONDS - start))) $py -m fermijit bench longctx --model "$model" \
+    --threads "${THREADS:-16}" --lengths "${LENGTH:-16384}" --decode-tokens 24 --pairs 7 \
+    --kv-cache q8_0 --json >"$out/paired16k.json" 2>"$out/paired16k.log"
+  echo "[$((SECONDS - start)) s] bench longctx rc=$?"
+  left=$((193 - (SECONDS - start)))
+  [ "$left" -ge 15 ] && attention_ab "$left" || echo "no time left for the attention A/B"
+  echo "[$((SECONDS - start)) s] done"
+  $py -c "
+import json, sys
+from fermijit.bench.longctx import format_report
+r = json.load(open(sys.argv[1]))
+print(format_report(r))
+for row in r['rows']:
+    p = row['paired']
+    print(f\"decode at {row['tokens']} of {r['decode_base']['positions']} positions, {r['threads']} \"
+          f\"threads: median {100 * row['decode_of_base']:.1f} % of {len(p['ratios'])} pairs (\"
+          + ', '.join(f'{100 * x:.1f}' for x in p['ratios']) + ')')" "$out/paired16k.json" \
+    2>/dev/null || { echo "no report; the log's last lines:"; tail -5 "$out/paired16k.log"; }
+  echo "--- decode attention alone (A/B medians: > 1 is B faster)"
+  grep -E "A/B|same bits" "$out/attention-ab.txt" 2>/dev/null
+  ;;
 tests)
   python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
   echo "kernels check rc=$?"
@@ -73,5 +128,5 @@ floors)
   rm -rf "$model"
   ;;
 *)
-  echo "stage: tests, bench, floors or bench-f32"; exit 2 ;;
+  echo "stage: tests, bench, floors, bench-f32, paired16k or attn-ab"; exit 2 ;;
 esac

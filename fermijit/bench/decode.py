@@ -216,10 +216,46 @@ def _probe_child() -> None:
         print(probe.gbs(int(line)), flush=True)
 
 
+# --- paired windows: this and bench longctx ------------------------------------------------------
+# A ratio of two speeds measured minutes apart on a shared or drifting machine is noise (decode at
+# 16k against 64 positions: 49 / 110 / 81 % in three runs of the GPU machine's host). So the two
+# are measured in short windows taken in turn, and the median of each pair's ratio is reported.
+
 def windows(n_tokens: int) -> list[range]:
     """The decode tokens in windows of about PAIR_TOKENS (one window when fewer)."""
     n = max(1, n_tokens // PAIR_TOKENS)
     return [range(i * n_tokens // n, (i + 1) * n_tokens // n) for i in range(n)]
+
+
+def decode_tokens(model, state, token: int, n_tokens: int) -> tuple[list[float], int]:
+    """Decode `n_tokens` greedy tokens from `token` into `state`: (each token's seconds, the last
+    token)."""
+    times = []
+    for _ in range(n_tokens):
+        start = time.perf_counter()
+        token = int(np.argmax(model.decode(token, state)))
+        times.append(time.perf_counter() - start)
+    return times, token
+
+
+def alternate(items, first, second, swap: bool = False) -> list[tuple]:
+    """For each of `items`, first(item) then second(item): their results as pairs (first's,
+    second's). `swap`: every other pair runs second first (A B B A ...), so a steady drift in the
+    machine's speed favours neither."""
+    pairs = []
+    for i, item in enumerate(items):
+        if swap and i % 2:
+            b = second(item)
+            pairs.append((first(item), b))
+        else:
+            a = first(item)
+            pairs.append((a, second(item)))
+    return pairs
+
+
+def pair_ratios(pairs) -> list[float]:
+    """second / first of each pair (speeds: the second's of the first's)."""
+    return [b / a for a, b in pairs]
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -275,22 +311,22 @@ def _decode_windows(model, state, token: int, n_tokens: int, probe: ProbeChild):
     """Decode `n_tokens` greedy tokens in windows, each after a best-of-PAIR_REPEATS probe:
     (per-token seconds, the windows, each window's probe GB/s, CPU seconds, the last token)."""
     spans = windows(n_tokens)
-    times, window_gbs, cpu_s = [], [], 0.0
-    for window in spans:
-        window_gbs.append(probe.gbs(PAIR_REPEATS))
+    times, carried = [], {"token": token, "cpu_s": 0.0}
+
+    def window(span):
         cpu0 = time.process_time()
-        for _ in window:
-            start = time.perf_counter()
-            token = int(np.argmax(model.decode(token, state)))
-            times.append(time.perf_counter() - start)
-        cpu_s += time.process_time() - cpu0
-    return times, spans, window_gbs, cpu_s, token
+        window_times, carried["token"] = decode_tokens(model, state, carried["token"], len(span))
+        carried["cpu_s"] += time.process_time() - cpu0
+        times.extend(window_times)
+
+    pairs = alternate(spans, lambda _: probe.gbs(PAIR_REPEATS), window)
+    return times, spans, [gbs for gbs, _ in pairs], carried["cpu_s"], carried["token"]
 
 
 def _paired(total_bytes: int, times, spans, window_gbs) -> tuple[list, list]:
     """(each window's decode GB/s, its ratio to the probe before it)."""
     decode_gbs = [total_bytes * len(w) / sum(times[i] for i in w) / 1e9 for w in spans]
-    return decode_gbs, [d / p for d, p in zip(decode_gbs, window_gbs)]
+    return decode_gbs, pair_ratios(zip(window_gbs, decode_gbs))
 
 
 def _profile(model, token: int, state) -> list[dict]:

@@ -113,6 +113,17 @@ def codegen_settings() -> tuple:
     return tuple(str(getattr(numba_config, name, None)) for name in CODEGEN_SETTINGS)
 
 
+# Numba refreshes the target context before every load from the cache, "to ensure it is
+# initialized": the first refresh imports Numba's implementations (linalg, random, typed
+# containers...: 0.09 s on 2 cores) and installs their registries, each later one looks for new
+# registrations (57 of them 0.007 s in serve's warm-up). A load needs none of it: it unpickles
+# the code and links it against the runtime (NRT, started here: what the refresh did that a
+# load needs), and a compile (a cache miss) refreshes the context itself (its pipeline does).
+# Issue 28 item 4. FERMIJIT_LOAD_REFRESH=1: every load refreshes, as Numba's does.
+LOAD_REFRESH_ENV = "FERMIJIT_LOAD_REFRESH"
+_runtime_started: set[int] = set()  # id()s of target contexts (they live for ever)
+
+
 class SourceKeyedCache(caching.FunctionCache):
     """Numba's cache notices edits to the kernel's own file only, not to the intrinsics or
     helpers it calls in other modules (notes, pitfall 6). Adding a digest of the kernel's folder
@@ -129,7 +140,16 @@ class SourceKeyedCache(caching.FunctionCache):
         return super()._index_key(sig, codegen) + self._extra_key + codegen_settings()
 
     def load_overload(self, sig, target_context):
-        cres = super().load_overload(sig, target_context)
+        if os.environ.get(LOAD_REFRESH_ENV) == "1":
+            cres = super().load_overload(sig, target_context)  # Numba's: refreshed, then loaded
+        else:
+            if id(target_context) not in _runtime_started:
+                from numba.core.runtime import rtsys
+
+                rtsys.initialize(target_context)
+                _runtime_started.add(id(target_context))
+            with self._guard_against_spurious_io_errors():
+                cres = self._load_overload(sig, target_context)
         args, _ = sigutils.normalize_signature(sig)
         if cres is not None and tuple(cres.signature.args) != tuple(args):
             cres = None  # another signature's code (an index written by an older fermijit)

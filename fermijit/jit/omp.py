@@ -396,6 +396,63 @@ def _claim(counter, n_threads, n, least, step):
     return min(first, n), min(first + size, n)
 
 
+# CPU prefill's GEMMs (ops/gemm.py: the dense product's row groups, the grouped experts' jobs)
+# claim their work too (first_run / next_run), in at most FINE units a thread: a thread of a
+# static split idled while others finished experts of more tokens (routing loads experts
+# unevenly, and a job's packing costs ~6 tokens' tiles whatever its tokens) or ran slower. The
+# guided claims end in runs of one unit, so a thread waits for at most about one unit at the end:
+# 1/FINE of its share (8: up to 12 %, 32: 3 %). A unit is whole row groups (or the jobs starting
+# in its work), so every output element has the same arithmetic whichever thread takes it.
+# FERMIJIT_PREFILL_CLAIM=0: the static split as before (an A/B in fresh processes:
+# tests/prefill_shares_pass.sh).
+FINE = 32
+CLAIM_PREFILL_WORD = 4
+CLAIM_PREFILL_ENV = "FERMIJIT_PREFILL_CLAIM"
+_schedule[CLAIM_PREFILL_WORD] = int(os.environ.get(CLAIM_PREFILL_ENV, "1") != "0")
+
+
+def set_prefill_claim(on: bool) -> bool:
+    """Prefill's GEMMs claim fine units (True, the default) or take the static split; between
+    launches only. Returns the previous setting."""
+    previous = bool(_schedule[CLAIM_PREFILL_WORD])
+    _schedule[CLAIM_PREFILL_WORD] = int(bool(on))
+    return previous
+
+
+@kernel
+def prefill_claims():
+    """Whether prefill's GEMMs claim their runs (`set_prefill_claim`)."""
+    return _schedule_word(CLAIM_PREFILL_WORD) != 0
+
+
+@kernel
+def fine_units(n, n_threads):
+    """The units a claimed launch cuts its n items into: FINE a thread (at most n, at least
+    one); unit u holds items [u·n // units, (u+1)·n // units)."""
+    return max(1, min(n, FINE * n_threads))
+
+
+@kernel
+def prefill_first(counter, thread, n_threads, n):
+    """A prefill GEMM share's first run [first, last) of its n items (empty: none): its first
+    claimed run of fine units (`first_run`), or with the claims off its static equal run."""
+    if not prefill_claims():
+        return thread * n // n_threads, (thread + 1) * n // n_threads
+    units = fine_units(n, n_threads)
+    u0, u1 = first_run(counter, thread, n_threads, units, 1, 1)
+    return u0 * n // units, u1 * n // units
+
+
+@kernel
+def prefill_next(counter, thread, n_threads, n):
+    """The run after `prefill_first`'s and each one since (empty when the items are done)."""
+    if not prefill_claims():
+        return n, n
+    units = fine_units(n, n_threads)
+    u0, u1 = next_run(counter, thread, n_threads, units, 1, 1)
+    return u0 * n // units, u1 * n // units
+
+
 @kernel
 def first_run(counter, thread, n_threads, n, least, step):
     """A chunked share's first run [first, last) of its n units (empty: none left): the thread's

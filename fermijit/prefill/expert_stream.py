@@ -48,6 +48,7 @@ REGION_ALIGN = 256           # bytes: where each array's region of a layer buffe
 # host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
 # its code); a copy is cut where one chunk ends (gpu.split_at_registrations).
 REGISTER_CHUNK_BYTES = 256 << 20
+REGISTER_CHUNK_ENV = "FERMIJIT_REGISTER_CHUNK"  # MiB: another chunk (the start bench's A/B)
 # Threads registering the chunks at once (each call releases the GIL; the driver pins each
 # chunk's pages itself: ~0.8 s of the server's GPU start for the 11 GB file on one thread, on the
 # H200's host); FERMIJIT_REGISTER_THREADS sets it (1: one after the other, as before).
@@ -249,6 +250,22 @@ def _file_root(a: np.ndarray) -> np.ndarray | None:
     return root
 
 
+def file_pieces(host: list[tuple[np.ndarray, ...]], chunk: int) -> list[tuple[int, int]] | None:
+    """(address, bytes) pieces of at most `chunk` (whole pages) covering each model file mapping
+    that holds the arrays of `host`; None where one is not a file view."""
+    roots = [_file_root(a) for arrays in host for a in arrays]
+    if any(r is None for r in roots):
+        return None
+    page = mmap.PAGESIZE
+    chunk = max(page, chunk // page * page)
+    pieces = []
+    for root in {id(r): r for r in roots}.values():
+        first = root.ctypes.data // page * page
+        last = -(-(root.ctypes.data + root.nbytes) // page) * page
+        pieces += [(at, min(chunk, last - at)) for at in range(first, last, chunk)]
+    return pieces
+
+
 def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     """Every model file holding experts registered with the driver as it is mapped, whole, in
     REGISTER_CHUNK_BYTES chunks (a copy from a range that only starts inside a registration
@@ -257,16 +274,10 @@ def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
     from fermijit.jit import gpu
 
-    roots = [_file_root(a) for arrays in host for a in arrays]
-    if any(r is None for r in roots):
+    chunk = int(float(os.environ.get(REGISTER_CHUNK_ENV, 0)) * (1 << 20)) or REGISTER_CHUNK_BYTES
+    pieces = file_pieces(host, chunk)
+    if pieces is None:
         return None
-    page = mmap.PAGESIZE
-    chunk = max(page, REGISTER_CHUNK_BYTES // page * page)
-    pieces = []
-    for root in {id(r): r for r in roots}.values():
-        first = root.ctypes.data // page * page
-        last = -(-(root.ctypes.data + root.nbytes) // page) * page
-        pieces += [(at, min(chunk, last - at)) for at in range(first, last, chunk)]
     n_threads = max(1, min(len(pieces), int(os.environ.get(REGISTER_THREADS_ENV,
                                                            REGISTER_THREADS))))
     if n_threads == 1:

@@ -58,10 +58,13 @@ from fermijit.prefill.gpu_layout import (F32, dense_arrays, dense_kinds, expert_
 class DeviceModel:
     """The dense weights on the GPU, uploaded once; the expert buffer; the copy streamer."""
 
-    def __init__(self, model: Model, source: str, ring_slot_bytes: int = 64 << 20):
+    def __init__(self, model: Model, source: str, ring_slot_bytes: int = 64 << 20,
+                 host: dict | None = None):
         """`source`: expert_stream.SOURCES; "pinned" (the whole pool page-locked) registers the
         model file's pages in place where the driver can, else copies them into a pool that CPU
-        decode then reads too (its expert arrays rebound to it): one copy in host RAM."""
+        decode then reads too (its expert arrays rebound to it): one copy in host RAM. `host`:
+        the page-locked host buffers by name (`host_buffer`), some perhaps made already (the
+        server's hand-off room, page-locked ahead: hybrid.GpuPrefiller.reserve)."""
         from fermijit.jit import gpu
         from fermijit.prefill import expert_stream
 
@@ -99,7 +102,7 @@ class DeviceModel:
         self.expert_buffers = [gpu.empty((self.streamer.layer_bytes,), np.uint8)
                                for _ in range(2)]  # layer i in buffer i % 2
         self.readback = gpu.copy_stream()  # device-to-host routing reads (Pass.read_routing)
-        self._host: dict[str, np.ndarray] = {}
+        self._host: dict[str, np.ndarray] = {} if host is None else host
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
                                + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
 
@@ -107,12 +110,17 @@ class DeviceModel:
     def host_buffer(self, name: str, nbytes: int) -> np.ndarray:
         """A page-locked host buffer of at least `nbytes`, kept for the next pass (page-locking
         is slow: a few ms)."""
-        from fermijit.jit import gpu
+        return host_buffer(self._host, name, nbytes)
 
-        buf = self._host.get(name)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._host[name] = gpu.pinned(max(nbytes, 64 << 10))
-        return buf
+
+def host_buffer(buffers: dict, name: str, nbytes: int) -> np.ndarray:
+    """`buffers[name]`, page-locked, grown to at least `nbytes` (DeviceModel.host_buffer)."""
+    from fermijit.jit import gpu
+
+    buf = buffers.get(name)
+    if buf is None or buf.nbytes < nbytes:
+        buf = buffers[name] = gpu.pinned(max(nbytes, 64 << 10))
+    return buf
 
 
 @dataclasses.dataclass

@@ -241,6 +241,12 @@ class GpuPrefiller:
         # per layer of each pass, once the whole prefill has succeeded (so a fallback to the CPU
         # never counts a token twice).
         self.observer = None
+        # Page-locked host buffers by name (the DeviceModel's, made here where reserved ahead).
+        self.host_buffers: dict[str, np.ndarray] = {}
+        # Set once prepare() has the driver up (or has failed); `on_driver()` is then called on
+        # its thread (hybrid.preparing: the server's page-locking ahead, beside the rest).
+        self.driver_up = threading.Event()
+        self.on_driver = None
 
     def _say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -278,6 +284,16 @@ class GpuPrefiller:
         except Exception as e:  # noqa: BLE001 - pycuda's errors are not FermijitErrors
             self._fall_back(one_line(e))
             return False
+        finally:
+            self.driver_up.set()
+
+    def driver_ready(self) -> bool:
+        """Whether page-locked host memory can be had: the driver is up (prepare() may still be
+        loading the rest on another thread), else prepare() here; False where the GPU cannot be
+        used."""
+        if self.driver_up.is_set() and self.broken is None:
+            return True
+        return self.prepare()
 
     def _prepare(self) -> None:
         from fermijit.jit import gpu
@@ -288,8 +304,11 @@ class GpuPrefiller:
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
         first = plan(self.model, 2, 0, budget, pin_budget)  # checks the model and the budget
         driver_s = time.perf_counter() - start
+        self.driver_up.set()
+        if self.on_driver is not None:
+            self.on_driver()
         self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
-                                              ring_slot_bytes(pin_budget))
+                                              ring_slot_bytes(pin_budget), self.host_buffers)
         warm = self.model.new_state(2)
         observer, self.observer = self.observer, None     # the warm-up pass is not calibration
         start, modules = time.perf_counter(), gpu.module_load_s
@@ -311,10 +330,13 @@ class GpuPrefiller:
         a pass instead, the page-locking (~0.25 s for 8 full-size states of ~65 MB) fell on the
         server's first batch of prompts: 8 concurrent 64-token prompts' last first token 2.76x one
         prompt's, 1.80x for every later batch (H200, reap128)."""
-        if not self.prepare():
+        if not self.driver_ready():
             return
-        try:
-            self.device.host_buffer("state", n_sequences * self.model.state_nbytes(n_tokens))
+        from fermijit.prefill import gpu_prefill
+
+        try:  # before the device model where the driver is up already (page-locked ahead)
+            gpu_prefill.host_buffer(self.host_buffers, "state",
+                                    n_sequences * self.model.state_nbytes(n_tokens))
         except Exception as e:  # noqa: BLE001 - then the first batch page-locks it, as before
             self._say(f"gpu prefill: no room reserved for {n_sequences} prompts' states: "
                       f"{one_line(e)}")
@@ -323,7 +345,7 @@ class GpuPrefiller:
         """`nbytes` (uint8) of page-locked host memory where the GPU is usable, else ordinary:
         the server's GDN states there (fermijit/server/state_pool.py) are written in place by the
         hand-off's DMA (gpu_state.hand_off)."""
-        if self.prepare():
+        if self.driver_ready():
             from fermijit.jit import gpu
 
             try:
@@ -562,6 +584,9 @@ class AutoPrefiller:
     def reserve(self, n_sequences: int, n_tokens: int = RESERVE_TOKENS) -> None:
         self.gpu.reserve(n_sequences, n_tokens)
 
+    def driver_ready(self) -> bool:
+        return self.gpu.driver_ready()
+
     def host_memory(self, nbytes: int) -> np.ndarray:
         return self.gpu.host_memory(nbytes)
 
@@ -587,28 +612,62 @@ class AutoPrefiller:
         return logits
 
 
+# Whether `preparing` runs `then` (the server's page-locked hand-off room and GDN pool, ~1 GB at
+# full size) on a thread of its own as soon as the driver is up, beside the rest of the GPU's
+# start (its registration, uploads, module loads and 2-token pass), instead of after it, where it
+# was the last ~0.5 s before "ready" on the H200's host (issue 28 item 4).
+# FERMIJIT_PIN_AHEAD=0: after, as before.
+PIN_AHEAD_ENV = "FERMIJIT_PIN_AHEAD"
+
+
 @contextlib.contextmanager
 def preparing(prefiller, then=None):
     """`prefiller.prepare()` on a thread while the block runs (the CPU kernels' warm-up: the
     GPU's start, ~2.6 s at full size on the H200, overlaps it instead of following it), and
-    after it `then()` where given and the GPU started (the server's page-locked room: its
-    driver calls release the GIL); yields a dict that gets "started" (perf_counter), "seconds"
-    (None when the GPU could not start), "then" (`then`'s result) and "then_s" once the block
+    `then()` where given and the GPU's driver is up, on a thread of its own from then
+    (PIN_AHEAD_ENV; else after the prepare: the server's page-locked room, whose driver calls
+    release the GIL); yields a dict that gets "started" (perf_counter), "seconds" (None when the
+    GPU could not start), "then" (`then`'s result), "then_started" and "then_s" once the block
     is done."""
     from fermijit.jit import omp
 
     result: dict = {}
+    gpu_prefiller = getattr(prefiller, "gpu", prefiller)
+    ahead = (then is not None and os.environ.get(PIN_AHEAD_ENV, "1") != "0"
+             and hasattr(gpu_prefiller, "on_driver"))
+    threads = []
+
+    def run_then() -> None:
+        start = result["then_started"] = time.perf_counter()
+        try:
+            result["then"] = then()
+        except Exception as e:  # noqa: BLE001 - then the caller does without it
+            print(f"gpu prefill: {one_line(e)}", file=sys.stderr, flush=True)
+        result["then_s"] = time.perf_counter() - start
+
+    def then_ahead() -> None:
+        from fermijit.jit import gpu
+
+        try:
+            run_then()
+        finally:
+            gpu.release_thread()
+
+    def on_driver() -> None:
+        gpu_prefiller.on_driver = None
+        thread = threading.Thread(target=then_ahead, name="fermijit-gpu-pin-ahead", daemon=True)
+        threads.append(thread)
+        thread.start()
 
     def run() -> None:
+        if ahead:
+            gpu_prefiller.on_driver = on_driver
         start = result["started"] = time.perf_counter()
         result["seconds"] = time.perf_counter() - start if prefiller.prepare() else None
-        if then is not None and result["seconds"] is not None:
-            start = time.perf_counter()
-            try:
-                result["then"] = then()
-            except Exception as e:  # noqa: BLE001 - then the caller does without it
-                print(f"gpu prefill: {one_line(e)}", file=sys.stderr, flush=True)
-            result["then_s"] = time.perf_counter() - start
+        if then is not None and result["seconds"] is not None and not ahead:
+            run_then()
+        for thread in threads:
+            thread.join()
 
     if isinstance(prefiller, CpuPrefiller) or not omp.available():
         # Without the omp layer two threads' parallel kernels at once abort the process

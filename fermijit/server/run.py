@@ -100,6 +100,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     sock = listen(host, port)  # a port in use: before loading too
     err = sys.stderr
     start = time.perf_counter()
+    began = start - seconds_since_exec()  # the process's exec, on perf_counter's clock
     made: dict = {}
 
     def prepare_gpu(model) -> None:
@@ -123,19 +124,22 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                              speculative=speculative, on_model=prepare_gpu)
         engine.prefiller = made["prefiller"]
         drafts = engine_drafts(engine, drafts)
-        times = {"load": time.perf_counter() - start}
+        times = {"imports": start - began, "load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
+        gpu_thread_s = time.perf_counter() - start  # the warm-up's end: then the GPU's wait
     scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts,
                           gdn_pool=made["gpu"].get("then"))
     said = f", MTP drafts {drafts.n}" if drafts is not None else ""
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
-    if made["gpu"].get("seconds") is not None:  # the GPU's beside the rest, from when it began
-        parts += (f", gpu prefill {made['gpu']['seconds']:.1f} from "
-                  f"{made['gpu']['started'] - start:.1f}")
-        if "then_s" in made["gpu"]:  # then its hand-off room and the pool's states
-            parts += f", gpu room {made['gpu']['then_s']:.1f}"
-    print(f"ready in {time.perf_counter() - start:.1f} s ({parts}); serving "
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in times.items())
+    gpu = made["gpu"]
+    if gpu.get("seconds") is not None:  # the GPU's beside the rest, from when it began
+        parts += f", gpu prefill {gpu['seconds']:.2f} from {gpu['started'] - began:.2f}"
+        if "then_s" in gpu:  # its hand-off room and the pool's states, ahead or after
+            parts += f", gpu room {gpu['then_s']:.2f} from {gpu['then_started'] - began:.2f}"
+    parts += f", waited for the gpu {time.perf_counter() - start - gpu_thread_s:.2f}"
+    # From the process's exec (its imports included: issue 28 item 4 counts them), not from here
+    print(f"ready in {time.perf_counter() - began:.2f} s ({parts}); serving "
           f"on http://{host}:{sock.getsockname()[1]}/v1 (batch {max_batch}, queue {queue_size}"
           f"{said}{', API key required' if api_key else ''})", file=err, flush=True)
     scheduler.start()
@@ -148,6 +152,19 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
             print("stopped", file=err, flush=True)
     finally:
         scheduler.stop()
+
+
+def seconds_since_exec() -> float:
+    """Seconds since this process was exec'd (its start time in /proc/self/stat, in clock ticks
+    since boot, against CLOCK_BOOTTIME: 10 ms steps); 0 where /proc cannot say."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command's name
+        ticks = int(fields[19])  # field 22, starttime; the split began at field 3
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME)
+                   - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
 
 
 # A request's head (its line and headers) must arrive within this of the connection opening, or

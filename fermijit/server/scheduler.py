@@ -166,7 +166,8 @@ def ready_to_serve(prefiller, model, max_batch: int, on_pool=None) -> GdnPool | 
     if reserve is None:
         return None
     reserve(max_batch)  # a batch of prompts together, before any arrives
-    if not prefiller.prepare():
+    # Where the driver is up (the rest of the GPU's start may still run beside: hybrid.preparing)
+    if not getattr(prefiller, "driver_ready", prefiller.prepare)():
         return None
     pool = GdnPool(model, max_batch)
     if on_pool is not None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fermijit import FermijitError
-from fermijit.jit import cpu
+from fermijit.jit import cpu, omp
 from fermijit.ops import gemm, matvec, quant
 from tests.numerics import assert_close, poisoned
 from tests.ops.test_matvec import q4_weights
@@ -143,3 +143,74 @@ def test_grouped_reads_rows_in_place(rng, isa):
     with pytest.raises(FermijitError, match="prefill GEMM only"):
         matvec.grouped(qs, d_bits, offsets, act, np.empty((offsets[-1], rows), np.float32),
                        x_rows=x_rows, like_gemv=True)
+
+
+def _thread_counts():
+    most = numba.config.NUMBA_NUM_THREADS
+    return sorted({1, min(2, most), min(3, most), most})
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_claimed_units_give_the_static_split_bits(rng, isa):
+    claimed_units_give_the_static_split_bits(rng, isa)
+
+
+@pytest.mark.skipif(not omp.available(), reason="Numba's threading layer is not omp here")
+def test_claimed_units_in_a_team_of_five():
+    """The same in a team of 5 (more threads than this machine's cores, an odd count: units
+    that do not divide among the threads, some claimed runs empty)."""
+    from tests.fermijit.jit.test_omp import _python
+    _python(["-c", "import numpy as np; from tests.ops.test_gemm import *; "
+             "claimed_units_give_the_static_split_bits(np.random.default_rng(5), "
+             "cpu.selected_isa())"], NUMBA_NUM_THREADS="5")
+
+
+def claimed_units_give_the_static_split_bits(rng, isa):
+    """Prefill's GEMMs claim fine units of work (jit.omp.fine_units) unless told not to
+    (FERMIJIT_PREFILL_CLAIM=0: the static split): the same bits both ways, at 1, 2, 3 and the
+    most threads, with the dynamic schedule and without (omp.set_dynamic(False): the units'
+    static equal runs): the dense product with rows not whole groups, fewer groups than units
+    and more; the grouped experts unevenly loaded (empty ones, one of many tokens, a ragged
+    tail of rows); and the reference's values. Outputs NaN-poisoned: every element written."""
+    n_experts, rows, k = 23, 45, 160
+    counts = rng.integers(0, 6, n_experts)
+    counts[[0, 7]], counts[3] = 0, 41
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    qs, d = q4_weights(rng, n_experts * rows, k)
+    qs3, d3 = qs.reshape(n_experts, rows, -1), d.reshape(n_experts, rows, -1)
+    x_slots = rng.standard_normal((offsets[-1], k)).astype(np.float32)
+    dense = {r: q4_weights(rng, r, k) for r in (37, 1003)}
+    x = rng.standard_normal((19, k)).astype(np.float32)
+    act, act_slots = matvec.quantize_act(x, isa), matvec.quantize_act(x_slots, isa)
+
+    def run():
+        out = {r: matvec.product(matvec.Q4Matrix.of(*w), act, poisoned((19, r)))
+               for r, w in dense.items()}
+        out["grouped"] = matvec.grouped(qs3, d3.view(np.uint16), offsets, act_slots,
+                                        poisoned((offsets[-1], rows)))
+        return out
+
+    before, dynamic, claim = numba.get_num_threads(), omp.set_dynamic(True), \
+        omp.set_prefill_claim(False)
+    try:
+        numba.set_num_threads(1)
+        static = run()
+        for r, (q, dd) in dense.items():
+            expected = matvec.reference(q, dd, x)
+            assert_close(f"gemm[{isa.label}] R{r}", expected, static[r],
+                         atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+        expected = matvec.grouped_reference(qs3, d3, offsets, x_slots)
+        assert_close("grouped", expected, static["grouped"],
+                     atol=RTOL * np.abs(expected).max(), rtol=RTOL)
+        for n in _thread_counts():
+            numba.set_num_threads(n)
+            for claimed, dynamic_runs in ((False, True), (True, True), (True, False)):
+                omp.set_prefill_claim(claimed)
+                omp.set_dynamic(dynamic_runs)
+                got = run()
+                for key, value in static.items():
+                    np.testing.assert_array_equal(got[key], value, err_msg=f"{key}, {n} threads")
+    finally:
+        numba.set_num_threads(before)
+        omp.set_dynamic(*dynamic)
+        omp.set_prefill_claim(claim)

@@ -334,3 +334,45 @@ def test_a_cached_kernel_s_symbols_come_from_its_object_code_and_its_bitcode_on_
     r = subprocess.run([sys.executable, "-c", SYMBOLS_RUN], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-3000:]
+
+
+LOAD_RUN = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from numba.core import base
+    refreshes = []
+    original = base.BaseContext.refresh
+    base.BaseContext.refresh = lambda self: (refreshes.append(1), original(self))[1]
+    from fermijit.engine import DEFAULT_MODEL, Engine, Settings
+    from fermijit.jit import dispatch
+    misses = []
+    dispatch.on_miss = lambda: misses.append(1)
+    engine = Engine.load(DEFAULT_MODEL)
+    model, sampler = engine.model, engine.sampler(Settings(temperature=0.8, top_p=0.9, seed=3))
+    state = model.new_state(16)
+    logits = model.prefill(np.arange(5, 12, dtype=np.int32), state)
+    token = sampler.sample(logits)
+    logits2 = model.decode(token, state)
+    np.savez(sys.argv[1], logits, logits2, np.array([token, sampler.sample(logits2)]))
+    print(len(misses), len(refreshes))
+""")
+
+
+def test_kernels_loaded_without_numba_s_refresh_give_the_same_bits(tmp_path):
+    """dispatch's load without Numba's context refresh (issue 28 item 4): a process loading the
+    model's kernels (prefill, decode, sampling: Numba's runtime, its random generator) from the
+    cache that way gives the bits of one loading them Numba's way (FERMIJIT_LOAD_REFRESH=1), and
+    does refresh less (a load none)."""
+    def run(name, refresh):
+        env = dict(os.environ, FERMIJIT_LOAD_REFRESH=refresh)
+        r = subprocess.run([sys.executable, "-c", LOAD_RUN, str(tmp_path / name)], env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return tuple(map(int, r.stdout.split())), np.load(tmp_path / name)
+
+    run("warm.npz", "1")  # the cache filled, if it was not
+    (misses, refreshes), numba_way = run("numba.npz", "1")
+    (misses_then, refreshes_then), ours = run("ours.npz", "0")
+    assert misses == misses_then == 0
+    assert refreshes_then < refreshes
+    assert all(np.array_equal(numba_way[k], ours[k]) for k in numba_way.files)

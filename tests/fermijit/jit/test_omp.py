@@ -362,7 +362,7 @@ CHUNKED_TEAMS = textwrap.dedent("""
     import numpy as np
     from tests.fermijit.jit.test_omp import check_cover
     from fermijit.jit import omp
-    from fermijit.ops import fp32_rows, matvec, moe, quant
+    from fermijit.ops import attention, fp32_rows, kv_quant, matvec, moe, quant
 
     def q4(rng, shape):
         return quant.quantize_q4_0(rng.standard_normal(shape).astype(np.float32) * 0.3)
@@ -390,6 +390,11 @@ CHUNKED_TEAMS = textwrap.dedent("""
     ids = idx[None]
     wts = rng.uniform(0.05, 1, (1, 8)).astype(np.float32)
     wts /= wts.sum()
+    # Attention over a Q8_0 cache: a decode query at 5000 keys (20 key ranges x 2 kv heads, items
+    # claimed), a 60-query pass (tiles of queries) at 2000.
+    aq, agate = (rng.standard_normal((60, 8, 64)).astype(np.float32) for _ in range(2))
+    ak, av = (kv_quant.reference(rng.standard_normal((2, 5001, 64)).astype(np.float32))
+              for _ in range(2))
 
     def products():
         out = {}
@@ -408,6 +413,8 @@ CHUNKED_TEAMS = textwrap.dedent("""
         fp32_rows.decode_rows()(x2, w_fp32, out["fp32"])
         out["moe"] = moe.cpu(xm, ids, wts, mw, np.full((1, hid), np.nan, np.float32),
                              moe.Scratch.make(mw, 8))
+        out["attention decode"] = attention.cpu(aq[:1], ak, av, agate[:1], 5000)
+        out["attention pass"] = attention.cpu(aq, ak, av, agate, 2000)
         return out
 
     full = numba.get_num_threads()
@@ -430,6 +437,52 @@ CHUNKED_TEAMS = textwrap.dedent("""
 def test_chunked_shares_cover_every_row_once_on_teams_larger_than_the_machine():
     """Teams of 1 to 5 threads (more than this machine's cores): every unit of a chunked share
     claimed once, and decode's chunked products (GEMV, few tokens, Q8_0 head, gathered experts,
-    GEMV with fp32 rows, fp32 rows, the fused MoE) every output the one-thread bits, dynamic or
-    static."""
+    GEMV with fp32 rows, fp32 rows, the fused MoE, attention's items: a decode query's key
+    ranges, a pass's tiles) every output the one-thread bits, dynamic or static."""
     assert _python(["-c", CHUNKED_TEAMS], NUMBA_NUM_THREADS="5").strip() == "ok"
+
+
+def _prefill_cover(thread, n_threads, args, counter):
+    """Each item of every prefill run the thread takes: counted once more; its runs counted."""
+    out, runs, n = args
+    first, last = omp.prefill_first(counter, thread, n_threads, n)
+    while first < last:
+        runs[thread] += 1
+        for u in range(first, last):
+            out[u] = 1.0 if np.isnan(out[u]) else out[u] + 1.0
+        first, last = omp.prefill_next(counter, thread, n_threads, n)
+
+
+def _launch_prefill_cover(out, runs, n):
+    fork((out, runs, n))
+
+
+prefill_cover = kernel(_launch_prefill_cover, fork=omp.fork(_prefill_cover, chunked=True),
+                       variant=_TEAM)
+
+
+def test_prefill_runs_and_their_switch():
+    """Prefill's GEMMs cut n items into FINE units a thread (at most n, at least one) and claim
+    runs of them: every item once, more runs than threads where there are more items than
+    threads; unless FERMIJIT_PREFILL_CLAIM=0 (read at import) or set_prefill_claim(False) says
+    not: then one static equal run a thread (ops/gemm.py; the bits: tests/ops/test_gemm.py)."""
+    assert omp.fine_units(10_000, 3) == 3 * omp.FINE
+    assert omp.fine_units(5, 16) == 5 and omp.fine_units(0, 4) == 1
+    team = numba.get_num_threads() if omp.available() else 1
+    previous = omp.set_prefill_claim(True)
+    try:
+        for claim in (True, False):
+            omp.set_prefill_claim(claim)
+            for n in (0, 1, 3, 37, 4099, 100_000):
+                out, runs = np.full(n, np.nan), np.zeros(numba.config.NUMBA_NUM_THREADS, np.int64)
+                prefill_cover(out, runs, n)
+                assert (out == 1.0).all(), (claim, n)
+                if not claim or team == 1:
+                    assert runs.sum() == min(n, team), (claim, n)
+                elif n > team:
+                    assert runs.sum() > team, (claim, n)
+    finally:
+        omp.set_prefill_claim(previous)
+    code = "from fermijit.jit import omp; print(bool(omp._schedule[omp.CLAIM_PREFILL_WORD]))"
+    assert _python(["-c", code], FERMIJIT_PREFILL_CLAIM="0").strip() == "False"
+    assert _python(["-c", code], FERMIJIT_PREFILL_CLAIM="1").strip() == "True"

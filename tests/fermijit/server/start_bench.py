@@ -1,14 +1,11 @@
 """Issue 28 item 4 (start to ready <= 3 s with a warm kernel cache, the model in the page cache):
 `serve` started in fresh processes (run by tests/gpu_start_bench.sh on the GPU host; it runs on
 the CPU too, where the GPU modes report no GPU). A first start fills the kernel cache (reported
-as "first"), then ROUNDS interleaved rounds of the modes (START_MODES; default these three):
-  - default:  `serve --gpu-mem 6G --verbose` (--prefill auto: the GPU's preparation on a thread
-              beside the load's tail and the CPU kernels' warm-up);
-  - pycuda:   the same the way it was before the driver-API path (ENV: pycuda's module loads
-              and page-locking, one registering thread, Python's switch interval);
-  - cpu:      `serve --prefill cpu` (no GPU at all);
-  and on request (START_MODES=a,b,...): switch0, register1 (ENV), after (the GPU's preparation
-  after the warm-up: hybrid.preparing replaced by a sequential one).
+as "first"), then ROUNDS interleaved rounds of the modes (START_MODES; default MODES): default
+(`serve --gpu-mem 6G --verbose`, --prefill auto), main (the start as before this branch), one
+mode per change undone or varied (ENV says each one's environment), and cpu (`--prefill cpu`);
+on request also pycuda, switch0, register1, refresh1, main-cpu, refresh1-cpu and after (the GPU's
+preparation after the warm-up: hybrid.preparing replaced by a sequential one).
 Each start: seconds from Popen to "serving", the server's "ready in" line (load, kernels, the
 GPU's seconds and when it began) and "gpu prefill ready" line (driver, experts, dense weights,
 2-token pass, its module loads), then one 64-token request's time to first token and a second
@@ -16,9 +13,11 @@ one's (readiness: the first must not compile or upload more than the second; --p
 prefills them on the GPU: gpu_tokens, from /health, says so). Last, one start under -X
 importtime: the slowest top-level imports. `--probe`: whether registering the model file with the
 driver (whole, then in serve's chunks) stalls another thread's mmap or Python. Prints a table of
-medians; writes the rows as JSON and the logs under OUT.
+medians, last a short one (exec to "ready", Popen to "serving", Popen to the first request's
+first token); writes the rows as JSON and the logs under OUT. BUDGET_S: no round begins that
+would end past it (estimated from the rounds before).
 
-    python3 -m tests.fermijit.server.start_bench MODEL_DIR OUT [ROUNDS]
+    python3 -m tests.fermijit.server.start_bench MODEL_DIR OUT [ROUNDS [BUDGET_S]]
 """
 
 import json
@@ -36,15 +35,34 @@ from tests.fermijit.server import start_profile
 from tests.fermijit.server.test_serve_gpu import GPU_MEM
 
 ROUNDS = 3
-# START_MODES (comma-separated) picks the modes; default these three.
-MODES = ("default", "pycuda", "cpu")
-# Each mode's environment beside the command's: "pycuda" is the GPU's start as it was before the
-# driver-API path (pycuda's module loads and page-locking, which keep the GIL; one registering
-# thread; Python's own switch interval); "switch0" the driver path with Python's own interval.
-ENV = {"pycuda": {"FERMIJIT_GPU_LAUNCH": "pycuda", "FERMIJIT_START_SWITCH_S": "0",
+# START_MODES (comma-separated) picks the modes; default these (the device run decides the
+# defaults from them).
+MODES = ("default", "main", "ahead0", "early0", "popwhole", "nice0", "regchunk64", "cpu")
+# Each mode's environment beside the command's. "main": the start as main had it before this
+# branch (each cached kernel's load refreshing Numba's context, the hand-off room and GDN pool
+# page-locked after the GPU's start, no early driver); the others each undo or change one thing:
+# "ahead0" the room after the GPU's start, "early0" no early driver thread (cli.py),
+# "refresh1" Numba's refresh at every load, "popwhole" the model file's mapping pre-faulted in
+# one call (model/safetensors_io.py populate: 32 MiB pieces), "nice0" its thread not niced,
+# "regchunk64" the file registered in 64 MiB pieces;
+# "pycuda" the GPU's start as it was before the driver-API path (pycuda's module loads and
+# page-locking, one registering thread, Python's own switch interval); "switch0" the driver
+# path with Python's own interval.
+MAIN_ENV = {"FERMIJIT_LOAD_REFRESH": "1", "FERMIJIT_PIN_AHEAD": "0",
+            "FERMIJIT_EARLY_DRIVER": "0", "FERMIJIT_POPULATE_CHUNK": "whole",
+            "FERMIJIT_POPULATE_NICE": "0"}
+ENV = {"main": MAIN_ENV,
+       "ahead0": {"FERMIJIT_PIN_AHEAD": "0"},
+       "early0": {"FERMIJIT_EARLY_DRIVER": "0"},
+       "refresh1": {"FERMIJIT_LOAD_REFRESH": "1"},
+       "popwhole": {"FERMIJIT_POPULATE_CHUNK": "whole"},
+       "regchunk64": {"FERMIJIT_REGISTER_CHUNK": "64"},
+       "nice0": {"FERMIJIT_POPULATE_NICE": "0"}, "nice0-cpu": {"FERMIJIT_POPULATE_NICE": "0"},
+       "pycuda": {"FERMIJIT_GPU_LAUNCH": "pycuda", "FERMIJIT_START_SWITCH_S": "0",
                   "FERMIJIT_REGISTER_THREADS": "1"},
        "switch0": {"FERMIJIT_START_SWITCH_S": "0"},
-       "register1": {"FERMIJIT_REGISTER_THREADS": "1"}}
+       "register1": {"FERMIJIT_REGISTER_THREADS": "1"},
+       "cpu": {}, "main-cpu": MAIN_ENV, "refresh1-cpu": {"FERMIJIT_LOAD_REFRESH": "1"}}
 
 # `after`: the GPU's preparation once the CPU kernels are warm (the path serve takes without the
 # omp threading layer), in the same process layout as `python -m fermijit`.
@@ -73,7 +91,7 @@ main()
 
 def command(model_dir: Path, mode: str, python_flags: tuple = ()) -> list[str]:
     serve = ["serve", "--model", str(model_dir), "--port", "0", "--verbose"]
-    serve += ["--prefill", "cpu"] if mode == "cpu" else ["--gpu-mem", GPU_MEM]
+    serve += ["--prefill", "cpu"] if mode.endswith("cpu") else ["--gpu-mem", GPU_MEM]
     if mode == "after":
         return [sys.executable, *python_flags, "-c", AFTER, *serve]
     return [sys.executable, *python_flags, "-m", "fermijit", *serve]
@@ -106,6 +124,7 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
             try:
                 with httpx.Client(base_url=url, timeout=600) as client:
                     row["first_request_s"] = _ttft(client, ids[0])
+                    row["served_s"] = time.perf_counter() - t0  # Popen to its first token
                     row["second_request_s"] = _ttft(client, ids[1])
                     row["gpu_tokens"] = client.get("/health").json()["prefilled_tokens"].get(
                         "gpu", 0)
@@ -118,6 +137,7 @@ def start(model_dir: Path, mode: str, log: Path, python_flags: tuple = (),
         except subprocess.TimeoutExpired:
             proc.kill()
             rest = proc.communicate()[1]
+    row["took_s"] = time.perf_counter() - t0
     text = "".join(lines) + (rest or "")
     with open(log, "a") as f:
         f.write(f"=== {mode} ===\n{text}")
@@ -218,28 +238,38 @@ def register_probe(model_dir: Path, chunk: int | None = None) -> str:
             f"{n_during} (then {n_after} in as long)")
 
 
-KEYS = ("serving_s", "ready_s", "load", "kernels", "gpu prefill", "gpu prefill from", "gpu room",
-        "gpu: driver", "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
+KEYS = ("ready_s", "serving_s", "served_s", "imports", "load", "kernels", "gpu prefill",
+        "gpu prefill from", "gpu room", "gpu room from", "waited for the gpu", "gpu: driver",
+        "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
         "gpu: kernels (2-token pass)", "gpu: of which module loads", "first_request_s",
         "second_request_s", "gpu_tokens")
+# The short table's rows, last: "ready in" (from the process's exec), Popen to "serving",
+# Popen to the first request's first token.
+SHORT = {"ready_s": "exec->ready", "serving_s": "Popen->serving", "served_s": "Popen->1st token"}
 
 
-def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
+def main(model_dir: Path, out: Path, rounds: int = ROUNDS, budget_s: float | None = None) -> None:
+    """`budget_s`: no round begins once this many seconds have gone (the device script's)."""
     import os
 
+    began = time.perf_counter()
     modes = tuple(os.environ.get("START_MODES", ",".join(MODES)).split(","))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "start-bench.log"
-    first = start(model_dir, "default", log)
+    first = start(model_dir, modes[0], log)  # the kernel cache filled as it goes (a cold one)
     rows = {mode: [] for mode in modes}
+    done = 0
     for r in range(rounds):
+        spent = time.perf_counter() - began
+        if budget_s is not None and r and spent + (spent - first.get("took_s", 0)) / r > budget_s:
+            print(f"(the budget of {budget_s:.0f} s allows {r} rounds)")
+            break
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             rows[mode].append(start(model_dir, mode, log))
+        done = r + 1
     slow = imports(model_dir, log) if os.environ.get("START_IMPORTS", "1") != "0" else []
     (out / "start-bench.json").write_text(json.dumps({"first": first, "rounds": rows},
                                                      indent=1))
-    print(f"first start (kernel cache filled as it goes): serving after "
-          f"{first.get('serving_s', float('nan')):.2f} s; {' | '.join(first['said'][:3])}")
     errors = [r["request_error"] for m in modes for r in rows[m] if "request_error" in r]
     if errors:
         print(f"{len(errors)} start(s) failed a request, e.g. {errors[0]}")
@@ -248,17 +278,23 @@ def main(model_dir: Path, out: Path, rounds: int = ROUNDS) -> None:
         for name in ("first_request_gpu", "second_request_gpu"):
             if name in last:
                 print(f"{m} {name}: {last[name]}")
-    print(f"medians of {rounds} fresh starts per mode (seconds; each mode's env: "
-          f"{ {m: ENV[m] for m in modes if m in ENV} }):")
-    print(f"{'':30s}" + "".join(f"{m:>10s}" for m in modes))
-    for key in KEYS:
+    print(f"medians of {done} fresh starts per mode (seconds; each mode's env: "
+          f"{ {m: ENV[m] for m in modes if ENV.get(m)} }):")
+    print(f"{'':30s}" + "".join(f"{m:>11s}" for m in modes))
+    table = [k for k in KEYS if k not in SHORT] + list(SHORT)
+    for key in table:
         values = [[row[key] for row in rows[m] if key in row] for m in modes]
         if any(values):
-            print(f"{key:30s}" + "".join(f"{statistics.median(v):10.2f}" if v else f"{'-':>10s}"
-                                         for v in values))
+            print(f"{SHORT.get(key, key):30s}"
+                  + "".join(f"{statistics.median(v):11.2f}" if v else f"{'-':>11s}"
+                            for v in values))
     if slow:
         print("slowest top-level imports (-X importtime, default start): "
               + ", ".join(f"{name} {s:.2f}" for s, name in slow[:8]))
+    print(f"first start ({modes[0]}, the kernel cache cold): exec->ready "
+          f"{first.get('ready_s', float('nan')):.2f}, Popen->serving "
+          f"{first.get('serving_s', float('nan')):.2f}, Popen->1st token "
+          f"{first.get('served_s', float('nan')):.2f} s; {' | '.join(first['said'][:2])}")
 
 
 def register_threads_probe(model_dir: Path) -> str:
@@ -295,4 +331,5 @@ if __name__ == "__main__":
         print(register_probe(Path(sys.argv[2]), expert_stream.REGISTER_CHUNK_BYTES))
         print(register_threads_probe(Path(sys.argv[2])))
         sys.exit()
-    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS)
+    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS,
+         float(sys.argv[4]) if len(sys.argv) > 4 else None)

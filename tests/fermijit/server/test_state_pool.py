@@ -433,3 +433,70 @@ def test_preparing_runs_then_after_a_prepared_gpu_only():
     with hybrid.preparing(Prefiller(True), bad) as result:
         pass
     assert "then" not in result and result["seconds"] is not None
+
+
+def test_preparing_runs_then_ahead_beside_the_rest_once_the_driver_is_up(monkeypatch):
+    """hybrid.preparing with a GPU prefiller (on_driver): `then` (the server's page-locking) on a
+    thread of its own from when prepare() has the driver up, while prepare() goes on (issue 28
+    item 4: it had followed the GPU's start); not at all where the driver never came up; after
+    prepare() with FERMIJIT_PIN_AHEAD=0."""
+    import threading
+
+    from fermijit.prefill import hybrid
+
+    class Prefiller:
+        def __init__(self, driver_ok):
+            self.driver_ok, self.on_driver, self.order = driver_ok, None, []
+            self.then_ran = threading.Event()
+
+        def prepare(self):
+            if not self.driver_ok:
+                return False
+            if self.on_driver is not None:
+                self.on_driver()
+                assert self.then_ran.wait(10)  # the rest of the start waits: `then` runs beside
+            self.order.append("prepared")
+            return True
+
+        def then(self):
+            self.order.append(threading.current_thread().name)
+            self.then_ran.set()
+            return "made"
+
+    p = Prefiller(True)
+    with hybrid.preparing(p, p.then) as result:
+        pass
+    assert result["then"] == "made" and p.order == ["fermijit-gpu-pin-ahead", "prepared"]
+    assert result["then_started"] >= result["started"] and result["seconds"] is not None
+    p = Prefiller(False)
+    with hybrid.preparing(p, p.then) as result:
+        pass
+    assert "then" not in result and result["seconds"] is None
+    monkeypatch.setenv(hybrid.PIN_AHEAD_ENV, "0")
+    p = Prefiller(True)
+    p.then_ran.set()
+    with hybrid.preparing(p, p.then) as result:
+        pass
+    assert result["then"] == "made" and p.order[0] == "prepared"
+
+
+def test_gpu_prefiller_page_locks_the_room_and_pool_once_the_driver_is_up(engine, monkeypatch):
+    """GpuPrefiller.reserve and host_memory with the driver up and the device model not yet made
+    (page-locked ahead): the room goes to its host buffers (which the device model takes), the
+    pool's memory is page-locked; without the driver, prepare() decides (here: no GPU)."""
+    from fermijit.jit import gpu
+    from fermijit.prefill import hybrid
+
+    pinned = []
+    monkeypatch.setattr(gpu, "pinned", lambda n: pinned.append(n) or np.zeros(n, np.uint8))
+    prefiller = hybrid.GpuPrefiller(engine.model, is_quiet_without_gpu=True)
+    prefiller.driver_up.set()
+    prefiller.reserve(2)
+    assert prefiller.device is None and list(prefiller.host_buffers) == ["state"]
+    assert prefiller.host_buffers["state"].nbytes >= 2 * engine.model.state_nbytes(
+        hybrid.RESERVE_TOKENS)
+    assert prefiller.host_memory(4096).nbytes == 4096 and len(pinned) == 2
+    if gpu.unavailable_reason() is not None:
+        other = hybrid.GpuPrefiller(engine.model, is_quiet_without_gpu=True)
+        assert not other.driver_ready() and other.host_memory(8).nbytes == 8
+        assert len(pinned) == 2

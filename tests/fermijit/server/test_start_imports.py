@@ -1,0 +1,59 @@
+"""serve's start (issue 28 item 4): the load and the warm-up import nothing heavy they do not
+need; "ready in" counts from the process's exec; the early driver thread only for a `serve` that
+may use the GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+# Packages the load and the warm-up must not import (the HTTP side comes once ready; the GPU's
+# only on the GPU path; the others are training/conversion tools': seconds each).
+HEAVY = {"torch", "transformers", "PIL", "safetensors", "scipy", "pandas", "matplotlib",
+         "uvicorn", "starlette", "httpx", "pycuda", "gguf", "huggingface_hub"}
+
+SCRIPT = """
+import sys
+from fermijit.engine import DEFAULT_MODEL, Engine
+from fermijit.prefill import hybrid
+from fermijit.server.run import warm_up
+
+engine = Engine.load(DEFAULT_MODEL)
+with hybrid.preparing(hybrid.make(engine.model, "cpu")):
+    warm_up(engine, 8)
+print(" ".join(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+def test_the_load_and_warm_up_import_nothing_heavy():
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert HEAVY & set(r.stdout.split()) == set()
+
+
+def test_seconds_since_exec_counts_from_the_process_s_start():
+    code = ("import time; time.sleep(0.5); from fermijit.server.run import seconds_since_exec; "
+            "print(seconds_since_exec())")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert 0.5 <= float(r.stdout) <= took + 0.02  # /proc's clock ticks: 10 ms steps
+
+
+def test_the_driver_starts_early_only_for_a_serve_that_may_use_the_gpu(monkeypatch):
+    from fermijit import cli
+
+    started = []
+    monkeypatch.setattr(cli, "_start_driver", lambda: started.append(1))
+    assert cli._start_driver_early(["serve", "--model", "m"])
+    assert cli._start_driver_early(["--isa", "avx2", "serve", "--prefill", "gpu"])
+    for argv in (["serve", "--prefill", "cpu"], ["serve", "--prefill=cpu"], ["serve", "--help"],
+                 ["generate", "hi"], ["bench", "serve"]):
+        assert not cli._start_driver_early(argv), argv
+    monkeypatch.setenv(cli.EARLY_DRIVER_ENV, "0")
+    assert not cli._start_driver_early(["serve"])
+    time.sleep(0.05)
+    assert len(started) == 2

@@ -1,0 +1,173 @@
+"""Decode attention at long context, A/B in one process (issue 31 item 3; tests/gpu_longctx.sh
+paired16k runs it on the GPU machine's host): a token's attention over LAYERS full-size Q8_0
+caches (Hq 16, Hkv 2, D 256; 10 layers at 16k keys are 189 MB, past a last-level cache, as in
+decode, whose weights flush it), timed in rounds taken in turn (A B B A ...), the median of the
+rounds' ratios:
+  claimed   omp.set_dynamic(True), the default, against False: where attention's share takes
+            its items (a kv head's 256-key ranges) by jit/omp.py first_run / next_run (branch
+            long31-claimed), claimed runs after an equal static half against each thread's
+            contiguous equal run; where it does not (main), the same code twice (a noise check)
+  huge      the caches in transparent huge pages (madvise) against ordinary 4 KB pages (the
+            state's caches: model/state.py `reserved`), both with the default schedule
+Each arm's outputs are checked to have the same bits.
+
+Usage: python tests/longctx_attention_ab.py [KEYS [THREADS [ROUNDS]]]  (16384, all, 12)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import time
+
+# Run as a script from tests/: that folder first on the path would shadow the package
+# (tests/fermijit).
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+
+import numpy as np  # noqa: E402
+
+from fermijit.jit import cpu, omp  # noqa: E402
+from fermijit.ops import attention, kv_quant  # noqa: E402
+
+LAYERS = 10
+HQ, HKV, D = 16, 2, 256
+ROUND_S = 0.05  # seconds an arm's timing in a round takes at least (as many tokens' attention)
+
+
+def allocator(huge: bool):
+    """kv_quant.empty's allocate: anonymous mappings of their own (as model/state.py `reserved`),
+    advised into transparent huge pages or kept in 4 KB ones."""
+    def allocate(shape, dtype):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+        return np.frombuffer(m, dtype).reshape(shape)
+
+    return allocate
+
+
+def huge_page_bytes() -> int:
+    """The process's memory in transparent huge pages (/proc/self/smaps_rollup; 0 unknown)."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def caches(n_keys: int, rng) -> list:
+    """LAYERS (k, v) Q8Rows of n_keys + 1 positions in 4 KB pages, random rows."""
+    out = []
+    for _ in range(LAYERS):
+        kv = [kv_quant.empty((HKV, n_keys + 1, D), allocator(False)) for _ in range(2)]
+        for start in range(0, n_keys + 1, 4096):
+            n = min(4096, n_keys + 1 - start)
+            for rows in kv:
+                kv_quant.store(rng.standard_normal((n, HKV, D)).astype(np.float32), rows, start)
+        out.append(kv)
+    return out
+
+
+def in_huge_pages(layers) -> list:
+    """A copy of every layer's rows in transparent huge pages."""
+    out = []
+    for kv in layers:
+        pair = []
+        for rows in kv:
+            made = kv_quant.empty(rows.qs.shape, allocator(True))
+            made.qs[...], made.d[...] = rows.qs, rows.d
+            pair.append(made)
+        out.append(pair)
+    return out
+
+
+def token_attention(layers, q, gate, position):
+    """A function running decode's attention steps over every layer (as decode's plan calls
+    them), and the outputs it writes."""
+    outs = [np.empty((1, HQ, D), np.float32) for _ in layers]
+    shared: dict = {}
+    steps = [s for (k, v), o in zip(layers, outs)
+             for s in attention.decode_launch(q, k, v, gate, position, o, shared=shared)]
+
+    def run():
+        for _, fn, args in steps:
+            fn(*args)
+
+    return run, outs
+
+
+def ab(name: str, a, b, rounds: int) -> None:
+    """Time a() and b() (each running a token's attention) in rounds A B B A ..., each timing as
+    many calls as fill ROUND_S; print the medians and the median of the ratios a/b (> 1: b
+    faster)."""
+    a()
+    start = time.perf_counter()
+    b()
+    calls = max(3, int(ROUND_S / (time.perf_counter() - start)))
+    pairs = []
+    for i in range(rounds):
+        timed = []
+        for f in ((a, b) if i % 2 == 0 else (b, a)):
+            f()  # one untimed: the other arm's schedule or pages were in the caches
+            start = time.perf_counter()
+            for _ in range(calls):
+                f()
+            timed.append((time.perf_counter() - start) / calls)
+        pairs.append(tuple(timed) if i % 2 == 0 else tuple(reversed(timed)))
+    ratios = [x / y for x, y in pairs]
+    print(f"{name}: A {1e3 * np.median([x for x, _ in pairs]):.2f} ms, B "
+          f"{1e3 * np.median([y for _, y in pairs]):.2f} ms a token's attention ({calls} a "
+          f"timing); A/B median {np.median(ratios):.3f} ("
+          + ", ".join(f"{r:.3f}" for r in ratios) + ")", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    n_keys = int(argv[0]) if argv else 16384
+    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
+    rounds = int(argv[2]) if len(argv) > 2 else 12
+    rng = np.random.default_rng(31)
+    q, gate = (rng.standard_normal((1, HQ, D)).astype(np.float32) for _ in range(2))
+    position = np.array([n_keys], np.int64)
+    t0 = time.perf_counter()
+    small = caches(n_keys, rng)
+    run, outs = token_attention(small, q, gate, position)
+    print(f"decode attention at {n_keys} keys, {LAYERS} layers of Hq {HQ}, Hkv {HKV}, D {D} "
+          f"(Q8_0, {sum(r.qs.nbytes + r.d.nbytes for kv in small for r in kv) / 1e6:.0f} MB), "
+          f"{threads} threads, isa {cpu.selected_isa().label}; caches made in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+    def schedule(dynamic: bool):
+        def f():
+            previous = omp.set_dynamic(dynamic)
+            try:
+                run()
+            finally:
+                omp.set_dynamic(*previous)
+        return f
+
+    static, claimed = schedule(False), schedule(True)
+    static()
+    want = [o.copy() for o in outs]
+    claimed()
+    same = all(np.array_equal(o, w) for o, w in zip(outs, want))
+    print(f"claimed runs: the same bits as static ones: {same}")
+    ab("static (A) vs claimed (B)", static, claimed, rounds)
+
+    huge_before = huge_page_bytes()
+    huge = in_huge_pages(small)  # the same rows: both arms attend over the same values
+    run_huge, outs_huge = token_attention(huge, q, gate, position)
+    run_huge()
+    same = all(np.array_equal(o, w) for o, w in zip(outs_huge, outs))
+    granted = huge_page_bytes() - huge_before
+    print(f"huge pages: {granted / 2**20:.0f} MiB granted to the mappings of the copies' "
+          f"{sum(r.qs.nbytes + r.d.nbytes for kv in huge for r in kv) / 2**20:.0f} MiB; the "
+          f"same bits as in 4 KB pages: {same}")
+    ab("4 KB pages (A) vs huge pages (B)", run, run_huge, rounds)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
