@@ -257,8 +257,10 @@ def _n_items(R, T, Hkv, tile):
     return R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv
 
 
-def attend_share(thread, n_threads, args):
-    """A thread's contiguous run of items (jit.omp.fork). With ranges in acc [R, T, Hq, D]
+def attend_share(thread, n_threads, args, counter):
+    """A thread's runs of items (jit.omp.fork, first_run / next_run: an equal static run of the
+    first half, then runs claimed while any are left, so threads that run faster take more; each
+    item's arithmetic whichever thread takes it). With ranges in acc [R, T, Hq, D]
     (R > 0; m, l [R, T, Hq]): the items are (query, kv head, key range) triples, range r of each
     pair into acc[r] (none where the query has fewer keys), merged later (combine_head). With
     R = 0: the items are (tile of `tile` queries, kv head) pairs, each its ranges in turn, the
@@ -282,31 +284,34 @@ def attend_share(thread, n_threads, args):
     n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1
     n_items = _n_items(acc.shape[0], T, Hkv, tile)
-    for item in range(thread * n_items // n_threads, (thread + 1) * n_items // n_threads):
-        first, hkv = _query(item, n_tiles, Hkv, per)
-        t0 = first * width
-        t1 = min(t0 + width, T)
-        h0 = hkv * G
-        r_lo, r_hi = (item % per, item % per + 1) if per_range else (0, n_ranges(start + t1))
-        for r in range(r_lo, min(r_hi, n_ranges(start + t1))):
-            if per_range:
-                da, dm, dl = (acc[r, t0:t1, h0:h0 + G], m[r, t0:t1, h0:h0 + G],
-                              l[r, t0:t1, h0:h0 + G])
-            else:
-                s = min(r, 1)
-                da, dm, dl = (run_a[s, 0:t1 - t0, 0:G], run_m[s, 0:t1 - t0, 0:G],
-                              run_l[s, 0:t1 - t0, 0:G])
-            _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, rows, key_buffers)
-            for i in range(t1 - t0 if not per_range and r > 0 else 0):
-                if start + t0 + i + 1 > r * RANGE_KEYS:            # the query has keys in r
-                    for g in range(G):
-                        run_m[0, i, g], run_l[0, i, g] = _merge_row(
-                            run_a[0, i, g], run_m[0, i, g], run_l[0, i, g], run_a[1, i, g],
-                            run_m[1, i, g], run_l[1, i, g])
-        for i in range(t1 - t0 if not per_range else 0):
-            for g in range(G):
-                _finish_row(run_a[0, i, g], run_l[0, i, g], gate[t0 + i, h0 + g],
-                            o[t0 + i, h0 + g])
+    run_first, run_last = omp.first_run(counter, thread, n_threads, n_items, 1, 1)
+    while run_first < run_last:
+        for item in range(run_first, run_last):
+            first, hkv = _query(item, n_tiles, Hkv, per)
+            t0 = first * width
+            t1 = min(t0 + width, T)
+            h0 = hkv * G
+            r_lo, r_hi = (item % per, item % per + 1) if per_range else (0, n_ranges(start + t1))
+            for r in range(r_lo, min(r_hi, n_ranges(start + t1))):
+                if per_range:
+                    da, dm, dl = (acc[r, t0:t1, h0:h0 + G], m[r, t0:t1, h0:h0 + G],
+                                  l[r, t0:t1, h0:h0 + G])
+                else:
+                    s = min(r, 1)
+                    da, dm, dl = (run_a[s, 0:t1 - t0, 0:G], run_m[s, 0:t1 - t0, 0:G],
+                                  run_l[s, 0:t1 - t0, 0:G])
+                _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, rows, key_buffers)
+                for i in range(t1 - t0 if not per_range and r > 0 else 0):
+                    if start + t0 + i + 1 > r * RANGE_KEYS:            # the query has keys in r
+                        for g in range(G):
+                            run_m[0, i, g], run_l[0, i, g] = _merge_row(
+                                run_a[0, i, g], run_m[0, i, g], run_l[0, i, g], run_a[1, i, g],
+                                run_m[1, i, g], run_l[1, i, g])
+            for i in range(t1 - t0 if not per_range else 0):
+                for g in range(G):
+                    _finish_row(run_a[0, i, g], run_l[0, i, g], gate[t0 + i, h0 + g],
+                                o[t0 + i, h0 + g])
+        run_first, run_last = omp.next_run(counter, thread, n_threads, n_items, 1, 1)
 
 
 @kernel
@@ -388,7 +393,7 @@ def _kernel(isa: Isa | None, decode: bool = False):
             body, label = _decode_body, label + "-decode"
         _kernels[isa, decode] = omp.forking_kernel(
             bind(body, label), fork=bind(attend_share, label, _tile_range=tile_range),
-            fork_combine=_combine_share, capped=("fork", "fork_combine"))
+            fork_combine=_combine_share, capped=("fork", "fork_combine"), chunked=("fork",))
     return _kernels[isa, decode]()
 
 
