@@ -52,7 +52,7 @@ left=$((total_s - (SECONDS - began) - 10))
 # default one), the rounds' are warm (filled by it).
 export NUMBA_CACHE_DIR=$(mktemp -d /tmp/fermijit-start-cache.XXXXXX)
 START_MODES=${START_MODES:-default,main,ahead0,early0,popwhole,nice0,regchunk64,cpu} START_IMPORTS=0 \
-  timeout $((left + 30)) python3 -m tests.fermijit.server.start_bench $full "$out" 3 $left \
+  timeout $((left + 30)) python3 -m tests.fermijit.server.start_bench $full "$out" ${ROUNDS:-3} $left \
   >"$out/start-table.txt" 2>"$out/start-bench.err"
 echo "start bench rc=$? ($((SECONDS - began)) s in all)"; tail -3 "$out/start-bench.err"
 grep -h "unavailable\|Traceback\|Error" "$out/start-bench.log" | sort | uniq -c | head -6
