@@ -70,6 +70,18 @@ def group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
     return sig, codegen
 
 
+# Decode reads a kv head's keys and values once, from memory, 64-key block by block: a 32-byte
+# column of the block's rows at a time (transposed_keys, weighted_q8_rows: 256-byte strides the
+# hardware prefetchers followed late) or row by row (make_q8_scores, dequantized_rows). Each of
+# those loops prefetches what it reads of the rows PREFETCH_KEYS further on into L2 (the block
+# itself fills L1); past the cache's end the address is never read (a prefetch cannot fault).
+# No arithmetic changes. 16k keys, 4 full-size layers, 1 thread, this Zen 4, paired rounds
+# (/tmp probe, old kernel vs new): AVX-512 VNNI 88 -> 60 ns a key-head, AVX2 (haswell target)
+# 115 -> 90, SSE (westmere) 313 -> 300.
+PREFETCH_KEYS = 64
+PREFETCH_TO = 2  # LLVM's locality: prefetcht1
+
+
 # --- Q8_0 scores ---------------------------------------------------------------------------------
 
 # Query heads a Q8_0 score tile takes against one key (the first dividing the group's heads, else
@@ -135,6 +147,12 @@ def make_q8_scores(isa: Isa):
             stride = lambda arr: builder.extract_value(arr.strides, 0)  # noqa: E731
             k_row = builder.mul(keyv, stride(kqa))
             kd_row = builder.mul(keyv, stride(kda))
+            ahead = builder.add(keyv, c(PREFETCH_KEYS))         # the next block's key
+            with cgutils.for_range(builder, builder.udiv(builder.add(nb, c(1)), c(2))) as line:
+                simd.prefetch(builder, kqa.data, builder.add(builder.mul(ahead, stride(kqa)),
+                                                             builder.mul(line.index, c(64))),
+                              PREFETCH_TO)
+            simd.prefetch(builder, kda.data, builder.mul(ahead, stride(kda)), PREFETCH_TO)
 
             def tile(g0, n_heads):
                 heads = [builder.add(builder.add(h0v, g0), c(g)) for g in range(n_heads)]
@@ -204,14 +222,6 @@ def make_q8_scores(isa: Isa):
 
     return scores
 
-
-# Decode reads a kv head's keys and values once, from memory, 64-key block by block, each block
-# a 32-byte column of its rows at a time (transposed_keys, weighted_q8_rows: 256-byte strides the
-# hardware prefetchers follow late): those loops prefetch the same column of the rows a block
-# ahead, into L2 (the block itself fills L1). Where that is past the cache (the last block) the
-# address is never read: a prefetch does not fault. Prefetches change no arithmetic.
-PREFETCH_KEYS = 64
-PREFETCH_TO = 2  # LLVM's locality: prefetcht1
 
 
 # Vectors of 16 floats of a row of `a` held in registers while the keys' weighted values are added.
@@ -441,7 +451,12 @@ def dequantized_rows(typingctx, vq, vd, rows, j0, n):
             key = builder.add(j0v, row.index)
             q_row, d_row = builder.mul(key, q_stride), builder.mul(key, d_stride)
             r_row = builder.mul(row.index, r_stride)
+            ahead = builder.add(key, c(PREFETCH_KEYS))          # the next block's key
+            simd.prefetch(builder, da.data, builder.mul(ahead, d_stride), PREFETCH_TO)
             with cgutils.for_range(builder, nb) as block:
+                simd.prefetch(builder, qa.data, builder.add(builder.mul(ahead, q_stride),
+                                                            builder.mul(block.index, c(32))),
+                              PREFETCH_TO)
                 scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
                     d_row, builder.mul(block.index, c(4))), F32), LANES)
                 for half in range(2):
