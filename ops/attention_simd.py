@@ -82,6 +82,14 @@ PREFETCH_KEYS = 64
 PREFETCH_TO = 2  # LLVM's locality: prefetcht1
 
 
+def _prefetch_ahead(builder, data, row, stride, offset):
+    """Prefetch byte `offset` of row `row` + PREFETCH_KEYS (row stride `stride`); nothing where
+    PREFETCH_KEYS is 0 (tests/longctx_attention_ab.py compiles that for its A/B)."""
+    if PREFETCH_KEYS:
+        ahead = builder.mul(builder.add(row, ir.Constant(I64, PREFETCH_KEYS)), stride)
+        simd.prefetch(builder, data, builder.add(ahead, offset), PREFETCH_TO)
+
+
 # --- Q8_0 scores ---------------------------------------------------------------------------------
 
 # Query heads a Q8_0 score tile takes against one key (the first dividing the group's heads, else
@@ -147,12 +155,10 @@ def make_q8_scores(isa: Isa):
             stride = lambda arr: builder.extract_value(arr.strides, 0)  # noqa: E731
             k_row = builder.mul(keyv, stride(kqa))
             kd_row = builder.mul(keyv, stride(kda))
-            ahead = builder.add(keyv, c(PREFETCH_KEYS))         # the next block's key
             with cgutils.for_range(builder, builder.udiv(builder.add(nb, c(1)), c(2))) as line:
-                simd.prefetch(builder, kqa.data, builder.add(builder.mul(ahead, stride(kqa)),
-                                                             builder.mul(line.index, c(64))),
-                              PREFETCH_TO)
-            simd.prefetch(builder, kda.data, builder.mul(ahead, stride(kda)), PREFETCH_TO)
+                _prefetch_ahead(builder, kqa.data, keyv, stride(kqa),
+                                builder.mul(line.index, c(64)))
+            _prefetch_ahead(builder, kda.data, keyv, stride(kda), c(0))
 
             def tile(g0, n_heads):
                 heads = [builder.add(builder.add(h0v, g0), c(g)) for g in range(n_heads)]
@@ -337,10 +343,8 @@ def weighted_q8_rows(typingctx, p, vq, vd, a, j0, n):
                      for o in cols] for r in a_rows]
             with cgutils.for_range(builder, nv) as key:
                 row = builder.add(j0v, key.index)
-                ahead = builder.add(row, c(PREFETCH_KEYS))      # the next block's key
-                simd.prefetch(builder, qa.data, builder.add(builder.mul(ahead, q_stride),
-                                                            builder.mul(b, c(32))), PREFETCH_TO)
-                simd.prefetch(builder, da.data, builder.mul(ahead, d_stride), PREFETCH_TO)
+                _prefetch_ahead(builder, qa.data, row, q_stride, builder.mul(b, c(32)))
+                _prefetch_ahead(builder, da.data, row, d_stride, c(0))
                 scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
                     builder.mul(row, d_stride), builder.mul(b, c(4))), F32), LANES)
                 q_row = builder.add(builder.mul(row, q_stride), builder.mul(b, c(32)))
@@ -451,12 +455,9 @@ def dequantized_rows(typingctx, vq, vd, rows, j0, n):
             key = builder.add(j0v, row.index)
             q_row, d_row = builder.mul(key, q_stride), builder.mul(key, d_stride)
             r_row = builder.mul(row.index, r_stride)
-            ahead = builder.add(key, c(PREFETCH_KEYS))          # the next block's key
-            simd.prefetch(builder, da.data, builder.mul(ahead, d_stride), PREFETCH_TO)
+            _prefetch_ahead(builder, da.data, key, d_stride, c(0))
             with cgutils.for_range(builder, nb) as block:
-                simd.prefetch(builder, qa.data, builder.add(builder.mul(ahead, q_stride),
-                                                            builder.mul(block.index, c(32))),
-                              PREFETCH_TO)
+                _prefetch_ahead(builder, qa.data, key, q_stride, builder.mul(block.index, c(32)))
                 scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
                     d_row, builder.mul(block.index, c(4))), F32), LANES)
                 for half in range(2):
@@ -526,10 +527,8 @@ def transposed_keys(typingctx, kq, kd, kt, kdt, j0, n):
         with cgutils.for_range(builder, nb) as block:
             col = builder.mul(block.index, c(32))
             for i0 in range(0, BLOCK_KEYS, 8):
-                for i in range(8):                       # the next block's keys
-                    ahead = builder.add(j0v, c(i0 + i + PREFETCH_KEYS))
-                    simd.prefetch(builder, qa.data, builder.add(builder.mul(ahead, q_stride), col),
-                                  PREFETCH_TO)
+                for i in range(8):
+                    _prefetch_ahead(builder, qa.data, builder.add(j0v, c(i0 + i)), q_stride, col)
                 loaded = [builder.xor(simd.load(builder, qa.data, builder.add(rows[i0 + i], col),
                                                 v8), flip) for i in range(8)]
                 for w, out in enumerate(_transpose8(builder, loaded)):
@@ -538,8 +537,7 @@ def transposed_keys(typingctx, kq, kd, kt, kdt, j0, n):
                     builder.store(out, builder.bitcast(simd.byte_ptr(builder, ta.data, at),
                                                        v8.as_pointer()), align=4)
             for i in range(BLOCK_KEYS):
-                simd.prefetch(builder, da.data, builder.mul(builder.add(
-                    j0v, c(i + PREFETCH_KEYS)), d_stride), PREFETCH_TO)
+                _prefetch_ahead(builder, da.data, builder.add(j0v, c(i)), d_stride, c(0))
                 scale = simd.load_scalar(builder, da.data, builder.add(
                     d_rows[i], builder.mul(block.index, c(4))), F32)
                 at = builder.mul(builder.add(builder.mul(block.index, width), c(i)), c(4))
