@@ -17,7 +17,8 @@
 #                                            a token profiled op by op at 64 and at 16k; then
 #                                            the attn-ab stage's A/B in the time left
 #   bash tests/gpu_longctx.sh OUT attn-ab    decode attention alone at 16k, 16 threads, 10 layers'
-#                                            caches: A/B of the schedules and of huge pages
+#                                            caches: A/B of the kernel without and with its
+#                                            prefetches, of the schedules, of huge pages
 #                                            (tests/longctx_attention_ab.py, ~40 s, no model)
 # Full logs go to OUT; a short summary is printed last. Elsewhere (a rehearsal of paired16k, no
 # .device-wheels: nothing installed): PYTHON=.venv/bin/python LAYERS=8 LENGTH=2048 THREADS=2

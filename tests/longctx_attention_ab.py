@@ -2,11 +2,14 @@
 paired16k runs it on the GPU machine's host): a token's attention over LAYERS full-size Q8_0
 caches (Hq 16, Hkv 2, D 256; 10 layers at 16k keys are 189 MB, past a last-level cache, as in
 decode, whose weights flush it), timed in rounds taken in turn (A B B A ...), the median of the
-rounds' ratios:
+rounds' ratios (first the prefetch A/B, the one issue 31 item 3 hangs on now):
   claimed   omp.set_dynamic(True), the default, against False: where attention's share takes
             its items (a kv head's 256-key ranges) by jit/omp.py first_run / next_run (branch
             long31-claimed), claimed runs after an equal static half against each thread's
             contiguous equal run; where it does not (main), the same code twice (a noise check)
+  prefetch  the kernel compiled without its prefetches of the next 64-key block
+            (ops/attention_simd.py PREFETCH_KEYS = 0) against the kernel as it is (issue 31
+            item 3: at 1 thread on a Zen 4, 88 -> 59 ns a key-head)
   huge      the caches in transparent huge pages (madvise) against ordinary 4 KB pages (the
             state's caches: model/state.py `reserved`), both with the default schedule
 Each arm's outputs are checked to have the same bits.
@@ -29,7 +32,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 import numpy as np  # noqa: E402
 
 from fermijit.jit import cpu, omp  # noqa: E402
-from fermijit.ops import attention, kv_quant  # noqa: E402
+from fermijit.jit.cpu import Isa, bind, kernel  # noqa: E402
+from fermijit.ops import attention, attention_simd, kv_quant  # noqa: E402
 
 LAYERS = 10
 HQ, HKV, D = 16, 2, 256
@@ -85,13 +89,40 @@ def in_huge_pages(layers) -> list:
     return out
 
 
-def token_attention(layers, q, gate, position):
+def unprefetched_kernel():
+    """The Q8_0 decode kernel of the process's ISA as attention._kernel makes it, under labels of
+    its own: compiled by its first call, which the caller makes with
+    attention_simd.PREFETCH_KEYS = 0 (no prefetches)."""
+    isa = cpu.selected_isa()
+    label = f"q8_{isa.label}-noprefetch"
+    staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
+                        for f in (attention._staged_q8, attention._weighted_q8))
+    if isa is Isa.AVX512VNNI:
+        scores = kernel(attention._scores_q8_by_key, variant=label)
+        keys = kernel(attention._keys_transposed.py_func, variant=label)
+    else:
+        scores = kernel(attention._scores_q8, variant=label,
+                        q8_scores=attention_simd.make_q8_scores(isa))
+        keys = attention._keys_as_stored
+    tile_range = kernel(attention._tile_range, variant=label, _scores=scores, _staged=staged,
+                        _staged_keys=keys, _weighted=weighted)
+    label += "-decode"
+    return omp.forking_kernel(
+        bind(attention._decode_body, label),
+        fork=bind(attention.attend_share, label, _tile_range=tile_range),
+        fork_combine=attention._combine_share, capped=("fork", "fork_combine"),
+        chunked=("fork",))()
+
+
+def token_attention(layers, q, gate, position, decode_kernel=None):
     """A function running decode's attention steps over every layer (as decode's plan calls
-    them), and the outputs it writes."""
+    them; `decode_kernel` in place of attention.decode's), and the outputs it writes."""
     outs = [np.empty((1, HQ, D), np.float32) for _ in layers]
     shared: dict = {}
-    steps = [s for (k, v), o in zip(layers, outs)
-             for s in attention.decode_launch(q, k, v, gate, position, o, shared=shared)]
+    steps = [(label, decode_kernel if decode_kernel and label == "attention.decode" else fn, args)
+             for (k, v), o in zip(layers, outs)
+             for label, fn, args in attention.decode_launch(q, k, v, gate, position, o,
+                                                            shared=shared)]
 
     def run():
         for _, fn, args in steps:
@@ -139,6 +170,18 @@ def main(argv: list[str]) -> None:
           f"(Q8_0, {sum(r.qs.nbytes + r.d.nbytes for kv in small for r in kv) / 1e6:.0f} MB), "
           f"{threads} threads, isa {cpu.selected_isa().label}; caches made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+
+    run()
+    run_plain, outs_plain = token_attention(small, q, gate, position, unprefetched_kernel())
+    was, attention_simd.PREFETCH_KEYS = attention_simd.PREFETCH_KEYS, 0
+    try:
+        run_plain()  # compiled here (a first call), with no prefetches
+    finally:
+        attention_simd.PREFETCH_KEYS = was
+    same = all(np.array_equal(o, w) for o, w in zip(outs_plain, outs))
+    print(f"unprefetched kernel: the same bits: {same}")
+    ab("no prefetch (A) vs prefetch (B)", run_plain, run, rounds)
+
 
     def schedule(dynamic: bool):
         def f():
