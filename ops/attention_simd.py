@@ -75,12 +75,13 @@ def group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
 # hardware prefetchers followed late) or row by row (make_q8_scores, dequantized_rows). Each of
 # those loops prefetches what it reads of the rows PREFETCH_KEYS further on into L2 (the block
 # itself fills L1); past the cache's end the address is never read (a prefetch cannot fault).
-# No arithmetic changes. 16k keys, 4 full-size layers, 1 thread, this Zen 4, paired rounds,
+# No arithmetic changes. 16k keys, 4 full-size layers, 1 thread, a Zen 5 (2 cores), paired rounds,
 # without prefetches vs with: AVX-512 VNNI 88 -> 60 ns a key-head (1.49x; 10 layers in
 # tests/longctx_attention_ab.py 1.53x, 2 threads 1.50x), AVX2 (haswell target) 1.25x, SSE
 # (westmere) 1.05-1.07x; at 64 and 1024 keys (caches in L3) no change. 32 keys ahead was 0.78x
 # of 64, 128 the same as 64; prefetcht0 the same as t1; each line and scale row prefetched once
-# (branches on the block) 0.92x.
+# (branches on the block) 0.92x. At 16 threads on the H200's host (10 layers, the threads sharing
+# its bandwidth) 0.95x: kept on for every team, not measured between 2 and 16 threads.
 PREFETCH_KEYS = 64
 PREFETCH_TO = 2  # LLVM's locality: prefetcht1
 

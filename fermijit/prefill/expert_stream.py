@@ -47,7 +47,9 @@ REGION_ALIGN = 256           # bytes: where each array's region of a layer buffe
 # holds the process's memory-map lock (~0.6 s for the whole 11 GB file at once on the H200's
 # host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
 # its code); a copy is cut where one chunk ends (gpu.split_at_registrations).
-REGISTER_CHUNK_BYTES = 64 << 20  # 2.84 s exec->ready against 3.13 at 256 MiB (H200 host, 3 rounds)
+# 64 MiB against 256 on the H200's host, serve's exec -> ready (medians): 2.84 vs 3.13 s in one
+# run (3 rounds), 3.49 vs 3.45 s in another (5 rounds): alike within the noise; 16 MiB 4.03 s.
+REGISTER_CHUNK_BYTES = 64 << 20
 REGISTER_CHUNK_ENV = "FERMIJIT_REGISTER_CHUNK"  # MiB: another chunk (the start bench's A/B)
 # Threads registering the chunks at once (each call releases the GIL; the driver pins each
 # chunk's pages itself: ~0.8 s of the server's GPU start for the 11 GB file on one thread, on the
