@@ -5,8 +5,8 @@ decode, whose weights flush it), timed in rounds taken in turn (A B B A ...), th
 rounds' ratios. First where the time goes (issue 31 item 3: 4.23 ms a token at 16 threads against
 ~1.9 ms of bytes): the read probe's GB/s and the bytes' bound, the kernel's ns a key-head of thread
 time over the cold caches against a hot set (one layer of 8192 keys, 9 MB, in L3: compute alone),
-and at half the threads; ~equal ns cold and hot means the kernel is compute-bound there (on the 2-core
-Zen 5: 74 vs 72 ns, 2.3-4.7x the bound), not waiting on memory. Then the A/Bs:
+and at half the threads; ~equal ns cold and hot means the kernel is compute-bound there
+(on the 2-core Zen 5: 74 vs 72 ns, 2.3-4.7x the bound), not waiting on memory. Then the A/Bs:
   merge     the key ranges' partials merged by Numba's scalar loop against attention_simd.merged_row
             (16 floats at a time; the same bits)
   claimed   omp.set_dynamic(True), the default, against False: where attention's share takes
