@@ -27,7 +27,8 @@ from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
-                                         group_scores, make_q8_scores, q8_scores_by_key, row_max,
+                                         group_scores, make_q8_scores, merged_row, q8_scores_by_key,
+                                         row_max,
                                          transposed_keys, weighted_q8_rows, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
@@ -226,8 +227,7 @@ def _merge_row(a, m, l, a_r, m_r, l_r):
     from every caller (decode merges after the ranges, prefill as they come)."""
     m_new = max(m, m_r)
     c, c_r = np.exp(m - m_new), np.exp(m_r - m_new)
-    for d in range(a.shape[0]):
-        a[d] = c * a[d] + c_r * a_r[d]
+    merged_row(a, a_r, c, c_r)
     return m_new, c * l + c_r * l_r
 
 

@@ -17,9 +17,11 @@
 #                                            a token profiled op by op at 64 and at 16k; then
 #                                            the attn-ab stage's A/B in the time left
 #   bash tests/gpu_longctx.sh OUT attn-ab    decode attention alone at 16k, 16 threads, 10 layers'
-#                                            caches: A/B of the kernel without and with its
-#                                            prefetches, of the schedules, of huge pages
-#                                            (tests/longctx_attention_ab.py, ~40 s, no model)
+#                                            caches: where its time goes (the read probe's bound;
+#                                            ns a key-head cold, hot in cache, at 8 threads), then
+#                                            A/Bs of the merge (scalar vs merged_row), the
+#                                            prefetches, the schedules, huge pages
+#                                            (tests/longctx_attention_ab.py, ~60 s, no model)
 # Full logs go to OUT; a short summary is printed last. Elsewhere (a rehearsal of paired16k, no
 # .device-wheels: nothing installed): PYTHON=.venv/bin/python LAYERS=8 LENGTH=2048 THREADS=2
 # bash tests/gpu_longctx.sh OUT paired16k (LAYERS: a slice of the model, made in a folder of its
@@ -41,7 +43,7 @@ attention_ab() {  # the A/B of decode attention at 16k (or LENGTH), THREADS or 1
 }
 case "$stage" in
 attn-ab)
-  attention_ab 90
+  attention_ab 150
   cat "$out/attention-ab.txt"
   ;;
 paired16k)
@@ -72,7 +74,7 @@ for row in r['rows']:
           + ', '.join(f'{100 * x:.1f}' for x in p['ratios']) + ')')" "$out/paired16k.json" \
     2>/dev/null || { echo "no report; the log's last lines:"; tail -5 "$out/paired16k.log"; }
   echo "--- decode attention alone (A/B medians: > 1 is B faster)"
-  grep -E "A/B|same bits" "$out/attention-ab.txt" 2>/dev/null
+  grep -E "A/B|same bits|time goes|key-head" "$out/attention-ab.txt" 2>/dev/null
   ;;
 tests)
   python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1

@@ -2,7 +2,13 @@
 paired16k runs it on the GPU machine's host): a token's attention over LAYERS full-size Q8_0
 caches (Hq 16, Hkv 2, D 256; 10 layers at 16k keys are 189 MB, past a last-level cache, as in
 decode, whose weights flush it), timed in rounds taken in turn (A B B A ...), the median of the
-rounds' ratios (first the prefetch A/B, the one issue 31 item 3 hangs on now):
+rounds' ratios. First where the time goes (issue 31 item 3: 4.23 ms a token at 16 threads against
+~1.9 ms of bytes): the read probe's GB/s and the bytes' bound, the kernel's ns a key-head of thread
+time over the cold caches against a hot set (one layer of 8192 keys, 9 MB, in L3: compute alone),
+and at half the threads; ~equal ns cold and hot means the kernel is compute-bound there
+(on the 2-core Zen 5: 74 vs 72 ns, 2.3-4.7x the bound), not waiting on memory. Then the A/Bs:
+  merge     the key ranges' partials merged by Numba's scalar loop against attention_simd.merged_row
+            (16 floats at a time; the same bits)
   claimed   omp.set_dynamic(True), the default, against False: where attention's share takes
             its items (a kv head's 256-key ranges) by jit/omp.py first_run / next_run (branch
             long31-claimed), claimed runs after an equal static half against each thread's
@@ -29,14 +35,19 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
+import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fermijit.jit import cpu, omp  # noqa: E402
 from fermijit.jit.cpu import Isa, bind, kernel  # noqa: E402
+from fermijit.bench import kernels as bench_kernels  # noqa: E402
 from fermijit.ops import attention, attention_simd, kv_quant  # noqa: E402
 
 LAYERS = 10
 HQ, HKV, D = 16, 2, 256
+# One layer's keys in the hot set: 9 MB, within a last-level cache; with a layer's fixed costs
+# (forks, merge) over as many keys as possible (2048 keys: those costs were 2/3 of its time here).
+HOT_KEYS = 8192
 ROUND_S = 0.05  # seconds an arm's timing in a round takes at least (as many tokens' attention)
 
 
@@ -114,6 +125,100 @@ def unprefetched_kernel():
         chunked=("fork",))()
 
 
+@kernel(fastmath=False)
+def _merge_scalar(a, m, l, a_r, m_r, l_r):
+    """attention._merge_row as it was: Numba's loop, left scalar."""
+    m_new = max(m, m_r)
+    c, c_r = np.exp(m - m_new), np.exp(m_r - m_new)
+    for d in range(a.shape[0]):
+        a[d] = c * a[d] + c_r * a_r[d]
+    return m_new, c * l + c_r * l_r
+
+
+def scalar_merge_kernel():
+    """The Q8_0 decode kernel of the process's ISA with the scalar merge (its items' share the
+    process's own)."""
+    isa = cpu.selected_isa()
+    label = f"q8_{isa.label}-scalar-merge"
+    combine = kernel(attention.combine_head.py_func, variant=label, _merge_row=_merge_scalar)
+    return omp.forking_kernel(
+        bind(attention._decode_body, label + "-decode"),
+        fork=bind(attention.attend_share, f"q8_{isa.label}", _tile_range=bound_tile_range(isa)),
+        fork_combine=bind(attention._combine_share, label, combine_head=combine),
+        capped=("fork", "fork_combine"), chunked=("fork",))()
+
+
+def bound_tile_range(isa):
+    """attention._kernel's tile range for `isa` (the same bindings and names: the same code)."""
+    label = f"q8_{isa.label}"
+    staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
+                        for f in (attention._staged_q8, attention._weighted_q8))
+    if isa is Isa.AVX512VNNI:
+        scores, keys = kernel(attention._scores_q8_by_key), attention._keys_transposed
+    else:
+        scores = kernel(attention._scores_q8, variant=isa.label,
+                        q8_scores=attention_simd.make_q8_scores(isa))
+        keys = attention._keys_as_stored
+    return kernel(attention._tile_range, variant=label, _scores=scores, _staged=staged,
+                  _staged_keys=keys, _weighted=weighted)
+
+
+def where_time_goes(run, n_keys: int, nbytes: int, threads: int, rng, rounds: int) -> None:
+    """The probe's GB/s and the bytes' bound; the kernel's ns a key-head of thread time cold
+    (`run`: LAYERS layers of n_keys), hot (one layer of HOT_KEYS keys, in cache) and cold at half
+    the threads; medians of interleaved rounds."""
+    global LAYERS
+    was, LAYERS = LAYERS, 1
+    try:
+        hot_run, _ = token_attention(caches(HOT_KEYS, rng), *hot_inputs(rng))
+    finally:
+        LAYERS = was
+    hot_run()
+    probe = bench_kernels.ReadProbe(512 << 20)
+    half = max(1, threads // 2)
+
+    def seconds(f, calls):
+        start = time.perf_counter()
+        for _ in range(calls):
+            f()
+        return (time.perf_counter() - start) / calls
+
+    def at(n, f):
+        def g():
+            numba.set_num_threads(n)
+            try:
+                f()
+            finally:
+                numba.set_num_threads(threads)
+        return g
+
+    arms = {"cold": (run, LAYERS * HKV * n_keys, threads),
+            "hot": (hot_run, HKV * HOT_KEYS, threads),
+            f"cold, {half} threads": (at(half, run), LAYERS * HKV * n_keys, half)}
+    times = {name: [] for name in arms}
+    gbs = []
+    for i in range(max(3, rounds // 2)):
+        gbs.append(probe.gbs(2))
+        for name, (f, _, _) in (arms.items() if i % 2 == 0 else reversed(arms.items())):
+            f()
+            calls = max(2, int(ROUND_S / max(seconds(f, 1), 1e-6)))
+            times[name].append(seconds(f, calls))
+    g = float(np.median(gbs))
+    cold = float(np.median(times["cold"]))
+    print(f"where the time goes: read probe {g:.1f} GB/s, the caches' {nbytes / 1e6:.0f} MB bound "
+          f"{1e3 * nbytes / g / 1e9:.2f} ms; the kernel {1e3 * cold:.2f} ms "
+          f"({cold / (nbytes / g / 1e9):.2f}x the bound)", flush=True)
+    for name, (_, key_heads, n) in arms.items():
+        t = float(np.median(times[name]))
+        print(f"  {name:<18} {1e3 * t:7.3f} ms a token's attention, {1e9 * t * n / key_heads:6.1f} "
+              f"ns a key-head of thread time", flush=True)
+
+
+def hot_inputs(rng):
+    q, gate = (rng.standard_normal((1, HQ, D)).astype(np.float32) for _ in range(2))
+    return q, gate, np.array([HOT_KEYS], np.int64)
+
+
 def token_attention(layers, q, gate, position, decode_kernel=None):
     """A function running decode's attention steps over every layer (as decode's plan calls
     them; `decode_kernel` in place of attention.decode's), and the outputs it writes."""
@@ -172,6 +277,15 @@ def main(argv: list[str]) -> None:
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
     run()
+    nbytes = sum(r.qs.nbytes + r.d.nbytes for kv in small for r in kv)
+    where_time_goes(run, n_keys, nbytes, threads, rng, rounds)
+
+    run_scalar, outs_scalar = token_attention(small, q, gate, position, scalar_merge_kernel())
+    run_scalar()
+    same = all(np.array_equal(o, w) for o, w in zip(outs_scalar, outs))
+    print(f"scalar merge: the same bits: {same}")
+    ab("scalar merge (A) vs merged_row (B)", run_scalar, run, rounds)
+
     run_plain, outs_plain = token_attention(small, q, gate, position, unprefetched_kernel())
     was, attention_simd.PREFETCH_KEYS = attention_simd.PREFETCH_KEYS, 0
     try:
