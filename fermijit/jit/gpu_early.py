@@ -65,6 +65,11 @@ def page_chunks(address: int, nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(at, min(chunk, last - at)) for at in range(first, last, chunk)]
 
 
+# The loader waits at most this long for the early mapping (made within milliseconds of the
+# plan's imports), else maps the file itself: a stall there never stalls the load.
+MAPPING_WAIT_S = 10.0
+
+
 def _load_driver():
     return ctypes.CDLL("libcuda.so.1")  # OSError: no driver
 
@@ -142,6 +147,11 @@ class _Start:
         self.began = self.ended = None      # the registration's, on perf_counter's clock
 
     def run(self) -> None:
+        # The driver's start (cuInit: 0.1-0.3 s in C, the GIL released) beside the plan's
+        # imports (numpy's, which the commands import anyway) and the mapping.
+        driver = threading.Thread(target=self._start_driver, name="fermijit-early-cuinit",
+                                  daemon=True)
+        driver.start()
         try:
             planned = self.plan() if self.plan is not None else None
             if planned is not None:
@@ -152,7 +162,7 @@ class _Start:
         finally:
             self.mapped.set()
         try:
-            self._start_driver()
+            driver.join()
             if self.context is not None and self.mapping is not None \
                     and self.mapping.is_registrable:
                 self._register(self.mapping)
@@ -237,9 +247,8 @@ def take_mapping(path, data_start: int, data_nbytes: int) -> mmap.mmap | None:
     """The early mapping, an mmap from data_start rounded down to ALLOCATIONGRANULARITY, where it
     holds `path`'s data region (the same file, unchanged); else None."""
     s = _start
-    if s is None or s.plan is None:
+    if s is None or s.plan is None or not s.mapped.wait(MAPPING_WAIT_S):
         return None
-    s.mapped.wait()
     m = s.mapping
     return m.mm if m is not None and m.holds(path, data_start, data_nbytes) else None
 
