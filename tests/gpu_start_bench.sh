@@ -47,7 +47,7 @@ full=${START_MODEL:-/dev/shm/fermijit-reap128}  # START_MODEL: another (a smalle
 [ -f $full/fermijit.json ] || python3 -m fermijit synth qwen3.6-35b-a3b-reap128 $full \
   >"$out/synth.txt" 2>&1
 cat $full/model.safetensors >/dev/null  # in the page cache (tmpfs: it is)
-nodes=$(cat /sys/devices/system/node/online 2>/dev/null)  # >1: serve registers after the load
+nodes=$(cat /sys/devices/system/node/online 2>/dev/null)  # >1: the early threads interleave
 echo "model ready at $((SECONDS - began)) s; $(nproc) cores; NUMA nodes $nodes; $(uptime)"
 left=$((total_s - (SECONDS - began) - 10))
 # A kernel cache of its own, empty: the first start is a cold one (the tests step filled the
