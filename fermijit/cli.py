@@ -905,25 +905,18 @@ def _fail(message: str) -> None:
 # releases the GIL): cuInit and the device's primary context, made once per process, are then
 # found made when the GPU's preparation asks pycuda for them (issue 28 item 4: its "driver"
 # part). The context is fermijit's anyway (jit/gpu.py driver() retains the primary one); no GPU
-# or no driver: nothing happens. FERMIJIT_EARLY_DRIVER=0: not done.
+# or no driver: nothing happens. FERMIJIT_EARLY_DRIVER=0: not done. From the same thread the
+# model file is mapped and registered with the driver (fermijit/jit/gpu_early.py: the 11 GB
+# file's 1.1-1.25 s had begun only after the load, ~0.9 s after exec, on the H200's host), where
+# the GPU's preparation will register it (`_early_registration`); FERMIJIT_EARLY_REGISTER=0: the
+# driver only.
 EARLY_DRIVER_ENV = "FERMIJIT_EARLY_DRIVER"
-
-
-def _start_driver() -> None:
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        device, context = ctypes.c_int(), ctypes.c_void_p()
-        if lib.cuInit(0) == 0 and lib.cuDeviceGet(ctypes.byref(device), 0) == 0:
-            lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
-    except (OSError, AttributeError):
-        pass  # the GPU's preparation says why, as always
+EARLY_REGISTER_ENV = "FERMIJIT_EARLY_REGISTER"
 
 
 def _start_driver_early(argv: list[str]) -> bool:
     """Whether `argv` (without the program) is a `serve` that may use the GPU: then the driver
-    is started on a thread."""
+    is started on a thread (and the model file registered from there)."""
     words = " ".join(argv)
     command = next((w for i, w in enumerate(argv) if not w.startswith("-")
                     and (i == 0 or argv[i - 1] not in ("--isa", "--decode-isa"))), None)
@@ -931,10 +924,53 @@ def _start_driver_early(argv: list[str]) -> bool:
             or "--prefill cpu" in words or "--prefill=cpu" in words
             or "-h" in argv or "--help" in argv):
         return False
-    import threading
+    from fermijit.jit import gpu_early
 
-    threading.Thread(target=_start_driver, name="fermijit-early-driver", daemon=True).start()
+    gpu_early.start(None if os.environ.get(EARLY_REGISTER_ENV, "1") == "0"
+                    else lambda: _early_registration(argv))
     return True
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value `argv` gives option `name` (`name V` or `name=V`; the last), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(name + "="):
+            value = word[len(name) + 1:]
+    return value
+
+
+def _early_registration(argv: list[str]):
+    """What serve's GPU preparation will register, decided as it decides, for
+    gpu_early.start: (the weights file, the most bytes it may register, the NUMA policy's
+    setter), or None. The file of `--model DIR` (a fermijit model: fermijit.json names it; the
+    default model, a GGUF file, an HF checkpoint: None); registered in place where the
+    experts' pool fits --pin-budget (hybrid.plan's "pinned", tried as "mapped": the pool's bytes
+    are the file's experts, so a file within the budget is a pool within it); each
+    registering thread placed by the weights' --numa policy first, as the loader's are."""
+    from fermijit.host import numa
+    from fermijit.model import files
+    from fermijit.prefill import hybrid
+
+    model = _option(argv, "--model")
+    if model is None or not Path(model).is_dir():
+        return None
+    directory = Path(model)
+    manifest = directory / "fermijit.json"
+    if not manifest.is_file():
+        return None
+    weights = files.member(directory, files.read_json(manifest).get("weights"), str(manifest))
+    budget = _option(argv, "--pin-budget")
+    pin_budget = (hybrid.default_pin_budget() if budget is None
+                  else hybrid.parse_bytes(budget))
+    policy = _option(argv, "--numa") or numa.default_policy()
+    if policy not in numa.CHOICES:
+        return None  # click says why
+    place = None if policy == "off" else (
+        lambda address, nbytes: numa.apply_to([(address, nbytes)], policy))
+    return weights, pin_budget, place
 
 
 def main() -> None:

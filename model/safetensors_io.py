@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.jit import gpu_early
 from fermijit.model.files import (guard_mapping, member, open_regular, parse_json, read_json,
                                   short)
 
@@ -138,9 +139,8 @@ class SafetensorsFile:
         """The data region as one read-only uint8 map (made on first use)."""
         if self._data is None:
             guard_mapping(self.path)
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start,
-                                   shape=(self.data_nbytes,)) if self.data_nbytes else \
-                np.zeros(0, np.uint8)
+            self._data = (_map(self.path, self.data_start, self.data_nbytes)
+                          if self.data_nbytes else np.zeros(0, np.uint8))
         return self._data
 
     def populate(self, background: bool = False) -> bool:
@@ -187,6 +187,19 @@ class SafetensorsFile:
         """The stored tensor, as a read-only view of the map (BF16 as uint16)."""
         info = self.tensors[name]
         return self.mapped()[info.begin:info.end].view(STORAGE[info.dtype]).reshape(info.shape)
+
+
+def _map(path: Path, offset: int, nbytes: int) -> np.memmap:
+    """`nbytes` of `path` from `offset`, a read-only np.memmap: the mapping serve's start made at
+    exec where it is this file's (fermijit/jit/gpu_early.py: registered with the driver meanwhile,
+    at these addresses), else a new one."""
+    mm = gpu_early.take_mapping(path, offset, nbytes)
+    if mm is None:
+        return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # where np.memmap starts its mmap
+    data = np.ndarray.__new__(np.memmap, (nbytes,), np.uint8, buffer=mm, offset=offset - start)
+    data._mmap, data.offset, data.mode, data.filename = mm, offset, "r", path.resolve()
+    return data
 
 
 class Checkpoint:

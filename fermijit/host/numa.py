@@ -102,6 +102,12 @@ def select(policy: str | None) -> None:
 def apply(regions: list[np.ndarray], policy: str | None = None) -> str:
     """Set `policy` (None: the selected one, else the default) for the task and for the pages of
     each array's mapping in `regions`; returns the policy applied. "off" changes nothing."""
+    return apply_to([(a.ctypes.data, a.nbytes) for a in regions], policy)
+
+
+def apply_to(ranges: list[tuple[int, int]], policy: str | None = None) -> str:
+    """`apply` to (address, nbytes) ranges (serve's registering threads at exec, before numpy:
+    fermijit/jit/gpu_early.py)."""
     policy = policy or _selected or default_policy()
     if policy not in CHOICES:
         raise FermijitError(f"--numa must be one of {', '.join(CHOICES)}, got {policy!r}")
@@ -112,11 +118,11 @@ def apply(regions: list[np.ndarray], policy: str | None = None) -> str:
                             f"({platform.machine()})")
     mode, mask = _mode_and_mask(policy)
     maxnode = ctypes.c_ulong(MASK_WORDS * 64 + 1)  # the kernel reads maxnode - 1 bits
-    for a in regions:
-        if a.nbytes == 0:
+    for address, nbytes in ranges:
+        if nbytes == 0:
             continue
-        start = a.ctypes.data // PAGE * PAGE
-        length = a.ctypes.data + a.nbytes - start
+        start = address // PAGE * PAGE
+        length = address + nbytes - start
         _call(0, ctypes.c_void_p(start), ctypes.c_ulong(length), ctypes.c_long(mode), mask,
               maxnode if mask is not None else ctypes.c_ulong(0), ctypes.c_ulong(0))
     _call(1, ctypes.c_long(mode), mask, maxnode if mask is not None else ctypes.c_ulong(0))

@@ -9,6 +9,7 @@ and (for the GPU) PTX rendering, validation and loading.
     checks.py     argument checks before a kernel touches raw memory
     ptx.py        PTX templates declared, rendered and validated
     gpu.py        pycuda: loading rendered PTX, checked launches, device memory
+    gpu_early.py  serve's GPU start from exec: the driver, the model file mapped and registered
     ptx_check.py  `kernels check`: every PTX variant through ptxas for sm_20, no GPU needed
 
 May import only `fermijit` (FermijitError) and kernels_ptx (the templates): ops/ and model/

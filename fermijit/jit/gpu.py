@@ -29,7 +29,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.jit import checks, ptx
+from fermijit.jit import checks, gpu_early, ptx
+from fermijit.jit.gpu_early import REGISTER_PORTABLE, REGISTER_READ_ONLY
 
 # Fermi's launch limits (sm_20); newer GPUs allow more, the engine must not rely on it.
 FERMI_MAX_GRID = (65535, 65535, 65535)
@@ -643,9 +644,6 @@ def copy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, heig
         copy(aligned=False)
 
 
-# cuMemHostRegister's flags (cuda.h): READ_ONLY since CUDA 11.1, so the pages of a read-only
-# file mapping can be locked; a driver without it (Fermi's last, 390.x: CUDA 9.1) refuses.
-REGISTER_PORTABLE, REGISTER_READ_ONLY = 0x01, 0x08
 
 
 class Registered:
@@ -666,15 +664,17 @@ _registered: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def register(address: int, nbytes: int) -> Registered | None:
     """`nbytes` at `address` (page-aligned, mapped read-only or not) page-locked for the device,
     or None where the driver refuses (no read-only registration, RLIMIT_MEMLOCK, memory). A
-    range registered already (a second prefiller on the same model) is shared."""
+    range registered already (a second prefiller on the same model) is shared; one registered
+    at exec (serve: gpu_early, the same chunks of the same mapping) is adopted."""
     driver()
     held = _registered.get((address, nbytes))
     if held is not None:
         return held
-    rc = _libcuda().cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
-                                         REGISTER_PORTABLE | REGISTER_READ_ONLY)
-    if rc != 0:
-        return None
+    if not gpu_early.take_registration(address, nbytes):
+        rc = _libcuda().cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
+                                             REGISTER_PORTABLE | REGISTER_READ_ONLY)
+        if rc != 0:
+            return None
     held = _registered[(address, nbytes)] = Registered(address, nbytes)
     return held
 

@@ -28,12 +28,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import mmap
-import os
 import threading
 
 import numpy as np
 
 from fermijit import FermijitError
+from fermijit.jit import gpu_early
+from fermijit.jit.gpu_early import (REGISTER_CHUNK_BYTES, REGISTER_CHUNK_ENV,  # noqa: F401
+                                     REGISTER_THREADS, REGISTER_THREADS_ENV)
 from fermijit.model.block_moe import BlockExperts
 from fermijit.model.safetensors_io import madvise
 from fermijit.model.weights import BlockTensor, QuantTensor
@@ -43,19 +45,8 @@ SOURCES = ("mapped", "pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
 RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
 REGION_ALIGN = 256           # bytes: where each array's region of a layer buffer starts
-# The model file is registered with the driver in chunks of this many bytes: pinning its pages
-# holds the process's memory-map lock (~0.6 s for the whole 11 GB file at once on the H200's
-# host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
-# its code); a copy is cut where one chunk ends (gpu.split_at_registrations).
-# 64 MiB against 256 on the H200's host, serve's exec -> ready (medians): 2.84 vs 3.13 s in one
-# run (3 rounds), 3.49 vs 3.45 s in another (5 rounds): alike within the noise; 16 MiB 4.03 s.
-REGISTER_CHUNK_BYTES = 64 << 20
-REGISTER_CHUNK_ENV = "FERMIJIT_REGISTER_CHUNK"  # MiB: another chunk (the start bench's A/B)
-# Threads registering the chunks at once (each call releases the GIL; the driver pins each
-# chunk's pages itself: ~0.8 s of the server's GPU start for the 11 GB file on one thread, on the
-# H200's host); FERMIJIT_REGISTER_THREADS sets it (1: one after the other, as before).
-REGISTER_THREADS = 4
-REGISTER_THREADS_ENV = "FERMIJIT_REGISTER_THREADS"
+# The model file is registered in chunks of REGISTER_CHUNK_BYTES on REGISTER_THREADS threads
+# (the measurements behind both: fermijit/jit/gpu_early.py, which registers them at serve's exec).
 
 
 def routed_arrays(w) -> tuple[np.ndarray, ...]:
@@ -154,6 +145,7 @@ class Streamer:
             self.registered = _register_in_place(self.host)
             if self.registered is None:
                 source = "pinned"
+        gpu_early.release()  # serve's registration at exec: what was not adopted let go
         self.source = source
         # Where the registered chunks begin and end: the copies are cut there (`copy`).
         self.bounds = gpu.registered_bounds() if source == "mapped" else []
@@ -258,14 +250,8 @@ def file_pieces(host: list[tuple[np.ndarray, ...]], chunk: int) -> list[tuple[in
     roots = [_file_root(a) for arrays in host for a in arrays]
     if any(r is None for r in roots):
         return None
-    page = mmap.PAGESIZE
-    chunk = max(page, chunk // page * page)
-    pieces = []
-    for root in {id(r): r for r in roots}.values():
-        first = root.ctypes.data // page * page
-        last = -(-(root.ctypes.data + root.nbytes) // page) * page
-        pieces += [(at, min(chunk, last - at)) for at in range(first, last, chunk)]
-    return pieces
+    return [piece for root in {id(r): r for r in roots}.values()
+            for piece in gpu_early.page_chunks(root.ctypes.data, root.nbytes, chunk)]
 
 
 def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
@@ -276,12 +262,10 @@ def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
     from fermijit.jit import gpu
 
-    chunk = int(float(os.environ.get(REGISTER_CHUNK_ENV, 0)) * (1 << 20)) or REGISTER_CHUNK_BYTES
-    pieces = file_pieces(host, chunk)
+    pieces = file_pieces(host, gpu_early.chunk_bytes(REGISTER_CHUNK_BYTES))
     if pieces is None:
         return None
-    n_threads = max(1, min(len(pieces), int(os.environ.get(REGISTER_THREADS_ENV,
-                                                           REGISTER_THREADS))))
+    n_threads = min(len(pieces), gpu_early.register_threads())
     if n_threads == 1:
         held = []
         for at, n in pieces:

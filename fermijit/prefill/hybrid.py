@@ -270,6 +270,14 @@ class GpuPrefiller:
             return False
         if self.device is not None:
             return True
+        from fermijit.jit import gpu_early
+
+        try:
+            return self._prepare_or_fall_back()
+        finally:
+            gpu_early.release()  # serve's registration at exec, what nothing adopted let go
+
+    def _prepare_or_fall_back(self) -> bool:
         from fermijit.jit import gpu
 
         reason = gpu.unavailable_reason()

@@ -89,6 +89,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     import uvicorn
 
     from fermijit.engine import Engine
+    from fermijit.jit import gpu_early
     from fermijit.model.convert import checks_beside
     from fermijit.prefill import hybrid
     from fermijit.server.app import check_api_key, make_app
@@ -137,6 +138,11 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         parts += f", gpu prefill {gpu['seconds']:.2f} from {gpu['started'] - began:.2f}"
         if "then_s" in gpu:  # its hand-off room and the pool's states, ahead or after
             parts += f", gpu room {gpu['then_s']:.2f} from {gpu['then_started'] - began:.2f}"
+    early = gpu_early.registration()
+    if early is not None:  # the model file registered from exec on (cli.py): when, how much used
+        parts += (f", early registration {early['ended'] - early['began']:.2f} from "
+                  f"{early['began'] - began:.2f}, early chunks {early['chunks']}, "
+                  f"adopted {early['adopted']}")
     parts += f", waited for the gpu {time.perf_counter() - start - gpu_thread_s:.2f}"
     # From the process's exec (its imports included: issue 28 item 4 counts them), not from here
     print(f"ready in {time.perf_counter() - began:.2f} s ({parts}); serving "

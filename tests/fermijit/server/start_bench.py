@@ -3,7 +3,8 @@
 the CPU too, where the GPU modes report no GPU). A first start fills the kernel cache (reported
 as "first"), then ROUNDS interleaved rounds of the modes (START_MODES; default MODES): default
 (`serve --gpu-mem 6G --verbose`, --prefill auto), main (the start as before this branch), one
-mode per change undone or varied (ENV says each one's environment), and cpu (`--prefill cpu`);
+mode per change undone or varied (ENV says each one's environment: earlyreg0, the model file
+registered after the load as before, not from exec), and cpu (`--prefill cpu`);
 on request also pycuda, switch0, register1, refresh1, main-cpu, refresh1-cpu and after (the GPU's
 preparation after the warm-up: hybrid.preparing replaced by a sequential one).
 Each start: seconds from Popen to "serving", the server's "ready in" line (load, kernels, the
@@ -37,14 +38,16 @@ from tests.fermijit.server.test_serve_gpu import GPU_MEM
 ROUNDS = 3
 # START_MODES (comma-separated) picks the modes; default these (the device run decides the
 # defaults from them).
-MODES = ("default", "main", "ahead0", "early0", "popwhole", "nice0", "regchunk64", "cpu")
+MODES = ("default", "earlyreg0", "cpu")
 # Each mode's environment beside the command's. "main": the start as main had it before this
 # branch (each cached kernel's load refreshing Numba's context, the hand-off room and GDN pool
 # page-locked after the GPU's start, no early driver); the others each undo or change one thing:
 # "ahead0" the room after the GPU's start, "early0" no early driver thread (cli.py),
 # "refresh1" Numba's refresh at every load, "popwhole" the model file's mapping pre-faulted in
 # one call (model/safetensors_io.py populate: 32 MiB pieces), "nice0" its thread not niced,
-# "regchunk64" the file registered in 64 MiB pieces;
+# "regchunk64" the file registered in 64 MiB pieces; "earlyreg0" the model file mapped and
+# registered by the GPU's preparation after the load, not from exec by the early driver thread
+# (cli.py, fermijit/jit/gpu_early.py);
 # "pycuda" the GPU's start as it was before the driver-API path (pycuda's module loads and
 # page-locking, one registering thread, Python's own switch interval); "switch0" the driver
 # path with Python's own interval.
@@ -54,6 +57,7 @@ MAIN_ENV = {"FERMIJIT_LOAD_REFRESH": "1", "FERMIJIT_PIN_AHEAD": "0",
 ENV = {"main": MAIN_ENV,
        "ahead0": {"FERMIJIT_PIN_AHEAD": "0"},
        "early0": {"FERMIJIT_EARLY_DRIVER": "0"},
+       "earlyreg0": {"FERMIJIT_EARLY_REGISTER": "0"},
        "refresh1": {"FERMIJIT_LOAD_REFRESH": "1"},
        "popwhole": {"FERMIJIT_POPULATE_CHUNK": "whole"},
        "regchunk64": {"FERMIJIT_REGISTER_CHUNK": "64"},
@@ -244,7 +248,8 @@ def register_probe(model_dir: Path, chunk: int | None = None) -> str:
 KEYS = ("ready_s", "serving_s", "served_s", "imports", "load", "kernels", "gpu prefill",
         "gpu prefill from", "gpu room", "gpu room from", "waited for the gpu", "gpu: driver",
         "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
-        "gpu: kernels (2-token pass)", "gpu: of which module loads", "first_request_s",
+        "gpu: kernels (2-token pass)", "gpu: of which module loads", "early registration",
+        "early registration from", "early chunks", "adopted", "first_request_s",
         "second_request_s", "gpu_tokens")
 # The short table's rows, last: "ready in" (from the process's exec), Popen to "serving",
 # Popen to the first request's first token.

@@ -45,15 +45,46 @@ def test_seconds_since_exec_counts_from_the_process_s_start():
 
 def test_the_driver_starts_early_only_for_a_serve_that_may_use_the_gpu(monkeypatch):
     from fermijit import cli
+    from fermijit.jit import gpu_early
 
-    started = []
-    monkeypatch.setattr(cli, "_start_driver", lambda: started.append(1))
+    plans = []
+    monkeypatch.setattr(gpu_early, "start", plans.append)
     assert cli._start_driver_early(["serve", "--model", "m"])
     assert cli._start_driver_early(["--isa", "avx2", "serve", "--prefill", "gpu"])
     for argv in (["serve", "--prefill", "cpu"], ["serve", "--prefill=cpu"], ["serve", "--help"],
                  ["generate", "hi"], ["bench", "serve"]):
         assert not cli._start_driver_early(argv), argv
+    monkeypatch.setenv(cli.EARLY_REGISTER_ENV, "0")  # the driver only
+    assert cli._start_driver_early(["serve"])
     monkeypatch.setenv(cli.EARLY_DRIVER_ENV, "0")
     assert not cli._start_driver_early(["serve"])
-    time.sleep(0.05)
-    assert len(started) == 2
+    assert len(plans) == 3 and callable(plans[0]) and plans[2] is None
+
+
+def test_the_early_registration_is_decided_as_the_gpu_s_preparation_decides(monkeypatch,
+                                                                            tmp_path):
+    """The weights file fermijit.json names, within --pin-budget (default half the RAM), placed
+    by the --numa policy; nothing for the embedded model, a GGUF file or an HF checkpoint."""
+    from fermijit import cli
+    from fermijit.host import numa
+    from fermijit.prefill import hybrid
+
+    (tmp_path / "fermijit.json").write_text('{"weights": "w.safetensors"}')
+    plan = cli._early_registration
+    weights, budget, place = plan(["serve", "--model", str(tmp_path), "--numa", "off"])
+    assert weights == tmp_path / "w.safetensors" and place is None
+    assert budget == hybrid.default_pin_budget()
+    assert plan(["serve", f"--model={tmp_path}", "--pin-budget", "1.5G", "--numa=off"])[1] \
+        == 3 << 29
+    placed = []
+    monkeypatch.setattr(numa, "apply_to", lambda ranges, policy: placed.append((ranges, policy)))
+    _, _, place = plan(["serve", "--model", str(tmp_path), "--numa", "interleave"])
+    place(4096, 100)
+    assert placed == [([(4096, 100)], "interleave")]
+    monkeypatch.setattr(numa, "default_policy", lambda: "off")
+    assert plan(["serve", "--model", str(tmp_path)])[2] is None
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    for argv in (["serve"], ["serve", "--model", str(gguf)], ["serve", "--model", "/nowhere"],
+                 ["serve", "--model", str(tmp_path / "..")]):
+        assert plan(argv) is None, argv
