@@ -4,6 +4,7 @@ start the scheduler, run uvicorn until interrupted."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -131,6 +132,8 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                              speculative=speculative, on_model=prepare_gpu)
         engine.prefiller = made["prefiller"]
         drafts = engine_drafts(engine, drafts)
+        gc.freeze()  # what the imports and the load made, off the collector (cli.py main)
+        gc.enable()
         times = {"imports": start - began, "load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]
