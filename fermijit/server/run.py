@@ -31,13 +31,17 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     from fermijit.warm import light_sample
 
     model = engine.model
+    whole = os.environ.get(WARM_WHOLE_ENV) == "1"
     # All on a light copy (one layer of each kind, a few rows of the LM head: the same kernels;
     # the whole model's first layers and head were 0.07 s more of a full-size start on 2
     # cores): the 2-token prefill and decode, the sampler's on logits of the whole vocabulary,
     # a prefill past the sizes, the batched steps.
     light = light_sample(model)
-    engine_warm_up(light, np.zeros(2, np.int32))
-    engine.sampler(Settings()).sample(np.zeros(model.vocab_size, np.float32))
+    if whole:
+        engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
+    else:
+        engine_warm_up(light, np.zeros(2, np.int32))
+        engine.sampler(Settings()).sample(np.zeros(model.vocab_size, np.float32))
     n = warm_prefill_tokens(model)
     light.prefill(np.zeros(n, np.int32), light.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
@@ -46,11 +50,18 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
         # (~7 ms a row on the reap128 shape, 17 rows).
         states = [light.new_state(len(sizes) + 1) for _ in range(sizes[-1])]
         for rows in sizes:
-            decode_batch(light, np.zeros(rows, np.int32), states[:rows])
+            decode_batch(light, np.zeros(rows, np.int32),
+                         [light.new_state(2) for _ in range(rows)] if whole else states[:rows])
     if drafts is not None:
         from fermijit import speculative
 
         speculative.warm_up(model, engine.sampler(Settings()), drafts)
+
+
+# FERMIJIT_WARM_WHOLE=1: the warm-up as before issue 28 item 4's last change (the 2-token prefill
+# and decode on the whole model's first layers and its whole head, each batched step on fresh
+# states): the device's start bench's A/B (tests/fermijit/server/start_bench.py).
+WARM_WHOLE_ENV = "FERMIJIT_WARM_WHOLE"
 
 
 def warm_prefill_tokens(model) -> int:
