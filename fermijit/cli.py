@@ -914,13 +914,17 @@ EARLY_DRIVER_ENV = "FERMIJIT_EARLY_DRIVER"
 EARLY_REGISTER_ENV = "FERMIJIT_EARLY_REGISTER"
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (without the program), before click parses it."""
+    return next((w for i, w in enumerate(argv) if not w.startswith("-")
+                 and (i == 0 or argv[i - 1] not in ("--isa", "--decode-isa"))), None)
+
+
 def _start_driver_early(argv: list[str]) -> bool:
     """Whether `argv` (without the program) is a `serve` that may use the GPU: then the driver
     is started on a thread (and the model file registered from there)."""
     words = " ".join(argv)
-    command = next((w for i, w in enumerate(argv) if not w.startswith("-")
-                    and (i == 0 or argv[i - 1] not in ("--isa", "--decode-isa"))), None)
-    if (command != "serve" or os.environ.get(EARLY_DRIVER_ENV, "1") == "0"
+    if (_command(argv) != "serve" or os.environ.get(EARLY_DRIVER_ENV, "1") == "0"
             or "--prefill cpu" in words or "--prefill=cpu" in words
             or "-h" in argv or "--help" in argv):
         return False
@@ -973,9 +977,33 @@ def _early_registration(argv: list[str]):
     return weights, pin_budget, place
 
 
+# `serve`: Python's cyclic garbage collector off from here until the model is loaded (issue 28
+# item 4): the imports and the load make ~95,000 objects that live as long as the process and
+# almost no garbage (54 objects collected), and the collector went through them again and again
+# (~215 young, 19 middle and one full collection: 0.07-0.1 s of a full-size start on 2 cores).
+# server/run.py then freezes what is there (never traversed again) and turns it back on, before
+# the warm-up, whose compiles on a cold kernel cache do make garbage.
+# FERMIJIT_START_GC=1: collected as always.
+START_GC_ENV = "FERMIJIT_START_GC"
+
+
 def main() -> None:
+    import gc
+
     _open_missing_streams()
-    _start_driver_early(sys.argv[1:])
+    argv = sys.argv[1:]
+    gc_off = _command(argv) == "serve" and os.environ.get(START_GC_ENV) != "1" and gc.isenabled()
+    if gc_off:
+        gc.disable()
+    try:
+        _main(argv)
+    finally:
+        if gc_off:  # a serve that stopped before its load (bad input), run in-process (tests)
+            gc.enable()
+
+
+def _main(argv: list[str]) -> None:
+    _start_driver_early(argv)
     try:
         cli.main(standalone_mode=False)
         sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit

@@ -200,9 +200,10 @@ def sample(weights: SafetensorsFile, name: str, entry: TensorEntry,
         spans = sample_spans(raw.size, n_experts)
         if len(spans) == 1:
             chunks = raw[spans[0][0]:spans[0][1]]
-        else:  # every chunk whole (sample_spans): SAMPLE_CHUNK_NBYTES from a 64-aligned start
-            starts = np.array([a for a, _ in spans])
-            chunks = raw[starts[:, None] + np.arange(SAMPLE_CHUNK_NBYTES)]
+        else:  # the chunks joined: the reap128 shape's 671 samples 0.07 s (0.11 s gathered by
+            # an index array of every byte)
+            view = memoryview(raw)
+            chunks = np.frombuffer(b"".join([view[a:b] for a, b in spans]), np.uint8)
         h.update(chunks)  # contiguous: a slice of a flat array, or a gather's new array
         if (check_floats and dtype in ("F16", "F32")
                 and not np.isfinite(chunks.view(flat.dtype)).all()):

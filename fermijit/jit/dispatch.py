@@ -389,3 +389,25 @@ def _get_module_for_linking_lazily(self):
 
 codegen.CPUCodeLibrary._unserialize = classmethod(_unserialize)
 codegen.CPUCodeLibrary._get_module_for_linking = _get_module_for_linking_lazily
+
+
+# --- Numba's LLVM-lock events ----------------------------------------------------------------
+# Numba wraps every llvmlite call in a pair of Python callbacks broadcasting "numba:llvm_lock"
+# events (~4 us a call): they feed only its compile metadata's timers and its event listeners,
+# which fermijit reads nowhere, and a serve's start makes ~3,500 llvmlite calls loading its 58
+# kernels (0.015-0.035 s of ~1 s on 2 cores, issue 28 item 4). Dropped, unless NUMBA_CHROME_TRACE
+# asks for Numba's trace (which shows them).
+
+
+def _drop_llvm_lock_events() -> None:
+    from llvmlite.binding import ffi
+
+    if numba_config.CHROME_TRACE:
+        return
+    callbacks = getattr(getattr(ffi.lib, "_lock", None), "_cblist", None)
+    for acquired, released in list(callbacks or ()):
+        if getattr(acquired, "__module__", None) == "numba.core.base":
+            ffi.unregister_lock_callback(acquired, released)
+
+
+_drop_llvm_lock_events()

@@ -4,6 +4,7 @@ start the scheduler, run uvicorn until interrupted."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -30,20 +31,37 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     from fermijit.warm import light_sample
 
     model = engine.model
-    engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
-    # The rest on a light copy (one layer of each kind, a few rows of the LM head: the same
-    # kernels): a prefill past the sizes, the batched steps.
+    whole = os.environ.get(WARM_WHOLE_ENV) == "1"
+    # All on a light copy (one layer of each kind, a few rows of the LM head: the same kernels;
+    # the whole model's first layers and head were 0.07 s more of a full-size start on 2
+    # cores): the 2-token prefill and decode, the sampler's on logits of the whole vocabulary,
+    # a prefill past the sizes, the batched steps.
     light = light_sample(model)
+    if whole:
+        engine_warm_up(model, np.zeros(2, np.int32), sampler=engine.sampler(Settings()))
+    else:
+        engine_warm_up(light, np.zeros(2, np.int32))
+        engine.sampler(Settings()).sample(np.zeros(model.vocab_size, np.float32))
     n = warm_prefill_tokens(model)
     light.prefill(np.zeros(n, np.int32), light.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
-        for rows in sorted({min(b, max_batch) for b in (2, 3, 4, max_batch)}):
+        sizes = sorted({min(b, max_batch) for b in (2, 3, 4, max_batch)})
+        # One set of states for all the steps: a fresh state's first step faults its pages in
+        # (~7 ms a row on the reap128 shape, 17 rows).
+        states = [light.new_state(len(sizes) + 1) for _ in range(sizes[-1])]
+        for rows in sizes:
             decode_batch(light, np.zeros(rows, np.int32),
-                         [light.new_state(2) for _ in range(rows)])
+                         [light.new_state(2) for _ in range(rows)] if whole else states[:rows])
     if drafts is not None:
         from fermijit import speculative
 
         speculative.warm_up(model, engine.sampler(Settings()), drafts)
+
+
+# FERMIJIT_WARM_WHOLE=1: the warm-up as before issue 28 item 4's last change (the 2-token prefill
+# and decode on the whole model's first layers and its whole head, each batched step on fresh
+# states): the device's start bench's A/B (tests/fermijit/server/start_bench.py).
+WARM_WHOLE_ENV = "FERMIJIT_WARM_WHOLE"
 
 
 def warm_prefill_tokens(model) -> int:
@@ -125,6 +143,8 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                              speculative=speculative, on_model=prepare_gpu)
         engine.prefiller = made["prefiller"]
         drafts = engine_drafts(engine, drafts)
+        gc.freeze()  # what the imports and the load made, off the collector (cli.py main)
+        gc.enable()
         times = {"imports": start - began, "load": time.perf_counter() - start}
         warm_up(engine, max_batch, drafts)
         times["kernels"] = time.perf_counter() - start - times["load"]

@@ -5,7 +5,8 @@ as "first"), then ROUNDS interleaved rounds of the modes (START_MODES; default M
 (`serve --gpu-mem 6G --verbose`, --prefill auto), main (the start as before this branch), one
 mode per change undone or varied (ENV says each one's environment: earlyreg0, the model file
 registered after the load as before, not from exec), and cpu (`--prefill cpu`);
-on request also pycuda, switch0, register1, refresh1, main-cpu, refresh1-cpu and after (the GPU's
+on request also pycuda, switch0, register1, refresh1, main-cpu, refresh1-cpu, warm0,
+warm0-cpu (the CPU's path before helper start28cpu) and after (the GPU's
 preparation after the warm-up: hybrid.preparing replaced by a sequential one).
 Each start: seconds from Popen to "serving", the server's "ready in" line (load, kernels, the
 GPU's seconds and when it began) and "gpu prefill ready" line (driver, experts, dense weights,
@@ -54,6 +55,10 @@ MODES = ("default", "earlyreg0", "cpu")
 MAIN_ENV = {"FERMIJIT_LOAD_REFRESH": "1", "FERMIJIT_PIN_AHEAD": "0",
             "FERMIJIT_EARLY_DRIVER": "0", "FERMIJIT_POPULATE_CHUNK": "whole",
             "FERMIJIT_POPULATE_NICE": "0"}
+# "warm0": the CPU's path as before helper start28cpu (issue 28 item 4): the collector on
+# through the imports and the load, the serve warm-up's 2-token passes on the whole model's first
+# layers and head, fresh states for each batched step.
+CPU_WARM0_ENV = {"FERMIJIT_START_GC": "1", "FERMIJIT_WARM_WHOLE": "1"}
 ENV = {"main": MAIN_ENV,
        "ahead0": {"FERMIJIT_PIN_AHEAD": "0"},
        "early0": {"FERMIJIT_EARLY_DRIVER": "0"},
@@ -69,7 +74,8 @@ ENV = {"main": MAIN_ENV,
                   "FERMIJIT_REGISTER_THREADS": "1"},
        "switch0": {"FERMIJIT_START_SWITCH_S": "0"},
        "register1": {"FERMIJIT_REGISTER_THREADS": "1"},
-       "cpu": {}, "main-cpu": MAIN_ENV, "refresh1-cpu": {"FERMIJIT_LOAD_REFRESH": "1"}}
+       "cpu": {}, "main-cpu": MAIN_ENV, "refresh1-cpu": {"FERMIJIT_LOAD_REFRESH": "1"},
+       "warm0": CPU_WARM0_ENV, "warm0-cpu": CPU_WARM0_ENV}
 
 # `after`: the GPU's preparation once the CPU kernels are warm (the path serve takes without the
 # omp threading layer), in the same process layout as `python -m fermijit`.

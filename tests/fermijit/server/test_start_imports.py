@@ -88,3 +88,22 @@ def test_the_early_registration_is_decided_as_the_gpu_s_preparation_decides(monk
     for argv in (["serve"], ["serve", "--model", str(gguf)], ["serve", "--model", "/nowhere"],
                  ["serve", "--model", str(tmp_path / "..")]):
         assert plan(argv) is None, argv
+
+
+def test_a_serve_stopped_before_its_load_leaves_the_collector_on(monkeypatch, capsys):
+    # cli.main turns the cyclic collector off for a serve's imports and load (server/run.py
+    # turns it back on): a serve that fails before, run in-process, must not leave it off.
+    import gc
+
+    from fermijit import cli
+    from fermijit.server import run
+    from tests.cli import run_cli
+
+    def listen(host, port):
+        raise AssertionError("serve went on to listen")
+
+    monkeypatch.setattr(run, "listen", listen)
+    monkeypatch.setenv(cli.EARLY_DRIVER_ENV, "0")
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--api-key", "", "--port", "0")
+    assert code == 2, err
+    assert gc.isenabled()
