@@ -16,9 +16,9 @@ and each row's written once; row r's write sweep also makes row r+1's read sweep
 2 rows 1.98x one row's time (2.27x with a head's rows one after another), the saves' writes
 ~2 ms of it (scratch measurement, load ~2). Two rows (one draft, the default) take
 `_recurrent_pair_head`: the saved state goes to memory through streaming stores (the lines not
-read into the cache first: a save is read again only by a rollback) and the last sweep
-recomputes it from the state still in cache instead of reading it back, so the state traffic is
-a token's plus one write; each row's output is quantised in the threads' shares. Full-size
+read into the cache first: a save is read again only by a rollback) and, in the cache, over the
+state's own head (the step never needs S0 again), whose last sweep updates it in place, so the
+state traffic is a token's plus one write; each row's output is quantised in the threads' shares. Full-size
 reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved fresh-process rounds against
 the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medians of the
 rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
@@ -159,16 +159,20 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     """`_recurrent_rows_head` of 2 rows (a verify step of one draft), the same values by the
     same operations, its state traffic a token's but the save: the state after row 0 (S1 =
     alpha_0 S0 + k_0 d_0^T) goes to `saves` through streaming stores (it is read again only by
-    a rollback: its lines are not read into the cache before they are written), and the last
-    sweep recomputes S1 from S0, still in the thread's
-    cache, rather than reading the save back: dst = alpha_1 S1 + k_1 d_1^T, in place when dst
-    is the state (is_in_place: the live state). state, saves, dst [Hv, dk, dv] (S0, S1's and
-    S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta [3, dv]: d_0, d_1 and a row of
-    S1."""
+    a rollback: its lines are not read into the cache before they are written) and into the
+    destination's head in the cache (S0 is not needed again: the state a rollback returns to
+    is S1), whose last sweep then updates it in place: dst = alpha_1 S1 + k_1 d_1^T (the
+    destination is the state itself when is_in_place: the live state). state, saves, dst
+    [Hv, dk, dv] (S0, S1's and S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta
+    [3, dv]: d_0, d_1 and a row of S1 for the streaming stores. S1 written where the last sweep
+    reads it, not recomputed there from S0 (2 operations an element and a row buffer's
+    round trip): the pair's recurrence 0.93x the recomputing one's, 30 full-size states cold, 1
+    thread (1.80 / 1.94x a token's), 0.86x hot (median of 41 interleaved rounds)."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     S = state[h]                                                            # [dk, dv]
+    D = S if is_in_place else dst[h]
     d0, d1, x_row = delta[0], delta[1], delta[2]
     o0, o1 = o_0[0, h], o_1[0, h]
     d0[:] = 0
@@ -189,7 +193,7 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     o1[:] = 0
     kq = np.float32(0)
     saved = saves[h]
-    for i in range(dk):                       # S1, saved; row 1's S1^T k and S1^T q from it
+    for i in range(dk):                # S1 into D and the save; row 1's S1^T k and S1^T q
         k_i = k[0, hk, i]
         k1 = k[1, hk, i]
         q1 = q[1, hk, i]
@@ -197,6 +201,7 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
         for j in range(dv):
             x = alpha0 * S[i, j] + k_i * d0[j]
             x_row[j] = x
+            D[i, j] = x
             d1[j] += x * k1
             o1[j] += x * q1
         _stream_row(saved, i, x_row)
@@ -205,25 +210,10 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     for j in range(dv):
         d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
         o1[j] = alpha1 * o1[j] + kq * d1[j]
-    # S1's row through memory (x_row), as the saved value it must equal: one expression of
-    # both rows' updates let the fast-math flags reassociate the products (last bits off).
-    if is_in_place:  # one array read and written: the stores known to alias only their loads
-        for i in range(dk):
-            k0 = k[0, hk, i]
-            k1 = k[1, hk, i]
-            for j in range(dv):
-                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
-            for j in range(dv):
-                S[i, j] = alpha1 * x_row[j] + k1 * d1[j]
-    else:
-        D = dst[h]
-        for i in range(dk):
-            k0 = k[0, hk, i]
-            k1 = k[1, hk, i]
-            for j in range(dv):
-                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
-            for j in range(dv):
-                D[i, j] = alpha1 * x_row[j] + k1 * d1[j]
+    for i in range(dk):
+        k1 = k[1, hk, i]
+        for j in range(dv):
+            D[i, j] = alpha1 * D[i, j] + k1 * d1[j]
 
 
 def _rows_share(thread, n_threads, args):
