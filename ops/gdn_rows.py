@@ -64,7 +64,7 @@ def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_
                step_blocks, half_lanes):
     for r in range(len(mixed)):
         gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
-    deltas = np.empty((v.shape[1], 3, v.shape[2]), np.float32)
+    deltas = np.empty((v.shape[1], 2, v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
           o, deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes))
     if v.shape[2] % 32:  # a 32-block spans two heads (maybe two threads'): quantised here
@@ -164,16 +164,18 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     is S1), whose last sweep then updates it in place: dst = alpha_1 S1 + k_1 d_1^T (the
     destination is the state itself when is_in_place: the live state). state, saves, dst
     [Hv, dk, dv] (S0, S1's and S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta
-    [3, dv]: d_0, d_1 and a row of S1 for the streaming stores. S1 written where the last sweep
-    reads it, not recomputed there from S0 (2 operations an element and a row buffer's
-    round trip): the pair's recurrence 0.93x the recomputing one's, 30 full-size states cold, 1
-    thread (1.80 / 1.94x a token's), 0.86x hot (median of 41 interleaved rounds)."""
+    [2, dv]: d_0, d_1. S1 written where the last sweep reads it, its rows streamed from there
+    to the save, not recomputed from S0 through a row buffer (2 operations an element and the
+    buffer's round trip): the pair's recurrence 0.93x the recomputing one's, 30 full-size states
+    cold, 1 thread (1.80 / 1.94x a token's), 0.86x hot (medians of 41 interleaved rounds); the
+    rows streamed from the head rather than a row buffer 0.97x more (2.08 / 2.14x, 2.99 / 3.19x
+    hot; the save's streaming stores are the rest: without them 1.62x a token's cold)."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     S = state[h]                                                            # [dk, dv]
     D = S if is_in_place else dst[h]
-    d0, d1, x_row = delta[0], delta[1], delta[2]
+    d0, d1 = delta[0], delta[1]
     o0, o1 = o_0[0, h], o_1[0, h]
     d0[:] = 0
     o0[:] = 0
@@ -200,11 +202,10 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
         kq += k1 * q1
         for j in range(dv):
             x = alpha0 * S[i, j] + k_i * d0[j]
-            x_row[j] = x
             D[i, j] = x
             d1[j] += x * k1
             o1[j] += x * q1
-        _stream_row(saved, i, x_row)
+        _stream_row(saved, i, D[i])
     _store_fence()
     alpha1 = np.exp(g[1, h])
     for j in range(dv):
