@@ -159,10 +159,12 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     """`_recurrent_rows_head` of 2 rows (a verify step of one draft), the same values by the
     same operations, its state traffic a token's but the save: the state after row 0 (S1 =
     alpha_0 S0 + k_0 d_0^T) goes to `saves` through streaming stores (it is read again only by
-    a rollback: its lines are not read into the cache before they are written) and into the
-    destination's head in the cache (S0 is not needed again: the state a rollback returns to
-    is S1), whose last sweep then updates it in place: dst = alpha_1 S1 + k_1 d_1^T (the
-    destination is the state itself when is_in_place: the live state). state, saves, dst
+    a rollback: its lines are not read into the cache before they are written) and over S0 in
+    the cache (S0 is not needed again: the state a rollback returns to is S1), whose last sweep
+    then updates it in place: S2 = alpha_1 S1 + k_1 d_1^T. In place when is_in_place (dst the
+    state: the verify step's), else on a copy of S0 in dst (one array read and written either
+    way: with S0 and S1 two arrays that may be one, their loops were not vectorised, 2.2x the 2
+    rows' time). state, saves, dst
     [Hv, dk, dv] (S0, S1's and S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta
     [2, dv]: d_0, d_1. S1 written where the last sweep reads it, its rows streamed from there
     to the save, not recomputed from S0 through a row buffer (2 operations an element and the
@@ -174,7 +176,6 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     S = state[h]                                                            # [dk, dv]
-    D = S if is_in_place else dst[h]
     d0, d1 = delta[0], delta[1]
     o0, o1 = o_0[0, h], o_1[0, h]
     d0[:] = 0
@@ -191,21 +192,24 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     for j in range(dv):
         d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
         o0[j] = alpha0 * o0[j] + kq * d0[j]
+    if not is_in_place:  # dst apart (tests'; the verify step's is the state): S0 copied there
+        dst[h][:] = S
+        S = dst[h]
     d1[:] = 0
     o1[:] = 0
     kq = np.float32(0)
     saved = saves[h]
-    for i in range(dk):                # S1 into D and the save; row 1's S1^T k and S1^T q
+    for i in range(dk):            # S1 over S0, its rows streamed to the save; S1^T k, S1^T q
         k_i = k[0, hk, i]
         k1 = k[1, hk, i]
         q1 = q[1, hk, i]
         kq += k1 * q1
         for j in range(dv):
             x = alpha0 * S[i, j] + k_i * d0[j]
-            D[i, j] = x
+            S[i, j] = x
             d1[j] += x * k1
             o1[j] += x * q1
-        _stream_row(saved, i, D[i])
+        _stream_row(saved, i, S[i])
     _store_fence()
     alpha1 = np.exp(g[1, h])
     for j in range(dv):
@@ -214,7 +218,7 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     for i in range(dk):
         k1 = k[1, hk, i]
         for j in range(dv):
-            D[i, j] = alpha1 * D[i, j] + k1 * d1[j]
+            S[i, j] = alpha1 * S[i, j] + k1 * d1[j]
 
 
 def _rows_share(thread, n_threads, args):
