@@ -210,7 +210,6 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
             d1[j] += x * k1
             o1[j] += x * q1
         _stream_row(saved, i, S[i])
-    _store_fence()
     alpha1 = np.exp(g[1, h])
     for j in range(dv):
         d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
@@ -246,6 +245,8 @@ def _rows_share(thread, n_threads, args):
                                  o[R - 1], deltas[h], h, is_in_place)
         else:
             _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
+    if R == 2:  # the saves' streaming stores ordered once the thread's heads are done (a fence
+        _store_fence()  # a head waited for each head's stores to drain before the next's reads)
     for r in range(R):
         o_r, z_r = o[r], z[r]
         rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])
