@@ -168,10 +168,12 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     [Hv, dk, dv] (S0, S1's and S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta
     [2, dv]: d_0, d_1. S1 written where the last sweep reads it, its rows streamed from there
     to the save, not recomputed from S0 through a row buffer (2 operations an element and the
-    buffer's round trip): the pair's recurrence 0.93x the recomputing one's, 30 full-size states
-    cold, 1 thread (1.80 / 1.94x a token's), 0.86x hot (medians of 41 interleaved rounds); the
-    rows streamed from the head rather than a row buffer 0.97x more (2.08 / 2.14x, 2.99 / 3.19x
-    hot; the save's streaming stores are the rest: without them 1.62x a token's cold)."""
+    buffer's round trip): the 2 rows' call (gdn_rows.cpu) against a token's gdn_step, full
+    size, 1 thread, this Zen 5, fresh processes alternating with the recomputing kernel's (3
+    each, medians of 21 rounds): 30 states cold 2.56 -> 2.28x, one state in cache 3.04 ->
+    2.62x; `bench decode --speculative mtp`, 2 threads, the split's GDN 1.72 -> 1.56x (medians
+    of 9 rounds each, load 2-3). The save's streaming stores are much of the rest (the
+    recurrence without them: 1.62x a token's cold)."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
