@@ -19,10 +19,10 @@ and each row's written once; row r's write sweep also makes row r+1's read sweep
 read into the cache first: a save is read again only by a rollback) and, in the cache, over the
 state's own head (the step never needs S0 again), whose last sweep updates it in place, so the
 state traffic is a token's plus one write; each row's output is quantised in the threads'
-shares. Full-size reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved fresh-process rounds against
-the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medians of the
-rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
-5), 33 with plain stores.
+shares. Full-size reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved
+fresh-process rounds against the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's
+GDN step (medians of the rounds' ratios); the pair's recurrence alone, 30 layers cold, 1
+thread: 35 -> 17.5 ms (best of 5), 33 with plain stores.
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
