@@ -252,17 +252,19 @@ def _query(item, T, Hkv, per):
 
 @kernel
 def _n_items(R, T, Hkv, tile):
-    """attend_share's items: (query, kv head, key range) triples with R ranges, else (tile of
-    `tile` queries, kv head) pairs."""
-    return R * T * Hkv if R > 0 else (T + tile - 1) // tile * Hkv
+    """attend_share's items: (tile of `tile` queries, kv head, key range) triples with R
+    ranges, else (tile, kv head) pairs."""
+    return max(R, 1) * ((T + tile - 1) // tile) * Hkv
 
 
 def attend_share(thread, n_threads, args, counter):
     """A thread's runs of items (jit.omp.fork, first_run / next_run: an equal static run of the
     first half, then runs claimed while any are left, so threads that run faster take more; each
     item's arithmetic whichever thread takes it). With ranges in acc [R, T, Hq, D]
-    (R > 0; m, l [R, T, Hq]): the items are (query, kv head, key range) triples, range r of each
-    pair into acc[r] (none where the query has fewer keys), merged later (combine_head). With
+    (R > 0; m, l [R, T, Hq]): the items are (tile of `tile` queries, kv head, key range)
+    triples (a query a tile for a short pass, all of a verify step's rows: _decode_body), range
+    r of each pair into acc[r] (none where the query has fewer keys), merged later
+    (combine_head). With
     R = 0: the items are (tile of `tile` queries, kv head) pairs, each its ranges in turn, the
     first into a running partial and each next merged into it, then o. One call site of
     `_tile_range` either way, so the same code and bits (and one compile). A fork, not a prange:
@@ -273,7 +275,7 @@ def attend_share(thread, n_threads, args, counter):
     Hkv = k[0].shape[0]
     G = Hq // Hkv
     per_range = acc.shape[0] > 0
-    width = 1 if per_range else tile
+    width = tile
     run_a = np.empty((2, width, G, D), dtype=np.float32)          # running | range partials
     run_m = np.empty((2, width, G), dtype=np.float32)
     run_l = np.empty((2, width, G), dtype=np.float32)
@@ -362,7 +364,15 @@ def _decode_body(q, k, v, positions, acc_all, m_all, l_all, gate, o):
     R = 0 if T * Hkv >= SPLIT_ITEMS else n_ranges(start + T)
     acc = o.reshape(1, T, Hq, D) if R == 1 else acc_all[:R]
     m, l = m_all[:R], l_all[:R]
-    tile = max(1, min(TILE_QUERIES, T * Hkv // (ITEMS_PER_THREAD * omp.team_size())))
+    # With key ranges (a verify step's few rows): a query an item while the team can run them
+    # side by side (the rows' attention in a token's time on 16 threads); where the items
+    # outnumber the threads, all T queries an item, each block of keys read once for the rows
+    # (2 rows at 41 keys, 2 threads: 1.21 vs 1.23x a token's attention, 1.53 vs 1.56x at 4000;
+    # an item of 2 queries takes ~1.8x a query's work, so never where threads would idle).
+    if R > 0:
+        tile = T if R * T * Hkv > omp.team_size() else 1
+    else:
+        tile = max(1, min(TILE_QUERIES, T * Hkv // (ITEMS_PER_THREAD * omp.team_size())))
     fork(_n_items(R, T, Hkv, tile), (q, k, v, start, tile, acc, m, l, gate, o))
     if R > 0:
         fork_combine(R * T * Hq * D // MERGE_FLOATS, (acc, m, l, start, gate, o))
@@ -516,7 +526,7 @@ def attend(q, k, v, gate, start: int, o, isa: Isa | None = None) -> None:
         acc = np.empty((R, T, Hq, D), dtype=np.float32)
     m = np.empty((R, T, Hq), dtype=np.float32)
     l = np.empty((R, T, Hq), dtype=np.float32)
-    tile = tile_queries(T, Hkv)
+    tile = 1 if R > 0 else tile_queries(T, Hkv)  # a short pass's ranges: a query an item
     if not isinstance(k, Q8Rows):
         _kernel(None)(q, (k,), (v,), start, tile, acc, m, l, gate, o)
         return

@@ -16,13 +16,13 @@ and each row's written once; row r's write sweep also makes row r+1's read sweep
 2 rows 1.98x one row's time (2.27x with a head's rows one after another), the saves' writes
 ~2 ms of it (scratch measurement, load ~2). Two rows (one draft, the default) take
 `_recurrent_pair_head`: the saved state goes to memory through streaming stores (the lines not
-read into the cache first: a save is read again only by a rollback) and the last sweep
-recomputes it from the state still in cache instead of reading it back, so the state traffic is
-a token's plus one write; each row's output is quantised in the threads' shares. Full-size
-reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved fresh-process rounds against
-the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's GDN step (medians of the
-rounds' ratios); the pair's recurrence alone, 30 layers cold, 1 thread: 35 -> 17.5 ms (best of
-5), 33 with plain stores.
+read into the cache first: a save is read again only by a rollback) and, in the cache, over the
+state's own head (the step never needs S0 again), whose last sweep updates it in place, so the
+state traffic is a token's plus one write; each row's output is quantised in the threads'
+shares. Full-size reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved
+fresh-process rounds against the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's
+GDN step (medians of the rounds' ratios); the pair's recurrence alone, 30 layers cold, 1
+thread: 35 -> 17.5 ms (best of 5), 33 with plain stores.
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
@@ -64,7 +64,7 @@ def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_
                step_blocks, half_lanes):
     for r in range(len(mixed)):
         gated_delta._gates(a[r], b[r], A_log, dt_bias, g[r:r + 1], beta[r:r + 1])
-    deltas = np.empty((v.shape[1], 3, v.shape[2]), np.float32)
+    deltas = np.empty((v.shape[1], 2, v.shape[2]), np.float32)
     fork((mixed, conv_w, conv_src, conv_dst, l2_eps, q_scale, q, k, v, g, beta, rec_src, rec_dst,
           o, deltas, z, norm_w, eps, is_in_place, xq, dx, xsum8, lanes, step_blocks, half_lanes))
     if v.shape[2] % 32:  # a 32-block spans two heads (maybe two threads'): quantised here
@@ -159,17 +159,26 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     """`_recurrent_rows_head` of 2 rows (a verify step of one draft), the same values by the
     same operations, its state traffic a token's but the save: the state after row 0 (S1 =
     alpha_0 S0 + k_0 d_0^T) goes to `saves` through streaming stores (it is read again only by
-    a rollback: its lines are not read into the cache before they are written), and the last
-    sweep recomputes S1 from S0, still in the thread's
-    cache, rather than reading the save back: dst = alpha_1 S1 + k_1 d_1^T, in place when dst
-    is the state (is_in_place: the live state). state, saves, dst [Hv, dk, dv] (S0, S1's and
-    S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta [3, dv]: d_0, d_1 and a row of
-    S1."""
+    a rollback: its lines are not read into the cache before they are written) and over S0 in
+    the cache (S0 is not needed again: the state a rollback returns to is S1), whose last sweep
+    then updates it in place: S2 = alpha_1 S1 + k_1 d_1^T. In place when is_in_place (dst the
+    state: the verify step's), else on a copy of S0 in dst (one array read and written either
+    way: with S0 and S1 two arrays that may be one, their loops were not vectorised, 2.2x the 2
+    rows' time). state, saves, dst
+    [Hv, dk, dv] (S0, S1's and S2's arrays); o_0, o_1 [1, Hv, dv] the rows' outputs; delta
+    [2, dv]: d_0, d_1. S1 written where the last sweep reads it, its rows streamed from there
+    to the save, not recomputed from S0 through a row buffer (2 operations an element and the
+    buffer's round trip): the 2 rows' call (gdn_rows.cpu) against a token's gdn_step, full
+    size, 1 thread, this Zen 5, fresh processes alternating with the recomputing kernel's (3
+    each, medians of 21 rounds): 30 states cold 2.56 -> 2.28x, one state in cache 3.04 ->
+    2.62x; `bench decode --speculative mtp`, 2 threads, the split's GDN 1.72 -> 1.56x (medians
+    of 9 rounds each, load 2-3). The save's streaming stores are much of the rest (the
+    recurrence without them: 1.62x a token's cold)."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     S = state[h]                                                            # [dk, dv]
-    d0, d1, x_row = delta[0], delta[1], delta[2]
+    d0, d1 = delta[0], delta[1]
     o0, o1 = o_0[0, h], o_1[0, h]
     d0[:] = 0
     o0[:] = 0
@@ -185,45 +194,32 @@ def _recurrent_pair_head(q, k, v, g, beta, state, saves, dst, o_0, o_1, delta, h
     for j in range(dv):
         d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
         o0[j] = alpha0 * o0[j] + kq * d0[j]
+    if not is_in_place:  # dst apart (tests'; the verify step's is the state): S0 copied there
+        dst[h][:] = S
+        S = dst[h]
     d1[:] = 0
     o1[:] = 0
     kq = np.float32(0)
     saved = saves[h]
-    for i in range(dk):                       # S1, saved; row 1's S1^T k and S1^T q from it
+    for i in range(dk):            # S1 over S0, its rows streamed to the save; S1^T k, S1^T q
         k_i = k[0, hk, i]
         k1 = k[1, hk, i]
         q1 = q[1, hk, i]
         kq += k1 * q1
         for j in range(dv):
             x = alpha0 * S[i, j] + k_i * d0[j]
-            x_row[j] = x
+            S[i, j] = x
             d1[j] += x * k1
             o1[j] += x * q1
-        _stream_row(saved, i, x_row)
-    _store_fence()
+        _stream_row(saved, i, S[i])
     alpha1 = np.exp(g[1, h])
     for j in range(dv):
         d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
         o1[j] = alpha1 * o1[j] + kq * d1[j]
-    # S1's row through memory (x_row), as the saved value it must equal: one expression of
-    # both rows' updates let the fast-math flags reassociate the products (last bits off).
-    if is_in_place:  # one array read and written: the stores known to alias only their loads
-        for i in range(dk):
-            k0 = k[0, hk, i]
-            k1 = k[1, hk, i]
-            for j in range(dv):
-                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
-            for j in range(dv):
-                S[i, j] = alpha1 * x_row[j] + k1 * d1[j]
-    else:
-        D = dst[h]
-        for i in range(dk):
-            k0 = k[0, hk, i]
-            k1 = k[1, hk, i]
-            for j in range(dv):
-                x_row[j] = alpha0 * S[i, j] + k0 * d0[j]
-            for j in range(dv):
-                D[i, j] = alpha1 * x_row[j] + k1 * d1[j]
+    for i in range(dk):
+        k1 = k[1, hk, i]
+        for j in range(dv):
+            S[i, j] = alpha1 * S[i, j] + k1 * d1[j]
 
 
 def _rows_share(thread, n_threads, args):
@@ -251,6 +247,8 @@ def _rows_share(thread, n_threads, args):
                                  o[R - 1], deltas[h], h, is_in_place)
         else:
             _recurrent_rows_head(q, k, v, g, beta, rec_src, rec_dst, o, deltas[h], h)
+    if R == 2:  # the saves' streaming stores ordered once the thread's heads are done (a fence
+        _store_fence()  # a head waited for each head's stores to drain before the next's reads)
     for r in range(R):
         o_r, z_r = o[r], z[r]
         rmsnorm._gated_serial(o_r[0, h0:h1], z_r[0, h0:h1], norm_w, eps, o_r[0, h0:h1])

@@ -4,7 +4,8 @@
 # processes (verify_of_decode: the verify step timed with its rollback to the first row, against
 # a token; the split of both steps by plan label), then tests/verify_rows_probe.py: the verify
 # step's parts against a token's, each cold (every layer's weights in turn), medians of
-# interleaved rounds: the GDN layers (a token's step vs the 2 rows), the fused MoE (1 token vs 2
+# interleaved rounds: the GDN layers (a token's step vs the 2 rows; cold, and one layer's state in
+# cache: the rows' compute alone), the fused MoE (1 token vs 2
 # through the union launch vs 2 through main's kernel, random routing and half the experts
 # shared, with the union's size and byte ratio), the residual steps, the few-token products and
 # the Q8_0 LM head. A table last.

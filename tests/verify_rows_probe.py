@@ -5,9 +5,10 @@ part cold (every layer's weights in turn), rounds interleaved, medians of the ro
     python -m tests.verify_rows_probe MODEL THREADS [ROUNDS]   (from the project root)
 
 Parts: the GDN layers (a token's gdn_step; the verify step's 2 rows, the state after row 0
-saved); the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens
-through decode's fused kernel given both tokens, as main ran them before it: each token's
-experts read apart, the tokens' same blocks in turn), with
+saved), cold (30 layers' states) and in cache (one layer's again and again: the compute alone);
+the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens through
+decode's fused kernel given both tokens, as main ran them before it: each token's experts read
+apart, the tokens' same blocks in turn), with
 random routing (the synthetic model's: ~15.5 distinct experts of 2 x 8) and with routing that
 shares half of the experts (real models' tokens overlap more); the residual step (1 row vs 2);
 the few-token products (dense Q4_0 matrices, the Q8_0 LM head; 2 tokens vs the 1-token GEMV).
@@ -128,9 +129,9 @@ def gdn_state():
     return conv, rec
 
 
-def gdn_launches(case):
+def gdn_launches(case, layers=gdn):
     out = []
-    for m in gdn:
+    for m in layers:
         conv, rec = gdn_state()
         rows = [(proj[r:r + 1, :C], proj[r:r + 1, C:].reshape(1, Hv, dv), gates[r:r + 1, Hv:],
                  gates[r:r + 1, :Hv]) for r in range(2)]
@@ -153,6 +154,10 @@ def fresh_inputs(case):  # each call's conv overwrote its rows' inputs
 
 gdn_cases = {c: gdn_launches(c) for c in ("1 token", "2 rows")}
 report(f"gdn ({len(gdn)} layers' states)", timed(gdn_cases, ROUNDS, fresh_inputs), len(gdn))
+# one layer's states again and again (in the cache): the rows' compute against a token's, apart
+# from the memory traffic that the cold figure above adds to it
+hot = {c: gdn_launches(c, gdn[:1]) * 30 for c in ("1 token", "2 rows")}
+report("gdn (1 layer's state, in cache)", timed(hot, ROUNDS, fresh_inputs), 30)
 
 # --- residual steps: every layer's router (post-norm) and a no-product step (input norm) -------
 
