@@ -11,7 +11,8 @@ nvidia-smi -L >"$out/device.txt" 2>&1
 python3 -m fermijit kernels check >"$out/kernels-check.txt" 2>&1
 echo "kernels check rc=$?"
 python3 -m pytest -q -rsP -p no:cacheprovider tests/ops/test_*_gpu.py \
-  tests/fermijit/jit/test_ptx*.py tests/ops/test_embedding.py tests/ops/test_norm_range.py \
+  tests/fermijit/jit/test_ptx*.py tests/fermijit/jit/test_gpu_driver.py tests/fermijit/jit/test_gpu_early.py \
+  tests/ops/test_embedding.py tests/ops/test_norm_range.py \
   tests/fermijit/prefill/test_hybrid*.py tests/model/test_reap_gpu.py \
   tests/fermijit/test_speculative_gpu.py >"$out/gpu-tests.log" 2>&1
 echo "gpu tests rc=$?"
