@@ -28,8 +28,7 @@ from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
                                          group_scores, make_q8_scores, merged_row, q8_scores_by_key,
-                                         row_max,
-                                         transposed_keys, weighted_q8_rows, weighted_rows)
+                                         row_max, transposed_keys, weighted_q8_rows, weighted_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 

@@ -508,7 +508,7 @@ def split_at_registrations(host: np.ndarray,
     """(byte offset, uint8 view) pieces of contiguous `host` cut where a registered range begins
     or ends inside it (`bounds`: registered_bounds(), default now), or [(0, host)] where none
     does: one copy must read from one registration (a copy from a range that only starts inside
-    one fails), and the model file is registered in chunks (expert_stream.REGISTER_CHUNK_BYTES).
+    one fails), and the model file is registered in chunks (gpu_early.REGISTER_CHUNK_BYTES).
     On the expert streamer's path per copy: ~1 us uncut."""
     at = host.__array_interface__["data"][0]
     end = at + host.nbytes

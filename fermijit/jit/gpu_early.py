@@ -46,9 +46,9 @@ REGISTER_THREADS_ENV = "FERMIJIT_REGISTER_THREADS"
 REGISTER_PORTABLE, REGISTER_READ_ONLY = 0x01, 0x08
 
 
-def chunk_bytes(default: int = REGISTER_CHUNK_BYTES) -> int:
-    """The registration chunk: REGISTER_CHUNK_ENV MiB where set, else `default`."""
-    return int(float(os.environ.get(REGISTER_CHUNK_ENV, 0)) * (1 << 20)) or default
+def chunk_bytes() -> int:
+    """The registration chunk: REGISTER_CHUNK_ENV MiB where set, else REGISTER_CHUNK_BYTES."""
+    return int(float(os.environ.get(REGISTER_CHUNK_ENV, 0)) * (1 << 20)) or REGISTER_CHUNK_BYTES
 
 
 def register_threads() -> int:

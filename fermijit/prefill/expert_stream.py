@@ -34,8 +34,6 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit import gpu_early
-from fermijit.jit.gpu_early import (REGISTER_CHUNK_BYTES, REGISTER_CHUNK_ENV,  # noqa: F401
-                                     REGISTER_THREADS, REGISTER_THREADS_ENV)
 from fermijit.model.block_moe import BlockExperts
 from fermijit.model.safetensors_io import madvise
 from fermijit.model.weights import BlockTensor, QuantTensor
@@ -45,8 +43,8 @@ SOURCES = ("mapped", "pinned", "ring", "pageable")
 RING_SLOTS = 3               # staging slots: one being filled, one on the link, one spare
 RING_SLOT_BYTES = 64 << 20   # at most, per slot (less within a small --pin-budget)
 REGION_ALIGN = 256           # bytes: where each array's region of a layer buffer starts
-# The model file is registered in chunks of REGISTER_CHUNK_BYTES on REGISTER_THREADS threads
-# (the measurements behind both: fermijit/jit/gpu_early.py, which registers them at serve's exec).
+# The model file is registered in chunks of gpu_early.REGISTER_CHUNK_BYTES on REGISTER_THREADS
+# threads (the measurements behind both there: it registers them at serve's exec too).
 
 
 def routed_arrays(w) -> tuple[np.ndarray, ...]:
@@ -256,13 +254,14 @@ def file_pieces(host: list[tuple[np.ndarray, ...]], chunk: int) -> list[tuple[in
 
 def _register_in_place(host: list[tuple[np.ndarray, ...]]) -> list | None:
     """Every model file holding experts registered with the driver as it is mapped, whole, in
-    REGISTER_CHUNK_BYTES chunks (a copy from a range that only starts inside a registration
-    fails: the LM head's scales beside the last expert did; copies are cut at the chunks'
-    ends: gpu.split_at_registrations); None where the driver refuses (Fermi's drivers: no read-only
-    registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file views."""
+    gpu_early.REGISTER_CHUNK_BYTES chunks (a copy from a range that only starts inside a
+    registration fails: the LM head's scales beside the last expert did; copies are cut at the
+    chunks' ends: gpu.split_at_registrations); None where the driver refuses (Fermi's drivers: no
+    read-only registration; RLIMIT_MEMLOCK; not enough memory) or the experts are not file
+    views."""
     from fermijit.jit import gpu
 
-    pieces = file_pieces(host, gpu_early.chunk_bytes(REGISTER_CHUNK_BYTES))
+    pieces = file_pieces(host, gpu_early.chunk_bytes())
     if pieces is None:
         return None
     n_threads = min(len(pieces), gpu_early.register_threads())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fermijit import FermijitError, engine
-from fermijit.jit import gpu
+from fermijit.jit import gpu, gpu_early
 from fermijit.model.forward import load_model
 from fermijit.model.state import KvCache
 from fermijit.prefill import gpu_layout, gpu_prefill, gpu_state, hybrid
@@ -719,7 +719,7 @@ def test_the_model_file_is_registered_in_chunks_and_copies_cut_at_their_ends(mon
     from fermijit.prefill import expert_stream
 
     pushed, released = set(), []
-    monkeypatch.setenv(expert_stream.REGISTER_THREADS_ENV, str(n_threads))
+    monkeypatch.setenv(gpu_early.REGISTER_THREADS_ENV, str(n_threads))
     monkeypatch.setattr(gpu, "driver", lambda: pushed.add(threading.get_ident()))
     monkeypatch.setattr(gpu, "release_thread",
                         lambda: released.append(threading.current_thread().name))
@@ -740,7 +740,7 @@ def test_the_model_file_is_registered_in_chunks_and_copies_cut_at_their_ends(mon
 
     monkeypatch.setattr(gpu, "register", register)
     monkeypatch.setattr(gpu, "_registered", __import__("weakref").WeakValueDictionary())
-    monkeypatch.setattr(expert_stream, "REGISTER_CHUNK_BYTES", 3 * page)
+    monkeypatch.setattr(gpu_early, "REGISTER_CHUNK_BYTES", 3 * page)
     held = expert_stream._register_in_place(arrays)
     first = root.ctypes.data // page * page
     last = -(-(root.ctypes.data + root.nbytes) // page) * page
@@ -843,7 +843,7 @@ def test_the_streamer_copies_experts_from_registered_chunks(monkeypatch, tmp_pat
     layers = [tuple(root[at:at + E * n].reshape(E, n) for at, n in pair)
               for pair in (((13, 1000), (9000, 300)), ((17000, 800), (24000, 8)))]
     monkeypatch.setattr(expert_stream, "expert_arrays", lambda w: w)
-    monkeypatch.setattr(expert_stream, "REGISTER_CHUNK_BYTES", page)
+    monkeypatch.setattr(gpu_early, "REGISTER_CHUNK_BYTES", page)
     monkeypatch.setattr(gpu, "_registered", weakref.WeakValueDictionary())
     chunks = []
 

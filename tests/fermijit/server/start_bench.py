@@ -313,12 +313,12 @@ def main(model_dir: Path, out: Path, rounds: int = ROUNDS, budget_s: float | Non
 
 def register_threads_probe(model_dir: Path) -> str:
     """Seconds to register the model file's expert pages as serve does
-    (expert_stream._register_in_place, REGISTER_CHUNK_BYTES chunks) on 1, 2, 4 and 8 threads,
-    each registration dropped (unregistered) before the next."""
+    (expert_stream._register_in_place, gpu_early.REGISTER_CHUNK_BYTES chunks) on 1, 2, 4 and 8
+    threads, each registration dropped (unregistered) before the next."""
     import gc
     import os
 
-    from fermijit.jit import gpu
+    from fermijit.jit import gpu, gpu_early
     from fermijit.prefill import expert_stream
 
     if gpu.unavailable_reason() is not None:
@@ -327,7 +327,7 @@ def register_threads_probe(model_dir: Path) -> str:
     root = np.memmap(model_dir / "model.safetensors", np.uint8, "r")
     said = []
     for n in (1, 2, 4, 8):
-        os.environ[expert_stream.REGISTER_THREADS_ENV] = str(n)
+        os.environ[gpu_early.REGISTER_THREADS_ENV] = str(n)
         t0 = time.perf_counter()
         held = expert_stream._register_in_place([(root,)])
         took = time.perf_counter() - t0
@@ -339,10 +339,10 @@ def register_threads_probe(model_dir: Path) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--probe":  # the whole file at once, then as serve registers it
-        from fermijit.prefill import expert_stream
+        from fermijit.jit import gpu_early
 
         print(register_probe(Path(sys.argv[2])))
-        print(register_probe(Path(sys.argv[2]), expert_stream.REGISTER_CHUNK_BYTES))
+        print(register_probe(Path(sys.argv[2]), gpu_early.REGISTER_CHUNK_BYTES))
         print(register_threads_probe(Path(sys.argv[2])))
         sys.exit()
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else ROUNDS,
