@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 
@@ -106,6 +107,12 @@ def _release() -> None:
         _pool().stop_holding()
     release_thread()
     _context = None
+    # At exit: the streams, events and buffers still referenced (the server's prefiller) are
+    # collected after the context is gone, and pycuda warns for each ("... in out-of-thread
+    # context could not be cleaned up", 4 lines on every stop of `serve` on the H200); the
+    # driver frees the process's device memory as it exits.
+    warnings.filterwarnings("ignore", message=".*out-of-thread context could not be cleaned up",
+                            category=UserWarning)
 
 
 def gpuarray():
