@@ -193,21 +193,32 @@ def _recurrent_pair_head(q, k, v, g, beta, state, o_0, o_1, delta, h, pending, i
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     p_alpha, p_k, p_d = pending
-    if is_pending:
-        _pending_head(state, p_alpha, p_k, p_d, h)
     S = state[h]                                                            # [dk, dv]
     d0, d1 = delta[0], delta[1]
     o0, o1 = o_0[0, h], o_1[0, h]
     d0[:] = 0
     o0[:] = 0
     kq = np.float32(0)
-    for i in range(dk):
-        k_i = k[0, hk, i]
-        q_i = q[0, hk, i]
-        kq += k_i * q_i
-        for j in range(dv):
-            d0[j] += S[i, j] * k_i                                          # S^T k
-            o0[j] += S[i, j] * q_i                                          # S^T q
+    if is_pending:  # the pending row applied as the head is read (_pending_head's operations)
+        a, d_p = p_alpha[h], p_d[h]
+        for i in range(dk):
+            k_i = k[0, hk, i]
+            q_i = q[0, hk, i]
+            kp_i = p_k[hk, i]
+            kq += k_i * q_i
+            for j in range(dv):
+                x = a * S[i, j] + kp_i * d_p[j]
+                S[i, j] = x
+                d0[j] += x * k_i                                            # S^T k
+                o0[j] += x * q_i                                            # S^T q
+    else:
+        for i in range(dk):
+            k_i = k[0, hk, i]
+            q_i = q[0, hk, i]
+            kq += k_i * q_i
+            for j in range(dv):
+                d0[j] += S[i, j] * k_i                                      # S^T k
+                o0[j] += S[i, j] * q_i                                      # S^T q
     alpha0 = np.exp(g[0, h])
     for j in range(dv):
         d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
