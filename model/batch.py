@@ -125,7 +125,8 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
     its next positions (a speculative verify step, fermijit/speculative.py), each bit for bit
     `model.decode` of that token after the ones before it, the GDN state advanced token by
     token. With `saves` (per row, its state's GdnSaves or None), the GDN states after each row
-    but the last of a state are kept (`rollback` returns to them). A state with the MTP layer
+    but the last of a state are kept (`rollback` returns to them; one sequence's 2 rows leave
+    the last row's recurrent update pending instead: GdnSaves). A state with the MTP layer
     gets the rows' hidden states."""
     tokens = np.asarray(tokens, np.int32)
     B = len(states)
@@ -186,7 +187,8 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
 def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
     """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
     of their calls made once per state's and saves' arrays and workspace (a DecodePlan), as decode
-    runs its token. A rollback swaps arrays between the state and the saves: the plans of the
+    runs its token (its GDN states not settled first where the GDN rows apply a pending row
+    themselves: 2 rows). A rollback swaps arrays between the state and the saves: the plans of the
     few arrangements it makes are kept."""
     is_lazy = saves is not None and ws.n_seqs == 2
     if is_lazy:  # the GDN rows leave the last row pending (ops/gdn_rows.py): its records
@@ -220,7 +222,8 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     fp32 rows in the fork of its input projection, as decode's), the residual steps of the R
     rows in one call (ops.residual_rows: the fp32 router read once),
     the GDN rows in one call that leaves the state after every row but the last in `saves`
-    (ops.gdn_rows; without saves, decode's step row by row)."""
+    or, of 2 rows, the last row pending (ops.gdn_rows; without saves, decode's step row by
+    row)."""
     R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
     rows = [slice(b, b + 1) for b in range(R)]
 

@@ -2,7 +2,7 @@
 projections (a speculative verify step's rows, model/batch.py), as one call: row r is
 ops.gdn_step on the state row r-1 left, bit for bit, and the state after each row lands where the
 caller says (the last row's: the live state; the others': the step's saves, which a rollback
-returns to).
+returns to), or, for 2 rows, the last row is left pending.
 
 Row by row through gdn_step, a verify step of 2 rows forked 3 times a GDN layer (2 steps and the
 save of the state after the first) and swept the 2 MB recurrent state 3 times from memory. Here
@@ -14,20 +14,27 @@ gated RMSNorm are gdn_step's own routines, in its order), so the state is read f
 and each row's written once; row r's write sweep also makes row r+1's read sweep
 (`_recurrent_rows_head`: R + 1 sweeps of a head, not 2R). 30 full-size layers, cold, 2 threads:
 2 rows 1.98x one row's time (2.27x with a head's rows one after another), the saves' writes
-~2 ms of it (scratch measurement, load ~2). Two rows (one draft, the default) take
-`_recurrent_pair_head`: the saved state goes to memory through streaming stores (the lines not
-read into the cache first: a save is read again only by a rollback) and, in the cache, over the
-state's own head (the step never needs S0 again), whose last sweep updates it in place, so the
-state traffic is a token's plus one write; each row's output is quantised in the threads'
-shares. Full-size reap128, 2 threads, `bench decode --speculative mtp`, 6 interleaved
-fresh-process rounds against the last kernel (load 3-7): the GDN rows 1.94x -> 1.59x a token's
-GDN step (medians of the rounds' ratios); the pair's recurrence alone, 30 layers cold, 1
-thread: 35 -> 17.5 ms (best of 5), 33 with plain stores.
+~2 ms of it (scratch measurement, load ~2).
+
+Two rows (one draft, the default) take `_recurrent_pair_head`, the lazy row: the state after
+row 0 (S1) is written over the live state and row 1's rank-1 update (S2 = alpha_1 S1 + k_1
+d_1^T) is not applied but kept, a few KB, as the layer's `Pending` record. Rejecting row 1 (the
+common rollback) is then dropping the record; keeping it, the next verify step applies it as
+its first sweep reads the head (S2's bits), and every other reader of the state applies it first
+(`Pending.settle`, through model/state.py GdnState.recurrent). So the state traffic of the step
+is a token's: read once, written once (it was read once and written twice, S1 streamed to a
+save). 30 full-size layers cold, 2 threads, against a token's gdn_step (scratch benchmark, 15
+rounds, medians): 1.50x without a pending row, 1.61x applying one (1.81x applying it in a sweep
+of its own first). Full-size reap128, 2 threads, `bench decode --speculative mtp` (its random
+head's drafts all rejected: no row pending), 8 interleaved fresh-process rounds against the
+pair that saved S1 (load ~2): the GDN rows RESULT_GDN a token's GDN step, the verify step
+RESULT_VERIFY a token (medians of the rounds' ratios).
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
 
-with dst[r] the saves' r-th for r < R-1 and the live state for the last (src[r] = dst[r-1]).
+with dst[r] the saves' r-th for r < R-1 and the live state for the last (src[r] = dst[r-1]);
+for the lazy row, dst[0] the live state and dst[1] the record.
 
 Letters: as ops/gdn_step.py; R rows.
 """
@@ -152,8 +159,8 @@ _NO_PENDING = Pending(0, 0, 0, 0)  # the arguments of a call without the lazy ro
 
 @kernel
 def _pending_head(state, alpha, k, d, h):
-    """Value head h of `state` <- alpha_h S + k d_h^T: the pending row's update (Pending), by
-    gated_delta._recurrent_head's last sweep's operations in its order (the same bits)."""
+    """Value head h of `state` <- alpha_h S + k d_h^T: the pending row's update (Pending.settle),
+    by gated_delta._recurrent_head's last sweep's operations in its order (the same bits)."""
     Hv, dk, dv = state.shape
     hk = h // (Hv // k.shape[0])
     S, a, d_h = state[h], alpha[h], d[h]
@@ -180,15 +187,13 @@ _settle_kernel = omp.forking_kernel(_settle_body, fork=_settle_share)
 
 @kernel
 def _recurrent_pair_head(q, k, v, g, beta, state, o_0, o_1, delta, h, pending, is_pending):
-    """`_recurrent_rows_head` of 2 rows (a verify step of one draft) in place, its state traffic
-    a token's: the last row's update is not applied but left `pending` (Pending), so `state`
-    is left as after row 0 (S1 = alpha_0 S0 + k_0 d_0^T), what a rollback of row 1 returns to
-    at no cost; where both rows are kept, the next step applies it first (`_pending_head`, with
-    is_pending: one sweep bringing the head into the cache, S2's bits), and any other reader of
-    the state settles it (model/state.py GdnState). pending: (alpha, k, d) of Pending, written
-    here but k (the caller's, once the key head's value heads are done); o_0, o_1 [1, Hv, dv]
-    the rows' outputs; delta [2, dv]: d_0, d_1. Against the pair with the state after row 1 in
-    place and S1 streamed to a save (3 sweeps' traffic): see the module docstring."""
+    """`_recurrent_rows_head` of 2 rows (a verify step of one draft) in place, the last row
+    lazy (module docstring): `state` is left after row 0 (S1 = alpha_0 S0 + k_0 d_0^T, what a
+    rollback of row 1 returns to) and row 1's update in `pending` ((alpha, d) of Pending
+    written here; its k by the caller, once the key head's value heads have read the old one).
+    With is_pending, the previous step's pending row is applied as the first sweep reads the
+    head (written back: `_pending_head`'s operations, S2's bits). o_0, o_1 [1, Hv, dv] the
+    rows' outputs; delta [2, dv]: d_0, d_1."""
     Hk, dk = q.shape[1], q.shape[2]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
