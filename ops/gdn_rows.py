@@ -23,12 +23,16 @@ common rollback) is then dropping the record; keeping it, the next verify step a
 its first sweep reads the head (S2's bits), and every other reader of the state applies it first
 (`Pending.settle`, through model/state.py GdnState.recurrent). So the state traffic of the step
 is a token's: read once, written once (it was read once and written twice, S1 streamed to a
-save). 30 full-size layers cold, 2 threads, against a token's gdn_step (scratch benchmark, 15
-rounds, medians): 1.50x without a pending row, 1.61x applying one (1.81x applying it in a sweep
-of its own first). Full-size reap128, 2 threads, `bench decode --speculative mtp` (its random
-head's drafts all rejected: no row pending), 8 interleaved fresh-process rounds against the
-pair that saved S1 (load ~2): the GDN rows RESULT_GDN a token's GDN step, the verify step
-RESULT_VERIFY a token (medians of the rounds' ratios).
+save). 30 full-size layers cold, 2 threads, against a token's gdn_step, 6 interleaved fresh
+processes each (a scratch benchmark, medians): the pair that saved S1 2.01x, the lazy row 1.65x
+(1.73x applying a pending row, in the first sweep: in a sweep of its own first it was ~0.2x
+more). Full-size
+reap128, 2 threads, `bench decode --speculative mtp` (its random head's drafts all rejected: no
+row pending), 32 interleaved fresh-process rounds against the pair that saved S1 (load 0.2-3):
+the GDN rows 2.00x -> 1.70x a token's GDN step (5.4 -> 4.5 ms), the verify step 1.365x ->
+1.355x a token (medians; the rounds' ratios swing 1.31-1.77 with the machine's bandwidth).
+The rest over a token's is compute (one layer's state in cache, tests/verify_rows_probe.py:
+the rows ~1.5x a token's step).
 
     state_0 = src                     (the live state at the step's start)
     row r:   dst[r] = gdn_step(row r's inputs, state_r), state_{r+1} = dst[r]
