@@ -351,8 +351,8 @@ class GdnSaves:
     the last row's state is the live one), preallocated, per row and GDN layer an array of its
     own (conv[r][g], recurrent[r][g]): what `rollback` swaps in. A step of 2 rows of one
     sequence (the verify step of one draft) saves the conv states only: its recurrent state is
-    the one after the first row, the second's update pending (GdnState; recurrent[0] is never
-    written then, its pages never take memory)."""
+    the one after the first row, the second's update pending (GdnState; recurrent[0] is written
+    only by `decode_rows`' path for several sequences)."""
 
     def __init__(self, model: Model, n_rows: int):
         n_gdn = sum(not a for a in model.is_attention)
