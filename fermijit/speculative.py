@@ -8,12 +8,14 @@ A step, with the model at position P, its state waiting on hidden states [P-k, P
           give d_1; each further draft chains the head on its own output (model/mtp.py);
   verify  one `decode_rows` step over [token, d_1 .. d_N] at positions P .. P+N (the batched
           decode's kernels: each row bit for bit `Model.decode`, the GDN state advanced token by
-          token, its state after every row but the last saved);
+          token, its state after every row but the last saved; of one draft, the recurrent
+          state left after the first row, the last row's update pending: GdnState);
   accept  greedy: d_i while it is the argmax of the logits before it, then that argmax;
           sampling: ops.sampling.speculative, the standard rejection rule (the tokens are
           distributed as without drafts);
-  undo    `rollback` to the last accepted token: GDN states from the saves, the position (and
-          so the KV length) back; the head's rows past P are rewritten by the next draft.
+  undo    `rollback` to the last accepted token: GDN states from the saves (or the pending
+          row dropped), the position (and so the KV length) back; the head's rows past P are
+          rewritten by the next draft.
 At temperature 0 the tokens are then exactly greedy decoding's (tests/fermijit/test_speculative.py).
 
 Dimensions: as model/forward.py; N drafts a step.

@@ -28,7 +28,7 @@ from fermijit.jit import omp, sequence
 from fermijit.jit.cpu import decode_isa
 from fermijit.model.forward import (L2NORM_EPS, DecodePlan, Model, _state_arrays, linear,
                                     linear_step, run_steps)
-from fermijit.model.state import KvCache, State
+from fermijit.model.state import GdnState, KvCache, State
 from fermijit.ops import (attention_step, embedding, gdn_rows, gdn_step, matvec, moe,
                           residual_rows, residual_step)
 
@@ -125,7 +125,8 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
     its next positions (a speculative verify step, fermijit/speculative.py), each bit for bit
     `model.decode` of that token after the ones before it, the GDN state advanced token by
     token. With `saves` (per row, its state's GdnSaves or None), the GDN states after each row
-    but the last of a state are kept (`rollback` returns to them). A state with the MTP layer
+    but the last of a state are kept (`rollback` returns to them; one sequence's 2 rows leave
+    the last row's recurrent update pending instead: GdnSaves). A state with the MTP layer
     gets the rows' hidden states."""
     tokens = np.asarray(tokens, np.int32)
     B = len(states)
@@ -186,9 +187,16 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
 def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
     """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
     of their calls made once per state's and saves' arrays and workspace (a DecodePlan), as decode
-    runs its token. A rollback swaps arrays between the state and the saves: the plans of the
+    runs its token (its GDN states not settled first where the GDN rows apply a pending row
+    themselves: 2 rows). A rollback swaps arrays between the state and the saves: the plans of the
     few arrangements it makes are kept."""
-    arrays = _state_arrays(state) + (() if saves is None else saves.arrays)
+    is_lazy = saves is not None and ws.n_seqs == 2
+    if is_lazy:  # the GDN rows leave the last row pending (ops/gdn_rows.py): its records
+        for s in state.layers:
+            if isinstance(s, GdnState) and s.pending is None:
+                s.pending = gdn_rows.Pending(model.n_key_heads, model.n_value_heads,
+                                             model.key_dim, model.value_dim)
+    arrays = _state_arrays(state, settle=not is_lazy) + (() if saves is None else saves.arrays)
     plan = next((p for p in ws.plans if p.fits_arrays(arrays, model.moe_observer)), None)
     if plan is None:
         plan = DecodePlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
@@ -214,7 +222,8 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     fp32 rows in the fork of its input projection, as decode's), the residual steps of the R
     rows in one call (ops.residual_rows: the fp32 router read once),
     the GDN rows in one call that leaves the state after every row but the last in `saves`
-    (ops.gdn_rows; without saves, decode's step row by row)."""
+    or, of 2 rows, the last row pending (ops.gdn_rows; without saves, decode's step row by
+    row)."""
     R, eps, y = ws.n_seqs, model.eps, None                           # y: the sublayer output
     rows = [slice(b, b + 1) for b in range(R)]
 
@@ -304,20 +313,26 @@ def moe_rows_steps(ws: BatchWorkspace, experts) -> list:
 
 def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves", g: int):
     """The plan's step of GDN layer g (its `s` state) over ws's R rows (ops.gdn_rows): row r
-    from the state row r-1 left, into saves' r-th (the live state for the last row)."""
+    from the state row r-1 left, into saves' r-th (the live state for the last row); of 2 rows,
+    the recurrent state left after the first, the second's update pending (s.pending: the lazy
+    row, which a rollback drops)."""
     R, C, Hv, dv = ws.n_seqs, model.conv_dim, model.n_value_heads, model.value_dim
     if ws.gdn_scratch is None:
         ws.gdn_scratch = gdn_rows.Scratch(R, model.n_key_heads, Hv, model.key_dim, dv)
     conv_dst = [saves.conv[r][g] for r in range(R - 1)] + [s.conv]
-    rec_dst = [saves.recurrent[r][g] for r in range(R - 1)] + [s.recurrent]
+    if R == 2:
+        rec_src = rec_dst = [s.held]
+    else:
+        rec_dst = [saves.recurrent[r][g] for r in range(R - 1)] + [s.recurrent]
+        rec_src = [s.recurrent] + rec_dst[:-1]
     rows = [ws.gdn_in[r:r + 1] for r in range(R)]
     return ("gdn_rows.cpu", *gdn_rows.launch(
         [row[:, :C] for row in rows], [row[:, C:].reshape(1, Hv, dv) for row in rows],
         [ws.gates_in[r:r + 1, Hv:] for r in range(R)],
         [ws.gates_in[r:r + 1, :Hv] for r in range(R)],
         mixer.conv1d, [s.conv] + conv_dst[:-1], conv_dst, mixer.A_log, mixer.dt_bias, mixer.norm,
-        model.eps, L2NORM_EPS, [s.recurrent] + rec_dst[:-1], rec_dst, ws.gdn_scratch,
-        [ws.go[r:r + 1] for r in range(R)], ws.act_gdn_rows))
+        model.eps, L2NORM_EPS, rec_src, rec_dst, ws.gdn_scratch,
+        [ws.go[r:r + 1] for r in range(R)], ws.act_gdn_rows, s.pending if R == 2 else None))
 
 
 def _offsets(states: list[State]) -> list[int]:
@@ -334,7 +349,10 @@ def _offsets(states: list[State]) -> list[int]:
 class GdnSaves:
     """The GDN states of one sequence after each of the first R rows of a step (R = rows - 1:
     the last row's state is the live one), preallocated, per row and GDN layer an array of its
-    own (conv[r][g], recurrent[r][g]): what `rollback` swaps in."""
+    own (conv[r][g], recurrent[r][g]): what `rollback` swaps in. A step of 2 rows of one
+    sequence (the verify step of one draft) saves the conv states only: its recurrent state is
+    the one after the first row, the second's update pending (GdnState; recurrent[0] is written
+    only by `decode_rows`' path for several sequences)."""
 
     def __init__(self, model: Model, n_rows: int):
         n_gdn = sum(not a for a in model.is_attention)
@@ -355,7 +373,8 @@ class GdnSaves:
 def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: int) -> None:
     """Undo the last `n_rows - n_kept` rows of a `decode_rows` step of `n_rows` rows of `state`:
     its GDN states those after row n_kept - 1, swapped in from `saves` (no copy: the live arrays
-    go to the saves in their place, overwritten by the next step), its position n_kept past the
+    go to the saves in their place, overwritten by the next step) or, where the last row's
+    update is pending (a step of 2 rows), that update dropped; its position n_kept past the
     step's start (KV rows past it are never read), the rejected rows' hidden states dropped."""
     if not 1 <= n_kept <= n_rows <= saves.n_rows:
         raise FermijitError(f"rollback: keep {n_kept} of {n_rows} rows (saved: {saves.n_rows})")
@@ -365,7 +384,12 @@ def rollback(model: Model, state: State, saves: GdnSaves, n_rows: int, n_kept: i
     conv, recurrent = saves.conv[n_kept - 1], saves.recurrent[n_kept - 1]
     for g, s in enumerate(gdn):
         s.conv, conv[g] = conv[g], s.conv
-        s.recurrent, recurrent[g] = recurrent[g], s.recurrent
+        if s.pending is not None and s.pending.is_set[0]:  # the state after row n_kept - 1
+            if n_rows - n_kept != 1:
+                raise FermijitError(f"rollback: {n_rows - n_kept} rows back, 1 pending")
+            s.pending.is_set[0] = 0
+        else:
+            s.recurrent, recurrent[g] = recurrent[g], s.recurrent
     state.position -= n_rows - n_kept
     if state.hidden is not None:
         state.hidden = state.hidden[:state.hidden.shape[0] - (n_rows - n_kept)]

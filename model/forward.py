@@ -31,7 +31,8 @@ from fermijit.jit.cpu import kernel
 from fermijit.model.config import FULL_ATTENTION, ModelConfig, TextConfig
 from fermijit.model import block_moe
 from fermijit.model.block_moe import BlockExperts
-from fermijit.model.state import DEFAULT_KV, KvCache, KvKind, State, new_state, state_nbytes
+from fermijit.model.state import (DEFAULT_KV, GdnState, KvCache, KvKind, State, new_state,
+                                   state_nbytes)
 from fermijit.model.weights import (AttentionWeights, BlockTensor, GatedDeltaNetWeights,
                                     QuantTensor, TextWeights)
 from fermijit.ops import (attention, attention_step, conv1d, embedding, fp32_rows, gated_delta,
@@ -303,7 +304,14 @@ class DecodePlan:
                 and all(a is b for a, b in zip(arrays, self.arrays)))
 
 
-def _state_arrays(state: State) -> tuple:
+def _state_arrays(state: State, settle: bool = True) -> tuple:
+    """What a plan over `state` holds (its layers' arrays, a GDN layer's pending row's record),
+    the GDN layers settled first (model/state.py GdnState) unless the plan applies a pending row
+    itself (`settle` False: the verify step's, model/batch.py)."""
+    if settle:
+        for layer in state.layers:
+            if isinstance(layer, GdnState):
+                layer.settle()
     return tuple(a for layer in state.layers for a in vars(layer).values())
 
 

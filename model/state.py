@@ -144,14 +144,40 @@ class KvCache:
         self.v[:, start:start + v.shape[0]] = v.transpose(1, 0, 2)
 
 
-@dataclasses.dataclass
 class GdnState:
-    conv: np.ndarray       # [C, Kc-1] fp32
-    recurrent: np.ndarray  # [Hv, dk, dv] fp32
+    """One GDN layer's conv window [C, Kc-1] and recurrent state [Hv, dk, dv], fp32.
+
+    A verify step of 2 rows (model/batch.py, ops/gdn_rows.py) leaves the recurrent array (`held`)
+    as after its first row and the last row's rank-1 update `pending` (a gdn_rows.Pending), so
+    that a rollback of the last row is free and the step's state traffic a token's; the next
+    such step applies it on the fly. `recurrent` is the state after every token seen: reading it
+    applies a pending row first (`settle`, the bits of an applied one), so every other reader
+    (decode, prefill, copies, snapshots) sees a settled state."""
+
+    def __init__(self, conv: np.ndarray, recurrent: np.ndarray):
+        self.conv = conv
+        self.held = recurrent
+        self.pending = None  # gdn_rows.Pending, made by the first verify step of 2 rows
+
+    @property
+    def recurrent(self) -> np.ndarray:
+        self.settle()
+        return self.held
+
+    @recurrent.setter
+    def recurrent(self, state: np.ndarray) -> None:
+        self.held = state
+        if self.pending is not None:  # a whole new state: no row pending on it
+            self.pending.is_set[0] = 0
+
+    def settle(self) -> None:
+        """Apply the pending row, if any (in place)."""
+        if self.pending is not None:
+            self.pending.settle(self.held)
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.recurrent.nbytes
+        return self.conv.nbytes + self.held.nbytes
 
     @property
     def arrays(self) -> list[np.ndarray]:

@@ -4,8 +4,9 @@ part cold (every layer's weights in turn), rounds interleaved, medians of the ro
 
     python -m tests.verify_rows_probe MODEL THREADS [ROUNDS]   (from the project root)
 
-Parts: the GDN layers (a token's gdn_step; the verify step's 2 rows, the state after row 0
-saved), cold (30 layers' states) and in cache (one layer's again and again: the compute alone);
+Parts: the GDN layers (a token's gdn_step; the verify step's 2 rows, the last row left pending,
+with the previous step's row pending or none), cold (30 layers' states) and in cache (one
+layer's again and again: the compute alone);
 the fused MoE (1 token; 2 tokens through the union launch, moe.rows_launch; 2 tokens through
 decode's fused kernel given both tokens, as main ran them before it: each token's experts read
 apart, the tokens' same blocks in turn), with
@@ -129,6 +130,9 @@ def gdn_state():
     return conv, rec
 
 
+pendings = {"2 rows": [], "2 rows, 1 pending": []}  # each case's layers' lazy rows
+
+
 def gdn_launches(case, layers=gdn):
     out = []
     for m in layers:
@@ -139,24 +143,29 @@ def gdn_launches(case, layers=gdn):
             out.append(gdn_step.launch(*rows[0], m.conv1d, conv, m.A_log, m.dt_bias, m.norm,
                                        model.eps, L2, rec, *one, o2[:1], a2_rows[0]))
             continue
-        save_conv, (_, save_rec) = np.empty_like(conv), gdn_state()
+        save_conv, pending = np.empty_like(conv), gdn_rows.Pending(Hk, Hv, dk, dv)
+        pending.alpha[:], pending.k[:], pending.d[:] = 0.9, 0.01, 0.01
+        pendings[case].append(pending)
         out.append(gdn_rows.launch(
             *[list(x) for x in zip(*rows)], m.conv1d, [conv, save_conv], [save_conv, conv],
-            m.A_log, m.dt_bias, m.norm, model.eps, L2, [rec, save_rec], [save_rec, rec],
-            scratch2, [o2[:1], o2[1:]], a2_rows))
+            m.A_log, m.dt_bias, m.norm, model.eps, L2, [rec], [rec], scratch2,
+            [o2[:1], o2[1:]], a2_rows, pending))
     return out
 
 
-def fresh_inputs(case):  # each call's conv overwrote its rows' inputs
+def fresh_inputs(case):  # each call's conv overwrote its rows' inputs; the rows' pending row
     proj[:] = proj0
     gates[:] = gates0
+    for p in pendings.get(case, ()):
+        p.is_set[0] = case.endswith("pending")
 
 
-gdn_cases = {c: gdn_launches(c) for c in ("1 token", "2 rows")}
+gdn_cases = {c: gdn_launches(c) for c in ("1 token", "2 rows", "2 rows, 1 pending")}
 report(f"gdn ({len(gdn)} layers' states)", timed(gdn_cases, ROUNDS, fresh_inputs), len(gdn))
 # one layer's states again and again (in the cache): the rows' compute against a token's, apart
 # from the memory traffic that the cold figure above adds to it
-hot = {c: gdn_launches(c, gdn[:1]) * 30 for c in ("1 token", "2 rows")}
+# (the rows' calls after the first find the row the one before left pending)
+hot = {c: gdn_launches(c, gdn[:1]) * 30 for c in ("1 token", "2 rows, 1 pending")}
 report("gdn (1 layer's state, in cache)", timed(hot, ROUNDS, fresh_inputs), 30)
 
 # --- residual steps: every layer's router (post-norm) and a no-product step (input norm) -------

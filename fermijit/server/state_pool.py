@@ -114,6 +114,8 @@ class GdnPool:
         garbage collector), and `state.layers` emptied."""
         layers, state.layers = state.layers, []
         for s in layers:
+            if isinstance(s, GdnState):  # to be zeroed: a row pending on it is not applied
+                s.pending = None
             if self._held < self.capacity and self._fits(s):
                 while len(self._zeroers) < ZERO_THREADS:
                     self._zeroers.append(threading.Thread(target=self._zeroing, daemon=True,

@@ -180,6 +180,57 @@ def test_rollback_is_never_having_seen_the_tokens(model, rng):
             assert_states_equal(fresh, state, f"{n_rows} rows, {kept} kept")
 
 
+def test_steps_with_the_last_row_pending_are_decodings(model, rng):
+    # Verify steps in a row as a speculator runs them: a 2-row step leaves its last row's GDN
+    # update pending (ops/gdn_rows.py), which the next 2-row step applies as it reads the state,
+    # a rollback of that row drops, and every other reader settles first: a 3-row step, a
+    # copy (a snapshot), plain and batched decode. Each kept row's logits and the state are
+    # plain decoding's over the kept tokens, bit for bit.
+    prompt = rng.integers(0, 300, 9).astype(np.int32)
+    state = model.new_state(64, mtp=True)
+    model.prefill(prompt, state)
+    fresh = state.copy()
+    spaces = {n: (batch.BatchWorkspace(model, n), batch.GdnSaves(model, n)) for n in (2, 3)}
+    gdn = [s for s in state.layers if isinstance(s, GdnState)]
+    steps = ((2, 2), (2, 2), (2, 1), (2, 2), "copy", (2, 2), (3, 2), (2, 2), (3, 3), (2, 1),
+             (2, 1), (2, 2), (2, 2))
+    for t, step in enumerate(steps):
+        what = f"step {t} {step}"
+        if step == "copy":
+            assert_states_equal(fresh, state.copy(), what)
+            assert not any(s.pending.is_set[0] for s in gdn)  # settled in place
+            continue
+        n_rows, kept = step
+        tokens = rng.integers(0, 300, n_rows).astype(np.int32)
+        ws, saves = spaces[n_rows]
+        got = batch.decode_rows(model, tokens, [state] * n_rows, ws, [saves] * n_rows).copy()
+        batch.rollback(model, state, saves, n_rows, kept)
+        assert all(bool(s.pending is not None and s.pending.is_set[0])
+                   == (n_rows == kept == 2) for s in gdn), what
+        for r in range(kept):
+            np.testing.assert_array_equal(got[r], model.decode(int(tokens[r]), fresh), what)
+    assert any(s.pending.is_set[0] for s in gdn)
+    np.testing.assert_array_equal(model.decode(5, state), model.decode(5, fresh))
+    assert not any(s.pending.is_set[0] for s in gdn)
+    batch.decode_rows(model, [7, 8], [state] * 2, *spaces[2][:1], [spaces[2][1]] * 2)
+    other, other_fresh = fresh.copy(), fresh.copy()
+    model.decode(7, fresh)
+    model.decode(8, fresh)                   # both rows kept: the second pending
+    got = batch.decode_batch(model, [9, 4], [state, other]).copy()
+    np.testing.assert_array_equal(got[0], model.decode(9, fresh))
+    np.testing.assert_array_equal(got[1], model.decode(4, other_fresh))
+    assert_states_equal(fresh, state, "after batched decode")
+    batch.decode_rows(model, [3, 2], [state] * 2, *spaces[2][:1], [spaces[2][1]] * 2)
+    model.decode(3, fresh)
+    model.decode(2, fresh)
+    assert all(s.pending.is_set[0] for s in gdn)
+    more = rng.integers(0, 300, 5).astype(np.int32)
+    for s in (state, fresh):  # the head's part aside (its waiting rows: the speculator's)
+        s.layers, s.hidden = s.layers[:-1], None
+    np.testing.assert_array_equal(model.prefill(more, state), model.prefill(more, fresh))
+    assert_states_equal(fresh, state, "after a prefill")
+
+
 def test_prefix_cache_snapshots_settled_states(model, rng):
     # A generation's end snapshot is its fed tokens' state with one hidden state waiting (the
     # head's rows settled), which a later prompt extending it resumes from: its prefill and the

@@ -6,6 +6,7 @@ import numba
 import numpy as np
 import pytest
 
+from fermijit import FermijitError
 from fermijit.ops import gdn_rows, gdn_step, matvec
 from tests.numerics import assert_close, poisoned
 
@@ -134,3 +135,80 @@ def test_rows_are_gdn_step_one_by_one(rng, shape, place):
     assert_close("o", ref_o, got_o, RTOL * np.abs(ref_o).max(), RTOL)
     assert_close("conv", ref_conv, np.stack(got[1]), 0, 0)
     assert_close("state", ref_state, np.stack(got[2]), RTOL * np.abs(ref_state).max(), RTOL)
+
+
+def _settled(held, pending):
+    """numpy's pending row on a copy of `held` (each element alpha S + k d, two rounded products
+    and a rounded sum: the kernel's operations), pending left as it is."""
+    Hv, Hk = held.shape[0], pending.k.shape[0]
+    k = np.repeat(pending.k, Hv // Hk, axis=0)                                  # [Hv, dk]
+    return pending.alpha[:, None, None] * held + k[:, :, None] * pending.d[:, None, :]
+
+
+LAZY_SHAPES = {"Hk2-Hv4-d32": (2, 4, 32, 32), "Hk1-Hv2-dk64-dv32": (1, 2, 64, 32),
+               "Hk3-Hv6-dk32-dv64": (3, 6, 32, 64), "Hk1-Hv2-dk32-dv48": (1, 2, 32, 48)}
+
+
+@pytest.mark.parametrize("shape", LAZY_SHAPES.values(), ids=LAZY_SHAPES.keys())
+def test_lazy_row_steps_are_gdn_step_token_by_token(rng, shape):
+    # Verify steps of 2 rows with the last row left pending (as model/batch.py runs them), each
+    # step's rows kept or the last dropped (a rollback), against gdn_step token by token over
+    # the kept tokens: every output and quantisation, the state after the first row in place,
+    # after the second once settled (numpy's settle and Pending.settle), at 1 and 2 threads.
+    Hk, Hv, dk, dv = shape
+    R, kept = 2, (2, 2, 1, 2, 1, 1, 2, 2)
+    base = _inputs(rng, R, Hk, Hv, dk, dv)
+    steps = [_inputs(rng, R, Hk, Hv, dk, dv) for _ in kept]
+    before = numba.get_num_threads()
+    try:
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            conv, held = base["conv_state"].copy(), matvec.aligned_empty(base["state"].shape)
+            held[...] = base["state"]
+            save_conv = poisoned(conv.shape)
+            pending = gdn_rows.Pending(Hk, Hv, dk, dv)
+            scratch = gdn_rows.Scratch(R, Hk, Hv, dk, dv)
+            truth = dict(conv_state=base["conv_state"].copy(), state=base["state"].copy())
+            for t, (step, n_kept) in enumerate(zip(steps, kept)):
+                x = {**base, **{k: step[k] for k in ("proj", "gates")}, **truth}
+                want = _one_by_one(x, R, Hk, Hv, dk, dv)
+                views = [_views({**x, "proj": x["proj"].copy()}, r, Hv, dv) for r in range(R)]
+                o = poisoned((R, Hv, dv))
+                acts = matvec.quantize_act(np.zeros((R, Hv * dv), np.float32))
+                act_rows = [matvec.Q8Act(acts.xq[r:r + 1], acts.dx[r:r + 1],
+                                         acts.xsum8[r:r + 1], acts.vec) for r in range(R)]
+                gdn_rows.cpu([v[0] for v in views], [v[1] for v in views],
+                             [v[2] for v in views], [v[3] for v in views], base["conv_w"],
+                             [conv, save_conv], [save_conv, conv], base["A_log"],
+                             base["dt_bias"], base["norm_w"], EPS, L2_EPS, [held], [held],
+                             scratch, [o[r:r + 1] for r in range(R)], act_rows, pending)
+                what = f"step {t} at {n} threads"
+                for r in range(R):
+                    for name, w, g in (("o", want[0][r], o[r:r + 1]),
+                                       ("xq", want[3][r].xq, act_rows[r].xq),
+                                       ("dx", want[3][r].dx, act_rows[r].dx),
+                                       ("xsum8", want[3][r].xsum8, act_rows[r].xsum8)):
+                        assert np.array_equal(w, g), f"{name} of row {r}, {what}"
+                assert np.array_equal(save_conv, want[1][0]) and np.array_equal(conv, want[1][1])
+                assert np.array_equal(held, want[2][0]), f"state after row 0, {what}"
+                assert pending.is_set[0] == 1
+                assert np.array_equal(_settled(held, pending), want[2][1]), f"settled, {what}"
+                if n_kept == 1:  # the rollback: the state after row 0, its conv swapped in
+                    pending.is_set[0] = 0
+                    conv, save_conv = save_conv, conv
+                truth = dict(conv_state=want[1][n_kept - 1].copy(),
+                             state=want[2][n_kept - 1].copy())
+            pending.settle(held)
+            assert pending.is_set[0] == 0 and np.array_equal(held, truth["state"])
+            pending.settle(held)  # once: nothing pending now
+            assert np.array_equal(held, truth["state"])
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_a_lazy_row_takes_two_rows():
+    scratch = gdn_rows.Scratch(3, 1, 2, 32, 32)
+    x = [np.zeros((1, 4), np.float32)] * 3
+    with pytest.raises(FermijitError, match="a lazy row"):
+        gdn_rows.launch(x, x, x, x, None, x, x, None, None, None, EPS, L2_EPS, x[:1], x[:1],
+                        scratch, x, x, gdn_rows.Pending(1, 2, 32, 32))
