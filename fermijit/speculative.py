@@ -224,7 +224,10 @@ def pays(model) -> bool:
 def warm_up(model, sampler, drafts: Drafts) -> None:
     """Compile (or load) the kernels of a speculative step (the head's rows, a verify step of
     n + 1 rows, a rollback) on the warm-up's sample of the model (fermijit/warm.py) and a
-    throwaway state; `sampler` a twin of the real one (drafting draws from its generator)."""
+    throwaway state; `sampler` a twin of the real one (drafting draws from its generator), and
+    the settling of a kept draft's pending GDN row (model/state.py GdnState: the next step of
+    another kind applies it)."""
+    from fermijit.model.state import GdnState
     from fermijit.warm import kernel_sample
 
     sample = kernel_sample(model)
@@ -233,3 +236,8 @@ def warm_up(model, sampler, drafts: Drafts) -> None:
     speculator = Speculator(sample, sampler, drafts)
     tokens, _ = speculator.step(state, 0)
     speculator.step(state, tokens[-1])
+    layer = next((s for s in state.layers if isinstance(s, GdnState) and s.pending is not None),
+                 None)
+    if layer is not None:  # kept or not, a row marked pending: its settle kernel loaded too
+        layer.pending.is_set[0] = 1
+        layer.settle()

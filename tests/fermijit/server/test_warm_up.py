@@ -52,3 +52,45 @@ def test_no_kernel_is_loaded_after_the_warm_up():
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"{[200] * 22} []", out.stdout
+
+
+SPECULATIVE_SCRIPT = """
+import numpy as np
+from fermijit import speculative
+from fermijit.engine import DEFAULT_MODEL, Engine, Settings
+from fermijit.jit import dispatch
+from fermijit.model.state import GdnState
+from fermijit.server.run import warm_up
+
+engine = Engine.load(DEFAULT_MODEL)
+drafts = speculative.Drafts()
+warm_up(engine, 8, drafts)
+seen = []
+compile_ = dispatch.Dispatcher.compile
+def compile(self, sig):
+    seen.append(f"{self.py_func.__qualname__}{sig}")
+    return compile_(self, sig)
+dispatch.Dispatcher.compile = compile
+model = engine.model
+state = model.new_state(64, mtp=True)
+model.prefill(np.array([5, 6, 7, 8], np.int32), state)
+speculator = speculative.Speculator(model, engine.sampler(Settings()), drafts)
+token = 9
+for _ in range(6):
+    tokens, _ = speculator.step(state, token)
+    token = tokens[-1]
+gdn = [s for s in state.layers if isinstance(s, GdnState)]
+gdn[0].pending.is_set[0] = 1  # a kept draft's row, whatever these drafts did
+speculator.settle(state)
+model.decode(token, state)    # plain decode after the steps settles every GDN layer
+print(seen)
+"""
+
+
+def test_speculative_warm_up_loads_the_steps_and_the_settling():
+    """With MTP drafts (the default model has its head): after the warm-up, speculative steps,
+    a pending GDN row settled and a plain token load no kernel."""
+    out = subprocess.run([sys.executable, "-c", SPECULATIVE_SCRIPT], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
