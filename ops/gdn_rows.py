@@ -88,6 +88,22 @@ def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_
 
 
 @kernel
+def _read_sweep(S, k, q, d, o):
+    """A head's first sweep of its state S [dk, dv]: d = S^T k, o = S^T q (over i in order),
+    returns k . q."""
+    d[:] = 0
+    o[:] = 0
+    kq = np.float32(0)
+    for i in range(S.shape[0]):
+        k_i, q_i = k[i], q[i]
+        kq += k_i * q_i
+        for j in range(S.shape[1]):
+            d[j] += S[i, j] * k_i                                           # S^T k
+            o[j] += S[i, j] * q_i                                           # S^T q
+    return kq
+
+
+@kernel
 def _recurrent_rows_head(q, k, v, g, beta, src, dst, o, delta, h):
     """gated_delta._recurrent_head of value head h for each row in turn, row r from src[r] into
     dst[r] (src[r] = dst[r-1]), each value by the same operations in the same order (so dst[r] is
@@ -99,18 +115,7 @@ def _recurrent_rows_head(q, k, v, g, beta, src, dst, o, delta, h):
     R, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
-    S = src[0][h]                                                           # [dk, dv]
-    d, o_t = delta[0], o[0][0, h]
-    d[:] = 0
-    o_t[:] = 0
-    kq = np.float32(0)
-    for i in range(dk):
-        k_i = k[0, hk, i]
-        q_i = q[0, hk, i]
-        kq += k_i * q_i
-        for j in range(dv):
-            d[j] += S[i, j] * k_i                                           # S^T k
-            o_t[j] += S[i, j] * q_i                                         # S^T q
+    kq = _read_sweep(src[0][h], k[0, hk], q[0, hk], delta[0], o[0][0, h])
     for r in range(R):
         alpha = np.exp(g[r, h])
         d, o_t = delta[r % 2], o[r][0, h]
@@ -221,13 +226,7 @@ def _recurrent_pair_head(q, k, v, g, beta, state, o_0, o_1, delta, h, pending, i
                 d0[j] += x * k_i                                            # S^T k
                 o0[j] += x * q_i                                            # S^T q
     else:
-        for i in range(dk):
-            k_i = k[0, hk, i]
-            q_i = q[0, hk, i]
-            kq += k_i * q_i
-            for j in range(dv):
-                d0[j] += S[i, j] * k_i                                      # S^T k
-                o0[j] += S[i, j] * q_i                                      # S^T q
+        kq = _read_sweep(S, k[0, hk], q[0, hk], d0, o0)
     alpha0 = np.exp(g[0, h])
     for j in range(dv):
         d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])

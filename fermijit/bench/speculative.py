@@ -9,12 +9,13 @@ machine is shared) on the last prompt's state: a decode token, a verify step of 
 (every draft rejected, as random weights do; its share reported apart: an accepted draft skips
 it). Bytes are counted as bench decode counts them
 (model/token_bytes.py): the weights a step reads, the routed experts those the routers chose
-(watched on the steps timed), plus the GDN states' traffic (a token reads and writes them once;
-a verify step of R rows reads them once and writes them R times: the saves, then the live
-state); per accepted token, a step's bytes over its tokens. Verify bytes over a token's is the
-byte-bound ratio: what the verify step would cost a token's time if both ran at the same read
-bandwidth (R rows of random routing select E (1 - (1 - k/E)^R) distinct experts a layer on
-average: 15.5 of REAP-128's 128 for 2 rows, against a token's 8).
+(watched on the steps timed), plus the GDN states' traffic (a token reads and writes them once,
+as does a verify step of 2 rows, its last row left pending: ops/gdn_rows.py; one of R > 2 rows
+reads them once and writes them R times: the saves, then the live state); per accepted token,
+a step's bytes over its tokens. Verify bytes over a token's is the byte-bound ratio: what the
+verify step would cost a token's time if both ran at the same read bandwidth (R rows of random
+routing select E (1 - (1 - k/E)^R) distinct experts a layer on average: 15.5 of REAP-128's 128
+for 2 rows, against a token's 8).
 
 Projection at the acceptance users report (0.7-0.8, one draft): a step makes 1 + a tokens, so
     speedup = (1 + a) * t_decode / (t_verify + t_draft)
@@ -173,7 +174,8 @@ def step_costs(model, prompt, drafts) -> Costs:
     head_rows = (drafts.vocab or model.vocab_size) / model.vocab_size  # a draft vocabulary's
     mean = lambda part: float(np.mean([n for _, n in selected[part]]))  # noqa: E731
     return Costs(1e3 * best["decode"], 1e3 * best["verify"], 1e3 * best["draft"],
-                 tb.total + 2 * gdn_state, tv.total + (1 + rows) * gdn_state,
+                 tb.total + 2 * gdn_state,
+                 tv.total + (2 if rows == 2 else 1 + rows) * gdn_state,
                  dense + draft_experts + int(n_draft * head_rows * tb.lm_head),
                  1e3 * rollback, (mean("decode"), mean("verify")), split)
 

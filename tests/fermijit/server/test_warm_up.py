@@ -12,6 +12,16 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
+# Records every kernel compiled or loaded from here on, in `seen`.
+HOOK = """
+seen = []
+compile_ = dispatch.Dispatcher.compile
+def compile(self, sig):
+    seen.append(f"{self.py_func.__qualname__}{sig}")
+    return compile_(self, sig)
+dispatch.Dispatcher.compile = compile
+"""
+
 SCRIPT = """
 import concurrent.futures
 import httpx
@@ -23,13 +33,7 @@ from fermijit.server.scheduler import Scheduler
 
 engine = Engine.load(DEFAULT_MODEL)
 warm_up(engine, 8)
-seen = []
-compile_ = dispatch.Dispatcher.compile
-def compile(self, sig):
-    seen.append(f"{self.py_func.__qualname__}{sig}")
-    return compile_(self, sig)
-dispatch.Dispatcher.compile = compile
-scheduler = Scheduler(engine, max_batch=8)
+""" + HOOK + """scheduler = Scheduler(engine, max_batch=8)
 scheduler.start()
 server = ServerThread(make_app(scheduler, "m"))
 def request(prompt):
@@ -65,13 +69,7 @@ from fermijit.server.run import warm_up
 engine = Engine.load(DEFAULT_MODEL)
 drafts = speculative.Drafts()
 warm_up(engine, 8, drafts)
-seen = []
-compile_ = dispatch.Dispatcher.compile
-def compile(self, sig):
-    seen.append(f"{self.py_func.__qualname__}{sig}")
-    return compile_(self, sig)
-dispatch.Dispatcher.compile = compile
-model = engine.model
+""" + HOOK + """model = engine.model
 state = model.new_state(64, mtp=True)
 model.prefill(np.array([5, 6, 7, 8], np.int32), state)
 speculator = speculative.Speculator(model, engine.sampler(Settings()), drafts)
