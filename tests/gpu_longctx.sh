@@ -22,12 +22,17 @@
 #                                            A/Bs of the merge (scalar vs merged_row), the
 #                                            prefetches, the schedules, huge pages
 #                                            (tests/longctx_attention_ab.py, ~60 s, no model)
+#   bash tests/gpu_longctx.sh OUT attn-stages decode attention at 16k by stage (scores, softmax,
+#                                            weighted values, the keys' transposition), at 16
+#                                            threads and at 1 (tests/longctx_attention_stages.py,
+#                                            ~2 min, no model): whether the host's threads are
+#                                            slow alone or together
 # Full logs go to OUT; a short summary is printed last. Elsewhere (a rehearsal of paired16k, no
 # .device-wheels: nothing installed): PYTHON=.venv/bin/python LAYERS=8 LENGTH=2048 THREADS=2
 # bash tests/gpu_longctx.sh OUT paired16k (LAYERS: a slice of the model, made in a folder of its
 # own; LENGTH, THREADS: in place of 16384, 16).
 set -u
-usage="usage: tests/gpu_longctx.sh OUTDIR tests|bench|floors|bench-f32|paired16k|attn-ab"
+usage="usage: tests/gpu_longctx.sh OUTDIR tests|bench|floors|bench-f32|paired16k|attn-ab|attn-stages"
 out=${1:?$usage}
 stage=${2:?$usage}
 mkdir -p "$out"
@@ -45,6 +50,14 @@ case "$stage" in
 attn-ab)
   attention_ab 150
   cat "$out/attention-ab.txt"
+  ;;
+attn-stages)
+  for t in "${THREADS:-16}" 1; do
+    timeout 150 $py tests/longctx_attention_stages.py "${LENGTH:-16384}" "$t" \
+      >"$out/attention-stages-$t.txt" 2>&1
+    echo "attention stages, $t threads: rc=$?"
+    cat "$out/attention-stages-$t.txt"
+  done
   ;;
 paired16k)
   # <= 200 s on the 16-core host: synth ~16 s (skipped when /dev/shm has the model), load, the
@@ -131,5 +144,5 @@ floors)
   rm -rf "$model"
   ;;
 *)
-  echo "stage: tests, bench, floors, bench-f32, paired16k or attn-ab"; exit 2 ;;
+  echo "stage: tests, bench, floors, bench-f32, paired16k, attn-ab or attn-stages"; exit 2 ;;
 esac

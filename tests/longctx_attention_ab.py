@@ -100,12 +100,12 @@ def in_huge_pages(layers) -> list:
     return out
 
 
-def unprefetched_kernel():
+def labelled_kernel(label: str, **over):
     """The Q8_0 decode kernel of the process's ISA as attention._kernel makes it, under labels of
-    its own: compiled by its first call, which the caller makes with
-    attention_simd.PREFETCH_KEYS = 0 (no prefetches)."""
+    its own (compiled anew by its first call: settings such as attention_simd.PREFETCH_KEYS
+    read then), with `over` in place of its tile range's bindings (tests/longctx_attention_stages.py
+    leaves stages out)."""
     isa = cpu.selected_isa()
-    label = f"q8_{isa.label}-noprefetch"
     staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
                         for f in (attention._staged_q8, attention._weighted_q8))
     if isa is Isa.AVX512VNNI:
@@ -115,14 +115,21 @@ def unprefetched_kernel():
         scores = kernel(attention._scores_q8, variant=label,
                         q8_scores=attention_simd.make_q8_scores(isa))
         keys = attention._keys_as_stored
-    tile_range = kernel(attention._tile_range, variant=label, _scores=scores, _staged=staged,
-                        _staged_keys=keys, _weighted=weighted)
-    label += "-decode"
+    bindings = dict(_scores=scores, _staged=staged, _staged_keys=keys, _weighted=weighted,
+                    _online_softmax=attention._online_softmax)
+    bindings.update(over)
+    tile_range = kernel(attention._tile_range, variant=label, **bindings)
     return omp.forking_kernel(
-        bind(attention._decode_body, label),
+        bind(attention._decode_body, label + "-decode"),
         fork=bind(attention.attend_share, label, _tile_range=tile_range),
         fork_combine=attention._combine_share, capped=("fork", "fork_combine"),
         chunked=("fork",))()
+
+
+def unprefetched_kernel():
+    """labelled_kernel compiled by its first call, which the caller makes with
+    attention_simd.PREFETCH_KEYS = 0 (no prefetches)."""
+    return labelled_kernel(f"q8_{cpu.selected_isa().label}-noprefetch")
 
 
 @kernel(fastmath=False)
