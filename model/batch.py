@@ -361,8 +361,7 @@ class GdnSaves:
         recurrent = (model.n_value_heads, model.key_dim, model.value_dim)
         self.n_rows = n_rows
         self.conv = [[np.empty(conv, f) for _ in range(n_gdn)] for _ in range(R)]
-        # cache-line aligned: ops.gdn_rows streams the saved states into them (whole lines)
-        self.recurrent = [[matvec.aligned_empty(recurrent, f) for _ in range(n_gdn)]
+        self.recurrent = [[np.empty(recurrent, f) for _ in range(n_gdn)]
                           for _ in range(R)]
 
     @property

@@ -99,57 +99,6 @@ def prefetch(builder, ptr, offset, locality: int = PREFETCH_LOCALITY, write: boo
           [p, ir.Constant(I32, int(write)), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
-STREAM_LINE = 64  # bytes: streaming stores fill whole cache lines
-
-
-def store_stream(builder, src, dst, n_floats):
-    """dst[:n] = src[:n] (float32 pointers): non-temporal stores (movntps, 16 bytes each: every
-    ISA has them; a line's four back to back) where dst starts a cache line and n fills whole
-    lines, so each line goes to memory whole without first being read into the cache; plain
-    stores otherwise (a line written only in part leaves the write-combining buffer as partial
-    writes; not measured here). The same values either way. For data
-    written once and not read again soon; the caller orders the stores before other threads
-    read it (`store_fence`)."""
-    c = lambda n: ir.Constant(I64, n)  # noqa: E731
-    v4 = vec(F32, 4)
-    src_b, dst_b = byte_ptr(builder, src, 0), byte_ptr(builder, dst, 0)
-    n_bytes = builder.mul(n_floats, c(4))
-    whole_lines = builder.and_(
-        builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(dst_b, I64),
-                                                 c(STREAM_LINE - 1)), c(0)),
-        builder.icmp_unsigned("==", builder.and_(n_bytes, c(STREAM_LINE - 1)), c(0)))
-
-    def copy(n_units, unit_ty, align, hint=None):
-        with cgutils.for_range(builder, n_units) as loop:
-            off = builder.mul(loop.index, c(unit_ty.count * 4))
-            x = builder.load(builder.bitcast(builder.gep(src_b, [off]), unit_ty.as_pointer()),
-                             align=4)
-            st = builder.store(x, builder.bitcast(builder.gep(dst_b, [off]),
-                                                  unit_ty.as_pointer()), align=align)
-            if hint is not None:
-                st.set_metadata("nontemporal", hint)
-
-    with builder.if_else(whole_lines) as (streamed, plain):
-        with streamed:
-            copy(builder.udiv(n_floats, c(4)), v4, 16,
-                 builder.module.add_metadata([ir.Constant(I32, 1)]))
-        with plain:  # 4 floats at a time, then the rest one by one
-            n4 = builder.udiv(n_floats, c(4))
-            copy(n4, v4, 4)
-            tail = builder.sub(n_floats, builder.mul(n4, c(4)))
-            with cgutils.for_range(builder, tail) as loop:
-                off = builder.mul(builder.add(builder.mul(n4, c(4)), loop.index), c(4))
-                x = builder.load(builder.bitcast(builder.gep(src_b, [off]), F32.as_pointer()),
-                                 align=4)
-                builder.store(x, builder.bitcast(builder.gep(dst_b, [off]), F32.as_pointer()),
-                              align=4)
-
-
-def store_fence(builder):
-    """sfence: the streaming stores before it are visible before any store after it."""
-    _call(builder, "llvm.x86.sse.sfence", ir.VoidType(), [])
-
-
 # --- integer idioms -----------------------------------------------------------------------------
 
 def splat(builder, value, n: int):

@@ -54,28 +54,13 @@ def _one_by_one(x, R, Hk, Hv, dk, dv):
     return outs, convs, states, acts
 
 
-def _line_aligned(shape):
-    """A NaN buffer starting a cache line (as GdnSaves'): the saved rows streamed."""
-    a = matvec.aligned_empty(shape)
-    a[...] = np.nan
-    return a
-
-
-def _misaligned(shape):
-    """A NaN buffer 4 bytes past a cache line: no streaming store can take its rows."""
-    n = int(np.prod(shape))
-    flat = _line_aligned(n + 16)
-    return flat[1:1 + n].reshape(shape)
-
-
-def _rows(x, R, Hk, Hv, dk, dv, in_place=True, aligned=True):
+def _rows(x, R, Hk, Hv, dk, dv, in_place=True):
     """gdn_rows.cpu over x's rows: the last row's state into the live one (in_place) or an array
-    of its own; the saves starting a cache line (streamed: 2 rows) or not (plain stores)."""
+    of its own."""
     x = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in x.items()}
     live_conv, live_state = x["conv_state"], x["state"]
     save_conv = poisoned((R - 1, *live_conv.shape))
-    save_state = (_line_aligned if aligned else _misaligned)((R - 1, *live_state.shape))
-    assert all((save_state[r].ctypes.data % 64 == 0) == aligned for r in range(R - 1))
+    save_state = poisoned((R - 1, *live_state.shape))
     conv_dst = [save_conv[r] for r in range(R - 1)] + [live_conv]
     rec_dst = [save_state[r] for r in range(R - 1)] + [live_state if in_place
                                                        else poisoned(live_state.shape)]
@@ -100,10 +85,8 @@ SHAPES = {"R2-Hk2-Hv4-d32": (2, 2, 4, 32, 32), "R3-Hk3-Hv6-dk32-dv64": (3, 3, 6,
           "R2-Hk1-Hv2-dk32-dv48": (2, 1, 2, 32, 48)}  # a 32-block across heads
 
 
-# Where the states go: the last row's into the live state or apart; the saves' rows aligned for
-# streaming stores or not (2 rows: gdn_rows._recurrent_pair_head's paths).
-PLACES = {"in-place": (True, True), "apart": (False, True), "misaligned": (True, False),
-          "apart-misaligned": (False, False)}
+# Where the last row's state goes: into the live state or apart.
+PLACES = {"in-place": True, "apart": False}
 
 
 @pytest.mark.parametrize("place", PLACES.values(), ids=PLACES.keys())
@@ -116,7 +99,7 @@ def test_rows_are_gdn_step_one_by_one(rng, shape, place):
     try:
         for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
             numba.set_num_threads(n)
-            got = _rows(x, R, Hk, Hv, dk, dv, *place)
+            got = _rows(x, R, Hk, Hv, dk, dv, place)
             for r in range(R):
                 for name, w, g in (("o", want[0][r], got[0][r]), ("conv", want[1][r], got[1][r]),
                                    ("state", want[2][r], got[2][r]),
