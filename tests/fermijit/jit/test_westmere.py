@@ -54,28 +54,34 @@ CHECK = textwrap.dedent("""
     y += (kquant_matvec.cpu(kquant.Q4_K, kb, x512[0], isa=isa),
           kquant_matvec.cpu(kquant.Q4_K, kb, x512, isa=isa))
     ref += (kquant.reference(kquant.Q4_K, kb, x512[0]), kquant.reference(kquant.Q4_K, kb, x512))
-    # a verify step's GDN rows: the saved state through streaming stores (movntps, sfence)
+    # a verify step's GDN rows, 2 steps of 2 rows with the last row left pending (the lazy row:
+    # the pair, the pending row applied in its first sweep, then settled)
     R, Hk, Hv, dk, dv = 2, 2, 4, 32, 32
     C = 2 * Hk * dk + Hv * dv
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    mixed, z, a, b = f32(R, C), f32(R, Hv, dv), f32(R, Hv), f32(R, Hv)
-    conv_w, conv0 = 0.5 * f32(C, 4), f32(C, 3)
+    conv_w = 0.5 * f32(C, 4)
     A_log, dt_bias, norm_w = rng.uniform(0, 2, Hv).astype(np.float32), f32(Hv), f32(dv)
-    state0 = 0.1 * f32(Hv, dk, dv)
-    want = gdn_rows.reference(mixed, z, a, b, conv_w, conv0, A_log, dt_bias, norm_w, 1e-6, 1e-6,
-                              state0)
-    live, save = state0.copy(), matvec.aligned_empty(state0.shape)
-    conv_live, conv_save = conv0.copy(), np.empty_like(conv0)
-    o = np.empty((R, Hv, dv), np.float32)
-    acts = matvec.quantize_act(np.zeros((R, Hv * dv), np.float32), isa)
+    conv_want, state_want = f32(C, 3), 0.1 * f32(Hv, dk, dv)
+    live, conv_live, conv_save = state_want.copy(), conv_want.copy(), np.empty_like(conv_want)
+    pending = gdn_rows.Pending(Hk, Hv, dk, dv)
     rows = lambda x: [x[r:r + 1] for r in range(R)]  # noqa: E731
-    gdn_rows.cpu(rows(mixed.copy()), rows(z), rows(a), rows(b), conv_w, [conv_live, conv_save],
-                 [conv_save, conv_live], A_log, dt_bias, norm_w, 1e-6, 1e-6, [live, save],
-                 [save, live], gdn_rows.Scratch(R, Hk, Hv, dk, dv), rows(o),
-                 [matvec.Q8Act(acts.xq[r:r + 1], acts.dx[r:r + 1], acts.xsum8[r:r + 1],
-                               acts.vec) for r in range(R)])
-    y += (o, save, live)
-    ref += (want[0], want[2][0], want[2][1])
+    for step in range(2):
+        mixed, z, a, b = f32(R, C), f32(R, Hv, dv), f32(R, Hv), f32(R, Hv)
+        want = gdn_rows.reference(mixed, z, a, b, conv_w, conv_want, A_log, dt_bias, norm_w,
+                                  1e-6, 1e-6, state_want)
+        o = np.empty((R, Hv, dv), np.float32)
+        acts = matvec.quantize_act(np.zeros((R, Hv * dv), np.float32), isa)
+        gdn_rows.cpu(rows(mixed.copy()), rows(z), rows(a), rows(b), conv_w,
+                     [conv_live, conv_save], [conv_save, conv_live], A_log, dt_bias, norm_w,
+                     1e-6, 1e-6, [live], [live], gdn_rows.Scratch(R, Hk, Hv, dk, dv), rows(o),
+                     [matvec.Q8Act(acts.xq[r:r + 1], acts.dx[r:r + 1], acts.xsum8[r:r + 1],
+                                   acts.vec) for r in range(R)], pending)
+        y += (o, live.copy())                              # the state after row 0
+        ref += (want[0], want[2][0])
+        conv_want, state_want = want[1][1], want[2][1]
+    pending.settle(live)
+    y += (live,)
+    ref += (state_want,)
     # a verify step's MoE rows (the union of 2 tokens' experts, 2 shared): each decode's
     from fermijit.ops import moe
     E, H, I, K = 6, 160, 64, 3
