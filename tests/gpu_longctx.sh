@@ -25,8 +25,9 @@
 #   bash tests/gpu_longctx.sh OUT attn-stages decode attention at 16k by stage (scores, softmax,
 #                                            weighted values, the keys' transposition), at 16
 #                                            threads and at 1 (tests/longctx_attention_stages.py,
-#                                            ~2 min, no model): whether the host's threads are
-#                                            slow alone or together
+#                                            ~2 min, no model; STAGE_S: seconds each at most):
+#                                            whether the host's threads are slow alone or
+#                                            together
 # Full logs go to OUT; a short summary is printed last. Elsewhere (a rehearsal of paired16k, no
 # .device-wheels: nothing installed): PYTHON=.venv/bin/python LAYERS=8 LENGTH=2048 THREADS=2
 # bash tests/gpu_longctx.sh OUT paired16k (LAYERS: a slice of the model, made in a folder of its
@@ -53,7 +54,7 @@ attn-ab)
   ;;
 attn-stages)
   for t in "${THREADS:-16}" 1; do
-    timeout 150 $py tests/longctx_attention_stages.py "${LENGTH:-16384}" "$t" \
+    timeout "${STAGE_S:-150}" $py tests/longctx_attention_stages.py "${LENGTH:-16384}" "$t" \
       >"$out/attention-stages-$t.txt" 2>&1
     echo "attention stages, $t threads: rc=$?"
     cat "$out/attention-stages-$t.txt"

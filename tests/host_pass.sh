@@ -14,8 +14,10 @@ bash "$(dirname "$0")/verify_pass.sh" "$out/verify" >"$out/verify.txt" 2>&1
 echo "[$((SECONDS - start)) s] verify_pass rc=$?"; tail -25 "$out/verify.txt"
 bash "$(dirname "$0")/gpu_longctx.sh" "$out/long" paired16k >"$out/paired16k.txt" 2>&1
 echo "[$((SECONDS - start)) s] paired16k rc=$?"; tail -20 "$out/paired16k.txt"
-if [ $((SECONDS - start)) -lt 400 ]; then
-  bash "$(dirname "$0")/gpu_longctx.sh" "$out/long" attn-stages >"$out/stages.txt" 2>&1
+left=$((550 - (SECONDS - start)))
+if [ "$left" -ge 60 ]; then
+  STAGE_S=$((left / 2)) bash "$(dirname "$0")/gpu_longctx.sh" "$out/long" attn-stages \
+    >"$out/stages.txt" 2>&1
   echo "[$((SECONDS - start)) s] attn-stages rc=$?"; cat "$out/stages.txt"
 else
   echo "no time left for attn-stages"
