@@ -424,7 +424,7 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
     weights_file = SafetensorsFile(directory / manifest.weights)
     numa.apply([weights_file.mapped()])  # --numa: where the weights' pages go (before any is)
     if weights_file.data_nbytes <= POPULATE_SHARE * available_nbytes():
-        weights_file.populate(background=True)  # beside the warm-up and the GPU's start
+        weights_file.populate(background=True)  # serve's: after its warm-up (populate_after)
     arrays = {}
     for name, entry in manifest.tensors.items():
         for stored, dtype, shape in stored_specs(name, entry.shape, entry.quant):

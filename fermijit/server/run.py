@@ -108,6 +108,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
 
     from fermijit.engine import Engine
     from fermijit.jit import gpu_early
+    from fermijit.model import safetensors_io
     from fermijit.model.convert import checks_beside
     from fermijit.prefill import hybrid
     from fermijit.server.app import check_api_key, make_app
@@ -138,6 +139,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     with contextlib.ExitStack() as stack:
         stack.enter_context(start_switch_interval())  # left last: after the GPU's thread
         stack.enter_context(checks_beside())  # the load's checks beside the warm-up, awaited
+        stack.enter_context(safetensors_io.populate_after())  # the weights' pages after it
         engine = Engine.load(model_dir, cache_settings, show_progress=True,
                              warn=lambda line: print(line, file=err, flush=True), kv=kv,
                              speculative=speculative, on_model=prepare_gpu)

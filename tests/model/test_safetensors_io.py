@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import safetensors.numpy
 
 from fermijit import FermijitError
 from fermijit.machine import mapping_bytes
+from fermijit.model import safetensors_io
 from fermijit.model.safetensors_io import (Checkpoint, SafetensorsFile, SafetensorsWriter,
                                            bf16_to_f32, f32_to_bf16, save_file)
 
@@ -216,3 +218,21 @@ def test_populate_maps_every_page(tmp_path, rng):
         pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
     assert mapping_bytes(eager.mapped().ctypes.data, "Rss") >= size
     np.testing.assert_array_equal(eager.raw("w"), lazy.raw("w"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_populate_after_holds_the_background_populate(tmp_path, rng, monkeypatch):
+    """Inside safetensors_io.populate_after (serve's load and warm-up), a background populate
+    begins only when the block ends; with FERMIJIT_POPULATE_AFTER=0, at once."""
+    save_file(tmp_path / "w.safetensors", {"w": rng.standard_normal(1 << 22).astype(np.float32)})
+    started = []
+    real = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name),
+                                                                  real(self))[1])
+    for env, before_end in (("1", []), ("0", ["fermijit-populate"])):
+        monkeypatch.setenv(safetensors_io.POPULATE_AFTER_ENV, env)
+        started.clear()
+        with safetensors_io.populate_after():
+            assert SafetensorsFile(tmp_path / "w.safetensors").populate(background=True)
+            assert started == before_end
+        assert started == ["fermijit-populate"]

@@ -46,7 +46,8 @@ MODES = ("default", "earlyreg0", "cpu")
 # "ahead0" the room after the GPU's start, "early0" no early driver thread (cli.py),
 # "refresh1" Numba's refresh at every load, "popwhole" the model file's mapping pre-faulted in
 # one call (model/safetensors_io.py populate: 32 MiB pieces), "nice0" its thread not niced,
-# "regchunk64" the file registered in 64 MiB pieces; "earlyreg0" the model file mapped and
+# "regchunk64" the file registered in 64 MiB pieces; "popnow" the populate begun at the load,
+# not after the warm-up (safetensors_io.populate_after); "earlyreg0" the model file mapped and
 # registered by the GPU's preparation after the load, not from exec by the early driver thread
 # (cli.py, fermijit/jit/gpu_early.py);
 # "pycuda" the GPU's start as it was before the driver-API path (pycuda's module loads and
@@ -75,7 +76,8 @@ ENV = {"main": MAIN_ENV,
        "switch0": {"FERMIJIT_START_SWITCH_S": "0"},
        "register1": {"FERMIJIT_REGISTER_THREADS": "1"},
        "cpu": {}, "main-cpu": MAIN_ENV, "refresh1-cpu": {"FERMIJIT_LOAD_REFRESH": "1"},
-       "warm0": CPU_WARM0_ENV, "warm0-cpu": CPU_WARM0_ENV}
+       "warm0": CPU_WARM0_ENV, "warm0-cpu": CPU_WARM0_ENV,
+       "popnow": {"FERMIJIT_POPULATE_AFTER": "0"}, "popnow-cpu": {"FERMIJIT_POPULATE_AFTER": "0"}}
 
 # `after`: the GPU's preparation once the CPU kernels are warm (the path serve takes without the
 # omp threading layer), in the same process layout as `python -m fermijit`.
