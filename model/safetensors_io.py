@@ -85,7 +85,8 @@ _held: list | None = None  # the held populates' thread starts, inside populate_
 
 @contextlib.contextmanager
 def populate_after():
-    """Hold the background populates asked for inside the block until it ends."""
+    """Hold the background populates asked for inside the block until it ends (dropped where
+    it raises: a start that failed exits without populating)."""
     global _held
     if os.environ.get(POPULATE_AFTER_ENV) == "0" or _held is not None:
         yield
@@ -93,10 +94,12 @@ def populate_after():
     _held = []
     try:
         yield
-    finally:
-        held, _held = _held, None
-        for start in held:
-            start()
+    except BaseException:
+        _held = None
+        raise
+    held, _held = _held, None
+    for start in held:
+        start()
 
 
 class SafetensorsFile:

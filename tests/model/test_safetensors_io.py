@@ -223,7 +223,8 @@ def test_populate_maps_every_page(tmp_path, rng):
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
 def test_populate_after_holds_the_background_populate(tmp_path, rng, monkeypatch):
     """Inside safetensors_io.populate_after (serve's load and warm-up), a background populate
-    begins only when the block ends; with FERMIJIT_POPULATE_AFTER=0, at once."""
+    begins only when the block ends (never where it raised); with FERMIJIT_POPULATE_AFTER=0, at
+    once."""
     save_file(tmp_path / "w.safetensors", {"w": rng.standard_normal(1 << 22).astype(np.float32)})
     started = []
     real = threading.Thread.start
@@ -236,3 +237,9 @@ def test_populate_after_holds_the_background_populate(tmp_path, rng, monkeypatch
             assert SafetensorsFile(tmp_path / "w.safetensors").populate(background=True)
             assert started == before_end
         assert started == ["fermijit-populate"]
+    monkeypatch.setenv(safetensors_io.POPULATE_AFTER_ENV, "1")
+    started.clear()
+    with pytest.raises(FermijitError), safetensors_io.populate_after():  # a failed start
+        SafetensorsFile(tmp_path / "w.safetensors").populate(background=True)
+        raise FermijitError("the load failed")
+    assert started == []
