@@ -100,28 +100,33 @@ def in_huge_pages(layers) -> list:
     return out
 
 
-def labelled_kernel(label: str, **over):
-    """The Q8_0 decode kernel of the process's ISA as attention._kernel makes it, under labels of
-    its own (compiled anew by its first call: settings such as attention_simd.PREFETCH_KEYS
-    read then), with `over` in place of its tile range's bindings (tests/longctx_attention_stages.py
-    leaves stages out)."""
+def tile_range(label: str, fresh: bool = True, **over):
+    """attention._kernel's Q8_0 tile range for the process's ISA, with `over` in place of its
+    bindings: compiled anew under `label` by its first call (settings such as
+    attention_simd.PREFETCH_KEYS read then), or (fresh False, label attention._kernel's) under
+    attention._kernel's own names: the same code."""
     isa = cpu.selected_isa()
     staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
                         for f in (attention._staged_q8, attention._weighted_q8))
     if isa is Isa.AVX512VNNI:
-        scores = kernel(attention._scores_q8_by_key, variant=label)
-        keys = kernel(attention._keys_transposed.py_func, variant=label)
+        scores = kernel(attention._scores_q8_by_key, **({"variant": label} if fresh else {}))
+        keys = (kernel(attention._keys_transposed.py_func, variant=label) if fresh
+                else attention._keys_transposed)
     else:
-        scores = kernel(attention._scores_q8, variant=label,
+        scores = kernel(attention._scores_q8, variant=label if fresh else isa.label,
                         q8_scores=attention_simd.make_q8_scores(isa))
         keys = attention._keys_as_stored
-    bindings = dict(_scores=scores, _staged=staged, _staged_keys=keys, _weighted=weighted,
-                    _online_softmax=attention._online_softmax)
-    bindings.update(over)
-    tile_range = kernel(attention._tile_range, variant=label, **bindings)
+    bindings = dict(_scores=scores, _staged=staged, _staged_keys=keys, _weighted=weighted)
+    return kernel(attention._tile_range, variant=label, **{**bindings, **over})
+
+
+def labelled_kernel(label: str, **over):
+    """The Q8_0 decode kernel of the process's ISA as attention._kernel makes it, under labels of
+    its own, over `tile_range(label, **over)` (tests/longctx_attention_stages.py leaves stages
+    out)."""
     return omp.forking_kernel(
         bind(attention._decode_body, label + "-decode"),
-        fork=bind(attention.attend_share, label, _tile_range=tile_range),
+        fork=bind(attention.attend_share, label, _tile_range=tile_range(label, **over)),
         fork_combine=attention._combine_share, capped=("fork", "fork_combine"),
         chunked=("fork",))()
 
@@ -150,24 +155,10 @@ def scalar_merge_kernel():
     combine = kernel(attention.combine_head.py_func, variant=label, _merge_row=_merge_scalar)
     return omp.forking_kernel(
         bind(attention._decode_body, label + "-decode"),
-        fork=bind(attention.attend_share, f"q8_{isa.label}", _tile_range=bound_tile_range(isa)),
+        fork=bind(attention.attend_share, f"q8_{isa.label}",
+                  _tile_range=tile_range(f"q8_{isa.label}", fresh=False)),
         fork_combine=bind(attention._combine_share, label, combine_head=combine),
         capped=("fork", "fork_combine"), chunked=("fork",))()
-
-
-def bound_tile_range(isa):
-    """attention._kernel's tile range for `isa` (the same bindings and names: the same code)."""
-    label = f"q8_{isa.label}"
-    staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
-                        for f in (attention._staged_q8, attention._weighted_q8))
-    if isa is Isa.AVX512VNNI:
-        scores, keys = kernel(attention._scores_q8_by_key), attention._keys_transposed
-    else:
-        scores = kernel(attention._scores_q8, variant=isa.label,
-                        q8_scores=attention_simd.make_q8_scores(isa))
-        keys = attention._keys_as_stored
-    return kernel(attention._tile_range, variant=label, _scores=scores, _staged=staged,
-                  _staged_keys=keys, _weighted=weighted)
 
 
 def where_time_goes(run, n_keys: int, nbytes: int, threads: int, rng, rounds: int) -> None:
