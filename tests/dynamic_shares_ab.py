@@ -39,7 +39,8 @@ def use(name):
         omp.set_dynamic(False)
     else:
         guide, kb, *percent = name.split(":")
-        omp.set_dynamic(True, int(guide), int(kb) << 10, int(percent[0]) if percent else None)
+        omp.set_dynamic(True, int(guide), int(kb) << 10, int(percent[0]) if percent else None,
+                        from_team=1)  # claimed at every team, CLAIMS_FROM_TEAM's too
 
 
 def window(name, token, state):

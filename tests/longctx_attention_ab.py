@@ -297,7 +297,7 @@ def main(argv: list[str]) -> None:
 
     def schedule(dynamic: bool):
         def f():
-            previous = omp.set_dynamic(dynamic)
+            previous = omp.set_dynamic(dynamic, from_team=1)  # claimed at every team
             try:
                 run()
             finally:

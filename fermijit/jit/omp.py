@@ -310,32 +310,58 @@ def team_size(typingctx):
 GUIDE = 2
 CHUNK_BYTES = 32 << 10
 STATIC_PERCENT = 50
+# Decode's shares claim runs in teams of at least CLAIMS_FROM_TEAM threads; smaller teams take
+# the static equal runs. Claimed runs paid for themselves on 16 threads (the GPU machine's host:
+# 1.198x the static runs in one process, 74.5 against 69.4 % of the paired ceiling, session 20)
+# but not on fewer: at 8 threads there 72.6 against 76.9 %; at 2 threads on the 2-core Zen 5,
+# full-size reap128, the fused MoE's 40 layers cold 16.2-16.5 ms claimed against 14.6-14.8
+# static (11 rounds a probe, three probes; 14.4 against 11.1 in a fast-bandwidth phase), a
+# decode token 48.8 against 45.8 ms (4 interleaved fresh-process rounds, medians), and with a
+# busy neighbour on one core the two alike (95-98 ms). (Not the prefill's claims: prefill_first.)
+CLAIMS_FROM_TEAM = 9
 SCHEDULE_SYMBOL = "fermijit_omp_schedule"
 # The schedule's words, read by the kernels per launch.
-DYNAMIC, GUIDE_WORD, CHUNK_WORD, STATIC_WORD = range(4)
+DYNAMIC, GUIDE_WORD, CHUNK_WORD, STATIC_WORD, CLAIM_PREFILL_WORD, TEAM_WORD = range(6)
 _schedule = np.zeros(SLOT, np.int64)
 _schedule[[DYNAMIC, GUIDE_WORD, CHUNK_WORD, STATIC_WORD]] = 1, GUIDE, CHUNK_BYTES, STATIC_PERCENT
 llvm.add_symbol(SCHEDULE_SYMBOL, _schedule.ctypes.data)
-# FERMIJIT_STATIC_SHARES=1: the static equal runs from the start (an A/B of the two schedules in
-# fresh processes: tests/dynamic_shares_pass.sh).
+# FERMIJIT_STATIC_SHARES=1: the static equal runs from the start, in every team and in prefill
+# too; FERMIJIT_CLAIMS_FROM_TEAM=N: decode's shares claim in teams of N threads or more (1:
+# every team). A/Bs of the schedules in fresh processes: tests/dynamic_shares_pass.sh.
 STATIC_ENV = "FERMIJIT_STATIC_SHARES"
+TEAM_ENV = "FERMIJIT_CLAIMS_FROM_TEAM"
 if os.environ.get(STATIC_ENV, "") not in ("", "0"):
     _schedule[DYNAMIC] = 0
 
 
+def _team_setting() -> int:
+    text = os.environ.get(TEAM_ENV, "")
+    if not text:
+        return CLAIMS_FROM_TEAM
+    try:
+        return max(1, int(text))
+    except ValueError:
+        raise FermijitError(f"{TEAM_ENV} must be a whole number of threads, got {text!r}") from None
+
+
+_schedule[TEAM_WORD] = _team_setting()
+
+
 def set_dynamic(on: bool, guide: int | None = None, chunk_bytes: int | None = None,
-                static_percent: int | None = None) -> tuple:
-    """Chunked shares claim runs dynamically (True, the default) or take the static equal run
-    thread * n // team (where rows were placed for their thread's node: `--numa rows`); `guide`,
+                static_percent: int | None = None, from_team: int | None = None) -> tuple:
+    """Chunked shares claim runs dynamically (True, the default: decode's in teams of at least
+    `from_team` threads, CLAIMS_FROM_TEAM unless given) or take the static equal run thread * n
+    // team (where rows were placed for their thread's node: `--numa rows`); `guide`,
     `chunk_bytes` and `static_percent` (if given) replace GUIDE, CHUNK_BYTES and STATIC_PERCENT
     (tuning: tests/dynamic_shares_ab.py). Between launches only. Returns the previous (on, guide,
-    chunk_bytes, static_percent)."""
+    chunk_bytes, static_percent, from_team)."""
     previous = (bool(_schedule[DYNAMIC]), *(int(_schedule[i]) for i in
-                                            (GUIDE_WORD, CHUNK_WORD, STATIC_WORD)))
+                                            (GUIDE_WORD, CHUNK_WORD, STATIC_WORD, TEAM_WORD)))
     _schedule[DYNAMIC] = int(bool(on))
     for word, value, low, high in ((GUIDE_WORD, guide, 1, 1 << 20),
                                    (CHUNK_WORD, chunk_bytes, 1, 1 << 40),
-                                   (STATIC_WORD, static_percent, 0, 100)):
+                                   (STATIC_WORD, static_percent, 0, 100),
+                                   (TEAM_WORD, from_team, 1, MAX_TEAM + 1)):
         if value is not None:
             _schedule[word] = min(max(low, int(value)), high)
     return previous
@@ -406,7 +432,6 @@ def _claim(counter, n_threads, n, least, step):
 # FERMIJIT_PREFILL_CLAIM=0: the static split as before (an A/B in fresh processes:
 # tests/prefill_shares_pass.sh).
 FINE = 32
-CLAIM_PREFILL_WORD = 4
 CLAIM_PREFILL_ENV = "FERMIJIT_PREFILL_CLAIM"
 _schedule[CLAIM_PREFILL_WORD] = int(os.environ.get(CLAIM_PREFILL_ENV, "1") != "0")
 
@@ -439,7 +464,7 @@ def prefill_first(counter, thread, n_threads, n):
     if not prefill_claims():
         return thread * n // n_threads, (thread + 1) * n // n_threads
     units = fine_units(n, n_threads)
-    u0, u1 = first_run(counter, thread, n_threads, units, 1, 1)
+    u0, u1 = _claimed_first(counter, thread, n_threads, units, 1, 1)
     return u0 * n // units, u1 * n // units
 
 
@@ -449,7 +474,7 @@ def prefill_next(counter, thread, n_threads, n):
     if not prefill_claims():
         return n, n
     units = fine_units(n, n_threads)
-    u0, u1 = next_run(counter, thread, n_threads, units, 1, 1)
+    u0, u1 = _claimed_next(counter, thread, n_threads, units, 1, 1)
     return u0 * n // units, u1 * n // units
 
 
@@ -457,8 +482,24 @@ def prefill_next(counter, thread, n_threads, n):
 def first_run(counter, thread, n_threads, n, least, step):
     """A chunked share's first run [first, last) of its n units (empty: none left): the thread's
     static equal run of the first `static_units`, else claimed from the launch's `counter` (a
-    multiple of `step` units, at least `least`); with `set_dynamic(False)`, or a team of one, the
-    static equal run of all of them."""
+    multiple of `step` units, at least `least`); with `set_dynamic(False)`, or a team smaller
+    than the schedule's `from_team` (CLAIMS_FROM_TEAM), the static equal run of all of them."""
+    if n_threads < max(2, _schedule_word(TEAM_WORD)):
+        return thread * n // n_threads, (thread + 1) * n // n_threads
+    return _claimed_first(counter, thread, n_threads, n, least, step)
+
+
+@kernel
+def next_run(counter, thread, n_threads, n, least, step):
+    """The run after `first_run`'s and each one since (empty when the units are done)."""
+    if n_threads < max(2, _schedule_word(TEAM_WORD)):
+        return n, n
+    return _claimed_next(counter, thread, n_threads, n, least, step)
+
+
+@kernel
+def _claimed_first(counter, thread, n_threads, n, least, step):
+    """`first_run` in any team of two or more (prefill's claims: every team)."""
     if n_threads <= 1 or _schedule_word(DYNAMIC) == 0:
         return thread * n // n_threads, (thread + 1) * n // n_threads
     base = static_units(n)
@@ -469,8 +510,7 @@ def first_run(counter, thread, n_threads, n, least, step):
 
 
 @kernel
-def next_run(counter, thread, n_threads, n, least, step):
-    """The run after `first_run`'s and each one since (empty when the units are done)."""
+def _claimed_next(counter, thread, n_threads, n, least, step):
     if n_threads <= 1 or _schedule_word(DYNAMIC) == 0:
         return n, n
     return _claim(counter, n_threads, n, least, step)

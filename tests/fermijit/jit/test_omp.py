@@ -307,17 +307,18 @@ def _launch_cover(out, owner, runs, n, least, step):
 cover_units = kernel(_launch_cover, fork=omp.fork(_cover, chunked=True), variant=_TEAM)
 
 
-def check_cover(team: int) -> int:
+def check_cover(team: int, from_team: int = 1) -> int:
     """Chunked shares of ragged unit counts, least run lengths, steps and static parts on the
-    current team (`team` threads): every unit taken exactly once (outputs NaN-poisoned): the
-    static part's as its equal runs, the rest claimed in runs of whole steps (but the last) of at
-    least `least` units; or (omp.set_dynamic(False)) all as the static equal runs. Returns the
-    most runs a launch took (more than the team: claimed)."""
+    current team (`team` threads), claims from teams of `from_team`: every unit taken exactly once
+    (outputs NaN-poisoned): the static part's as its equal runs, the rest claimed in runs of whole
+    steps (but the last) of at least `least` units; or (omp.set_dynamic(False), or a team under
+    `from_team`) all as the static equal runs. Returns the most runs a launch took (more than the
+    team: claimed)."""
     most = 0
     for n, percent in itertools.product((0, 1, 2, 5, 16, 37, 1000, 4099), (0, 50, 90)):
         for least, step in ((1, 1), (3, 2), (7, 3), (64, 1)):
             for dynamic in (True, False):
-                previous = omp.set_dynamic(dynamic, static_percent=percent)
+                previous = omp.set_dynamic(dynamic, static_percent=percent, from_team=from_team)
                 out, owner = np.full(n, np.nan), np.full(n, -1, np.int64)
                 runs = np.zeros(numba.config.NUMBA_NUM_THREADS, np.int64)
                 try:
@@ -329,7 +330,8 @@ def check_cover(team: int) -> int:
                 assert (out == 1.0).all(), where
                 assert ((owner >= 0) & (owner < team)).all(), where
                 # the static equal runs of the first `static` units (all without claims)
-                static = n if not dynamic or team == 1 else n * percent // 100
+                claims = dynamic and team >= max(2, from_team)
+                static = n if not claims else n * percent // 100
                 want = np.repeat(np.arange(team), np.diff([t * static // team
                                                            for t in range(team + 1)]))
                 np.testing.assert_array_equal(owner[:static], want, err_msg=where)
@@ -353,6 +355,9 @@ def test_a_chunked_share_claims_every_unit_exactly_once():
             numba.set_num_threads(team)
             most = check_cover(team)
             assert team == 1 or most > team  # runs claimed dynamically, not one a thread
+            # a team smaller than the schedule's from_team (decode's default: CLAIMS_FROM_TEAM)
+            # takes the static equal runs: one a thread
+            assert check_cover(team, from_team=team + 1) <= team
     finally:
         numba.set_num_threads(full)
 
@@ -425,7 +430,7 @@ CHUNKED_TEAMS = textwrap.dedent("""
         numba.set_num_threads(team)
         assert team == 1 or check_cover(team) > team
         for dynamic, percent in ((True, 0), (True, 50), (False, 50)):
-            omp.set_dynamic(dynamic, static_percent=percent)
+            omp.set_dynamic(dynamic, static_percent=percent, from_team=1)
             for name, got in products().items():
                 np.testing.assert_array_equal(got, want[name], err_msg=f"{name}, team {team}, "
                                               f"dynamic {dynamic}, static {percent} %")
@@ -484,5 +489,20 @@ def test_prefill_runs_and_their_switch():
     finally:
         omp.set_prefill_claim(previous)
     code = "from fermijit.jit import omp; print(bool(omp._schedule[omp.CLAIM_PREFILL_WORD]))"
+    assert _python(["-c", code], FERMIJIT_CLAIMS_FROM_TEAM="99").strip() == "True"
     assert _python(["-c", code], FERMIJIT_PREFILL_CLAIM="0").strip() == "False"
     assert _python(["-c", code], FERMIJIT_PREFILL_CLAIM="1").strip() == "True"
+
+
+def test_claims_from_team_setting():
+    """Decode's shares claim in teams of CLAIMS_FROM_TEAM threads or more, FERMIJIT_CLAIMS_FROM_TEAM
+    (read at import) where set; junk there is a one-line error, not a traceback (the claims'
+    runs in teams under and over the setting: check_cover above)."""
+    code = "from fermijit.jit import omp; print(omp._schedule[omp.TEAM_WORD])"
+    assert int(_python(["-c", code])) == omp.CLAIMS_FROM_TEAM
+    assert int(_python(["-c", code], FERMIJIT_CLAIMS_FROM_TEAM="3")) == 3
+    assert int(_python(["-c", code], FERMIJIT_CLAIMS_FROM_TEAM="0")) == 1
+    r = subprocess.run([sys.executable, "-m", "fermijit", "info"], capture_output=True, text=True,
+                       env=dict(os.environ, FERMIJIT_CLAIMS_FROM_TEAM="lots"), timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "Error: FERMIJIT_CLAIMS_FROM_TEAM must be a whole number of threads, got 'lots'"]
