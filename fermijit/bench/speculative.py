@@ -3,9 +3,10 @@ head against plain greedy decoding, in one run.
 
 Greedy text, both ways, from the same prompts (a text file's windows, or a built-in paragraph):
 tok/s, the tokens per verify step and the acceptance, and a check that the texts are identical.
-Then the costs of the parts, timed interleaved (best of ROUNDS rounds of CALLS calls each: this
+Then the costs of the parts, timed interleaved (ROUNDS rounds of CALLS calls each: this
 machine is shared) on the last prompt's state: a decode token, a verify step of N+1 rows, a draft
-(the head's row and N-1 chained ones). The verify step is timed with its rollback to the first row
+(the head's row and N-1 chained ones); each part's best round in ms, and the verify step's and
+the draft's ratios to a token as the medians of each round's ratio to that round's token. The verify step is timed with its rollback to the first row
 (every draft rejected, as random weights do; its share reported apart: an accepted draft skips
 it). Bytes are counted as bench decode counts them
 (model/token_bytes.py): the weights a step reads, the routed experts those the routers chose
@@ -91,6 +92,12 @@ class Costs:
     draft_bytes: int
     rollback_ms: float = float("nan")  # of verify_ms: the rollback to its first row
     experts: tuple = (0.0, 0.0)        # distinct routed experts a layer: a token, a verify step
+    # Each round's verify and draft time over the same round's decode time (the parts run one
+    # after another): the ratios taken within a round, so the machine's bandwidth drifting
+    # between rounds cancels (the best rounds of each part apart could come from different
+    # phases: ratios 0.93-1.71x in one session, issue 32).
+    verify_ratios: list = dataclasses.field(default_factory=list)
+    draft_ratios: list = dataclasses.field(default_factory=list)
     # Per step, by its plan's labels (model/forward.py, model/batch.py: a kernel's calls, the
     # rollback): ms in decode and in verify, the best of SPLIT_ROUNDS rounds of CALLS each.
     split: dict = dataclasses.field(default_factory=dict)
@@ -138,6 +145,7 @@ def step_costs(model, prompt, drafts) -> Costs:
     for f in parts.values():
         f()
     rollback = float("inf")  # in the verify step's best round
+    rounds = {name: [] for name in parts}
     for _ in range(ROUNDS):
         for name, f in parts.items():
             rolled[0] = 0.0
@@ -148,6 +156,7 @@ def step_costs(model, prompt, drafts) -> Costs:
             if took < best[name] and name == "verify":
                 rollback = rolled[0] / CALLS
             best[name] = min(best[name], took)
+            rounds[name].append(took)
     split = _split({"decode": decode, "verify": verify}, rolled)
     selected = {}
 
@@ -177,7 +186,9 @@ def step_costs(model, prompt, drafts) -> Costs:
                  tb.total + 2 * gdn_state,
                  tv.total + (2 if rows == 2 else 1 + rows) * gdn_state,
                  dense + draft_experts + int(n_draft * head_rows * tb.lm_head),
-                 1e3 * rollback, (mean("decode"), mean("verify")), split)
+                 1e3 * rollback, (mean("decode"), mean("verify")),
+                 [v / d for d, v in zip(rounds["decode"], rounds["verify"])],
+                 [v / d for d, v in zip(rounds["decode"], rounds["draft"])], split)
 
 
 def _split(parts: dict, rolled: list) -> dict:
@@ -263,7 +274,8 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
     costs = step_costs(model, chosen[-1], drafts)
     a = accepted / drafted if drafted else float("nan")
     per_step = n_spec / steps
-    step_ms = costs.verify_ms + costs.draft_ms
+    verify_ratio = float(np.median(costs.verify_ratios))
+    step_ratio = verify_ratio + float(np.median(costs.draft_ratios))  # of a token's time
     report.update({
         "model": str(model_dir), "draft": drafts.n, "draft_vocab": drafts.vocab,
         "load_1min": [load_before, os.getloadavg()[0]],
@@ -276,15 +288,16 @@ def run(model_dir: Path, report: dict, text: Path | None, n_prompts: int, drafts
                   if k not in ("split", "experts")},
         "experts_per_layer": list(costs.experts),
         "split": costs.split,
-        "verify_of_decode": costs.verify_ms / costs.decode_ms,
+        "verify_of_decode": verify_ratio,  # the median of the rounds' paired ratios
+        "verify_of_decode_iqr": [float(np.percentile(costs.verify_ratios, q)) for q in (25, 75)],
         "verify_bytes_of_decode": costs.verify_bytes / costs.decode_bytes,  # the byte bound
         "experts_random": random_experts(model, drafts.n + 1),
-        "draft_of_decode": costs.draft_ms / costs.decode_ms,
+        "draft_of_decode": float(np.median(costs.draft_ratios)),
         "bytes_per_token_plain": costs.decode_bytes,
         "bytes_per_accepted_token": (costs.verify_bytes + costs.draft_bytes) / per_step,
         "projection": [{"acceptance": x,
-                        "speedup": (1 + x) * costs.decode_ms / step_ms,
-                        "speedup_verify_only": (1 + x) * costs.decode_ms / costs.verify_ms}
+                        "speedup": (1 + x) / step_ratio,
+                        "speedup_verify_only": (1 + x) / verify_ratio}
                        for x in ACCEPTANCE] if drafts.n == 1 else None,
     })
     print(json.dumps(report, indent=2) if as_json else format_report(report))
@@ -321,7 +334,9 @@ def format_report(r: dict) -> str:
         f"(acceptance {100 * r['acceptance']:.1f}% over {r['steps']} steps)",
         f"{'decode token':<28} {c['decode_ms']:9.2f} ms  ({c['decode_bytes'] / mb:.1f} MB read)",
         f"{'verify step, ' + str(r['draft'] + 1) + ' rows':<28} {c['verify_ms']:9.2f} ms  "
-        f"({r['verify_of_decode']:.2f}x a token; {c['verify_bytes'] / mb:.1f} MB: "
+        f"({r['verify_of_decode']:.3f}x a token, the median of {len(c['verify_ratios'])} "
+        f"rounds' paired ratios, IQR {r['verify_of_decode_iqr'][0]:.3f}-"
+        f"{r['verify_of_decode_iqr'][1]:.3f}; {c['verify_bytes'] / mb:.1f} MB: "
         f"{r['verify_bytes_of_decode']:.2f}x a token's, the byte bound; its rollback "
         f"{c.get('rollback_ms', float('nan')):.2f} ms)",
         f"{'experts a layer':<28} {r['experts_per_layer'][0]:9.2f} a token, "
