@@ -115,6 +115,20 @@ def test_bench_gib_beyond_reason(monkeypatch, capsys, gib, message):
     assert_one_line(code, err, message)
 
 
+@pytest.mark.parametrize("flag, size, message", [
+    ("--cache-mem", "inf", "'inf' is not a size such as 512M or 2G"),
+    ("--cache-mem", "1e300T", "'1e300T' is not a size"),
+    ("--gpu-mem", "9" * 400, "not a size: '999"),
+    ("--pin-budget", "9" * 400 + "G", "not a size: '999"),
+])
+def test_a_size_past_a_float_is_one_line(monkeypatch, capsys, flag, size, message):
+    """--cache-mem inf, --kv-mem 1e400, --gpu-mem of 400 digits: int(inf) raised OverflowError,
+    a traceback."""
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", flag, size,
+                             "--max-tokens", 1, "--threads", 1)
+    assert_one_line(code, err, message)
+
+
 @pytest.mark.parametrize("file, change, message", [
     ("config.json", lambda r: r.update(rms_norm_eps=float("nan")), "NaN is not"),
     ("config.json", lambda r: r.update(num_hidden_layers=10 ** 9, layer_types=None) or
