@@ -261,3 +261,22 @@ def test_errors_name_the_model_not_its_path(url, server):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}]})
     error = assert_error(r, 400, "default_model has no vision tower")
     assert str(server[2].engine.directory) not in error["message"]
+
+
+def test_a_non_streaming_client_gone_mid_answer_stops_its_sequence(url, reference, server):
+    """A non-streamed answer's tokens keep its handler busy, and the client was looked at only
+    in a pause of DISCONNECT_POLL_S: one that closed mid-answer was decoded on to max_tokens
+    (2000 tokens, 38 s here), holding its batch slot and its KV memory."""
+    scheduler = server[2]
+    n_cancelled = scheduler.n_cancelled
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}).encode()
+    with _raw(url) as s:
+        s.sendall(HEAD.replace(b"1000", str(len(body)).encode()) + body)
+        deadline = time.monotonic() + 60
+        while not scheduler.active and time.monotonic() < deadline:  # decoding
+            time.sleep(0.01)
+        assert scheduler.active
+    while (scheduler.active or scheduler.prefilling) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.n_cancelled == n_cancelled + 1
+    assert _text(url) == reference
