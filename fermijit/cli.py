@@ -27,12 +27,12 @@ class ByteSize(click.ParamType):
         text = str(value).strip().upper().removesuffix("B").removesuffix("I")
         number, unit = (text[:-1], text[-1]) if text[-1:] in self.UNITS else (text, "")
         try:
-            n = float(number)
+            nbytes = float(number) * self.UNITS[unit]
         except ValueError:
-            n = -1.0
-        if not n >= 0:
+            nbytes = -1.0
+        if not 0 <= nbytes < float("inf"):  # inf, 1e300T: int() raised OverflowError
             self.fail(f"{value!r} is not a size such as 512M or 2G", param, ctx)
-        return int(n * self.UNITS[unit])
+        return int(nbytes)
 
 
 SIZE = ByteSize()

@@ -1,6 +1,8 @@
 """Next-token sampling: temperature, top-k, top-p, then the inverse CDF at a caller's u.
 
-temperature 0 is greedy: the first maximum (lowest id on ties). Otherwise, with z = logits / T:
+temperature 0 is greedy: the first maximum (lowest id on ties). Otherwise, with
+z = (logits - max logit) / T (the difference first: logits / T overflowed to inf for a subnormal
+T such as 5e-324, and inf - inf sampled the least likely token; this way T -> 0 is greedy):
   1. keep the top_k most likely tokens (0 = all);
   2. of those, keep the smallest most-likely prefix whose probability (the softmax of z over the
      tokens kept so far) reaches top_p (1.0 = all);
@@ -54,8 +56,9 @@ def reference(logits, temperature, top_k, top_p, u):
     order = np.argsort(-logits, kind="stable")                    # [V] descending, ties by id
     if top_k > 0:
         order = order[:top_k]
-    z = logits[order].astype(np.float64) / temperature
-    p = np.exp(z - z[0])
+    top = np.float64(logits[order[0]])
+    with np.errstate(over="ignore"):  # a tiny T: -inf, probability 0, as meant
+        p = np.exp((logits[order].astype(np.float64) - top) / temperature)
     p /= p.sum()
     if top_p < 1.0:
         p = p[:np.searchsorted(np.cumsum(p), top_p) + 1]          # first prefix with mass >= top_p
@@ -81,8 +84,9 @@ def probabilities(logits, temperature, top_k, top_p) -> np.ndarray:
         ids = np.arange(vocab)
     if top_p < 1.0 or 0 < top_k < vocab:                                    # descending, ties by id
         ids = ids[np.lexsort((ids, -logits[ids]))]
-    z = logits[ids].astype(np.float64) / temperature
-    p = np.exp(z - z.max())
+    z = logits[ids].astype(np.float64)
+    with np.errstate(over="ignore"):  # a tiny T: -inf, probability 0, as meant
+        p = np.exp((z - z.max()) / temperature)
     p /= p.sum()
     if top_p < 1.0:
         n = np.searchsorted(np.cumsum(p), top_p) + 1                        # as `reference`
@@ -182,10 +186,10 @@ def _sample_token(logits, temperature, top_k, top_p, u, heap):  # logits [V]; he
             heap[i] = i
     _heapify(heap, n, logits, True)
 
-    z_top = np.float64(logits[heap[0]]) / temperature
+    top = np.float64(logits[heap[0]])
     total = 0.0
     for i in range(n):
-        total += math.exp(np.float64(logits[heap[i]]) / temperature - z_top)
+        total += math.exp((np.float64(logits[heap[i]]) - top) / temperature)
 
     # Popped tokens collect at the end of the heap: heap[n - 1] is the most likely.
     n_kept = n
@@ -197,7 +201,7 @@ def _sample_token(logits, temperature, top_k, top_p, u, heap):  # logits [V]; he
         while n_kept < n:
             _pop_best(heap, n - n_kept, logits)
             n_kept += 1
-            mass += math.exp(np.float64(logits[heap[n - n_kept]]) / temperature - z_top) / total
+            mass += math.exp((np.float64(logits[heap[n - n_kept]]) - top) / temperature) / total
             if mass >= top_p:
                 break
         n_popped = n_kept
@@ -210,7 +214,7 @@ def _sample_token(logits, temperature, top_k, top_p, u, heap):  # logits [V]; he
             _pop_best(heap, n - r, logits)
             n_popped += 1
         token = heap[n - 1 - r]
-        cum += math.exp(np.float64(logits[token]) / temperature - z_top) / total
+        cum += math.exp((np.float64(logits[token]) - top) / temperature) / total
         if cum > target:
             return token
     return token                          # rounding left the target past the last sum

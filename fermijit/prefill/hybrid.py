@@ -60,10 +60,12 @@ def parse_bytes(text: str | int | None) -> int | None:
     if text is None or isinstance(text, int):
         return text
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text), re.I)
-    if not match:
+    nbytes = float("inf")
+    if match:
+        nbytes = float(match.group(1)) * (1 << (10 * " kmgt".index(match.group(2).lower() or " ")))
+    if nbytes == float("inf"):  # 309+ digits too: int() raised OverflowError (a traceback)
         raise FermijitError(f"not a size: {text!r} (e.g. 6G, 512M, 1.5GiB)")
-    scale = 1 << (10 * " kmgt".index(match.group(2).lower() or " "))
-    return int(float(match.group(1)) * scale)
+    return int(nbytes)
 
 
 @dataclasses.dataclass(frozen=True)

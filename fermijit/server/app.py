@@ -113,14 +113,22 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def next_event(events: asyncio.Queue, request: Request, job: protocol.Job):
-        """The next event, or None (the job cancelled) if the client disconnects meanwhile."""
+        """The next event, or None (the job cancelled) if the client disconnects meanwhile. The
+        client is looked at every DISCONNECT_POLL_S, also while events keep coming: a
+        non-streamed answer's tokens do, so its client was never seen to go and its sequence
+        decoded on to max_tokens (2000 tokens, 38 s, after the client had closed)."""
         while True:
             try:
-                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if event is None or time.monotonic() >= request.state.poll_at:
+                request.state.poll_at = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     job.cancelled.set()
                     return None
+            if event is not None:
+                return event
 
     async def complete(request: Request, is_chat: bool):
         try:
@@ -146,6 +154,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
                 job.cancelled.set()
 
         job.emit = emit
+        request.state.poll_at = time.monotonic() + DISCONNECT_POLL_S
         try:
             scheduler.submit(job)
         except QueueFull:

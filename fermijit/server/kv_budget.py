@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fermijit import FermijitError
 from fermijit.model.state import available_nbytes
 from fermijit.server.protocol import ApiError
 
@@ -42,3 +43,17 @@ def admit(model, n_positions: int, running: Iterable[int], budget: int) -> int:
                             f"requests; this one needs {need / MIB:.0f} MiB): retry later",
                        code="kv_memory_full", kind="server_error")
     return need
+
+
+def check_batch(model, max_batch: int, budget: int) -> None:
+    """FermijitError where `max_batch` of the shortest requests (one prompt token, one to
+    generate) cannot fit `budget` together: such a batch could never fill, and the start makes
+    its warm-up's states and the GPU's state pool for that many (--max-batch 100000 on the
+    embedded model: 1.7 GB and over a minute with no request served; at full size, the OOM
+    killer)."""
+    need = model.state_nbytes(2)
+    if max_batch * need > budget:
+        raise FermijitError(f"--max-batch {max_batch}: that many requests hold at least "
+                            f"{max_batch * need / MIB:.0f} MiB of KV cache and state, more than "
+                            f"--kv-mem's {budget / MIB:.0f} MiB (which holds {budget // need} "
+                            f"such requests): lower --max-batch or raise --kv-mem")

@@ -129,8 +129,12 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         the load and the CPU kernels' warm-up (issue 28 item 4); then the scheduler's
         page-locked hand-off room and GDN states (scheduler.ready_to_serve: made after "ready",
         the first request waited for them)."""
+        from fermijit.server import kv_budget
         from fermijit.server.scheduler import ready_to_serve
 
+        # Before anything is made for max_batch sequences (the warm-up, the GDN pool)
+        kv_budget.check_batch(model, max_batch,
+                              kv_budget.default_nbytes() if kv_mem is None else kv_mem)
         prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
                                                     err)
         made["gpu"] = stack.enter_context(hybrid.preparing(

@@ -345,8 +345,11 @@ class Scheduler:
         with_images, prompt = job.image_prompt, job.ids
         n_prompt, max_context = int(prompt.size), model.max_context
         max_tokens = job.max_tokens or min(max_context - n_prompt, DEFAULT_MAX_TOKENS)
+        # The prompts still prefilling hold their states too: counting the decoding ones only
+        # let a burst that arrived together (prefilled in chunks) past --kv-mem.
         kv_budget.admit(model, n_prompt + max_tokens,
-                        (s.prompt.size + s.max_tokens for s in self.active), self.kv_mem)
+                        (s.prompt.size + s.max_tokens for s in self.active + self.prefilling),
+                        self.kv_mem)
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)

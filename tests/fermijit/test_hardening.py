@@ -92,11 +92,40 @@ def test_huge_top_k_is_clamped(tmp_path, monkeypatch, capsys):
     assert code == 0, err
 
 
+@pytest.mark.parametrize("speculative", ["none", "mtp"])
+def test_a_subnormal_temperature_is_greedy(monkeypatch, capsys, speculative):
+    """--temperature 5e-324 (or a request's): logits / T overflowed to inf, and inf - inf made
+    every probability NaN: the sampler took the least likely token ("ragx how C APIs" against
+    greedy's "ash The `fractions"). T -> 0 is greedy."""
+    texts = []
+    for temperature in (0, 5e-324):
+        code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", "--max-tokens", 6,
+                                 "--threads", 1, "--temperature", temperature,
+                                 "--speculative", speculative)
+        assert code == 0 and "RuntimeWarning" not in err, err
+        texts.append(out)
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.parametrize("gib, message", [("nan", "--gib must be a finite number"),
                                           ("100000", "--gib 100000 needs about")])
 def test_bench_gib_beyond_reason(monkeypatch, capsys, gib, message):
     """Case 6: ValueError / OSError."""
     code, out, err = run_cli(monkeypatch, capsys, "bench", "kernels", "--gib", gib)
+    assert_one_line(code, err, message)
+
+
+@pytest.mark.parametrize("flag, size, message", [
+    ("--cache-mem", "inf", "'inf' is not a size such as 512M or 2G"),
+    ("--cache-mem", "1e300T", "'1e300T' is not a size"),
+    ("--gpu-mem", "9" * 400, "not a size: '999"),
+    ("--pin-budget", "9" * 400 + "G", "not a size: '999"),
+])
+def test_a_size_past_a_float_is_one_line(monkeypatch, capsys, flag, size, message):
+    """--cache-mem inf, --kv-mem 1e400, --gpu-mem of 400 digits: int(inf) raised OverflowError,
+    a traceback."""
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", flag, size,
+                             "--max-tokens", 1, "--threads", 1)
     assert_one_line(code, err, message)
 
 

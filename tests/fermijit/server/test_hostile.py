@@ -261,3 +261,44 @@ def test_errors_name_the_model_not_its_path(url, server):
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}]}]})
     error = assert_error(r, 400, "default_model has no vision tower")
     assert str(server[2].engine.directory) not in error["message"]
+
+
+def test_a_non_streaming_client_gone_mid_answer_stops_its_sequence(url, reference, server):
+    """A non-streamed answer's tokens keep its handler busy, and the client was looked at only
+    in a pause of DISCONNECT_POLL_S: one that closed mid-answer was decoded on to max_tokens
+    (2000 tokens, 38 s here), holding its batch slot and its KV memory."""
+    scheduler = server[2]
+    n_cancelled = scheduler.n_cancelled
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}).encode()
+    with _raw(url) as s:
+        s.sendall(HEAD.replace(b"1000", str(len(body)).encode()) + body)
+        deadline = time.monotonic() + 60
+        while not scheduler.active and time.monotonic() < deadline:  # decoding
+            time.sleep(0.01)
+        assert scheduler.active
+    while (scheduler.active or scheduler.prefilling) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scheduler.n_cancelled == n_cancelled + 1
+    assert _text(url) == reference
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--max-batch", "100000"), "--max-batch 100000: that many requests hold at least"),
+    (("--kv-mem", "0"), "more than --kv-mem's 0 MiB (which holds 0 such requests)"),
+])
+def test_a_batch_the_kv_memory_cannot_hold_is_refused_at_start(monkeypatch, capsys, flags,
+                                                               message):
+    """--max-batch 100000 made the warm-up's states for that many (1.7 GB, over a minute, no
+    request served; the GPU's state pool at full size: the OOM killer); --kv-mem 0 served,
+    every request a 400."""
+    from fermijit.server import run
+    from tests.cli import run_cli
+    from tests.fermijit.test_hardening import assert_one_line
+
+    def warm_up(*args, **kwargs):
+        raise AssertionError("serve went on to warm up")
+
+    monkeypatch.setattr(run, "warm_up", warm_up)
+    code, _, err = run_cli(monkeypatch, capsys, "serve", "--port", "0", "--prefill", "cpu",
+                           "--threads", "1", *flags)
+    assert_one_line(code, err, message)

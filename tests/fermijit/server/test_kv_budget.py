@@ -63,3 +63,27 @@ def test_server_refuses_what_does_not_fit(engine):
             assert r.status_code == 503 and r.json()["error"]["code"] == "kv_memory_full"
             r = httpx.post(url, json={"prompt": prompt, "max_tokens": 100}, timeout=60)
             assert r.status_code == 200                                 # this one fits beside
+
+
+def test_prompts_still_prefilling_count(engine):
+    """Requests that arrive together are admitted before any has decoded a token: only the
+    decoding sequences were counted, so three 1400-token prompts, each alone within --kv-mem but
+    not two together, all ran (5.2 MB of states held under a 3 MiB --kv-mem)."""
+    from fermijit.server import prompts
+    from fermijit.server.protocol import Failed, Job
+    from fermijit.server.scheduler import Scheduler
+
+    need = engine.model.state_nbytes
+    scheduler = Scheduler(engine, max_batch=4, queue_size=8, kv_mem=need(300) * 3 // 2)
+    events = []
+    for k in range(3):
+        job = Job(is_chat=False, prompt=f"{k} " + "a " * 200, max_tokens=50, temperature=0,
+                  top_p=None, top_k=None, seed=0, stop=(), stream=False, include_usage=False,
+                  emit=events.append)
+        prompts.prepare(engine, job)
+        assert job.ids.size + 50 <= 300
+        scheduler.submit(job)
+    scheduler._admit()  # the three together, as an idle scheduler gathers them
+    assert len(scheduler.prefilling) + len(scheduler.active) == 1
+    failed = [e.error for e in events if isinstance(e, Failed)]
+    assert [(e.status, e.code) for e in failed] == [(503, "kv_memory_full")] * 2
