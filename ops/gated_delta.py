@@ -104,6 +104,105 @@ def gates_cpu(a, b, A_log, dt_bias, out=None):
     return g, beta
 
 
+# A head's sweeps over its state S [dk, dv] in place. Those that write go four rows i at a time
+# (unroll and jam): each element's operations, and each sum over i in the order of one row at a
+# time, as row by row (the same bits: fastmath off, so nothing is reassociated), while the
+# accumulators (d1, o1) are loaded and stored once for four rows instead of once a row. One
+# 64 KiB head in cache, 2-core Zen 5: a write-and-read sweep 2.7-3.0 -> 1.7 us; 30 full-size
+# GDN layers cold, 2 threads, a verify step's 2 rows 150 -> 120 us a layer (with a pending row
+# 162 -> 142). The read sweep stays row by row: in fours, a token's GDN layers (whose first
+# sweep streams the head from memory) took ~20 % longer cold (84-94 -> 107-111 us a layer).
+# (In place only: a destination apart from the source, not known not to alias it, took the
+# loops' unvectorised versions.)
+
+@kernel(fastmath=False)
+def read_sweep(S, k, q, d, o):
+    """d = S^T k, o = S^T q; returns k . q (each sum over i in order)."""
+    d[:] = 0
+    o[:] = 0
+    kq = np.float32(0)
+    for i in range(S.shape[0]):
+        k_i, q_i = k[i], q[i]
+        kq += k_i * q_i
+        for j in range(S.shape[1]):
+            d[j] += S[i, j] * k_i
+            o[j] += S[i, j] * q_i
+    return kq
+
+
+@kernel(fastmath=False)
+def write_sweep(S, alpha, k, d):
+    """S <- alpha S + k d^T."""
+    n, dv = S.shape
+    i = 0
+    while i + 4 <= n:
+        ka, kb, kc, kd = k[i], k[i + 1], k[i + 2], k[i + 3]
+        Sa, Sb, Sc, Sd = S[i], S[i + 1], S[i + 2], S[i + 3]
+        for j in range(dv):
+            w = d[j]
+            Sa[j] = alpha * Sa[j] + ka * w
+            Sb[j] = alpha * Sb[j] + kb * w
+            Sc[j] = alpha * Sc[j] + kc * w
+            Sd[j] = alpha * Sd[j] + kd * w
+        i += 4
+    for i in range(i, n):
+        k_i = k[i]
+        for j in range(dv):
+            S[i, j] = alpha * S[i, j] + k_i * d[j]
+
+
+@kernel(fastmath=False)
+def write_read_sweep(S, alpha, k, d, k1, q1, d1, o1):
+    """`write_sweep` (S <- alpha S + k d^T) and, from each value as it is written, the next
+    row's `read_sweep` (d1 = S^T k1, o1 = S^T q1); returns k1 . q1.""" 
+    d1[:] = 0
+    o1[:] = 0
+    kq = np.float32(0)
+    n, dv = S.shape
+    i = 0
+    while i + 4 <= n:
+        ka, kb, kc, kd = k[i], k[i + 1], k[i + 2], k[i + 3]
+        pa, pb, pc, pd = k1[i], k1[i + 1], k1[i + 2], k1[i + 3]
+        qa, qb, qc, qd = q1[i], q1[i + 1], q1[i + 2], q1[i + 3]
+        kq += pa * qa
+        kq += pb * qb
+        kq += pc * qc
+        kq += pd * qd
+        Sa, Sb, Sc, Sd = S[i], S[i + 1], S[i + 2], S[i + 3]
+        for j in range(dv):
+            w = d[j]
+            xa = alpha * Sa[j] + ka * w
+            xb = alpha * Sb[j] + kb * w
+            xc = alpha * Sc[j] + kc * w
+            xd = alpha * Sd[j] + kd * w
+            Sa[j] = xa
+            Sb[j] = xb
+            Sc[j] = xc
+            Sd[j] = xd
+            t = d1[j]
+            t += xa * pa
+            t += xb * pb
+            t += xc * pc
+            t += xd * pd
+            d1[j] = t
+            u = o1[j]
+            u += xa * qa
+            u += xb * qb
+            u += xc * qc
+            u += xd * qd
+            o1[j] = u
+        i += 4
+    for i in range(i, n):
+        k_i, p_i, q_i = k[i], k1[i], q1[i]
+        kq += p_i * q_i
+        for j in range(dv):
+            x = alpha * S[i, j] + k_i * d[j]
+            S[i, j] = x
+            d1[j] += x * p_i
+            o1[j] += x * q_i
+    return kq
+
+
 @kernel
 def _recurrent_head(q, k, v, g, beta, state, o, delta, h):
     """Value head h over the tokens in order. Per token, two sweeps of the head's 64 KiB state:
@@ -116,23 +215,11 @@ def _recurrent_head(q, k, v, g, beta, state, o, delta, h):
     for t in range(T):
         alpha = np.exp(g[t, h])
         o_t = o[t, h]
-        delta[:] = 0
-        o_t[:] = 0
-        kq = np.float32(0)
-        for i in range(dk):
-            k_i = k[t, hk, i]
-            q_i = q[t, hk, i]
-            kq += k_i * q_i
-            for j in range(dv):
-                delta[j] += S[i, j] * k_i                                   # S^T k
-                o_t[j] += S[i, j] * q_i                                     # S^T q
+        kq = read_sweep(S, k[t, hk], q[t, hk], delta, o_t)                  # S^T k, S^T q
         for j in range(dv):
             delta[j] = beta[t, h] * (v[t, h, j] - alpha * delta[j])
             o_t[j] = alpha * o_t[j] + kq * delta[j]
-        for i in range(dk):
-            k_i = k[t, hk, i]
-            for j in range(dv):
-                S[i, j] = alpha * S[i, j] + k_i * delta[j]
+        write_sweep(S, alpha, k[t, hk], delta)
 
 
 def recurrent_share(thread, n_threads, args):

@@ -88,22 +88,6 @@ def _rows_body(mixed, z, a, b, conv_w, conv_src, conv_dst, A_log, dt_bias, norm_
 
 
 @kernel
-def _read_sweep(S, k, q, d, o):
-    """A head's first sweep of its state S [dk, dv]: d = S^T k, o = S^T q (over i in order),
-    returns k . q."""
-    d[:] = 0
-    o[:] = 0
-    kq = np.float32(0)
-    for i in range(S.shape[0]):
-        k_i, q_i = k[i], q[i]
-        kq += k_i * q_i
-        for j in range(S.shape[1]):
-            d[j] += S[i, j] * k_i                                           # S^T k
-            o[j] += S[i, j] * q_i                                           # S^T q
-    return kq
-
-
-@kernel
 def _recurrent_rows_head(q, k, v, g, beta, src, dst, o, delta, h):
     """gated_delta._recurrent_head of value head h for each row in turn, row r from src[r] into
     dst[r] (src[r] = dst[r-1]), each value by the same operations in the same order (so dst[r] is
@@ -115,7 +99,7 @@ def _recurrent_rows_head(q, k, v, g, beta, src, dst, o, delta, h):
     R, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
-    kq = _read_sweep(src[0][h], k[0, hk], q[0, hk], delta[0], o[0][0, h])
+    kq = gated_delta.read_sweep(src[0][h], k[0, hk], q[0, hk], delta[0], o[0][0, h])
     for r in range(R):
         alpha = np.exp(g[r, h])
         d, o_t = delta[r % 2], o[r][0, h]
@@ -170,13 +154,8 @@ _NO_PENDING = Pending(0, 0, 0, 0)  # the arguments of a call without the lazy ro
 def _pending_head(state, alpha, k, d, h):
     """Value head h of `state` <- alpha_h S + k d_h^T: the pending row's update (Pending.settle),
     by gated_delta._recurrent_head's last sweep's operations in its order (the same bits)."""
-    Hv, dk, dv = state.shape
-    hk = h // (Hv // k.shape[0])
-    S, a, d_h = state[h], alpha[h], d[h]
-    for i in range(dk):
-        k_i = k[hk, i]
-        for j in range(dv):
-            S[i, j] = a * S[i, j] + k_i * d_h[j]
+    hk = h // (state.shape[0] // k.shape[0])
+    gated_delta.write_sweep(state[h], alpha[h], k[hk], d[h])
 
 
 def _settle_share(thread, n_threads, args):
@@ -203,47 +182,24 @@ def _recurrent_pair_head(q, k, v, g, beta, state, o_0, o_1, delta, h, pending, i
     With is_pending, the previous step's pending row is applied as the first sweep reads the
     head (written back: `_pending_head`'s operations, S2's bits). o_0, o_1 [1, Hv, dv] the
     rows' outputs; delta [2, dv]: d_0, d_1."""
-    Hk, dk = q.shape[1], q.shape[2]
+    Hk = q.shape[1]
     Hv, dv = v.shape[1], v.shape[2]
     hk = h // (Hv // Hk)
     p_alpha, p_k, p_d = pending
     S = state[h]                                                            # [dk, dv]
     d0, d1 = delta[0], delta[1]
     o0, o1 = o_0[0, h], o_1[0, h]
-    d0[:] = 0
-    o0[:] = 0
-    kq = np.float32(0)
     if is_pending:  # the pending row applied as the head is read (_pending_head's operations)
-        a, d_p = p_alpha[h], p_d[h]
-        for i in range(dk):
-            k_i = k[0, hk, i]
-            q_i = q[0, hk, i]
-            kp_i = p_k[hk, i]
-            kq += k_i * q_i
-            for j in range(dv):
-                x = a * S[i, j] + kp_i * d_p[j]
-                S[i, j] = x
-                d0[j] += x * k_i                                            # S^T k
-                o0[j] += x * q_i                                            # S^T q
+        kq = gated_delta.write_read_sweep(S, p_alpha[h], p_k[hk], p_d[h], k[0, hk], q[0, hk],
+                                          d0, o0)                           # S^T k, S^T q
     else:
-        kq = _read_sweep(S, k[0, hk], q[0, hk], d0, o0)
+        kq = gated_delta.read_sweep(S, k[0, hk], q[0, hk], d0, o0)
     alpha0 = np.exp(g[0, h])
     for j in range(dv):
         d0[j] = beta[0, h] * (v[0, h, j] - alpha0 * d0[j])
         o0[j] = alpha0 * o0[j] + kq * d0[j]
-    d1[:] = 0
-    o1[:] = 0
-    kq = np.float32(0)
-    for i in range(dk):            # S1 over S0; S1^T k, S1^T q
-        k_i = k[0, hk, i]
-        k1 = k[1, hk, i]
-        q1 = q[1, hk, i]
-        kq += k1 * q1
-        for j in range(dv):
-            x = alpha0 * S[i, j] + k_i * d0[j]
-            S[i, j] = x
-            d1[j] += x * k1
-            o1[j] += x * q1
+    # S1 over S0; S1^T k, S1^T q
+    kq = gated_delta.write_read_sweep(S, alpha0, k[0, hk], d0, k[1, hk], q[1, hk], d1, o1)
     alpha1 = np.exp(g[1, h])
     for j in range(dv):
         d1[j] = beta[1, h] * (v[1, h, j] - alpha1 * d1[j])
