@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 29, dynamic shares: the chunked shares' static equal runs (main's splits:
-# FERMIJIT_STATIC_SHARES=1, or omp.set_dynamic(False)) against claimed runs, on the full-size
+# Issue 29, dynamic shares: the chunked shares' static equal runs (FERMIJIT_STATIC_SHARES=1, or
+# omp.set_dynamic(False); the default below omp.CLAIMS_FROM_TEAM threads) against claimed runs
+# (FERMIJIT_CLAIMS_FROM_TEAM=1: in every team), on the full-size
 # REAP-128 model in /dev/shm/fj-reap128 (made by tests/manycore_pass.sh with KEEP=1, or `python
 # -m fermijit synth qwen3.6-35b-a3b-reap128 /dev/shm/fj-reap128` first). ~3-4 min on the 16-core
 # host:   bash tests/dynamic_shares_pass.sh $OUT   (carry .device-wheels where the host needs them)
@@ -41,7 +42,8 @@ step "in-process A/B done"
 for r in $(seq "$rounds"); do
   for side in static dynamic; do
     flag=0; [ $side = static ] && flag=1
-    FERMIJIT_STATIC_SHARES=$flag timeout 240 $py -m fermijit bench decode --model "$model" \
+    # claimed: in every team (the default claims from CLAIMS_FROM_TEAM threads only)
+    FERMIJIT_STATIC_SHARES=$flag FERMIJIT_CLAIMS_FROM_TEAM=1 timeout 240 $py -m fermijit bench decode --model "$model" \
       --threads "$top" --prompt-tokens 16 --tokens 16 --profile --threads-sweep "$half,$top" \
       --json >"$out/$side-$r.json" 2>>"$log" || step "$side $r failed"
     step "$side round $r"
