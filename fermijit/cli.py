@@ -142,6 +142,8 @@ def draft_option(command):
 def _drafts(speculative: str, draft: int, draft_vocab: int | None):
     """speculative.Drafts for --speculative mtp (and auto), None for none."""
     if speculative == "none":
+        if draft != 1 or draft_vocab is not None:  # asked for drafts that would never be made
+            raise click.UsageError("--draft and --draft-vocab need --speculative mtp")
         return None
     from fermijit.speculative import Drafts
 

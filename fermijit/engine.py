@@ -94,7 +94,8 @@ class Stats:
         spec = self.speculative
         drafts = ("" if spec is None else
                   f", {self.n_decode_tokens / max(spec.steps, 1):.2f} tok/step, "
-                  f"{100 * spec.acceptance:.0f}% of {spec.drafted} drafts accepted")
+                  + (f"{100 * spec.acceptance:.0f}% of {spec.drafted} drafts accepted"
+                     if spec.drafted else "no drafts made"))
         return (f"prompt {self.n_prompt} tokens{cached}; prefill {self.prefill_s:.3f} s "
                 f"({rate}); generated {self.n_generated} tokens, "
                 f"decode {self.decode_tok_per_s:.1f} tok/s{drafts} ({self.stop.value}); "

@@ -199,3 +199,19 @@ def test_no_numba_cache_locator_falls_back(tmp_path, locators, said):
                        timeout=300, env=env)
     assert r.returncode == 0 and r.stdout == "42\n", r.stderr
     assert r.stderr.count("\n") == 1 and said.format(tmp=tmp_path) in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flags", [("--draft", 3), ("--draft-vocab", 100)])
+def test_drafts_without_speculative_decoding_are_a_usage_error(monkeypatch, capsys, flags):
+    """--draft / --draft-vocab with --speculative none asked for drafts that were never made
+    (silently ignored)."""
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", *GREEDY, *flags)
+    assert_one_line(code, err, "--draft and --draft-vocab need --speculative mtp")
+
+
+def test_a_speculative_run_without_drafts_says_so(monkeypatch, capsys):
+    """A speculative run that made no draft (one token to generate: no step) printed "nan% of
+    0 drafts accepted"."""
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", "--max-tokens", 1,
+                             "--threads", 1, "--temperature", 0, "--speculative", "mtp")
+    assert code == 0 and "no drafts made" in err and "nan" not in err, err
