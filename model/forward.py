@@ -503,9 +503,11 @@ class Model:
             state.hidden = np.empty((0, self.hidden), np.float32)
         return state
 
-    def state_nbytes(self, positions: int) -> int:
-        """Memory a state of this model takes holding `positions` positions."""
-        return state_nbytes(self.is_attention, positions, (self.n_kv_heads, self.head_dim),
+    def state_nbytes(self, positions: int, mtp: bool = False) -> int:
+        """Memory a state of this model takes holding `positions` positions (`mtp`: a state
+        with the MTP layer's cache too, `new_state`'s)."""
+        return state_nbytes(self.is_attention + ((True,) if mtp else ()), positions,
+                            (self.n_kv_heads, self.head_dim),
                             (self.conv_dim, self.conv_taps - 1),
                             (self.n_value_heads, self.key_dim, self.value_dim), self.kv_kind)
 

@@ -26,17 +26,19 @@ def default_nbytes() -> int:
     return int(DEFAULT_SHARE * available_nbytes())
 
 
-def admit(model, n_positions: int, running: Iterable[int], budget: int) -> int:
+def admit(model, n_positions: int, running: Iterable[int], budget: int,
+          mtp: bool = False) -> int:
     """The bytes a sequence of `n_positions` positions (prompt + max_tokens) holds, if it fits
-    `budget` beside running sequences of `running` positions each; else ApiError 400 / 503."""
-    need = model.state_nbytes(n_positions)
+    `budget` beside running sequences of `running` positions each; else ApiError 400 / 503.
+    `mtp`: the states hold the MTP layer's cache too (speculative decoding)."""
+    need = model.state_nbytes(n_positions, mtp)
     if need > budget:
         raise ApiError(400, f"this request's {n_positions} positions (prompt + max_tokens) need "
                             f"{need / MIB:.0f} MiB of KV cache and state, more than the server's "
                             f"--kv-mem of {budget / MIB:.0f} MiB: shorten the prompt or "
                             f"max_tokens", "max_tokens", "kv_memory_exceeded")
     running = list(running)
-    held = sum(model.state_nbytes(n) for n in running)
+    held = sum(model.state_nbytes(n, mtp) for n in running)
     if held + need > budget:
         raise ApiError(503, f"the server's KV memory is in use ({held / MIB:.0f} of "
                             f"{budget / MIB:.0f} MiB --kv-mem, by {len(running)} running "

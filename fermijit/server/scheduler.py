@@ -349,7 +349,7 @@ class Scheduler:
         # let a burst that arrived together (prefilled in chunks) past --kv-mem.
         kv_budget.admit(model, n_prompt + max_tokens,
                         (s.prompt.size + s.max_tokens for s in self.active + self.prefilling),
-                        self.kv_mem)
+                        self.kv_mem, mtp=self.drafts is not None)
         settings = engine_module.Settings(max_tokens=max_tokens, temperature=job.temperature,
                                           top_k=job.top_k, top_p=job.top_p, seed=job.seed)
         sampler = engine.sampler(settings)

@@ -29,6 +29,20 @@ def test_admit_counts_prompt_plus_max_tokens(engine):
     assert e.value.status == 503 and e.value.code == "kv_memory_full"
 
 
+def test_admit_counts_the_mtp_layers_cache(engine):
+    """Speculative decoding's states hold the MTP layer's KV cache too: one attention layer's
+    more (it was left out of --kv-mem's count)."""
+    model = engine.model
+    assert model.mtp is not None
+    need = model.state_nbytes
+    per_layer = (need(100) - need(0)) // sum(model.is_attention)  # one attention layer's cache
+    assert need(100, mtp=True) - need(100) == per_layer > 0
+    assert kv_budget.admit(model, 100, [150], need(100, True) + need(150, True),
+                           mtp=True) == need(100, True)
+    with pytest.raises(ApiError, match="in use"):
+        kv_budget.admit(model, 100, [150], need(100) + need(150), mtp=True)
+
+
 @contextmanager
 def serving(engine, kv_mem):
     from fermijit.server.app import make_app
