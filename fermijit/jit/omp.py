@@ -316,8 +316,9 @@ STATIC_PERCENT = 50
 # but not on fewer: at 8 threads there 72.6 against 76.9 %; at 2 threads on the 2-core Zen 5,
 # full-size reap128, the fused MoE's 40 layers cold 16.2-16.5 ms claimed against 14.6-14.8
 # static (11 rounds a probe, three probes; 14.4 against 11.1 in a fast-bandwidth phase), a
-# decode token 48.8 against 45.8 ms (4 interleaved fresh-process rounds, medians), and with a
-# busy neighbour on one core the two alike (95-98 ms). (Not the prefill's claims: prefill_first.)
+# decode token 49.4 against 47.9 ms (512 + 64 tokens, 5 interleaved fresh-process rounds,
+# medians; 37.3 against 34.8 in a fast phase), and with a busy neighbour on one core the two
+# alike (95-98 ms). (Not the prefill's claims: prefill_first.)
 CLAIMS_FROM_TEAM = 9
 SCHEDULE_SYMBOL = "fermijit_omp_schedule"
 # The schedule's words, read by the kernels per launch.
