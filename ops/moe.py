@@ -110,6 +110,15 @@ def _shared_gate_kernel(x, w_sg):
     return np.float32(1.0 / (1.0 + np.exp(-dot)))
 
 
+# The down shares' claimed runs are whole multiples of this many rows (times ROWS): their fp32
+# outputs (each matrix's rows, the combination) then fill whole cache lines, never one line
+# written by two threads' adjacent runs, and the last runs are not a few rows each. Claims forced
+# on 2 threads (omp.set_dynamic(from_team=1); teams that small take static runs by default), the
+# fused MoE's 40 full-size layers cold in a fast-bandwidth phase: 13.35-13.38 -> 12.68-12.73 ms
+# (static 10.4-10.7); for the 16-thread teams that claim.
+LINE_ROWS = 16
+
+
 @kernel(fastmath=False)
 def _weighted_range(routed, weights, shared, gate, y, j0, j1):
     """y[j0:j1] = gate · shared + weights[0] · routed[0] + weights[1] · routed[1] + ..., in
@@ -213,7 +222,7 @@ def _down_share(thread, n_threads, args, counter):
     n_rows = qs0.shape[1]
     n_mats = down[0][2].size + down[0][3].shape[0]
     least = omp.least_units(n_mats * (qs0.shape[2] + 2 * d0.shape[2]) * len(down))
-    g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS)
+    g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
     if g0 >= g1:
         return
     gates = np.empty(len(combine), np.float32)  # each token's, once a thread, not once a run
@@ -237,7 +246,7 @@ def _down_share(thread, n_threads, args, counter):
             k = idx.size
             _weighted_range(routed[:k], weights, routed[k], gates[n], out, g0, g1)
             n += 1
-        g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS)
+        g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
 
 
 def _fused_body(gate_up, down, combine):
@@ -453,7 +462,7 @@ def _union_down_share(thread, n_threads, args, counter):
     n_tok, n_rows = x.shape[0], qs.shape[1]
     n_mats = idx.size + sqs.shape[0]
     least = omp.least_units(n_mats * (qs.shape[2] + 2 * d.shape[2]))
-    g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS)
+    g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
     if g0 >= g1:
         return
     gates = np.empty(n_tok, np.float32)  # each token's, once a thread, not once a run
@@ -483,7 +492,7 @@ def _union_down_share(thread, n_threads, args, counter):
         for t in range(n_tok):
             _weighted_gather(routed, n_tok, t, slots[t], weights[t], idx.size * n_tok + t,
                              gates[t], out[t], g0, g1)
-        g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS)
+        g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
 
 
 def _union_body(gate_up, down, combine, union):
