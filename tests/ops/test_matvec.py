@@ -319,6 +319,26 @@ def test_gemv_streams_equal_the_one_row_tile(rng, isa, rows):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+@pytest.mark.parametrize("k", [96, 384, 768, 1312])
+def test_two_tokens_are_each_its_gemv(rng, isa, k):
+    """A verify step's 2 tokens (the few-token tile; on an AVX-512 VNNI machine their 256-bit
+    steps paired in 512-bit registers: matvec.PAIRED): each token's row bit for bit its own
+    GEMV's, Q4_0 and Q8_0, at K with every step width (full, half, SSE, single blocks)."""
+    rows = 37
+    qs, d = q4_weights(rng, rows, k)
+    q8s, q8d = quant.quantize_q8_0(rng.standard_normal((rows, k)).astype(np.float32))
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    w = matvec.Q4Matrix.of(qs, d)
+    both = matvec.product(w, matvec.quantize_act(x, isa), poisoned((2, rows)), like_gemv=True)
+    both8 = matvec.q8_cpu(q8s, q8d, matvec.quantize_act(x, isa), poisoned((2, rows)))
+    for t in range(2):
+        act = matvec.quantize_act(x[t:t + 1], isa)
+        np.testing.assert_array_equal(both[t], matvec.product(w, act, poisoned((1, rows)))[0])
+        np.testing.assert_array_equal(both8[t], matvec.q8_cpu(q8s, q8d, act,
+                                                             poisoned((1, rows)))[0])
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
 @pytest.mark.parametrize("rows,k,n_fp32,n_tok", [(5, 96, 3, 1), (33, 1056, 64, 1), (1, 32, 1, 1),
                                                  (12, 512, 9, 1), (33, 1056, 64, 2),
                                                  (7, 160, 5, 3), (12, 512, 9, 2)],
