@@ -154,7 +154,7 @@ def write_sweep(S, alpha, k, d):
 @kernel(fastmath=False)
 def write_read_sweep(S, alpha, k, d, k1, q1, d1, o1):
     """`write_sweep` (S <- alpha S + k d^T) and, from each value as it is written, the next
-    row's `read_sweep` (d1 = S^T k1, o1 = S^T q1); returns k1 . q1.""" 
+    row's `read_sweep` (d1 = S^T k1, o1 = S^T q1); returns k1 . q1."""
     d1[:] = 0
     o1[:] = 0
     kq = np.float32(0)

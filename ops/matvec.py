@@ -545,19 +545,12 @@ def _paired_step(builder, fmt: _Format, per_tok, units, scales, acc2):
     dxv = _concat(builder, dx0, dx1)
     corr = None if corr0 is None else _concat(builder, corr0, corr1)
     n = dx0.type.count                                          # blocks of a 256-bit step
-    # block_sums' lanes on 512 bits: lane L holds blocks L, 4 + L, ... of both halves' runs;
-    # this puts token 0's blocks in order in the low half, token 1's in the high one.
-    lanes = simd.AVX512VNNI_256.lanes
-    order = [n * h + 4 * (b % lanes) + b // lanes for h in range(2) for b in range(n)]
     for i, row_units in enumerate(units):
         parts = []
         for j, u in enumerate(row_units):  # a unit: two registers (VNNI), both in both halves
             u2 = tuple(_concat(builder, q, q) for q in u)
             parts.append(_unit_sums(fmt, wide, builder, u2, xs[2 * j], xs[2 * j + 1]))
-        a, b, c_, d = parts
-        r = simd.hadd_lanes(wide, builder, simd.hadd_lanes(wide, builder, a, b),
-                            simd.hadd_lanes(wide, builder, c_, d))
-        isum = builder.shuffle_vector(r, r, ir.Constant(vec(I32, 2 * n), order))
+        isum = simd.block_sums(wide, builder, parts, runs=2)  # token 0's blocks, then token 1's
         if corr is not None:
             isum = builder.sub(isum, corr)
         scale = _concat(builder, scales[i], scales[i])

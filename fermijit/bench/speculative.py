@@ -6,9 +6,9 @@ tok/s, the tokens per verify step and the acceptance, and a check that the texts
 Then the costs of the parts, timed interleaved (ROUNDS rounds of CALLS calls each: this
 machine is shared) on the last prompt's state: a decode token, a verify step of N+1 rows, a draft
 (the head's row and N-1 chained ones); each part's best round in ms, and the verify step's and
-the draft's ratios to a token as the medians of each round's ratio to that round's token. The verify step is timed with its rollback to the first row
-(every draft rejected, as random weights do; its share reported apart: an accepted draft skips
-it). Bytes are counted as bench decode counts them
+the draft's ratios to a token as the medians of each round's ratio to that round's token. The
+verify step is timed with its rollback to the first row (every draft rejected, as random weights
+do; its share reported apart: an accepted draft skips it). Bytes are counted as bench decode counts them
 (model/token_bytes.py): the weights a step reads, the routed experts those the routers chose
 (watched on the steps timed), plus the GDN states' traffic (a token reads and writes them once,
 as does a verify step of 2 rows, its last row left pending: ops/gdn_rows.py; one of R > 2 rows

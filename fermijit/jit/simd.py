@@ -192,20 +192,23 @@ def hadd_lanes(v: Vec, builder, a, b):
     return builder.add(e, o)
 
 
-def block_sums(v: Vec, builder, parts):
+def block_sums(v: Vec, builder, parts, runs: int = 1):
     """Four vectors of partial sums, one block per 128-bit lane (i32: 4 partials per block; i16:
     8 partials, from dot_u8s8_i16) -> i32 [4·lanes]: the block sums in block order (vector j
-    holds blocks j·lanes .. j·lanes+lanes-1)."""
+    holds blocks j·lanes .. j·lanes+lanes-1). With `runs`, the lanes are that many runs side by
+    side, each its own blocks (two tokens' registers in one: ops/matvec.py PAIRED): each run's
+    block sums in order, the runs' one after another."""
     a, b, c, d = parts
     r = hadd_lanes(v, builder, hadd_lanes(v, builder, a, b), hadd_lanes(v, builder, c, d))
     if r.type.element.width == 16:
         r = widen_i16(v, builder, r)  # the i16 tree ends with 2 partials per block
     if v.lanes == 1:
         return r
-    # Lane L now holds blocks L, lanes+L, 2·lanes+L, 3·lanes+L: block b sits at 4·(b%lanes)+b//lanes.
-    n = 4 * v.lanes
-    order = [4 * (blk % v.lanes) + blk // v.lanes for blk in range(n)]
-    return builder.shuffle_vector(r, r, ir.Constant(vec(I32, n), order))
+    # Lane L now holds blocks L, w+L, 2·w+L, 3·w+L of its run (w lanes a run): block b of run h
+    # sits at 4·(h·w + b%w) + b//w.
+    w = v.lanes // runs
+    order = [4 * (h * w + blk % w) + blk // w for h in range(runs) for blk in range(4 * w)]
+    return builder.shuffle_vector(r, r, ir.Constant(vec(I32, 4 * v.lanes), order))
 
 
 # --- float idioms -------------------------------------------------------------------------------

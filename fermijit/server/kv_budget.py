@@ -26,6 +26,11 @@ def default_nbytes() -> int:
     return int(DEFAULT_SHARE * available_nbytes())
 
 
+def budget_of(kv_mem: int | None) -> int:
+    """The budget --kv-mem sets (None: `default_nbytes`)."""
+    return default_nbytes() if kv_mem is None else kv_mem
+
+
 def admit(model, n_positions: int, running: Iterable[int], budget: int,
           mtp: bool = False) -> int:
     """The bytes a sequence of `n_positions` positions (prompt + max_tokens) holds, if it fits

@@ -133,8 +133,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         from fermijit.server.scheduler import ready_to_serve
 
         # Before anything is made for max_batch sequences (the warm-up, the GDN pool)
-        kv_budget.check_batch(model, max_batch,
-                              kv_budget.default_nbytes() if kv_mem is None else kv_mem)
+        kv_budget.check_batch(model, max_batch, kv_budget.budget_of(kv_mem))
         prefiller = made["prefiller"] = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose,
                                                     err)
         made["gpu"] = stack.enter_context(hybrid.preparing(

@@ -193,7 +193,7 @@ class Scheduler:
 
         self.engine, self.max_batch = engine, max_batch
         # Bytes the running sequences' states may hold (--kv-mem; fermijit/server/kv_budget.py).
-        self.kv_mem = kv_budget.default_nbytes() if kv_mem is None else kv_mem
+        self.kv_mem = kv_budget.budget_of(kv_mem)
         from fermijit.speculative import engine_drafts
 
         self.drafts = engine_drafts(engine, drafts)
