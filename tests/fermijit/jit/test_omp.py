@@ -500,7 +500,7 @@ def test_claims_from_team_setting():
     runs in teams under and over the setting: check_cover above)."""
     code = "from fermijit.jit import omp; print(omp._schedule[omp.TEAM_WORD])"
     assert int(_python(["-c", code])) == omp.CLAIMS_FROM_TEAM
-    assert int(_python(["-c", code], FERMIJIT_CLAIMS_FROM_TEAM="3")) == 3
+    assert int(_python(["-c", code], FERMIJIT_CLAIMS_FROM_TEAM="5")) == 5
     assert int(_python(["-c", code], FERMIJIT_CLAIMS_FROM_TEAM="0")) == 1
     r = subprocess.run([sys.executable, "-m", "fermijit", "info"], capture_output=True, text=True,
                        env=dict(os.environ, FERMIJIT_CLAIMS_FROM_TEAM="lots"), timeout=600)
