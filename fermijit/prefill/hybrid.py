@@ -329,7 +329,9 @@ class GpuPrefiller:
         # Seconds per part of the start (`--verbose`; issue 28 item 4's start-up budget).
         self.prepare_s = {"driver": driver_s, **self.device.prepare_s,
                           "kernels (2-token pass)": time.perf_counter() - start,
-                          "of which module loads": gpu.module_load_s - modules}
+                          "of which module loads": gpu.module_load_s - modules,
+                          **{f"2-token pass: {k}": v for k, v in self.last_phases.items()
+                             if not k.startswith("of which")}}
         if self.verbose:
             self._say("gpu prefill ready: " + ", ".join(f"{k} {v:.2f} s"
                                                         for k, v in self.prepare_s.items()))

@@ -256,7 +256,10 @@ def register_probe(model_dir: Path, chunk: int | None = None) -> str:
 KEYS = ("ready_s", "serving_s", "served_s", "imports", "load", "kernels", "gpu prefill",
         "gpu prefill from", "gpu room", "gpu room from", "waited for the gpu", "gpu: driver",
         "gpu: experts (mapped)", "gpu: experts (pinned)", "gpu: dense weights",
-        "gpu: kernels (2-token pass)", "gpu: of which module loads", "early registration",
+        "gpu: kernels (2-token pass)", "gpu: of which module loads",
+        *(f"gpu: 2-token pass: {phase}" for phase in ("plan", "state in", "pass buffers",
+                                                      "layers", "logits", "state out")),
+        "early registration",
         "early registration from", "early chunks", "adopted", "first_request_s",
         "second_request_s", "gpu_tokens")
 # The short table's rows, last: "ready in" (from the process's exec), Popen to "serving",
