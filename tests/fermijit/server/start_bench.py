@@ -50,6 +50,9 @@ MODES = ("default", "earlyreg0", "cpu")
 # not after the warm-up (safetensors_io.populate_after); "earlyreg0" the model file mapped and
 # registered by the GPU's preparation after the load, not from exec by the early driver thread
 # (cli.py, fermijit/jit/gpu_early.py);
+# "eager" the driver's module loading eager (CUDA_MODULE_LOADING=EAGER: each module's kernels
+# JIT-compiled from the sm_20 PTX, or read from the driver's cache, at its load, not at their
+# first launch inside the 2-token pass);
 # "pycuda" the GPU's start as it was before the driver-API path (pycuda's module loads and
 # page-locking, one registering thread, Python's own switch interval); "switch0" the driver
 # path with Python's own interval.
@@ -74,6 +77,7 @@ ENV = {"main": MAIN_ENV,
        "pycuda": {"FERMIJIT_GPU_LAUNCH": "pycuda", "FERMIJIT_START_SWITCH_S": "0",
                   "FERMIJIT_REGISTER_THREADS": "1"},
        "switch0": {"FERMIJIT_START_SWITCH_S": "0"},
+       "eager": {"CUDA_MODULE_LOADING": "EAGER"},
        "register1": {"FERMIJIT_REGISTER_THREADS": "1"},
        "cpu": {}, "main-cpu": MAIN_ENV, "refresh1-cpu": {"FERMIJIT_LOAD_REFRESH": "1"},
        "warm0": CPU_WARM0_ENV, "warm0-cpu": CPU_WARM0_ENV,
