@@ -24,10 +24,10 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     tokens, ops/matvec.py FEW_TOKENS; the scheduler decodes one sequence alone with
     Model.decode, never a batch of 1; max_batch at most `switch_rows`, past which a batch meets
     no other kernel: --max-batch 4096's step of 4096 rows took 4.6 s of the embedded model's
-    start, against 0.06 s for the whole warm-up at 8), on throwaway states; with `drafts` (speculative.Drafts),
-    a speculative step's. (With a 2-token prefill and a batch of 2 only, the first prompt of 8+
-    tokens loaded 8 more kernels on the reap128 shape and the first batches of 3 and of 4 two
-    each, while serving: issue 28 item 4, "ready" means ready.)"""
+    start, against 0.06 s for the whole warm-up at 8), on throwaway states; with `drafts`
+    (speculative.Drafts), a speculative step's. (With a 2-token prefill and a batch of 2 only,
+    the first prompt of 8+ tokens loaded 8 more kernels on the reap128 shape and the first
+    batches of 3 and of 4 two each, while serving: issue 28 item 4, "ready" means ready.)"""
     from fermijit.engine import Settings, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
     from fermijit.warm import light_sample
