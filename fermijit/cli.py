@@ -724,8 +724,8 @@ def verify(model_dir: Path) -> None:
               help="Seed of the sampler.")
 @threads_option
 @click.option("--ctx", "context", type=click.IntRange(min=1), default=None,
-              help="Context length (default: prompt + max tokens, at most "
-                   "max_position_embeddings).")
+              help="Context length: the prompt and the tokens generated, at least one "
+                   "(default: prompt + max tokens, at most max_position_embeddings).")
 @numa_option
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's "
                                            "chat template.")

@@ -172,7 +172,7 @@ def _decode(model, state, token, logits, sampler, max_tokens, context, eos_ids, 
         if len(tokens) == max_tokens:
             stats.stop = Stop.MAX_TOKENS
             break
-        if state.position == context:
+        if state.position + 1 == context:  # the prompt and the tokens generated fill it (`fits`)
             stats.stop = Stop.CONTEXT
             break
         logits = model.decode(token, state)
@@ -201,7 +201,7 @@ def _decode_speculative(speculator, state, token, max_tokens, context, eos_ids, 
                 on_token(t)
                 if len(tokens) == max_tokens:
                     stop = Stop.MAX_TOKENS
-                elif base + i + 1 == context:
+                elif base + i + 2 == context:  # as `_decode`'s
                     stop = Stop.CONTEXT
             if stop is not None:
                 stats.stop = stop
@@ -309,16 +309,25 @@ def sampling_settings(settings: Settings, generation_config: dict) -> tuple[floa
     return (float(temperature), int(top_k), float(pick(settings.top_p, "top_p", DEFAULT_TOP_P)))
 
 
+def fits(n_prompt: int, max_tokens: int | None, context: int) -> bool:
+    """The one rule of `generate` and the server (server/prompts.py): the context holds the
+    prompt and the tokens generated after it together (as vLLM's max_model_len; `generate`
+    stops there, "context full"), and at least one generated token (`max_tokens` None: one)
+    must fit: a prompt that fills the context is refused."""
+    return n_prompt + (max_tokens or 1) <= context
+
+
 def context_length(settings: Settings, n_prompt: int, max_context: int) -> int:
-    """The KV cache length: --ctx, else prompt + max_tokens, at most max_position_embeddings."""
+    """The context (the prompt and the tokens generated: `fits`): --ctx, else prompt +
+    max_tokens, at most max_position_embeddings."""
     if settings.context is not None and not 1 <= settings.context <= max_context:
         raise FermijitError(f"--ctx must be between 1 and {max_context} "
                             f"(max_position_embeddings), got {settings.context}")
     context = settings.context or min(max_context, n_prompt + settings.max_tokens)
-    if n_prompt > context:
+    if not fits(n_prompt, None, context):
         where = "--ctx" if settings.context else "max_position_embeddings"
-        raise FermijitError(f"the prompt has {n_prompt} tokens, more than the context of "
-                            f"{context} ({where})")
+        raise FermijitError(f"the prompt has {n_prompt} tokens, and at least 1 to generate: "
+                            f"more than the context of {context} ({where})")
     return context
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fermijit import engine as engine_module
 from fermijit.server import protocol
 from fermijit.server.protocol import ApiError, Job
 
@@ -32,8 +33,7 @@ def prepare(engine, job: Job, max_image_tokens: int | None = None) -> None:
 def check_context(n_prompt: int, job: Job, max_context: int) -> None:
     if n_prompt == 0:
         raise ApiError(400, "the prompt is empty (no tokens)", "prompt")
-    if n_prompt >= max_context or (job.max_tokens is not None
-                                   and n_prompt + job.max_tokens > max_context):
+    if not engine_module.fits(n_prompt, job.max_tokens, max_context):
         raise protocol.context_overflow(n_prompt, job.max_tokens, max_context, job.is_chat)
 
 

@@ -41,7 +41,7 @@ class ApiError(Exception):
 
 def context_overflow(n_prompt: int, max_tokens: int | None, max_context: int,
                      is_chat: bool) -> ApiError:
-    asked = f" plus {max_tokens} to generate" if max_tokens is not None else ""
+    asked = f" plus {max_tokens or 'at least 1'} to generate"  # engine.fits
     return ApiError(400, f"This model's maximum context length is {max_context} tokens; the "
                          f"prompt has {n_prompt}{asked}.", "messages" if is_chat else "prompt",
                     "context_length_exceeded")

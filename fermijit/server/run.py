@@ -22,10 +22,12 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     `warm_prefill_tokens`: ops switch kernels past sizes), decode, sampling and the batched
     steps of 2, 3, 4 and max_batch sequences (the products' kernels differ for 2, 3 and more
     tokens, ops/matvec.py FEW_TOKENS; the scheduler decodes one sequence alone with
-    Model.decode, never a batch of 1), on throwaway states; with `drafts` (speculative.Drafts),
-    a speculative step's. (With a 2-token prefill and a batch of 2 only, the first prompt of 8+
-    tokens loaded 8 more kernels on the reap128 shape and the first batches of 3 and of 4 two
-    each, while serving: issue 28 item 4, "ready" means ready.)"""
+    Model.decode, never a batch of 1; max_batch at most `switch_rows`, past which a batch meets
+    no other kernel: --max-batch 4096's step of 4096 rows took 4.6 s of the embedded model's
+    start, against 0.06 s for the whole warm-up at 8), on throwaway states; with `drafts`
+    (speculative.Drafts), a speculative step's. (With a 2-token prefill and a batch of 2 only,
+    the first prompt of 8+ tokens loaded 8 more kernels on the reap128 shape and the first
+    batches of 3 and of 4 two each, while serving: issue 28 item 4, "ready" means ready.)"""
     from fermijit.engine import Settings, warm_up as engine_warm_up
     from fermijit.model.batch import can_batch, decode_batch
     from fermijit.warm import light_sample
@@ -45,7 +47,8 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
     n = warm_prefill_tokens(model)
     light.prefill(np.zeros(n, np.int32), light.new_state(n + 1))
     if can_batch(model) and max_batch > 1:
-        sizes = sorted({min(b, max_batch) for b in (2, 3, 4, max_batch)})
+        top = min(max_batch, switch_rows(model))
+        sizes = sorted({min(b, top) for b in (2, 3, 4, top)})
         # One set of states for all the steps: a fresh state's first step faults its pages in
         # (~7 ms a row on the reap128 shape, 17 rows).
         states = [light.new_state(len(sizes) + 1) for _ in range(sizes[-1])]
@@ -64,15 +67,22 @@ def warm_up(engine, max_batch: int, drafts=None) -> None:
 WARM_WHOLE_ENV = "FERMIJIT_WARM_WHOLE"
 
 
-def warm_prefill_tokens(model) -> int:
-    """The warm-up prompt's tokens: long enough that a longer prompt's prefill meets no other
+def switch_rows(model) -> int:
+    """Rows (a prompt's tokens, a batched step's sequences) past which the ops meet no other
     kernel. Ops switch kernels past sizes: omp.ROWS_MIN rows (the router, the GDN gates, the
     query | gate split), 2^15-2^16 elements of [T, hidden] or wider arrays (ops/embedding.py,
-    rmsnorm.py, rope.py, l2norm.py): the tokens where [T, hidden] holds 2^16 (32 on the reap128
-    shape; tests/fermijit/server/test_warm_up.py checks longer prompts load nothing)."""
+    rmsnorm.py, rope.py, l2norm.py): the rows where [T, hidden] holds 2^16 (32 on the reap128
+    shape, 171 on the embedded model; tests/fermijit/server/test_warm_up.py checks longer prompts
+    and larger batches load nothing)."""
     from fermijit.jit import omp
 
-    return max(1, min(model.max_context - 1, max(omp.ROWS_MIN, -(-(1 << 16) // model.hidden))))
+    return max(omp.ROWS_MIN, -(-(1 << 16) // model.hidden))
+
+
+def warm_prefill_tokens(model) -> int:
+    """The warm-up prompt's tokens: long enough that a longer prompt's prefill meets no other
+    kernel (`switch_rows`), short enough to fit the context."""
+    return max(1, min(model.max_context - 1, switch_rows(model)))
 
 
 # Seconds: Python's switch interval while the start's threads share the GIL (the CPU kernels'

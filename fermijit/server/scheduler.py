@@ -396,13 +396,7 @@ class Scheduler:
         from fermijit.model.forward import pass_size
         from fermijit.prefill.hybrid import PrefillItem
 
-        live = []
-        for s in self.prefilling:
-            if s.job.cancelled.is_set():
-                self.n_cancelled += 1
-            else:
-                live.append(s)
-        self.prefilling = live
+        live = self._drop_cancelled()
         is_owed = bool(self.active) and self._decode_owed > 0
         # The new first (each its first piece, so that arrivals together go together), then
         # the prompts with the fewest tokens left (short prompts' first tokens come soon).
@@ -450,6 +444,19 @@ class Scheduler:
                              if s.prefill.rest.size == 0])
         self.n_chunks += bool(groups)
 
+    def _drop_cancelled(self) -> list[Sequence]:
+        """The prompts still prefilling less those whose clients went away, but for those on the
+        GPU's thread (GpuJob): it writes their states until its call ends, so they count
+        against --kv-mem and --max-batch till `_collect_gpu_job`."""
+        live = []
+        for s in self.prefilling:
+            if s.job.cancelled.is_set() and not s.is_in_flight:
+                self.n_cancelled += 1
+            else:
+                live.append(s)
+        self.prefilling = live
+        return live
+
     def _prefiller_of(self, s: Sequence):
         """Who prefills `s`'s rest now: auto's choice for its length (hybrid.AutoPrefiller)."""
         choose = getattr(s.prefiller, "for_tokens", None)
@@ -464,6 +471,7 @@ class Scheduler:
         self._gpu_job = None
         for s in job.seqs:
             s.is_in_flight = False
+        self._drop_cancelled()
         live = [s for s in job.seqs if s in self.prefilling]  # not cancelled meanwhile
         if job.error is not None:
             return self._prefill_failed(live, job.error)

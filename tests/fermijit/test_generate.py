@@ -102,9 +102,9 @@ def test_loop_stops_at_eos_and_at_the_end_of_the_context(models):
     first = tokens.index(eos)  # the first occurrence stops it
     stopped, stats = generate(model, prompt, greedy, 12, 64, frozenset({eos}), seen.append)
     assert stopped == tokens[:first] == seen and stats.stop is Stop.EOS
-    context = prompt.size + 3
+    context = prompt.size + 3  # the prompt and 3 tokens: 2 decoded + the last sampled
     stopped, stats = generate(model, prompt, greedy, 12, context, frozenset(), lambda t: None)
-    assert stopped == tokens[:4] and stats.stop is Stop.CONTEXT  # 3 decoded + the last sampled
+    assert stopped == tokens[:3] and stats.stop is Stop.CONTEXT
 
 
 def test_sampling_settings_come_from_flags_then_generation_config():
@@ -190,7 +190,8 @@ def test_missing_directory_is_one_line(tmp_path):
 LONG = "the cat sat on the mat " * 60  # ~300 tokens: past max_position_embeddings (256)
 
 PROMPT_CASES = {
-    "past --ctx": (("--ctx", 3), PROMPT, "tokens, more than the context of 3 (--ctx)"),
+    "past --ctx": (("--ctx", 3), PROMPT, "tokens, and at least 1 to generate: more than the "
+                                         "context of 3 (--ctx)"),
     "past the model": ((), LONG, "more than the context of 256 (max_position_embeddings)"),
     "ctx past the model": (("--ctx", 1000), PROMPT, "--ctx must be between 1 and 256"),
     "empty": ((), "", "the prompt is empty"),
@@ -202,6 +203,39 @@ def test_bad_prompt_is_one_line(models, case):
     flags, prompt, message = PROMPT_CASES[case]
     assert_one_line_error(*fermijit("generate", "--model", models["q4"], *flags, *FLAGS,
                                     stdin=prompt), message)
+
+
+def test_generate_and_the_server_share_one_context_rule(models):
+    """The context holds the prompt and the tokens generated after it, and at least one must fit
+    (engine.fits): `generate` ran a prompt that filled --ctx (its one token past the context,
+    never fed), which the server refused at the model's context; it stops where the two fill
+    the context, as the server's max_tokens bound does."""
+    from fermijit.server.prompts import check_context
+    from fermijit.server.protocol import ApiError, Job
+
+    n_prompt = Tokenizer(models["q4"]).encode(PROMPT).size
+    assert_one_line_error(*fermijit("generate", "--model", models["q4"], PROMPT, "--ctx",
+                                    n_prompt, *FLAGS),
+                          f"the prompt has {n_prompt} tokens, and at least 1 to generate: more "
+                          f"than the context of {n_prompt} (--ctx)")
+    assert len(expected(models["q4"], PROMPT, 3)[1]) == 3  # no end-of-sequence id among them
+    code, _, err = fermijit("generate", "--model", models["q4"], PROMPT, "--ctx", n_prompt + 2,
+                            "--temperature", 0, *FLAGS)
+    assert code == 0 and "generated 2 tokens" in err and "(context full)" in err, err
+
+    def server(max_tokens, context):
+        job = Job(is_chat=False, prompt="", max_tokens=max_tokens, temperature=0, top_p=None,
+                  top_k=None, seed=0, stop=(), stream=False, include_usage=False)
+        check_context(n_prompt, job, context)
+
+    for max_tokens in (None, 1):
+        with pytest.raises(ApiError, match=f"maximum context length is {n_prompt} tokens; the "
+                                           f"prompt has {n_prompt} plus (at least )?1 to "
+                                           f"generate"):
+            server(max_tokens, n_prompt)
+    server(2, n_prompt + 2)
+    with pytest.raises(ApiError):
+        server(3, n_prompt + 2)
 
 
 FLAG_CASES = {

@@ -101,3 +101,65 @@ def test_prompts_still_prefilling_count(engine):
     assert len(scheduler.prefilling) + len(scheduler.active) == 1
     failed = [e.error for e in events if isinstance(e, Failed)]
     assert [(e.status, e.code) for e in failed] == [(503, "kv_memory_full")] * 2
+
+
+@pytest.mark.skipif(not __import__("fermijit.jit.omp", fromlist=["x"]).available(),
+                    reason="a prefill beside decode needs the omp threading layer")
+def test_a_prompt_cancelled_on_the_gpu_counts_until_its_call_ends(engine):
+    """A prompt whose client goes away while the GPU prefills it (scheduler.GpuJob) still holds
+    its state (the GPU's thread writes it) until that call ends: it was dropped from the count at
+    the next chunk, so a request that did not fit beside it was admitted meanwhile."""
+    import threading
+
+    from fermijit.engine import Engine
+    from fermijit.prefill.hybrid import CpuPrefiller
+    from fermijit.server import prompts
+    from fermijit.server.protocol import Failed, Job
+    from fermijit.server.scheduler import Scheduler
+
+    gate = threading.Event()
+
+    class Blocked(CpuPrefiller):  # the GPU's: whole prompts beside decode, held until `gate`
+        chunk_tokens, runs_beside_decode = None, True
+
+        def prefill_batch(self, items, align=None):
+            gate.wait(60)
+            return super().prefill_batch(items, align)
+
+    need = engine.model.state_nbytes
+    events = []
+
+    def submit(text, max_tokens):
+        job = Job(is_chat=False, prompt=text, max_tokens=max_tokens, temperature=0, top_p=None,
+                  top_k=None, seed=0, stop=(), stream=False, include_usage=False,
+                  emit=events.append)
+        prompts.prepare(engine, job)
+        scheduler.submit(job)
+        scheduler._admit()
+        return job
+
+    big, small = ("a " * 100, 400), ("b", 4)
+    n_big = engine.tokenizer.encode(big[0]).size + big[1]
+    n_small = engine.tokenizer.encode(small[0]).size + small[1]
+    own = Engine(engine.model, engine.tokenizer, None, Blocked(engine.model))
+    # room for one big and one small request, not for two big ones
+    scheduler = Scheduler(own, max_batch=4, queue_size=8, kv_mem=need(n_big) + need(n_small))
+    try:
+        on_gpu = submit(*big)
+        scheduler._prefill_chunk()  # its prompt to the GPU's thread, which holds it
+        assert scheduler._gpu_job is not None
+        on_gpu.cancelled.set()      # its client gone meanwhile
+        submit(*small)              # fits beside it
+        scheduler._prefill_chunk()  # the small one waits for the GPU; the cancelled one is there
+        submit(*big)                # does not fit while the GPU writes the cancelled one's state
+        failed = [e.error for e in events if isinstance(e, Failed)]
+        assert [(e.status, e.code) for e in failed] == [(503, "kv_memory_full")]
+    finally:
+        gate.set()  # the GPU call ends, whatever the test found
+    scheduler._gpu_job.done.wait(60)
+    n_cancelled = scheduler.n_cancelled
+    scheduler._collect_gpu_job()  # the call over: now the cancelled one is gone
+    assert scheduler.n_cancelled == n_cancelled + 1
+    assert on_gpu not in [s.job for s in scheduler.prefilling + scheduler.active]
+    submit(*big)
+    assert len([e for e in events if isinstance(e, Failed)]) == 1  # now it fits
