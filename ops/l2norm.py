@@ -31,16 +31,22 @@ def reference(x, eps, scale=1.0):
         np.float32)
 
 
-def _l2norm_rows(x, eps, scale, out):  # x, out [N, d]
+def _l2norm_rows(x, eps, scale, out):  # x, out [N, d]; out may be x itself
     n_rows, d = x.shape
+    in_place = x.ctypes.data == out.ctypes.data  # its own loop: as ops/rmsnorm.py _rmsnorm_rows
     for r in prange(n_rows):
         ss = 0.0
         for i in range(d):
             v = np.float64(x[r, i])
             ss += v * v
         inv = np.float32(scale / math.sqrt(ss + eps))
-        for i in range(d):
-            out[r, i] = x[r, i] * inv
+        if in_place:
+            row = out[r]
+            for i in range(d):
+                row[i] = row[i] * inv
+        else:
+            for i in range(d):
+                out[r, i] = x[r, i] * inv
 
 
 _l2norm_serial = kernel(_l2norm_rows)
