@@ -25,7 +25,7 @@ from fermijit.jit.checks import check_array, output
 from fermijit.jit import cpu as jit_cpu
 from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
-from fermijit.ops import fp32_rows, kv_quant
+from fermijit.ops import fp32_rows, kv_quant, quantize_rows
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
                                          group_scores, make_q8_scores, merged_row, q8_scores_by_key,
                                          row_max, transposed_keys, weighted_q8_rows, weighted_rows)
@@ -446,13 +446,20 @@ def decode_launch(q, k, v, gate, positions, o, isa: Isa | None = None,
 
 
 def _quantize_query_rows(q, qq, qd, qc, first, last):
-    """q [T, Hq, D] -> its Q8_0 codes, scales and 128 · the codes' sum per block (the keys'
-    rounding: ops/kv_quant.py), tokens [first, last)."""
+    """q [T, Hq, D] (C-contiguous) -> its Q8_0 codes, scales and 128 · the codes' sum per block
+    (the keys' rounding, ops/kv_quant.py: the same operations), tokens [first, last). Through
+    ops/quantize_rows.py's vector blocks: kv_quant's per-element loops stayed scalar here (a
+    full-size token's 16 heads 5.3 us a layer on one thread)."""
     for t in range(first, last):
-        for h in range(q.shape[1]):
-            kv_quant.quantize_row(q[t, h], qq[t, h], qd[t, h], qc[t, h])
-            for b in range(qc.shape[2]):
-                qc[t, h, b] *= 128
+        x, codes, scales, sums = q[t], qq[t], qd[t], qc[t]
+        for h in range(x.shape[0]):
+            for b in range(scales.shape[1]):
+                scales[h, b] = quantize_rows._block_amax(x, h, b) / np.float32(127.0)
+            for b in range(scales.shape[1]):
+                db = scales[h, b]
+                inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+                quantize_rows._block_round(x, h, b, codes, b * 32, b * 32 + 16, inv, sums)
+                sums[h, b] *= 16  # 8 · Σ codes -> 128 · Σ
 
 
 def _quantize_queries_body(q, qq, qd, qc):

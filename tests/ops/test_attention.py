@@ -229,6 +229,8 @@ def test_rounded_queries_are_the_cache_rounding_on_one_thread_or_many(rng, T):
     """A prefill pass's queries are rounded over the threads (from omp.ROWS_MIN rows), a decode
     step's on its own thread: kv_quant's rounding either way, 128 · the codes' sums beside."""
     q = rng.standard_normal((T, 3, 64)).astype(np.float32)
+    q[0, 1, :32] = 0  # a block of zeros: scale 0, codes 0
+    q[-1, 2, 32:] *= 1e4
     qq = np.full((T, 3, 64), 99, np.int8)
     qd = np.full((T, 3, 2), np.nan, np.float32)
     qc = np.full((T, 3, 2), -7, np.int32)
