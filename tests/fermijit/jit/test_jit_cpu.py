@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from fermijit import FermijitError
@@ -194,3 +195,24 @@ def test_pinned_threads_bind_the_caller_and_children_take_the_cpus_back():
     allowed = sorted(os.sched_getaffinity(0))
     assert len(eval(caller)) == 1          # the caller, thread 0 of every team, is bound
     assert eval(child) == allowed          # a child runs where the parent could
+
+
+def test_decode_asks_llvm_for_the_host_features_once(monkeypatch):
+    """The host's features are LLVM's answer once: asked per launch where decode picks a kernel
+    by ISA (the embedded model's MoE, whose shared expert runs apart), ~120 us each made its
+    tokens 14x slower."""
+    import llvmlite.binding as llvm
+
+    from fermijit import engine
+    from fermijit.model.forward import load_model
+
+    _, model = load_model(engine.DEFAULT_MODEL)
+    state = model.new_state(16)
+    model.prefill(np.arange(4, dtype=np.int32), state)
+    model.decode(5, state)
+    asked = []
+    real = llvm.get_host_cpu_features
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: asked.append(1) or real())
+    for _ in range(3):
+        model.decode(5, state)
+    assert asked == []
