@@ -5,7 +5,9 @@ requests at once.
 What reads weights is batched over the B rows, so the weights stream from memory once a step, not
 B times: the mixers' projections as one W4A8 GEMM over B rows (matvec.product), the MoE's
 experts as one grouped GEMM per projection over the (sequence, expert) slots sorted by expert
-(ops.moe.batched). What reads a sequence's own state, or is fp32 and small, runs per sequence,
+(ops.moe.batched; a batch of at most ROW_MOE_MAX_ROWS runs through a plan of its calls, as
+decode's token does, its MoE the rows launch: the union of the rows' experts, each read once).
+What reads a sequence's own state, or is fp32 and small, runs per sequence,
 through the same fused step kernels as `Model.decode` (model/forward.py `_decode_fused`): the
 residual add + norm + quantisation + fp32 gates or router (ops.residual_step), the attention step
 over its KV cache (ops.attention_step), the GDN step on its conv and recurrent state
@@ -41,7 +43,9 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
 
 # One sequence's verify step of at most this many rows runs decode's fused MoE kernel on its rows
 # (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
-# through the grouped launches (allocations, sorting).
+# through the grouped launches (allocations, sorting). A batch of at most this many sequences runs
+# through a plan too (_planned_rows: the MoE's union of experts); larger ones op by op (a plan's
+# joined steps grow with the rows: a batch of 513 made one past the memory).
 ROW_MOE_MAX_ROWS = 4
 
 
@@ -147,7 +151,9 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
     ws.tokens[:] = tokens
     ws.positions[:] = [s.position + s.rope_delta + o for s, o in zip(states, offsets)]
     if n_seqs == 1 and B <= ROW_MOE_MAX_ROWS:
-        return _rows_of_one(model, states[0], ws, None if saves is None else saves[0])
+        return _planned_rows(model, states, ws, None if saves is None else saves[0])
+    if n_seqs == B <= ROW_MOE_MAX_ROWS and (saves is None or all(v is None for v in saves)):
+        return _planned_rows(model, states, ws, None)
     embedding.cpu(ws.tokens, model.embed, out=ws.x)
     eps, y = model.eps, None                                         # y: the sublayer output
     n_gdn = 0
@@ -184,39 +190,47 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
     return linear(ws.xn, model.lm_head, ws.logits, ws.act, like_gemv=True)
 
 
-def _rows_of_one(model: Model, state: State, ws: BatchWorkspace, saves) -> np.ndarray:
-    """`decode_rows` of one sequence's R rows (ws.tokens and ws.positions set) through a plan
-    of their calls made once per state's and saves' arrays and workspace (a DecodePlan), as decode
-    runs its token (its GDN states not settled first where the GDN rows apply a pending row
-    themselves: 2 rows). A rollback swaps arrays between the state and the saves: the plans of the
-    few arrangements it makes are kept."""
+def _planned_rows(model: Model, states: list[State], ws: BatchWorkspace, saves) -> np.ndarray:
+    """`decode_rows` of ws's rows (ws.tokens and ws.positions set) through a plan of their calls
+    made once per states' and saves' arrays and workspace (a DecodePlan), as decode runs its
+    token: one sequence's R rows (its GDN states not settled first where the GDN rows apply a
+    pending row themselves: 2 rows), or R sequences' one row each (a server's batch: op by op
+    through Python, the embedded model's step of 2 took 3.3x a token). A rollback swaps arrays
+    between the state and the saves, a batch changes its sequences: the plans of the last few
+    arrangements are kept."""
+    distinct = list({id(s): s for s in states}.values())
     is_lazy = saves is not None and ws.n_seqs == 2
     if is_lazy:  # the GDN rows leave the last row pending (ops/gdn_rows.py): its records
-        for s in state.layers:
+        for s in states[0].layers:
             if isinstance(s, GdnState) and s.pending is None:
                 s.pending = gdn_rows.Pending(model.n_key_heads, model.n_value_heads,
                                              model.key_dim, model.value_dim)
-    arrays = _state_arrays(state, settle=not is_lazy) + (() if saves is None else saves.arrays)
+    arrays = (tuple(a for s in distinct for a in _state_arrays(s, settle=not is_lazy))
+              + (() if saves is None else saves.arrays))
     plan = next((p for p in ws.plans if p.fits_arrays(arrays, model.moe_observer)), None)
     if plan is None:
-        plan = DecodePlan(arrays, model.moe_observer, _rows_steps(model, state, ws, saves))
+        plan = DecodePlan(arrays, model.moe_observer, _rows_steps(model, states, ws, saves))
         ws.plans = ws.plans[-(MAX_PLANS - 1):] + [plan]
     if omp.in_forked_child:
         omp.check_process()
     run_steps(plan.steps)
-    state.position += ws.n_seqs
-    if state.hidden is not None:  # the MTP head's inputs (model/mtp.py)
-        state.hidden = np.concatenate([state.hidden, ws.xn])
+    for s in distinct:
+        rows = [b for b, t in enumerate(states) if t is s]
+        s.position += len(rows)
+        if s.hidden is not None:  # the MTP head's inputs (model/mtp.py)
+            s.hidden = np.concatenate([s.hidden, ws.xn[rows]])
     return ws.logits
 
 
-# Plans a workspace keeps (_rows_of_one): R rows' rollbacks arrange the live and saved arrays in
-# at most R! ways (2 for a 2-row step); a plan costs ~50-100 us a layer to make (DecodePlan).
+# Plans a workspace keeps (_planned_rows): R rows' rollbacks arrange the live and saved arrays in
+# at most R! ways (2 for a 2-row step), a batch's sequences change as requests come and go; a
+# plan costs ~50-100 us a layer to make (DecodePlan).
 MAX_PLANS = 8
 
 
-def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
-    """The calls of `decode_rows` over ws's R rows of `state`, as `Model._decode_steps` lists a
+def _rows_steps(model: Model, states: list[State], ws: BatchWorkspace, saves) -> list:
+    """The calls of `decode_rows` over ws's R rows (row r of states[r]: one sequence's next
+    positions, or R sequences' one each), as `Model._decode_steps` lists a
     token's: per row decode's own fused steps (attention, MoE), the products over the R rows
     at once (`like_gemv`: each row the GEMV's bits, matvec's few-token tiles; the GDN gates'
     fp32 rows in the fork of its input projection, as decode's), the residual steps of the R
@@ -239,13 +253,22 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
     C, Hv, dv = model.conv_dim, model.n_value_heads, model.value_dim
     n_gdn = 0
     attention_scratch: dict = {}                                 # one set for every layer
-    for i, (w, s) in enumerate(zip(model.layers, state.layers)):
+    is_one = all(s is states[0] for s in states)
+    for i, w in enumerate(model.layers):
         steps.append(sequence.BREAK)                             # a joined step a layer
-        mixer = w.mixer
+        mixer, layer_states = w.mixer, [s.layers[i] for s in states]
         if model.is_attention[i]:
             steps += residual(w.input_norm, ws.no_product, None)
             steps.append(product(ws.act, w.joined_in, ws.attn_in))       # q | k | v
-            steps += attention_rows_steps(model, mixer, s, ws, attention_scratch)
+            if is_one:
+                steps += attention_rows_steps(model, mixer, layer_states[0], ws,
+                                              attention_scratch)
+            else:  # each row over its sequence's cache: decode's step
+                steps += [step for b, (r, cache) in enumerate(zip(rows, layer_states))
+                          for step in attention_step.launch(
+                              ws.attn_in[r], mixer.q_norm, mixer.k_norm, eps, ws.positions[r],
+                              model.rotary_dim, model.theta, cache.k, cache.v, ws.q, ws.gate,
+                              ws.o[r], ws.act_attn_rows[b], attention_scratch)]
             steps.append(product(ws.act_attn, mixer.o_proj, ws.y))
         else:
             if isinstance(w.joined_in, matvec.Q4Matrix) and R <= matvec.FEW_TOKENS:
@@ -257,13 +280,14 @@ def _rows_steps(model: Model, state: State, ws: BatchWorkspace, saves) -> list:
                 steps += residual(w.input_norm, w.gates_in, ws.gates_in)  # b | a
                 steps.append(product(ws.act, w.joined_in, ws.gdn_in))     # qkv | z
             if saves is not None:  # every row in one call, the state after each kept
-                steps.append(_gdn_rows_step(model, mixer, s, ws, saves, n_gdn))
-            else:  # row by row through decode's step
+                steps.append(_gdn_rows_step(model, mixer, layer_states[0], ws, saves, n_gdn))
+            else:  # row by row through decode's step, each on its sequence's state
                 steps += [("gdn_step.cpu", *gdn_step.launch(
                     ws.gdn_in[r, :C], ws.gdn_in[r, C:].reshape(1, Hv, dv), ws.gates_in[r, Hv:],
                     ws.gates_in[r, :Hv], mixer.conv1d, s.conv, mixer.A_log, mixer.dt_bias,
                     mixer.norm, eps, L2NORM_EPS, s.recurrent, ws.gq, ws.gk, ws.gv, ws.g,
-                    ws.beta, ws.go[r], ws.act_gdn_rows[b])) for b, r in enumerate(rows)]
+                    ws.beta, ws.go[r], ws.act_gdn_rows[b]))
+                    for b, (r, s) in enumerate(zip(rows, layer_states))]
             steps.append(product(ws.act_gdn, mixer.out_proj, ws.y))
             n_gdn += 1
         y = ws.y

@@ -543,6 +543,15 @@ class Scheduler:
                 self._prefilled([(s, s.prefill.logits)])
 
     def _step(self) -> None:
+        n_before = len(self.active)
+        try:
+            self._decode_active()
+        finally:
+            if len(self.active) < n_before:  # a sequence ended: no batch plan keeps its state's
+                for ws in self._workspaces.values():  # arrays (its memory goes back)
+                    ws.plans.clear()
+
+    def _decode_active(self) -> None:
         from fermijit.model.batch import BatchWorkspace, can_batch, decode_batch
 
         model = self.engine.model

@@ -30,12 +30,32 @@ def _prefilled(model, prompts):
     return out
 
 
-@pytest.fixture(params=["default", "ssse3"])
+@pytest.fixture(scope="module")
+def fused_model(tmp_path_factory):
+    """A small synthetic reap128 whose experts take decode's fused MoE (the shared expert of the
+    routed ones' width; the default model's runs apart): a batch's MoE is then the rows launch."""
+    from fermijit.model import synth
+    from fermijit.ops import moe
+    from tests.model.test_synth import SMALL
+
+    dst = tmp_path_factory.mktemp("batch") / "m"
+    synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, show_progress=False,
+                overrides=dict(SMALL, moe_intermediate_size=128,
+                               shared_expert_intermediate_size=128))
+    fused = load_model(dst)[1]
+    assert moe.Scratch.make(fused.layers[0].experts, fused.top_k).is_fused
+    return fused
+
+
+@pytest.fixture(params=["default", "ssse3", "fused"])
 def decode_model(request, model, monkeypatch):
     """The model, decoding in jit.cpu.decode_isa's variant: the default one, or SSSE3 where that
-    is not the process's (a fresh model: its decode workspace is laid out on first use)."""
+    is not the process's (a fresh model: its decode workspace is laid out on first use); or a
+    model whose MoE is decode's fused kernel."""
     if request.param == "default":
         return model
+    if request.param == "fused":
+        return request.getfixturevalue("fused_model")
     if cpu.selected_isa() is cpu.Isa.SSSE3:
         pytest.skip("the process's variant is SSSE3 already")
     monkeypatch.setattr(cpu, "_decode", cpu.Isa.SSSE3)
@@ -43,21 +63,20 @@ def decode_model(request, model, monkeypatch):
 
 
 def test_rows_are_separate_decodes_exactly(decode_model, rng):
-    # Ragged positions (3 to 30 tokens seen), a sequence joining and one leaving between steps.
+    # Ragged positions (3 to 30 tokens seen), a sequence joining and one leaving between steps;
+    # batches of up to ROW_MOE_MAX_ROWS through a plan, larger ones op by op (model/batch.py).
     model = decode_model
     prompts = [rng.integers(0, model.vocab_size, n) for n in (5, 17, 3, 30, 9)]
     batched, single = _prefilled(model, prompts), _prefilled(model, prompts)
-    active = [0, 1, 2, 3]
-    for step in range(5):
-        if step == 2:
-            active = [1, 2, 3, 4]
+    for active in ([0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3, 4],
+                   [4, 2], [0, 1, 2, 3]):
         tokens = [batched[i][1] for i in active]
         ws = BatchWorkspace(model, len(active))
         ws.logits[:] = np.nan
         got = decode_batch(model, tokens, [batched[i][0] for i in active], ws)
         for row, i in enumerate(active):
             want = model.decode(single[i][1], single[i][0])
-            np.testing.assert_array_equal(got[row], want, err_msg=f"step {step}, sequence {i}")
+            np.testing.assert_array_equal(got[row], want, err_msg=f"{active}, sequence {i}")
             token = int(want.argmax())
             batched[i], single[i] = (batched[i][0], token), (single[i][0], token)
     # Every one-token product ran decode's variant, the batch's rows too.
