@@ -177,6 +177,7 @@ def measure(model_dir: Path, n_prompt: int, n_tokens: int, n_chat_tokens: int,
     import httpx
 
     from fermijit.engine import Engine, peak_rss_bytes
+    from fermijit.jit import cpu
     from fermijit.prefill import hybrid
     from fermijit.server.app import make_app
     from fermijit.server.run import ServerThread, warm_up
@@ -186,8 +187,8 @@ def measure(model_dir: Path, n_prompt: int, n_tokens: int, n_chat_tokens: int,
     engine = Engine.load(Path(model_dir))
     max_batch = max(CONCURRENCY)
     engine.prefiller = hybrid.make(engine.model, prefill, gpu_mem, pin_budget)
-    with hybrid.preparing(engine.prefiller):
-        warm_up(engine, max_batch)
+    with hybrid.preparing(engine.prefiller):  # on a thread that ends, as serve's (run.py)
+        cpu.on_a_passing_thread(lambda: warm_up(engine, max_batch))
     scheduler = Scheduler(engine, max_batch=max_batch, queue_size=4 * max_batch)
     scheduler.start()
     server = ServerThread(make_app(scheduler, model_dir.name))

@@ -252,6 +252,34 @@ def configure_threads(n_threads: int | None) -> int:
     return numba.get_num_threads()
 
 
+def on_a_passing_thread(work):
+    """work() on a thread of its own that ends before this returns (its result, or its exception
+    raised here), with this thread's Numba thread count. libgomp keeps a pool of workers for
+    every thread that ever started a parallel region, for that thread's life, and while more
+    workers live than there are CPUs every idle worker spins ~100 pauses, not GOMP_SPINCOUNT, before
+    it sleeps: the server's decode on its scheduler thread, after the warm-up's regions on the
+    main thread, took 3.4 ms a token of the embedded model against 0.45 (2 cores). Work before
+    a long-lived thread's own goes here, so that that one's pool is the only one."""
+    import threading
+
+    n_threads = configure_threads(None)
+    outcome: dict = {}
+
+    def run() -> None:
+        numba.set_num_threads(n_threads)
+        try:
+            outcome["value"] = work()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="fermijit-passing")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
 # --- kernels cached by source -------------------------------------------------------------------
 
 _JIT_DIR = Path(__file__).resolve().parent

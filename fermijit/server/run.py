@@ -117,7 +117,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     import uvicorn
 
     from fermijit.engine import Engine
-    from fermijit.jit import gpu_early
+    from fermijit.jit import cpu, gpu_early
     from fermijit.model import safetensors_io
     from fermijit.model.convert import checks_beside
     from fermijit.prefill import hybrid
@@ -161,7 +161,8 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
         gc.freeze()  # what the imports and the load made, off the collector (cli.py main)
         gc.enable()
         times = {"imports": start - began, "load": time.perf_counter() - start}
-        warm_up(engine, max_batch, drafts)
+        # On a thread that ends: the scheduler's is then the only one whose kernels fork
+        cpu.on_a_passing_thread(lambda: warm_up(engine, max_batch, drafts))
         times["kernels"] = time.perf_counter() - start - times["load"]
         gpu_thread_s = time.perf_counter() - start  # the warm-up's end: then the GPU's wait
     scheduler = Scheduler(engine, max_batch, queue_size, kv_mem, drafts,

@@ -216,3 +216,52 @@ def test_decode_asks_llvm_for_the_host_features_once(monkeypatch):
     for _ in range(3):
         model.decode(5, state)
     assert asked == []
+
+
+PASSING = """
+import os, threading
+import numpy as np
+from fermijit.jit import cpu
+cpu.configure_threads(2)
+from fermijit.engine import DEFAULT_MODEL
+from fermijit.model.forward import load_model
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+_, model = load_model(DEFAULT_MODEL)
+state = model.new_state(8)
+before = tasks()
+where = cpu.on_a_passing_thread(lambda: (model.prefill(np.arange(3, dtype=np.int32), state),
+                                         threading.current_thread())[1])
+after_passing = tasks()
+model.decode(5, state)  # the main thread's own kernels: its pool of workers stays
+print(where is not threading.main_thread(), where.is_alive(), before, after_passing, tasks())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="no /proc to count threads in")
+def test_work_on_a_passing_thread_leaves_no_pool_behind():
+    """on_a_passing_thread: the work runs on a thread of its own, whose libgomp workers end with
+    it (serve's warm-up, so that the scheduler thread's pool is the only one: two live pools
+    throttle every idle worker's spin); the main thread's own kernels leave their workers for
+    the process's life (what the passing thread avoids)."""
+    from fermijit.jit import omp
+
+    if not omp.available() or cpu.configure_threads(None) < 2:
+        pytest.skip("no omp team of two here")
+    r = subprocess.run([sys.executable, "-c", PASSING], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    elsewhere, alive, before, after_passing, after_main = r.stdout.split()
+    assert (elsewhere, alive) == ("True", "False")
+    assert int(after_passing) == int(before) < int(after_main)
+
+
+def test_a_passing_thread_returns_or_raises_and_keeps_the_thread_count():
+    import numba
+
+    n = cpu.configure_threads(None)
+    assert cpu.on_a_passing_thread(numba.get_num_threads) == n
+    with pytest.raises(FermijitError, match="boom"):
+        cpu.on_a_passing_thread(lambda: (_ for _ in ()).throw(FermijitError("boom")))

@@ -15,10 +15,11 @@ MAX_BATCH = 8
 @pytest.fixture(scope="session")
 def engine():
     from fermijit.engine import DEFAULT_MODEL, Engine
+    from fermijit.jit import cpu
     from fermijit.server.run import warm_up
 
     e = Engine.load(DEFAULT_MODEL)
-    warm_up(e, MAX_BATCH)
+    cpu.on_a_passing_thread(lambda: warm_up(e, MAX_BATCH))  # as serve does
     return e
 
 
