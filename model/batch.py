@@ -151,9 +151,10 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
     ws.tokens[:] = tokens
     ws.positions[:] = [s.position + s.rope_delta + o for s, o in zip(states, offsets)]
     if n_seqs == 1 and B <= ROW_MOE_MAX_ROWS:
-        return _planned_rows(model, states, ws, None if saves is None else saves[0])
+        return _planned_rows(model, states, distinct, ws,
+                             None if saves is None else saves[0])
     if n_seqs == B <= ROW_MOE_MAX_ROWS and (saves is None or all(v is None for v in saves)):
-        return _planned_rows(model, states, ws, None)
+        return _planned_rows(model, states, distinct, ws, None)
     embedding.cpu(ws.tokens, model.embed, out=ws.x)
     eps, y = model.eps, None                                         # y: the sublayer output
     n_gdn = 0
@@ -180,25 +181,30 @@ def decode_rows(model: Model, tokens, states: list[State], ws: BatchWorkspace | 
         if model.moe_observer is not None:
             model.moe_observer(w, ws.xn, ws.ids, ws.weights)
         moe.batched(ws.xn, ws.ids, ws.weights, w.experts, out=ws.y)
-    for s in states:
-        s.position += 1
     _residual(ws, y, model.norm, eps, ws.no_product, None)
-    for s in distinct:
-        if s.hidden is not None:  # the MTP head's inputs (model/mtp.py)
-            rows = [b for b, t in enumerate(states) if t is s]
-            s.hidden = np.concatenate([s.hidden, ws.xn[rows]])
+    _advance(states, distinct, ws)
     return linear(ws.xn, model.lm_head, ws.logits, ws.act, like_gemv=True)
 
 
-def _planned_rows(model: Model, states: list[State], ws: BatchWorkspace, saves) -> np.ndarray:
+def _advance(states: list[State], distinct: list[State], ws: BatchWorkspace) -> None:
+    """After a step of ws's rows (ws.xn their final norms): each state past its rows, and a
+    state with the MTP layer given their hidden states (model/mtp.py)."""
+    for s in distinct:
+        rows = [b for b, t in enumerate(states) if t is s]
+        s.position += len(rows)
+        if s.hidden is not None:
+            s.hidden = np.concatenate([s.hidden, ws.xn[rows]])
+
+
+def _planned_rows(model: Model, states: list[State], distinct: list[State], ws: BatchWorkspace,
+                  saves) -> np.ndarray:
     """`decode_rows` of ws's rows (ws.tokens and ws.positions set) through a plan of their calls
     made once per states' and saves' arrays and workspace (a DecodePlan), as decode runs its
     token: one sequence's R rows (its GDN states not settled first where the GDN rows apply a
     pending row themselves: 2 rows), or R sequences' one row each (a server's batch: op by op
     through Python, the embedded model's step of 2 took 3.3x a token). A rollback swaps arrays
     between the state and the saves, a batch changes its sequences: the plans of the last few
-    arrangements are kept."""
-    distinct = list({id(s): s for s in states}.values())
+    arrangements are kept. `distinct`: the states, each once."""
     is_lazy = saves is not None and ws.n_seqs == 2
     if is_lazy:  # the GDN rows leave the last row pending (ops/gdn_rows.py): its records
         for s in states[0].layers:
@@ -214,11 +220,7 @@ def _planned_rows(model: Model, states: list[State], ws: BatchWorkspace, saves) 
     if omp.in_forked_child:
         omp.check_process()
     run_steps(plan.steps)
-    for s in distinct:
-        rows = [b for b, t in enumerate(states) if t is s]
-        s.position += len(rows)
-        if s.hidden is not None:  # the MTP head's inputs (model/mtp.py)
-            s.hidden = np.concatenate([s.hidden, ws.xn[rows]])
+    _advance(states, distinct, ws)
     return ws.logits
 
 
