@@ -219,7 +219,7 @@ def test_decode_asks_llvm_for_the_host_features_once(monkeypatch):
 
 
 PASSING = """
-import os, threading
+import os, threading, time
 import numpy as np
 from fermijit.jit import cpu
 cpu.configure_threads(2)
@@ -234,6 +234,9 @@ state = model.new_state(8)
 before = tasks()
 where = cpu.on_a_passing_thread(lambda: (model.prefill(np.arange(3, dtype=np.int32), state),
                                          threading.current_thread())[1])
+deadline = time.monotonic() + 10  # the pool's workers leave after their thread has ended
+while tasks() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
 after_passing = tasks()
 model.decode(5, state)  # the main thread's own kernels: its pool of workers stays
 from fermijit.jit import omp
