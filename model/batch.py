@@ -102,8 +102,7 @@ class BatchWorkspace:
         # their experts) for more (decode_rows).
         experts = model.layers[0].experts
         self.moe_scratch = moe.Scratch.make(experts, model.top_k)
-        self.moe_rows = (moe.RowsScratch.make(experts, model.top_k, B)
-                         if B > 1 and self.moe_scratch.is_fused else None)
+        self.moe_rows = moe.RowsScratch.make(experts, model.top_k, B) if B > 1 else None
         self.no_product = np.empty((0, H), f)
         self.no_product.flags.writeable = False
         self.no_p = np.empty((1, 0), f)
@@ -326,15 +325,12 @@ def attention_rows_steps(model: Model, mixer, kv: KvCache, ws: BatchWorkspace,
 def moe_rows_steps(ws: BatchWorkspace, experts) -> list:
     """The plan's MoE of ws's rows (ws.xn, routed into ws.ids, ws.weights) into ws.y: every row
     in one call (moe.rows_launch: the union of the rows' experts, each read once; each row its
-    decode's bits), one row by decode's fused kernel, or row by row where the rows launch does
-    not take the model."""
-    rows = [slice(b, b + 1) for b in range(ws.n_seqs)]
+    decode's bits), one row by decode's fused kernel."""
     if ws.moe_rows is not None:
         return [("moe.decode", *moe.rows_launch(ws.xn, ws.act, ws.ids, ws.weights, experts,
                                                 ws.y, ws.moe_rows))]
-    return [("moe.decode", *moe.decode_launch(ws.xn[r], ws.act_rows[b], ws.ids[r],
-                                              ws.weights[r], experts, ws.y[r],
-                                              ws.moe_scratch)) for b, r in enumerate(rows)]
+    return [("moe.decode", *moe.decode_launch(ws.xn, ws.act_rows[0], ws.ids, ws.weights,
+                                              experts, ws.y, ws.moe_scratch))]
 
 
 def _gdn_rows_step(model: Model, mixer, s, ws: BatchWorkspace, saves: "GdnSaves", g: int):

@@ -9,8 +9,9 @@ intermediate. Weights are Q4_0 (ops.quant); the shared expert is stored as one m
 tensor of its own ([1, ...]), so it is "the routed op with E = 1" (ops.expert_matmul).
 
 `reference` is the fp32-activation spec (ops.expert_matmul.reference, twice). `cpu` is W4A8:
-decode (T = 1) runs each projection of all selected experts as one gathered launch
-(matvec.gathered); a speculative verify step's few tokens, the union of their experts, each read
+decode (T = 1) runs the selected experts and the shared one in one dispatch (a gate_up launch with
+the SwiGLU and its quantisation in its shares, then a down launch with the combination:
+`_fused_body`); a speculative verify step's few tokens, the union of their experts, each read
 once (`rows_launch`); CPU prefill (T > 1) sorts the tokens by expert once (a counting sort) and runs
 each projection of all experts as one grouped GEMM launch (matvec.grouped).
 """
@@ -142,20 +143,16 @@ def _combine(routed, weights, shared, x, w_sg, y):
 @dataclass
 class Scratch:
     """Decode's buffers for one layer shape, made once: per-token MoE allocates nothing (and
-    the last prefill pass's, `prefill`, made by that pass).
+    the last prefill pass's, `prefill`, made by that pass). The shared expert has buffers of its
+    own (its intermediate size Is may differ from the routed experts' I, as in the default
+    model) but rides in the routed experts' two launches; its down output is row k of
+    `routed`."""
 
-    When the shared expert has the routed experts' shapes (I = Is, as in Qwen3.6-35B-A3B), it
-    rides in the routed experts' launches as row k of gu, h and out: two launches a layer, not
-    four. Otherwise it has buffers and launches of its own."""
-
-    gu: np.ndarray         # [k (+1), 2I]
-    h: np.ndarray          # [k (+1), I]
-    routed: np.ndarray     # [k (+1), H]
-    shared_gu: np.ndarray  # [1, 2Is] (unused when fused)
+    gu: np.ndarray         # [k, 2I]
+    h: np.ndarray          # [k, I]
+    routed: np.ndarray     # [k + 1, H]
+    shared_gu: np.ndarray  # [1, 2Is]
     shared_h: np.ndarray   # [1, Is]
-    shared: np.ndarray     # [1, H]
-    zero: np.ndarray       # [1] int32: the shared expert's index
-    is_fused: bool
     act_x: Q8Act | None = None  # made by the first call, reused after
     act_h: Q8Act | None = None
     act_sh: Q8Act | None = None
@@ -163,46 +160,53 @@ class Scratch:
 
     @classmethod
     def make(cls, w: MoeWeights, top_k: int) -> "Scratch":
-        h2, i2 = w.gate_up_d.shape[1], w.down_d.shape[1]
-        s2 = w.shared_gate_up_d.shape[1]
-        is_fused = w.shared_gate_up_qs.shape[1:] == w.gate_up_qs.shape[1:]
-        n = top_k + is_fused
+        two_i, hidden = w.gate_up_d.shape[1], w.down_d.shape[1]
+        two_is = w.shared_gate_up_d.shape[1]
         f = np.float32
-        return cls(np.empty((n, h2), f), np.empty((n, h2 // 2), f), np.empty((n, i2), f),
-                   np.empty((1, s2), f), np.empty((1, s2 // 2), f), np.empty((1, i2), f),
-                   np.zeros(1, np.int32), is_fused)
+        return cls(np.empty((top_k, two_i), f), np.empty((top_k, two_i // 2), f),
+                   np.empty((top_k + 1, hidden), f), np.empty((1, two_is), f),
+                   np.empty((1, two_is // 2), f))
 
 
 def _gate_up_share(thread, n_threads, args, counter):
     """A thread's runs of 32-blocks of h (claimed while any are left: jit.omp.first_run), in
-    (matrix, block) order over the routed experts then the shared one: each block's 32 gate rows
-    and 32 up rows side by side (the GEMV tile's two streams, gate row j beside up row I + j; one
-    at a time where the tile takes one row), then that block's SwiGLU and its quantisation for
-    the down projection. So only the down launch waits for all threads, and no thread waits
-    through the SwiGLU and the quantiser of every row (~11 us of a full-size layer on one thread,
-    this machine). `args` holds each token's arguments (decode: one; given several, the tokens'
-    same block in turn, each token's experts read apart: how a verify step's rows ran before
-    `rows_launch`, kept for tests/verify_rows_probe.py's comparison)."""
-    n_inter = args[0][9].shape[1]
-    per_row = n_inter // 32
-    n_units = args[0][9].shape[0] * per_row
-    qs0, d0 = args[0][0], args[0][1]
-    least = omp.least_units(64 * (qs0.shape[2] + 2 * d0.shape[2]) * len(args))
+    (matrix, block) order over the routed experts then the shared one (its own buffers: its
+    intermediate size may differ): each block's 32 gate rows and 32 up rows side by side (the
+    GEMV tile's two streams, gate row j beside up row I + j; one at a time where the tile takes
+    one row), then that block's SwiGLU and its quantisation for the down projection. So only
+    the down launch waits for all threads, and no thread waits through the SwiGLU and the
+    quantiser of every row (~11 us of a full-size layer on one thread, this machine). `args`
+    holds each token's arguments (decode: one; given several, the tokens' same block in turn,
+    each token's experts read apart: how a verify step's rows ran before `rows_launch`, kept
+    for tests/verify_rows_probe.py's comparison)."""
+    a0 = args[0]
+    per_row, per_shared = a0[9].shape[1] // 32, a0[17].shape[1] // 32  # h's, the shared h's
+    n_routed = a0[2].size * per_row
+    n_units = n_routed + a0[3].shape[0] * per_shared
+    least = omp.least_units(64 * (a0[0].shape[2] + 2 * a0[1].shape[2]) * len(args))
     first, last = omp.first_run(counter, thread, n_threads, n_units, least, 1)
     while first < last:
         for unit in range(first, last):
-            i = unit // per_row
-            b = unit - i * per_row
             for a in args:
                 (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
-                 half_lanes) = a
-                w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+                 half_lanes, sgu, sh, shq, shdx, shxsum8) = a
+                if unit < n_routed:
+                    i = unit // per_row
+                    b = unit - i * per_row
+                    w, s = qs[idx[i]], d[idx[i]]
+                    gu_o, h_o, q_o, dx_o, sum_o = gu, h, hq, hdx, hxsum8
+                else:
+                    i = (unit - n_routed) // per_shared
+                    b = unit - n_routed - i * per_shared
+                    w, s = sqs[i], sd[i]
+                    gu_o, h_o, q_o, dx_o, sum_o = sgu, sh, shq, shdx, shxsum8
+                n_inter = h_o.shape[1]
                 for j in range(b * 32, b * 32 + 32):
-                    spread_tile(w, s, xq, dx, xsum8, gu, j, 0, i, n_inter)  # rows j, I + j
+                    spread_tile(w, s, xq, dx, xsum8, gu_o, j, 0, i, n_inter)  # rows j, I + j
                     if ROWS == 1:
-                        spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, 0, i, n_inter)
-                swiglu_range(gu[i], h[i], b * 32, b * 32 + 32)
-                matvec.quantize_blocks(h[i], hq[i], hdx[i], hxsum8[i], b, b + 1, lanes,
+                        spread_tile(w, s, xq, dx, xsum8, gu_o, n_inter + j, 0, i, n_inter)
+                swiglu_range(gu_o[i], h_o[i], b * 32, b * 32 + 32)
+                matvec.quantize_blocks(h_o[i], q_o[i], dx_o[i], sum_o[i], b, b + 1, lanes,
                                        step_blocks, half_lanes)
         first, last = omp.next_run(counter, thread, n_threads, n_units, least, 1)
 
@@ -210,18 +214,20 @@ def _gate_up_share(thread, n_threads, args, counter):
 def _down_share(thread, n_threads, args, counter):
     """The down launch and the combination, by rows: each run [j0, j1) the thread claims
     (jit.omp.first_run: while any are left, so faster threads take more) of the rows of every
-    matrix (routed experts, then the shared one; each run as ROWS side-by-side streams),
-    then each token's combination of those rows (`_combine`'s, each element its bits whatever
-    the run; the shared expert's gate σ(w_sg · x) computed by every thread, the same bits). So
-    no thread combines all the rows while the team waits (~20 us of a full-size layer on one
-    thread, cold, this machine: ~0.8 ms of a 40-layer token at every thread count). `args`: the
-    tokens' down arguments, then their combination arguments (as _gate_up_share, the tokens'
-    same matrix in turn)."""
+    matrix (routed experts, then the shared one from its own activations; each run as ROWS
+    side-by-side streams), then each token's combination of those rows (`_combine`'s, each
+    element its bits whatever the run; the shared expert's gate σ(w_sg · x) computed by every
+    thread, the same bits). So no thread combines all the rows while the team waits (~20 us of
+    a full-size layer on one thread, cold, this machine: ~0.8 ms of a 40-layer token at every
+    thread count). `args`: the tokens' down arguments, then their combination arguments (as
+    _gate_up_share, the tokens' same matrix in turn)."""
     down, combine = args
-    qs0, d0 = down[0][0], down[0][1]
+    qs0, d0, sqs0, sd0 = down[0][0], down[0][1], down[0][3], down[0][4]
     n_rows = qs0.shape[1]
-    n_mats = down[0][2].size + down[0][3].shape[0]
-    least = omp.least_units(n_mats * (qs0.shape[2] + 2 * d0.shape[2]) * len(down))
+    n_routed = down[0][2].size
+    row_bytes = (n_routed * (qs0.shape[2] + 2 * d0.shape[2])
+                 + sqs0.shape[0] * (sqs0.shape[2] + 2 * sd0.shape[2]))
+    least = omp.least_units(row_bytes * len(down))
     g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
     if g0 >= g1:
         return
@@ -232,14 +238,18 @@ def _down_share(thread, n_threads, args, counter):
         n += 1
     while g0 < g1:
         per = (g1 - g0) // ROWS
-        for i in range(n_mats):
+        for i in range(n_routed + sqs0.shape[0]):
             for a in down:
-                qs, d, idx, sqs, sd, xq, dx, xsum8, out = a
-                w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+                qs, d, idx, sqs, sd, xq, dx, xsum8, sxq, sdx, sxsum8, out = a
+                if i < n_routed:
+                    w, s, aq, adx, asum, ai = qs[idx[i]], d[idx[i]], xq, dx, xsum8, i
+                else:
+                    ai = i - n_routed
+                    w, s, aq, adx, asum = sqs[ai], sd[ai], sxq, sdx, sxsum8
                 for j in range(per):
-                    spread_tile(w, s, xq, dx, xsum8, out, g0 + j, i, i, per)
+                    spread_tile(w, s, aq, adx, asum, out, g0 + j, ai, i, per)
                 for r in range(g0 + per * ROWS, g1):
-                    one_by_1(w, s, xq, dx, xsum8, out, r, i, i)
+                    one_by_1(w, s, aq, adx, asum, out, r, ai, i)
         n = 0
         for c in combine:
             x, idx, weights, routed, w_sg, out = c
@@ -254,8 +264,10 @@ def _fused_body(gate_up, down, combine):
     the shared expert riding in the routed launches (Scratch): the gate_up launch with the
     SwiGLU and its quantisation in its shares (_gate_up_share), then the down launch with the
     combination in its shares (_down_share), in one dispatch: decode paid ~27 us of Python
-    and dispatch a layer for them as four calls (`bench decode --profile`, 8 full-size layers).
-    The same bits as those calls one by one. Each argument holds the tokens' arguments."""
+    and dispatch a layer for them as four calls (`bench decode --profile`, 8 full-size layers),
+    the default model's shared expert of its own width ~9 calls a layer (0.27 of its 0.49 ms
+    a token). The same bits as those calls one by one. Each argument holds the tokens'
+    arguments."""
     fork_gate_up(gate_up)
     fork_down((down, combine))
 
@@ -285,6 +297,9 @@ def _check_weights(w: MoeWeights) -> None:
         check_array("moe", f"{name}_d", d, np.float16, ndim=3)
         check_array("moe", f"{name}_qs", qs, np.uint8, d.shape[:2] + (d.shape[2] * 16,))
     n_experts, two_i, _ = w.gate_up_d.shape
+    if w.shared_gate_up_d.shape[0] != 1 or w.shared_down_d.shape[0] != 1:
+        raise FermijitError(f"moe: one shared expert expected, got "
+                            f"{w.shared_gate_up_d.shape[0]} / {w.shared_down_d.shape[0]}")
     if (w.gate_up_d.shape[2] * 32 != hidden or w.down_d.shape[:2] != (n_experts, hidden)
             or w.down_d.shape[2] * 64 != two_i or w.shared_down_d.shape[1] != hidden
             or w.shared_down_d.shape[2] * 64 != w.shared_gate_up_d.shape[1]
@@ -322,42 +337,22 @@ def decode(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
 
 def decode_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch):
     """`decode`'s kernel and arguments, for a caller that repeats the call every token (model/
-    forward.py's decode plan): (the fused kernel, args), or (`_launches`, args) where the shared
-    expert has shapes of its own."""
-    if not s.is_fused:
-        return _launches, (x, act, ids, weights, w, out, s)
-    return _token_launch(x, act, ids, weights, w, out, s)
-
-
-def _token_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch):
-    """The fused kernel's arguments for one token (decode_launch's)."""
+    forward.py's decode plan): the fused kernel and its arguments for one token."""
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
     # moe's checks cover the weights: the prepared launches check only what each call adds.
     if s.act_h is None or s.act_h.vec is not act.vec:
         s.act_h = matvec.quantize_act(s.h, act.vec.isa)
-    v, h = act.vec, s.act_h
+        s.act_sh = matvec.quantize_act(s.shared_h, act.vec.isa)
+    v, h, sh = act.vec, s.act_h, s.act_sh
     half = matvec.simd.HALF_OF.get(v.isa)
     gate_up = (w.gate_up_qs, gu_bits, ids[0], w.shared_gate_up_qs, shared_gu_bits, act.xq,
                act.dx, act.xsum8, s.gu, s.h, h.xq, h.dx, h.xsum8, v.lanes,
-               matvec.blocks_per_step(v), half.lanes if half else 0)
+               matvec.blocks_per_step(v), half.lanes if half else 0, s.shared_gu, s.shared_h,
+               sh.xq, sh.dx, sh.xsum8)
     down = (w.down_qs, down_bits, ids[0], w.shared_down_qs, shared_down_bits, h.xq, h.dx,
-            h.xsum8, s.routed)
+            h.xsum8, sh.xq, sh.dx, sh.xsum8, s.routed)
     combine = (x[0], ids[0], weights[0], s.routed, w.shared_gate, out[0])
     return _fused_kernel(act.vec.isa), ((gate_up,), (down,), (combine,))
-
-
-def _launches(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: Scratch) -> None:
-    """`decode` with a shared expert of other shapes than the routed ones: its own launches."""
-    gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, s.gu)
-    matvec.gathered(w.shared_gate_up_qs, shared_gu_bits, s.zero, act, s.shared_gu)
-    _swiglu(s.gu, s.h)
-    _swiglu(s.shared_gu, s.shared_h)
-    s.act_h = matvec.quantize_act(s.h, act.vec.isa, out=s.act_h)
-    s.act_sh = matvec.quantize_act(s.shared_h, act.vec.isa, out=s.act_sh)
-    matvec.gathered(w.down_qs, down_bits, ids[0], s.act_h, s.routed)
-    matvec.gathered(w.shared_down_qs, shared_down_bits, s.zero, s.act_sh, s.shared)
-    _combine(s.routed, weights[0], s.shared[0], x[0], w.shared_gate, out[0])
 
 
 # --- a verify step's few tokens: their experts' union, each expert read once ----------------------
@@ -414,54 +409,66 @@ def _weighted_gather(routed, n_tok, t, slots, weights, shared_row, gate, y, j0, 
 
 def _union_gate_up_share(thread, n_threads, args, counter):
     """`_gate_up_share` over the union: a thread's claimed runs of (union expert, 32-block of h)
-    units, each block's 32 gate and 32 up rows loaded once for the tokens that chose the expert
-    (two consecutive ones in one `spread_pair` tile), then each such token's SwiGLU and
-    quantisation of the block."""
-    (qs, d, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
-     half_lanes), idx, chosen = args
-    n_tok, n_inter = xq.shape[0], h.shape[1]
-    per_row = n_inter // 32
-    n_units = (idx.size + sqs.shape[0]) * per_row
+    units, the shared expert's last (into its own buffers), each block's 32 gate and 32 up rows
+    loaded once for the tokens that chose the expert (two consecutive ones in one `spread_pair`
+    tile), then each such token's SwiGLU and quantisation of the block."""
+    (qs, d, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks, half_lanes,
+     sgu, sh, shq, shdx, shxsum8), idx, chosen = args
+    n_tok = xq.shape[0]
+    per_row, per_shared = h.shape[1] // 32, sh.shape[1] // 32
+    n_routed = idx.size * per_row
+    n_units = n_routed + sqs.shape[0] * per_shared
     least = omp.least_units(64 * (qs.shape[2] + 2 * d.shape[2]))
     first, last = omp.first_run(counter, thread, n_threads, n_units, least, 1)
     while first < last:
         for unit in range(first, last):
-            i = unit // per_row
-            b = unit - i * per_row
-            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+            if unit < n_routed:
+                i = unit // per_row
+                b = unit - i * per_row
+                w, s = qs[idx[i]], d[idx[i]]
+                gu_o, h_o, q_o, dx_o, sum_o, o0 = gu, h, hq, hdx, hxsum8, i * n_tok
+            else:
+                i_s = (unit - n_routed) // per_shared
+                b = unit - n_routed - i_s * per_shared
+                w, s = sqs[i_s], sd[i_s]
+                gu_o, h_o, q_o, dx_o, sum_o, o0 = sgu, sh, shq, shdx, shxsum8, i_s * n_tok
+                i = idx.size + i_s  # its row of `chosen`
+            n_inter = h_o.shape[1]
             for j in range(b * 32, b * 32 + 32):
                 t = 0
                 while t < n_tok:
-                    o = i * n_tok + t
+                    o = o0 + t
                     if chosen[i, t] == 0:
                         t += 1
                     elif t + 1 < n_tok and chosen[i, t + 1] != 0:
-                        spread_pair(w, s, xq, dx, xsum8, gu, j, t, o, n_inter)  # rows j, I + j
+                        spread_pair(w, s, xq, dx, xsum8, gu_o, j, t, o, n_inter)  # rows j, I + j
                         if ROWS == 1:
-                            spread_pair(w, s, xq, dx, xsum8, gu, n_inter + j, t, o, n_inter)
+                            spread_pair(w, s, xq, dx, xsum8, gu_o, n_inter + j, t, o, n_inter)
                         t += 2
                     else:
-                        spread_tile(w, s, xq, dx, xsum8, gu, j, t, o, n_inter)
+                        spread_tile(w, s, xq, dx, xsum8, gu_o, j, t, o, n_inter)
                         if ROWS == 1:
-                            spread_tile(w, s, xq, dx, xsum8, gu, n_inter + j, t, o, n_inter)
+                            spread_tile(w, s, xq, dx, xsum8, gu_o, n_inter + j, t, o, n_inter)
                         t += 1
             for t in range(n_tok):
                 if chosen[i, t] != 0:
-                    o = i * n_tok + t
-                    swiglu_range(gu[o], h[o], b * 32, b * 32 + 32)
-                    matvec.quantize_blocks(h[o], hq[o], hdx[o], hxsum8[o], b, b + 1, lanes,
+                    o = o0 + t
+                    swiglu_range(gu_o[o], h_o[o], b * 32, b * 32 + 32)
+                    matvec.quantize_blocks(h_o[o], q_o[o], dx_o[o], sum_o[o], b, b + 1, lanes,
                                            step_blocks, half_lanes)
         first, last = omp.next_run(counter, thread, n_threads, n_units, least, 1)
 
 
 def _union_down_share(thread, n_threads, args, counter):
     """`_down_share` over the union: a thread's claimed runs of rows of every union matrix (each
-    row loaded once for the tokens that chose it, as `_union_gate_up_share`), then each token's
-    combination of those rows (`_weighted_gather`)."""
-    (qs, d, sqs, sd, hq, hdx, hxsum8, routed), idx, chosen, (x, weights, w_sg, out), slots = args
-    n_tok, n_rows = x.shape[0], qs.shape[1]
-    n_mats = idx.size + sqs.shape[0]
-    least = omp.least_units(n_mats * (qs.shape[2] + 2 * d.shape[2]))
+    row loaded once for the tokens that chose it, as `_union_gate_up_share`; the shared
+    expert's from its own activations), then each token's combination of those rows
+    (`_weighted_gather`)."""
+    ((qs, d, sqs, sd, hq, hdx, hxsum8, shq, shdx, shxsum8, routed), idx, chosen,
+     (x, weights, w_sg, out), slots) = args
+    n_tok, n_rows, n_routed = x.shape[0], qs.shape[1], idx.size
+    least = omp.least_units(n_routed * (qs.shape[2] + 2 * d.shape[2])
+                            + sqs.shape[0] * (sqs.shape[2] + 2 * sd.shape[2]))
     g0, g1 = omp.first_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
     if g0 >= g1:
         return
@@ -470,27 +477,31 @@ def _union_down_share(thread, n_threads, args, counter):
         gates[t] = _shared_gate_kernel(x[t], w_sg)
     while g0 < g1:
         per = (g1 - g0) // ROWS
-        for i in range(n_mats):
-            w, s = matvec._expert(qs, d, idx, sqs, sd, i)
+        for i in range(n_routed + sqs.shape[0]):
+            if i < n_routed:
+                w, s, aq, adx, asum, a0 = qs[idx[i]], d[idx[i]], hq, hdx, hxsum8, i * n_tok
+            else:
+                a0 = (i - n_routed) * n_tok
+                w, s, aq, adx, asum = sqs[i - n_routed], sd[i - n_routed], shq, shdx, shxsum8
             t = 0
             while t < n_tok:
-                o = i * n_tok + t
+                o, a = i * n_tok + t, a0 + t  # its output row, its activations' row
                 if chosen[i, t] == 0:
                     t += 1
                 elif t + 1 < n_tok and chosen[i, t + 1] != 0:
                     for j in range(per):
-                        spread_pair(w, s, hq, hdx, hxsum8, routed, g0 + j, o, o, per)
+                        spread_pair(w, s, aq, adx, asum, routed, g0 + j, a, o, per)
                     for r in range(g0 + per * ROWS, g1):
-                        pair_by_1(w, s, hq, hdx, hxsum8, routed, r, o, o)
+                        pair_by_1(w, s, aq, adx, asum, routed, r, a, o)
                     t += 2
                 else:
                     for j in range(per):
-                        spread_tile(w, s, hq, hdx, hxsum8, routed, g0 + j, o, o, per)
+                        spread_tile(w, s, aq, adx, asum, routed, g0 + j, a, o, per)
                     for r in range(g0 + per * ROWS, g1):
-                        one_by_1(w, s, hq, hdx, hxsum8, routed, r, o, o)
+                        one_by_1(w, s, aq, adx, asum, routed, r, a, o)
                     t += 1
         for t in range(n_tok):
-            _weighted_gather(routed, n_tok, t, slots[t], weights[t], idx.size * n_tok + t,
+            _weighted_gather(routed, n_tok, t, slots[t], weights[t], n_routed * n_tok + t,
                              gates[t], out[t], g0, g1)
         g0, g1 = omp.next_run(counter, thread, n_threads, n_rows, least, ROWS * LINE_ROWS)
 
@@ -531,53 +542,59 @@ def _union_kernel(isa):
 class RowsScratch:
     """`rows_launch`'s buffers for R tokens, made once (a verify step's workspace): the union
     (at most R·k routed experts, the shared one after them) and, per (union expert u, token t),
-    row u·R + t of gu, h and the down outputs."""
+    row u·R + t of gu, h and the down outputs (the shared expert's gu and h: row t of its own,
+    its intermediate size may differ)."""
 
     union: np.ndarray      # [R·k] int32
     chosen: np.ndarray     # [R·k + 1, R] uint8
     slots: np.ndarray      # [R, k] int64
-    gu: np.ndarray         # [(R·k + 1)·R, 2I]
-    h: np.ndarray          # [(R·k + 1)·R, I]
+    gu: np.ndarray         # [R·k·R, 2I]
+    h: np.ndarray          # [R·k·R, I]
     routed: np.ndarray     # [(R·k + 1)·R, H]
+    shared_gu: np.ndarray  # [R, 2Is]
+    shared_h: np.ndarray   # [R, Is]
     act_h: Q8Act | None = None  # made by the first launch
+    act_sh: Q8Act | None = None
 
     @classmethod
     def make(cls, w: MoeWeights, top_k: int, n_tok: int) -> "RowsScratch":
         n = n_tok * top_k
-        rows, f = (n + 1) * n_tok, np.float32
+        f = np.float32
         two_i, hidden = w.gate_up_d.shape[1], w.down_d.shape[1]
+        two_is = w.shared_gate_up_d.shape[1]
         return cls(np.zeros(n, np.int32), np.zeros((n + 1, n_tok), np.uint8),
-                   np.zeros((n_tok, top_k), np.int64), np.empty((rows, two_i), f),
-                   np.zeros((rows, two_i // 2), f), np.empty((rows, hidden), f))
+                   np.zeros((n_tok, top_k), np.int64), np.empty((n * n_tok, two_i), f),
+                   np.zeros((n * n_tok, two_i // 2), f), np.empty(((n + 1) * n_tok, hidden), f),
+                   np.empty((n_tok, two_is), f), np.zeros((n_tok, two_is // 2), f))
 
 
 def rows_launch(x, act: Q8Act, ids, weights, w: MoeWeights, out, s: RowsScratch):
     """A verify step's R >= 2 tokens of one sequence in one call (model/batch.py): x [R, H], its
     quantisation `act`, ids, weights [R, k], out [R, H]; each token bit for bit its decode
     (`decode_launch`), each expert of the tokens' union read once for all the tokens that chose
-    it (the section above). The shared expert must have the routed experts' shapes (fused)."""
+    it (the section above)."""
     n_tok, top_k = ids.shape
-    if w.shared_gate_up_qs.shape[1:] != w.gate_up_qs.shape[1:] or w.shared_gate_up_qs.shape[0] != 1:
-        raise FermijitError("moe: a shared expert of other shapes has no rows launch")
     hidden = w.shared_gate.shape[0]
     check_array("moe", "x", x, np.float32, (n_tok, hidden))
     check_array("moe", "out", out, np.float32, (n_tok, hidden))
     check_array("moe", "ids", ids, np.int32, (n_tok, top_k))
     check_array("moe", "weights", weights, np.float32, (n_tok, top_k))
     if act.xq.shape != (n_tok, hidden) or s.slots.shape != (n_tok, top_k) \
-            or s.gu.shape[1] != w.gate_up_d.shape[1]:
+            or s.gu.shape[1] != w.gate_up_d.shape[1] \
+            or s.shared_gu.shape[1] != w.shared_gate_up_d.shape[1]:
         raise FermijitError(f"moe: rows launch of {n_tok} tokens, top-{top_k}: act "
                             f"{list(act.xq.shape)}, scratch for {list(s.slots.shape)}")
     if s.act_h is None or s.act_h.vec is not act.vec:
         s.act_h = matvec.quantize_act(s.h, act.vec.isa)
+        s.act_sh = matvec.quantize_act(s.shared_h, act.vec.isa)
     gu_bits, shared_gu_bits, down_bits, shared_down_bits = w.d_bits
-    v, h = act.vec, s.act_h
+    v, h, sh = act.vec, s.act_h, s.act_sh
     half = simd.HALF_OF.get(v.isa)
     gate_up = (w.gate_up_qs, gu_bits, w.shared_gate_up_qs, shared_gu_bits, act.xq, act.dx,
                act.xsum8, s.gu, s.h, h.xq, h.dx, h.xsum8, v.lanes, matvec.blocks_per_step(v),
-               half.lanes if half else 0)
+               half.lanes if half else 0, s.shared_gu, s.shared_h, sh.xq, sh.dx, sh.xsum8)
     down = (w.down_qs, down_bits, w.shared_down_qs, shared_down_bits, h.xq, h.dx, h.xsum8,
-            s.routed)
+            sh.xq, sh.dx, sh.xsum8, s.routed)
     return _union_kernel(v.isa), (gate_up, down, (x, weights, w.shared_gate, out),
                                   (ids, s.union, s.chosen, s.slots))
 

@@ -31,31 +31,28 @@ def _prefilled(model, prompts):
 
 
 @pytest.fixture(scope="module")
-def fused_model(tmp_path_factory):
-    """A small synthetic reap128 whose experts take decode's fused MoE (the shared expert of the
-    routed ones' width; the default model's runs apart): a batch's MoE is then the rows launch."""
+def same_width_model(tmp_path_factory):
+    """A small synthetic reap128 whose shared expert has the routed experts' width (as the real
+    model's; the default model's is wider)."""
     from fermijit.model import synth
-    from fermijit.ops import moe
     from tests.model.test_synth import SMALL
 
     dst = tmp_path_factory.mktemp("batch") / "m"
     synth.synth("qwen3.6-35b-a3b-reap128", dst, layers=4, show_progress=False,
                 overrides=dict(SMALL, moe_intermediate_size=128,
                                shared_expert_intermediate_size=128))
-    fused = load_model(dst)[1]
-    assert moe.Scratch.make(fused.layers[0].experts, fused.top_k).is_fused
-    return fused
+    return load_model(dst)[1]
 
 
-@pytest.fixture(params=["default", "ssse3", "fused"])
+@pytest.fixture(params=["default", "ssse3", "same-width"])
 def decode_model(request, model, monkeypatch):
     """The model, decoding in jit.cpu.decode_isa's variant: the default one, or SSSE3 where that
     is not the process's (a fresh model: its decode workspace is laid out on first use); or a
-    model whose MoE is decode's fused kernel."""
+    model whose shared expert has the routed experts' width."""
     if request.param == "default":
         return model
-    if request.param == "fused":
-        return request.getfixturevalue("fused_model")
+    if request.param == "same-width":
+        return request.getfixturevalue("same_width_model")
     if cpu.selected_isa() is cpu.Isa.SSSE3:
         pytest.skip("the process's variant is SSSE3 already")
     monkeypatch.setattr(cpu, "_decode", cpu.Isa.SSSE3)

@@ -55,7 +55,7 @@ def _w4a8_reference(x, ids, weights, w):
     return y
 
 
-# Decode with Is = I runs the shared expert inside the routed experts' launches; Is != I apart.
+# Shapes with the shared expert of the routed experts' width (Is = I) and of its own.
 SHAPES = {"T1-E8-H64-I32": (1, 8, 64, 32, 64, 2), "T1-E16-H256-I128": (1, 16, 256, 128, 96, 4),
           "T1-E16-H128-I64-shared-fused": (1, 16, 128, 64, 64, 4),
           "T7-E8-H64-I32": (7, 8, 64, 32, 32, 3), "T20-E12-H128-I64": (20, 12, 128, 64, 64, 2),
@@ -134,18 +134,18 @@ def test_batched_checks_expert_ids(rng):
 ISAS = cpu.variants_up_to(cpu.selected_isa())
 
 
+@pytest.mark.parametrize("shared_inter", [96, 256, 64], ids=["Is=I", "Is>I", "Is<I"])
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
-def test_fused_decode_equals_its_launches_one_by_one(rng, isa):
-    """The one-dispatch decode (shared expert riding, I = Is) is bit for bit the gathered
-    launches, the SwiGLU, the quantisation and the combination called one by one, at 1 and 2
-    threads (the down launch's shares combine their own rows)."""
+def test_fused_decode_equals_its_launches_one_by_one(rng, isa, shared_inter):
+    """The one-dispatch decode (the shared expert riding in the routed launches, of the routed
+    experts' width or its own) is bit for bit the gathered launches, the SwiGLU, the
+    quantisation and the combination called one by one, at 1 and 2 threads (the down launch's
+    shares combine their own rows)."""
     n_experts, hidden, inter, top_k = 16, 160, 96, 4
-    w = _weights(rng, n_experts, hidden, inter, inter)
+    w = _weights(rng, n_experts, hidden, inter, shared_inter)
     ids, weights = _routing(rng, 1, n_experts, top_k)
     x = rng.standard_normal((1, hidden)).astype(np.float32)
     act = matvec.quantize_act(x, isa)
-    scratch = moe.Scratch.make(w, top_k)
-    assert scratch.is_fused
     outs = []
     before = numba.get_num_threads()
     try:
@@ -156,22 +156,30 @@ def test_fused_decode_equals_its_launches_one_by_one(rng, isa):
     finally:
         configure_threads(before)
     gu_bits, sgu_bits, dn_bits, sdn_bits = w.d_bits
-    gu = matvec.gathered(w.gate_up_qs, gu_bits, ids[0], act, poisoned((top_k + 1, 2 * inter)),
-                         shared=(w.shared_gate_up_qs, sgu_bits))
-    h = poisoned((top_k + 1, inter))
-    moe._swiglu(gu, h)
-    routed = matvec.gathered(w.down_qs, dn_bits, ids[0], matvec.quantize_act(h, isa),
-                             poisoned((top_k + 1, hidden)), shared=(w.shared_down_qs, sdn_bits))
+    zero = np.zeros(1, np.int32)
+
+    def expert_rows(gu_qs, gu_bits, dn_qs, dn_bits, idx, width):
+        gu = matvec.gathered(gu_qs, gu_bits, idx, act, poisoned((idx.size, 2 * width)))
+        h = poisoned((idx.size, width))
+        moe._swiglu(gu, h)
+        return matvec.gathered(dn_qs, dn_bits, idx, matvec.quantize_act(h, isa),
+                               poisoned((idx.size, hidden)))
+
+    routed = expert_rows(w.gate_up_qs, gu_bits, w.down_qs, dn_bits, ids[0], inter)
+    shared = expert_rows(w.shared_gate_up_qs, sgu_bits, w.shared_down_qs, sdn_bits, zero,
+                         shared_inter)
     want = poisoned((1, hidden))
-    moe._combine(routed[:top_k], weights[0], routed[top_k], x[0], w.shared_gate, want[0])
+    moe._combine(routed, weights[0], shared[0], x[0], w.shared_gate, want[0])
     for out in outs:
         assert np.array_equal(out, want)
 
 
-ROWS_CASES = {  # (tokens, experts, hidden, inter, top-k, experts the last token shares)
-    "R2-H160-I96-shares2": (2, 16, 160, 96, 4, 2), "R2-H160-I96-same": (2, 16, 160, 96, 4, 4),
-    "R2-H160-I96-apart": (2, 16, 160, 96, 4, 0), "R3-H224-I64": (3, 12, 224, 64, 3, 1),
-    "R4-H96-I160": (4, 8, 96, 160, 3, 2), "R2-H2080-I32": (2, 8, 2080, 32, 2, 1)}
+ROWS_CASES = {  # (tokens, experts, hidden, inter, top-k, experts the last token shares, Is)
+    "R2-H160-I96-shares2": (2, 16, 160, 96, 4, 2, 96),
+    "R2-H160-I96-same": (2, 16, 160, 96, 4, 4, 96),
+    "R2-H160-I96-apart": (2, 16, 160, 96, 4, 0, 96), "R3-H224-I64": (3, 12, 224, 64, 3, 1, 64),
+    "R4-H96-I160": (4, 8, 96, 160, 3, 2, 160), "R2-H2080-I32": (2, 8, 2080, 32, 2, 1, 32),
+    "R2-H384-I96-Is256": (2, 16, 384, 96, 2, 1, 256), "R3-H160-I96-Is32": (3, 8, 160, 96, 2, 1, 32)}
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
@@ -179,11 +187,12 @@ ROWS_CASES = {  # (tokens, experts, hidden, inter, top-k, experts the last token
 def test_fused_rows_are_decode_exactly(rng, isa, case):
     """A verify step's few tokens in one call (moe.rows_launch: the union of their experts, each
     read once for the tokens that chose it) give each token bit for bit its decode, at 1 and 2
-    threads, on ragged shapes (H past the wide steps; I not a multiple of the tile's rows),
+    threads, on ragged shapes (H past the wide steps; I not a multiple of the tile's rows; the
+    shared expert wider or narrower than the routed ones),
     tokens sharing experts (all of them, none), into NaN-poisoned outputs, twice (the scratch
     reused with other routing)."""
-    n_tok, n_experts, hidden, inter, top_k, shared = case
-    w = _weights(rng, n_experts, hidden, inter, inter)
+    n_tok, n_experts, hidden, inter, top_k, shared, shared_inter = case
+    w = _weights(rng, n_experts, hidden, inter, shared_inter)
     before = numba.get_num_threads()
     s = moe.RowsScratch.make(w, top_k, n_tok)
     try:
