@@ -21,7 +21,21 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
                "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
                "tool_choice": ("none",), "best_of": (1,), "echo": (False,), "suffix": ("",),
-               "response_format": ({"type": "text"},)}
+               "response_format": ({"type": "text"},),
+               # vLLM's and llama.cpp's extensions, which their users send to this server too:
+               # each was silently ignored (repetition_penalty 1.2 answered unpenalised)
+               "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "length_penalty": (1, 1.0),
+               "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
+               "allowed_token_ids": (), "use_beam_search": (False,),
+               "include_stop_str_in_output": (False,), "prompt_logprobs": (),
+               "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (),
+               "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+               "add_generation_prompt": (True,), "continue_final_message": (False,),
+               "chat_template": (), "chat_template_kwargs": ({},),
+               "n_predict": (-1,), "repeat_penalty": (1, 1.0), "typical_p": (1, 1.0),
+               "tfs_z": (1, 1.0), "mirostat": (0,), "dynatemp_range": (0, 0.0),
+               "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_probs": (0,),
+               "grammar": ("",), "json_schema": ({},)}
 MAX_SEED = 2 ** 63 - 1
 
 
@@ -165,6 +179,10 @@ def _messages(body: dict, images: list[str]) -> list[dict]:
         if m["role"] not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"'{where}.role' must be system, developer, user or assistant, "
                                 f"got {m['role']!r}", f"{where}.role")
+        calls = next((k for k in ("tool_calls", "function_call") if m.get(k)), None)
+        if calls:  # dropped, the model would see a history the client did not send
+            raise ApiError(400, f"'{where}.{calls}': tool calls are not supported by this server",
+                           f"{where}.{calls}", "unsupported_parameter")
         content = m.get("content")
         if isinstance(content, list):
             content = _parts(content, where, images)

@@ -1,0 +1,60 @@
+"""The HTTP surface as vLLM's and llama.cpp's users hit it (a third sweep): their sampling
+extensions, which this server does not implement, are refused unless neutral (they were ignored,
+the answer silently not the one asked for); a queued request whose client left gives its place
+back; assistant tool calls in a chat's history are refused as tools are."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.fermijit.server.test_hostile import GREEDY, _text, assert_error
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def reference(url):
+    return _text(url)
+
+
+# What each would have changed, and its neutral value (sent by clients at their defaults).
+EXTENSIONS = {
+    "min_p": (0.5, 0.0), "repetition_penalty": (1.2, 1.0), "min_tokens": (5, 0),
+    "stop_token_ids": ([5], []), "guided_json": ({"type": "object"}, None),
+    "chat_template_kwargs": ({"enable_thinking": False}, {}), "n_predict": (16, -1),
+    "repeat_penalty": (1.1, 1.0), "typical_p": (0.5, 1.0), "mirostat": (2, 0),
+    "grammar": ("root ::= \"a\"", ""), "json_schema": ({"type": "object"}, {}),
+}
+
+
+def test_sampling_extensions_are_400_unless_neutral(url, reference):
+    for name, (value, neutral) in EXTENSIONS.items():
+        for path, body in (("/v1/completions", GREEDY), ("/v1/chat/completions", CHAT)):
+            r = httpx.post(f"{url}{path}", json={**body, name: value}, timeout=60)
+            error = assert_error(r, 400, f"'{name}' is not supported")
+            assert error["param"] == name and error["code"] == "unsupported_parameter"
+            r = httpx.post(f"{url}{path}", json={**body, name: neutral}, timeout=60)
+            assert r.status_code == 200, (name, neutral, r.text)
+    assert _text(url) == reference
+
+
+def test_assistant_tool_calls_are_400(url, reference):
+    """Tools are not supported: an assistant turn's tool calls were dropped from the history,
+    the model shown a conversation the client did not send."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "user", "content": "and?"}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
+    assert_error(r, 400, "tool calls")
+    messages[1]["tool_calls"] = []  # as some clients send a plain turn
+    messages[1]["content"] = "hello"
+    r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _text(url) == reference
