@@ -231,7 +231,17 @@ class Scheduler:
         try:
             self.waiting.put_nowait(job)
         except queue.Full:
-            raise QueueFull from None
+            # Requests whose clients left stay queued until a batch place frees (then dropped):
+            # theirs go to this one, not a 503 while the running streams last.
+            with self.waiting.mutex:
+                live = [j for j in self.waiting.queue if not j.cancelled.is_set()]
+                self.waiting.queue.clear()
+                self.waiting.queue.extend(live)
+                self.waiting.not_full.notify_all()
+            try:
+                self.waiting.put_nowait(job)
+            except queue.Full:
+                raise QueueFull from None
 
     def start(self) -> None:
         from fermijit.jit import cpu

@@ -58,3 +58,39 @@ def test_assistant_tool_calls_are_400(url, reference):
     r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
     assert r.status_code == 200, r.text
     assert _text(url) == reference
+
+
+def test_a_queued_request_whose_client_left_gives_its_place_back(engine, reference):
+    """A queue of one, its request's client gone (timed out): the job stayed queued, cancelled,
+    until a batch place freed, and every request meanwhile was a 503 "queue full" (on the real
+    model, for as long as the running streams took)."""
+    import threading
+    import time
+
+    from fermijit.server.app import make_app
+    from fermijit.server.run import ServerThread
+    from fermijit.server.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, max_batch=1, queue_size=1)  # not started: requests wait
+    server = ServerThread(make_app(scheduler, "m"))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=GREEDY, timeout=1)
+        deadline = time.monotonic() + 10
+        while not scheduler.waiting.queue[0].cancelled.is_set():  # the app saw it go
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(
+            httpx.post(f"{server.url}/v1/completions", json=GREEDY, timeout=60)))
+        waiter.start()
+        while not results and not any(not j.cancelled.is_set() for j in scheduler.waiting.queue):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        scheduler.start()
+        waiter.join(60)
+        assert results[0].status_code == 200, results[0].text
+        assert results[0].json()["choices"][0]["text"] == reference
+    finally:
+        server.stop()
+        scheduler.stop()
