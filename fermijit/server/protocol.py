@@ -16,6 +16,9 @@ import time
 from collections.abc import Callable
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# The text that could still grow into a stop string is held back, at a cost per token quadratic
+# in its length on the scheduler's thread (scheduler.py StopMatcher): longer ones are a 400.
+MAX_STOP_CHARS = 1024
 # Fields that would change the answer and are not implemented: a 400 unless absent or neutral
 # (clients send some at their defaults), never silently ignored.
 UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
@@ -240,6 +243,9 @@ def parse(body, is_chat: bool) -> Job:
                             f"strings", "stop")
     for s in stop:
         _utf8(s, "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise ApiError(400, f"'stop' strings must be at most {MAX_STOP_CHARS} characters, "
+                                f"got one of {len(s)}", "stop", "invalid_value")
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)

@@ -5,6 +5,9 @@ back; assistant tool calls in a chat's history are refused as tools are."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 
@@ -64,9 +67,6 @@ def test_a_queued_request_whose_client_left_gives_its_place_back(engine, referen
     """A queue of one, its request's client gone (timed out): the job stayed queued, cancelled,
     until a batch place freed, and every request meanwhile was a 503 "queue full" (on the real
     model, for as long as the running streams took)."""
-    import threading
-    import time
-
     from fermijit.server.app import make_app
     from fermijit.server.run import ServerThread
     from fermijit.server.scheduler import Scheduler
@@ -94,3 +94,26 @@ def test_a_queued_request_whose_client_left_gives_its_place_back(engine, referen
     finally:
         server.stop()
         scheduler.stop()
+
+
+def test_a_stop_string_past_max_stop_chars_is_400(url, reference):
+    """The scheduler's thread holds back the text that could still grow into a stop string,
+    at a cost per token quadratic in its length (StopMatcher.push): a stop string of the
+    greedy answer's first 30000 characters and one more took 9 ms a token from every stream,
+    and a body of the real model's (4.3 MiB) allows a million."""
+    from fermijit.server.protocol import MAX_STOP_CHARS
+    from fermijit.server.scheduler import StopMatcher
+
+    r = httpx.post(f"{url}/v1/completions", json={**GREEDY, "stop": ["x" * MAX_STOP_CHARS]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions",
+                   json={**GREEDY, "stop": ["a", "x" * (MAX_STOP_CHARS + 1)]}, timeout=60)
+    assert_error(r, 400, f"at most {MAX_STOP_CHARS} characters")
+    # the worst a stop string within the bound costs: its whole length held back, token by token
+    matcher = StopMatcher(("ab" * (MAX_STOP_CHARS // 2 - 1) + "Z",))
+    start = time.perf_counter()
+    for _ in range(MAX_STOP_CHARS // 2 - 1):
+        assert matcher.push("ab") == ("", False)
+    assert time.perf_counter() - start < 2.0  # ~0.1 s here
+    assert _text(url) == reference
