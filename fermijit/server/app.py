@@ -78,6 +78,11 @@ async def _read_json(request: Request, limit: int):
 def check_api_key(api_key: str | None) -> None:
     if api_key == "":  # every request was a 401 while the banner said no key was needed
         raise FermijitError("--api-key is empty: give a key, or leave it out to accept any")
+    # What no client could send in its Authorization header: every request a 401 (httpx sends
+    # ASCII only, curl UTF-8 bytes, read as latin-1 here; a header loses its outer spaces).
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()
+                                    and api_key == api_key.strip()):
+        raise FermijitError("--api-key must be printable ASCII, without spaces around it")
 
 
 def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,

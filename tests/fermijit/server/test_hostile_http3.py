@@ -117,3 +117,16 @@ def test_a_stop_string_past_max_stop_chars_is_400(url, reference):
         assert matcher.push("ab") == ("", False)
     assert time.perf_counter() - start < 2.0  # ~0.1 s here
     assert _text(url) == reference
+
+
+@pytest.mark.parametrize("key", ["sk-\u00ff", "sk-\u20ac", " sk", "sk\t", "sk\x01"])
+def test_an_api_key_no_client_can_send_is_refused_at_start(engine, key):
+    """A key of non-ASCII characters: httpx (the openai client) cannot send it, curl sends its
+    UTF-8 bytes, which the server (reading headers as latin-1) never matched; leading or
+    trailing white space is stripped from the header: every request was a 401."""
+    from fermijit import FermijitError
+    from fermijit.server.app import make_app
+    from fermijit.server.scheduler import Scheduler
+
+    with pytest.raises(FermijitError, match="--api-key must be printable ASCII"):
+        make_app(Scheduler(engine), "m", api_key=key)
