@@ -107,8 +107,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         return e if message == e.message else ApiError(e.status, message, e.param, e.code,
                                                        e.kind)
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(named(e).body(), status_code=e.status)
+    def error(e: ApiError, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(named(e).body(), status_code=e.status, headers=headers)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -213,8 +213,10 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
                              "prefilled_tokens": dict(getattr(prefiller, "n_prefilled", {}))})
 
     async def not_found(request: Request, exc: HTTPException):
+        code = "method_not_allowed" if exc.status_code == 405 else "not_found"
         return error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                               f"{exc.detail}", code="not_found"))
+                                               f"{exc.detail}", code=code),
+                     exc.headers)  # a 405's Allow
 
     async def internal(request: Request, exc: Exception):
         """A bug: the traceback goes to the log (uvicorn), the client gets OpenAI's error JSON."""

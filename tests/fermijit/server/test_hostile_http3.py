@@ -130,3 +130,15 @@ def test_an_api_key_no_client_can_send_is_refused_at_start(engine, key):
 
     with pytest.raises(FermijitError, match="--api-key must be printable ASCII"):
         make_app(Scheduler(engine), "m", api_key=key)
+
+
+def test_a_wrong_method_is_405_method_not_allowed(url):
+    """It said code "not_found", and without the Allow header HTTP asks of a 405."""
+    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"),
+                                  ("PUT", "/v1/completions", "POST"),
+                                  ("POST", "/v1/models", "GET")):
+        r = httpx.request(method, f"{url}{path}", timeout=60)
+        error = assert_error(r, 405, f"{method} {path}")
+        assert error["code"] == "method_not_allowed"
+        assert allowed in r.headers["allow"]
+    assert_error(httpx.get(f"{url}/v1/nothing", timeout=60), 404)["code"] == "not_found"
