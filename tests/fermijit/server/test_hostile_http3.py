@@ -142,3 +142,51 @@ def test_a_wrong_method_is_405_method_not_allowed(url):
         assert error["code"] == "method_not_allowed"
         assert allowed in r.headers["allow"]
     assert_error(httpx.get(f"{url}/v1/nothing", timeout=60), 404)["code"] == "not_found"
+
+
+def test_a_stream_gone_while_its_prompt_prefills_stops_at_the_next_chunk(engine, reference):
+    """The client of a streamed completion hangs up while its prompt is prefilled in chunks
+    (slowed here to 0.2 s each): no chunk after the next is prefilled, the sequence never
+    decodes, and the server answers as before. (Nothing is sent to a completion's client
+    before its first token, so only the disconnect listener of Starlette's streaming response
+    sees it go: ASGI spec 2.4 would leave it to the first token's send.)"""
+    import numpy as np
+
+    from fermijit.prefill.hybrid import CpuPrefiller
+    from fermijit.server.app import make_app
+    from fermijit.server.run import ServerThread
+    from fermijit.server.scheduler import Scheduler
+
+    class Slow(CpuPrefiller):
+        chunk_tokens = 64
+
+        def prefill_batch(self, items, align=None):
+            calls.append(time.monotonic())
+            time.sleep(0.2)
+            return super().prefill_batch(items, align)
+
+    calls = []
+    scheduler = Scheduler(engine, max_batch=2, queue_size=2)
+    scheduler._prefiller = lambda: scheduler._cpu()
+    scheduler._cpu_prefiller = Slow(engine.model)
+    scheduler.start()
+    server = ServerThread(make_app(scheduler, "m"))
+    try:
+        prompt = [int(t) for t in np.random.default_rng(0).integers(1, 8192, 1500)]
+        n_cancelled, n_steps = scheduler.n_cancelled, scheduler.n_steps
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 5, "stream": True}) as r:
+            assert r.status_code == 200
+            time.sleep(0.5)
+        gone = time.monotonic()
+        while scheduler.prefilling or scheduler.active:
+            assert time.monotonic() < gone + 10, "the prompt was prefilled on"
+            time.sleep(0.05)
+        assert len([t for t in calls if t > gone]) <= 1
+        assert scheduler.n_cancelled == n_cancelled + 1 and scheduler.n_steps == n_steps
+        assert len(calls) < 1500 // 64
+        r = httpx.post(f"{server.url}/v1/completions", json=GREEDY, timeout=60)
+        assert r.json()["choices"][0]["text"] == reference
+    finally:
+        server.stop()
+        scheduler.stop()
