@@ -230,7 +230,11 @@ def parse(body, is_chat: bool) -> Job:
     images: list[str] = []
     prompt = _messages(body, images) if is_chat else _prompt(body)
     max_tokens = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, ">= 1")
-    max_tokens = _field(body, "max_tokens", int, max_tokens, lambda v: v >= 1, ">= 1")
+    older = _field(body, "max_tokens", int, max_tokens, lambda v: v >= 1, ">= 1")
+    if max_tokens is not None and older != max_tokens:  # which one? (vLLM and this differed)
+        raise ApiError(400, f"'max_tokens' ({older}) and 'max_completion_tokens' ({max_tokens}) "
+                            f"differ: give one", "max_completion_tokens", "invalid_value")
+    max_tokens = older
     temperature = _field(body, "temperature", (int, float), None, lambda v: 0 <= v <= 2,
                          "between 0 and 2")
     top_p = _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "in (0, 1]")

@@ -190,3 +190,17 @@ def test_a_stream_gone_while_its_prompt_prefills_stops_at_the_next_chunk(engine,
     finally:
         server.stop()
         scheduler.stop()
+
+
+def test_max_tokens_and_max_completion_tokens_that_differ_are_400(url):
+    """max_tokens won silently (vLLM takes max_completion_tokens, OpenAI's newer name)."""
+    both = {**CHAT, "max_tokens": 1, "max_completion_tokens": 3}
+    error = assert_error(httpx.post(f"{url}/v1/chat/completions", json=both, timeout=60), 400,
+                         "max_completion_tokens")
+    assert error["param"] == "max_completion_tokens"
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={**CHAT, "max_tokens": 2, "max_completion_tokens": 2, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 2
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={**CHAT, "max_tokens": None, "max_completion_tokens": 2, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 2
