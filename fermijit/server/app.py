@@ -41,6 +41,9 @@ PREPARE_THREADS = 2
 # head of a request has its own deadline (server/run.py HEADER_TIMEOUT_S). 64 MiB of images in
 # it is ~1.1 MB/s.
 BODY_TIMEOUT_S = 60.0
+# What JSON leaves raw but Python's str.splitlines (httpx's iter_lines, the usual SSE client
+# by hand) splits lines at: escaped in events, or a token's text cuts its event's JSON in two.
+LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
 def max_body_bytes(max_context: int, has_images: bool) -> int:
@@ -236,7 +239,7 @@ async def _sse(job: protocol.Job, events: asyncio.Queue, rid: str, is_chat: bool
     created = int(time.time())
 
     def sse(body: dict) -> str:
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(body, ensure_ascii=False).translate(LINE_SEPARATORS)}\n\n"
 
     try:
         if is_chat:  # the role first, as OpenAI does

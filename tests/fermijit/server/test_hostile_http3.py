@@ -201,6 +201,31 @@ def test_max_tokens_and_max_completion_tokens_that_differ_are_400(url):
     r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                    json={**CHAT, "max_tokens": 2, "max_completion_tokens": 2, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 2
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
-                   json={**CHAT, "max_tokens": None, "max_completion_tokens": 2, "ignore_eos": True})
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        **CHAT, "max_tokens": None, "max_completion_tokens": 2, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_streamed_text_with_unicode_line_separators_stays_one_line_an_event():
+    """JSON leaves U+2028, U+2029 and U+0085 (NEL) raw, and Python's str.splitlines (httpx's
+    iter_lines: the usual hand-written SSE client) splits lines there: a token's text holding
+    one cut its event's JSON in two."""
+    import asyncio
+    import json
+
+    from fermijit.server import protocol
+    from fermijit.server.app import _sse
+
+    text = "a\u2028b\u2029c\x85d\r\ne"
+    job = protocol.parse({"prompt": "x", "stream": True}, False)
+
+    async def events():
+        queue = asyncio.Queue()
+        for event in (protocol.Text(text), protocol.Finished("stop", 1, 0, 1)):
+            queue.put_nowait(event)
+        return "".join([piece async for piece in _sse(job, queue, "cmpl-1", False, "m")])
+
+    lines = httpx.Response(200, content=asyncio.run(events()).encode()).iter_lines()
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[0])["choices"][0]["text"] == text
