@@ -41,6 +41,9 @@ PREPARE_THREADS = 2
 # head of a request has its own deadline (server/run.py HEADER_TIMEOUT_S). 64 MiB of images in
 # it is ~1.1 MB/s.
 BODY_TIMEOUT_S = 60.0
+# What JSON leaves raw but Python's str.splitlines (httpx's iter_lines, the usual SSE client
+# by hand) splits lines at: escaped in events, or a token's text cuts its event's JSON in two.
+LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
 def max_body_bytes(max_context: int, has_images: bool) -> int:
@@ -78,6 +81,11 @@ async def _read_json(request: Request, limit: int):
 def check_api_key(api_key: str | None) -> None:
     if api_key == "":  # every request was a 401 while the banner said no key was needed
         raise FermijitError("--api-key is empty: give a key, or leave it out to accept any")
+    # What no client could send in its Authorization header: every request a 401 (httpx sends
+    # ASCII only, curl UTF-8 bytes, read as latin-1 here; a header loses its outer spaces).
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()
+                                    and api_key == api_key.strip()):
+        raise FermijitError("--api-key must be printable ASCII, without spaces around it")
 
 
 def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
@@ -102,8 +110,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         return e if message == e.message else ApiError(e.status, message, e.param, e.code,
                                                        e.kind)
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(named(e).body(), status_code=e.status)
+    def error(e: ApiError, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(named(e).body(), status_code=e.status, headers=headers)
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -208,8 +216,10 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
                              "prefilled_tokens": dict(getattr(prefiller, "n_prefilled", {}))})
 
     async def not_found(request: Request, exc: HTTPException):
+        code = "method_not_allowed" if exc.status_code == 405 else "not_found"
         return error(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                               f"{exc.detail}", code="not_found"))
+                                               f"{exc.detail}", code=code),
+                     exc.headers)  # a 405's Allow
 
     async def internal(request: Request, exc: Exception):
         """A bug: the traceback goes to the log (uvicorn), the client gets OpenAI's error JSON."""
@@ -229,7 +239,7 @@ async def _sse(job: protocol.Job, events: asyncio.Queue, rid: str, is_chat: bool
     created = int(time.time())
 
     def sse(body: dict) -> str:
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {json.dumps(body, ensure_ascii=False).translate(LINE_SEPARATORS)}\n\n"
 
     try:
         if is_chat:  # the role first, as OpenAI does

@@ -16,12 +16,29 @@ import time
 from collections.abc import Callable
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# The text that could still grow into a stop string is held back, at a cost per token quadratic
+# in its length on the scheduler's thread (scheduler.py StopMatcher): longer ones are a 400.
+MAX_STOP_CHARS = 1024
 # Fields that would change the answer and are not implemented: a 400 unless absent or neutral
 # (clients send some at their defaults), never silently ignored.
 UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logprobs": (False,),
                "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
                "tool_choice": ("none",), "best_of": (1,), "echo": (False,), "suffix": ("",),
-               "response_format": ({"type": "text"},)}
+               "response_format": ({"type": "text"},),
+               # vLLM's and llama.cpp's extensions, which their users send to this server too:
+               # each was silently ignored (repetition_penalty 1.2 answered unpenalised)
+               "min_p": (0, 0.0), "repetition_penalty": (1, 1.0), "length_penalty": (1, 1.0),
+               "min_tokens": (0,), "stop_token_ids": ([],), "bad_words": ([],),
+               "allowed_token_ids": (), "use_beam_search": (False,),
+               "include_stop_str_in_output": (False,), "prompt_logprobs": (),
+               "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (),
+               "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+               "add_generation_prompt": (True,), "continue_final_message": (False,),
+               "chat_template": (), "chat_template_kwargs": ({},),
+               "n_predict": (-1,), "repeat_penalty": (1, 1.0), "typical_p": (1, 1.0),
+               "tfs_z": (1, 1.0), "mirostat": (0,), "dynatemp_range": (0, 0.0),
+               "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_probs": (0,),
+               "grammar": ("",), "json_schema": ({},)}
 MAX_SEED = 2 ** 63 - 1
 
 
@@ -165,6 +182,10 @@ def _messages(body: dict, images: list[str]) -> list[dict]:
         if m["role"] not in ("system", "developer", "user", "assistant"):
             raise ApiError(400, f"'{where}.role' must be system, developer, user or assistant, "
                                 f"got {m['role']!r}", f"{where}.role")
+        calls = next((k for k in ("tool_calls", "function_call") if m.get(k)), None)
+        if calls:  # dropped, the model would see a history the client did not send
+            raise ApiError(400, f"'{where}.{calls}': tool calls are not supported by this server",
+                           f"{where}.{calls}", "unsupported_parameter")
         content = m.get("content")
         if isinstance(content, list):
             content = _parts(content, where, images)
@@ -209,7 +230,11 @@ def parse(body, is_chat: bool) -> Job:
     images: list[str] = []
     prompt = _messages(body, images) if is_chat else _prompt(body)
     max_tokens = _field(body, "max_completion_tokens", int, None, lambda v: v >= 1, ">= 1")
-    max_tokens = _field(body, "max_tokens", int, max_tokens, lambda v: v >= 1, ">= 1")
+    older = _field(body, "max_tokens", int, max_tokens, lambda v: v >= 1, ">= 1")
+    if max_tokens is not None and older != max_tokens:  # which one? (vLLM and this differed)
+        raise ApiError(400, f"'max_tokens' ({older}) and 'max_completion_tokens' ({max_tokens}) "
+                            f"differ: give one", "max_completion_tokens", "invalid_value")
+    max_tokens = older
     temperature = _field(body, "temperature", (int, float), None, lambda v: 0 <= v <= 2,
                          "between 0 and 2")
     top_p = _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "in (0, 1]")
@@ -222,6 +247,9 @@ def parse(body, is_chat: bool) -> Job:
                             f"strings", "stop")
     for s in stop:
         _utf8(s, "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise ApiError(400, f"'stop' strings must be at most {MAX_STOP_CHARS} characters, "
+                                f"got one of {len(s)}", "stop", "invalid_value")
     stream = _field(body, "stream", bool, False)
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)

@@ -231,7 +231,17 @@ class Scheduler:
         try:
             self.waiting.put_nowait(job)
         except queue.Full:
-            raise QueueFull from None
+            # Requests whose clients left stay queued until a batch place frees (then dropped):
+            # theirs go to this one, not a 503 while the running streams last.
+            with self.waiting.mutex:
+                live = [j for j in self.waiting.queue if not j.cancelled.is_set()]
+                self.waiting.queue.clear()
+                self.waiting.queue.extend(live)
+                self.waiting.not_full.notify_all()
+            try:
+                self.waiting.put_nowait(job)
+            except queue.Full:
+                raise QueueFull from None
 
     def start(self) -> None:
         from fermijit.jit import cpu
@@ -444,14 +454,18 @@ class Scheduler:
                              if s.prefill.rest.size == 0])
         self.n_chunks += bool(groups)
 
-    def _drop_cancelled(self) -> list[Sequence]:
+    def _drop_cancelled(self, give_back: bool = True) -> list[Sequence]:
         """The prompts still prefilling less those whose clients went away, but for those on the
         GPU's thread (GpuJob): it writes their states until its call ends, so they count
-        against --kv-mem and --max-batch till `_collect_gpu_job`."""
+        against --kv-mem and --max-batch till `_collect_gpu_job`. The states of those dropped
+        go back to the pool (each such request took one for good), unless `give_back` is
+        False: a failed call may have half written them (as `_prefill_failed`)."""
         live = []
         for s in self.prefilling:
             if s.job.cancelled.is_set() and not s.is_in_flight:
                 self.n_cancelled += 1
+                if give_back:
+                    self.gdn_pool.give(s.state)
             else:
                 live.append(s)
         self.prefilling = live
@@ -471,7 +485,7 @@ class Scheduler:
         self._gpu_job = None
         for s in job.seqs:
             s.is_in_flight = False
-        self._drop_cancelled()
+        self._drop_cancelled(give_back=job.error is None)
         live = [s for s in job.seqs if s in self.prefilling]  # not cancelled meanwhile
         if job.error is not None:
             return self._prefill_failed(live, job.error)

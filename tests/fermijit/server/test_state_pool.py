@@ -500,3 +500,31 @@ def test_gpu_prefiller_page_locks_the_room_and_pool_once_the_driver_is_up(engine
         other = hybrid.GpuPrefiller(engine.model, is_quiet_without_gpu=True)
         assert not other.driver_ready() and other.host_memory(8).nbytes == 8
         assert len(pinned) == 2
+
+
+def test_a_prompt_cancelled_while_it_prefills_gives_its_states_back(engine, prompts):  # noqa: F811
+    """A client gone while its prompt waited to be prefilled (`_drop_cancelled`): its sequence
+    was dropped without giving its GDN states to the pool, so each such request took a state's
+    worth for good (with the GPU, page-locked; past max_batch of them every new sequence's
+    hand-off page-faulted through fresh arrays)."""
+    from fermijit.engine import Engine
+    from fermijit.server import prompts as preparing, protocol
+    from fermijit.server.scheduler import Scheduler
+
+    pool = GdnPool(engine.model, 2)
+    pool.fill(2)
+    n_free = len(pool.free)
+    scheduler = Scheduler(Engine(engine.model, engine.tokenizer, None, Reserving(engine.model)),
+                          max_batch=2, gdn_pool=pool)  # driven on this thread
+    job = protocol.parse({"prompt": [int(t) for t in prompts[0]], "max_tokens": 4}, False)
+    job.emit = lambda event: None
+    preparing.prepare(scheduler.engine, job)
+    scheduler.submit(job)
+    scheduler._admit()
+    assert scheduler.prefilling and len(pool.free) < n_free
+    job.cancelled.set()
+    scheduler._prefill_chunk()
+    assert not scheduler.prefilling and scheduler.n_cancelled == 1
+    pool.wait()
+    assert len(pool.free) == n_free
+    assert all(not a.any() for s in pool.free for a in s.arrays)
