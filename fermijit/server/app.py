@@ -1,6 +1,6 @@
 """The Starlette app: POST /v1/chat/completions and /v1/completions (JSON or server-sent events),
-GET /v1/models and /health. Requests are checked here (protocol.py), made ready on worker
-threads (prompts.py: tokenised, images decoded, the context checked) and handed to the
+GET /v1/models, /v1/models/{id} and /health. Requests are checked here (protocol.py), made ready
+on worker threads (prompts.py: tokenised, images decoded, the context checked) and handed to the
 scheduler; its events come back through an asyncio queue. A streaming client that disconnects
 cancels its sequence (Starlette cancels the response's task, whose `finally` sets the job's
 flag); a non-streaming one is polled while it waits. Every error is OpenAI's error JSON, naming
@@ -201,13 +201,26 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
     async def completions(request: Request):
         return await complete(request, False)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "fermijit"}
+
     async def models(request: Request):
         try:
             check_key(request)
         except ApiError as e:
             return error(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "fermijit"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request):
+        """GET /v1/models/{id}: the OpenAI client's models.retrieve."""
+        try:
+            check_key(request)
+            if request.path_params["model_id"] != model_name:
+                raise ApiError(404, f"the model {request.path_params['model_id']!r} does not "
+                                    f"exist (this server has {model_name!r})", "model",
+                               "model_not_found")
+        except ApiError as e:
+            return error(e)
+        return JSONResponse(card)
 
     async def health(request: Request):
         prefiller = scheduler.engine.prefiller
@@ -230,6 +243,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ])
 

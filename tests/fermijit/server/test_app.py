@@ -39,6 +39,9 @@ def _streamed(client, create, **kwargs) -> tuple[str, list]:
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["default_model"]
+    assert client.models.retrieve("default_model").id == "default_model"
+    missing = httpx.get(f"{server[0]}/v1/models/other/model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     health = httpx.get(f"{server[0]}/health").json()
     assert health["status"] == "ok"
 
