@@ -1,0 +1,63 @@
+"""The third adversarial sweep of the command line and the files it reads and writes: each case a
+defect found by the sweep (a traceback, a lost file, a partial output left looking valid, a
+setting silently ignored), now one line on stderr and exit 2, or refused before harm."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+
+import pytest
+
+from fermijit.engine import DEFAULT_MODEL
+from tests.cli import run_cli
+from tests.fermijit.test_hardening import assert_one_line
+
+pytest.importorskip("gguf")
+
+
+@pytest.fixture
+def model(tmp_path):
+    """A copy of the embedded model, free to damage."""
+    shutil.copytree(DEFAULT_MODEL, tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_export_onto_its_own_weights_file_is_refused(model, monkeypatch, capsys):
+    """`export M M/model.safetensors` truncated the model's own weights before reading them:
+    the model was lost, and the error was numpy's "20480 requested and 0 written"."""
+    weights = model / "model.safetensors"
+    before = weights.read_bytes()
+    code, _, err = run_cli(monkeypatch, capsys, "export", model, weights)
+    assert_one_line(code, err, "is a file of the model")
+    assert weights.read_bytes() == before
+    code, _, err = run_cli(monkeypatch, capsys, "export", model, model / "fermijit.json")
+    assert_one_line(code, err, "is a file of the model")
+
+
+def test_a_failed_export_leaves_no_file(model, tmp_path, monkeypatch, capsys):
+    """A disk that filled (or a kill) mid-export left DST with a whole header and part of the
+    data: a file that looks like a GGUF. Now it is written beside DST and renamed when whole;
+    the old DST stays as it was."""
+    from gguf import GGUFWriter
+
+    dst = tmp_path / "out.gguf"
+    dst.write_bytes(b"an older export")
+    calls = []
+
+    def full_disk(self, tensor):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return write(self, tensor)
+
+    write = GGUFWriter.write_tensor_data
+    monkeypatch.setattr(GGUFWriter, "write_tensor_data", full_disk)
+    code, _, err = run_cli(monkeypatch, capsys, "export", model, dst)
+    assert_one_line(code, err, "No space left on device")
+    assert dst.read_bytes() == b"an older export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "out.gguf"]
+    monkeypatch.setattr(GGUFWriter, "write_tensor_data", write)
+    code, _, err = run_cli(monkeypatch, capsys, "export", model, dst)
+    assert code == 0, err
+    assert dst.read_bytes()[:4] == b"GGUF"
