@@ -5,7 +5,10 @@ setting silently ignored), now one line on stderr and exit 2, or refused before 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +64,31 @@ def test_a_failed_export_leaves_no_file(model, tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "export", model, dst)
     assert code == 0, err
     assert dst.read_bytes()[:4] == b"GGUF"
+
+
+def fermijit_env(env: dict, *args):
+    """`python -m fermijit ARGS` in a fresh process under `env` added to this one's: (exit code,
+    stderr). Numba reads its environment when it is first imported."""
+    r = subprocess.run([sys.executable, "-m", "fermijit", *map(str, args)], capture_output=True,
+                       timeout=300, env={**os.environ, **env})
+    return r.returncode, r.stderr.decode("utf-8", "replace")
+
+
+GREEDY = ("generate", "def f", "--max-tokens", 2, "--temperature", 0)
+
+
+@pytest.mark.parametrize("env, message", [
+    # Numba raised ValueError as it was imported: "Number of threads specified must be > 0."
+    ({"NUMBA_NUM_THREADS": "0"}, "NUMBA_NUM_THREADS must be a whole number of threads >= 1"),
+    ({"NUMBA_NUM_THREADS": "-3"}, "NUMBA_NUM_THREADS must be a whole number of threads >= 1"),
+    # Numba warned (a traceback's text) and took its default.
+    ({"NUMBA_NUM_THREADS": "two"}, "NUMBA_NUM_THREADS must be a whole number of threads >= 1"),
+    # ValueError as the threads started: the layer unknown, or TBB not installed.
+    ({"NUMBA_THREADING_LAYER": "garbage"},
+     "Numba's threads: The threading layer requested 'garbage' is unknown to Numba."),
+    # No variant supported: StopIteration from select_isa's next().
+    ({"NUMBA_CPU_FEATURES": "+sse2"}, "lacks ssse3"),
+])
+def test_numba_settings_numba_refuses_are_one_line(env, message):
+    code, err = fermijit_env(env, *GREEDY, "--threads", 1)
+    assert_one_line(code, err, message)
