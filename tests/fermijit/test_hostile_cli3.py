@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from fermijit import FermijitError
 from fermijit.engine import DEFAULT_MODEL
 from tests.cli import run_cli
 from tests.fermijit.test_hardening import assert_one_line
@@ -92,3 +93,42 @@ GREEDY = ("generate", "def f", "--max-tokens", 2, "--temperature", 0)
 def test_numba_settings_numba_refuses_are_one_line(env, message):
     code, err = fermijit_env(env, *GREEDY, "--threads", 1)
     assert_one_line(code, err, message)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    # ValueError from float(): a traceback.
+    ("FERMIJIT_POPULATE_CHUNK", "lots", "FERMIJIT_POPULATE_CHUNK must be a number >= 0, got 'lots'"),
+    # ValueError from int() on the populate's own thread: its traceback, then the run went on.
+    ("FERMIJIT_POPULATE_NICE", "low", "FERMIJIT_POPULATE_NICE must be a whole number >= -20, got 'low'"),
+    # Taken as 0 (no helpers) without a word.
+    ("FERMIJIT_COMPILE_WORKERS", "many", "FERMIJIT_COMPILE_WORKERS must be a whole number >= 0"),
+    ("FERMIJIT_CLAIMS_FROM_TEAM", "x", "FERMIJIT_CLAIMS_FROM_TEAM must be a whole number >= 0"),
+])
+def test_a_tuning_variable_set_to_garbage_is_one_line(name, value, message):
+    code, err = fermijit_env({name: value}, *GREEDY, "--threads", 1)
+    assert_one_line(code, err, message)
+
+
+def test_env_number():
+    from fermijit import env_number
+
+    assert env_number("FERMIJIT_TEST_UNSET", 7) == 7
+    with pytest.MonkeyPatch.context() as m:
+        for text, kind, expected in (("3", int, 3), (" 0.5 ", float, 0.5), ("", int, 7)):
+            m.setenv("FERMIJIT_TEST_N", text)
+            assert env_number("FERMIJIT_TEST_N", 7, kind) == expected
+        for text in ("nan", "inf", "-1", "1e999", "x"):
+            m.setenv("FERMIJIT_TEST_N", text)
+            with pytest.raises(FermijitError, match="FERMIJIT_TEST_N must be a number >= 0"):
+                env_number("FERMIJIT_TEST_N", 1.0, float)
+
+
+def test_the_start_switch_interval_is_one_line(monkeypatch):
+    """serve's FERMIJIT_START_SWITCH_S: float('x') and sys.setswitchinterval(-1) raised."""
+    from fermijit.server import run
+
+    for text in ("x", "-1", "nan"):
+        monkeypatch.setenv(run.START_SWITCH_ENV, text)
+        with pytest.raises(FermijitError, match="FERMIJIT_START_SWITCH_S must be a number >= 0"):
+            with run.start_switch_interval():
+                pass
