@@ -5,6 +5,7 @@ setting silently ignored), now one line on stderr and exit 2, or refused before 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -132,3 +133,14 @@ def test_the_start_switch_interval_is_one_line(monkeypatch):
         with pytest.raises(FermijitError, match="FERMIJIT_START_SWITCH_S must be a number >= 0"):
             with run.start_switch_interval():
                 pass
+
+
+def test_a_config_without_the_attention_gate_is_refused(model, monkeypatch, capsys):
+    """attn_output_gate false was read and ignored: the code always gates (a q_proj of twice
+    the heads' rows read as queries and gates), as attention_bias true is refused."""
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attn_output_gate": False}))
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", model, "def f",
+                             "--max-tokens", 2, "--threads", 1)
+    assert out == ""
+    assert_one_line(code, err, "attn_output_gate false is not supported")
