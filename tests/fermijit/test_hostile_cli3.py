@@ -144,3 +144,22 @@ def test_a_config_without_the_attention_gate_is_refused(model, monkeypatch, caps
                              "--max-tokens", 2, "--threads", 1)
     assert out == ""
     assert_one_line(code, err, "attn_output_gate false is not supported")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", "hot", "temperature must be a number, got 'hot'"),  # was the default 1.0
+    ("top_p", "0.5", "top_p must be a number, got '0.5'"),              # was the default 1.0
+    ("top_k", "5", "top_k must be a whole number, got '5'"),            # was the default 50
+    ("top_k", 0.5, "top_k must be a whole number, got 0.5"),            # int(): 0, "all"
+    ("do_sample", "no", "do_sample must be true or false, got 'no'"),   # sampled
+])
+def test_generation_config_values_of_the_wrong_kind_are_one_line(model, monkeypatch, capsys,
+                                                                 field, value, message):
+    """A value of generation_config.json that is not a number (or do_sample not a boolean) was
+    passed over for the default, without a word."""
+    path = model / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", model, "def f",
+                             "--max-tokens", 2, "--threads", 1)
+    assert out == ""
+    assert_one_line(code, err, f"generation_config.json: {message}")
