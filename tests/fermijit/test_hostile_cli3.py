@@ -98,9 +98,11 @@ def test_numba_settings_numba_refuses_are_one_line(env, message):
 
 @pytest.mark.parametrize("name, value, message", [
     # ValueError from float(): a traceback.
-    ("FERMIJIT_POPULATE_CHUNK", "lots", "FERMIJIT_POPULATE_CHUNK must be a number >= 0, got 'lots'"),
+    ("FERMIJIT_POPULATE_CHUNK", "lots",
+     "FERMIJIT_POPULATE_CHUNK must be a number >= 0, got 'lots'"),
     # ValueError from int() on the populate's own thread: its traceback, then the run went on.
-    ("FERMIJIT_POPULATE_NICE", "low", "FERMIJIT_POPULATE_NICE must be a whole number >= -20, got 'low'"),
+    ("FERMIJIT_POPULATE_NICE", "low",
+     "FERMIJIT_POPULATE_NICE must be a whole number >= -20, got 'low'"),
     # Taken as 0 (no helpers) without a word.
     ("FERMIJIT_COMPILE_WORKERS", "many", "FERMIJIT_COMPILE_WORKERS must be a whole number >= 0"),
     ("FERMIJIT_CLAIMS_FROM_TEAM", "x", "FERMIJIT_CLAIMS_FROM_TEAM must be a whole number >= 0"),
