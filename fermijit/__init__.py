@@ -26,6 +26,26 @@ class FermijitError(Exception):
     """A user-facing failure: the message is one line, shown without a traceback."""
 
 
+def env_number(name: str, default, kind=float, minimum=0):
+    """The number environment variable `name` holds (`kind`: int or float), `default` where it
+    is unset or empty; a word, NaN, infinity or less than `minimum` is a FermijitError naming the
+    variable (the tuning variables' float() or int() had been tracebacks)."""
+    import math
+    import os
+
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < minimum:
+        whole = "a whole number" if kind is int else "a number"
+        raise FermijitError(f"{name} must be {whole} >= {minimum}, got {text!r}")
+    return value
+
+
 def _take_back_cpus() -> None:
     """In a child of a process whose kernel threads are bound to cores (`--pin-threads`): the
     child starts bound to the one core of the parent's calling thread; it takes back the CPUs the

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fermijit import env_number
+
 WARM_UP_TOKENS = 2  # a prefill of two tokens and a decode step compile or load every kernel
 # FERMIJIT_COMPILE_WORKERS=N: at most N helpers (0: none); default one per core beyond the first.
 WORKERS_ENV = "FERMIJIT_COMPILE_WORKERS"
@@ -136,6 +138,7 @@ class Helpers:
         self.processes: list[subprocess.Popen] = []
         self.claims: str | None = None
         self.started = False
+        self.n_workers = count_workers()  # here: a bad setting is said, not swallowed by _on_miss
 
     def __enter__(self):
         from fermijit.jit import dispatch
@@ -167,7 +170,7 @@ class Helpers:
 
         source = self.model.source
         job_list = jobs(self.model)
-        n = min(count_workers(), len(job_list))
+        n = min(self.n_workers, len(job_list))
         if source is None or n == 0:
             return
         self.claims = tempfile.mkdtemp(prefix="fermijit-warm-")
@@ -202,13 +205,7 @@ class Helpers:
 
 def count_workers() -> int:
     """Helpers to start: FERMIJIT_COMPILE_WORKERS, else one per core beyond this process's."""
-    value = os.environ.get(WORKERS_ENV)
-    if value is not None:
-        try:
-            return max(0, int(value))
-        except ValueError:
-            return 0
-    return max(0, len(os.sched_getaffinity(0)) - 1)
+    return env_number(WORKERS_ENV, max(0, len(os.sched_getaffinity(0)) - 1), int)
 
 
 def helper_main() -> None:

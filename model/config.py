@@ -243,6 +243,7 @@ def _validate_text(c: TextConfig, where: str) -> None:
     need(not bad, f"unsupported layer type {bad[0]!r}" if bad else "")
     need(c.hidden_act == "silu", f"unsupported hidden_act {c.hidden_act!r} (only silu)")
     need(not c.attention_bias, "attention_bias true is not supported (the model has none)")
+    need(c.attn_output_gate, "attn_output_gate false is not supported (the code always gates)")
     need(not c.mlp_only_layers, "mlp_only_layers must be empty: every layer is MoE")
     need(c.num_attention_heads % c.num_key_value_heads == 0,
          "num_attention_heads must be a multiple of num_key_value_heads")

@@ -194,7 +194,7 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     except OSError as e:
         raise FermijitError(f"cannot create the output directory {dst}: {e.strerror}") from None
     try:
-        with _terminate_as_exception():
+        with terminate_as_exception():
             return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
                                show_progress, reap, quants, checksums, mix)
     except BaseException as e:
@@ -299,17 +299,18 @@ def _check_tokenizer(src: Path) -> None:
 
 
 class Terminated(FermijitError):
-    """SIGTERM during a convert, raised so that its cleanup runs."""
+    """SIGTERM during a convert or an export, raised so that its cleanup runs."""
 
 
 @contextlib.contextmanager
-def _terminate_as_exception():
+def terminate_as_exception(what: str = "convert"):
+    """SIGTERM inside the block raises Terminated, so that a writer's cleanup runs."""
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield  # someone else (a test runner, an embedding program) owns SIGTERM
         return
 
     def handler(signum, frame):
-        raise Terminated("convert: terminated (SIGTERM)")
+        raise Terminated(f"{what}: terminated (SIGTERM)")
 
     try:
         signal.signal(signal.SIGTERM, handler)

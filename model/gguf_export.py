@@ -19,6 +19,7 @@ Tensors are written one at a time (a few hundred MB at most in memory) after the
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -36,17 +37,41 @@ FILE_TYPE_Q4_0 = 2                       # llama_ftype MOSTLY_Q4_0
 
 def export(model_dir: str | Path, dst: str | Path, show_progress: bool = False) -> dict:
     """Write the fermijit model at `model_dir` as a GGUF file `dst`; returns
-    {"path", "bytes", "seconds", "tensors"}."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
+    {"path", "bytes", "seconds", "tensors"}. Written beside `dst` and renamed when whole: a
+    failure (a full disk, SIGTERM) leaves no file that looks like a GGUF, and an older `dst`
+    as it was."""
     start = time.perf_counter()
     dst = Path(dst)
     cfg, arrays, _ = convert.converted_arrays(model_dir)
-    text = cfg.text_config
+    _refuse_own_file(Path(model_dir), dst)
+    partial = dst.with_name(dst.name + convert.PARTIAL_SUFFIX)
+    try:
+        with convert.terminate_as_exception("export"):
+            n_tensors = _write(cfg.text_config, arrays, Path(model_dir), partial, show_progress)
+        os.replace(partial, dst)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return {"path": str(dst), "bytes": dst.stat().st_size,
+            "seconds": time.perf_counter() - start, "tensors": n_tensors}
+
+
+def _refuse_own_file(model_dir: Path, dst: Path) -> None:
+    """`dst` must not be one of the model's files: writing it truncated the weights that the
+    export then read (the model lost)."""
+    if dst.exists() and any(f.is_file() and dst.samefile(f) for f in model_dir.iterdir()):
+        raise FermijitError(f"{dst} is a file of the model {model_dir}: export writes a new "
+                            f"GGUF file, name another")
+
+
+def _write(text: TextConfig, arrays, model_dir: Path, path: Path, show_progress: bool) -> int:
+    """The GGUF file at `path`; returns its tensor count."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
     plan = field_plan(text)
-    writer = GGUFWriter(dst, ARCH)
+    writer = GGUFWriter(path, ARCH)
     _metadata(writer, text)
-    _tokenizer(writer, Path(model_dir), text)
+    _tokenizer(writer, model_dir, text)
     # Every tensor's info first (the header lists them all), then the data in the same order.
     pieces = [(name, field) for name, field in plan.items()]
     infos = []
@@ -59,17 +84,18 @@ def export(model_dir: str | Path, dst: str | Path, show_progress: bool = False) 
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     done = 0
-    for name, field in pieces:
-        for _, data, _ in _tensors(field, arrays[name]):
-            writer.write_tensor_data(data)
-            done += 1
-        if show_progress:
-            print(f"\rgguf export: {done}/{len(infos)} tensors", end="", flush=True)
-    writer.close()
+    try:
+        for name, field in pieces:
+            for _, data, _ in _tensors(field, arrays[name]):
+                writer.write_tensor_data(data)
+                done += 1
+            if show_progress:
+                print(f"\rgguf export: {done}/{len(infos)} tensors", end="", flush=True)
+    finally:
+        writer.close()
     if show_progress:
         print()
-    return {"path": str(dst), "bytes": dst.stat().st_size,
-            "seconds": time.perf_counter() - start, "tensors": len(infos)}
+    return len(infos)
 
 
 def _raw_type(kind: str, types):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fermijit import FermijitError
+from fermijit import FermijitError, env_number
 from fermijit.jit import gpu_early
 from fermijit.model.files import (guard_mapping, member, open_regular, parse_json, read_json,
                                   short)
@@ -189,16 +189,17 @@ class SafetensorsFile:
         page = mmap.PAGESIZE
         first = data.ctypes.data // page * page  # the mapping starts on a page at or before it
         length = data.ctypes.data + data.nbytes - first
-        setting = os.environ.get(POPULATE_CHUNK_ENV, str(POPULATE_CHUNK_MIB))
-        chunk = length if setting == "whole" else max(page, int(float(setting) * (1 << 20))
-                                                      // page * page)
+        whole = os.environ.get(POPULATE_CHUNK_ENV, "").strip() == "whole"
+        chunk = length if whole else max(page, int(env_number(
+            POPULATE_CHUNK_ENV, POPULATE_CHUNK_MIB) * (1 << 20)) // page * page)
+        # Read here, not on the thread: a bad value raised there went unsaid past its traceback.
+        nice = env_number(POPULATE_NICE_ENV, POPULATE_NICE, int, minimum=-20)
 
         def advise() -> bool:
             return all(madvise(at, min(chunk, first + length - at), MADV_POPULATE_READ)
                        for at in range(first, first + length, chunk))
 
         def advise_niced() -> bool:
-            nice = int(os.environ.get(POPULATE_NICE_ENV, POPULATE_NICE))
             if nice:
                 try:  # this thread only (Linux: a thread's id is a process id to setpriority)
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

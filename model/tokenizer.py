@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fermijit import FermijitError
-from fermijit.model.files import MAX_JSON_BYTES, open_regular, read_bytes, read_json
+from fermijit.model.files import MAX_JSON_BYTES, open_regular, read_bytes, read_json, short
 
 # Chat templates render in milliseconds; a loop that does not end, or output past the size of
 # any context (262144 tokens is ~1 MB of text), is a broken or hostile template (issue 11 case 11).
@@ -37,6 +37,25 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _check_sampling(gen: dict, where: str) -> dict:
+    """generation_config.json's sampling fields are numbers (top_k a whole one) and do_sample a
+    boolean, where present: a value of another kind had been passed over for the default (top_k
+    0.5 taken as 0, all tokens) without a word. Their ranges are the sampler's to check."""
+    for key in ("temperature", "top_p", "top_k"):
+        value = gen.get(key)
+        if value is None:
+            continue
+        whole = key == "top_k"
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or (whole and not float(value).is_integer()):
+            kind = "a whole number" if whole else "a number"
+            raise FermijitError(f"{where}: {key} must be {kind}, got {short(value)}")
+    if gen.get("do_sample") not in (None, True, False):
+        raise FermijitError(f"{where}: do_sample must be true or false, got "
+                            f"{short(gen['do_sample'])}")
+    return gen
 
 
 def _ids(value, where: str) -> tuple[int, ...]:
@@ -69,7 +88,7 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         gen_path = directory / "generation_config.json"
         gen = read_json(gen_path) if gen_path.exists() else {}
-        self.generation_config = gen
+        self.generation_config = _check_sampling(gen, str(gen_path))
         eos = _ids(gen.get("eos_token_id"), str(gen_path)) or _ids(config_eos, "config.json")
         self.eos_ids = frozenset(eos)
 

@@ -16,12 +16,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-import llvmlite.binding as llvm
-import numba
-from numba.core import config as numba_config
-from numba.core import registry
-
 from fermijit import FermijitError
+
+
+def _check_numba_threads() -> None:
+    """NUMBA_NUM_THREADS, before Numba reads it on import: 0 or less raised ValueError there (a
+    traceback), and a word was a warning with a traceback's text and then Numba's default."""
+    text = os.environ.get("NUMBA_NUM_THREADS", "").strip()
+    if text and not (text.isdigit() and int(text) >= 1):
+        raise FermijitError(f"NUMBA_NUM_THREADS must be a whole number of threads >= 1, "
+                            f"got {text!r}")
+
+
+_check_numba_threads()
+
+import llvmlite.binding as llvm  # noqa: E402
+import numba  # noqa: E402
+from numba.core import config as numba_config  # noqa: E402
+from numba.core import registry  # noqa: E402
+
 from fermijit.jit.dispatch import Dispatcher, SourceKeyedCache
 
 
@@ -137,8 +150,8 @@ def select_isa(label: str | None = None, decode: str | None = None) -> Isa:
     is the one a Westmere Xeon runs (both variables are needed: pitfall 2).
     """
     global _selected, _decode
-    if label is None:
-        isa = next(i for i in PREFERENCE if supported(i))
+    if label is None:  # none at all (NUMBA_CPU_FEATURES without ssse3): the baseline's error
+        isa = next((i for i in PREFERENCE if supported(i)), None) or _require(Isa.SSSE3)
     else:
         isa = _by_label(label)
         # Forced on a Westmere host too: the target's features are then "" rather than the
@@ -244,12 +257,21 @@ def configure_threads(n_threads: int | None) -> int:
         if not 1 <= n_threads <= numba_config.NUMBA_NUM_THREADS:
             raise FermijitError(
                 f"--threads must be between 1 and {numba_config.NUMBA_NUM_THREADS}")
-        numba.set_num_threads(n_threads)
+        _set_num_threads(n_threads)
         _threads_chosen = True
     elif not _threads_chosen:
-        numba.set_num_threads(max(1, min(physical_cores(), numba_config.NUMBA_NUM_THREADS)))
+        _set_num_threads(max(1, min(physical_cores(), numba_config.NUMBA_NUM_THREADS)))
         _threads_chosen = True
     return numba.get_num_threads()
+
+
+def _set_num_threads(n_threads: int) -> None:
+    """numba.set_num_threads, which starts Numba's threads the first time: a threading layer it
+    cannot load (NUMBA_THREADING_LAYER unknown, or tbb not installed) is a ValueError there."""
+    try:
+        numba.set_num_threads(n_threads)
+    except ValueError as e:
+        raise FermijitError(f"Numba's threads: {e}") from None
 
 
 def on_a_passing_thread(work):

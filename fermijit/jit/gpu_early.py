@@ -28,6 +28,8 @@ import stat
 import threading
 import time
 
+from fermijit import env_number
+
 # The model file is registered with the driver in chunks of this many bytes: pinning its pages
 # holds the process's memory-map lock (~0.6 s for the whole 11 GB file at once on the H200's
 # host), which every mmap of another thread waits for (the CPU kernels' loading beside it maps
@@ -48,11 +50,11 @@ REGISTER_PORTABLE, REGISTER_READ_ONLY = 0x01, 0x08
 
 def chunk_bytes() -> int:
     """The registration chunk: REGISTER_CHUNK_ENV MiB where set, else REGISTER_CHUNK_BYTES."""
-    return int(float(os.environ.get(REGISTER_CHUNK_ENV, 0)) * (1 << 20)) or REGISTER_CHUNK_BYTES
+    return int(env_number(REGISTER_CHUNK_ENV, 0) * (1 << 20)) or REGISTER_CHUNK_BYTES
 
 
 def register_threads() -> int:
-    return max(1, int(os.environ.get(REGISTER_THREADS_ENV, REGISTER_THREADS)))
+    return max(1, env_number(REGISTER_THREADS_ENV, REGISTER_THREADS, int))
 
 
 def page_chunks(address: int, nbytes: int, chunk: int) -> list[tuple[int, int]]:

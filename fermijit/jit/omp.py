@@ -28,7 +28,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc import parallel as numba_parallel
 
-from fermijit import FermijitError
+from fermijit import FermijitError, env_number
 from fermijit.jit.cpu import FASTMATH, bind, configure_threads, kernel
 
 _I32 = ir.IntType(32)
@@ -336,17 +336,7 @@ if os.environ.get(STATIC_ENV, "") not in ("", "0"):
     _schedule[DYNAMIC] = 0
 
 
-def _team_setting() -> int:
-    text = os.environ.get(TEAM_ENV, "")
-    if not text:
-        return CLAIMS_FROM_TEAM
-    try:
-        return max(1, int(text))
-    except ValueError:
-        raise FermijitError(f"{TEAM_ENV} must be a whole number of threads, got {text!r}") from None
-
-
-_schedule[TEAM_WORD] = _team_setting()
+_schedule[TEAM_WORD] = max(1, env_number(TEAM_ENV, CLAIMS_FROM_TEAM, int))
 
 
 def set_dynamic(on: bool, guide: int | None = None, chunk_bytes: int | None = None,

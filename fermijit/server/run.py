@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fermijit import FermijitError
+from fermijit import FermijitError, env_number
 
 
 def warm_up(engine, max_batch: int, drafts=None) -> None:
@@ -99,7 +99,7 @@ START_SWITCH_ENV = "FERMIJIT_START_SWITCH_S"
 def start_switch_interval():
     """sys.setswitchinterval(START_SWITCH_S) inside the block, as it was after it."""
     before = sys.getswitchinterval()
-    interval = float(os.environ.get(START_SWITCH_ENV, START_SWITCH_S)) or before
+    interval = env_number(START_SWITCH_ENV, START_SWITCH_S) or before
     sys.setswitchinterval(interval)
     try:
         yield

@@ -505,4 +505,4 @@ def test_claims_from_team_setting():
     r = subprocess.run([sys.executable, "-m", "fermijit", "info"], capture_output=True, text=True,
                        env=dict(os.environ, FERMIJIT_CLAIMS_FROM_TEAM="lots"), timeout=600)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "Error: FERMIJIT_CLAIMS_FROM_TEAM must be a whole number of threads, got 'lots'"]
+        "Error: FERMIJIT_CLAIMS_FROM_TEAM must be a whole number >= 0, got 'lots'"]
