@@ -63,11 +63,13 @@ def check_keep(keep: int, n_experts: int, top_k: int) -> None:
 
 
 def keep_for_ratio(ratio: float, n_experts: int, top_k: int) -> int:
-    """Experts kept when pruning the fraction `ratio` of them (rounded to the nearest)."""
-    if not 0 <= ratio < 1:
-        raise FermijitError(f"--ratio is the fraction of experts pruned, in [0, 1), got {ratio}")
-    keep = int(round(n_experts * (1 - ratio)))
-    check_keep(keep, n_experts, top_k)
+    """Experts kept when pruning the fraction `ratio` of them (rounded to the nearest), at least
+    the `top_k` each token uses: the error names --ratio, the flag given, and its range here."""
+    keep = int(round(n_experts * (1 - ratio))) if 0 <= ratio < 1 else 0
+    if not top_k <= keep <= n_experts:
+        raise FermijitError(f"--ratio is the fraction of experts pruned, from 0 (keep all "
+                            f"{n_experts}) to {1 - top_k / n_experts:g} (keep the {top_k} each "
+                            f"token uses, num_experts_per_tok), got {ratio}")
     return keep
 
 

@@ -211,6 +211,9 @@ def test_a_pruned_hf_checkpoint_converts_to_the_pruned_fermijit_model(models, tm
     (["--keep", "9"], "--keep must be between the 2 experts each token uses"),
     (["--keep", "1"], "--keep must be between the 2 experts each token uses"),
     (["--ratio", "1"], "--ratio is the fraction of experts pruned"),
+    # It named --keep ("--keep must be between ... got 0"), a flag not given.
+    (["--ratio", "0.99"], "--ratio is the fraction of experts pruned, from 0 (keep all 8) to "
+                          "0.75 (keep the 2 each token uses, num_experts_per_tok), got 0.99"),
     (["--keep", "4", "--ratio", "0.5"], "give one of --keep and --ratio"),
     ([], "give one of --keep and --ratio"),
     (["--keep", "4", "--ctx", "256"], "fewer than one window of 256"),
