@@ -452,7 +452,8 @@ def bench_vision(sizes: tuple[str, ...], depth: int | None, repeat: int, threads
               help="Tokens per calibration and scoring window (default: 512, at most "
                    "max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
-              help="Calibrate on at most this many tokens, spread over the text.")
+              help="Calibrate on at most this many tokens, spread over the text (one "
+                   "shorter window where fewer than --ctx).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the random pruning.")
 @json_option
@@ -649,7 +650,7 @@ def export(src: Path, dst: Path) -> None:
                    "at most max_position_embeddings).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="Calibrate on at most this many tokens, in windows spread over the text "
-                   "(default: all of it).")
+                   "(one shorter window where fewer than --ctx; default: all of it).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of --criterion random.")
 @click.option("--calibrate-with", type=click.Path(path_type=Path), default=None,

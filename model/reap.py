@@ -196,14 +196,22 @@ def check_context(context: int | None, max_context: int) -> int:
     return context
 
 
+def window_length(context: int, max_tokens: int | None) -> int:
+    """Tokens per calibration window: `context` (--ctx), or `max_tokens` where that is fewer (one
+    shorter window), so that at most --max-tokens tokens are calibrated on."""
+    return context if max_tokens is None else min(context, max_tokens)
+
+
 def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.ndarray:
-    """Start offsets of the calibration windows: whole windows of `context` tokens, at most
-    `max_tokens` tokens in all, spread evenly over the text (the default corpus' documents are in
-    path order: the first windows alone would see one part of the docs)."""
+    """Start offsets of the calibration windows: whole windows of `context` tokens (of
+    `window_length`), at most `max_tokens` tokens in all, spread evenly over the text (the
+    default corpus' documents are in path order: the first windows alone would see one part of
+    the docs)."""
     n_whole = n_tokens // context
     if n_whole == 0:
+        flag = "--max-tokens" if max_tokens == context else "--ctx"
         raise FermijitError(f"the calibration text has {n_tokens} tokens, fewer than one window "
-                            f"of {context} (--ctx)")
+                            f"of {context} ({flag})")
     n = n_whole if max_tokens is None else min(n_whole, max(1, max_tokens // context))
     return np.round(np.linspace(0, n_whole - 1, n)).astype(np.int64) * context
 
@@ -216,7 +224,7 @@ def calibrate(model, tokens, context: int, source: str, max_tokens: int | None =
     (with the CPU's 8-bit activation rounding, gpu_prefill's numerics); whatever falls back to the
     CPU is observed there."""
     tokens = np.asarray(tokens, dtype=np.int32)
-    check_context(context, model.max_context)
+    context = window_length(check_context(context, model.max_context), max_tokens)
     starts = windows(tokens.size, context, max_tokens)
     collector = Collector(model)
     gpu = getattr(prefiller, "gpu", prefiller)                # auto's GPU side, or gpu itself

@@ -154,6 +154,23 @@ def test_windows_are_whole_and_spread_over_the_text():
     np.testing.assert_array_equal(reap.windows(100, 10), np.arange(10) * 10)
     np.testing.assert_array_equal(reap.windows(105, 10, max_tokens=30), [0, 40, 90])
     assert reap.keep_for_ratio(0.5, 256, 8) == 128 and reap.keep_for_ratio(0.25, 16, 2) == 12
+    assert reap.window_length(32, None) == reap.window_length(32, 40) == 32
+    assert reap.window_length(32, 20) == 20
+
+
+def test_max_tokens_under_a_window_calibrates_on_one_shorter_window(models, tmp_path,
+                                                                     monkeypatch, capsys):
+    """--max-tokens says "at most", but a whole --ctx window was kept: --max-tokens 64 of the
+    default 512-token window calibrated on 512 tokens."""
+    code, _, err = run_cli(monkeypatch, capsys, "prune", models["fermijit"], tmp_path / "pruned",
+                           "--text", calibration_text(tmp_path), "--keep", 6, "--ctx", CONTEXT,
+                           "--max-tokens", 20)
+    assert code == 0, err
+    calibration = json.loads((tmp_path / "pruned" / convert.MANIFEST).read_text())["reap"][
+        "calibration"]
+    assert (calibration["n_tokens"], calibration["n_windows"], calibration["context"]) == (20, 1,
+                                                                                          20)
+    assert "calibrated on 20 tokens" in err.splitlines()[-1]
 
 
 def calibration_text(tmp_path, n_sentences=160):
