@@ -374,9 +374,11 @@ class Engine:
 
             speculative = model.mtp is not None and pays(model)
         if speculative and model.mtp is None:
-            raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head (mtp.* "
-                                f"weights; a model converted before fermijit kept them has "
-                                f"none: convert it again)")
+            why = ("config.json's mtp_num_hidden_layers is 0"
+                   if cfg.text_config.mtp_num_hidden_layers == 0 else
+                   "mtp.* weights; a model converted before fermijit kept them has none: "
+                   "convert it again")
+            raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head ({why})")
         tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None

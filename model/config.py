@@ -250,6 +250,8 @@ def _validate_text(c: TextConfig, where: str) -> None:
     need(c.linear_num_value_heads % c.linear_num_key_heads == 0,
          "linear_num_value_heads must be a multiple of linear_num_key_heads")
     need(c.num_experts_per_tok <= c.num_experts, "num_experts_per_tok exceeds num_experts")
+    need(c.mtp_num_hidden_layers in (0, 1),  # the head runs one layer (model/mtp.py)
+         f"mtp_num_hidden_layers {c.mtp_num_hidden_layers} is not supported (0 or 1)")
     rope = c.rope_parameters
     need(rope.rope_type == "default",
          f"unsupported rope_type {rope.rope_type!r} (only default)")

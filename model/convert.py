@@ -376,6 +376,13 @@ def is_fermijit_model(directory: str | Path) -> bool:
     return (Path(directory) / MANIFEST).exists()
 
 
+def has_mtp_head(text, manifest: Manifest) -> bool:
+    """Whether a fermijit model runs its MTP head: stored (MTP_FC), and config.json's
+    mtp_num_hidden_layers (`text`, TextConfig) is 1; 0 leaves a stored head unused, as an HF
+    checkpoint's (model/weights.py has_mtp)."""
+    return MTP_FC in manifest.tensors and text.mtp_num_hidden_layers == 1
+
+
 # Weights are faulted in at load (SafetensorsFile.populate) when they take at most this share of
 # the memory the process can get; a larger file (the 19.7 GB 256-expert model on a 24 GiB machine)
 # would have its first pages evicted while its last are read, so it is left to fault on use.
@@ -410,7 +417,9 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
         raise FermijitError(f"{directory}: not a fermijit model (no {MANIFEST}; convert it first)")
     manifest = read_manifest(directory)
     cfg = load_config(directory)
-    expected = text_weight_shapes(cfg.text_config, mtp=MTP_FC in manifest.tensors)
+    with_mtp = has_mtp_head(cfg.text_config, manifest)
+    unused = (MTP_PREFIX,) if cfg.text_config.mtp_num_hidden_layers == 0 else ()
+    expected = text_weight_shapes(cfg.text_config, mtp=with_mtp)
     for name, shape in expected.items():
         if name not in manifest.tensors:
             raise FermijitError(f"{path}: missing tensor {name}")
@@ -418,8 +427,9 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
             raise FermijitError(f"{path}: tensor {name} has shape "
                                 f"{list(manifest.tensors[name].shape)}, config.json implies "
                                 f"{list(shape)}")
+    # The tower's are model/multimodal.py's to load; an unused head's are left as they are.
     extra = sorted(n for n in set(manifest.tensors) - set(expected)
-                   if not n.startswith("visual."))  # the tower: model/multimodal.py loads it
+                   if not n.startswith(("visual.", *unused)))
     if extra:
         raise FermijitError(f"{path}: tensor {extra[0]} is not in a model of this config.json")
     weights_file = SafetensorsFile(directory / manifest.weights)
@@ -428,6 +438,8 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
         weights_file.populate(background=True)  # serve's: after its warm-up (populate_after)
     arrays = {}
     for name, entry in manifest.tensors.items():
+        if name.startswith(unused):
+            continue
         for stored, dtype, shape in stored_specs(name, entry.shape, entry.quant):
             info = weights_file.tensors.get(stored)
             if info is None:

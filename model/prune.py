@@ -67,12 +67,14 @@ def prune_fermijit(src: str | Path, dst: str | Path, kept, record: dict,
     src, dst = Path(src), Path(dst)
     cfg, _, manifest = convert.load_converted(src)
     text = cfg.text_config
-    has_mtp = convert.MTP_FC in manifest.tensors
+    has_mtp = convert.has_mtp_head(text, manifest)
     kept = _check_kept(kept, text, has_mtp)
     lm_head = manifest.tensors["lm_head"].quant
     weights = SafetensorsFile(src / manifest.weights)
     shapes, rows = {}, {}          # rows: the kept ids of a tensor whose first axis is experts
     for name, entry in manifest.tensors.items():
+        if name.startswith(MTP_PREFIX) and not has_mtp:
+            continue                                # an unused head (config.json's 0): dropped
         if entry.quant != convert.quantisation(name, lm_head):
             raise FermijitError(f"{src}: {name} is {entry.quant}, this fermijit stores it as "
                                 f"{convert.quantisation(name, lm_head)}; convert it again")
@@ -190,7 +192,8 @@ def _has_mtp(directory: Path) -> bool:
     from fermijit.model.weights import has_mtp
 
     if convert.is_fermijit_model(directory):
-        return convert.MTP_FC in convert.read_manifest(directory).tensors
+        return convert.has_mtp_head(load_config(directory).text_config,
+                                    convert.read_manifest(directory))
     return has_mtp(load_config(directory).text_config, Checkpoint(directory))
 
 

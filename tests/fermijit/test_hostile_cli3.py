@@ -165,3 +165,45 @@ def test_generation_config_values_of_the_wrong_kind_are_one_line(model, monkeypa
                              "--max-tokens", 2, "--threads", 1)
     assert out == ""
     assert_one_line(code, err, f"generation_config.json: {message}")
+
+
+def set_text_config(model, **fields):
+    """config.json of `model` with `fields` set in its text config."""
+    config = json.loads((model / "config.json").read_text())
+    config.get("text_config", config).update(fields)
+    (model / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("layers", [3, 2, -1])
+def test_an_mtp_of_other_than_0_or_1_layers_is_refused(model, monkeypatch, capsys, layers):
+    """mtp_num_hidden_layers 3 was read and ignored: the one stored layer ran as the head."""
+    set_text_config(model, mtp_num_hidden_layers=layers)
+    code, out, err = run_cli(monkeypatch, capsys, *GREEDY, "--model", model, "--threads", 1)
+    assert out == ""
+    assert_one_line(code, err, f"mtp_num_hidden_layers {layers} is not supported (0 or 1)")
+
+
+def test_an_mtp_of_0_layers_leaves_the_stored_head_unused(model, monkeypatch, capsys):
+    """mtp_num_hidden_layers 0 with the head's mtp.* tensors stored: the head ran anyway (an HF
+    checkpoint's, and a GGUF's, is left out, as transformers leaves it). Now 0 is no head for a
+    fermijit model too: the model runs without it, `--speculative mtp` says so, and a pruned
+    copy drops it."""
+    from fermijit.model import forward
+
+    set_text_config(model, mtp_num_hidden_layers=0)
+    code, out, err = run_cli(monkeypatch, capsys, *GREEDY, "--model", model, "--threads", 1)
+    assert code == 0 and out, err
+    code, out, err = run_cli(monkeypatch, capsys, *GREEDY, "--model", model, "--threads", 1,
+                             "--speculative", "mtp")
+    assert out == ""
+    assert_one_line(code, err, "has no MTP head (config.json's mtp_num_hidden_layers is 0)")
+    assert forward.load_model(model)[1].mtp is None
+    text = model.parent / "calibration.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    code, _, err = run_cli(monkeypatch, capsys, "prune", model, model.parent / "pruned",
+                           "--text", text, "--keep", 8, "--ctx", 64, "--max-tokens", 64,
+                           "--threads", 1)
+    assert code == 0, err
+    manifest = json.loads((model.parent / "pruned" / "fermijit.json").read_text())
+    assert not any(name.startswith("mtp.") for name in manifest["tensors"])
+    assert forward.load_model(model.parent / "pruned")[1].mtp is None
