@@ -40,10 +40,10 @@ from fermijit.model import vision
 from fermijit.model.config import ModelConfig, load_config
 from fermijit.model.files import member, read_json
 from fermijit.model.manifest import (BLOCK, FORMAT_VERSION, MANIFEST, Manifest, Source,
-                                     TensorEntry, check_at_load, checksum, read_manifest,
-                                     sample, stored_specs)
-from fermijit.model.safetensors_io import (INDEX_NAME, Checkpoint, SafetensorsFile,
-                                           SafetensorsWriter)
+                                     TensorEntry, check_at_load, check_finished, checksum,
+                                     read_manifest, sample, stored_specs)
+from fermijit.model.safetensors_io import (FERMIJIT_FORMAT, INDEX_NAME, Checkpoint,
+                                           SafetensorsFile, SafetensorsWriter)
 from fermijit.model.state import available_nbytes
 from fermijit.model.weights import (MTP_PREFIX, BlockTensor, QuantTensor, TextWeights, assemble,
                                     plan_text_weights, text_weight_shapes)
@@ -114,6 +114,9 @@ def convert(src: str | Path, dst: str | Path, lm_head: str | None = None,
         return gguf_convert.convert(src, dst, lm_head or "q8_0", show_progress, chunk_bytes)
     if not src.is_dir():
         raise FermijitError(f"no such model directory or GGUF file: {src}")
+    if is_fermijit_model(src):  # else read as an HF checkpoint: "missing tensor model..."
+        raise FermijitError(f"{src} is a fermijit model already ({MANIFEST}): nothing to "
+                            f"convert")
     cfg = load_config(src)
     ckpt = Checkpoint(src)
     plans = plan_text_weights(cfg.text_config, ckpt)  # every tensor checked before any write
@@ -229,7 +232,7 @@ def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     order = sorted(flat, key=place)
     partial = dst / (WEIGHTS + PARTIAL_SUFFIX)
     total = sum(int(np.prod(shape)) for shape in shapes.values())
-    with SafetensorsWriter(partial, order, {"format": "fermijit"}) as out, \
+    with SafetensorsWriter(partial, order, {"format": FERMIJIT_FORMAT}) as out, \
             tqdm(total=total, unit="param", unit_scale=True, desc=desc, file=sys.stderr,
                  disable=not show_progress) as bar:
         for name in shapes:
@@ -414,6 +417,7 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
     directory = Path(directory)
     path = directory / MANIFEST
     if not path.exists():
+        check_finished(directory)
         raise FermijitError(f"{directory}: not a fermijit model (no {MANIFEST}; convert it first)")
     manifest = read_manifest(directory)
     cfg = load_config(directory)

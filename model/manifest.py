@@ -35,7 +35,7 @@ import numpy as np
 from fermijit import FermijitError
 from fermijit.model.config import MAX_DIMENSION, build
 from fermijit.model.files import member, read_json, short
-from fermijit.model.safetensors_io import SafetensorsFile
+from fermijit.model.safetensors_io import FERMIJIT_FORMAT, SINGLE_NAME, SafetensorsFile
 
 FORMAT_VERSION = 2
 MANIFEST = "fermijit.json"
@@ -111,6 +111,20 @@ def stored_specs(name: str, shape: tuple[int, ...], quant: str) -> list[tuple[st
         return [(name + ".blocks", "U8", lead + (FORMATS[quant].n_bytes(k),))]
     qs = (name + ".qs", "U8", lead + (k // 2,)) if quant == "q4_0" else (name + ".qs", "I8", shape)
     return [qs, (name + ".d", "F16", lead + (k // BLOCK,))]
+
+
+def check_finished(directory: str | Path, files=None) -> None:
+    """`directory`, read without a manifest, must not hold a fermijit weights file (`files`: its
+    SafetensorsFiles where opened already, else its model.safetensors): model/convert.py
+    write_model writes the manifest last, so a conversion stopped between the two leaves one,
+    which the HF reader refused for a tensor name."""
+    if files is None:
+        path = Path(directory) / SINGLE_NAME
+        files = [SafetensorsFile(path)] if path.is_file() else []
+    if any(f.metadata.get("format") == FERMIJIT_FORMAT for f in files):
+        raise FermijitError(f"{directory} holds fermijit-converted weights ({SINGLE_NAME} with "
+                            f"fermijit tensor names) but no {MANIFEST}: an unfinished "
+                            f"conversion? remove it and convert again")
 
 
 def read_manifest(directory: str | Path) -> Manifest:

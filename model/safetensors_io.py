@@ -29,6 +29,8 @@ from fermijit.model.files import (guard_mapping, member, open_regular, parse_jso
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# __metadata__ "format" of a fermijit model's weights file (model/convert.py write_model)
+FERMIJIT_FORMAT = "fermijit"
 MAX_HEADER_NBYTES = 100 * 1024 * 1024  # the safetensors package's own limit
 # Beyond any real tensor; numpy refuses dims past 2**63 (an OverflowError) even in empty arrays.
 MAX_NDIM, MAX_DIM = 16, 1 << 48

@@ -321,9 +321,12 @@ def _expert_plans(ckpt: Checkpoint, m: str, s: str, E: int, I: int, H: int) -> l
 
 
 def text_prefix(ckpt: Checkpoint) -> str:
+    from fermijit.model.manifest import check_finished
+
     for prefix in ("model.language_model.", "model."):
         if prefix + "embed_tokens.weight" in ckpt:
             return prefix
+    check_finished(ckpt.directory, ckpt.files)
     raise FermijitError(f"{ckpt.directory}: missing tensor model.language_model.embed_tokens.weight "
                         f"(nor model.embed_tokens.weight)")
 

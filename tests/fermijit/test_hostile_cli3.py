@@ -207,3 +207,29 @@ def test_an_mtp_of_0_layers_leaves_the_stored_head_unused(model, monkeypatch, ca
     manifest = json.loads((model.parent / "pruned" / "fermijit.json").read_text())
     assert not any(name.startswith("mtp.") for name in manifest["tensors"])
     assert forward.load_model(model.parent / "pruned")[1].mtp is None
+
+
+@pytest.mark.parametrize("command", [
+    (*GREEDY, "--model", "{m}"),                # were "missing tensor model.language_model..."
+    ("eval", "--model", "{m}", "--text", "{m}/config.json"),
+    ("convert", "{m}", "{m}-converted"),
+    ("export", "{m}", "{m}.gguf"),              # were "not a fermijit model (no fermijit.json;
+    ("verify", "--model", "{m}"),               # convert it first)"
+])
+def test_a_model_without_its_manifest_is_said_unfinished(model, monkeypatch, capsys, command):
+    """A conversion killed between writing the weights and the manifest (written last) left a
+    directory read as an HF checkpoint, which failed on a tensor name."""
+    (model / "fermijit.json").unlink()
+    code, out, err = run_cli(monkeypatch, capsys, *(a.format(m=model) for a in map(str, command)))
+    assert out == ""
+    assert_one_line(code, err, f"{model} holds fermijit-converted weights (model.safetensors "
+                               f"with fermijit tensor names) but no fermijit.json: an unfinished "
+                               f"conversion? remove it and convert again")
+
+
+def test_converting_a_fermijit_model_is_refused(model, monkeypatch, capsys):
+    """It failed as an HF checkpoint: "missing tensor model.language_model.embed_tokens...\""""
+    code, out, err = run_cli(monkeypatch, capsys, "convert", model, model.parent / "again")
+    assert_one_line(code, err, f"{model} is a fermijit model already (fermijit.json): nothing "
+                               f"to convert")
+    assert not (model.parent / "again").exists()
