@@ -379,7 +379,7 @@ class Engine:
                    "mtp.* weights; a model converted before fermijit kept them has none: "
                    "convert it again")
             raise FermijitError(f"--speculative mtp: {model_dir} has no MTP head ({why})")
-        tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id)
+        tokenizer = Tokenizer(model_dir, cfg.text_config.eos_token_id, model.vocab_size)
         c = prefix_cache.CacheSettings() if cache_settings is None else cache_settings
         cache = None
         if c.is_enabled:

@@ -126,7 +126,7 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
     from fermijit.model.state import DEFAULT_KV
 
     cfg, model = load_model(model_dir, show_progress=True, kv=kv or DEFAULT_KV)
-    tokens = Tokenizer(model_dir, cfg.text_config.eos_token_id).encode(text)
+    tokens = Tokenizer(model_dir, cfg.text_config.eos_token_id, model.vocab_size).encode(text)
     if tokens.size < 2:
         raise FermijitError(f"{text_path}: {tokens.size} token, nothing to predict")
     if context is None:

@@ -237,7 +237,8 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
                             f"experts are pruned by its own calibration: give a calibration "
                             f"model that has one where the model does, or none)")
     context = reap.window_length(reap.check_context(context, model.max_context), max_tokens)
-    tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id).encode(read_text(text_path))
+    tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id,
+                       model.vocab_size).encode(read_text(text_path))
     n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
     prefiller = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
     if prefill != "cpu" and prefiller.prepare():

@@ -68,7 +68,10 @@ def _ids(value, where: str) -> tuple[int, ...]:
 class Tokenizer:
     """A model directory's tokenizer, chat template and stop ids."""
 
-    def __init__(self, directory: str | Path, config_eos: int | tuple[int, ...] | None = None):
+    def __init__(self, directory: str | Path, config_eos: int | tuple[int, ...] | None = None,
+                 model_vocab: int | None = None):
+        """`model_vocab`: the model's vocab_size, which the tokenizer's ids must fit (fewer
+        tokens are fine: real models pad their vocabulary)."""
         from tokenizers import Tokenizer as HfTokenizer
 
         directory = Path(directory)
@@ -81,6 +84,10 @@ class Tokenizer:
         except Exception as e:  # the library raises its own untyped exceptions
             message = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise FermijitError(f"{path}: not a readable tokenizer ({message})") from None
+        if model_vocab is not None and self.vocab_size > model_vocab:  # else found at encode
+            raise FermijitError(f"{path}: {self.vocab_size} tokens, more than the model's "
+                                f"vocab_size {model_vocab} (config.json): the tokenizer of "
+                                f"another model?")
         cfg_path = directory / "tokenizer_config.json"
         cfg = read_json(cfg_path) if cfg_path.exists() else {}
         self.chat_template = self._find_template(directory, cfg)

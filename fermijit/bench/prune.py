@@ -78,7 +78,7 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
     for keep in keeps:
         reap.check_keep(keep, text.num_experts, text.num_experts_per_tok)
     context = reap.check_context(context, model.max_context)
-    tokenizer = Tokenizer(model_dir, text.eos_token_id)
+    tokenizer = Tokenizer(model_dir, text.eos_token_id, model.vocab_size)
     calibration = tokenizer.encode(read_text(text_path))
     heldout = tokenizer.encode(read_text(heldout_path))
     window = reap.window_length(context, max_tokens)  # calibrate's; scoring's stays `context`

@@ -233,3 +233,20 @@ def test_converting_a_fermijit_model_is_refused(model, monkeypatch, capsys):
     assert_one_line(code, err, f"{model} is a fermijit model already (fermijit.json): nothing "
                                f"to convert")
     assert not (model.parent / "again").exists()
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(model, monkeypatch, capsys):
+    """Ids past the embedding failed only when a text held them ("token ids must be in [0,
+    8192)"), after the load; a tokenizer smaller than vocab_size stays allowed (real models pad
+    their vocabulary)."""
+    path = model / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["added_tokens"].append({"id": 8192, "content": "<|past the embedding|>",
+                                      "single_word": False, "lstrip": False, "rstrip": False,
+                                      "normalized": False, "special": True})
+    path.write_text(json.dumps(tokenizer))
+    for command in (GREEDY, ("eval", "--text", model / "config.json")):
+        code, out, err = run_cli(monkeypatch, capsys, *command, "--model", model, "--threads", 1)
+        assert out == ""
+        assert_one_line(code, err, f"{path}: 8193 tokens, more than the model's vocab_size "
+                                   f"8192 (config.json): the tokenizer of another model?")
