@@ -225,7 +225,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
     async def health(request: Request):
         prefiller = scheduler.engine.prefiller
         return JSONResponse({"status": "ok", "active": len(scheduler.active),
-                             "waiting": scheduler.waiting.qsize(),
+                             "waiting": scheduler.n_waiting(),
                              "prefilled_tokens": dict(getattr(prefiller, "n_prefilled", {}))})
 
     async def not_found(request: Request, exc: HTTPException):

@@ -243,6 +243,12 @@ class Scheduler:
             except queue.Full:
                 raise QueueFull from None
 
+    def n_waiting(self) -> int:
+        """Requests waiting to join whose clients are still there (/health): a cancelled one
+        stays queued until `submit` clears it from a full queue or `_admit` takes it."""
+        with self.waiting.mutex:
+            return sum(not job.cancelled.is_set() for job in self.waiting.queue)
+
     def start(self) -> None:
         from fermijit.jit import cpu
 

@@ -96,6 +96,29 @@ def test_a_queued_request_whose_client_left_gives_its_place_back(engine, referen
         scheduler.stop()
 
 
+def test_health_counts_only_the_waiting_requests_whose_clients_are_there(engine):
+    """/health's "waiting" counted a request whose client had left (cancelled) until the queue
+    was cleared or the job taken."""
+    from fermijit.server.app import make_app
+    from fermijit.server.run import ServerThread
+    from fermijit.server.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, max_batch=1, queue_size=2)  # not started: requests wait
+    server = ServerThread(make_app(scheduler, "m"))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=GREEDY, timeout=1)
+        deadline = time.monotonic() + 10
+        while not scheduler.waiting.queue[0].cancelled.is_set():  # the app saw it go
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert scheduler.waiting.qsize() == 1
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["waiting"] == 0
+    finally:
+        server.stop()
+        scheduler.stop()
+
+
 def test_a_stop_string_past_max_stop_chars_is_400(url, reference):
     """The scheduler's thread holds back the text that could still grow into a stop string,
     at a cost per token quadratic in its length (StopMatcher.push): a stop string of the
