@@ -5,25 +5,17 @@ back; assistant tool calls in a chat's history are refused as tools are."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.fermijit.server.test_hostile import GREEDY, _text, assert_error
+from tests.fermijit.server.test_hostile import (GREEDY, _text, assert_error,  # noqa: F401
+                                                reference, url)  # the fixtures
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def url(server):
-    return server[0]
-
-
-@pytest.fixture(scope="module")
-def reference(url):
-    return _text(url)
 
 
 # What each would have changed, and its neutral value (sent by clients at their defaults).
@@ -63,15 +55,15 @@ def test_assistant_tool_calls_are_400(url, reference):
     assert _text(url) == reference
 
 
-def test_a_queued_request_whose_client_left_gives_its_place_back(engine, reference):
-    """A queue of one, its request's client gone (timed out): the job stayed queued, cancelled,
-    until a batch place freed, and every request meanwhile was a 503 "queue full" (on the real
-    model, for as long as the running streams took)."""
+@contextlib.contextmanager
+def _a_request_left_queued(engine, queue_size: int):
+    """A server whose scheduler is not started (requests wait), and one request in its queue
+    whose client left (timed out): (scheduler, server), the job seen cancelled."""
     from fermijit.server.app import make_app
     from fermijit.server.run import ServerThread
     from fermijit.server.scheduler import Scheduler
 
-    scheduler = Scheduler(engine, max_batch=1, queue_size=1)  # not started: requests wait
+    scheduler = Scheduler(engine, max_batch=1, queue_size=queue_size)
     server = ServerThread(make_app(scheduler, "m"))
     try:
         with pytest.raises(httpx.ReadTimeout):
@@ -80,6 +72,18 @@ def test_a_queued_request_whose_client_left_gives_its_place_back(engine, referen
         while not scheduler.waiting.queue[0].cancelled.is_set():  # the app saw it go
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        yield scheduler, server
+    finally:
+        server.stop()
+        scheduler.stop()
+
+
+def test_a_queued_request_whose_client_left_gives_its_place_back(engine, reference):
+    """A queue of one, its request's client gone (timed out): the job stayed queued, cancelled,
+    until a batch place freed, and every request meanwhile was a 503 "queue full" (on the real
+    model, for as long as the running streams took)."""
+    with _a_request_left_queued(engine, 1) as (scheduler, server):
+        deadline = time.monotonic() + 10
         results = []
         waiter = threading.Thread(target=lambda: results.append(
             httpx.post(f"{server.url}/v1/completions", json=GREEDY, timeout=60)))
@@ -91,32 +95,14 @@ def test_a_queued_request_whose_client_left_gives_its_place_back(engine, referen
         waiter.join(60)
         assert results[0].status_code == 200, results[0].text
         assert results[0].json()["choices"][0]["text"] == reference
-    finally:
-        server.stop()
-        scheduler.stop()
 
 
 def test_health_counts_only_the_waiting_requests_whose_clients_are_there(engine):
     """/health's "waiting" counted a request whose client had left (cancelled) until the queue
     was cleared or the job taken."""
-    from fermijit.server.app import make_app
-    from fermijit.server.run import ServerThread
-    from fermijit.server.scheduler import Scheduler
-
-    scheduler = Scheduler(engine, max_batch=1, queue_size=2)  # not started: requests wait
-    server = ServerThread(make_app(scheduler, "m"))
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/completions", json=GREEDY, timeout=1)
-        deadline = time.monotonic() + 10
-        while not scheduler.waiting.queue[0].cancelled.is_set():  # the app saw it go
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with _a_request_left_queued(engine, 2) as (scheduler, server):
         assert scheduler.waiting.qsize() == 1
         assert httpx.get(f"{server.url}/health", timeout=10).json()["waiting"] == 0
-    finally:
-        server.stop()
-        scheduler.stop()
 
 
 def test_a_stop_string_past_max_stop_chars_is_400(url, reference):
