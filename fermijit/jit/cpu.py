@@ -426,6 +426,7 @@ def kernel(fn=None, *, parallel: bool = False, fastmath=FASTMATH, variant: str =
             nopython=True, boundscheck=None, parallel=parallel, fastmath=fastmath,
             error_model="numpy", nogil=True))
         folder = Path(fn.__code__.co_filename).resolve().parent
+        # The two digests first: the code's version in the key (dispatch.KEY_VERSION)
         extra = (_source_digest(folder), _source_digest(_JIT_DIR), variant, flags)
         cache = _source_keyed_cache(body, extra)
         if cache is not None:

@@ -3,10 +3,12 @@ safely between processes using one cache folder (the warm-up's helpers, two firs
 
 import ctypes
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import llvmlite.binding as llvm_binding
 import numpy as np
@@ -164,6 +166,29 @@ def test_code_compiled_under_other_numba_settings_is_not_served_to_others(tmp_pa
     assert _served(env) == (0, 1, False)
     assert _served(env) == (1, 0, False)        # plain code is cached as before
     assert _served(dict(env, **setting)) == (1, 0, other[2])  # and so is the other
+
+
+def _index_entries(cache: Path) -> tuple[int, int]:
+    """(entries in plus_one's cache index, its data files) under the cache folder `cache`."""
+    (index,) = cache.rglob("*plus_one*.nbi")
+    with open(index, "rb") as f:
+        pickle.load(f)  # Numba's version
+        _, overloads = pickle.loads(f.read())
+    return len(overloads), len(list(cache.rglob("*plus_one*.nbc")))
+
+
+def test_entries_of_another_version_of_the_source_are_dropped_at_the_next_save(tmp_path):
+    """The kernel's folder edited (not its own file: Numba keeps the index then) makes a cache
+    miss; the save drops the old version's entry and its data, which no load could hit again
+    (kept, every edit or upgrade grew every index that each start unpickles)."""
+    env = _package(tmp_path)
+    assert _served(env)[:2] == (0, 1)
+    (tmp_path / "cachedpkg" / "other.py").write_text("X = 1\n")  # the folder's digest moves
+    assert _served(env)[:2] == (0, 1)
+    assert _index_entries(tmp_path / "cache") == (1, 1)
+    assert _served(env)[:2] == (1, 0)
+    (tmp_path / "cachedpkg" / "other.py").unlink()  # back to the first version: dropped
+    assert _served(env)[:2] == (0, 1)
 
 
 HOLD = """
