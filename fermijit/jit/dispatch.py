@@ -8,7 +8,8 @@ and lazier: what lets the warm-up compile in several processes at once (fermijit
   one kernel compile it once: the second waits, then loads it from the cache.
 - Numba's index update is a read-modify-write of one file per kernel: two processes saving two
   signatures at once could both take data file 1, one index entry then naming the other's code.
-  Saves take a lock of their own, and write the data before the index names it.
+  Saves take a lock of their own, and write the data before the index names it. A save also
+  drops the entries of other versions of the source (KEY_VERSION), which Numba kept.
 - Numba's settings that change the code it generates are part of the cache key (Numba's own key
   leaves them out: numba issue 10821), so a process run with one cannot serve its code to others.
 - A code library compiled only to be linked into others gets no machine code of its own unless
