@@ -393,7 +393,7 @@ class Engine:
 
     def image_prompt(self, messages: list[dict], images: list, encode=None,
                      max_image_tokens: int | None = None,
-                     check: Callable[[int], None] | None = None):
+                     check: Callable[[int], None] | None = None, variables: dict | None = None):
         """A model/multimodal.py Prompt (what `generate` takes) from chat `messages` whose
         content may hold {"type": "image"} or {"type": "image_url"} parts, and `images` for them
         in order: paths, model/image.py Encoded images (the server's data: URIs) or PIL images.
@@ -401,7 +401,8 @@ class Engine:
         `max_image_tokens` in all (default model/image.py DEFAULT_MAX_IMAGE_TOKENS) is a
         FermijitError, and `check(n_prompt)` (raising when the
         context cannot hold it) sees the prompt's length. `encode` replaces the tower's CPU
-        encode (the GPU's: model/vision_gpu.py)."""
+        encode (the GPU's: model/vision_gpu.py). `variables`: the chat template's extra
+        variables (Tokenizer.render_chat)."""
         from fermijit.model import image, multimodal
 
         max_image_tokens = max_image_tokens or image.DEFAULT_MAX_IMAGE_TOKENS
@@ -419,7 +420,7 @@ class Engine:
                 raise FermijitError(f"the image{'s' if many else ''} ({sizes or 'given'}) "
                                     f"make{'' if many else 's'} {n_image} image tokens, more "
                                     f"than the {max_image_tokens} allowed (--max-image-tokens)")
-            ids = multimodal.render(self.tokenizer, messages, layouts, self.config)
+            ids = multimodal.render(self.tokenizer, messages, layouts, self.config, variables)
             if check is not None:
                 check(int(ids.size))
             processed = [image.preprocess(im, settings) if not isinstance(im, image.Image)

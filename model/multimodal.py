@@ -89,7 +89,7 @@ def image_ids(cfg: ModelConfig, image: Layout) -> list[int]:
 
 
 def render(tokenizer, messages: list[dict], images: list[Layout],
-           cfg: ModelConfig) -> np.ndarray:
+           cfg: ModelConfig, variables: dict | None = None) -> np.ndarray:
     """Prompt ids of chat `messages` (content a string, or a list of {"type": "text", "text"} and
     {"type": "image" | "image_url"} parts) through the model's chat template, each image part
     expanded to its placeholder tokens; `images` (their layouts, or the images) in the order of
@@ -117,7 +117,7 @@ def render(tokenizer, messages: list[dict], images: list[Layout],
         flat.append(m)
     if n_parts != len(images):
         raise FermijitError(f"the messages have {n_parts} image parts for {len(images)} images")
-    pieces = tokenizer.render_chat(flat).split(_MARK)
+    pieces = tokenizer.render_chat(flat, variables=variables).split(_MARK)
     if len(pieces) != len(images) + 1:
         raise FermijitError("the chat template dropped or repeated an image")
     ids = list(tokenizer.encode(pieces[0], add_special_tokens=False))

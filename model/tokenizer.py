@@ -65,6 +65,12 @@ def _ids(value, where: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# The chat template's variables render_chat sets itself (and its globals): a request's
+# chat_template_kwargs may not name them (fermijit/server/protocol.py).
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                            "raise_exception", "strftime_now"})
+
+
 class Tokenizer:
     """A model directory's tokenizer, chat template and stop ids."""
 
@@ -132,9 +138,12 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    variables: dict | None = None) -> str:
         """The chat template applied to `messages` ([{"role", "content"}]), as HF's
-        apply_chat_template renders it (sandboxed jinja2, trim_blocks, lstrip_blocks)."""
+        apply_chat_template renders it (sandboxed jinja2, trim_blocks, lstrip_blocks);
+        `variables`: more of the template's variables (a request's chat_template_kwargs, e.g.
+        Qwen3's enable_thinking), never replacing those set here (TEMPLATE_NAMES)."""
         if self.chat_template is None:
             raise FermijitError("--chat: the model has no chat template (tokenizer_config.json "
                                 "chat_template or chat_template.jinja)")
@@ -156,7 +165,8 @@ class Tokenizer:
             with _time_limit(TEMPLATE_TIMEOUT_S) as limit:
                 pieces, n_chars = [], 0
                 for piece in env.from_string(self.chat_template).generate(
-                        messages=messages, add_generation_prompt=add_generation_prompt,
+                        **(variables or {}), messages=messages,
+                        add_generation_prompt=add_generation_prompt,
                         bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
                     limit.check()
                     n_chars += len(piece)

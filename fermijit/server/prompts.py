@@ -40,7 +40,8 @@ def check_context(n_prompt: int, job: Job, max_context: int) -> None:
 def _tokens(engine, job: Job) -> np.ndarray:
     tokenizer = engine.tokenizer
     if job.is_chat:
-        return tokenizer.encode(tokenizer.render_chat(job.prompt), add_special_tokens=False)
+        return tokenizer.encode(tokenizer.render_chat(job.prompt, variables=job.template_kwargs),
+                                add_special_tokens=False)
     if isinstance(job.prompt, str):
         return tokenizer.encode(job.prompt)
     vocab = engine.model.vocab_size
@@ -58,4 +59,5 @@ def _image_prompt(engine, job: Job, max_image_tokens: int | None):
     engine.vision_tower()  # a model without one says so before any image is read
     images = [image.from_data_uri(uri, f"image {k}") for k, uri in enumerate(job.images)]
     return engine.image_prompt(job.prompt, images, None, max_image_tokens,
-                               check=lambda n_prompt: check_context(n_prompt, job, max_context))
+                               check=lambda n_prompt: check_context(n_prompt, job, max_context),
+                               variables=job.template_kwargs)

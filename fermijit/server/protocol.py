@@ -34,7 +34,7 @@ UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "log
                "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
                "add_generation_prompt": (True,), "continue_final_message": (False,),
-               "chat_template": (), "chat_template_kwargs": ({},),
+               "chat_template": (),
                "n_predict": (-1,), "repeat_penalty": (1, 1.0), "typical_p": (1, 1.0),
                "tfs_z": (1, 1.0), "mirostat": (0,), "dynatemp_range": (0, 0.0),
                "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_probs": (0,),
@@ -81,6 +81,8 @@ class Job:
     include_usage: bool
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever (benchmarks)
     images: tuple[str, ...] = ()  # data: URIs of the chat's image parts, in order
+    # vLLM's chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking)
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
     # Made by the request's handler (server/prompts.py), off the scheduler's thread: the prompt's
     # token ids (int32 [T], image placeholders included), and with images the whole
     # model/multimodal.py Prompt (the tower's output, MRoPE positions).
@@ -254,12 +256,31 @@ def parse(body, is_chat: bool) -> Job:
     options = _field(body, "stream_options", dict, {})
     include_usage = _field(options, "include_usage", bool, False)
     ignore_eos = _field(body, "ignore_eos", bool, False)
+    template_kwargs = _template_kwargs(body, is_chat)
     return Job(is_chat=is_chat, prompt=prompt, max_tokens=max_tokens,
                temperature=None if temperature is None else float(temperature),
                top_p=None if top_p is None else float(top_p), top_k=top_k,
                seed=secrets.randbits(63) if seed is None else abs(seed), stop=tuple(stop),
                stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
-               images=tuple(images))
+               images=tuple(images), template_kwargs=template_kwargs)
+
+
+def _template_kwargs(body: dict, is_chat: bool) -> dict:
+    """vLLM's (and llama.cpp's) chat_template_kwargs: variables the model's chat template reads
+    beside the messages (Qwen3's enable_thinking), chats only; none may be one the server sets
+    (model/tokenizer.py TEMPLATE_NAMES)."""
+    from fermijit.model.tokenizer import TEMPLATE_NAMES
+
+    variables = _field(body, "chat_template_kwargs", dict, {})
+    if variables and not is_chat:
+        raise ApiError(400, "'chat_template_kwargs' applies to chat completions only",
+                       "chat_template_kwargs", "unsupported_parameter")
+    for name in variables:
+        if not name.isidentifier() or name in TEMPLATE_NAMES:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {name!r} (a template "
+                                f"variable name, not one the server sets)",
+                           "chat_template_kwargs", "invalid_value")
+    return variables
 
 
 # --- responses ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tempe
 EXTENSIONS = {
     "min_p": (0.5, 0.0), "repetition_penalty": (1.2, 1.0), "min_tokens": (5, 0),
     "stop_token_ids": ([5], []), "guided_json": ({"type": "object"}, None),
-    "chat_template_kwargs": ({"enable_thinking": False}, {}), "n_predict": (16, -1),
+    "n_predict": (16, -1),
     "repeat_penalty": (1.1, 1.0), "typical_p": (0.5, 1.0), "mirostat": (2, 0),
     "grammar": ("root ::= \"a\"", ""), "json_schema": ({"type": "object"}, {}),
 }
@@ -53,6 +53,35 @@ def test_assistant_tool_calls_are_400(url, reference):
     r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "messages": messages}, timeout=60)
     assert r.status_code == 200, r.text
     assert _text(url) == reference
+
+
+def test_chat_template_kwargs_reach_the_template(url, server):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) are the template's variables, for
+    chats only, never one the server sets; they were a 400 (and before that ignored)."""
+    tokenizer = server[2].engine.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}"
+                               "no thinking here {% endif %}" + template)
+    try:
+        def prompt_tokens(**body):
+            r = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        plain = prompt_tokens()
+        assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+        assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+        assert prompt_tokens(chat_template_kwargs={}) == plain
+    finally:
+        tokenizer.chat_template = template
+    for variables, message in (({"messages": []}, "'messages'"), ({"a b": 1}, "'a b'"),
+                               ([1], "chat_template_kwargs")):
+        r = httpx.post(f"{url}/v1/chat/completions",
+                       json={**CHAT, "chat_template_kwargs": variables}, timeout=60)
+        assert_error(r, 400, message)
+    r = httpx.post(f"{url}/v1/completions",
+                   json={**GREEDY, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    assert_error(r, 400, "chat completions only")
 
 
 @contextlib.contextmanager
