@@ -783,6 +783,9 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
               help="TCP port.")
 @click.option("--api-key", default=None, envvar="FERMIJIT_API_KEY",
               help="Require `Authorization: Bearer KEY` on /v1 (env FERMIJIT_API_KEY).")
+@click.option("--allow-origin", "origins", multiple=True,
+              help="A web page's origin (scheme://host[:port], or * for any) allowed to call the "
+                   "API from a browser (CORS); repeatable. Default: none.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sequences decoded together in one step.")
 @click.option("--queue-size", type=click.IntRange(min=1), default=64, show_default=True,
@@ -803,11 +806,12 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
                    "the model has one and its decode reads enough bytes for it to pay; none: "
                    "off).")
 @draft_option
-def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max_batch: int,
-          queue_size: int, threads: int | None, no_cache: bool, cache_dir: Path | None,
-          cache_mem: int | None, snapshot_every: int | None, cache_key: str | None,
-          max_image_tokens: int, prefill: str, gpu_mem: str | None, pin_budget: str | None,
-          verbose: bool, kv_cache: str, kv_mem: int | None, speculative: str, draft: int,
+def serve(model_dir: Path | None, host: str, port: int, api_key: str | None,
+          origins: tuple[str, ...], max_batch: int, queue_size: int, threads: int | None,
+          no_cache: bool, cache_dir: Path | None, cache_mem: int | None,
+          snapshot_every: int | None, cache_key: str | None, max_image_tokens: int,
+          prefill: str, gpu_mem: str | None, pin_budget: str | None, verbose: bool,
+          kv_cache: str, kv_mem: int | None, speculative: str, draft: int,
           draft_vocab: int | None) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
     as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
@@ -828,7 +832,7 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None, max
                                           cache_key),
               prefill, gpu_mem, pin_budget, verbose, max_image_tokens, kv=_kv(kv_cache),
               kv_mem=kv_mem, speculative={"auto": None, "mtp": True, "none": False}[speculative],
-              drafts=_drafts(speculative, draft, draft_vocab))
+              drafts=_drafts(speculative, draft, draft_vocab), origins=origins)
 
 
 @cli.command("eval")

@@ -17,6 +17,8 @@ from pathlib import Path
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -88,9 +90,22 @@ def check_api_key(api_key: str | None) -> None:
         raise FermijitError("--api-key must be printable ASCII, without spaces around it")
 
 
+def check_origins(origins) -> None:
+    """--allow-origin: "*" or an origin (scheme://host[:port], what a browser sends)."""
+    for origin in origins:
+        scheme, _, rest = origin.partition("://")
+        if origin != "*" and not (scheme in ("http", "https") and rest and "/" not in rest
+                                  and rest.isprintable() and " " not in rest):
+            raise FermijitError(f"--allow-origin must be * or scheme://host[:port], got "
+                                f"{origin!r}")
+
+
 def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
-             max_image_tokens: int | None = None) -> Starlette:
+             max_image_tokens: int | None = None, origins: tuple[str, ...] = ()) -> Starlette:
+    """`origins`: the web pages' origins allowed to call the API from a browser (CORS; "*" any);
+    none by default, as a browser then refuses every page but the API's own."""
     check_api_key(api_key)
+    check_origins(origins)
     created = int(time.time())
     engine = scheduler.engine
     body_limit = max_body_bytes(engine.model.max_context, engine.has_vision)
@@ -239,7 +254,11 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         return error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
     handlers = {404: not_found, 405: not_found, Exception: internal}
-    return Starlette(exception_handlers=handlers, routes=[
+    # A browser's preflight (OPTIONS) is answered before routing and the key's check: it carries
+    # no Authorization header. The Authorization header itself is what the pages may send.
+    cors = [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])] if origins else []
+    return Starlette(exception_handlers=handlers, middleware=cors, routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

@@ -111,9 +111,9 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
           queue_size: int, cache_settings, prefill: str = "auto", gpu_mem: str | None = None,
           pin_budget: str | None = None, verbose: bool = False,
           max_image_tokens: int | None = None, kv=None, kv_mem: int | None = None,
-          speculative: bool | None = None, drafts=None) -> None:
+          speculative: bool | None = None, drafts=None, origins: tuple[str, ...] = ()) -> None:
     """`speculative`: draft with the MTP head (None: where the model has one and it pays), as
-    `drafts` says (speculative.Drafts)."""
+    `drafts` says (speculative.Drafts); `origins`: the web pages that may call it (CORS)."""
     import uvicorn
 
     from fermijit.engine import Engine
@@ -121,12 +121,13 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     from fermijit.model import safetensors_io
     from fermijit.model.convert import checks_beside
     from fermijit.prefill import hybrid
-    from fermijit.server.app import check_api_key, make_app
+    from fermijit.server.app import check_api_key, check_origins, make_app
     from fermijit.server.scheduler import Scheduler
     from fermijit.speculative import engine_drafts
 
     hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # bad: before loading
     check_api_key(api_key)
+    check_origins(origins)
     sock = listen(host, port)  # a port in use: before loading too
     err = sys.stderr
     start = time.perf_counter()
@@ -187,7 +188,8 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     scheduler.start()
     try:
         config = uvicorn_config(make_app(scheduler, model_name(model_dir), api_key,
-                                         max_image_tokens), timeout_graceful_shutdown=2)
+                                         max_image_tokens, origins),
+                                timeout_graceful_shutdown=2)
         try:
             uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop

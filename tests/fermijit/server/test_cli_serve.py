@@ -74,3 +74,10 @@ def test_port_in_use_is_one_line_and_exit_2():
         _, err = proc.communicate(timeout=START_S)
     assert proc.returncode == 2
     assert err.strip().splitlines()[-1].startswith("Error: cannot serve on 127.0.0.1:")
+
+
+def test_a_bad_allow_origin_is_one_line_and_exit_2():
+    proc = _serve("--allow-origin", "localhost:3000/chat")
+    _, err = proc.communicate(timeout=START_S)
+    assert proc.returncode == 2
+    assert err.strip().splitlines()[-1].startswith("Error: --allow-origin must be * or")

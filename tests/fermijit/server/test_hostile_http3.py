@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from fermijit import FermijitError
+
 from tests.fermijit.server.test_hostile import (GREEDY, _text, assert_error,  # noqa: F401
                                                 reference, url)  # the fixtures
 
@@ -82,6 +84,37 @@ def test_chat_template_kwargs_reach_the_template(url, server):
     r = httpx.post(f"{url}/v1/completions",
                    json={**GREEDY, "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
     assert_error(r, 400, "chat completions only")
+
+
+def test_allowed_origins_get_cors_and_others_do_not(server, url):
+    """--allow-origin: a browser page of that origin may call the API (its preflight answered
+    before the key's check, the answers marked for it); without it, or from another origin,
+    the browser is told nothing (a preflight 405 / 400, no Access-Control-Allow-Origin)."""
+    from fermijit.server.app import make_app
+    from fermijit.server.run import ServerThread
+    from tests.fermijit.server.conftest import API_KEY
+
+    page = "http://localhost:3000"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(f"{url}/v1/chat/completions", headers=preflight, timeout=10)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    allowed = ServerThread(make_app(server[2], "m", API_KEY, origins=(page,)))
+    try:
+        r = httpx.options(f"{allowed.url}/v1/chat/completions", headers=preflight, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == page
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = httpx.post(f"{allowed.url}/v1/completions", json=GREEDY, timeout=60,
+                       headers={"Origin": page, "Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.options(f"{allowed.url}/v1/chat/completions", timeout=10,
+                          headers={**preflight, "Origin": "http://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    finally:
+        allowed.stop()
+    with pytest.raises(FermijitError, match="--allow-origin"):
+        make_app(server[2], "m", origins=("localhost:3000",))
 
 
 @contextlib.contextmanager
