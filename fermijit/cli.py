@@ -814,7 +814,7 @@ def serve(model_dir: Path | None, host: str, port: int, api_key: str | None,
           kv_cache: str, kv_mem: int | None, speculative: str, draft: int,
           draft_vocab: int | None) -> None:
     """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed
-    as server-sent events or not), GET /v1/models and /health. Concurrent requests decode
+    as server-sent events or not), GET /v1/models[/ID] and /health. Concurrent requests decode
     together; a chat's next turn resumes from the snapshot prefix cache."""
     from fermijit import engine
     from fermijit.jit import cpu
