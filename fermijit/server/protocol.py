@@ -34,12 +34,12 @@ UNSUPPORTED = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "log
                "truncate_prompt_tokens": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
                "add_generation_prompt": (True,), "continue_final_message": (False,),
-               "chat_template": (),
-               "n_predict": (-1,), "repeat_penalty": (1, 1.0), "typical_p": (1, 1.0),
+               "chat_template": (), "repeat_penalty": (1, 1.0), "typical_p": (1, 1.0),
                "tfs_z": (1, 1.0), "mirostat": (0,), "dynatemp_range": (0, 0.0),
                "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_probs": (0,),
                "grammar": ("",), "json_schema": ({},)}
 MAX_SEED = 2 ** 63 - 1
+RANDOM_SEED = -1  # llama.cpp's "a random seed", which its clients send by default
 
 
 class ApiError(Exception):
@@ -237,6 +237,13 @@ def parse(body, is_chat: bool) -> Job:
         raise ApiError(400, f"'max_tokens' ({older}) and 'max_completion_tokens' ({max_tokens}) "
                             f"differ: give one", "max_completion_tokens", "invalid_value")
     max_tokens = older
+    # llama.cpp's name for it (-1: no limit but the context), which its clients send
+    n_predict = _field(body, "n_predict", int, -1, lambda v: v >= -1 and v != 0, ">= 1 or -1")
+    if n_predict != -1:
+        if max_tokens is not None and max_tokens != n_predict:
+            raise ApiError(400, f"'n_predict' ({n_predict}) and 'max_tokens' ({max_tokens}) "
+                                f"differ: give one", "n_predict", "invalid_value")
+        max_tokens = n_predict
     temperature = _field(body, "temperature", (int, float), None, lambda v: 0 <= v <= 2,
                          "between 0 and 2")
     top_p = _field(body, "top_p", (int, float), None, lambda v: 0 < v <= 1, "in (0, 1]")
@@ -260,7 +267,8 @@ def parse(body, is_chat: bool) -> Job:
     return Job(is_chat=is_chat, prompt=prompt, max_tokens=max_tokens,
                temperature=None if temperature is None else float(temperature),
                top_p=None if top_p is None else float(top_p), top_k=top_k,
-               seed=secrets.randbits(63) if seed is None else abs(seed), stop=tuple(stop),
+               seed=secrets.randbits(63) if seed in (None, RANDOM_SEED) else abs(seed),
+               stop=tuple(stop),
                stream=stream, include_usage=include_usage, ignore_eos=ignore_eos,
                images=tuple(images), template_kwargs=template_kwargs)
 

@@ -24,7 +24,6 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tempe
 EXTENSIONS = {
     "min_p": (0.5, 0.0), "repetition_penalty": (1.2, 1.0), "min_tokens": (5, 0),
     "stop_token_ids": ([5], []), "guided_json": ({"type": "object"}, None),
-    "n_predict": (16, -1),
     "repeat_penalty": (1.1, 1.0), "typical_p": (0.5, 1.0), "mirostat": (2, 0),
     "grammar": ("root ::= \"a\"", ""), "json_schema": ({"type": "object"}, {}),
 }
@@ -115,6 +114,27 @@ def test_allowed_origins_get_cors_and_others_do_not(server, url):
         allowed.stop()
     with pytest.raises(FermijitError, match="--allow-origin"):
         make_app(server[2], "m", origins=("localhost:3000",))
+
+
+def test_llama_cpp_s_n_predict_and_random_seed(url):
+    """llama.cpp's clients send n_predict (its max_tokens; -1: none) and seed -1 ("a random
+    seed"): n_predict was a 400 and -1 the fixed seed 1."""
+    def completion(**body):
+        r = httpx.post(f"{url}/v1/completions", json={**GREEDY, "ignore_eos": True, **body},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert completion(n_predict=3, max_tokens=None)["usage"]["completion_tokens"] == 3
+    assert completion(n_predict=-1, max_tokens=2)["usage"]["completion_tokens"] == 2
+    for body, message in (({"n_predict": 3, "max_tokens": 5}, "differ"),
+                          ({"n_predict": 0}, "'n_predict'")):
+        assert_error(httpx.post(f"{url}/v1/completions", json={**GREEDY, **body}, timeout=60),
+                     400, message)
+    sampled = dict(temperature=2.0, max_tokens=16)
+    texts = {completion(seed=-1, **sampled)["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) > 1  # three random seeds (the same seed thrice: one text)
+    assert len({completion(seed=7, **sampled)["choices"][0]["text"] for _ in range(2)}) == 1
 
 
 @contextlib.contextmanager
