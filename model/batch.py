@@ -45,12 +45,12 @@ def _rows(act: matvec.Q8Act) -> list[matvec.Q8Act]:
 # (bit for bit the same as moe.batched): the default model's 2-row step took 2.2x a decode token
 # through the grouped launches (allocations, sorting). A batch of at most this many sequences runs
 # through a plan too (_planned_rows: the MoE's union of experts); larger ones op by op (a plan's
-# joined steps and the union's scratch grow with the rows: a batch of 513 made one past the
-# memory). 8, serve's default --max-batch: steps of 5-8 sequences through a plan against op by
-# op, 2 threads, 3 interleaved rounds: the embedded model's 5 / 8 1.41-2.05 / 2.48-3.07 ms
-# against 3.41-3.49 / 4.59-5.12, full-size reap128's 154-159 / 234-251 ms against 155-175 /
-# 246-271.
-ROW_MOE_MAX_ROWS = 8
+# joined steps grow with the rows: a batch of 513 made one past the memory). 8 was measured
+# (session 26, 2 threads: the embedded model's steps of 5 / 8 sequences 3.4 / 4.6-5.1 -> 1.4-2.1
+# / 2.5-3.1 ms, full-size reap128 155-175 / 246-271 -> 154-159 / 234-251 ms) and left: each
+# size a plan takes has joined kernels of its own, which serve's warm-up must load (sizes 5-7:
+# +0.14 s of a warm start, +31 s of a cold one), against issue 28 item 4's start.
+ROW_MOE_MAX_ROWS = 4
 
 
 def can_batch(model: Model) -> bool:

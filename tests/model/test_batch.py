@@ -10,7 +10,7 @@ import pytest
 from fermijit import FermijitError
 from fermijit.engine import DEFAULT_MODEL
 from fermijit.jit import cpu
-from fermijit.model.batch import ROW_MOE_MAX_ROWS, BatchWorkspace, decode_batch
+from fermijit.model.batch import BatchWorkspace, decode_batch
 from fermijit.model.forward import load_model
 
 CONTEXT = 48
@@ -63,11 +63,10 @@ def test_rows_are_separate_decodes_exactly(decode_model, rng):
     # Ragged positions (3 to 30 tokens seen), a sequence joining and one leaving between steps;
     # batches of up to ROW_MOE_MAX_ROWS through a plan, larger ones op by op (model/batch.py).
     model = decode_model
-    assert ROW_MOE_MAX_ROWS == 8  # the batches below: 4 and 8 through plans, 9 op by op
-    prompts = [rng.integers(0, model.vocab_size, n) for n in (5, 17, 3, 30, 9, 4, 11, 6, 8)]
+    prompts = [rng.integers(0, model.vocab_size, n) for n in (5, 17, 3, 30, 9)]
     batched, single = _prefilled(model, prompts), _prefilled(model, prompts)
-    for active in ([0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4], list(range(9)),
-                   [4, 2], list(range(8)), [0, 1, 2, 3]):
+    for active in ([0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3, 4],
+                   [4, 2], [0, 1, 2, 3]):
         tokens = [batched[i][1] for i in active]
         ws = BatchWorkspace(model, len(active))
         ws.logits[:] = np.nan
