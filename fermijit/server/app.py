@@ -255,9 +255,10 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
 
     handlers = {404: not_found, 405: not_found, Exception: internal}
     # A browser's preflight (OPTIONS) is answered before routing and the key's check: it carries
-    # no Authorization header. The Authorization header itself is what the pages may send.
+    # no Authorization header. Any request header: the OpenAI SDK in a browser sends its own
+    # (x-stainless-*), which a list would have refused.
     cors = [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
-                       allow_headers=["Authorization", "Content-Type"])] if origins else []
+                       allow_headers=["*"])] if origins else []
     return Starlette(exception_handlers=handlers, middleware=cors, routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -95,7 +95,7 @@ def test_allowed_origins_get_cors_and_others_do_not(server, url):
 
     page = "http://localhost:3000"
     preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+                 "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
     r = httpx.options(f"{url}/v1/chat/completions", headers=preflight, timeout=10)
     assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
     allowed = ServerThread(make_app(server[2], "m", API_KEY, origins=(page,)))
@@ -103,7 +103,8 @@ def test_allowed_origins_get_cors_and_others_do_not(server, url):
         r = httpx.options(f"{allowed.url}/v1/chat/completions", headers=preflight, timeout=10)
         assert r.status_code == 200, r.text
         assert r.headers["access-control-allow-origin"] == page
-        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        allowed_headers = r.headers["access-control-allow-headers"].lower()
+        assert "authorization" in allowed_headers and "x-stainless-os" in allowed_headers
         r = httpx.post(f"{allowed.url}/v1/completions", json=GREEDY, timeout=60,
                        headers={"Origin": page, "Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
