@@ -26,10 +26,11 @@ class FermijitError(Exception):
     """A user-facing failure: the message is one line, shown without a traceback."""
 
 
-def env_number(name: str, default, kind=float, minimum=0):
+def env_number(name: str, default, kind=float, minimum=0, unit: str = ""):
     """The number environment variable `name` holds (`kind`: int or float), `default` where it
     is unset or empty; a word, NaN, infinity or less than `minimum` is a FermijitError naming the
-    variable (the tuning variables' float() or int() had been tracebacks)."""
+    variable (and the `unit` of its number; the tuning variables' float() or int() had been
+    tracebacks)."""
     import math
     import os
 
@@ -41,7 +42,7 @@ def env_number(name: str, default, kind=float, minimum=0):
     except ValueError:
         value = None
     if value is None or not math.isfinite(value) or value < minimum:
-        whole = "a whole number" if kind is int else "a number"
+        whole = ("a whole number" if kind is int else "a number") + (f" of {unit}" if unit else "")
         raise FermijitError(f"{name} must be {whole} >= {minimum}, got {text!r}")
     return value
 

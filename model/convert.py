@@ -422,7 +422,7 @@ def converted_arrays(directory: str | Path) -> tuple[ModelConfig, dict, Manifest
     manifest = read_manifest(directory)
     cfg = load_config(directory)
     with_mtp = has_mtp_head(cfg.text_config, manifest)
-    unused = (MTP_PREFIX,) if cfg.text_config.mtp_num_hidden_layers == 0 else ()
+    unused = () if with_mtp else (MTP_PREFIX,)  # a stored head config.json turns off
     expected = text_weight_shapes(cfg.text_config, mtp=with_mtp)
     for name, shape in expected.items():
         if name not in manifest.tensors:

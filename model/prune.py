@@ -236,10 +236,10 @@ def run(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float | 
         raise FermijitError(f"{src} and {calibrate_with} differ in having an MTP head (its "
                             f"experts are pruned by its own calibration: give a calibration "
                             f"model that has one where the model does, or none)")
-    context = reap.window_length(reap.check_context(context, model.max_context), max_tokens)
+    context = reap.check_context(context, model.max_context)
     tokens = Tokenizer(calibrate_with, cfg.text_config.eos_token_id,
                        model.vocab_size).encode(read_text(text_path))
-    n_tokens = reap.windows(tokens.size, context, max_tokens).size * context
+    n_tokens = reap.calibration_tokens(tokens.size, context, max_tokens)
     prefiller = hybrid.make(model, prefill, gpu_mem, pin_budget, verbose, err)
     if prefill != "cpu" and prefiller.prepare():
         print(f"calibrating through the GPU prefill ({prefill})", file=err)

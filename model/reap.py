@@ -216,6 +216,12 @@ def windows(n_tokens: int, context: int, max_tokens: int | None = None) -> np.nd
     return np.round(np.linspace(0, n_whole - 1, n)).astype(np.int64) * context
 
 
+def calibration_tokens(n_tokens: int, context: int, max_tokens: int | None = None) -> int:
+    """Tokens `calibrate` reads of a text of n_tokens (its windows' total): the progress bar's."""
+    window = window_length(context, max_tokens)
+    return windows(n_tokens, window, max_tokens).size * window
+
+
 def calibrate(model, tokens, context: int, source: str, max_tokens: int | None = None,
               on_tokens=lambda n: None, prefiller=None) -> Calibration:
     """Statistics of `model` (forward.Model) over `tokens` [N], each window from a fresh state;

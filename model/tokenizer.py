@@ -164,10 +164,10 @@ class Tokenizer:
         try:
             with _time_limit(TEMPLATE_TIMEOUT_S) as limit:
                 pieces, n_chars = [], 0
-                for piece in env.from_string(self.chat_template).generate(
-                        **(variables or {}), messages=messages,
-                        add_generation_prompt=add_generation_prompt,
-                        bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                for piece in env.from_string(self.chat_template).generate({
+                        **(variables or {}), "messages": messages,
+                        "add_generation_prompt": add_generation_prompt,
+                        "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}):
                     limit.check()
                     n_chars += len(piece)
                     if n_chars > MAX_TEMPLATE_OUTPUT:

@@ -187,17 +187,20 @@ def _gate_up_share(thread, n_threads, args, counter):
     first, last = omp.first_run(counter, thread, n_threads, n_units, least, 1)
     while first < last:
         for unit in range(first, last):
+            is_routed = unit < n_routed
+            if is_routed:
+                i = unit // per_row
+                b = unit - i * per_row
+            else:
+                i = (unit - n_routed) // per_shared
+                b = unit - n_routed - i * per_shared
             for a in args:
                 (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
                  half_lanes, sgu, sh, shq, shdx, shxsum8) = a
-                if unit < n_routed:
-                    i = unit // per_row
-                    b = unit - i * per_row
+                if is_routed:
                     w, s = qs[idx[i]], d[idx[i]]
                     gu_o, h_o, q_o, dx_o, sum_o = gu, h, hq, hdx, hxsum8
                 else:
-                    i = (unit - n_routed) // per_shared
-                    b = unit - n_routed - i * per_shared
                     w, s = sqs[i], sd[i]
                     gu_o, h_o, q_o, dx_o, sum_o = sgu, sh, shq, shdx, shxsum8
                 n_inter = h_o.shape[1]

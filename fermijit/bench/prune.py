@@ -81,8 +81,7 @@ def run(model_dir: Path, text_path: Path, heldout_path: Path, keeps: tuple[int, 
     tokenizer = Tokenizer(model_dir, text.eos_token_id, model.vocab_size)
     calibration = tokenizer.encode(read_text(text_path))
     heldout = tokenizer.encode(read_text(heldout_path))
-    window = reap.window_length(context, max_tokens)  # calibrate's; scoring's stays `context`
-    n_cal = reap.windows(calibration.size, window, max_tokens).size * window
+    n_cal = reap.calibration_tokens(calibration.size, context, max_tokens)
     with tqdm(total=n_cal, desc="calibrate", unit="tok", file=sys.stderr) as bar:
         cal = reap.calibrate(model, calibration, context, str(text_path), max_tokens, bar.update)
 

@@ -16,19 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fermijit import FermijitError
+from fermijit import FermijitError, env_number
 
-
-def _check_numba_threads() -> None:
-    """NUMBA_NUM_THREADS, before Numba reads it on import: 0 or less raised ValueError there (a
-    traceback), and a word was a warning with a traceback's text and then Numba's default."""
-    text = os.environ.get("NUMBA_NUM_THREADS", "").strip()
-    if text and not (text.isdigit() and int(text) >= 1):
-        raise FermijitError(f"NUMBA_NUM_THREADS must be a whole number of threads >= 1, "
-                            f"got {text!r}")
-
-
-_check_numba_threads()
+# Checked before Numba reads it on import: 0 or less raised ValueError there (a traceback), and
+# a word was a warning with a traceback's text and then Numba's default.
+env_number("NUMBA_NUM_THREADS", None, int, minimum=1, unit="threads")
 
 import llvmlite.binding as llvm  # noqa: E402
 import numba  # noqa: E402
