@@ -87,6 +87,12 @@ def _select_numa(ctx, param, value):
     return value
 
 
+# model/convert.py LM_HEAD_CHOICES (not imported: the CLI's start stays light)
+lm_head_option = click.option(
+    "--lm-head", type=click.Choice(["q8_0", "q6_k", "q4_0"]), default=None,
+    help="Quantisation of the output head (28 % of a full-size token's bytes in Q8_0; the "
+         "matrix most sensitive to error): q6_k is llama.cpp's choice, q4_0 the smallest "
+         "[default: the mix's: q8_0 in q4_0, q6_k in q4_k_m].")
 SYNTHETIC_NAMES = click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"])  # model/synth.py
 synthetic_option = click.option(
     "--synthetic", type=SYNTHETIC_NAMES, default=None,
@@ -606,9 +612,7 @@ def kernels_check(ptxas: Path | None, as_json: bool) -> None:
               help="Quantisation mix of an HF checkpoint: fermijit's Q4_0, or llama.cpp's "
                    "Q4_K_M (Q4_K, Q6_K for the output head and some V/down projections; "
                    "`bench quant` compares them on this CPU).")
-@click.option("--lm-head", type=click.Choice(["q8_0", "q4_0"]), default=None,
-              help="Quantisation of the output head, the matrix most sensitive to error "
-                   "[default: the mix's: q8_0 in q4_0, q6_k in q4_k_m].")
+@lm_head_option
 def convert(src: Path, dst: Path, mix: str, lm_head: str | None) -> None:
     """Convert SRC, an HF checkpoint directory or a GGUF file (llama.cpp's qwen35moe), into a
     4-bit fermijit model directory DST."""
@@ -682,12 +686,15 @@ def prune(src: Path, dst: Path, text_path: Path, keep: int | None, ratio: float 
               help="Seed of the random weights.")
 @click.option("--quant", "mix", type=click.Choice(["q4_0", "q4_k_m"]), default="q4_0",
               show_default=True, help="The quantisation mix's kinds (as `convert --quant`).")
-def synth(name: str, dst: Path, layers: int | None, seed: int, mix: str) -> None:
+@lm_head_option
+def synth(name: str, dst: Path, layers: int | None, seed: int, mix: str,
+          lm_head: str | None) -> None:
     """Write a random-weight model of the real shapes of NAME into the new directory DST, in the
     converted format (qwen3.6-35b-a3b: 256 experts, 19.7 GB; -reap128: 128 experts, 11.2 GB)."""
     from fermijit.model import synth as synthetic
 
-    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed, mix=mix).summary(),
+    click.echo(synthetic.synth(name, dst, layers=layers, seed=seed, mix=mix,
+                                   lm_head=lm_head).summary(),
                err=True)
 
 

@@ -61,7 +61,7 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 Q4_0_FIELDS = frozenset({"in_proj_qkv", "in_proj_z", "out_proj", "q_proj",
                          "k_proj", "v_proj", "o_proj", "experts_gate_up", "experts_down",
                          "shared_gate_up", "shared_down", "fc"})  # fc: the MTP head's [H, 2H]
-LM_HEAD_CHOICES = ("q8_0", "q4_0")
+LM_HEAD_CHOICES = ("q8_0", "q6_k", "q4_0")
 MTP_FC = MTP_PREFIX + "fc"  # in a manifest: the model has its MTP head (older ones dropped it)
 CHUNK_BYTES = 64 << 20  # fp32 bytes per streamed piece: ~3x this is the converter's working set
 

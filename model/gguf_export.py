@@ -29,7 +29,8 @@ from fermijit import FermijitError
 from fermijit.model import convert
 from fermijit.model.config import FULL_ATTENTION, TextConfig
 from fermijit.model.gguf_io import ARCH, Field, field_plan
-from fermijit.model.weights import QuantTensor
+from fermijit.model.weights import BlockTensor, QuantTensor
+from fermijit.ops import kquant
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # gguf.TokenType
 FILE_TYPE_Q4_0 = 2                       # llama_ftype MOSTLY_Q4_0
@@ -99,7 +100,8 @@ def _write(text: TextConfig, arrays, model_dir: Path, path: Path, show_progress:
 
 
 def _raw_type(kind: str, types):
-    return {"q4_0": types.Q4_0, "q8_0": types.Q8_0}.get(kind)
+    return {"q4_0": types.Q4_0, "q8_0": types.Q8_0, "q4_k": types.Q4_K, "q5_k": types.Q5_K,
+            "q6_k": types.Q6_K, "q5_0": types.Q5_0, "q5_1": types.Q5_1}.get(kind)
 
 
 def _metadata(w, c: TextConfig) -> None:
@@ -179,8 +181,18 @@ def _tensors(field: Field, value, only_shape: bool = False):
     """(GGUF name, data, "q4_0" | "q8_0" | "") of each source tensor of `field` from its fermijit
     `value`: llama.cpp's layout (gguf_io's transforms run backwards). Quantised data are uint8
     rows of GGML blocks. `only_shape`: zero-stride stand-ins of the right shape and dtype."""
-    kind = value.kind if isinstance(value, QuantTensor) else ""
-    if kind:
+    kind = value.kind if isinstance(value, (QuantTensor, BlockTensor)) else ""
+    tiled = isinstance(value, BlockTensor) and value.in_perm is not None
+    if isinstance(value, BlockTensor):                      # GGML's blocks already
+        data = value.blocks
+        if only_shape:
+            data = np.broadcast_to(np.zeros((), np.uint8), data.shape)
+        if field.col_perm is not None and not tiled \
+                and field.col_head % kquant.FORMATS[kind].block_values:
+            raise FermijitError(f"gguf export: {field.name} in {kind.upper()}: its heads of "
+                                f"{field.col_head} columns are not whole blocks, so they cannot "
+                                f"be put in llama.cpp's order without requantising")
+    elif kind:
         data = _blocks(value, only_shape)                   # [..., rows, nb * block bytes]
     else:
         data = np.asarray(value)
@@ -188,7 +200,8 @@ def _tensors(field: Field, value, only_shape: bool = False):
             data = np.broadcast_to(np.zeros((), data.dtype), data.shape)
     axis = 0 if data.ndim == 1 else data.ndim - 2           # rows (elements for vectors)
     if not only_shape:
-        if field.col_perm is not None:                      # column heads (out_proj), whole blocks
+        if field.col_perm is not None and not tiled:        # column heads (out_proj), whole blocks
+            # (blocks kept in llama.cpp's tiled order at import, in_perm, go back as they are)
             n = data.shape[:-1]
             heads = data.reshape(*n, field.col_perm.size, -1)
             data = np.ascontiguousarray(heads[..., _inverse(field.col_perm), :]).reshape(

@@ -409,15 +409,16 @@ class Written:
 
 def synth(name: str, dst: str | Path, layers: int | None = None, seed: int = 0,
           overrides: dict | None = None, show_progress: bool = True,
-          mix: str = "q4_0") -> Written:
+          mix: str = "q4_0", lm_head: str | None = None) -> Written:
     """Write the synthetic model `name` (see NAMES) into the new directory `dst`, its weights
-    in the kinds of quantisation mix `mix` (model/quant_mix.py)."""
+    in the kinds of quantisation mix `mix` (model/quant_mix.py), its LM head's `lm_head` where
+    given (as convert's)."""
     dst = Path(dst)
     raw = config_for(name, layers, overrides)
     cfg = parse_config(raw).text_config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     shapes = text_weight_shapes(cfg, mtp=cfg.mtp_num_hidden_layers == 1)  # the real: one
-    quants = convert.mix_quants(cfg, shapes, mix)
+    quants = convert.mix_quants(cfg, shapes, mix, lm_head)
     for quant in set(quants.values()) - {"q4_0", "q8_0", "f16", "f32"}:
         _block_positions(quant, 1.0)                   # a kind it cannot draw: before any write
 

@@ -216,6 +216,10 @@ def test_cli_converts_and_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
     assert code == 2 and "exists and is not empty" in err and err.count("\n") == 1
     code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "x", "--lm-head", "f16")
     assert code == 2 and "f16" in err
+    # Q6_K's rows are 256-blocks: the tiny model's 64 are refused before anything is written
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "y", "--lm-head", "q6_k")
+    assert code == 2 and err.count("\n") == 1 and "lm_head" in err and "multiple of 256" in err
+    assert not (tmp_path / "y").exists()
 
 
 # --- issue 11: faults while converting ---------------------------------------------------------

@@ -73,3 +73,50 @@ def test_export_reads_back_bit_for_bit(exported):
     logits = [m.prefill(tokens, m.new_state(tokens.size), all_logits=True)
               for m in (model_a, model_b)]
     assert_close("logits of the model read back", logits[0], logits[1], atol=LOGITS_ATOL, rtol=0)
+
+
+def _same_blocks(a_dir, b_dir) -> None:
+    a, b = SafetensorsFile(a_dir / convert.WEIGHTS), SafetensorsFile(b_dir / convert.WEIGHTS)
+    assert set(a.tensors) == set(b.tensors)
+    for name in a.tensors:
+        x, y = np.asarray(a.raw(name)), np.asarray(b.raw(name))
+        if x.dtype == np.uint8 or name.endswith((".qs", ".d")):
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), name
+
+
+def test_block_kinds_go_out_as_they_came_in(tmp_path):
+    """A Q4_K_M GGUF as imported (Q4_K, Q5_0, Q5_1, Q6_K, Q8_0 blocks kept, the GDN out_proj in
+    llama.cpp's tiled column order) exports to the same blocks: read back, bit for bit; and a
+    Q4_0 model with a Q6_K head (`convert --lm-head q6_k`) likewise. These were tracebacks."""
+    imported, back = tmp_path / "imported", tmp_path / "back"
+    convert.convert(gguf_data.Q4_K_M, imported, show_progress=False)
+    gguf_export.export(imported, tmp_path / "again.gguf")
+    convert.convert(tmp_path / "again.gguf", back, show_progress=False)
+    _same_blocks(imported, back)
+    tokens = np.array([5, 17, 100, 3, 250, 9, 42], np.int32)
+    logits = [m.prefill(tokens, m.new_state(tokens.size), all_logits=True)
+              for _, m in (load_model(imported), load_model(back))]
+    assert_close("logits of the model read back", logits[0], logits[1], atol=LOGITS_ATOL, rtol=0)
+    hf = gguf_data.write_checkpoint(tmp_path / "wide-hf", gguf_data.WIDE)
+    convert.convert(hf, tmp_path / "q6-head", lm_head="q6_k", show_progress=False)
+    gguf_export.export(tmp_path / "q6-head", tmp_path / "q6-head.gguf")
+    assert gguf_io.GgufFile(tmp_path / "q6-head.gguf").tensors["output.weight"].tensor_type.name \
+        == "Q6_K"
+    convert.convert(tmp_path / "q6-head.gguf", tmp_path / "q6-back", show_progress=False)
+    _same_blocks(tmp_path / "q6-head", tmp_path / "q6-back")
+
+
+def test_blocks_that_cannot_take_llama_cpps_column_order_are_one_line(tmp_path):
+    """A Q4_K out_proj quantised in fermijit's grouped column order whose heads are not whole
+    256-blocks (convert --quant q4_k_m of a checkpoint, synth's) cannot be reordered without
+    requantising: refused, naming it, no file left."""
+    from fermijit import FermijitError
+    from fermijit.model import synth
+    from tests.model.test_synth import SMALL_K
+
+    synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "m", layers=4, show_progress=False,
+                overrides=SMALL_K, mix="q4_k_m")
+    with pytest.raises(FermijitError, match=r"out_proj in Q4_K: its heads of 64 columns are "
+                                            r"not whole blocks"):
+        gguf_export.export(tmp_path / "m", tmp_path / "m.gguf")
+    assert list(tmp_path.glob("m.gguf*")) == []

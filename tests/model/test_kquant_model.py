@@ -182,3 +182,27 @@ def test_fused_decode_equals_the_ops_one_by_one(which, synthetic_q4_k_m, importe
         runs[fused] = np.stack(logits)
     scale = np.abs(runs[False]).max()
     assert np.abs(runs[True] - runs[False]).max() <= FUSED_VS_OPS_REL * scale
+
+
+@pytest.mark.parametrize("lm_head", ["q6_k", "q4_0"])
+def test_a_q4_0_model_with_a_smaller_head_matches_the_reference(tmp_path, lm_head):
+    """`convert --lm-head q6_k|q4_0` (issue 29: the head is 28 % of a full-size token's bytes in
+    Q8_0): the Q4_0 mix with that head, through prefill, 2-3 token passes (a verify step's rows:
+    the K-quant products' few-token tiles) and decode, against the reference over the same
+    blocks."""
+    src = gguf_data.write_checkpoint(tmp_path / "hf", gguf_data.WIDE)
+    convert.convert(src, tmp_path / "fj", lm_head=lm_head, show_progress=False)
+    cfg, weights, manifest = convert.load_converted(tmp_path / "fj")
+    assert manifest.tensors["lm_head"].quant == lm_head
+    assert manifest.tensors["layers.0.mlp.experts_gate_up"].quant == "q4_0"
+    _, model = load_model(tmp_path / "fj", kv=KvKind.F32)
+    tokens = np.random.default_rng(TOKEN_SEED).integers(0, cfg.text_config.vocab_size,
+                                                       24).astype(np.int32)
+    state = model.new_state(32)
+    got = [model.prefill(tokens[:16], state, all_logits=True)]
+    got += [model.prefill(tokens[16:18], state, all_logits=True),
+            model.prefill(tokens[18:21], state, all_logits=True)]
+    got += [np.array(model.decode(int(t), state))[None] for t in tokens[21:]]
+    reference = Reference(cfg.text_config, weights, quantize_activations=True)
+    expected = reference.forward(tokens, reference.new_state())
+    assert_rel_but_flips("logits", expected, np.concatenate(got), VS_REFERENCE, FLIP, 0)

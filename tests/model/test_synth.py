@@ -189,3 +189,21 @@ def test_q4_k_m_kinds_it_cannot_draw_are_refused_before_writing(tmp_path, monkey
         synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "m", layers=4, overrides=SMALL,
                     mix="q4_k_m", show_progress=False)
     assert not (tmp_path / "m").exists()
+
+
+def test_a_smaller_head_through_the_cli(tmp_path, monkeypatch, capsys):
+    """synth --lm-head (as convert's): the head in that kind, the rest the mix's, a model that
+    runs."""
+    from tests.cli import run_cli
+
+    real = synth.config_for
+    monkeypatch.setattr(synth, "config_for", lambda name, layers=None, overrides=None: real(
+        name, layers, {**SMALL_K, **(overrides or {})}))
+    code, _, err = run_cli(monkeypatch, capsys, "synth", "qwen3.6-35b-a3b-reap128",
+                           tmp_path / "m", "--layers", "2", "--lm-head", "q6_k")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "m" / convert.MANIFEST).read_text())
+    assert manifest["tensors"]["lm_head"]["quant"] == "q6_k"
+    assert manifest["tensors"]["layers.0.linear_attn.in_proj_qkv"]["quant"] == "q4_0"
+    _, model = load_model(tmp_path / "m")
+    assert np.isfinite(model.decode(3, model.new_state(4))).all()

@@ -16,9 +16,11 @@ ISAS = cpu.variants_up_to(cpu.selected_isa())
 # row's scale. Measured here: at most 1.8e-7 of the largest |y|.
 RTOL, ATOL_OF_MAX = 1e-5, 2e-6
 # (rows, K, tokens): rows past the GEMM tile's 2 (and odd), tokens past its 4, K of 1 to 8
-# super-blocks.
+# super-blocks; 2-3 tokens (FEW_TOKENS: the GEMV's row streams) with rows past the streams'
+# share and left over.
 SHAPES = {"R1-K256-T1": (1, 256, 1), "R5-K768-T1": (5, 768, 1), "R33-K2048-T1": (33, 2048, 1),
-          "R7-K512-T5": (7, 512, 5), "R12-K1024-T9": (12, 1024, 9), "R3-K256-T4": (3, 256, 4)}
+          "R7-K512-T5": (7, 512, 5), "R12-K1024-T9": (12, 1024, 9), "R3-K256-T4": (3, 256, 4),
+          "R1-K256-T2": (1, 256, 2), "R13-K768-T2": (13, 768, 2), "R29-K512-T3": (29, 512, 3)}
 FORMATS = list(kquant.FORMATS.values())
 
 
@@ -50,13 +52,15 @@ def test_q8_k_kernel_is_the_reference(rng):
     np.testing.assert_array_equal(act.bsums, bsums)
 
 
-def test_gemv_row_is_the_gemm_row_for_one_token(rng):
-    """A token's products in a batch are its own: each tile sums the same terms in one order."""
-    fmt = kquant.Q4_K
-    blocks = random_blocks(rng, fmt, 9, 1024)
-    x = rng.standard_normal((5, 1024)).astype(np.float32)
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+@pytest.mark.parametrize("n_tok", [2, 3, 5])
+def test_gemv_row_is_the_gemm_row_for_one_token(rng, fmt, n_tok):
+    """A token's products in a batch (a verify step's 2-3 rows, the GEMM tile's more) are its own:
+    each tile sums the same terms in one order."""
+    blocks = random_blocks(rng, fmt, 23, 1024)
+    x = rng.standard_normal((n_tok, 1024)).astype(np.float32)
     y = kquant_matvec.cpu(fmt, blocks, x)
-    for t in range(5):
+    for t in range(n_tok):
         np.testing.assert_array_equal(kquant_matvec.cpu(fmt, blocks, x[t]), y[t])
 
 

@@ -112,7 +112,7 @@ CHECK = textwrap.dedent("""
     kernels.append(residual_step._step_kernel())  # decode's residual step, with its row's
     kernels.append(fp32_rows._kernels[isa]())  # made on first use (a forking kernel)
     kernels += [kquant_matvec.product_kernel(kquant.Q4_K, isa, s)
-                for s in (kquant_matvec.GEMV_TILE, kquant_matvec.GEMM_TILE)]
+                for s in (kquant_matvec.GEMV_TILE, (1, 2), kquant_matvec.GEMM_TILE)]
     asm = "\\n".join(a for k in kernels for a in k.inspect_asm().values())
     err = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(y, ref))
     print(json.dumps({"err": err, "cpu": cpu.target_cpu_name(),
