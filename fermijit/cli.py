@@ -90,9 +90,9 @@ def _select_numa(ctx, param, value):
 # model/convert.py LM_HEAD_CHOICES (not imported: the CLI's start stays light)
 lm_head_option = click.option(
     "--lm-head", type=click.Choice(["q8_0", "q6_k", "q4_0"]), default=None,
-    help="Quantisation of the output head (28 % of a full-size token's bytes in Q8_0; the "
-         "matrix most sensitive to error): q6_k is llama.cpp's choice, q4_0 the smallest "
-         "[default: the mix's: q8_0 in q4_0, q6_k in q4_k_m].")
+    help="Quantisation of the output head, the matrix most sensitive to error (28 % of a "
+         "full-size token's bytes in q8_0): q8_0 as before, q4_0 the smallest [default: q6_k, "
+         "llama.cpp's choice; q8_0 where its rows are not whole 256-blocks].")
 SYNTHETIC_NAMES = click.Choice(["qwen3.6-35b-a3b", "qwen3.6-35b-a3b-reap128"])  # model/synth.py
 synthetic_option = click.option(
     "--synthetic", type=SYNTHETIC_NAMES, default=None,

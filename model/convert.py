@@ -6,8 +6,9 @@ fingerprint, REAP record). Tensors are named by weight-field path (model/weights
 `layers.3.mlp.experts_gate_up`. A quantised tensor is two: `<name>.qs` and `<name>.d`, GGML block
 layout, structure of arrays, with a layer's experts contiguous ([E, rows, ...]).
 
-Quantised: the big matrices (Q4_0) and the lm_head (Q8_0 by default: it is the matrix most
-sensitive to error); the MTP head (`mtp.*`, where the checkpoint has it: MODEL.md §10) is stored as
+Quantised: the big matrices (Q4_0) and the lm_head (Q6_K by default, as llama.cpp's, Q8_0 where
+its rows are not whole 256-blocks: it is the matrix most sensitive to error; model/quant_mix.py
+head_kind); the MTP head (`mtp.*`, where the checkpoint has it: MODEL.md §10) is stored as
 a decoder layer is, its fc [H, 2H] Q4_0. The embedding is fp16: exact for bf16 sources in the normal range, one row
 is read per token so its size costs no speed, and its error would enter the residual stream
 undiluted (in Q4_0, 8.6% RMS per row, it alone moved the tiny model's logits by 54% of their
@@ -95,8 +96,8 @@ def convert(src: str | Path, dst: str | Path, lm_head: str | None = None,
             mix: str = "q4_0") -> Manifest:
     """Convert an HF checkpoint directory, or a GGUF file (model/gguf_convert.py); returns the
     manifest written to `dst/fermijit.json`. `mix` (an HF checkpoint's): the quantisation mix,
-    model/quant_mix.py; `lm_head` replaces its LM head's kind (default: the mix's, Q8_0 in
-    q4_0). On any failure, SIGTERM included, what was written is removed (a `.partial` file held
+    model/quant_mix.py; `lm_head` replaces its LM head's kind (default: the mix's, Q6_K where its
+    rows are whole 256-blocks, else Q8_0). On any failure, SIGTERM included, what was written is removed (a `.partial` file held
     the space of the model)."""
     from fermijit.model import quant_mix
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.ops import matvec
+from fermijit.prefill import gpu_layout
 
 REPEATS = 3
 BANDWIDTH_BYTES = 256 << 20
@@ -129,7 +130,7 @@ def memory_bytes(model, n_tokens: int, layer_stats: list[dict]) -> dict[str, flo
         out["expert gemm"] += (stats["bytes"] + 4 * stats["slots"] * (2 * H + 2 * inter))
         out["act quant"] += 8 * (T * (2 * H + shared_inter) + stats["slots"] * inter)
     out["embedding"] = 4 * T * H
-    out["lm head"] = m.lm_head.qs.nbytes * (9 / 8)
+    out["lm head"] = gpu_layout.head_bytes(m)  # Q4_0, Q8_0 or GGUF blocks (a Q6_K head)
     return out
 
 

@@ -56,8 +56,8 @@ def test_real_models_mix():
     assert quants["embed_tokens"] == "q4_k" and quants["mtp.fc"] == "q4_k"
     assert quants["layers.0.linear_attn.in_proj_a"] == quants["layers.0.mlp.gate"] == "f32"
     assert {q for n, q in quants.items() if q not in ("q6_k", "f32")} == {"q4_k"}
-    q4_0 = convert.mix_quants(t, shapes, "q4_0")
-    assert q4_0 == {n: convert.quantisation(n, "q8_0") for n in shapes}
+    q4_0 = convert.mix_quants(t, shapes, "q4_0")  # fermijit's, with llama.cpp's Q6_K head
+    assert q4_0 == {n: convert.quantisation(n, "q6_k") for n in shapes}
 
 
 def test_gguf_takes_no_mix(monkeypatch, capsys, tmp_path):
@@ -72,3 +72,7 @@ def test_lm_head_option_replaces_the_mixs():
     shapes = text_weight_shapes(t)
     assert convert.mix_quants(t, shapes, "q4_k_m")["lm_head"] == "q6_k"
     assert convert.mix_quants(t, shapes, "q4_k_m", lm_head="q8_0")["lm_head"] == "q8_0"
+    assert convert.mix_quants(t, shapes, "q4_0")["lm_head"] == "q6_k"
+    assert convert.mix_quants(t, shapes, "q4_0", lm_head="q8_0")["lm_head"] == "q8_0"
+    narrow = {**shapes, "lm_head": shapes["lm_head"][:-1] + (384,)}  # rows not 256-blocks
+    assert convert.mix_quants(t, narrow, "q4_0")["lm_head"] == "q8_0"
