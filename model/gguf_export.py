@@ -178,7 +178,8 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
 
 
 def _tensors(field: Field, value, only_shape: bool = False):
-    """(GGUF name, data, "q4_0" | "q8_0" | "") of each source tensor of `field` from its fermijit
+    """(GGUF name, data, kind: "q4_0", "q8_0", a GGUF block kind, "" for floats) of each source
+    tensor of `field` from its fermijit
     `value`: llama.cpp's layout (gguf_io's transforms run backwards). Quantised data are uint8
     rows of GGML blocks. `only_shape`: zero-stride stand-ins of the right shape and dtype."""
     kind = value.kind if isinstance(value, (QuantTensor, BlockTensor)) else ""

@@ -436,7 +436,7 @@ def _gemv_share(thread, n_threads, args):
     for j in range(per):
         spread_tile(blocks, xq, d, bsums, out, first + j, 0, 0, per)
     for r in range(first + per * ROWS, last):
-        one_by_1(blocks, xq, d, bsums, out, r, 0, 0)
+        one_row(blocks, xq, d, bsums, out, r, 0, 0)
 
 
 def _gemv_body(blocks, xq, d, bsums, out):
@@ -461,7 +461,7 @@ def _gathered_spread_share(thread, n_threads, args):
         for j in range(per):
             spread_tile(w, xq, d, sums, out, g0 + j, t, i, per)
         for r in range(g0 + per * ROWS, g1):
-            one_by_1(w, xq, d, sums, out, r, t, i)
+            one_row(w, xq, d, sums, out, r, t, i)
         i += 1
 
 
@@ -541,7 +541,7 @@ def product_kernel(fmt: kquant.Format, isa: Isa, shape: tuple[int, int]):
         if n_rows == 1 and fmt.name in EMITTERS:   # the decode GEMV, few tokens: row streams
             streams = GEMV_STREAMS[isa] if n_tok == 1 else FEW_STREAMS
             spread = dict(ROWS=streams, spread_tile=_make_tile(fmt, v, streams, n_tok, True),
-                          one_by_1=tiles["tile"])
+                          one_row=tiles["tile"])
             variant = (f"{fmt.name}-{isa.label}-gemv{streams}"
                        f"{f'x{n_tok}' if n_tok > 1 else ''}-{threads}")
             _kernels[key] = kernel(_gemv_body, fastmath=False, variant=variant,
@@ -577,7 +577,7 @@ def _gathered_fork(fmt: kquant.Format, isa: Isa):
     v = VEC_OF[isa]
     streams = GEMV_STREAMS[isa]
     tiles = dict(ROWS=streams, spread_tile=_make_tile(fmt, v, streams, 1, True),
-                 one_by_1=_make_tile(fmt, v, 1, 1))
+                 one_row=_make_tile(fmt, v, 1, 1))
     variant = (f"{fmt.name}-{isa.label}-inner{streams}-"
                f"{'omp' if omp.available() else 'serial'}")
     return variant, omp.fork(bind(_gathered_spread_share, variant, **tiles))
