@@ -4,6 +4,7 @@ engine function and print; heavy imports (numba, pycuda, the model) happen insid
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -777,6 +778,8 @@ def generate(prompt: str | None, model_dir: Path | None, max_tokens: int, temper
     if "stdout" in CLOSED_STREAMS:  # as asked (`>&-`), but said: rc 0 and no text looked fine
         click.echo("warning: standard output is closed: the generated text goes nowhere",
                    err=True)
+    if prompt is None and "stdin" in CLOSED_STREAMS:  # `<&-`: read as empty, a text from nothing
+        click.echo("warning: standard input is closed: the prompt is empty", err=True)
     engine.run(_model_directory(model_dir or engine.DEFAULT_MODEL), text, settings,
                cache_settings=cache, kv=_kv(kv_cache))
 
@@ -1032,7 +1035,24 @@ def _main(argv: list[str]) -> None:
     except OSError as e:
         # What the library does not name itself: stdout full (/dev/full) or closed, a disk
         # that fails under a read. One line, as any bad environment.
+        if e.errno == errno.ENOMEM:  # an mmap refused (the state's reserve): memory, not a file
+            _fail(_out_of_memory())
         where = f": {e.filename}" if e.filename else ""
         _fail(f"{e.strerror or e}{where}")
     except MemoryError:
-        _fail("out of memory")
+        _fail(_out_of_memory())
+
+
+def _out_of_memory() -> str:
+    """The one line for memory refused, naming the address-space limit where one is set: under
+    `ulimit -v` the model's few hundred MB of mappings fail long before RAM runs out ("Error:
+    Cannot allocate memory" said neither)."""
+    import resource
+
+    message = "out of memory"
+    for name, limit in (("ulimit -v", resource.RLIMIT_AS), ("ulimit -d", resource.RLIMIT_DATA)):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY:
+            message += f" (limited to {soft >> 20} MiB by {name})"
+            break
+    return message

@@ -198,16 +198,34 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     except OSError as e:
         raise FermijitError(f"cannot create the output directory {dst}: {e.strerror}") from None
     try:
-        with terminate_as_exception():
+        with terminate_as_exception(desc):
             return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
                                show_progress, reap, quants, checksums, mix)
     except BaseException as e:
+        failure = write_failure(desc, e, dst) if isinstance(e, OSError) else None
         _remove_output(dst, made_dir)
-        if isinstance(e, OSError):
-            where = f" {e.filename}" if e.filename else ""
-            raise FermijitError(f"{desc} failed writing{where}: {e.strerror or e}; nothing "
-                                f"was left in {dst}") from None
+        if failure is not None:
+            raise failure from None
         raise
+
+
+def write_failure(desc: str, e: OSError, dst: Path) -> FermijitError:
+    """The one line for an OSError while `desc` wrote `dst`, a model directory or a file (all it
+    wrote then removed); called before the removal, while a full disk is still full. The file
+    named is the one written:
+    shutil.copyfile's error names its source (a file of the model read, not the one that
+    failed). numpy's tofile (the gguf package's writes) says only "N requested and M written",
+    without an errno: a short write on a disk with no room left is said to be the full disk."""
+    is_dir = dst.is_dir()
+    reason = e.strerror
+    if reason is None:
+        reason = str(e)
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(dst if is_dir else dst.parent).free < 1 << 20:
+                reason = f"No space left on device ({e})"
+    where = f" {e.filename}" if e.filename and str(dst) in str(e.filename) else ""
+    left = f"nothing was left in {dst}" if is_dir else f"nothing was written to {dst}"
+    return FermijitError(f"{desc} failed writing{where}: {reason}; {left}")
 
 
 def _write_into(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
@@ -308,23 +326,26 @@ class Terminated(FermijitError):
 
 @contextlib.contextmanager
 def terminate_as_exception(what: str = "convert"):
-    """SIGTERM inside the block raises Terminated, so that a writer's cleanup runs."""
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield  # someone else (a test runner, an embedding program) owns SIGTERM
-        return
+    """SIGTERM or SIGHUP inside the block raises Terminated, so that a writer's cleanup runs.
+    SIGHUP (the terminal or ssh session closed) killed a `synth` outright and left its 2.3 GB
+    model.safetensors.partial behind. A signal someone else owns (a test runner, an embedding
+    program, `nohup`'s ignored SIGHUP) is left as it is."""
+    signums = [s for s in (signal.SIGTERM, signal.SIGHUP)
+               if signal.getsignal(s) is signal.SIG_DFL]
 
     def handler(signum, frame):
-        raise Terminated(f"{what}: terminated (SIGTERM)")
+        raise Terminated(f"{what}: terminated ({signal.Signals(signum).name})")
 
     try:
-        signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: no handler, and no cleanup on SIGTERM
-        yield
-        return
+        for signum in signums:
+            signal.signal(signum, handler)
+    except ValueError:  # not the main thread: no handler, and no cleanup on a signal
+        signums = []
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in signums:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def _remove_output(dst: Path, made_dir: bool) -> None:

@@ -50,8 +50,11 @@ def export(model_dir: str | Path, dst: str | Path, show_progress: bool = False) 
         with convert.terminate_as_exception("export"):
             n_tensors = _write(cfg.text_config, arrays, Path(model_dir), partial, show_progress)
         os.replace(partial, dst)
-    except BaseException:
+    except BaseException as e:
+        failure = convert.write_failure("export", e, dst) if isinstance(e, OSError) else None
         partial.unlink(missing_ok=True)
+        if failure is not None:
+            raise failure from None
         raise
     return {"path": str(dst), "bytes": dst.stat().st_size,
             "seconds": time.perf_counter() - start, "tensors": n_tensors}

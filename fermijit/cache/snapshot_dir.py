@@ -252,6 +252,10 @@ class SnapshotDir:
             raise FermijitError(f"--cache-dir {root}: cannot create it ({e.strerror})") from None
         self.entries: dict[str, Entry] = {}
         self.bad: set[str] = set()
+        # The errno of the write that failed last, until one succeeds: a full disk or a folder
+        # made read-only fails every save alike, and each said so (a warning per snapshot: 35
+        # lines for one 541-token prompt, and a server's log filled); said once until then.
+        self.failing: int | None = None
 
     def _skip(self, name: str, why: str) -> None:
         self.bad.add(name)
@@ -404,7 +408,11 @@ class SnapshotDir:
         except OSError as e:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-            self.warn(f"warning: snapshot cache: could not write {path}: {e.strerror}")
+            if e.errno != self.failing:
+                self.warn(f"warning: snapshot cache: could not write {path}: {e.strerror} (the "
+                          f"next snapshots that fail alike are not said)")
+            self.failing = e.errno
             return
+        self.failing = None
         self.bad.discard(name)
         self.scan()  # registers it (or warns, should another process have spoilt it)

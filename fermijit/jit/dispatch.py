@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import os
 import struct
+import sys
 import time
 
 import llvmlite.binding as ll
@@ -136,6 +137,7 @@ def codegen_settings() -> tuple:
 # Issue 28 item 4. FERMIJIT_LOAD_REFRESH=1: every load refreshes, as Numba's does.
 LOAD_REFRESH_ENV = "FERMIJIT_LOAD_REFRESH"
 _runtime_started: set[int] = set()  # id()s of target contexts (they live for ever)
+_save_failure_said = False
 
 
 class SourceKeyedCache(caching.FunctionCache):
@@ -172,6 +174,20 @@ class SourceKeyedCache(caching.FunctionCache):
         if cres is None and on_miss is not None:
             on_miss()
         return cres
+
+    def save_overload(self, sig, data):
+        """A save that fails (the disk full, the folder made read-only since it was found
+        writable) costs only the next run's load: the kernel compiled here runs all the same.
+        Numba raised the OSError out of the compile, and every model command died of a full
+        disk ("Error: No space left on device"). Said once a process."""
+        global _save_failure_said
+        try:
+            super().save_overload(sig, data)
+        except OSError as e:
+            if not _save_failure_said:
+                _save_failure_said = True
+                print(f"fermijit: could not save compiled kernels in {self._cache_path}: "
+                      f"{e.strerror or e}; the next run compiles them again", file=sys.stderr)
 
     def compile_lock_name(self, sig, codegen) -> str:
         return f"compile {self._cache_file._index_name} {self._index_key(sig, codegen)!r}"

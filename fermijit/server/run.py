@@ -114,8 +114,6 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
           speculative: bool | None = None, drafts=None, origins: tuple[str, ...] = ()) -> None:
     """`speculative`: draft with the MTP head (None: where the model has one and it pays), as
     `drafts` says (speculative.Drafts); `origins`: the web pages that may call it (CORS)."""
-    import uvicorn
-
     from fermijit.engine import Engine
     from fermijit.jit import cpu, gpu_early
     from fermijit.model import safetensors_io
@@ -128,6 +126,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
     hybrid.parse_bytes(gpu_mem), hybrid.parse_bytes(pin_budget)  # bad: before loading
     check_api_key(api_key)
     check_origins(origins)
+    raise_fd_limit()
     sock = listen(host, port)  # a port in use: before loading too
     err = sys.stderr
     start = time.perf_counter()
@@ -191,7 +190,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                                          max_image_tokens, origins),
                                 timeout_graceful_shutdown=2)
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            http_server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
             print("stopped", file=err, flush=True)
     finally:
@@ -271,6 +270,57 @@ def _head_timeout_protocol():
 LISTEN_BACKLOG = 2048  # uvicorn's default
 
 
+def raise_fd_limit() -> None:
+    """The soft limit of open files raised to the hard one: each client holds a descriptor, and
+    a soft limit of 1024 (a common default) under a hard one far above it is a limit on clients
+    nobody chose (what servers commonly do)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# Out of descriptors (`ulimit -n`), asyncio's accept() logged "socket.accept() out of system
+# resource" and the OSError's traceback for every connection waiting in the backlog, and again
+# after each one-second retry while the clients stayed: 237,524 tracebacks (1.4 million lines)
+# in 20 s of 60 idle clients under `ulimit -n 40`, the event loop busy logging them (a request
+# then took 20 s). The connections still wait in the backlog until descriptors are free, as
+# asyncio means; said in one line at most every ACCEPT_WARN_S.
+ACCEPT_WARN_S = 60.0
+
+
+def http_server(config):
+    """A uvicorn.Server for `config` whose event loop says in one line (on stderr) when it is out
+    of descriptors to accept connections with, instead of a traceback per connection."""
+    import asyncio
+    import errno
+    import resource
+
+    import uvicorn
+
+    said_at = [-ACCEPT_WARN_S]
+
+    def handle(loop, context) -> None:
+        e = context.get("exception")
+        if not (isinstance(e, OSError) and "socket" in context
+                and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)):
+            loop.default_exception_handler(context)
+        elif time.monotonic() - said_at[0] >= ACCEPT_WARN_S:
+            said_at[0] = time.monotonic()
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            print(f"warning: cannot accept connections: {e.strerror} (ulimit -n {limit}); new "
+                  f"clients wait until others close", file=sys.stderr, flush=True)
+
+    class Server(uvicorn.Server):
+        async def serve(self, sockets=None) -> None:
+            asyncio.get_running_loop().set_exception_handler(handle)
+            await super().serve(sockets)
+
+    return Server(config)
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (0: any free port) and listening, or a one-line FermijitError;
     uvicorn's own binding logs and exits on failure. Listening here, not when uvicorn starts: a
@@ -302,7 +352,7 @@ class ServerThread:
 
         self.sock = listen("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn_config(app, timeout_graceful_shutdown=1))
+        self.server = http_server(uvicorn_config(app, timeout_graceful_shutdown=1))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="fermijit-uvicorn", daemon=True)
         self.thread.start()

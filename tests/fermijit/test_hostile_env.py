@@ -1,0 +1,204 @@
+"""The sweep of the environment around the process (a full disk, signals, resource limits, a
+closed stdin): each case a defect found, now one line (or one warning) and nothing partial left
+looking whole. The full-disk cases need a tmpfs of a chosen size: root only, else skipped."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+from fermijit.engine import DEFAULT_MODEL
+from tests.cli import run_cli
+from tests.fermijit.test_hardening import assert_one_line
+from tests.model import tiny
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A function: a new tmpfs of `size` bytes (mounted under tmp_path, unmounted after), filled
+    to leave `free` bytes when given."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = []
+
+    def make(size: int, free: int | None = None):
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        mounted.append(where)
+        if free is not None:
+            with open(where / "fill", "wb") as f:
+                f.write(b"\0" * (shutil.disk_usage(where).free - free))
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_export_onto_a_full_disk_says_so(small_disk, monkeypatch, capsys):
+    """numpy's tofile (the gguf package's writes) says "3342336 requested and 1357664 written",
+    without an errno: that was the whole error."""
+    pytest.importorskip("gguf")
+    disk = small_disk(4 << 20)  # the default model's GGUF is ~24 MB
+    code, _, err = run_cli(monkeypatch, capsys, "export", DEFAULT_MODEL, disk / "m.gguf")
+    assert_one_line(code, err, "export failed writing: No space left on device")
+    assert "nothing was written to" in err
+    assert list(disk.iterdir()) == []
+
+
+def test_convert_onto_a_full_disk_names_no_file_of_the_source(small_disk, tmp_path, monkeypatch,
+                                                               capsys):
+    """Room for the weights but not the tokenizer: "convert failed writing
+    SRC/tokenizer.json" (shutil.copyfile's error names its source) read as if the source
+    were at fault."""
+    src = tiny.write_checkpoint(tmp_path / "hf")
+    disk = small_disk(1 << 20, free=384 << 10)  # the weights ~370 KiB, then the copies
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, disk / "c")
+    assert_one_line(code, err, "convert failed writing")
+    assert "No space left on device" in err and str(src) not in err
+    assert sorted(p.name for p in disk.iterdir()) == ["fill"]
+
+
+KERNEL = textwrap.dedent("""
+    from fermijit.jit.cpu import kernel
+
+    @kernel
+    def add_one(x):
+        return x + 1
+
+    print(add_one(41), add_one(1.5))
+""")
+
+
+def test_a_full_kernel_cache_compiles_and_runs(small_disk, tmp_path):
+    """Numba raised the cache save's OSError out of the compile: every model command died of
+    a full disk under NUMBA_CACHE_DIR (or the package's __pycache__)."""
+    disk = small_disk(1 << 20, free=0)
+    script = tmp_path / "kernel.py"  # a file: Numba caches only functions that have one
+    script.write_text(KERNEL)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "NUMBA_CACHE_DIR": str(disk / "numba")})
+    assert r.returncode == 0 and r.stdout == "42 2.5\n", r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr  # said once, for two saves
+    assert "could not save compiled kernels in" in r.stderr
+    assert "No space left on device; the next run compiles them again" in r.stderr
+
+
+def test_snapshots_onto_a_full_disk_are_said_once(small_disk, tmp_path, monkeypatch, capsys):
+    """A warning per snapshot that failed (35 lines for one 541-token prompt; a server's log
+    filled the same way)."""
+    disk = small_disk(1 << 20, free=0)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def f(x):\n    return x + 1\n" * 20)
+    monkeypatch.setattr(sys, "stdin", open(prompt))
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--cache-dir", disk / "snap",
+                             "--snapshot-every", 16, "--max-tokens", 2, "--temperature", 0,
+                             "--threads", 1)
+    assert code == 0 and out, err
+    said = [line for line in err.replace("\r", "\n").splitlines() if "warning" in line]
+    assert len(said) == 1 and "No space left on device" in said[0], err
+
+
+def test_sighup_removes_the_partial_output(tmp_path):
+    """SIGHUP (the terminal or ssh session gone) killed a convert or synth outright: a 2.3 GB
+    model.safetensors.partial stayed behind (SIGTERM's cleanup was SIGTERM's only)."""
+    src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from fermijit.model import convert
+        from fermijit.cli import main
+        real = convert.stream
+        def stream(*args):
+            for n in real(*args):
+                if args[0] == "layers.1.mlp.experts_gate_up":
+                    os.kill(os.getpid(), signal.SIGHUP)
+                yield n
+        convert.stream = stream
+        sys.argv = ["fermijit", "convert", {str(src)!r}, {str(tmp_path / "dst")!r}]
+        main()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == "Error: convert: terminated (SIGHUP)", r.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_memory_refused_under_an_address_space_limit_names_it(monkeypatch, capsys):
+    """Under `ulimit -v` near the process's ~590 MB of mappings, the state's reserve (an
+    mmap) failed: "Error: Cannot allocate memory", read as a file's error."""
+    from fermijit.model import state
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(state, "reserved", refused)
+    real = resource.getrlimit
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (585 << 20, resource.RLIM_INFINITY) if which == resource.RLIMIT_AS else real(which)))
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "def f", "--max-tokens", 2,
+                             "--threads", 1)
+    assert_one_line(code, err, "out of memory (limited to 585 MiB by ulimit -v)")
+
+
+def test_a_closed_stdin_without_a_prompt_says_so():
+    """`generate <&-` generated from an empty prompt without a word (as `>&-` is said)."""
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "--max-tokens", "2",
+                        "--threads", "1"], capture_output=True, timeout=300,
+                       preexec_fn=lambda: os.close(0))
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "warning: standard input is closed: the prompt is empty" in err
+
+
+def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
+    """Under `ulimit -n 40` with 60 idle clients: asyncio logged a traceback per connection in
+    the backlog, again after every one-second retry (1.4 million lines in 20 s), the event loop
+    busy with it. Now one warning line; the server answers once the clients are gone."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = open(tmp_path / "err", "w+")
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+    proc = subprocess.Popen([sys.executable, "-m", "fermijit", "serve", "--port", str(port),
+                             "--threads", "1", "--max-batch", "1", "--no-cache", "--prefill",
+                             "cpu"], stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limited)
+    try:
+        deadline = time.monotonic() + 180
+        while "serving on" not in (tmp_path / "err").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.1)
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(60)]
+        time.sleep(2)
+        for c in clients:
+            c.close()
+        body = json.dumps({"prompt": "def f", "max_tokens": 2, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    text = (tmp_path / "err").read_text()
+    assert "Traceback" not in text and text.count("cannot accept connections") == 1, text[-2000:]
+    assert "Too many open files (ulimit -n 40); new clients wait until others close" in text
