@@ -1024,9 +1024,11 @@ def _main(argv: list[str]) -> None:
     try:
         cli.main(standalone_mode=False)
         sys.stdout.flush()  # a write error of buffered output surfaces here, not at exit
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
         click.echo("Aborted.", err=True)
-        sys.exit(1)
+        # Ctrl-C (click's Abort from the KeyboardInterrupt): 128 + SIGINT, as a shell tells a
+        # process SIGINT stopped (it was 1, a failure like any other to a script)
+        sys.exit(130 if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt) else 1)
     except click.ClickException as e:
         # One line for every command, usage errors included (bad input: one line, exit 2).
         _fail(e.format_message())

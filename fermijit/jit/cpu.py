@@ -105,6 +105,20 @@ def target_features() -> frozenset[str]:
     return forced | (WESTMERE_FEATURES if target_cpu_name() == WESTMERE else frozenset())
 
 
+def _check_forced_features() -> None:
+    """NUMBA_CPU_FEATURES may take features away (the Westmere target) but not add ones this CPU
+    lacks: LLVM then uses them where it vectorises, and the process died of SIGILL at the first
+    such kernel, without a word (`+xop` on this Zen 5: a rotate became XOP's vprotd)."""
+    if not numba_config.CPU_FEATURES:
+        return
+    known = llvm.get_host_cpu_features()
+    lacking = sorted(f[1:] for f in numba_config.CPU_FEATURES.split(",")
+                     if f.startswith("+") and known.get(f[1:]) is False)
+    if lacking:
+        raise FermijitError(f"NUMBA_CPU_FEATURES asks for {', '.join(lacking)}, which this CPU "
+                            f"lacks: code using it would die of an illegal instruction")
+
+
 def target_cpu_name() -> str:
     return numba_config.CPU_NAME or llvm.get_host_cpu_name()
 
@@ -142,6 +156,7 @@ def select_isa(label: str | None = None, decode: str | None = None) -> Isa:
     is the one a Westmere Xeon runs (both variables are needed: pitfall 2).
     """
     global _selected, _decode
+    _check_forced_features()
     if label is None:  # none at all (NUMBA_CPU_FEATURES without ssse3): the baseline's error
         isa = next((i for i in PREFERENCE if supported(i)), None) or _require(Isa.SSSE3)
     else:
@@ -247,8 +262,12 @@ def configure_threads(n_threads: int | None) -> int:
     numba_config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
     if n_threads is not None:
         if not 1 <= n_threads <= numba_config.NUMBA_NUM_THREADS:
+            # Numba's pool is its ceiling: NUMBA_NUM_THREADS, else the CPUs this process may
+            # run on (under `taskset -c 0` "between 1 and 1" said neither)
+            why = ("NUMBA_NUM_THREADS" if os.environ.get("NUMBA_NUM_THREADS", "").strip()
+                   else "the CPUs this process may run on: taskset, cpuset or cgroup")
             raise FermijitError(
-                f"--threads must be between 1 and {numba_config.NUMBA_NUM_THREADS}")
+                f"--threads must be between 1 and {numba_config.NUMBA_NUM_THREADS} ({why})")
         _set_num_threads(n_threads)
         _threads_chosen = True
     elif not _threads_chosen:

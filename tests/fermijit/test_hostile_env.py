@@ -115,7 +115,11 @@ def test_snapshots_onto_a_full_disk_are_said_once(small_disk, tmp_path, monkeypa
     assert len(said) == 1 and "No space left on device" in said[0], err
 
 
-def test_sighup_removes_the_partial_output(tmp_path):
+@pytest.mark.parametrize("signum, exit_code, said", [
+    (signal.SIGHUP, 2, "Error: convert: terminated (SIGHUP)"),
+    (signal.SIGINT, 130, "Aborted."),  # was exit 1
+])
+def test_a_signal_removes_the_partial_output(tmp_path, signum, exit_code, said):
     """SIGHUP (the terminal or ssh session gone) killed a convert or synth outright: a 2.3 GB
     model.safetensors.partial stayed behind (SIGTERM's cleanup was SIGTERM's only)."""
     src = tiny.write_checkpoint(tmp_path / "src", "fused", "F32")
@@ -127,16 +131,16 @@ def test_sighup_removes_the_partial_output(tmp_path):
         def stream(*args):
             for n in real(*args):
                 if args[0] == "layers.1.mlp.experts_gate_up":
-                    os.kill(os.getpid(), signal.SIGHUP)
+                    os.kill(os.getpid(), {int(signum)})
                 yield n
         convert.stream = stream
         sys.argv = ["fermijit", "convert", {str(src)!r}, {str(tmp_path / "dst")!r}]
         main()
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.splitlines()[-1] == "Error: convert: terminated (SIGHUP)", r.stderr
+                       preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
+    assert r.returncode == exit_code, r.stderr
+    assert r.stderr.splitlines()[-1] == said, r.stderr
     assert not (tmp_path / "dst").exists()
 
 
@@ -202,3 +206,32 @@ def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
     text = (tmp_path / "err").read_text()
     assert "Traceback" not in text and text.count("cannot accept connections") == 1, text[-2000:]
     assert "Too many open files (ulimit -n 40); new clients wait until others close" in text
+
+
+def test_forced_cpu_features_this_cpu_lacks_are_refused():
+    """NUMBA_CPU_FEATURES with a feature the CPU lacks (`+xop` on a Zen 5): LLVM vectorised with
+    it (a rotate became XOP's vprotd) and `generate` died of SIGILL after "loaded", rc 132."""
+    import llvmlite.binding as llvm
+
+    known = llvm.get_host_cpu_features()
+    lacking = next((f for f in ("xop", "fma4", "avx512fp16", "amx-tile", "avx512f")
+                    if known.get(f) is False), None)
+    if lacking is None:
+        pytest.skip("this CPU has every feature tried")
+    env = {**os.environ, "NUMBA_CPU_FEATURES": f"{known.flatten()},+{lacking}"}
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "def f", "--max-tokens",
+                        "2", "--threads", "1"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert_one_line(r.returncode, r.stderr, f"NUMBA_CPU_FEATURES asks for {lacking}, which "
+                                            f"this CPU lacks")
+
+
+def test_more_threads_than_allowed_cpus_says_why():
+    """Under `taskset -c 0`, `--threads 2` said "--threads must be between 1 and 1"."""
+    cpu = min(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "def f", "--max-tokens",
+                        "2", "--threads", "2"], capture_output=True, text=True, timeout=300,
+                       env=env, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert_one_line(r.returncode, r.stderr, "--threads must be between 1 and 1 (the CPUs this "
+                                            "process may run on: taskset, cpuset or cgroup)")
