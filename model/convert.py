@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -164,8 +165,9 @@ def reap_record(src: Path) -> dict | None:
     return read_json(path)
 
 
-def check_output_dir(dst: Path) -> None:
-    """A model is written into a new or empty directory only."""
+def check_output_dir(dst: Path, claimed_here: bool = False) -> None:
+    """A model is written into a new or empty directory only. `claimed_here`: this process
+    holds the directory's claim (`_claim`), so a .partial in it is a dead writer's."""
     try:
         if dst.exists() and not dst.is_dir():
             raise FermijitError(f"output directory {dst} is a file")
@@ -174,9 +176,49 @@ def check_output_dir(dst: Path) -> None:
         raise FermijitError(f"output directory {dst}: {e.strerror}") from None
     if leftovers:
         partial = [n for n in leftovers if n.endswith(PARTIAL_SUFFIX)]
+        if partial and not claimed_here and _claimed_elsewhere(dst):
+            raise _busy(dst)
         hint = (f" (it holds {', '.join(partial)}, left by a convert that was killed: remove "
                 f"the directory)" if partial else "")
         raise FermijitError(f"output directory {dst} exists and is not empty{hint}")
+
+
+# Two writers of one output directory at once (two `convert`s, a convert and a prune) shared
+# model.safetensors.partial: the first to finish renamed it while the other still wrote into it,
+# the other's rename then failed and its cleanup removed the first one's finished model; a
+# second writer was also told the first's .partial was "left by a convert that was killed". A
+# writer holds an exclusive flock on the directory (released when it exits, however it exits).
+def _busy(dst: Path) -> FermijitError:
+    return FermijitError(f"output directory {dst} is being written by another process")
+
+
+def _claim(dst: Path) -> int | None:
+    """The directory `dst` opened and flock'ed exclusively (the descriptor to close when done),
+    None where it cannot be locked (a filesystem without flock); a FermijitError if another
+    process holds it."""
+    try:
+        fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise _busy(dst) from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _claimed_elsewhere(dst: Path) -> bool:
+    try:
+        fd = _claim(dst)
+    except FermijitError:
+        return True
+    if fd is not None:
+        os.close(fd)
+    return False
 
 
 def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fill,
@@ -197,16 +239,22 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
         dst.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FermijitError(f"cannot create the output directory {dst}: {e.strerror}") from None
+    claim = _claim(dst)  # another writer at work: said, and nothing of its touched
     try:
-        with terminate_as_exception(desc):
-            return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
-                               show_progress, reap, quants, checksums, mix)
-    except BaseException as e:
-        failure = write_failure(desc, e, dst) if isinstance(e, OSError) else None
-        _remove_output(dst, made_dir)
-        if failure is not None:
-            raise failure from None
-        raise
+        check_output_dir(dst, claimed_here=True)  # again: one may have finished meanwhile
+        try:
+            with terminate_as_exception(desc):
+                return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
+                                   show_progress, reap, quants, checksums, mix)
+        except BaseException as e:
+            failure = write_failure(desc, e, dst) if isinstance(e, OSError) else None
+            _remove_output(dst, made_dir)
+            if failure is not None:
+                raise failure from None
+            raise
+    finally:
+        if claim is not None:
+            os.close(claim)
 
 
 def write_failure(desc: str, e: OSError, dst: Path) -> FermijitError:

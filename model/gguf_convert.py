@@ -173,7 +173,11 @@ def cached(path: str | Path, lm_head: str = "q8_0") -> Path:
     dst = root / f"{path.stem}-{file_sha256(path)[:16]}-{lm_head}"
     if fj.is_fermijit_model(dst):
         return dst
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # was "Error: Read-only file system: DIR", which named no remedy
+        raise FermijitError(f"cannot make the cache of converted GGUF files {root}: "
+                            f"{e.strerror} (set FERMIJIT_CACHE to a writable folder)") from None
     partial = root / f".{dst.name}.{os.getpid()}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     print(f"converting {path} into {dst} (once)", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ Tensors are written one at a time (a few hundred MB at most in memory) after the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -52,7 +53,8 @@ def export(model_dir: str | Path, dst: str | Path, show_progress: bool = False) 
         os.replace(partial, dst)
     except BaseException as e:
         failure = convert.write_failure("export", e, dst) if isinstance(e, OSError) else None
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # none made (EROFS, not ENOENT, on a read-only disk)
+            partial.unlink()
         if failure is not None:
             raise failure from None
         raise

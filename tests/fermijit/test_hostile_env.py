@@ -28,15 +28,16 @@ from tests.model import tiny
 @pytest.fixture
 def small_disk(tmp_path):
     """A function: a new tmpfs of `size` bytes (mounted under tmp_path, unmounted after), filled
-    to leave `free` bytes when given."""
+    to leave `free` bytes when given, or read-only."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     mounted = []
 
-    def make(size: int, free: int | None = None):
+    def make(size: int, free: int | None = None, read_only: bool = False):
         where = tmp_path / f"disk{len(mounted)}"
         where.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        options = f"size={size}" + (",ro" if read_only else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
                            capture_output=True, text=True)
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
@@ -73,6 +74,29 @@ def test_convert_onto_a_full_disk_names_no_file_of_the_source(small_disk, tmp_pa
     assert_one_line(code, err, "convert failed writing")
     assert "No space left on device" in err and str(src) not in err
     assert sorted(p.name for p in disk.iterdir()) == ["fill"]
+
+
+def test_export_into_a_read_only_folder_names_the_cause(small_disk, monkeypatch, capsys):
+    """The cleanup's unlink of the .partial never made raised EROFS over the open's error."""
+    pytest.importorskip("gguf")
+    disk = small_disk(1 << 20, read_only=True)
+    code, _, err = run_cli(monkeypatch, capsys, "export", DEFAULT_MODEL, disk / "m.gguf")
+    assert_one_line(code, err, "export failed writing")
+    assert f"Read-only file system; nothing was written to {disk / 'm.gguf'}" in err
+
+
+def test_a_read_only_gguf_cache_names_the_remedy(small_disk, tmp_path, monkeypatch, capsys):
+    """`--model x.gguf` converts into FERMIJIT_CACHE: "Error: Read-only file system: DIR"."""
+    pytest.importorskip("gguf")
+    gguf = tmp_path / "m.gguf"
+    assert run_cli(monkeypatch, capsys, "export", DEFAULT_MODEL, gguf)[0] == 0
+    disk = small_disk(1 << 20, read_only=True)
+    monkeypatch.setenv("FERMIJIT_CACHE", str(disk / "cache"))
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", gguf, "def f",
+                           "--max-tokens", 2, "--threads", 1)
+    assert_one_line(code, err, f"cannot make the cache of converted GGUF files {disk}/cache/"
+                               f"gguf: Read-only file system (set FERMIJIT_CACHE to a writable "
+                               f"folder)")
 
 
 KERNEL = textwrap.dedent("""
@@ -235,3 +259,33 @@ def test_more_threads_than_allowed_cpus_says_why():
                        env=env, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
     assert_one_line(r.returncode, r.stderr, "--threads must be between 1 and 1 (the CPUs this "
                                             "process may run on: taskset, cpuset or cgroup)")
+
+
+def test_two_writers_of_one_output_directory(tmp_path, monkeypatch, capsys):
+    """Two converts into one directory shared model.safetensors.partial: the second was told
+    the first's was "left by a convert that was killed", or, started together, both wrote it
+    and the loser's cleanup removed the winner's model. A writer holds a flock on the directory
+    (here the test's own descriptor stands for the other process's)."""
+    import fcntl
+
+    src = tiny.write_checkpoint(tmp_path / "hf")
+    dst = tmp_path / "out"
+    dst.mkdir()
+    other = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        code, _, err = run_cli(monkeypatch, capsys, "convert", src, dst)  # started together
+        assert_one_line(code, err, f"output directory {dst} is being written by another "
+                                   f"process")
+        (dst / "model.safetensors.partial").write_bytes(b"being written")
+        code, _, err = run_cli(monkeypatch, capsys, "convert", src, dst)  # started after
+        assert_one_line(code, err, f"output directory {dst} is being written by another "
+                                   f"process")
+        assert (dst / "model.safetensors.partial").read_bytes() == b"being written"
+    finally:
+        os.close(other)
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, dst)  # its writer gone
+    assert_one_line(code, err, "left by a convert that was killed")
+    (dst / "model.safetensors.partial").unlink()
+    code, _, err = run_cli(monkeypatch, capsys, "convert", src, dst)
+    assert code == 0 and (dst / "fermijit.json").is_file(), err
