@@ -82,7 +82,19 @@ DEFAULT_SPIN = "3000"
 
 
 def _bounded_spin() -> None:
-    if "OMP_WAIT_POLICY" not in os.environ:
+    """libgomp ignores a wait policy or spin count it cannot parse (two lines of its own on
+    stderr, then the run goes on); and any OMP_WAIT_POLICY kept DEFAULT_SPIN out: a garbage one
+    ran libgomp's default spin, the slowdown measured above. Both checked here, as libgomp
+    parses them, before it reads them."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    if policy is not None and policy.strip().lower() not in ("active", "passive"):
+        raise FermijitError(f"OMP_WAIT_POLICY must be active or passive, got {policy!r}")
+    spin = os.environ.get(SPIN_ENV)
+    if spin is not None and not re.fullmatch(r"\s*(\d+\s*[kmgt]?|infinite|infinity)\s*", spin,
+                                             re.IGNORECASE):
+        raise FermijitError(f"{SPIN_ENV} must be a whole number of spins (k, M, G or T "
+                            f"suffixed) or infinite, got {spin!r}")
+    if policy is None:
         os.environ.setdefault(SPIN_ENV, DEFAULT_SPIN)
 
 

@@ -289,3 +289,25 @@ def test_two_writers_of_one_output_directory(tmp_path, monkeypatch, capsys):
     (dst / "model.safetensors.partial").unlink()
     code, _, err = run_cli(monkeypatch, capsys, "convert", src, dst)
     assert code == 0 and (dst / "fermijit.json").is_file(), err
+
+
+@pytest.mark.parametrize("name, value, message", [
+    # libgomp: two lines of its own, then its default; and DEFAULT_SPIN was left unset
+    ("OMP_WAIT_POLICY", "garbage", "OMP_WAIT_POLICY must be active or passive, got 'garbage'"),
+    ("GOMP_SPINCOUNT", "lots", "GOMP_SPINCOUNT must be a whole number of spins"),
+    ("GOMP_SPINCOUNT", "10x", "GOMP_SPINCOUNT must be a whole number of spins"),
+])
+def test_openmp_settings_libgomp_ignores_are_one_line(name, value, message):
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "def f", "--max-tokens",
+                        "2", "--threads", "1"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, name: value})
+    assert_one_line(r.returncode, r.stderr, message)
+
+
+@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", " Passive "),
+                                         ("GOMP_SPINCOUNT", "10k"), ("GOMP_SPINCOUNT", "INFINITE"),
+                                         ("GOMP_SPINCOUNT", "3000")])
+def test_openmp_settings_libgomp_takes_are_taken(name, value):
+    r = subprocess.run([sys.executable, "-c", "import fermijit.jit.cpu"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, name: value})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
