@@ -485,7 +485,7 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     hybrid.parse_bytes(settings.gpu_mem), hybrid.parse_bytes(settings.pin_budget)  # bad: early
     out = out or sys.stdout.buffer
     err = err or sys.stderr
-    from fermijit.model import image
+    from fermijit.model import files, image
 
     pictures = [image.open_image(path) for path in settings.images]  # bad files: before loading
     start = time.perf_counter()
@@ -555,4 +555,5 @@ def run(model_dir: Path, prompt_text: str, settings: Settings, out=None, err=Non
     _, stats = engine.generate(prompt, settings, emit, progress_to=err)
     write(stream.flush())
     print(("\n" if getattr(out, "isatty", lambda: False)() else "") + stats.summary(), file=err)
+    files.check_mappings()  # the weights rewritten in place meanwhile: the text is suspect
     return stats

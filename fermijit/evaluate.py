@@ -115,6 +115,7 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
     from tqdm import tqdm
 
     from fermijit.engine import warm_up
+    from fermijit.model import files
     from fermijit.model.forward import PREFILL_BLOCK, load_model
     from fermijit.model.tokenizer import Tokenizer
     from fermijit.prefill import hybrid
@@ -143,6 +144,7 @@ def run(model_dir: Path, text_path: Path, context: int | None, as_json: bool,
     with tqdm(total=tokens.size - 1, desc="eval", unit="tok", file=err,
               delay=PROGRESS_DELAY_S) as bar:
         result = score(model, tokens, context, bar.update, prefiller)
+    files.check_mappings()  # the weights rewritten in place meanwhile: the score is suspect
     if as_json:
         print(json.dumps({"model": str(model_dir), "text": str(text_path),
                           "is_quantized": model.is_quantized, "kv_cache": model.kv_kind.value,

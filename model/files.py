@@ -14,10 +14,12 @@ one path rule, one JSON reader, one text reader. Bad input is a one-line Fermiji
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import stat
+import weakref
 from pathlib import Path
 
 from fermijit import FermijitError
@@ -238,3 +240,51 @@ def guard_mapping(path: str | Path) -> None:
         libc.signal.restype = ctypes.c_void_p
         address = ctypes.addressof(ctypes.c_char.from_buffer(_sigbus_page))
         libc.signal(int(signal.SIGBUS), address)
+
+
+# --- a mapped file rewritten in place, its size kept ----------------------------------------------
+# No SIGBUS then: the mapping's pages simply hold the new bytes, and the model answers from a
+# mix of two weights files without a word (serve, the embedded model, temperature 0: "ash\n\nThe
+# `fractions` module", then "" once the file's second half was rewritten in place, both 200).
+# A descriptor of each mapped file is kept while its mapping lives (the inode mapped: a file
+# replaced by rename, as the README asks, is another inode, and the mapping goes on reading the
+# old one, whole), and its size and modification time are compared by `check_mappings`, an
+# fstat (~1 us): by the server before each step, by generate and eval at their end. A `touch`
+# counts as a rewrite. Mapping a path again watches the new mapping only (a model loaded again
+# after its file changed is the new file's).
+_watched: dict[int, tuple[str, int, tuple[int, int]]] = {}  # key -> (path, fd, stamp)
+_watch_keys = itertools.count()
+
+
+def _stamp(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
+
+
+def watch_mapping(path: str | Path, data) -> None:
+    """Watch file `path`, mapped as the array `data`, for `check_mappings` while `data` lives."""
+    path = str(path)
+    for key in [k for k, (p, _, _) in _watched.items() if p == path]:
+        _unwatch(key)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    key = next(_watch_keys)
+    _watched[key] = (path, fd, _stamp(fd))
+    weakref.finalize(data, _unwatch, key)
+
+
+def _unwatch(key: int) -> None:
+    entry = _watched.pop(key, None)
+    if entry is not None:
+        os.close(entry[1])
+
+
+def check_mappings() -> None:
+    """A FermijitError if a mapped weights file changed in place since it was mapped."""
+    for path, fd, stamp in list(_watched.values()):
+        if _stamp(fd) != stamp:
+            raise FermijitError(f"{path} changed while mapped (rewritten in place since it was "
+                                f"loaded: what the model computes now may mix two files; "
+                                f"replace model files by rename)")

@@ -25,7 +25,7 @@ import numpy as np
 from fermijit import FermijitError, env_number
 from fermijit.jit import gpu_early
 from fermijit.model.files import (guard_mapping, member, open_regular, parse_json, read_json,
-                                  short)
+                                  short, watch_mapping)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -170,6 +170,7 @@ class SafetensorsFile:
             guard_mapping(self.path)
             self._data = (_map(self.path, self.data_start, self.data_nbytes)
                           if self.data_nbytes else np.zeros(0, np.uint8))
+            watch_mapping(self.path, self._data)
         return self._data
 
     def populate(self, background: bool = False) -> bool:

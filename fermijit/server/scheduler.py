@@ -224,6 +224,7 @@ class Scheduler:
         self._is_pool_ready = gdn_pool is not None
         self._ended: list[Sequence] = []
         self._is_deferring = False   # inside `_prefilled`: ended states given back after it
+        self.weights_changed: str | None = None  # why every request fails (`_check_weights`)
 
     # --- any thread -----------------------------------------------------------------------------
 
@@ -285,6 +286,7 @@ class Scheduler:
                 self.engine.prefiller, self.engine.model, self.max_batch,
                 on_pool=lambda pool: setattr(self, "gdn_pool", pool)), "prefilling")
         while self._is_running:
+            self._check_weights()
             self._admit()
             self._collect_gpu_job()
             waiting = [s for s in self.prefilling if not s.is_in_flight]
@@ -306,6 +308,28 @@ class Scheduler:
             elapsed = time.perf_counter() - start
             self.decode_s += elapsed
             self._decode_owed = max(0.0, self._decode_owed - elapsed)
+
+    def _check_weights(self) -> None:
+        """The weights file rewritten in place under the server (model/files.py
+        check_mappings): said once on stderr, and every request fails from then on, the
+        running ones too, with that line (their answers came from a mix of two files, 200
+        without a word); a restart maps the new file."""
+        if self.weights_changed is None:
+            from fermijit.model import files
+
+            try:
+                files.check_mappings()
+                return
+            except FermijitError as e:
+                self.weights_changed = f"{e}: restart the server"
+                print(f"Error: {self.weights_changed}", file=sys.stderr, flush=True)
+        for group in ("active", "prefilling"):
+            for s in getattr(self, group):
+                self._fail(s.job, self._weights_error())
+            setattr(self, group, [])
+
+    def _weights_error(self) -> ApiError:
+        return ApiError(503, self.weights_changed, kind="server_error")
 
     def _guarded(self, work, group: str) -> None:
         """work(); on a bug, fail the sequences of `group` (a list attribute) and keep serving."""
@@ -331,6 +355,10 @@ class Scheduler:
                 return
             if job.cancelled.is_set():
                 self.n_cancelled += 1
+                continue
+            self._check_weights()  # again: the wait for this job may have been long
+            if self.weights_changed is not None:
+                self._fail(job, self._weights_error())
                 continue
             if not (self.active or self.prefilling):
                 self._gathered_at = time.perf_counter()

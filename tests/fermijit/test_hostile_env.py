@@ -311,3 +311,89 @@ def test_openmp_settings_libgomp_takes_are_taken(name, value):
     r = subprocess.run([sys.executable, "-c", "import fermijit.jit.cpu"], capture_output=True,
                        text=True, timeout=300, env={**os.environ, name: value})
     assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def _rewrite_in_place(path) -> None:
+    """The second half of `path`'s bytes changed, its size kept (no SIGBUS: new bytes)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        data = f.read()
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0x5A for b in data))
+
+
+def test_weights_rewritten_in_place_under_serve_fail_its_requests(tmp_path):
+    """A weights file rewritten in place (its size kept) under a running server: greedy "ash\\n\\n
+    The `fractions` module" became "", a 200, without a word. A file replaced by rename stays
+    fine (the mapping reads the old inode, whole)."""
+    model = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL, model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    err = open(tmp_path / "err", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "fermijit", "serve", "--model", str(model),
+                             "--port", str(port), "--threads", "1", "--max-batch", "1",
+                             "--no-cache", "--prefill", "cpu"], stdout=subprocess.DEVNULL,
+                            stderr=err)
+
+    def complete():
+        body = json.dumps({"prompt": "def f", "max_tokens": 6, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())["choices"][0]["text"]
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]["message"]
+
+    try:
+        deadline = time.monotonic() + 180
+        while "serving on" not in (tmp_path / "err").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.1)
+        weights = model / "model.safetensors"
+        before = complete()
+        assert before[0] == 200 and before[1], before
+        os.link(weights, tmp_path / "mapped")  # the inode served, whatever the name holds
+        shutil.copyfile(weights, tmp_path / "new")
+        _rewrite_in_place(tmp_path / "new")
+        os.replace(tmp_path / "new", weights)  # replaced by rename: still the old answers
+        assert complete() == before
+        _rewrite_in_place(tmp_path / "mapped")
+        code, message = complete()
+        assert code == 503 and "changed while mapped (rewritten in place" in message, message
+        assert complete()[0] == 503
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    said = [line for line in (tmp_path / "err").read_text().splitlines() if "Error" in line]
+    assert len(said) == 1 and said[0].endswith("replace model files by rename): restart the "
+                                               "server"), said
+
+
+def test_weights_rewritten_in_place_under_generate_is_said(tmp_path, monkeypatch, capsys):
+    """generate's text came from a mix of two files without a word; the next run, loading the
+    file changed again, is the new file's and not refused by the old watch."""
+    from fermijit.engine import Engine
+
+    model = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL, model)
+    real = Engine.generate
+
+    def then_rewritten(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        _rewrite_in_place(model / "model.safetensors")
+        return result
+
+    monkeypatch.setattr(Engine, "generate", then_rewritten)
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", model, "def f",
+                             "--max-tokens", 2, "--threads", 1)
+    assert_one_line(code, err, f"{model}/model.safetensors changed while mapped (rewritten in "
+                               f"place since it was loaded")
+    monkeypatch.setattr(Engine, "generate", real)
+    _rewrite_in_place(model / "model.safetensors")  # the bytes back, a new mtime
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", model, "def f",
+                             "--max-tokens", 2, "--threads", 1, "--no-cache")
+    assert code == 0, err
