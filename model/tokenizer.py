@@ -84,9 +84,13 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         if not path.exists():
             raise FermijitError(f"{directory}: no tokenizer.json")
-        open_regular(path).close()
+        with open_regular(path) as f:
+            data = f.read()
         try:
-            self._tok = HfTokenizer.from_file(str(path))
+            # From the bytes, not the path: the library takes the path as UTF-8 text, and a
+            # directory whose name is not ("not a readable tokenizer ('utf-8' codec can't
+            # encode characters ...)") failed every model command
+            self._tok = HfTokenizer.from_buffer(data)
         except Exception as e:  # the library raises its own untyped exceptions
             message = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise FermijitError(f"{path}: not a readable tokenizer ({message})") from None

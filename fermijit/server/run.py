@@ -339,8 +339,11 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def model_name(model_dir: Path) -> str:
-    """The id /v1/models lists: the model directory's name."""
-    return Path(model_dir).resolve().name
+    """The id /v1/models lists: the model directory's name, as text (a name of bytes that are
+    not UTF-8, which Python holds as lone surrogates, failed every JSON answer naming the
+    model: a 500 and a traceback; such bytes read as U+FFFD)."""
+    name = Path(model_dir).resolve().name
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 class ServerThread:

@@ -397,3 +397,20 @@ def test_weights_rewritten_in_place_under_generate_is_said(tmp_path, monkeypatch
     code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", model, "def f",
                              "--max-tokens", 2, "--threads", 1, "--no-cache")
     assert code == 0, err
+
+
+def test_a_model_directory_named_in_bytes_not_utf8(tmp_path):
+    """A directory name that is not UTF-8 (Latin-1 bytes, held by Python as lone surrogates):
+    every model command failed with "not a readable tokenizer ('utf-8' codec can't encode
+    characters ...)" (the tokenizer library takes its path as text), and serve's JSON naming
+    the model with a 500 and a traceback."""
+    from fermijit.server.run import model_name
+
+    model = tmp_path / os.fsdecode(b"mod\xe8le")
+    shutil.copytree(DEFAULT_MODEL, model)
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "--model", str(model),
+                        "def f", "--max-tokens", "2", "--threads", "1"], capture_output=True,
+                       timeout=300)  # a subprocess: its stderr writes such a path escaped
+    assert r.returncode == 0 and r.stdout, r.stderr.decode()
+    assert model_name(model) == "mod\ufffdle"
+    json.dumps(model_name(model), ensure_ascii=False).encode()  # no surrogates left
