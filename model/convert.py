@@ -232,6 +232,18 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
     the manifest last, with `reap` (the REAP record of a pruned model), as it marks the directory
     complete; `checksums`, if the writer hashed what it wrote (write_manifest). Returns the
     manifest. On any failure, SIGTERM included, what was written is removed."""
+    return write_directory(
+        dst, desc, lambda: _write_into(Path(dst), shapes, lm_head, fill, source, other_files,
+                                       desc, show_progress, reap, quants, checksums, mix),
+        (WEIGHTS + PARTIAL_SUFFIX, WEIGHTS, MANIFEST + PARTIAL_SUFFIX, MANIFEST, *COPIED_FILES))
+
+
+def write_directory(dst: Path, desc: str, write, names):
+    """write() into the model directory `dst`, new or empty (checked), claimed against other
+    writers (`_claim`), with SIGTERM and SIGHUP raising: its result. On any failure the files
+    `names` (all it may write) are removed, and `dst` if made here; an OSError is one line
+    (`write_failure`). The skeleton of every writer of a model directory (write_model, and
+    model/prune.py's of a pruned HF checkpoint)."""
     dst = Path(dst)
     check_output_dir(dst)
     made_dir = not dst.exists()
@@ -244,11 +256,15 @@ def write_model(dst: Path, shapes: dict[str, tuple[int, ...]], lm_head: str, fil
         check_output_dir(dst, claimed_here=True)  # again: one may have finished meanwhile
         try:
             with terminate_as_exception(desc):
-                return _write_into(dst, shapes, lm_head, fill, source, other_files, desc,
-                                   show_progress, reap, quants, checksums, mix)
+                return write()
         except BaseException as e:
             failure = write_failure(desc, e, dst) if isinstance(e, OSError) else None
-            _remove_output(dst, made_dir)
+            for name in names:
+                with contextlib.suppress(OSError):
+                    (dst / name).unlink()
+            if made_dir:
+                with contextlib.suppress(OSError):
+                    dst.rmdir()
             if failure is not None:
                 raise failure from None
             raise
@@ -394,17 +410,6 @@ def terminate_as_exception(what: str = "convert"):
     finally:
         for signum in signums:
             signal.signal(signum, signal.SIG_DFL)
-
-
-def _remove_output(dst: Path, made_dir: bool) -> None:
-    """Remove what convert wrote into `dst` (it was empty or absent before)."""
-    for name in (WEIGHTS + PARTIAL_SUFFIX, WEIGHTS, MANIFEST + PARTIAL_SUFFIX, MANIFEST,
-                 *COPIED_FILES):
-        with contextlib.suppress(OSError):
-            (dst / name).unlink()
-    if made_dir:
-        with contextlib.suppress(OSError):
-            dst.rmdir()
 
 
 def stream(name: str, shape: tuple[int, ...], quant: str, read, out: SafetensorsWriter,

@@ -143,8 +143,21 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     with_mtp = has_mtp(text, ckpt)
     kept = _check_kept(kept, text, with_mtp)
     expert = _hf_expert_pattern(ckpt)
-    convert.check_output_dir(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+    copied = [path.name for path in sorted(src.iterdir())  # tokenizer, templates, licences ...
+              if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
+                  INDEX_NAME, "config.json", convert.REAP_RECORD, convert.MANIFEST)]
+    # A full disk, a signal: shards of a whole size and header were left (their tail zeros),
+    # and "Error: No space left on device"; now removed, as a fermijit model's writer does.
+    return convert.write_directory(
+        dst, "prune", lambda: _write_hf(src, dst, kept, record, cfg, ckpt, with_mtp, expert,
+                                        copied),
+        [f.path.name for f in ckpt.files] + [INDEX_NAME, convert.REAP_RECORD, "config.json",
+                                              *copied])
+
+
+def _write_hf(src: Path, dst: Path, kept, record: dict, cfg, ckpt, with_mtp: bool, expert,
+              copied: list[str]) -> dict:
+    text = cfg.text_config
     weight_map, total_nbytes = {}, 0
     for f in ckpt.files:
         plan = []                                   # (name out, name in, kept ids or None)
@@ -175,10 +188,8 @@ def prune_hf(src: str | Path, dst: str | Path, kept, record: dict) -> dict:
     if (src / INDEX_NAME).is_file():
         (dst / INDEX_NAME).write_text(json.dumps(
             {"metadata": {"total_size": total_nbytes}, "weight_map": weight_map}, indent=2) + "\n")
-    for path in sorted(src.iterdir()):              # tokenizer, templates, licences ...
-        if path.is_file() and not path.name.endswith(".safetensors") and path.name not in (
-                INDEX_NAME, "config.json", convert.REAP_RECORD, convert.MANIFEST):
-            shutil.copyfile(path, dst / path.name)
+    for name in copied:
+        shutil.copyfile(src / name, dst / name)
     record = _record(record, src, kept, text.num_experts, convert.reap_record(src))
     (dst / convert.REAP_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))

@@ -99,6 +99,21 @@ def test_a_read_only_gguf_cache_names_the_remedy(small_disk, tmp_path, monkeypat
                                f"folder)")
 
 
+def test_prune_of_an_hf_checkpoint_onto_a_full_disk_leaves_nothing(small_disk, tmp_path,
+                                                                    monkeypatch, capsys):
+    """The pruned HF checkpoint's writer had no cleanup: a shard of its whole size and header
+    (its tail zeros) was left, and "Error: No space left on device"."""
+    src = tiny.write_checkpoint(tmp_path / "hf")
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(tiny.CORPUS * 40))
+    disk = small_disk(1 << 20, free=600 << 10)  # the pruned shard is ~1.3 MB
+    code, _, err = run_cli(monkeypatch, capsys, "prune", src, disk / "p", "--text", text,
+                           "--keep", 4, "--ctx", 64, "--max-tokens", 128, "--threads", 1)
+    assert_one_line(code, err, f"prune failed writing: No space left on device; nothing was "
+                               f"left in {disk / 'p'}")
+    assert sorted(p.name for p in disk.iterdir()) == ["fill"]
+
+
 KERNEL = textwrap.dedent("""
     from fermijit.jit.cpu import kernel
 
