@@ -47,6 +47,23 @@ def env_number(name: str, default, kind=float, minimum=0, unit: str = ""):
     return value
 
 
+def user_cache_dir():
+    """The user's cache folder (a Path): $XDG_CACHE_HOME where it is absolute (the XDG spec has
+    a relative one ignored: it was a folder of whatever the working directory was), else
+    ~/.cache; None where there is no home (HOME unset and no passwd entry for the uid: a
+    container run as an arbitrary user), where Path.home() raised RuntimeError."""
+    import os
+    from pathlib import Path
+
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg)
+    try:
+        return Path.home() / ".cache"
+    except RuntimeError:
+        return None
+
+
 def _take_back_cpus() -> None:
     """In a child of a process whose kernel threads are bound to cores (`--pin-threads`): the
     child starts bound to the one core of the parent's calling thread; it takes back the CPUs the

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from fermijit import FermijitError
+from fermijit import FermijitError, user_cache_dir
 from fermijit.model.files import open_regular, read_json
 
 CHUNK_NBYTES = 16 << 20
@@ -28,11 +28,16 @@ SHOW_PROGRESS_NBYTES = 1 << 30  # hashing a file this large shows a progress bar
 
 
 def cache_root() -> Path:
-    """$FERMIJIT_CACHE, else $XDG_CACHE_HOME/fermijit, else ~/.cache/fermijit."""
+    """$FERMIJIT_CACHE, else $XDG_CACHE_HOME/fermijit, else ~/.cache/fermijit; a FermijitError
+    where there is no home (Path.home()'s RuntimeError had been a traceback)."""
     base = os.environ.get("FERMIJIT_CACHE")
     if base:
         return Path(base)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fermijit"
+    user = user_cache_dir()
+    if user is None:
+        raise FermijitError("no folder for fermijit's cache: HOME is not set and this user has "
+                            "no home directory (set FERMIJIT_CACHE)")
+    return user / "fermijit"
 
 
 def file_sha256(path: str | Path) -> str:
@@ -40,8 +45,11 @@ def file_sha256(path: str | Path) -> str:
     path = Path(path).resolve()
     st = os.stat(path)
     stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-    record = cache_root() / "hashes" / (hashlib.sha256(str(path).encode()).hexdigest()[:32]
-                                        + ".json")
+    try:
+        record = cache_root() / "hashes" / (hashlib.sha256(str(path).encode()).hexdigest()[:32]
+                                            + ".json")
+    except FermijitError:
+        return _hash(path, st.st_size)  # no cache folder: hashed on every run
     try:
         known = read_json(record)
         if known.get("path") == str(path) and known.get("stamp") == stamp \

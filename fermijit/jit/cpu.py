@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fermijit import FermijitError, env_number
+from fermijit import FermijitError, env_number, user_cache_dir
 
 # Checked before Numba reads it on import: 0 or less raised ValueError there (a traceback), and
 # a word was a warning with a traceback's text and then Numba's default.
@@ -380,14 +380,10 @@ def _source_keyed_cache(body, extra: tuple) -> "SourceKeyedCache | None":
     except RuntimeError:  # "cannot cache function ...: no locator available"
         pass
     if not numba_config.CACHE_DIR:
-        for folder in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                       / "fermijit",
-                       Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"):
-            try:
-                is_ok = _private_dir(folder)
-            except RuntimeError:  # Path.home() without HOME or a passwd entry
-                continue
-            if is_ok:
+        user = user_cache_dir()  # None: no home (no HOME, no passwd entry)
+        for folder in ([] if user is None else [user / "fermijit"]) + [
+                Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"]:
+            if _private_dir(folder):
                 numba_config.CACHE_DIR = str(folder)
                 break
         try:

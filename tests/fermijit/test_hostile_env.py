@@ -429,3 +429,40 @@ def test_a_model_directory_named_in_bytes_not_utf8(tmp_path):
     assert r.returncode == 0 and r.stdout, r.stderr.decode()
     assert model_name(model) == "mod\ufffdle"
     json.dumps(model_name(model), ensure_ascii=False).encode()  # no surrogates left
+
+
+def test_no_home_is_one_line(tmp_path, monkeypatch, capsys):
+    """A container run as a uid with no passwd entry and no HOME: `--model x.gguf` died of
+    Path.home()'s RuntimeError, a traceback. Now the cache asks for FERMIJIT_CACHE (and an
+    HF checkpoint's hashing just goes unrecorded)."""
+    from pathlib import Path
+
+    from fermijit.model import data_hash
+
+    pytest.importorskip("gguf")
+    gguf = tmp_path / "m.gguf"
+    assert run_cli(monkeypatch, capsys, "export", DEFAULT_MODEL, gguf)[0] == 0
+    for name in ("HOME", "XDG_CACHE_HOME", "FERMIJIT_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "--model", gguf, "def f",
+                           "--max-tokens", 2, "--threads", 1)
+    assert_one_line(code, err, "no folder for fermijit's cache: HOME is not set and this user "
+                               "has no home directory (set FERMIJIT_CACHE)")
+    assert len(data_hash.file_sha256(gguf)) == 64
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    """XDG_CACHE_HOME=cache made the caches folders of whatever the working directory was (the
+    XDG spec has a relative path ignored)."""
+    from fermijit import user_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    assert user_cache_dir() == tmp_path / ".cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert user_cache_dir() == tmp_path / "xdg"
