@@ -92,6 +92,25 @@ KEY_VERSION = slice(3, 5)
 
 
 class _LockedCacheFile(caching.IndexDataCacheFile):
+    # A damaged index or data file (cut short: a crash before the data reached the disk, which
+    # Numba never fsyncs, leaves empty files behind its renames; a full disk on a filesystem
+    # whose rename is not atomic) raised pickle's UnpicklingError (or EOFError, ValueError...)
+    # out of every run's first kernel, a traceback, until the folder was cleared by hand. Now
+    # it is a cache miss, said once: the kernel compiles and its save writes the files anew.
+    def _load_index(self):
+        try:
+            return super()._load_index()
+        except Exception as e:
+            _say_damaged(self._index_path, e)
+            return {}
+
+    def load(self, key):
+        try:
+            return super().load(key)
+        except Exception as e:
+            _say_damaged(self._cache_path, e)
+            return None
+
     def save(self, key, data):
         with folder_lock(self._cache_path, "save " + self._index_name):
             overloads = self._load_index()
@@ -138,6 +157,15 @@ def codegen_settings() -> tuple:
 LOAD_REFRESH_ENV = "FERMIJIT_LOAD_REFRESH"
 _runtime_started: set[int] = set()  # id()s of target contexts (they live for ever)
 _save_failure_said = False
+_damage_said = False
+
+
+def _say_damaged(where: str, e: Exception) -> None:
+    global _damage_said
+    if not _damage_said:
+        _damage_said = True
+        print(f"fermijit: a damaged kernel cache file in {where} ({type(e).__name__}): its "
+              f"kernels are compiled again", file=sys.stderr)
 
 
 class SourceKeyedCache(caching.FunctionCache):

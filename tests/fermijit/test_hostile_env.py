@@ -466,3 +466,28 @@ def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
     assert user_cache_dir() == tmp_path / ".cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert user_cache_dir() == tmp_path / "xdg"
+
+
+@pytest.mark.parametrize("suffix, size", [(".nbi", 0), (".nbc", 100)])
+def test_a_damaged_kernel_cache_file_compiles_again(tmp_path, suffix, size):
+    """An index or data file of Numba's cache cut short (Numba never fsyncs: a crash leaves
+    empty files behind its renames): pickle's UnpicklingError / EOFError out of every run's
+    first kernel, a traceback, until the folder was cleared by hand."""
+    script = tmp_path / "kernel.py"
+    script.write_text(KERNEL)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+
+    def run():
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 0 and r.stdout == "42 2.5\n", r.stderr
+        return r.stderr
+
+    assert run() == ""
+    damaged = list((tmp_path / "numba").rglob("*" + suffix))
+    assert damaged
+    for path in damaged:
+        os.truncate(path, size)
+    said = run()
+    assert said.count("\n") == 1 and "fermijit: a damaged kernel cache file in" in said, said
+    assert run() == ""  # written anew
