@@ -1004,10 +1004,42 @@ def _early_registration(argv: list[str]):
 START_GC_ENV = "FERMIJIT_START_GC"
 
 
+class _Diagnostics:
+    """sys.stderr while a command runs: once a write or flush fails (stderr on a full disk, its
+    pipe's reader gone: `serve 2>&1 | tee log` and tee killed), diagnostics are dropped, the
+    work goes on. The OSError came out of whatever was printing: serve's "ready" line ended
+    the server (its port closed, the process kept alive by its threads), a warning on the
+    scheduler's thread would have ended that thread, and `generate 2>/dev/full` gave no text.
+    Dropped from the first failure on: a stream whose flush failed keeps what it holds, and a
+    server's rare lines would have grown it for ever. The exit status still says a failure."""
+
+    def __init__(self, stream):
+        self._stream, self._failed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._failed:
+            try:
+                return self._stream.write(text)
+            except OSError:
+                self._failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._failed:
+            try:
+                self._stream.flush()
+            except OSError:
+                self._failed = True
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main() -> None:
     import gc
 
     _open_missing_streams()
+    stderr, sys.stderr = sys.stderr, _Diagnostics(sys.stderr)
     argv = sys.argv[1:]
     gc_off = _command(argv) == "serve" and os.environ.get(START_GC_ENV) != "1" and gc.isenabled()
     if gc_off:
@@ -1015,6 +1047,7 @@ def main() -> None:
     try:
         _main(argv)
     finally:
+        sys.stderr = stderr  # as it was (run in-process: tests)
         if gc_off:  # a serve that stopped before its load (bad input), run in-process (tests)
             gc.enable()
 

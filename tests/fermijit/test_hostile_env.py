@@ -491,3 +491,43 @@ def test_a_damaged_kernel_cache_file_compiles_again(tmp_path, suffix, size):
     said = run()
     assert said.count("\n") == 1 and "fermijit: a damaged kernel cache file in" in said, said
     assert run() == ""  # written anew
+
+
+def test_a_full_stderr_loses_only_the_diagnostics():
+    """`generate 2>/dev/full`: the "loaded" line's ENOSPC ended the run, no text and exit 2
+    (its one line lost too)."""
+    args = [sys.executable, "-m", "fermijit", "generate", "def f", "--max-tokens", "4",
+            "--temperature", "0", "--threads", "1"]
+    expected = subprocess.run(args, capture_output=True, timeout=300).stdout
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run(args, stdout=subprocess.PIPE, stderr=full, timeout=300)
+    assert r.returncode == 0 and r.stdout == expected and expected
+
+
+def test_serve_outlives_its_log_reader(tmp_path):
+    """`serve 2>&1 | tee log` with tee gone: the next line on stderr raised BrokenPipeError out
+    of whatever printed it (the start's "ready" line closed the port and left the process
+    alive; Ctrl-C's "stopped", exit 1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "fermijit", "serve", "--port", str(port),
+                             "--threads", "1", "--max-batch", "1", "--no-cache", "--prefill",
+                             "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    said = b""
+    try:
+        deadline = time.monotonic() + 180
+        while b"serving on" not in said:
+            assert proc.poll() is None and time.monotonic() < deadline, said
+            said += os.read(proc.stderr.fileno(), 4096)
+        proc.stderr.close()  # the log's reader gone
+        body = json.dumps({"prompt": "def f", "max_tokens": 2, "temperature": 0}).encode()
+        for _ in range(2):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as r:
+                assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
