@@ -117,12 +117,25 @@ def target_features() -> frozenset[str]:
     return forced | (WESTMERE_FEATURES if target_cpu_name() == WESTMERE else frozenset())
 
 
+# Numba targets where a CPU name with NUMBA_CPU_FEATURES set adds nothing this CPU lacks: the
+# Westmere target (`--isa ssse3`) and the baselines.
+BASELINE_CPUS = frozenset({WESTMERE, "generic", "x86-64"})
+
+
 def _check_forced_features() -> None:
     """NUMBA_CPU_FEATURES may take features away (the Westmere target) but not add ones this CPU
     lacks: LLVM then uses them where it vectorises, and the process died of SIGILL at the first
-    such kernel, without a word (`+xop` on this Zen 5: a rotate became XOP's vprotd)."""
-    if not numba_config.CPU_FEATURES:
+    such kernel, without a word (`+xop` on this Zen 5: a rotate became XOP's vprotd). Nor may
+    NUMBA_CPU_NAME name another CPU while it is set: that CPU's own features come too
+    (`NUMBA_CPU_NAME=bdver4 NUMBA_CPU_FEATURES=+ssse3`: XOP again). Unset, Numba passes this
+    CPU's whole feature list, and a CPU name changes only the scheduling."""
+    if numba_config.CPU_FEATURES is None:
         return
+    name = numba_config.CPU_NAME
+    if name and name not in BASELINE_CPUS | {llvm.get_host_cpu_name()}:
+        raise FermijitError(f"NUMBA_CPU_NAME {name} with NUMBA_CPU_FEATURES set: code gets "
+                            f"{name}'s own features too, which this CPU may lack (an illegal "
+                            f"instruction); unset NUMBA_CPU_FEATURES to keep this CPU's")
     known = llvm.get_host_cpu_features()
     lacking = sorted(f[1:] for f in numba_config.CPU_FEATURES.split(",")
                      if f.startswith("+") and known.get(f[1:]) is False)

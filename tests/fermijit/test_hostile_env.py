@@ -265,6 +265,21 @@ def test_forced_cpu_features_this_cpu_lacks_are_refused():
                                             f"this CPU lacks")
 
 
+def test_another_cpu_name_with_forced_features_is_refused():
+    """NUMBA_CPU_NAME=bdver4 NUMBA_CPU_FEATURES=+ssse3: the features string adds to the named
+    CPU's own, and LLVM vectorised with its XOP (a rotate's vprotd): SIGILL, rc 132."""
+    import llvmlite.binding as llvm
+
+    if llvm.get_host_cpu_name() == "bdver4":
+        pytest.skip("this CPU is a bdver4")
+    env = {**os.environ, "NUMBA_CPU_NAME": "bdver4", "NUMBA_CPU_FEATURES": "+ssse3"}
+    r = subprocess.run([sys.executable, "-m", "fermijit", "generate", "def f", "--max-tokens",
+                        "2", "--threads", "1"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert_one_line(r.returncode, r.stderr, "NUMBA_CPU_NAME bdver4 with NUMBA_CPU_FEATURES set: "
+                                            "code gets bdver4's own features too")
+
+
 def test_more_threads_than_allowed_cpus_says_why():
     """Under `taskset -c 0`, `--threads 2` said "--threads must be between 1 and 1"."""
     cpu = min(os.sched_getaffinity(0))
