@@ -330,14 +330,47 @@ def available_nbytes() -> int:
                     available = int(line.split()[1]) * 1024
     except OSError:
         pass
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+# (the controller's folder under the mount, its limit file, its usage file) for cgroup v2, and
+# v1's memory controller
+_CGROUP_FILES = (("", "memory.max", "memory.current"),
+                 ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"),
+                membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes the memory cgroups of this process still allow (limit less usage, the least over
+    its group and their ancestors), None where none limits it. Only a limit at the mount's root
+    had been read, cgroup v2's: a group below it (`systemd-run -p MemoryMax=2G`) or cgroup v1's
+    (an older Docker host) was missed, and a context or cache sized by the host's memory was
+    ended by the OOM killer, SIGKILL without a word."""
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            available = min(available, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return available
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    paths = {"": "/", "memory": "/"}  # the mount's root: a container's own view (cgroupns)
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            paths[""] = path
+        elif "memory" in controllers.split(","):
+            paths["memory"] = path
+    rooms = []
+    for folder, limit_file, usage_file in _CGROUP_FILES:
+        group = root / folder / paths[folder].lstrip("/")
+        for directory in [group, *group.parents]:
+            try:
+                limit = (directory / limit_file).read_text().strip()
+                if limit != "max":
+                    rooms.append(int(limit) - int((directory / usage_file).read_text()))
+            except (OSError, ValueError):
+                pass
+            if directory == root / folder or directory == root:
+                break
+    return min(rooms) if rooms else None
 
 
 def state_nbytes(layer_kinds: tuple[bool, ...], context: int, kv_shape: tuple[int, int],

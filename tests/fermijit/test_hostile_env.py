@@ -546,3 +546,30 @@ def test_serve_outlives_its_log_reader(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert proc.returncode == 0
+
+
+def test_memory_cgroups_below_the_root_and_v1_are_read(tmp_path):
+    """Only cgroup v2's limit at the mount's root was read: a limit on a group below it
+    (`systemd-run -p MemoryMax=2G`) or cgroup v1's (an older Docker host) was missed, and a
+    context or cache sized by the host's memory met the OOM killer (SIGKILL, no word)."""
+    from fermijit.model.state import cgroup_room
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    membership = tmp_path / "cgroup"
+    membership.write_text("0::/system.slice/run-1.scope\n")
+    root = tmp_path / "v2"
+    write(root / "system.slice/memory.max", "max\n")
+    write(root / "system.slice/run-1.scope/memory.max", f"{2 << 30}\n")
+    write(root / "system.slice/run-1.scope/memory.current", f"{1 << 30}\n")
+    assert cgroup_room(root, membership) == 1 << 30
+    membership.write_text("4:memory:/docker/abc\n0::/\n")
+    root = tmp_path / "v1"
+    write(root / "memory/memory.limit_in_bytes", "9223372036854771712\n")
+    write(root / "memory/memory.usage_in_bytes", f"{5 << 30}\n")
+    write(root / "memory/docker/memory.limit_in_bytes", f"{3 << 30}\n")
+    write(root / "memory/docker/memory.usage_in_bytes", f"{1 << 30}\n")
+    assert cgroup_room(root, membership) == 2 << 30  # the parent's limit, the least
+    assert cgroup_room(tmp_path / "none", membership) is None
