@@ -228,7 +228,8 @@ def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
     try:
         deadline = time.monotonic() + 180
         while "serving on" not in (tmp_path / "err").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            log = (tmp_path / "err").read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, log
             time.sleep(0.1)
         clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(60)]
         time.sleep(2)
@@ -381,7 +382,8 @@ def test_weights_rewritten_in_place_under_serve_fail_its_requests(tmp_path):
     try:
         deadline = time.monotonic() + 180
         while "serving on" not in (tmp_path / "err").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            log = (tmp_path / "err").read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, log
             time.sleep(0.1)
         weights = model / "model.safetensors"
         before = complete()
