@@ -94,7 +94,10 @@ class StopMatcher:
         return text
 
 
-@dataclasses.dataclass
+# eq=False: a sequence is itself (`remove`, `in` on the scheduler's lists); by value, two of the
+# same seeded request compared their jobs down to their token arrays: a ValueError, a 500 for
+# every prompt of the chunk (tests/fermijit/server/test_soak.py).
+@dataclasses.dataclass(eq=False)
 class Sequence:
     job: Job
     prompt: np.ndarray           # int32 [n_prompt]
