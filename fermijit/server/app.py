@@ -183,6 +183,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         except QueueFull:
             return error(ApiError(503, "the server is busy: its queue is full; retry later",
                                   code="queue_full", kind="server_error"))
+        except ApiError as e:  # stopping
+            return error(e)
         first = await next_event(events, request, job)
         if first is None:
             return Response(status_code=CLIENT_GONE)

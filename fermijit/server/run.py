@@ -191,11 +191,33 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                                          max_image_tokens, origins),
                                 timeout_graceful_shutdown=2)
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            stopping_server(config, scheduler).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
             print("stopped", file=err, flush=True)
     finally:
         scheduler.stop()
+
+
+def stopping_server(config, scheduler):
+    """uvicorn's server, which on SIGTERM or Ctrl-C stops taking connections, then stops the
+    scheduler (server/scheduler.py Scheduler.stop: each request in flight answered a 503),
+    then lets uvicorn wait for the responses: they end at once, where uvicorn alone cut them
+    after its grace (timeout_graceful_shutdown), a stream mid-chunk and a non-streamed request
+    with no response at all, and logged an ERROR."""
+    import asyncio
+
+    import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            await asyncio.to_thread(scheduler.stop)  # after its current step: off the loop
+            await super().shutdown(sockets)
+
+    return StoppingServer(config)
 
 
 def seconds_since_exec() -> float:

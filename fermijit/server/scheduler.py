@@ -70,6 +70,11 @@ class QueueFull(Exception):
     pass
 
 
+def stopping() -> ApiError:
+    return ApiError(503, "the server is stopping: retry later", code="server_stopping",
+                    kind="server_error")
+
+
 class StopMatcher:
     """Text in, text safe to stream out: a stop string ends the text before it; the tail that
     could still grow into a stop string is held back until it cannot."""
@@ -218,6 +223,7 @@ class Scheduler:
         if engine.tokenizer.chat_template is None:
             engine.tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
         self._is_running = False
+        self._is_stopped = False
         self._thread: threading.Thread | None = None
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
         # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
@@ -231,6 +237,8 @@ class Scheduler:
     # --- any thread -----------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        if self._is_stopped:  # the server is shutting down: nothing would serve it
+            raise stopping()
         try:
             self.waiting.put_nowait(job)
         except queue.Full:
@@ -264,9 +272,20 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        self._is_running = False
+        """The thread ended after its current step; then every request queued or running fails
+        with a 503, so that its client gets an answer (a stream OpenAI's error event and
+        [DONE]) as the server stops, not a connection cut once uvicorn's grace is over."""
+        self._is_stopped, self._is_running = True, False
         if self._thread is not None:
             self._thread.join()
+        for s in self.active + self.prefilling:
+            self._fail(s.job, stopping())
+        self.active, self.prefilling = [], []
+        while True:
+            try:
+                self._fail(self.waiting.get_nowait(), stopping())
+            except queue.Empty:
+                return
 
     # --- the scheduler's thread -----------------------------------------------------------------
 

@@ -64,3 +64,61 @@ def test_identical_requests_prefilled_together_both_answer(engine):
     assert scheduler.prefilling[1].n_cached == CPU_CHUNK_TOKENS
     run(scheduler)
     assert answer(a_events) == answer(b_events) == want
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits():
+    """SIGTERM (docker stop, systemd) with a stream and a non-streamed request in flight: each
+    client gets an answer saying the server stopped (the stream OpenAI's error event and
+    [DONE], the other a 503), the process exits at once and logs no ERROR. It cut both after
+    uvicorn's 2 s grace (the stream mid-chunk, the other with no response at all) and logged
+    "ERROR: Cancel 2 running task(s)"."""
+    import concurrent.futures
+    import json
+    import signal
+    import time
+
+    import httpx
+
+    from tests.fermijit.server.test_cli_serve import START_S, _free_port, _serve
+
+    port = _free_port()
+    proc = _serve("--port", port, "--max-batch", 2, "--threads", 2)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    long = {"prompt": "a story", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+
+        def streamed() -> list[str]:
+            lines = []
+            with httpx.stream("POST", url, json={**long, "stream": True}, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 3:  # decoding: now stop the server
+                        proc.send_signal(signal.SIGTERM)
+            return lines
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(httpx.post, url, json=long, timeout=30)
+            lines = streamed()
+            answered = waiting.result()
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_stopping"
+        assert answered.status_code == 503
+        assert answered.json()["error"]["code"] == "server_stopping"
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "ERROR" not in err and "Traceback" not in err, err
