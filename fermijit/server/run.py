@@ -191,21 +191,18 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                                          max_image_tokens, origins),
                                 timeout_graceful_shutdown=2)
         try:
-            stopping_server(config, scheduler).run(sockets=[sock])
+            stopping_server(config).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
             print("stopped", file=err, flush=True)
     finally:
         scheduler.stop()
 
 
-def stopping_server(config, scheduler):
-    """uvicorn's server, which on SIGTERM or Ctrl-C stops taking connections, then stops the
-    scheduler (server/scheduler.py Scheduler.stop: each request in flight answered a 503),
-    then lets uvicorn wait for the responses: they end at once, where uvicorn alone cut them
-    after its grace (timeout_graceful_shutdown), a stream mid-chunk and a non-streamed request
-    with no response at all, and logged an ERROR."""
-    import asyncio
-
+def stopping_server(config):
+    """uvicorn's server, which on SIGTERM or Ctrl-C stops taking connections, then has the app
+    answer every request in flight a 503 (app.py make_app's `stop`), then lets uvicorn wait for
+    the responses: they end at once, where uvicorn alone cut them after its grace
+    (timeout_graceful_shutdown) and logged an ERROR."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
@@ -214,7 +211,7 @@ def stopping_server(config, scheduler):
                 server.close()
             for sock in sockets or []:
                 sock.close()
-            await asyncio.to_thread(scheduler.stop)  # after its current step: off the loop
+            await self.config.app.state.stop()
             await super().shutdown(sockets)
 
     return StoppingServer(config)

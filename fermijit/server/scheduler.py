@@ -43,7 +43,8 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit import omp
-from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, Text
+from fermijit.server.protocol import (ApiError, Failed, Finished, Job, Started, Text,
+                                      server_stopping)
 from fermijit.server.state_pool import GdnPool
 
 # max_tokens when a request gives none: the rest of the context, at most this (a KV cache is
@@ -68,11 +69,6 @@ FALLBACK_CHAT_TEMPLATE = (
 
 class QueueFull(Exception):
     pass
-
-
-def stopping() -> ApiError:
-    return ApiError(503, "the server is stopping: retry later", code="server_stopping",
-                    kind="server_error")
 
 
 class StopMatcher:
@@ -238,7 +234,7 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         if self._is_stopped:  # the server is shutting down: nothing would serve it
-            raise stopping()
+            raise server_stopping()
         try:
             self.waiting.put_nowait(job)
         except queue.Full:
@@ -279,11 +275,11 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
         for s in self.active + self.prefilling:
-            self._fail(s.job, stopping())
+            self._fail(s.job, server_stopping())
         self.active, self.prefilling = [], []
         while True:
             try:
-                self._fail(self.waiting.get_nowait(), stopping())
+                self._fail(self.waiting.get_nowait(), server_stopping())
             except queue.Empty:
                 return
 

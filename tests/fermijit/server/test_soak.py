@@ -67,14 +67,16 @@ def test_identical_requests_prefilled_together_both_answer(engine):
 
 
 def test_sigterm_answers_the_requests_in_flight_and_exits():
-    """SIGTERM (docker stop, systemd) with a stream and a non-streamed request in flight: each
-    client gets an answer saying the server stopped (the stream OpenAI's error event and
-    [DONE], the other a 503), the process exits at once and logs no ERROR. It cut both after
-    uvicorn's 2 s grace (the stream mid-chunk, the other with no response at all) and logged
-    "ERROR: Cancel 2 running task(s)"."""
+    """SIGTERM (docker stop, systemd) with a stream, a non-streamed request and a body half
+    sent in flight: each client gets an answer saying the server stopped (the stream OpenAI's
+    error event and [DONE], the others a 503), the process exits at once and logs no ERROR. It
+    cut them after uvicorn's 2 s grace (the stream mid-chunk, the request with no response at
+    all, the half body a plain-text 500 and a traceback in the log) and logged "ERROR: Cancel 3
+    running task(s)"."""
     import concurrent.futures
     import json
     import signal
+    import socket
     import time
 
     import httpx
@@ -107,10 +109,18 @@ def test_sigterm_answers_the_requests_in_flight_and_exits():
                         proc.send_signal(signal.SIGTERM)
             return lines
 
+        half = socket.create_connection(("127.0.0.1", port), timeout=30)
+        body = json.dumps(long).encode()
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body[:len(body) // 2]))
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             waiting = pool.submit(httpx.post, url, json=long, timeout=30)
             lines = streamed()
             answered = waiting.result()
+        with half:
+            head = half.recv(4096)  # the status line and headers; the JSON after
+        assert head.startswith(b"HTTP/1.1 503"), head
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_stopping"
         assert answered.status_code == 503
