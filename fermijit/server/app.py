@@ -297,23 +297,32 @@ async def _sse(job: protocol.Job, events: asyncio.Queue, rid: str, is_chat: bool
     def sse(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False).translate(LINE_SEPARATORS)}\n\n"
 
+    def of(event) -> tuple[str, bool]:
+        """The event's server-sent events, and whether they end the stream."""
+        if isinstance(event, Text):
+            return sse(protocol.chunk(is_chat, rid, model, created, event.text)), False
+        if isinstance(event, Finished):
+            out = sse(protocol.chunk(is_chat, rid, model, created, None if is_chat else "",
+                                     event.reason))
+            if job.include_usage:
+                out += sse(protocol.chunk(is_chat, rid, model, created, None,
+                                          usage_=protocol.usage(event), has_choice=False))
+            return out + "data: [DONE]\n\n", True
+        # failed mid-stream: the status is sent already; OpenAI's error as an event
+        return sse(event.error.body()) + "data: [DONE]\n\n", True
+
     try:
         if is_chat:  # the role first, as OpenAI does
             yield sse(protocol.chunk(is_chat, rid, model, created, "", is_first=True))
-        while True:
-            event = await events.get()
-            if isinstance(event, Text):
-                yield sse(protocol.chunk(is_chat, rid, model, created, event.text))
-            elif isinstance(event, Finished):
-                yield sse(protocol.chunk(is_chat, rid, model, created, None if is_chat else "",
-                                         event.reason))
-                if job.include_usage:
-                    yield sse(protocol.chunk(is_chat, rid, model, created, None,
-                                             usage_=protocol.usage(event), has_choice=False))
-                break
-            else:  # failed mid-stream: the status is sent already; OpenAI's error as an event
-                yield sse(event.error.body())
-                break
-        yield "data: [DONE]\n\n"
+        is_over = False
+        while not is_over:
+            # The events waiting in one write: where the loop fell behind the scheduler, each
+            # was a write, and a client reset meanwhile had them all written to its dead socket
+            # (asyncio logged "socket.send() raised exception." past the fifth).
+            out, is_over = of(await events.get())
+            while not is_over and not events.empty():
+                more, is_over = of(events.get_nowait())
+                out += more
+            yield out
     finally:
         job.cancelled.set()  # a no-op when finished; the client went away otherwise
