@@ -8,12 +8,13 @@ the head, half-way through the body, mid-prefill, mid-stream) or trickle their h
         [--max-batch 4 --queue-size 8 --kv-mem 8M --speculative mtp --seed 1 -- SERVE-FLAGS]
 
 Checks, each a failure (exit 1) when broken: no client call hangs (each has a deadline); greedy
-and seeded answers equal the same request's answer alone, under load and after it; stop strings
-never reach the text; a stream ends with [DONE]; the server's stderr has no traceback nor ERROR;
-its RSS at the end is near its RSS after the first quarter (no leak); /health shows nothing
-active or waiting once the clients are done, and a request as large as --kv-mem allows runs
-then (the budget whole again); SIGTERM with streams in flight ends the process within
-STOP_S and each stream's client sees its connection end. A tool, not part of the test run.
+and seeded answers equal the same request's answer alone, under load and after it (seeded ones
+only without drafts: speculative sampling draws otherwise); stop strings never reach the text; a
+stream ends with [DONE]; the server's stderr has nothing but its start and stop lines; its RSS
+at the end is near its RSS after the first quarter (no leak); /health shows nothing active or
+waiting once the clients are done, and a request of the whole context runs then (the budget
+whole again); SIGTERM (or --signal SIGINT) with requests in flight ends the process within
+STOP_S, each of them answered whole (server_stopping). A tool, not part of the test run.
 """
 
 from __future__ import annotations
@@ -361,7 +362,10 @@ class Soak:
                 except OSError:
                     break
                 readable, _, _ = select.select([sock], [], [], 1)
-                if readable and sock.recv(1) == b"":  # closed by the server
+                try:
+                    if readable and sock.recv(1) == b"":  # closed by the server
+                        break
+                except OSError:  # reset by the server: closed too
                     break
                 if time.monotonic() - started > 40:
                     return self.results.add("slow_head", "HANG", None,
@@ -647,10 +651,10 @@ def main() -> int:
             server.proc.kill()
             server.proc.wait()
     log = server.stderr()
-    bad_lines = [line for line in log.splitlines() if re.search(r"Traceback|ERROR|Exception",
-                                                                line)]
+    # Any line but the start's and the stop's: a traceback, uvicorn's ERROR, asyncio's warnings
+    bad_lines = [line for line in log.splitlines() if not re.match(r"ready in |stopped$", line)]
     if bad_lines:
-        failures.append(f"{len(bad_lines)} traceback/ERROR lines in {server.log_path}: "
+        failures.append(f"{len(bad_lines)} unexpected lines in {server.log_path}: "
                         f"{bad_lines[:3]}")
     r = soak.results
     failures = r.failures + failures
