@@ -239,13 +239,15 @@ class Soak:
                 first = dict(c, chat=True, stream=False,
                              text=[{"role": "user", "content": self.text(rng, 40)}])
                 status, answer, final = call(self.url, first)
-                assert status == 200, (status, final)
+                assert status == 200 or final["error"]["code"] == "kv_memory_exceeded", final
                 c.update(chat=True, text=first["text"] + [
                     {"role": "assistant", "content": answer},
                     {"role": "user", "content": self.text(rng, 10)}])
             cases.append(c)
         for c in cases:
             status, text, final = call(self.url, c)
+            if final.get("error", {}).get("code") == "kv_memory_exceeded":
+                continue  # a small --kv-mem never holds it
             assert status == 200, (status, final)
             self.references.append((c, text))
 
