@@ -5,6 +5,7 @@ on the test's thread where the order of its steps matters."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fermijit.server.protocol import Failed, Finished, Job, Text
 
@@ -175,3 +176,40 @@ def test_a_stream_reset_with_tokens_waiting_is_written_once(engine, caplog):
         server.stop()
         scheduler.stop()
     assert not [r for r in caplog.records if "socket.send() raised" in r.getMessage()]
+
+
+@pytest.mark.xfail(strict=True, reason="open: a chat template's render caps the whole process's "
+                                       "address space (model/tokenizer.py _time_limit)")
+def test_a_chat_rendering_beside_leaves_the_schedulers_allocations_alone():
+    """A request's chat template renders on its handler's thread (server/prompts.py) under
+    model/tokenizer.py's memory bound: RLIMIT_AS set to the address space in use plus
+    TEMPLATE_MEMORY_NBYTES (1 GiB) for the render. The limit is the process's, so the
+    scheduler's thread, admitting a sequence meanwhile, can reserve at most 1 GiB more: a
+    full-size KV cache past ~90k positions (model/state.py reserved; a snapshot's copy alike)
+    fails, a 500 for a request unrelated to the chat (and the render fails in turn where the
+    scheduler took the room first)."""
+    import resource
+    import threading
+
+    from fermijit.engine import DEFAULT_MODEL
+    from fermijit.model.state import reserved
+    from fermijit.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(DEFAULT_MODEL)
+    # A render of ~0.1 s (each output piece is checked against the limits)
+    tokenizer.chat_template = ("{% for i in range(300) %}{% for j in range(1000) %}{{ j }}"
+                               "{% endfor %}{% endfor %}{{ messages[0].content }}")
+    rendering = threading.Thread(target=tokenizer.render_chat,
+                                 args=([{"role": "user", "content": "hi"}],))
+    rendering.start()
+    failures = n_tries = 0
+    while rendering.is_alive():
+        if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+            continue  # not yet (or no longer) rendering
+        n_tries += 1
+        try:
+            reserved((3 << 29,), np.uint8)  # 1.5 GiB of address space, as a long KV cache's
+        except (MemoryError, OSError):
+            failures += 1
+    rendering.join()
+    assert n_tries and failures == 0, (n_tries, failures)
