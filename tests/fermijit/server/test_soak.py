@@ -213,3 +213,21 @@ def test_a_chat_rendering_beside_leaves_the_schedulers_allocations_alone():
             failures += 1
     rendering.join()
     assert n_tries and failures == 0, (n_tries, failures)
+
+
+def test_a_kv_memory_refusal_names_sizes_that_differ(engine):
+    """A soak at --kv-mem 2M was refused with "need 2 MiB ... more than the server's --kv-mem
+    of 2 MiB" (2.5 and 2.0 rounded to whole MiB)."""
+    import re
+
+    from fermijit.server import kv_budget
+    from fermijit.server.protocol import ApiError
+
+    model = engine.model
+    need = model.state_nbytes(1520, mtp=True)  # the soak ran speculative decoding
+    budget = 2 << 20
+    assert budget < need < budget + (1 << 20)
+    with pytest.raises(ApiError) as e:
+        kv_budget.admit(model, 1520, [], budget, mtp=True)
+    sizes = re.findall(r"([\d.]+) MiB", e.value.message)
+    assert len(sizes) == 2 and float(sizes[0]) > float(sizes[1]), e.value.message
