@@ -55,9 +55,10 @@ def max_body_bytes(max_context: int, has_images: bool) -> int:
         MAX_DATA_URI_CHARS if has_images else 0)
 
 
-async def _read_json(request: Request, limit: int):
+async def _read_json(request: Request, limit: int, reading: set):
     """The body as JSON, read with the CLI's rules (model/files.py parse_json: depth, integer
-    digits, no NaN or duplicate keys), at most `limit` bytes."""
+    digits, no NaN or duplicate keys), at most `limit` bytes. Its deadline's cancel scope is
+    in `reading` meanwhile: cancelled, the server is stopping."""
     from fermijit.model.files import parse_json
 
     too_large = ApiError(413, f"the request body is over {limit} bytes", code="too_large")
@@ -66,14 +67,20 @@ async def _read_json(request: Request, limit: int):
         raise too_large
     body = bytearray()
     try:
-        with anyio.fail_after(BODY_TIMEOUT_S):
-            async for piece in request.stream():
-                body += piece
-                if len(body) > limit:
-                    raise too_large
+        with anyio.fail_after(BODY_TIMEOUT_S) as scope:
+            reading.add(scope)
+            try:
+                async for piece in request.stream():
+                    body += piece
+                    if len(body) > limit:
+                        raise too_large
+            finally:
+                reading.discard(scope)
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        code="timeout") from None
+    if scope.cancelled_caught:  # cancelled before its deadline: by `stop`
+        raise protocol.server_stopping()
     try:
         return parse_json(bytes(body), "the request body")
     except FermijitError as e:
@@ -110,6 +117,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
     engine = scheduler.engine
     body_limit = max_body_bytes(engine.model.max_context, engine.has_vision)
     preparing = anyio.CapacityLimiter(PREPARE_THREADS)
+    reading: set[anyio.CancelScope] = set()  # the bodies being read (`_read_json`)
     # Where the model and its snapshots live is the server's business: errors name the model.
     hidden = {}
     if engine.directory is not None:
@@ -156,7 +164,7 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
     async def complete(request: Request, is_chat: bool):
         try:
             check_key(request)
-            job = protocol.parse(await _read_json(request, body_limit), is_chat)
+            job = protocol.parse(await _read_json(request, body_limit, reading), is_chat)
             # Off the event loop and off the scheduler's thread (server/prompts.py).
             await anyio.to_thread.run_sync(prompts.prepare, engine, job, max_image_tokens,
                                            limiter=preparing)
@@ -183,6 +191,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         except QueueFull:
             return error(ApiError(503, "the server is busy: its queue is full; retry later",
                                   code="queue_full", kind="server_error"))
+        except ApiError as e:  # the server is stopping
+            return error(e)
         first = await next_event(events, request, job)
         if first is None:
             return Response(status_code=CLIENT_GONE)
@@ -253,19 +263,31 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None,
         """A bug: the traceback goes to the log (uvicorn), the client gets OpenAI's error JSON."""
         return error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
+    async def stop() -> None:
+        """The server is stopping (run.py http_server): every request in flight is answered
+        a 503 now, those whose bodies are arriving and those the scheduler holds (its
+        Scheduler.stop, off the event loop: after its current step), rather than cut by
+        uvicorn once its grace is over (a stream mid-chunk, a request with no response at
+        all, a body half read a 500 and a traceback in the log)."""
+        for scope in list(reading):
+            scope.cancel()
+        await anyio.to_thread.run_sync(scheduler.stop)
+
     handlers = {404: not_found, 405: not_found, Exception: internal}
     # A browser's preflight (OPTIONS) is answered before routing and the key's check: it carries
     # no Authorization header. Any request header: the OpenAI SDK in a browser sends its own
     # (x-stainless-*), which a list would have refused.
     cors = [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
                        allow_headers=["*"])] if origins else []
-    return Starlette(exception_handlers=handlers, middleware=cors, routes=[
+    app = Starlette(exception_handlers=handlers, middleware=cors, routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ])
+    app.state.stop = stop
+    return app
 
 
 async def _sse(job: protocol.Job, events: asyncio.Queue, rid: str, is_chat: bool, model: str):
@@ -275,23 +297,32 @@ async def _sse(job: protocol.Job, events: asyncio.Queue, rid: str, is_chat: bool
     def sse(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False).translate(LINE_SEPARATORS)}\n\n"
 
+    def of(event) -> tuple[str, bool]:
+        """The event's server-sent events, and whether they end the stream."""
+        if isinstance(event, Text):
+            return sse(protocol.chunk(is_chat, rid, model, created, event.text)), False
+        if isinstance(event, Finished):
+            out = sse(protocol.chunk(is_chat, rid, model, created, None if is_chat else "",
+                                     event.reason))
+            if job.include_usage:
+                out += sse(protocol.chunk(is_chat, rid, model, created, None,
+                                          usage_=protocol.usage(event), has_choice=False))
+            return out + "data: [DONE]\n\n", True
+        # failed mid-stream: the status is sent already; OpenAI's error as an event
+        return sse(event.error.body()) + "data: [DONE]\n\n", True
+
     try:
         if is_chat:  # the role first, as OpenAI does
             yield sse(protocol.chunk(is_chat, rid, model, created, "", is_first=True))
-        while True:
-            event = await events.get()
-            if isinstance(event, Text):
-                yield sse(protocol.chunk(is_chat, rid, model, created, event.text))
-            elif isinstance(event, Finished):
-                yield sse(protocol.chunk(is_chat, rid, model, created, None if is_chat else "",
-                                         event.reason))
-                if job.include_usage:
-                    yield sse(protocol.chunk(is_chat, rid, model, created, None,
-                                             usage_=protocol.usage(event), has_choice=False))
-                break
-            else:  # failed mid-stream: the status is sent already; OpenAI's error as an event
-                yield sse(event.error.body())
-                break
-        yield "data: [DONE]\n\n"
+        is_over = False
+        while not is_over:
+            # The events waiting in one write: where the loop fell behind the scheduler, each
+            # was a write, and a client reset meanwhile had them all written to its dead socket
+            # (asyncio logged "socket.send() raised exception." past the fifth).
+            out, is_over = of(await events.get())
+            while not is_over and not events.empty():
+                more, is_over = of(events.get_nowait())
+                out += more
+            yield out
     finally:
         job.cancelled.set()  # a no-op when finished; the client went away otherwise

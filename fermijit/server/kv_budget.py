@@ -39,17 +39,23 @@ def admit(model, n_positions: int, running: Iterable[int], budget: int,
     need = model.state_nbytes(n_positions, mtp)
     if need > budget:
         raise ApiError(400, f"this request's {n_positions} positions (prompt + max_tokens) need "
-                            f"{need / MIB:.0f} MiB of KV cache and state, more than the server's "
-                            f"--kv-mem of {budget / MIB:.0f} MiB: shorten the prompt or "
-                            f"max_tokens", "max_tokens", "kv_memory_exceeded")
+                            f"{mib(need)} of KV cache and state, more than the server's "
+                            f"--kv-mem of {mib(budget)}: shorten the prompt or max_tokens",
+                       "max_tokens", "kv_memory_exceeded")
     running = list(running)
     held = sum(model.state_nbytes(n, mtp) for n in running)
     if held + need > budget:
-        raise ApiError(503, f"the server's KV memory is in use ({held / MIB:.0f} of "
-                            f"{budget / MIB:.0f} MiB --kv-mem, by {len(running)} running "
-                            f"requests; this one needs {need / MIB:.0f} MiB): retry later",
-                       code="kv_memory_full", kind="server_error")
+        raise ApiError(503, f"the server's KV memory is in use ({mib(held)} of {mib(budget)} "
+                            f"--kv-mem, by {len(running)} running requests; this one needs "
+                            f"{mib(need)}): retry later", code="kv_memory_full",
+                       kind="server_error")
     return need
+
+
+def mib(nbytes: int) -> str:
+    """MiB to a tenth: in whole MiB, "need 2 MiB, more than the --kv-mem of 2 MiB" (2.5 of 2.0,
+    a soak's small --kv-mem)."""
+    return f"{nbytes / MIB:.1f} MiB"
 
 
 def check_batch(model, max_batch: int, budget: int) -> None:

@@ -64,7 +64,13 @@ def context_overflow(n_prompt: int, max_tokens: int | None, max_context: int,
                     "context_length_exceeded")
 
 
-@dataclasses.dataclass
+def server_stopping() -> ApiError:
+    """What a request in flight is answered as the server stops (SIGTERM, Ctrl-C)."""
+    return ApiError(503, "the server is stopping: retry later", code="server_stopping",
+                    kind="server_error")
+
+
+@dataclasses.dataclass(eq=False)  # a request is itself, as scheduler.py Sequence
 class Job:
     """One request as the scheduler takes it. `emit(event)` is called from the scheduler's thread
     (the app makes it thread-safe); `cancelled` is set by the app when the client goes away."""

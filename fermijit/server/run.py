@@ -190,7 +190,7 @@ def serve(model_dir: Path, host: str, port: int, api_key: str | None, max_batch:
                                          max_image_tokens, origins),
                                 timeout_graceful_shutdown=2)
         try:
-            http_server(config).run(sockets=[sock])
+            http_server(config, answers_at_stop=True).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop
             print("stopped", file=err, flush=True)
     finally:
@@ -291,9 +291,13 @@ def raise_fd_limit() -> None:
 ACCEPT_WARN_S = 60.0
 
 
-def http_server(config):
+def http_server(config, answers_at_stop: bool = False):
     """A uvicorn.Server for `config` whose event loop says in one line (on stderr) when it is out
-    of descriptors to accept connections with, instead of a traceback per connection."""
+    of descriptors to accept connections with, instead of a traceback per connection. With
+    `answers_at_stop` (serve's), on SIGTERM or Ctrl-C it stops taking connections, then has the
+    app answer every request in flight a 503 (app.py make_app's `stop`: its scheduler stopped
+    for good), then lets uvicorn wait for the responses: they end at once, where uvicorn alone
+    cut them after its grace (timeout_graceful_shutdown) and logged an ERROR."""
     import asyncio
     import errno
     import resource
@@ -317,6 +321,15 @@ def http_server(config):
         async def serve(self, sockets=None) -> None:
             asyncio.get_running_loop().set_exception_handler(handle)
             await super().serve(sockets)
+
+        async def shutdown(self, sockets=None) -> None:
+            if answers_at_stop:
+                for server in self.servers:
+                    server.close()
+                for sock in sockets or []:
+                    sock.close()
+                await self.config.app.state.stop()
+            await super().shutdown(sockets)
 
     return Server(config)
 

@@ -43,7 +43,8 @@ import numpy as np
 
 from fermijit import FermijitError
 from fermijit.jit import omp
-from fermijit.server.protocol import ApiError, Failed, Finished, Job, Started, Text
+from fermijit.server.protocol import (ApiError, Failed, Finished, Job, Started, Text,
+                                      server_stopping)
 from fermijit.server.state_pool import GdnPool
 
 # max_tokens when a request gives none: the rest of the context, at most this (a KV cache is
@@ -94,7 +95,10 @@ class StopMatcher:
         return text
 
 
-@dataclasses.dataclass
+# eq=False: a sequence is itself (`remove`, `in` on the scheduler's lists); by value, two of the
+# same seeded request compared their jobs down to their token arrays: a ValueError, a 500 for
+# every prompt of the chunk (tests/fermijit/server/test_soak.py).
+@dataclasses.dataclass(eq=False)
 class Sequence:
     job: Job
     prompt: np.ndarray           # int32 [n_prompt]
@@ -215,6 +219,7 @@ class Scheduler:
         if engine.tokenizer.chat_template is None:
             engine.tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
         self._is_running = False
+        self._is_stopped = False
         self._thread: threading.Thread | None = None
         self._workspaces: dict = {}  # B -> model.batch.BatchWorkspace
         # New sequences' GDN states, resident (server/state_pool.py): a batch's worth where the
@@ -229,6 +234,8 @@ class Scheduler:
     # --- any thread -----------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        if self._is_stopped:  # the server is shutting down: nothing would serve it
+            raise server_stopping()
         try:
             self.waiting.put_nowait(job)
         except queue.Full:
@@ -262,9 +269,20 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        self._is_running = False
+        """The thread ended after its current step; then every request queued or running fails
+        with a 503, so that its client gets an answer (a stream OpenAI's error event and
+        [DONE]) as the server stops, not a connection cut once uvicorn's grace is over."""
+        self._is_stopped, self._is_running = True, False
         if self._thread is not None:
             self._thread.join()
+        for s in self.active + self.prefilling:
+            self._fail(s.job, server_stopping())
+        self.active, self.prefilling = [], []
+        while True:
+            try:
+                self._fail(self.waiting.get_nowait(), server_stopping())
+            except queue.Empty:
+                return
 
     # --- the scheduler's thread -----------------------------------------------------------------
 
