@@ -25,8 +25,12 @@ from fermijit.model.files import MAX_JSON_BYTES, open_regular, read_bytes, read_
 # any context (262144 tokens is ~1 MB of text), is a broken or hostile template (issue 11 case 11).
 TEMPLATE_TIMEOUT_S = 2.0
 MAX_TEMPLATE_OUTPUT = 4 << 20
-# Address space a render may add: `~` (string concatenation) cannot be intercepted by the
-# sandbox, and a doubling loop reaches gigabytes before a timer fires between two steps.
+# Address space a render on the main thread (the CLI's) may add: a bound on whatever a step of
+# the template allocates. Not on other threads (the server's request handlers): the limit is the
+# process's, and the scheduler's thread reserving a long KV cache meanwhile failed (a 500 for an
+# unrelated request; tests/fermijit/server/test_soak.py). There the sandbox's own bounds hold
+# (`_bounded_sandbox_class`: repetition, concatenation, `~`, `%`, counts and widths), with the
+# output limit and the deadline checked between output pieces.
 TEMPLATE_MEMORY_NBYTES = 1 << 30
 
 INCOMPLETE = "\ufffd"  # what a cut multi-byte character decodes to
@@ -167,6 +171,7 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             with _time_limit(TEMPLATE_TIMEOUT_S) as limit:
+                env.globals["range"] = _DeadlineRange.of(limit)
                 pieces, n_chars = [], 0
                 for piece in env.from_string(self.chat_template).generate({
                         **(variables or {}), "messages": messages,
@@ -197,15 +202,109 @@ class _TemplateLimit(Exception):
     pass
 
 
+class _DeadlineRange:
+    """The sandbox's `range` (jinja2 safe_range: at most 100,000 items) whose loops check the
+    render's deadline at every step: off the main thread no timer interrupts a render, and two
+    nested loops of 100,000 with no output between them ran for minutes."""
+
+    def __init__(self, r: range, limit):
+        self.r, self.limit = r, limit
+
+    @classmethod
+    def of(cls, limit):
+        from jinja2.sandbox import safe_range
+
+        return lambda *args: cls(safe_range(*args), limit)
+
+    def __len__(self):
+        return len(self.r)
+
+    def __getitem__(self, i):
+        return self.r[i]
+
+    def __iter__(self):
+        for i in self.r:
+            self.limit.check()
+            yield i
+
+
+def _too_big(n: int, what: str) -> None:
+    if n > MAX_TEMPLATE_OUTPUT:
+        raise _TemplateLimit(f"{what} past the output limit")
+
+
+def _checked_counts(args) -> None:
+    for a in args:
+        if isinstance(a, int) and a > MAX_TEMPLATE_OUTPUT:
+            raise _TemplateLimit(f"a count or width of {a}")
+
+
+def _checked_format(fmt: str, args) -> None:
+    """`fmt % args` (the `%` operator, the `format` filter): no width or precision, written or
+    taken from the arguments, past the output limit."""
+    import re
+
+    _checked_counts(args if isinstance(args, tuple) else (args,))
+    for n in re.findall(r"%[-+ #0]*(\d*)(?:\.(\d*))?", fmt):
+        _checked_counts(int(x) for x in n if x)
+
+
+def _bounded_replace(s, old, new, count=-1):
+    """str.replace that refuses a result past the output limit before building it."""
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+        n = s.count(old) if old else len(s) + 1
+        _too_big(len(s) + (n if count < 0 else min(n, count)) * (len(new) - len(old)),
+                 "a replacement")
+    return s.replace(old, new, count)
+
+
 def _bounded_sandbox_class():
+    import functools
+
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        """jinja2's sandbox, with `*` and `**` (and calls with a huge count: str.center,
-        ljust, zfill) unable to build one giant value in a single step, where no timer can
-        interrupt them: `'a' * 2000000000` took a minute to fail."""
+    class BoundedGenerator(CodeGenerator):
+        def visit_Concat(self, node, frame) -> None:
+            """`a ~ b`: through the environment's `bounded_concat`, not jinja2's str_join,
+            which the sandbox cannot intercept (a doubling loop reached gigabytes between two
+            of the deadline's checks)."""
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
 
-        intercepted_binops = frozenset({"*", "**", "+"})
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """jinja2's sandbox, with `*`, `**`, `+`, `~` and `%` (and calls and filters with a huge
+        count or width: str.center, ljust, zfill, |indent; replacements) unable to build one
+        giant value in a single step, where no timer can interrupt them: `'a' * 2000000000`
+        took a minute to fail."""
+
+        code_generator_class = BoundedGenerator
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+
+            def checked(f):
+                @functools.wraps(f)  # keeps jinja2's pass_context / pass_eval_context marks
+                def filter_(*args, **kwargs):
+                    _checked_counts((*args, *kwargs.values()))
+                    return f(*args, **kwargs)
+                return filter_
+
+            self.filters = {name: checked(f) for name, f in self.filters.items()}
+            self.filters["replace"] = checked(lambda s, old, new, count=None: _bounded_replace(
+                str(s), str(old), str(new), -1 if count is None else count))
+            self.filters["format"] = checked(lambda fmt, *args, **kwargs: (
+                _checked_format(fmt, args or kwargs), fmt % (args or kwargs))[1])
+
+        @staticmethod
+        def bounded_concat(parts) -> str:
+            parts = [str(p) for p in parts]
+            _too_big(sum(map(len, parts)), "a concatenation")
+            return "".join(parts)
 
         def call_binop(self, context, operator, left, right):
             if operator == "*":
@@ -218,12 +317,15 @@ def _bounded_sandbox_class():
                 raise _TemplateLimit("a concatenation past the output limit")
             elif operator == "**" and isinstance(right, int) and right > 1024:
                 raise _TemplateLimit(f"an exponent of {right}")
+            elif operator == "%" and isinstance(left, str):
+                _checked_format(left, right)
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, int) and a > MAX_TEMPLATE_OUTPUT:
-                    raise _TemplateLimit(f"a call with the count {a}")
+            _checked_counts((*args, *kwargs.values()))
+            if getattr(__obj, "__name__", "") == "replace" and isinstance(
+                    getattr(__obj, "__self__", None), str):
+                return _bounded_replace(__obj.__self__, *args, **kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
     return BoundedSandbox
@@ -279,6 +381,8 @@ class _time_limit:
         if self.armed:
             self.previous = signal.signal(signal.SIGALRM, self._expired)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        if not self.armed:
+            return self
         import resource
 
         used = _address_space_nbytes()

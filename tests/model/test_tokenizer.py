@@ -74,22 +74,58 @@ def test_chat_template_sources_and_errors(model_dir):
     ("{{ 1/0 }}", "chat template: ZeroDivisionError: division by zero"),
     ("{{ messages.x.y }}", "chat template:"),
     ("{{ 'a' * 2000000000 }}", "a repetition past the output limit"),
-    ("{{ 'a'.center(2000000000) }}", "a call with the count 2000000000"),
+    ("{{ 'a'.center(2000000000) }}", "a count or width of 2000000000"),
+    ("{{ 'x'|center(1000000000) }}", "a count or width of 1000000000"),
+    ("{{ 'x\ny'|indent(1000000000) }}", "a count or width of 1000000000"),
+    ("{{ '%1000000000s' % 'x' }}", "a count or width of 1000000000"),
+    ("{{ '%*s' % (1000000000, 'x') }}", "a count or width of 1000000000"),
+    ("{{ '%1000000000s'|format('x') }}", "a count or width of 1000000000"),
+    ("{% set s = 'a' * 4000000 %}{{ s.replace('a', s) }}", "a replacement past the output"),
+    ("{% set s = 'a' * 4000000 %}{{ s|replace('a', s) }}", "a replacement past the output"),
     ("{{ 2 ** 100000000 }}", "an exponent of 100000000"),
     ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "output past 4 MiB"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
      "rendering took more than 2 s"),
     ("{% set ns = namespace(x='a') %}{% for i in range(64) %}{% set ns.x = ns.x ~ ns.x %}"
-     "{% endfor %}{{ ns.x }}", "chat template:"),
+     "{% endfor %}{{ ns.x }}", "a concatenation past the output limit"),
 ])
-def test_hostile_chat_template_is_one_line(model_dir, template, message):
-    """Issue 11 cases 6 and 11: any Python error, and bounded time, output and memory."""
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_hostile_chat_template_is_one_line(model_dir, template, message, thread):
+    """Issue 11 cases 6 and 11: any Python error, and bounded time, output and memory, on the
+    main thread (the CLI's, with an address-space cap) and on another (the server's request
+    handlers, without: the sandbox's own bounds)."""
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config,
                                                                 "chat_template": template}))
-    with pytest.raises(FermijitError, match=message) as e:
-        Tokenizer(model_dir).render_chat([{"role": "user", "content": "a"}])
-    assert "\n" not in str(e.value)
+    tok, raised = Tokenizer(model_dir), []
+
+    def render():
+        with pytest.raises(FermijitError, match=message) as e:
+            tok.render_chat([{"role": "user", "content": "a"}])
+        raised.append(e.value)
+
+    if thread == "main":
+        render()
+    else:
+        import threading
+
+        rendering = threading.Thread(target=render)
+        rendering.start()
+        rendering.join()
+    assert len(raised) == 1 and "\n" not in str(raised[0])
+
+
+def test_a_bounded_template_renders_as_jinja2_does(model_dir):
+    """The bounds leave ordinary templates alone: `~`, `%`, |format, |replace, .replace,
+    |center, |indent as jinja2 renders them."""
+    template = ("{{ 'a' ~ 'b' ~ 3 }}|{{ '%05d'|format(7) }}|{{ '%s-%s' % ('x', 'y') }}|"
+                "{{ 'abc'|replace('b', 'X') }}|{{ 'abcb'.replace('b', 'Y', 1) }}|"
+                "{{ 'x'|center(5) }}|{{ 'p\nq'|indent(2) }}|{{ messages[0].content ~ '!' }}")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": template}))
+    assert Tokenizer(model_dir).render_chat([{"role": "user", "content": "a"}]) == \
+        "ab3|00007|x-y|aXc|aYcb|  x  |p\n  q|a!"
 
 
 def test_missing_or_bad_files(tmp_path):
