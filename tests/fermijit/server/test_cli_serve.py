@@ -28,21 +28,26 @@ def _serve(*args, env=None):
                             env={**os.environ, **(env or {})})
 
 
+def wait_until_up(proc, port) -> None:
+    """Until `serve` (proc, on port) answers /health, for at most START_S."""
+    deadline = time.monotonic() + START_S
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.2)
+
+
 def test_serve_answers_and_stops_on_ctrl_c():
     port = _free_port()
     proc = _serve("--port", port, "--max-batch", 2, "--no-cache",
                   env={"FERMIJIT_API_KEY": "k"})
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_until_up(proc, port)
         url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"prompt": "import os", "max_tokens": 3, "temperature": 0}
         assert httpx.post(url, json=body).status_code == 401  # the key came from the env

@@ -82,23 +82,14 @@ def test_sigterm_answers_the_requests_in_flight_and_exits():
 
     import httpx
 
-    from tests.fermijit.server.test_cli_serve import START_S, _free_port, _serve
+    from tests.fermijit.server.test_cli_serve import _free_port, _serve, wait_until_up
 
     port = _free_port()
     proc = _serve("--port", port, "--max-batch", 2, "--threads", 2)
     url = f"http://127.0.0.1:{port}/v1/completions"
     long = {"prompt": "a story", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
+        wait_until_up(proc, port)
 
         def streamed() -> list[str]:
             lines = []
