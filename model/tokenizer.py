@@ -166,7 +166,7 @@ class Tokenizer:
 
         env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
                               extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = tojson
+        env.filters["tojson"] = env.checked(tojson)  # indent
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -286,19 +286,21 @@ def _bounded_sandbox_class():
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-
-            def checked(f):
-                @functools.wraps(f)  # keeps jinja2's pass_context / pass_eval_context marks
-                def filter_(*args, **kwargs):
-                    _checked_counts((*args, *kwargs.values()))
-                    return f(*args, **kwargs)
-                return filter_
-
+            checked = self.checked
             self.filters = {name: checked(f) for name, f in self.filters.items()}
             self.filters["replace"] = checked(lambda s, old, new, count=None: _bounded_replace(
                 str(s), str(old), str(new), -1 if count is None else count))
             self.filters["format"] = checked(lambda fmt, *args, **kwargs: (
                 _checked_format(fmt, args or kwargs), fmt % (args or kwargs))[1])
+
+        @staticmethod
+        def checked(f):
+            """Filter `f` refusing a count or width past the output limit."""
+            @functools.wraps(f)  # keeps jinja2's pass_context / pass_eval_context marks
+            def filter_(*args, **kwargs):
+                _checked_counts((*args, *kwargs.values()))
+                return f(*args, **kwargs)
+            return filter_
 
         @staticmethod
         def bounded_concat(parts) -> str:

@@ -80,6 +80,7 @@ def test_chat_template_sources_and_errors(model_dir):
     ("{{ '%1000000000s' % 'x' }}", "a count or width of 1000000000"),
     ("{{ '%*s' % (1000000000, 'x') }}", "a count or width of 1000000000"),
     ("{{ '%1000000000s'|format('x') }}", "a count or width of 1000000000"),
+    ("{{ messages|tojson(indent=1000000000) }}", "a count or width of 1000000000"),
     ("{% set s = 'a' * 4000000 %}{{ s.replace('a', s) }}", "a replacement past the output"),
     ("{% set s = 'a' * 4000000 %}{{ s|replace('a', s) }}", "a replacement past the output"),
     ("{{ 2 ** 100000000 }}", "an exponent of 100000000"),
