@@ -92,8 +92,10 @@ def quants(mix: str, shapes: dict[str, tuple[int, ...]], base: dict[str, str],
     if mix not in MIXES:
         raise FermijitError(f"--quant must be one of {', '.join(MIXES)}, got {mix!r}")
     if mix == "q4_0":
-        return {**base, **({"lm_head": head_kind(shapes["lm_head"])} if "lm_head" in shapes
-                           else {})}
+        quants = dict(base)
+        if "lm_head" in shapes:
+            quants["lm_head"] = head_kind(shapes["lm_head"])
+        return quants
     n_blocks = n_layers + any(name.startswith("mtp.") for name in shapes)
     return {name: q4_k_m(name, shape, base[name], n_blocks, n_experts, tied)
             for name, shape in shapes.items()}

@@ -10,6 +10,7 @@ completes it arrives (the scheme of HF text-generation-inference's `decode_token
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -242,8 +243,6 @@ def _checked_counts(args) -> None:
 def _checked_format(fmt: str, args) -> None:
     """`fmt % args` (the `%` operator, the `format` filter): no width or precision, written or
     taken from the arguments, past the output limit."""
-    import re
-
     _checked_counts(args if isinstance(args, tuple) else (args,))
     for n in re.findall(r"%[-+ #0]*(\d*)(?:\.(\d*))?", fmt):
         _checked_counts(int(x) for x in n if x)

@@ -235,11 +235,7 @@ def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
         time.sleep(2)
         for c in clients:
             c.close()
-        body = json.dumps({"prompt": "def f", "max_tokens": 2, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as r:
-            assert r.status == 200
+        _answers(port, timeout=30)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
@@ -538,12 +534,8 @@ def test_serve_outlives_its_log_reader(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, said
             said += os.read(proc.stderr.fileno(), 4096)
         proc.stderr.close()  # the log's reader gone
-        body = json.dumps({"prompt": "def f", "max_tokens": 2, "temperature": 0}).encode()
         for _ in range(2):
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as r:
-                assert r.status == 200
+            _answers(port, timeout=60)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
@@ -575,3 +567,12 @@ def test_memory_cgroups_below_the_root_and_v1_are_read(tmp_path):
     write(root / "memory/docker/memory.usage_in_bytes", f"{1 << 30}\n")
     assert cgroup_room(root, membership) == 2 << 30  # the parent's limit, the least
     assert cgroup_room(tmp_path / "none", membership) is None
+
+
+def _answers(port: int, timeout: float) -> None:
+    """A short completion from the server on `port` is a 200."""
+    body = json.dumps({"prompt": "def f", "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        assert r.status == 200
