@@ -1076,6 +1076,22 @@ def _main(argv: list[str]) -> None:
         _fail(f"{e.strerror or e}{where}")
     except MemoryError:
         _fail(_out_of_memory())
+    except ModuleNotFoundError as e:
+        # A core dependency absent from this Python (fermijit run from a checkout by an
+        # interpreter it was not installed into): one line, not the import's traceback.
+        if (e.name or "").partition(".")[0] not in CORE_MODULES:
+            raise
+        _fail(missing_dependency(e.name))
+
+
+# The core dependencies' import names (pyproject.toml's dependencies).
+CORE_MODULES = {"numba", "llvmlite", "numpy", "safetensors", "click", "tokenizers", "jinja2",
+                "tqdm", "gguf", "PIL"}
+
+
+def missing_dependency(name: str) -> str:
+    return (f"the package {name.partition('.')[0]!r} is not installed for {sys.executable}: "
+            "install fermijit into it (pip install -e .) or run the Python it is installed in")
 
 
 def _out_of_memory() -> str:

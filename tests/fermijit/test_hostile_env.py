@@ -576,3 +576,21 @@ def _answers(port: int, timeout: float) -> None:
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as r:
         assert r.status == 200
+
+
+@pytest.mark.parametrize("package", ["llvmlite", "click"])
+def test_a_python_without_the_dependencies_says_which(tmp_path, package):
+    """`python -m fermijit info` from a checkout by a Python fermijit was not installed into:
+    the import's traceback (llvmlite absent), now one line naming the package and the Python."""
+    shadow = tmp_path / package
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text(
+        f"raise ModuleNotFoundError('absent', name={package!r})\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), root])}
+    r = subprocess.run([sys.executable, "-m", "fermijit", "info"], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"Error: the package {package!r} is not installed for "
+                                f"{sys.executable}: install fermijit into it (pip install -e .) "
+                                "or run the Python it is installed in"), r.stderr
