@@ -16,6 +16,7 @@
 #                                            of the pairs' ratios (target >= 85 %), their spread,
 #                                            a token profiled op by op at 64 and at 16k; then
 #                                            the attn-ab stage's A/B in the time left
+#                                            (AB=0: none, for rounds of paired16k in one call)
 #   bash tests/gpu_longctx.sh OUT attn-ab    decode attention alone at 16k, 16 threads, 10 layers'
 #                                            caches: where its time goes (the read probe's bound;
 #                                            ns a key-head cold, hot in cache, at 8 threads), then
@@ -74,7 +75,8 @@ paired16k)
     --kv-cache q8_0 --json >"$out/paired16k.json" 2>"$out/paired16k.log"
   echo "[$((SECONDS - start)) s] bench longctx rc=$?"
   left=$((193 - (SECONDS - start)))
-  [ "$left" -ge 15 ] && attention_ab "$left" || echo "no time left for the attention A/B"
+  # AB=0: no A/B (rounds of paired16k in one call)
+  [ "${AB:-1}" = 1 ] && [ "$left" -ge 15 ] && attention_ab "$left" || echo "no attention A/B"
   echo "[$((SECONDS - start)) s] done"
   $py -c "
 import json, sys
