@@ -249,6 +249,8 @@ class GpuPrefiller:
         # its thread (hybrid.preparing: the server's page-locking ahead, beside the rest).
         self.driver_up = threading.Event()
         self.on_driver = None
+        # Where set (hybrid.preparing, PASS_AFTER_ENV), the 2-token pass waits for it.
+        self.pass_gate: threading.Event | None = None
 
     def _say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -319,6 +321,11 @@ class GpuPrefiller:
             self.on_driver()
         self.device = gpu_prefill.DeviceModel(self.model, self.source or first.source,
                                               ring_slot_bytes(pin_budget), self.host_buffers)
+        gate, self.pass_gate = self.pass_gate, None
+        if gate is not None:
+            waited = time.perf_counter()
+            gate.wait()
+            self.device.prepare_s["waited for the CPU"] = time.perf_counter() - waited
         warm = self.model.new_state(2)
         observer, self.observer = self.observer, None     # the warm-up pass is not calibration
         start, modules = time.perf_counter(), gpu.module_load_s
@@ -630,6 +637,12 @@ class AutoPrefiller:
 # was the last ~0.5 s before "ready" on the H200's host (issue 28 item 4).
 # FERMIJIT_PIN_AHEAD=0: after, as before.
 PIN_AHEAD_ENV = "FERMIJIT_PIN_AHEAD"
+# FERMIJIT_GPU_PASS_AFTER=1 (an experiment for issue 28 item 4, start_bench.py's "passafter"):
+# the GPU's 2-token pass waits for the block (the CPU kernels' warm-up) to end. On the H100's
+# host the two overlapped and each took longer than alone (kernels 1.77 s against ~0.6 with
+# --prefill cpu; the pass 0.92 s against 0.19 s for a 64-token request's layers): whether the GIL
+# and the process's memory map they share make the sum longer than one after the other.
+PASS_AFTER_ENV = "FERMIJIT_GPU_PASS_AFTER"
 
 
 @contextlib.contextmanager
@@ -697,11 +710,16 @@ def preparing(prefiller, then=None):
         finally:
             gpu.release_thread()
 
+    gate = None
+    if os.environ.get(PASS_AFTER_ENV) == "1" and hasattr(gpu_prefiller, "pass_gate"):
+        gate = gpu_prefiller.pass_gate = threading.Event()
     thread = threading.Thread(target=prepare, name="fermijit-gpu-prepare", daemon=True)
     thread.start()
     try:
         yield result
     finally:
+        if gate is not None:
+            gate.set()
         thread.join()
 
 

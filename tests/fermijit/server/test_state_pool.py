@@ -528,3 +528,37 @@ def test_a_prompt_cancelled_while_it_prefills_gives_its_states_back(engine, prom
     pool.wait()
     assert len(pool.free) == n_free
     assert all(not a.any() for s in pool.free for a in s.arrays)
+
+
+def test_preparing_holds_the_gpu_pass_until_the_block_ends_where_asked(monkeypatch):
+    """FERMIJIT_GPU_PASS_AFTER=1 (issue 28 item 4's experiment): the GPU prefiller's pass_gate,
+    which its 2-token pass waits for, opens when the block (the CPU kernels' warm-up) ends;
+    without the variable there is no gate."""
+    import threading
+
+    from fermijit.jit import omp
+    from fermijit.prefill import hybrid
+
+    if not omp.available():
+        pytest.skip("without the omp layer the GPU starts after the block anyway")
+
+    class Prefiller:
+        pass_gate = None
+
+        def prepare(self):
+            if self.pass_gate is not None:
+                assert self.pass_gate.wait(10)
+                self.order.append("pass")
+            return True
+
+    for asked in (False, True):
+        if asked:
+            monkeypatch.setenv(hybrid.PASS_AFTER_ENV, "1")
+        p = Prefiller()
+        p.order = []
+        with hybrid.preparing(p):
+            gate = p.pass_gate
+            threading.Event().wait(0.05)  # time for the GPU's thread to pass a missing gate
+            p.order.append("block")
+        assert (gate is not None) == asked
+        assert p.order == (["block", "pass"] if asked else ["block"])
