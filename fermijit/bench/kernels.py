@@ -166,14 +166,21 @@ def _cold_set(rows, k, nbytes, rng):
 
 def _block_cold_set(fmt: kquant.Format, rows: int, k: int, nbytes: int, rng):
     """Distinct matrices of GGUF blocks totalling >= nbytes, back to back as a converted file
-    lays them out: random bytes with small finite fp16 scales."""
+    lays them out: random bytes, and the fp16 scales the quantiser gives weights of a model's
+    size (std 0.02): Q6_K's d is then below fp16's normal range, as in a real checkpoint, which
+    code without F16C must convert without a denormal multiply (simd.fp16_to_f32)."""
+    from fermijit.ops import kquant_quantize
+
     per = rows * fmt.n_bytes(k)
     count = max(2, -(-nbytes // per))
     flat = _page_backed(count * per)
     _fill(flat, lambda n: rng.integers(0, 256, n, dtype=np.uint8))
     view = flat.reshape(-1, fmt.block_bytes)
+    sample = kquant_quantize.quantize_cpu(
+        fmt, 0.02 * rng.standard_normal((64, k)).astype(np.float32)).reshape(-1, fmt.block_bytes)
     for offset in fmt.scale_offsets:
-        view[:, offset:offset + 2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+        scales = sample[:, offset:offset + 2]
+        view[:, offset:offset + 2] = np.tile(scales, (-(-len(view) // len(scales)), 1))[:len(view)]
     return [flat[i * per:(i + 1) * per].reshape(rows, -1) for i in range(count)], count * per
 
 

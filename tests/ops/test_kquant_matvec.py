@@ -41,6 +41,27 @@ def test_matches_reference(rng, fmt, isa, shape):
     _check(f"{fmt.name} {isa.label}", kquant.reference(fmt, blocks, x), y)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=[f.name for f in FORMATS])
+@pytest.mark.parametrize("isa", ISAS, ids=[i.label for i in ISAS])
+def test_subnormal_and_negative_scales(rng, fmt, isa):
+    """Super-block scales below fp16's normal range (2^-14), of both signs, zeros among them, as
+    the quantiser gives real weights (Q6_K's d ~1.5e-5): code without F16C converts them its own
+    way for Q5_K/Q6_K (simd.fp16_to_f32 subnormal_safe), the rest as before; all as the
+    reference."""
+    rows, k = 9, 768
+    blocks = random_blocks(rng, fmt, rows, k)
+    view = kquant.block_view(fmt, blocks)
+    for o in fmt.scale_offsets:
+        d = (rng.uniform(0, 6e-5, view.shape[:-1]) * rng.choice([-1, 1], view.shape[:-1]))
+        d = d.astype(np.float16)
+        d.flat[::7] = 0
+        view[..., o:o + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+    for n_tok in (1, 2, 5):
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        y = kquant_matvec.cpu(fmt, blocks, x, out=poisoned((n_tok, rows)), isa=isa)
+        _check(f"{fmt.name} {isa.label} T={n_tok}", kquant.reference(fmt, blocks, x), y)
+
+
 def test_q8_k_kernel_is_the_reference(rng):
     x = rng.standard_normal((4, 768)).astype(np.float32)
     x[1, 256:512] = 0
