@@ -47,6 +47,19 @@ def env_number(name: str, default, kind=float, minimum=0, unit: str = ""):
     return value
 
 
+# The core dependencies' import names (pyproject.toml's dependencies).
+CORE_MODULES = {"numba", "llvmlite", "numpy", "safetensors", "click", "tokenizers", "jinja2",
+                "tqdm", "gguf", "PIL"}
+
+
+def missing_dependency(name: str) -> str:
+    """The line for a core dependency this Python lacks (the CLI's, and __main__'s for click)."""
+    import sys
+
+    return (f"the package {name.partition('.')[0]!r} is not installed for {sys.executable}: "
+            "install fermijit into it (pip install -e .) or run the Python it is installed in")
+
+
 def user_cache_dir():
     """The user's cache folder (a Path): $XDG_CACHE_HOME where it is absolute (the XDG spec has
     a relative one ignored: it was a folder of whatever the working directory was), else

@@ -1,11 +1,12 @@
 import sys
 
+from fermijit import missing_dependency
+
 try:
     from fermijit.cli import main
-except ModuleNotFoundError as e:  # click itself absent: cli.py cannot say it (see cli.main)
+except ModuleNotFoundError as e:  # click itself absent: cli.py cannot say it (see cli._main)
     if e.name != "click":
         raise
-    sys.exit(f"Error: the package 'click' is not installed for {sys.executable}: install "
-             "fermijit into it (pip install -e .) or run the Python it is installed in")
+    sys.exit(f"Error: {missing_dependency(e.name)}")
 
 main()

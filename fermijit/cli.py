@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from fermijit import FermijitError, __version__
+from fermijit import CORE_MODULES, FermijitError, __version__, missing_dependency
 
 ISA_CHOICES = ("ssse3", "avx2", "avx512vnni")
 
@@ -1082,16 +1082,6 @@ def _main(argv: list[str]) -> None:
         if (e.name or "").partition(".")[0] not in CORE_MODULES:
             raise
         _fail(missing_dependency(e.name))
-
-
-# The core dependencies' import names (pyproject.toml's dependencies).
-CORE_MODULES = {"numba", "llvmlite", "numpy", "safetensors", "click", "tokenizers", "jinja2",
-                "tqdm", "gguf", "PIL"}
-
-
-def missing_dependency(name: str) -> str:
-    return (f"the package {name.partition('.')[0]!r} is not installed for {sys.executable}: "
-            "install fermijit into it (pip install -e .) or run the Python it is installed in")
 
 
 def _out_of_memory() -> str:

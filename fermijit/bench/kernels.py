@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 from fermijit import FermijitError, machine
 from fermijit.jit import cpu, simd
 from fermijit.jit.simd import I8, I64, vec
-from fermijit.ops import kquant, kquant_matvec, matvec, quant
+from fermijit.ops import kquant, kquant_matvec, kquant_quantize, matvec, quant
 
 GEMV_SHAPES = ((2048, 2048), (512, 2048), (4096, 2048))  # rows x K
 # The GGUF block kinds whose decode GEMVs are measured beside Q4_0's (issue 34 item 4): a Q4_K_M
@@ -169,8 +169,6 @@ def _block_cold_set(fmt: kquant.Format, rows: int, k: int, nbytes: int, rng):
     lays them out: random bytes, and the fp16 scales the quantiser gives weights of a model's
     size (std 0.02): Q6_K's d is then below fp16's normal range, as in a real checkpoint, which
     code without F16C must convert without a denormal multiply (simd.fp16_to_f32)."""
-    from fermijit.ops import kquant_quantize
-
     per = rows * fmt.n_bytes(k)
     count = max(2, -(-nbytes // per))
     flat = _page_backed(count * per)

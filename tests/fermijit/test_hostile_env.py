@@ -210,6 +210,15 @@ def test_a_closed_stdin_without_a_prompt_says_so():
     assert "warning: standard input is closed: the prompt is empty" in err
 
 
+def _wait_serving(proc, err_path, seconds: float = 180) -> None:
+    """Until `serve` (proc, its stderr in err_path) says "serving on"; its log where it exits or
+    takes longer."""
+    deadline = time.monotonic() + seconds
+    while "serving on" not in err_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+        time.sleep(0.1)
+
+
 def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
     """Under `ulimit -n 40` with 60 idle clients: asyncio logged a traceback per connection in
     the backlog, again after every one-second retry (1.4 million lines in 20 s), the event loop
@@ -226,11 +235,7 @@ def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
                              "--threads", "1", "--max-batch", "1", "--no-cache", "--prefill",
                              "cpu"], stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limited)
     try:
-        deadline = time.monotonic() + 180
-        while "serving on" not in (tmp_path / "err").read_text():
-            log = (tmp_path / "err").read_text()
-            assert proc.poll() is None and time.monotonic() < deadline, log
-            time.sleep(0.1)
+        _wait_serving(proc, tmp_path / "err")
         clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(60)]
         time.sleep(2)
         for c in clients:
@@ -376,11 +381,7 @@ def test_weights_rewritten_in_place_under_serve_fail_its_requests(tmp_path):
             return e.code, json.loads(e.read())["error"]["message"]
 
     try:
-        deadline = time.monotonic() + 180
-        while "serving on" not in (tmp_path / "err").read_text():
-            log = (tmp_path / "err").read_text()
-            assert proc.poll() is None and time.monotonic() < deadline, log
-            time.sleep(0.1)
+        _wait_serving(proc, tmp_path / "err")
         weights = model / "model.safetensors"
         before = complete()
         assert before[0] == 200 and before[1], before
