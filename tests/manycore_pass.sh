@@ -12,7 +12,8 @@
 # tests/manycore_pass.sh OUT (without .device-wheels nothing is installed; LAYERS: a slice of the
 # model, 4 at least: llama.cpp aborts on one without an attention layer; LLAMA_BENCH: a built
 # llama-bench, no build; counts above this machine's cores left out; KEEP=1 leaves the
-# synthesised model and GGUF in /dev/shm for the next call).
+# synthesised model and GGUF in /dev/shm for the next call; PARTS: the runs to make, of
+# sweep,pinned,ssse3,spin300k,versus, all by default).
 set -u
 out=${1:?usage: tests/manycore_pass.sh OUTDIR}
 mkdir -p "$out"
@@ -50,8 +51,10 @@ step "exported"
 $py -m fermijit bench decode --model "$model" --prompt-tokens 8 --tokens 2 >>"$log" 2>&1
 step "fermijit kernels compiled"
 wait "$build_pid" && step "llama.cpp built" || step "llama.cpp build failed (see llama-build.log)"
+parts=",${PARTS:-sweep,pinned,ssse3,spin300k,versus},"
 run() {  # name, then the fermijit arguments: JSON to OUT/name.json, stderr to the log
   local name=$1; shift
+  case "$parts" in *",${name#sweep-},"*) ;; *) return 0;; esac  # sweep-X is part X
   timeout 300 $py -m fermijit "$@" --json >"$out/$name.json" 2>>"$log" || step "$name failed"
   step "$name done"
 }
@@ -60,7 +63,7 @@ run sweep bench decode --model "$model" --threads "$cores" --prompt-tokens 512 -
 run sweep-pinned --pin-threads bench decode --model "$model" --threads "$cores" \
   --prompt-tokens 64 --tokens 32 --threads-sweep "$pair"
 run sweep-ssse3 --isa ssse3 bench decode --model "$model" --threads "$cores" --prompt-tokens 64 \
-  --tokens 32 --threads-sweep "$pair"
+  --tokens 32 --profile --threads-sweep "$pair"
 # libgomp's own idle spin (fermijit sets a short one, jit/cpu.py DEFAULT_SPIN: on a shared 2-core
 # machine the long one collapsed decode whenever a neighbour ran): is the short one as fast here?
 GOMP_SPINCOUNT=300000 run sweep-spin300k bench decode --model "$model" --threads "$cores" \
@@ -98,6 +101,8 @@ for name in ("sweep-pinned", "sweep-ssse3", "sweep-spin300k"):
     if r:
         print(f"{name}:")
         print(bench_decode.format_sweep(r["sweep"], r["sweep_tokens"]))
+        if r.get("profile"):
+            print(profile.format_rows(r["profile"]))
 r = load("versus")
 if r:
     print(bench_llama.format_report(r))
