@@ -195,14 +195,27 @@ def _block(lines: list[str], start: int) -> tuple[list[str], list[str] | None, i
 
 
 def _substitute(line: str, env: dict[str, object], index: int) -> str:
-    def value(m: re.Match) -> str:
-        v = _evaluate(m.group(1), env)
-        return str(int(v)) if isinstance(v, bool) else str(v)
-
-    result = _PLACEHOLDER.sub(value, line)
+    pieces = _pieces(line)
+    if len(pieces) == 1:
+        result = line
+    else:
+        out = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                out.append(piece)
+            else:
+                v = _evaluate(piece, env)
+                out.append(str(int(v)) if isinstance(v, bool) else str(v))
+        result = "".join(out)
     if "${" in result:
         raise _TemplateError(f"unclosed placeholder: {line.strip()!r}")
     return result
+
+
+@functools.lru_cache(maxsize=None)
+def _pieces(line: str) -> list[str]:
+    """A template line split once: text, placeholder expression, text, ... (odd indices)."""
+    return _PLACEHOLDER.split(line)
 
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -215,38 +228,60 @@ _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
 
 def _evaluate(expr: str, env: dict[str, object]):
     """A tiny, closed expression language: no attribute access, no calls except f32."""
+    value = _compiled(expr)(env)
+    if isinstance(value, float):
+        raise _TemplateError(f"${{{expr}}} is a float: write f32(...) for a float immediate")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(expr: str):
+    """`expr` parsed once into a function of the environment: a full-size model's kernels
+    evaluate ~100k placeholders, and parsing each anew was 60 % of rendering them (the GPU
+    start's 2-token pass renders its kernels on a thread beside the CPU's warm-up, holding the
+    GIL). Every node is evaluated (no short circuits), as the template's checks expect."""
     try:
         tree = ast.parse(expr.strip(), mode="eval").body
     except SyntaxError:
         raise _TemplateError(f"cannot parse ${{{expr}}}") from None
 
-    def ev(node):
+    def made(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
-            return node.value
+            constant = node.value
+            return lambda env: constant
         if isinstance(node, ast.Name):
-            if node.id not in env:
-                raise _TemplateError(f"unknown name {node.id!r} in ${{{expr}}}")
-            return env[node.id]
+            name = node.id
+
+            def look_up(env):
+                if name not in env:
+                    raise _TemplateError(f"unknown name {name!r} in ${{{expr}}}")
+                return env[name]
+            return look_up
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            return _BINARY[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.Not)):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, ast.USub) else not v
+            op, left, right = _BINARY[type(node.op)], made(node.left), made(node.right)
+            return lambda env: op(left(env), right(env))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            operand = made(node.operand)
+            return lambda env: -operand(env)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            operand = made(node.operand)
+            return lambda env: not operand(env)
         if isinstance(node, ast.BoolOp):
-            vals = [ev(v) for v in node.values]
-            return all(vals) if isinstance(node.op, ast.And) else any(vals)
+            values, combine = [made(v) for v in node.values], (
+                all if isinstance(node.op, ast.And) else any)
+            return lambda env: combine([v(env) for v in values])
         if (isinstance(node, ast.Compare) and len(node.ops) == 1
                 and type(node.ops[0]) in _COMPARE):
-            return _COMPARE[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
+            op, left, right = (_COMPARE[type(node.ops[0])], made(node.left),
+                               made(node.comparators[0]))
+            return lambda env: op(left(env), right(env))
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id == "f32" and len(node.args) == 1 and not node.keywords):
-            return f32(ev(node.args[0]))
+            argument = made(node.args[0])
+            return lambda env: f32(argument(env))
         raise _TemplateError(f"unsupported expression ${{{expr}}}")
 
-    value = ev(tree)
-    if isinstance(value, float):
-        raise _TemplateError(f"${{{expr}}} is a float: write f32(...) for a float immediate")
-    return value
+    return made(tree)
 
 
 def _entries(text: str, label: str) -> dict[str, Entry]:

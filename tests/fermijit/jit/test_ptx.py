@@ -79,6 +79,17 @@ def test_bad_templates_raise(body):
         render(body)
 
 
+def test_compiled_expressions_take_each_render_s_values():
+    """Expressions are parsed once a process (ptx._compiled): the values still come from each
+    render's parameters, and a bad expression fails every time, not only the first."""
+    source = "mov.u32 %x, ${THREADS * 2 + (MODE == \"a\")};"
+    assert body_lines(render(source, MODE="a", THREADS=64)) == ["mov.u32 %x, 129;"]
+    assert body_lines(render(source, MODE="b", THREADS=128)) == ["mov.u32 %x, 256;"]
+    for _ in range(2):
+        with pytest.raises(FermijitError, match="NOPE"):
+            render("add.u32 %r, ${NOPE + 1};")
+
+
 BAD_PARAMS = {
     "value-not-allowed": {"MODE": "c"},
     "wrong-type": {"THREADS": 64.0},
