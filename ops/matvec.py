@@ -860,14 +860,21 @@ def gemv_kernel(isa: Isa, fmt: _Format = Q4_0):
                     _few_tokens_vec(isa) if fmt is Q8_0 else None)
 
 
-def gemv_fork(isa: Isa, share, name: str, rows: int | None = None, chunked: bool = False):
+def gemv_fork(isa: Isa, share, name: str, rows: int | None = None, chunked: bool = False,
+              **extra):
     """(variant name, a fork intrinsic of `share`) with the decode GEMV's tiles bound as its
-    globals (ROWS, spread_tile, one_by_1, tile, rows_by_1: `_tiles`), for a kernel of another
-    op; `name` makes the variant's symbols its own (jit.cpu.bind). `rows`: tiles of that many
-    rows instead of the GEMV's; `chunked`: the share takes the launch's work counter (omp.fork)."""
+    globals (ROWS, spread_tile, one_by_1, tile, rows_by_1: `_tiles`), and `extra`, for a kernel
+    of another op; `name` makes the variant's symbols its own (jit.cpu.bind). `rows`: tiles of
+    that many rows instead of the GEMV's; `chunked`: the share takes the launch's work counter
+    (omp.fork)."""
     variant, tiles = _tiles(isa, (rows, 1) if rows else gemv_shape(isa), Q4_0)
     variant += "-" + name
-    return variant, omp.fork(bind(share, variant, **tiles), chunked=chunked)
+    return variant, omp.fork(bind(share, variant, **tiles, **extra), chunked=chunked)
+
+
+def spread_tile_of(isa: Isa, rows: int):
+    """The decode GEMV's tile of `rows` rows a gap apart (each its own stream), one token."""
+    return _make_tile(Q4_0, simd.VEC_OF[isa], rows, 1, True)
 
 
 def _call(op: str, kernel_, *args):

@@ -173,27 +173,36 @@ def _gate_up_share(thread, n_threads, args, counter):
     (matrix, block) order over the routed experts then the shared one (its own buffers: its
     intermediate size may differ): each block's 32 gate rows and 32 up rows side by side (the
     GEMV tile's two streams, gate row j beside up row I + j; one at a time where the tile takes
-    one row), then that block's SwiGLU and its quantisation for the down projection. So only
-    the down launch waits for all threads, and no thread waits through the SwiGLU and the
-    quantiser of every row (~11 us of a full-size layer on one thread, this machine). `args`
-    holds each token's arguments (decode: one; given several, the tokens' same block in turn,
-    each token's experts read apart: how a verify step's rows ran before `rows_launch`, kept
-    for tests/verify_rows_probe.py's comparison)."""
+    one row), then that block's SwiGLU and its quantisation for the down projection. Where the
+    tile takes 4 rows (`_gate_up_rows`) and the matrix has an even number of blocks, a unit is
+    blocks b and b + n/2 together: rows j, j + I/2, I + j and I + j + I/2 (four streams, each
+    activation load shared by four rows). So only the down launch waits for all threads, and no
+    thread waits through the SwiGLU and the quantiser of every row (~11 us of a full-size layer
+    on one thread, this machine). `args` holds each token's arguments (decode: one; given
+    several, the tokens' same block in turn, each token's experts read apart: how a verify
+    step's rows ran before `rows_launch`, kept for tests/verify_rows_probe.py's comparison)."""
     a0 = args[0]
     per_row, per_shared = a0[9].shape[1] // 32, a0[17].shape[1] // 32  # h's, the shared h's
-    n_routed = a0[2].size * per_row
-    n_units = n_routed + a0[3].shape[0] * per_shared
-    least = omp.least_units(64 * (a0[0].shape[2] + 2 * a0[1].shape[2]) * len(args))
+    units_row = per_row // 2 if ROWS == 4 and per_row % 2 == 0 else per_row
+    units_shared = per_shared // 2 if ROWS == 4 and per_shared % 2 == 0 else per_shared
+    n_routed = a0[2].size * units_row
+    n_units = n_routed + a0[3].shape[0] * units_shared
+    least = omp.least_units(64 * (a0[0].shape[2] + 2 * a0[1].shape[2]) * len(args)
+                            * (per_row // units_row))
     first, last = omp.first_run(counter, thread, n_threads, n_units, least, 1)
     while first < last:
         for unit in range(first, last):
             is_routed = unit < n_routed
             if is_routed:
-                i = unit // per_row
-                b = unit - i * per_row
+                i = unit // units_row
+                b = unit - i * units_row
+                paired = units_row < per_row
+                b_next = b + units_row
             else:
-                i = (unit - n_routed) // per_shared
-                b = unit - n_routed - i * per_shared
+                i = (unit - n_routed) // units_shared
+                b = unit - n_routed - i * units_shared
+                paired = units_shared < per_shared
+                b_next = b + units_shared
             for a in args:
                 (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
                  half_lanes, sgu, sh, shq, shdx, shxsum8) = a
@@ -205,12 +214,18 @@ def _gate_up_share(thread, n_threads, args, counter):
                     gu_o, h_o, q_o, dx_o, sum_o = sgu, sh, shq, shdx, shxsum8
                 n_inter = h_o.shape[1]
                 for j in range(b * 32, b * 32 + 32):
-                    spread_tile(w, s, xq, dx, xsum8, gu_o, j, 0, i, n_inter)  # rows j, I + j
-                    if ROWS == 1:
+                    if paired:  # rows j, j + I/2, I + j, I + j + I/2
+                        spread_tile(w, s, xq, dx, xsum8, gu_o, j, 0, i, n_inter // 2)
+                    elif ROWS == 1:
+                        spread_tile(w, s, xq, dx, xsum8, gu_o, j, 0, i, n_inter)
                         spread_tile(w, s, xq, dx, xsum8, gu_o, n_inter + j, 0, i, n_inter)
-                swiglu_range(gu_o[i], h_o[i], b * 32, b * 32 + 32)
-                matvec.quantize_blocks(h_o[i], q_o[i], dx_o[i], sum_o[i], b, b + 1, lanes,
-                                       step_blocks, half_lanes)
+                    else:
+                        pair_tile(w, s, xq, dx, xsum8, gu_o, j, 0, i, n_inter)  # rows j, I + j
+                for k in range(2 if paired else 1):  # the unit's blocks: b (and b_next)
+                    bb = b + k * (b_next - b)
+                    swiglu_range(gu_o[i], h_o[i], bb * 32, bb * 32 + 32)
+                    matvec.quantize_blocks(h_o[i], q_o[i], dx_o[i], sum_o[i], bb, bb + 1, lanes,
+                                           step_blocks, half_lanes)
         first, last = omp.next_run(counter, thread, n_threads, n_units, least, 1)
 
 
@@ -275,13 +290,20 @@ def _fused_body(gate_up, down, combine):
     fork_down((down, combine))
 
 
+def _gate_up_rows(isa) -> int:
+    """Rows decode's gate_up tile reads side by side: 4 where the decode GEMV reads more than two
+    (32 vector registers: matvec.gemv_shape), else the GEMV's streams (gate row j beside up row
+    I + j, or one row)."""
+    return 4 if matvec.gemv_shape(isa)[0] > 2 else matvec.GEMV_STREAMS[isa]
+
+
 _fused_kernels: dict = {}  # Isa -> the kernel, made on first use (no AVX2 code for Westmere)
 
 
 def _fused_kernel(isa):
     if isa not in _fused_kernels:
-        _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up",  # pairs: rows j, I + j
-                                      matvec.GEMV_STREAMS[isa], chunked=True)
+        _, gate_up = matvec.gemv_fork(isa, _gate_up_share, "moe-gate-up", _gate_up_rows(isa),
+                                      chunked=True, pair_tile=matvec.spread_tile_of(isa, 2))
         variant, down = matvec.gemv_fork(isa, _down_share, "moe-down", chunked=True)
         # No fast-math, as matvec's kernels: it would reach the tiles' IR inlined here.
         _fused_kernels[isa] = kernel(_fused_body, fastmath=False, variant=variant + "-swiglu",
