@@ -193,16 +193,11 @@ def _gate_up_share(thread, n_threads, args, counter):
     while first < last:
         for unit in range(first, last):
             is_routed = unit < n_routed
-            if is_routed:
-                i = unit // units_row
-                b = unit - i * units_row
-                paired = units_row < per_row
-                b_next = b + units_row
-            else:
-                i = (unit - n_routed) // units_shared
-                b = unit - n_routed - i * units_shared
-                paired = units_shared < per_shared
-                b_next = b + units_shared
+            local, units, per = ((unit, units_row, per_row) if is_routed else
+                                 (unit - n_routed, units_shared, per_shared))
+            i = local // units
+            b = local - i * units
+            paired = units < per  # blocks b and b + units
             for a in args:
                 (qs, d, idx, sqs, sd, xq, dx, xsum8, gu, h, hq, hdx, hxsum8, lanes, step_blocks,
                  half_lanes, sgu, sh, shq, shdx, shxsum8) = a
@@ -221,8 +216,8 @@ def _gate_up_share(thread, n_threads, args, counter):
                         spread_tile(w, s, xq, dx, xsum8, gu_o, n_inter + j, 0, i, n_inter)
                     else:
                         pair_tile(w, s, xq, dx, xsum8, gu_o, j, 0, i, n_inter)  # rows j, I + j
-                for k in range(2 if paired else 1):  # the unit's blocks: b (and b_next)
-                    bb = b + k * (b_next - b)
+                for k in range(2 if paired else 1):  # the unit's blocks: b (and b + units)
+                    bb = b + k * units
                     swiglu_range(gu_o[i], h_o[i], bb * 32, bb * 32 + 32)
                     matvec.quantize_blocks(h_o[i], q_o[i], dx_o[i], sum_o[i], bb, bb + 1, lanes,
                                            step_blocks, half_lanes)
