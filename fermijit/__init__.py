@@ -47,6 +47,38 @@ def env_number(name: str, default, kind=float, minimum=0, unit: str = ""):
     return value
 
 
+def private_dir(path) -> bool:
+    """`path` made (or found) as a directory of ours alone: cached kernels are code to run, so a
+    folder another user could write to is not one to load them from."""
+    import os
+    import tempfile
+
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return False
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def private_cache_dir():
+    """Our folder for what is cached across runs (a Path): `user_cache_dir()`/fermijit, else
+    fermijit-<uid> in the temp directory, where `private_dir` takes it; None where neither."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    user = user_cache_dir()  # None: no home (no HOME, no passwd entry)
+    for folder in ([] if user is None else [user / "fermijit"]) + [
+            Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"]:
+        if private_dir(folder):
+            return folder
+    return None
+
+
 # The core dependencies' import names (pyproject.toml's dependencies).
 CORE_MODULES = {"numba", "llvmlite", "numpy", "safetensors", "click", "tokenizers", "jinja2",
                 "tqdm", "gguf", "PIL"}

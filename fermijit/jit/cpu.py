@@ -13,10 +13,9 @@ import hashlib
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
-from fermijit import FermijitError, env_number, user_cache_dir
+from fermijit import FermijitError, env_number, private_cache_dir
 
 # Checked before Numba reads it on import: 0 or less raised ValueError there (a traceback), and
 # a word was a warning with a traceback's text and then Numba's default.
@@ -369,20 +368,6 @@ def _say_once(message: str) -> None:
         print(f"fermijit: {message}", file=sys.stderr)
 
 
-def _private_dir(path: Path) -> bool:
-    """`path` made (or found) as a directory of ours alone: cached kernels are code to run, so a
-    folder another user could write to is not one to load them from."""
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            return False
-        tempfile.TemporaryFile(dir=path).close()
-        return True
-    except OSError:
-        return False
-
-
 def _source_keyed_cache(body, extra: tuple) -> "SourceKeyedCache | None":
     """Numba's cache needs a writable place: the package's __pycache__, NUMBA_CACHE_DIR or the
     user's cache folder. A read-only install with no writable HOME has none, and every model
@@ -393,12 +378,9 @@ def _source_keyed_cache(body, extra: tuple) -> "SourceKeyedCache | None":
     except RuntimeError:  # "cannot cache function ...: no locator available"
         pass
     if not numba_config.CACHE_DIR:
-        user = user_cache_dir()  # None: no home (no HOME, no passwd entry)
-        for folder in ([] if user is None else [user / "fermijit"]) + [
-                Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"]:
-            if _private_dir(folder):
-                numba_config.CACHE_DIR = str(folder)
-                break
+        folder = private_cache_dir()
+        if folder is not None:
+            numba_config.CACHE_DIR = str(folder)
         try:
             cache = SourceKeyedCache(body, extra)
             _say_once(f"kernels are cached in {numba_config.CACHE_DIR} (the package folder "

@@ -133,3 +133,60 @@ def test_every_shipped_variant_renders():
 def test_unknown_template_raises():
     with pytest.raises(FermijitError):
         ptx.render("no_such_kernel")
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The rendered-text store in a folder of the test's own, each process cache emptied."""
+    monkeypatch.setattr(ptx, "_store_dir", lambda: tmp_path)
+    ptx._render.cache_clear()
+    yield tmp_path
+    ptx._render.cache_clear()
+
+
+def fresh(name: str, **params) -> ptx.Rendered:
+    """`name` rendered from its template now, no store."""
+    ptx._render.cache_clear()
+    source = (ptx._TEMPLATE_DIR / f"{name}.ptx").read_text()
+    return ptx.render_source(name, source, ptx.declared_params(name), params)
+
+
+def test_stored_text_is_the_rendered_text(store):
+    params = ptx.variants("copy")[0]
+    first = ptx.render("copy", **params)                     # rendered and stored
+    (path,) = store.glob("copy-*.ptx")
+    ptx._render.cache_clear()
+    again = ptx.render("copy", **params)                     # read back
+    assert again == first == fresh("copy", **params)
+    assert path.read_text().endswith(first.text)
+
+
+def test_altered_or_torn_store_is_rendered_again(store):
+    params = ptx.variants("copy")[0]
+    ptx.render("copy", **params)
+    (path,) = store.glob("copy-*.ptx")
+    whole = path.read_text()
+    for broken in (whole.replace("ret;", "exit;", 1), whole[:len(whole) // 2], ""):
+        path.write_text(broken)
+        ptx._render.cache_clear()
+        assert ptx.render("copy", **params) == fresh("copy", **params)
+        assert path.read_text() == whole                     # stored again, whole
+
+
+def test_store_checks_parameters_first(store):
+    name = next(n for n in ptx.template_names() if ptx.declared_params(n))
+    params = ptx.variants(name)[0]
+    ptx.render(name, **params)
+    with pytest.raises(FermijitError):                       # a value not declared
+        ptx.render(name, **{k: "no" for k in params})
+    with pytest.raises(FermijitError, match="missing"):
+        ptx.render(name)
+
+
+def test_store_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(ptx.STORE_ENV, "0")
+    ptx._store_dir.cache_clear()
+    try:
+        assert ptx._store_dir() is None
+    finally:
+        ptx._store_dir.cache_clear()
