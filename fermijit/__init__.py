@@ -65,15 +65,17 @@ def private_dir(path) -> bool:
 
 
 def private_cache_dir():
-    """Our folder for what is cached across runs (a Path): `user_cache_dir()`/fermijit, else
-    fermijit-<uid> in the temp directory, where `private_dir` takes it; None where neither."""
+    """Our folder for what is cached across runs (a Path): $FERMIJIT_CACHE, else
+    `user_cache_dir()`/fermijit (model/data_hash.py cache_root's), else fermijit-<uid> in the
+    temp directory, the first `private_dir` takes; None where none."""
     import os
     import tempfile
     from pathlib import Path
 
     user = user_cache_dir()  # None: no home (no HOME, no passwd entry)
-    for folder in ([] if user is None else [user / "fermijit"]) + [
-            Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"]:
+    given = os.environ.get("FERMIJIT_CACHE")
+    for folder in ([Path(given)] if given else []) + ([] if user is None else [
+            user / "fermijit"]) + [Path(tempfile.gettempdir()) / f"fermijit-{os.getuid()}"]:
         if private_dir(folder):
             return folder
     return None
