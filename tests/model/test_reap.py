@@ -33,6 +33,10 @@ PROMPT = np.random.default_rng(2).integers(0, tiny.TEXT_CONFIG["vocab_size"], 40
 # fewer rows (a different BLAS blocking), and the fp32 path's numpy matmuls over other shapes.
 # Measured: 2.8e-7 (fp32), 0 (W4A8).
 PRUNED_VS_FULL = 1e-6
+# The same through transformers (torch's CPU matmuls): its router's product over half the rows
+# blocks differently per CPU; measured 1.6e-6 (22 of 5120 logits past 1e-6, RMS 6.9e-7) on an
+# AVX2-only Zen 3 (within 1e-6 on the earlier AVX-512 machines); greedy tokens identical.
+PRUNED_VS_FULL_TORCH = 5e-6
 # Saliency vs reap.reference on the same layer inputs: fp32 path, numpy matmul rounding only.
 # Measured 1.7e-8.
 FP32_SALIENCY_REL = 1e-5
@@ -269,7 +273,7 @@ def test_transformers_runs_the_pruned_hf_checkpoint_unchanged(models, kind, tmp_
         pytest.skip("torch and transformers >= 5.24 are not importable")
     prune.prune_hf(models[kind], tmp_path / "pruned", LIVE, {"criterion": "reap"})
     full, pruned = oracle.live(models[kind]), oracle.live(tmp_path / "pruned")
-    assert_rel("prompt logits", full.prompt_logits, pruned.prompt_logits, PRUNED_VS_FULL)
+    assert_rel("prompt logits", full.prompt_logits, pruned.prompt_logits, PRUNED_VS_FULL_TORCH)
     np.testing.assert_array_equal(full.tokens, pruned.tokens)
 
 
