@@ -173,7 +173,7 @@ def _store(path: Path | None, text: str) -> None:
 
     if path is None:
         return
-    fd, temporary = None, None
+    temporary = None
     try:
         fd, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:

@@ -146,7 +146,6 @@ def store(tmp_path, monkeypatch):
 
 def fresh(name: str, **params) -> ptx.Rendered:
     """`name` rendered from its template now, no store."""
-    ptx._render.cache_clear()
     source = (ptx._TEMPLATE_DIR / f"{name}.ptx").read_text()
     return ptx.render_source(name, source, ptx.declared_params(name), params)
 
