@@ -26,6 +26,7 @@ too (a second, page-locked copy beside the model file's pages had doubled the RS
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import mmap
 import threading
@@ -173,6 +174,15 @@ class Streamer:
             view.flags.writeable = False  # as the file's views: the same compiled kernels
             views.append(view)
         return with_arrays(w, views)
+
+    def subset(self, layers: list[int]) -> "Streamer":
+        """A view over those layers (in that order): the same stream, pool and ring (a ring
+        slot's last event is the one either recorded: each waits for it before refilling)."""
+        view = copy.copy(self)
+        for name in ("layouts", "host", "addresses", "pool"):
+            rows = getattr(self, name)
+            setattr(view, name, [rows[i] for i in layers] if rows else rows)
+        return view
 
     @property
     def pinned_bytes(self) -> int:

@@ -41,6 +41,7 @@ rounding that reads it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -107,10 +108,38 @@ class DeviceModel:
                                + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
 
 
+    def sample(self) -> "DeviceModel":
+        """A view of this model over `warm_layers` (the same device arrays, buffers and copy
+        stream): a pass over it loads every kernel module a pass over the whole model does, as
+        the CPU's warm-up takes one layer of each kind (fermijit/warm.py), for the start's
+        2-token pass (hybrid.GpuPrefiller._prepare), whose 40 layers at full size held the GIL
+        beside the CPU kernels' load. Without the MTP head (that pass's state has none)."""
+        from fermijit.warm import with_layers
+
+        keep = warm_layers(self.model.is_attention, self.kinds)
+        view = copy.copy(self)
+        view.model = with_layers(self.model, keep)
+        view.model.mtp = None
+        view.layers = [self.layers[i] for i in keep]
+        view.kinds = [self.kinds[i] for i in keep]
+        view.streamer = self.streamer.subset(keep)
+        return view
+
     def host_buffer(self, name: str, nbytes: int) -> np.ndarray:
         """A page-locked host buffer of at least `nbytes`, kept for the next pass (page-locking
         is slow: a few ms)."""
         return host_buffer(self._host, name, nbytes)
+
+
+def warm_layers(is_attention: tuple, kinds: list[dict]) -> list[int]:
+    """The first layer of each kind: GDN or attention with each projection's and the experts'
+    GEMM kinds (`kinds`: DeviceModel.kinds, a K-quant mix gives some layers' down projections
+    another format). Layers of a kind differ in their weights only, so they launch the same
+    kernels."""
+    first: dict = {}
+    for i, (attention_layer, k) in enumerate(zip(is_attention, kinds)):
+        first.setdefault((attention_layer, tuple(sorted(k.items()))), i)
+    return sorted(first.values())
 
 
 def host_buffer(buffers: dict, name: str, nbytes: int) -> np.ndarray:

@@ -326,11 +326,14 @@ class GpuPrefiller:
             waited = time.perf_counter()
             gate.wait()
             self.device.prepare_s["waited for the CPU"] = time.perf_counter() - waited
-        warm = self.model.new_state(2)
+        # On one layer of each kind (DeviceModel.sample): the same modules loaded.
+        whole = os.environ.get(GPU_WARM_WHOLE_ENV) == "1"
+        sample = self.device if whole else self.device.sample()
+        warm = sample.model.new_state(2)
         observer, self.observer = self.observer, None     # the warm-up pass is not calibration
         start, modules = time.perf_counter(), gpu.module_load_s
         try:
-            self.run(np.zeros(2, np.int32), warm)
+            self.run(np.zeros(2, np.int32), warm, device=sample)
         finally:
             self.observer = observer
         # Seconds per part of the start (`--verbose`; issue 28 item 4's start-up budget).
@@ -462,10 +465,12 @@ class GpuPrefiller:
                 groups.append(group)
         return groups
 
-    def _plan(self, items: list[PrefillItem], with_head: bool, all_logits: bool = False) -> Plan:
+    def _plan(self, items: list[PrefillItem], with_head: bool, all_logits: bool = False,
+              device=None) -> Plan:
+        device = device or self.device
         pin_budget = default_pin_budget() if self.pin_budget is None else self.pin_budget
-        return plan(self.model, sum(i.tokens.size for i in items), items[0].state.position,
-                    self.budget(), pin_budget, all_logits, self.device.resident_bytes,
+        return plan(device.model, sum(i.tokens.size for i in items), items[0].state.position,
+                    self.budget(), pin_budget, all_logits, device.resident_bytes,
                     [i.state.position + i.tokens.size for i in items], with_head)
 
     def _fits(self, items: list[PrefillItem], with_head: bool) -> bool:
@@ -476,19 +481,19 @@ class GpuPrefiller:
             return False
 
     def run(self, tokens, state, all_logits: bool = False, on_block=None,
-            time_layers: bool = False, profile: bool = False):
+            time_layers: bool = False, profile: bool = False, device=None):
         """The GPU prefill of one sequence: `run_batch` of it alone."""
         return self.run_batch([PrefillItem(tokens, state, on_block)], all_logits, time_layers,
-                              profile)[0]
+                              profile, device)[0]
 
     def run_batch(self, items: list[PrefillItem], all_logits: bool = False,
-                  time_layers: bool = False, profile: bool = False) -> list:
+                  time_layers: bool = False, profile: bool = False, device=None) -> list:
         """The GPU prefill itself, no fallback (`prefill_batch` checks the input and falls
         back): the items' rows in passes of at most the plan's chunk (gpu_prefill.Pass, each
         item a Segment), their states sent in first and handed back at the end; each item's
         logits [V] ([T, V] with `all_logits`, for one item). The states have the MTP head all or
         none (`_groups`). `time_layers` and `profile` keep CUDA events for `bench prefill` in
-        `last_pass`."""
+        `last_pass`. `device`: a view of the device model (DeviceModel.sample) to run on."""
         from fermijit.jit import gpu
         from fermijit.model import mtp
         from fermijit.prefill import gpu_prefill, gpu_state
@@ -500,14 +505,15 @@ class GpuPrefiller:
             clock.append(time.perf_counter())
             phases[name] = phases.get(name, 0.0) + clock[-1] - clock[-2]
 
-        model = self.model
+        device = device or self.device
+        model = device.model
         with_head = mtp.has_head(model, items[0].state)
         if any(mtp.has_head(model, i.state) != with_head for i in items):
             raise FermijitError("run_batch: the states have the MTP head all or none")
         if all_logits and len(items) > 1:
             raise FermijitError("run_batch: all_logits takes one sequence")
         n_rows = sum(i.tokens.size for i in items)
-        p = self.last_plan = self._plan(items, with_head, all_logits)
+        p = self.last_plan = self._plan(items, with_head, all_logits, device)
         if self.verbose and n_rows > 2:
             self._say(p.describe())
         if p.n_chunks > 1:
@@ -532,7 +538,7 @@ class GpuPrefiller:
                                                         states[b], waiting[b]))
                     pieces.append((b, n))
                     row += n
-            run = gpu_prefill.Pass(self.device, segments, observe=self.observer is not None,
+            run = gpu_prefill.Pass(device, segments, observe=self.observer is not None,
                                    w4a8=self.w4a8)
             run.marks = [] if profile else None
             phase("pass buffers")
@@ -554,7 +560,7 @@ class GpuPrefiller:
             self.last_pass = run
             observed += run.observed
         steps: dict = {}
-        gpu_state.hand_off(self.device, list(zip(states, [i.state for i in items], ends,
+        gpu_state.hand_off(device, list(zip(states, [i.state for i in items], ends,
                                                  waiting)), steps)
         phase("state out")
         phases.update({f"state out ({k})": v for k, v in steps.items()})  # its parts
@@ -643,6 +649,9 @@ PIN_AHEAD_ENV = "FERMIJIT_PIN_AHEAD"
 # --prefill cpu; the pass 0.92 s against 0.19 s for a 64-token request's layers): whether the GIL
 # and the process's memory map they share make the sum longer than one after the other.
 PASS_AFTER_ENV = "FERMIJIT_GPU_PASS_AFTER"
+# FERMIJIT_GPU_WARM_WHOLE=1: the GPU's 2-token pass of the start over every layer, as before it
+# took one of each kind (DeviceModel.sample; start_bench.py's "gpuwhole").
+GPU_WARM_WHOLE_ENV = "FERMIJIT_GPU_WARM_WHOLE"
 
 
 @contextlib.contextmanager

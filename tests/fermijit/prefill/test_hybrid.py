@@ -828,7 +828,8 @@ def test_the_streamer_copies_experts_from_registered_chunks(monkeypatch, tmp_pat
     """expert_stream.Streamer on "mapped" experts (views of a file, registered in chunks by a
     stand-in driver): the experts asked for land in the layer buffer at the layout's offsets,
     each copy read from one registered chunk (those across a chunk's end cut there), no other
-    byte of the buffer written."""
+    byte of the buffer written; a view over some layers (`subset`, DeviceModel.sample's) copies
+    the layer it names at its index."""
     import contextlib
     import mmap
     import types
@@ -879,3 +880,23 @@ def test_the_streamer_copies_experts_from_registered_chunks(monkeypatch, tmp_pat
             region = expected[start:start + a.nbytes].reshape(a.shape)
             region[wanted] = a[wanted]
         np.testing.assert_array_equal(memory, expected)
+    view = streamer.subset([1])
+    memory[...] = 0
+    view.copy(0, np.ones(E, bool), base)
+    expected = np.zeros_like(memory)
+    for start, a in zip(streamer.layouts[1].offsets, layers[1]):
+        expected[start:start + a.nbytes] = a.reshape(-1)
+    np.testing.assert_array_equal(memory, expected)
+    assert view.stream is streamer.stream and len(streamer.layouts) == 2
+
+
+def test_the_starts_gpu_pass_takes_the_first_layer_of_each_kind():
+    """gpu_prefill.warm_layers: a layer per (mixer, GEMM kinds): the first GDN and attention
+    layers where every layer's kinds are the same; a K-quant mix's layers whose down projections
+    are another format count as another kind."""
+    attention = (False, False, False, True) * 3
+    q4 = {"in_proj_qkv": "q4_0", "gate_up": "q4_0", "down": "q4_0"}
+    assert gpu_prefill.warm_layers(attention, [q4] * 12) == [0, 3]
+    q6_down = [{**q4, "down": "q6_k"} if i % 3 == 1 else q4 for i in range(12)]
+    assert gpu_prefill.warm_layers(attention, q6_down) == [0, 1, 3, 7]
+    assert gpu_prefill.warm_layers(attention, q6_down + [{"fc": "q4_0"}]) == [0, 1, 3, 7]

@@ -171,6 +171,28 @@ def name_prompt(models, model, name):
     return text_prompt(models[name]) if name == "default" else prompt(model)
 
 
+def test_the_starts_pass_over_a_layer_of_each_kind_launches_every_kernel(loaded, monkeypatch):
+    """prepare()'s 2-token pass runs on DeviceModel.sample (a layer of each kind: the default
+    model's 8 layers -> 2): every kernel (template, parameters, entry) a 2-token prefill of the
+    whole model launches, it launched too, so no module is loaded after the start."""
+    from fermijit.jit import gpu
+
+    model = loaded("default")[0]
+    launched: list[set] = [set()]
+    call = gpu.Kernel.__call__
+
+    def spy(self, *args, **kwargs):
+        launched[-1].add((self.rendered.template, self.rendered.params, self.entry.name))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(gpu.Kernel, "__call__", spy)
+    pf, err = gpu_prefiller(model)
+    assert len(pf.device.sample().layers) == 2 < len(model.layers)
+    launched.append(set())
+    pf.run(np.zeros(2, np.int32), model.new_state(2))
+    assert launched[0] and launched[1] <= launched[0], launched[1] - launched[0]
+
+
 @pytest.mark.parametrize("name", ["default", "tiny-e128"])
 def test_w4a8_logits_hand_off_and_greedy_tokens_equal_the_cpus(models, loaded, name):
     """Issue 10 item 3: the GPU prefill (W4A8) then CPU decode gives the all-CPU run's tokens."""

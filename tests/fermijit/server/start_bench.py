@@ -54,7 +54,8 @@ MODES = ("default", "earlyreg0", "cpu")
 # JIT-compiled from the sm_20 PTX, or read from the driver's cache, at its load, not at their
 # first launch inside the 2-token pass);
 # "ptxstore0" each kernel's PTX rendered anew (jit/ptx.py: FERMIJIT_PTX_CACHE=0), not read from
-# the rendered texts the first start stored;
+# the rendered texts the first start stored; "gpuwhole" the GPU's 2-token pass over every layer,
+# not one of each kind (hybrid.GPU_WARM_WHOLE_ENV);
 # "pycuda" the GPU's start as it was before the driver-API path (pycuda's module loads and
 # page-locking, one registering thread, Python's own switch interval); "switch0" the driver
 # path with Python's own interval.
@@ -82,6 +83,7 @@ ENV = {"main": MAIN_ENV,
        "eager": {"CUDA_MODULE_LOADING": "EAGER"},
        "passafter": {"FERMIJIT_GPU_PASS_AFTER": "1"},
        "ptxstore0": {"FERMIJIT_PTX_CACHE": "0"},
+       "gpuwhole": {"FERMIJIT_GPU_WARM_WHOLE": "1"},
        "register1": {"FERMIJIT_REGISTER_THREADS": "1"},
        "cpu": {}, "main-cpu": MAIN_ENV, "refresh1-cpu": {"FERMIJIT_LOAD_REFRESH": "1"},
        "warm0": CPU_WARM0_ENV, "warm0-cpu": CPU_WARM0_ENV,
