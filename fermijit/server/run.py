@@ -291,23 +291,22 @@ def raise_fd_limit() -> None:
 ACCEPT_WARN_S = 60.0
 
 
-def http_server(config, answers_at_stop: bool = False):
-    """A uvicorn.Server for `config` whose event loop says in one line (on stderr) when it is out
-    of descriptors to accept connections with, instead of a traceback per connection. With
-    `answers_at_stop` (serve's), on SIGTERM or Ctrl-C it stops taking connections, then has the
-    app answer every request in flight a 503 (app.py make_app's `stop`: its scheduler stopped
-    for good), then lets uvicorn wait for the responses: they end at once, where uvicorn alone
-    cut them after its grace (timeout_graceful_shutdown) and logged an ERROR."""
-    import asyncio
+def loop_errors():
+    """An event loop's exception handler: out of descriptors to accept connections with, one
+    line on stderr at most every ACCEPT_WARN_S instead of a traceback per connection; asyncio's
+    retry of accept() that was pending when the stop closed the socket (scheduled a second after
+    running out), nothing: it found the socket's descriptor -1 and logged a traceback at the
+    stop (seen once in the out-of-descriptors test, tests/fermijit/test_hostile_env.py); anything
+    else, the loop's default (a logged traceback)."""
     import errno
     import resource
-
-    import uvicorn
 
     said_at = [-ACCEPT_WARN_S]
 
     def handle(loop, context) -> None:
         e = context.get("exception")
+        if _accept_retry_after_stop(context):
+            return
         if not (isinstance(e, OSError) and "socket" in context
                 and e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)):
             loop.default_exception_handler(context)
@@ -316,6 +315,34 @@ def http_server(config, answers_at_stop: bool = False):
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             print(f"warning: cannot accept connections: {e.strerror} (ulimit -n {limit}); new "
                   f"clients wait until others close", file=sys.stderr, flush=True)
+
+    return handle
+
+
+def _accept_retry_after_stop(context) -> bool:
+    """Whether `context` is a ValueError of asyncio's `_start_serving` (its accept retry) on a
+    closed socket. The handle's callback and arguments are asyncio's own attributes: nothing
+    public names the callback a handle runs."""
+    handle = context.get("handle")
+    callback = getattr(handle, "_callback", None)
+    return (isinstance(context.get("exception"), ValueError)
+            and getattr(callback, "__name__", None) == "_start_serving"
+            and any(isinstance(a, socket.socket) and a.fileno() == -1
+                    for a in getattr(handle, "_args", None) or ()))
+
+
+def http_server(config, answers_at_stop: bool = False):
+    """A uvicorn.Server for `config` whose event loop reports errors as `loop_errors` says (one
+    line when out of descriptors to accept connections with). With
+    `answers_at_stop` (serve's), on SIGTERM or Ctrl-C it stops taking connections, then has the
+    app answer every request in flight a 503 (app.py make_app's `stop`: its scheduler stopped
+    for good), then lets uvicorn wait for the responses: they end at once, where uvicorn alone
+    cut them after its grace (timeout_graceful_shutdown) and logged an ERROR."""
+    import asyncio
+
+    import uvicorn
+
+    handle = loop_errors()
 
     class Server(uvicorn.Server):
         async def serve(self, sockets=None) -> None:

@@ -249,6 +249,39 @@ def test_serve_out_of_descriptors_says_so_once_and_recovers(tmp_path):
     assert "Too many open files (ulimit -n 40); new clients wait until others close" in text
 
 
+def test_an_accept_retry_after_the_stop_is_no_traceback(capsys, caplog):
+    """asyncio, out of descriptors, retries accept() a second later (`_start_serving`); where the
+    stop closed the socket meanwhile, the retry met descriptor -1 and the loop logged a ValueError's
+    traceback (the test above, once). The server's handler (run.loop_errors) says nothing of that
+    retry, and still logs any other callback's error."""
+    import asyncio
+
+    from fermijit.server import run
+
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(run.loop_errors())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    sock.close()
+
+    def other():
+        raise ValueError("another callback's error")
+
+    try:
+        loop.call_soon(loop._start_serving, lambda: None, sock)  # asyncio's retry, as it calls it
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        assert "Exception in callback" not in caplog.text, caplog.text
+        loop.call_soon(other)
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+    finally:
+        loop.close()
+    assert "another callback's error" in caplog.text
+    assert capsys.readouterr().err == ""
+
+
 def test_forced_cpu_features_this_cpu_lacks_are_refused():
     """NUMBA_CPU_FEATURES with a feature the CPU lacks (`+xop` on a Zen 5): LLVM vectorised with
     it (a rotate became XOP's vprotd) and `generate` died of SIGILL after "loaded", rc 132."""
