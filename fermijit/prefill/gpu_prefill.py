@@ -107,7 +107,6 @@ class DeviceModel:
         self.resident_bytes = (sum(a.nbytes for layer in self.layers for a in layer.values())
                                + self.norm.nbytes + sum(a.nbytes for a in self.head.values()))
 
-
     def sample(self) -> "DeviceModel":
         """A view of this model over `warm_layers` (the same device arrays, buffers and copy
         stream): a pass over it loads every kernel module a pass over the whole model does, as
