@@ -41,7 +41,8 @@ mkdir -p "$out"
 start=$SECONDS  # paired16k's budget counts the install too
 if [ -d .device-wheels ]; then source "$(dirname "$0")/gpu_install.sh"; fi
 py=${PYTHON:-python3}
-nvidia-smi -L >"$out/device.txt" 2>&1
+{ nvidia-smi -L; grep -m1 'model name' /proc/cpuinfo; echo "$(nproc) cores; $(uptime)"; } \
+  >"$out/device.txt" 2>&1
 attention_ab() {  # the A/B of decode attention at 16k (or LENGTH), THREADS or 16 threads, for
   # at most $1 seconds
   timeout "$1" $py tests/longctx_attention_ab.py "${LENGTH:-16384}" "${THREADS:-16}" 12 \

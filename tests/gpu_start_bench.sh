@@ -48,7 +48,8 @@ full=${START_MODEL:-/dev/shm/fermijit-reap128}  # START_MODEL: another (a smalle
   >"$out/synth.txt" 2>&1
 cat $full/model.safetensors >/dev/null  # in the page cache (tmpfs: it is)
 nodes=$(cat /sys/devices/system/node/online 2>/dev/null)  # >1: the early threads interleave
-echo "model ready at $((SECONDS - began)) s; $(nproc) cores; NUMA nodes $nodes; $(uptime)"
+cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)  # the host's, stated with its figures
+echo "model ready at $((SECONDS - began)) s; $(nproc) cores of${cpu}; NUMA nodes $nodes; $(uptime)"
 left=$((total_s - (SECONDS - began) - 10))
 # A kernel cache of its own, empty: the first start is a cold one (the tests step filled the
 # default one), the rounds' are warm (filled by it).

@@ -16,6 +16,7 @@ done
 grep -h "^decode at" "$out"/paired16k-*.txt | sed -n 's/.*median \([0-9.]*\) %.*/\1/p' | sort -n \
   | awk '{ v[NR] = $1 } END { if (NR) printf "median of %d rounds: %.1f %% (target >= 85 %%)\n", NR, v[int((NR + 1) / 2)] }'
 grep -v WARNING "$out/paired16k-1.txt" | grep -A12 "^a token at"
+grep -h "model name\|cores;" "$out/long1/device.txt"  # the host the figures are of
 left=$((550 - (SECONDS - start)))
 if [ "${ATTN_STAGES:-0}" = 1 ] && [ "$left" -ge 60 ]; then
   STAGE_S=$((left / 2)) bash "$(dirname "$0")/gpu_longctx.sh" "$out/long1" attn-stages \
