@@ -28,7 +28,8 @@ from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant, quantize_rows
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
                                          group_scores, make_q8_scores, merged_row, q8_scores_by_key,
-                                         row_max, transposed_keys, weighted_q8_rows, weighted_rows)
+                                         row_max, transposed_keys, weighted_q8_rows, weighted_rows,
+                                         zeroed_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
 
@@ -63,8 +64,11 @@ BLOCK = BLOCK_KEYS  # 64
 # `_merge_row`, one fixed way. So a query's output has the same bits in a pass of any length and
 # in a decode step (a prompt split into passes, a prefix-cache resume), and decode can give a
 # head's ranges to different threads (flash-decoding: with Hkv = 2 there are too few heads to
-# occupy the cores otherwise). Shorter ranges cost more in set-up and merging than they save.
-RANGE_KEYS = 256
+# occupy the cores otherwise). A range is decode's unit of work over the threads: at 16k keys,
+# 256-key ranges gave 16 threads 8 each, and a thread that ran slower made the others wait out a
+# whole range at the end (the op's threads idle 12 % of it on the GPU machine's host); 128 keys
+# cost 0.5 % more here (the partials' merging, tests/longctx_attention_ranges.py), 64 keys 4 %.
+RANGE_KEYS = 128
 # Calls with fewer (query, kv head) pairs than this (decode, short passes) make every range an
 # item of its own over the threads and merge afterwards; others take tiles of queries, whose
 # ranges they compute in turn, merging as they go. Either way the same bits, whatever the thread
@@ -202,8 +206,8 @@ def _tile_range(q, k, v, t0, t1, hkv, start, r, a, m, l, p, rows, key_buffers):
     and ISA."""
     r0 = r * RANGE_KEYS
     r1 = min(r0 + RANGE_KEYS, start + t1)                  # the tile's last query's keys
+    zeroed_rows(a, t1 - t0)
     for i in range(t1 - t0):
-        a[i] = 0
         m[i] = -np.inf
         l[i] = 0
     tile = t1 - t0

@@ -440,6 +440,39 @@ def merged_row(typingctx, a, a_r, c, c_r):
 
 
 @intrinsic
+def zeroed_rows(typingctx, a, n):
+    """a[i, g, :] = 0 for i < n and every g of a [., G, D] (a view of C arrays' leading axes: its
+    last axis contiguous), LANES floats a store. Numba's `a[i] = 0` on such 'A' views became
+    scatters in the AVX-512 build (105 vscatterqps: ~2k floats a key range of decode)."""
+    if not (isinstance(a, types.Array) and a.ndim == 3 and a.dtype == types.float32):
+        return None
+    sig = types.none(a, n)
+
+    def codegen(context, builder, sig, args):
+        aa = context.make_array(sig.args[0])(context, builder, args[0])
+        nv = args[1]
+        c = lambda x: ir.Constant(I64, x)  # noqa: E731
+        _, n_rows, d = cgutils.unpack_tuple(builder, aa.shape, 3)
+        s0, s1, s2 = cgutils.unpack_tuple(builder, aa.strides, 3)
+        n_vec = builder.select(builder.icmp_unsigned("==", s2, c(4)), builder.udiv(d, c(LANES)),
+                               c(0))                       # any other layout: a float a store
+        with cgutils.for_range(builder, nv) as i, cgutils.for_range(builder, n_rows) as g:
+            row = builder.add(builder.mul(i.index, s0), builder.mul(g.index, s1))
+            with cgutils.for_range(builder, n_vec) as loop:
+                at = simd.byte_ptr(builder, aa.data, builder.add(row, builder.mul(
+                    loop.index, c(4 * LANES))))
+                builder.store(ir.Constant(vec(F32, LANES), None),
+                              builder.bitcast(at, vec(F32, LANES).as_pointer()), align=4)
+            with cgutils.for_range(builder, builder.sub(d, builder.mul(n_vec, c(LANES)))) as loop:
+                at = simd.byte_ptr(builder, aa.data, builder.add(row, builder.mul(builder.add(
+                    builder.mul(n_vec, c(LANES)), loop.index), s2)))
+                builder.store(ir.Constant(F32, 0), builder.bitcast(at, F32.as_pointer()))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def exp_row(typingctx, p, g, n, m):
     """p[g, j] = e^(p[g, j] - m) for j < n (mathf's exp, 16 at a time: Numba left that loop
     mostly scalar, an eighth of a decode step's attention) -> their sum: 16-lane partial sums
@@ -518,10 +551,14 @@ KEY_GROUP = 16   # keys a register of the transposed block holds (int32 lanes of
 
 
 def _transpose8(builder, rows):
-    """8 vectors <8 x i32> -> their transpose (out[j][i] = rows[i][j]), by the unpack and
-    128-bit-lane shuffles of the usual 8x8 transpose."""
-    def shuffle(x, y, mask):
-        return builder.shuffle_vector(x, y, ir.Constant(vec(I32, 8), mask))
+    """8 vectors <16 x i32>, each two 8-dword rows (lanes 0-7 and 8-15) -> the two 8x8
+    transposes side by side (out[j][i] = rows[i][j], out[j][8 + i] = rows[i][8 + j]), by the
+    unpack and 128-bit-lane shuffles of the usual 8x8 transpose, each on both halves at once (a
+    zmm shuffle the two ymm ones took)."""
+    def shuffle(x, y, mask):  # mask: an 8x8 transpose's, on each half of x and y
+        lanes = ([m if m < 8 else m + 8 for m in mask]
+                 + [m + 8 if m < 8 else m + 16 for m in mask])
+        return builder.shuffle_vector(x, y, ir.Constant(vec(I32, 16), lanes))
 
     lo32, hi32 = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
     lo64, hi64 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
@@ -555,33 +592,41 @@ def transposed_keys(typingctx, kq, kd, kt, kdt, j0, n):
         q_stride, d_stride = (builder.extract_value(a.strides, 0) for a in (qa, da))
         last = builder.sub(nv, c(1))
         v8 = vec(I32, 8)
-        flip = ir.Constant(v8, [0x80808080 - (1 << 32)] * 8)
+        flip = ir.Constant(vec(I32, 16), [0x80808080 - (1 << 32)] * 16)
 
         def key_row(i):                                  # the row index of lane i, clamped
             return builder.add(j0v, builder.select(
                 builder.icmp_unsigned("<", c(i), nv), c(i), last))
 
-        def store(vector, at):                           # <8 x i32> at byte `at` of kt or kdt
-            builder.store(vector, builder.bitcast(at, v8.as_pointer()), align=4)
+        def store(vector, at):                           # <16 x i32> at byte `at` of kt or kdt
+            builder.store(vector, builder.bitcast(at, vector.type.as_pointer()), align=4)
 
-        # Eight keys at a time, each group's row offsets computed once and its stores by adds:
-        # the 64 rows' offsets held across the block loop were spilled and reloaded, and every
-        # prefetch, load and store address multiplied anew (~300 instructions a key, the stage
-        # 57-77 ns of a key-head's 170-260 on the GPU machine's Emerald Rapids host).
+        # Sixteen keys at a time (keys i0 + i and i0 + 8 + i in the halves of one register,
+        # so each shuffle transposes two 8x8 tiles), each group's row offsets computed once and
+        # its stores by adds: the 64 rows' offsets held across the block loop were spilled and
+        # reloaded, and every prefetch, load and store address multiplied anew (~300
+        # instructions a key, the stage 57-77 ns of a key-head's 170-260 on the GPU machine's
+        # Emerald Rapids host); eight keys at a time took 3 ymm shuffles a key and block.
         row_bytes = builder.mul(width, c(4))             # a [BLOCK] int32 row of kt or kdt
         ahead_q, ahead_d = (builder.mul(c(PREFETCH_KEYS), s) for s in (q_stride, d_stride))
         whole_scale_rows = builder.icmp_unsigned("==", nb, c(8))
-        for i0 in range(0, BLOCK_KEYS, 8):
-            rows = [builder.mul(key_row(i0 + i), q_stride) for i in range(8)]
-            d_rows = [builder.mul(key_row(i0 + i), d_stride) for i in range(8)]
+
+        def paired(load_row, offsets):                   # 16 rows -> 8 registers of 2 rows
+            return [builder.shuffle_vector(load_row(offsets[i]), load_row(offsets[8 + i]),
+                                           ir.Constant(vec(I32, 16), list(range(16))))
+                    for i in range(8)]
+
+        for i0 in range(0, BLOCK_KEYS, KEY_GROUP):
+            rows = [builder.mul(key_row(i0 + i), q_stride) for i in range(KEY_GROUP)]
+            d_rows = [builder.mul(key_row(i0 + i), d_stride) for i in range(KEY_GROUP)]
             with cgutils.for_range(builder, nb) as block:
                 col = builder.mul(block.index, c(32))
                 if PREFETCH_KEYS:
                     for r in rows:
                         simd.prefetch(builder, qa.data, builder.add(builder.add(r, ahead_q), col),
                                       PREFETCH_TO)
-                loaded = [builder.xor(simd.load(builder, qa.data, builder.add(r, col), v8), flip)
-                          for r in rows]
+                loaded = [builder.xor(x, flip) for x in paired(
+                    lambda r: simd.load(builder, qa.data, builder.add(r, col), v8), rows)]
                 first = builder.add(builder.mul(builder.mul(block.index, c(8)), row_bytes),
                                     c(4 * i0))           # kt[b, 0, i0]
                 for w, out in enumerate(_transpose8(builder, loaded)):
@@ -592,7 +637,7 @@ def transposed_keys(typingctx, kq, kd, kt, kdt, j0, n):
                     simd.prefetch(builder, da.data, builder.add(r, ahead_d), PREFETCH_TO)
             with builder.if_else(whole_scale_rows) as (whole, other):
                 with whole:                              # 8 scales a key: transposed as the codes
-                    loaded = [simd.load(builder, da.data, r, v8) for r in d_rows]
+                    loaded = paired(lambda r: simd.load(builder, da.data, r, v8), d_rows)
                     for b, out in enumerate(_transpose8(builder, loaded)):
                         store(out, simd.byte_ptr(builder, sa.data, builder.add(
                             builder.mul(c(b), row_bytes), c(4 * i0))))

@@ -240,3 +240,23 @@ def test_rounded_queries_are_the_cache_rounding_on_one_thread_or_many(rng, T):
     np.testing.assert_array_equal(qd, expected.d)
     sums = expected.qs.reshape(T, 3, 2, 32).astype(np.int32).sum(axis=-1)
     np.testing.assert_array_equal(qc, 128 * sums)
+
+
+@pytest.mark.parametrize("D", [256, 96, 32])
+@pytest.mark.parametrize("n", [64, 63, 17, 16, 9, 1])
+def test_keys_transposed_for_scores_by_key(rng, D, n):
+    """attention_simd.transposed_keys (the AVX-512 VNNI scores' layout; plain vector IR, so it
+    runs on any machine): dword w of block b of key i at kt[b, w, i], bytes flipped to code + 128,
+    the scales at kdt[b, i]; lanes past n repeat the last key. nb 8 takes the scales' transpose
+    path, others the scalar one."""
+    S, j0 = 200, 70
+    k = kv_quant.reference(rng.standard_normal((S, D)).astype(np.float32))
+    nb = D // kv_quant.BLOCK
+    kt = np.full((nb, 8, attention.BLOCK), 12345, np.int32)
+    kdt = np.full((nb, attention.BLOCK), np.nan, np.float32)
+    attention._keys_transposed((k.qs[None], k.d[None]), 0, j0, n, (kt, kdt))
+    keys = j0 + np.minimum(np.arange(attention.BLOCK), n - 1)           # a lane's key
+    flipped = (k.qs.view(np.uint8) ^ 0x80).view(np.int8).reshape(S, nb, 8, 4)
+    want = np.ascontiguousarray(flipped[keys].transpose(1, 2, 0, 3)).view(np.int32)[..., 0]
+    np.testing.assert_array_equal(kt, want)
+    np.testing.assert_array_equal(kdt, k.d[keys].T)

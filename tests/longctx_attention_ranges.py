@@ -1,0 +1,109 @@
+"""Decode attention at long context against its key-range size (issue 31 item 3), one process: a
+token's attention over LAYERS full-size Q8_0 caches (tests/longctx_attention_ab.py's) with
+ops/attention.py RANGE_KEYS as it is and with other sizes (kernels compiled under labels of their
+own, ranges' scratch sized for them), at THREADS and at 1 thread; medians of interleaved rounds,
+ns a key-head of thread time. A range is decode's unit of work over the threads: at 16k keys and
+256 keys a range, 16 threads take 8 ranges each, and the op's threads idled ~12 % of it on the GPU
+machine's host (a thread that ran slower waits out a whole range at the end); shorter ranges cost
+more partials to merge. Outputs are compared with the default size's (other bits: the ranges
+are where the online softmax restarts).
+
+Usage: python tests/longctx_attention_ranges.py [KEYS [THREADS [SIZES]]]  (16384, all, 128,64)"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, HERE)
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+import longctx_attention_ab as ab  # noqa: E402
+from fermijit.jit import cpu, omp  # noqa: E402
+from fermijit.jit.cpu import bind, kernel  # noqa: E402
+from fermijit.ops import attention, kv_quant  # noqa: E402
+
+
+def ranged_kernel(keys: int):
+    """The Q8_0 decode kernel of the process's ISA with RANGE_KEYS = keys, and its n_ranges."""
+    label = f"q8_{cpu.selected_isa().label}-r{keys}"
+    n_ranges = kernel(attention.n_ranges.py_func, variant=f"r{keys}", RANGE_KEYS=keys)
+    combine = kernel(attention.combine_head.py_func, variant=label, n_ranges=n_ranges)
+    made = omp.forking_kernel(
+        bind(attention._decode_body, label + "-decode", n_ranges=n_ranges),
+        fork=bind(attention.attend_share, label, n_ranges=n_ranges,
+                  _tile_range=ab.tile_range(label, RANGE_KEYS=keys)),
+        fork_combine=bind(attention._combine_share, label, combine_head=combine),
+        capped=("fork", "fork_combine"), chunked=("fork",))()
+    return made, n_ranges
+
+
+def token_attention(layers, q, gate, position, keys: int):
+    """A token's attention over the layers with ranges of `keys` (decode's steps: the queries
+    rounded, then the kernel), and its outputs."""
+    run_default, outs = ab.token_attention(layers, q, gate, position)
+    if keys == attention.RANGE_KEYS:
+        return run_default, outs
+    fn, n_ranges = ranged_kernel(keys)
+    T, S = 1, layers[0][0].shape[1]
+    R = n_ranges(S)
+    f32 = np.float32
+    scratch = (np.empty((R, T, ab.HQ, ab.D), f32), np.empty((R, T, ab.HQ), f32),
+               np.empty((R, T, ab.HQ), f32))
+    nb = ab.D // kv_quant.BLOCK
+    rounded = (np.empty((T, ab.HQ, ab.D), np.int8), np.empty((T, ab.HQ, nb), f32),
+               np.empty((T, ab.HQ, nb), np.int32))
+    outs = [np.empty((1, ab.HQ, ab.D), f32) for _ in layers]
+
+    def run():
+        for (k, v), o in zip(layers, outs):
+            attention._quantize_queries_one(q, *rounded, 0, T)
+            fn(rounded, (k.qs, k.d), (v.qs, v.d), position, *scratch, gate, o)
+
+    return run, outs
+
+
+def main(argv: list[str]) -> None:
+    n_keys = int(argv[0]) if argv else 16384
+    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
+    sizes = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else [128, 64]
+    rng = np.random.default_rng(31)
+    q, gate = (rng.standard_normal((1, ab.HQ, ab.D)).astype(np.float32) for _ in range(2))
+    position = np.array([n_keys], np.int64)
+    layers = ab.caches(n_keys, rng)
+    arms = {}
+    for keys in [attention.RANGE_KEYS] + sizes:
+        run, outs = token_attention(layers, q, gate, position, keys)
+        run()
+        arms[keys] = (run, outs)
+    base = arms[attention.RANGE_KEYS][1]
+    for keys, (_, outs) in arms.items():
+        worst = max(float(np.max(np.abs(o - b)) / np.max(np.abs(b))) for o, b in zip(outs, base))
+        print(f"ranges of {keys}: largest difference from {attention.RANGE_KEYS}'s {worst:.2e} "
+              "of the largest output")
+    key_heads = ab.LAYERS * ab.HKV * n_keys
+    print(f"decode attention by key range: {n_keys} keys, {ab.LAYERS} layers, isa "
+          f"{cpu.selected_isa().label}; medians of 7 interleaved rounds, ns a key-head of thread "
+          "time", flush=True)
+    for n in sorted({threads, 1}, reverse=True):
+        numba.set_num_threads(n)
+        times = {keys: [] for keys in arms}
+        for i in range(7):
+            for keys, (run, _) in (arms.items() if i % 2 == 0 else reversed(arms.items())):
+                run()
+                start = time.perf_counter()
+                for _ in range(3):
+                    run()
+                times[keys].append((time.perf_counter() - start) / 3)
+        for keys, ts in times.items():
+            t = float(np.median(ts))
+            print(f"  {n:2d} threads, ranges of {keys:4d} keys: {1e3 * t:7.3f} ms "
+                  f"{1e9 * t * n / key_heads:7.1f} ns", flush=True)
+    numba.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
