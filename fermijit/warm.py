@@ -19,6 +19,7 @@ dies (the same pipe).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -58,14 +59,37 @@ def warm_up(model, prompt: np.ndarray, n_prefill: int = WARM_UP_TOKENS, sampler=
     return time.perf_counter() - start
 
 
+def weight_formats(x, path: str = "") -> tuple:
+    """What picks a layer's kernels, not its values: the type, dtype and rank of every array and
+    the kind of every weight it holds (a K-quant mix gives some layers' down projections another
+    block format, or a permuted input), as (path, ...) leaves."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return tuple(leaf for f in dataclasses.fields(x)
+                     for leaf in weight_formats(getattr(x, f.name), f"{path}.{f.name}"))
+    if isinstance(x, (tuple, list)):
+        return tuple(leaf for i, y in enumerate(x) for leaf in weight_formats(y, f"{path}[{i}]"))
+    if isinstance(x, np.ndarray):
+        return ((path, x.dtype.str, x.ndim),)
+    return ((path, type(x).__name__, x if isinstance(x, (str, int, float, bool)) else None),)
+
+
+def first_of_each_kind(model) -> list[int]:
+    """The first layer of each kind: GDN or attention, with each of its weights' formats (as the
+    GPU's sample: prefill/gpu_prefill.py warm_layers). Layers of a kind differ in their weights'
+    values only, so they run the same kernels."""
+    first: dict = {}
+    for i, (attention_layer, layer) in enumerate(zip(model.is_attention, model.layers)):
+        first.setdefault((attention_layer, weight_formats(layer)), i)
+    return sorted(first.values())
+
+
 def kernel_sample(model):
-    """`model` cut to its first layers up to one of each kind (GDN, attention): the same kernels
-    at a tenth of the work (4 of 40 layers), since layers of a kind differ only in their weights.
-    On the REAP-128 shape the whole-model warm-up read ~1.7 GB of weights and ran 40 layers'
-    prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
-    kinds = model.is_attention
-    n = max(kinds.index(kind) for kind in set(kinds)) + 1
-    return model if n == len(kinds) else with_layers(model, range(n))
+    """`model` cut to its first layers up to one of each kind (`first_of_each_kind`): the same
+    kernels at a tenth of the work (4 of 40 layers), since layers of a kind differ only in their
+    weights. On the REAP-128 shape the whole-model warm-up read ~1.7 GB of weights and ran 40
+    layers' prefill GEMMs for nothing but loading kernels. A shallow copy: weights are shared."""
+    n = first_of_each_kind(model)[-1] + 1
+    return model if n == len(model.layers) else with_layers(model, range(n))
 
 
 # Rows of the LM head kept by `light_sample`: the head's product takes the same kernel for any
@@ -79,10 +103,7 @@ def light_sample(model):
     server's extra warm-ups (fermijit/server/run.py: a prefill past the sizes where ops switch
     kernels, batched steps of 3+ rows), whose every step read the whole head and four layers'
     experts for nothing but loading kernels (+1.3 s of a full-size start on 2 cores)."""
-    import dataclasses
-
-    kinds = model.is_attention
-    light = with_layers(model, sorted({kinds.index(kind) for kind in set(kinds)}))
+    light = with_layers(model, first_of_each_kind(model))
     rows = min(LIGHT_HEAD_ROWS, model.vocab_size)
     w = model.lm_head
     if isinstance(w, np.ndarray):

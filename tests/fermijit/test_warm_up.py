@@ -62,6 +62,23 @@ def test_sample_has_each_layer_kind_and_shares_weights(tmp_path):
     assert r.stdout.split()[0] == "0", r.stdout
 
 
+def test_a_k_quant_mixs_layers_of_another_format_are_kinds_of_their_own(tmp_path):
+    """Q4_K_M gives layer 2 of 4 (GDN) Q6_K down and value projections, so no joined input
+    projection: its kernels are not layer 0's, and both samples take it (the server's extra
+    warm-ups took layers 0 and 3 only)."""
+    from tests.model.test_synth import SMALL_K
+
+    synth.synth("qwen3.6-35b-a3b-reap128", tmp_path / "m", layers=4, overrides=SMALL_K,
+                mix="q4_k_m", show_progress=False)
+    _, model = load_model(tmp_path / "m")
+    assert model.is_attention == (False, False, False, True)
+    assert model.layers[0].joined_in is not None and model.layers[2].joined_in is None
+    assert warm.first_of_each_kind(model) == [0, 2, 3]
+    assert warm.light_sample(model).is_attention == (False, False, True)
+    assert engine.kernel_sample(model) is model
+    assert warm.weight_formats(model.layers[0]) == warm.weight_formats(model.layers[1])
+
+
 # --- first runs with helper processes (fermijit/warm.py) ----------------------------------------
 
 # argv: model, where to save the logits, mode. Modes: "helped" (a helper runs every job into the
