@@ -186,11 +186,12 @@ def _online_softmax(p, n, a, m_t, l_t):
         for j in range(n):
             p[g, j] *= scale
     for g in range(G):
-        m_new = row_max(p, g, n, m_t[g])
-        rescale = np.exp(m_t[g] - m_new)
+        m_old = m_t[g]
+        m_new = row_max(p, g, n, m_old)
+        rescale = np.exp(m_old - m_new)
         l_t[g] = l_t[g] * rescale + exp_row(p, g, n, m_new)
         m_t[g] = m_new
-        if rescale != 1:
+        if rescale != 1 and m_old != -np.inf:  # a range's first block: a is zeros, left so
             for d in range(D):
                 a[g, d] *= rescale
 
