@@ -662,7 +662,7 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
     """p[g, i] for the BLOCK_KEYS keys of a transposed block (transposed_keys) and query rows
     h0..h0+n_heads-1 (qq [., D] codes, qd [., nb] scales, qc [., nb] 128 · the codes' sum per
     block): per block b, vpdpbusd of 16 keys' dword w (a register) with the query's dword w
-    (broadcast) over w < 8, less 128 · Σq, converted, times qd_b · kd_b and added over b. Each
+    (broadcast) over w < 8 from -128 · Σq, converted, times qd_b · kd_b and added over b. Each
     lane the same operations: a key's score has the same bits in any lane or block."""
     sig = types.none(qq, qd, qc, kt, kdt, p, h0, n_heads)
     v = simd.AVX512VNNI
@@ -683,7 +683,11 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
                    for _ in range(n_groups)]
             with cgutils.for_range(builder, nb) as block:
                 b = block.index
-                sums = [ir.Constant(vi, None)] * n_groups
+                # The sums start at -128 · Σq, not 0 (exact integers either way): no subtraction
+                # after them
+                corr = simd.splat(builder, simd.load_scalar(builder, qca.data, builder.add(
+                    builder.mul(h, stride(qca)), builder.mul(b, c(4))), I32), KEY_GROUP)
+                sums = [builder.sub(ir.Constant(vi, None), corr)] * n_groups
                 for w in range(8):
                     qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
                         q_row, builder.add(builder.mul(b, c(32)), c(4 * w))), I32), KEY_GROUP)
@@ -691,14 +695,12 @@ def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
                     for gi in range(n_groups):
                         kv = simd.load(builder, ta.data, builder.add(row, c(64 * gi)), vi)
                         sums[gi] = simd.dpbusd(v, builder, sums[gi], kv, qv)
-                corr = simd.splat(builder, simd.load_scalar(builder, qca.data, builder.add(
-                    builder.mul(h, stride(qca)), builder.mul(b, c(4))), I32), KEY_GROUP)
                 qd = simd.splat(builder, simd.load_scalar(builder, qda.data, builder.add(
                     s_row, builder.mul(b, c(4))), F32), KEY_GROUP)
                 for gi in range(n_groups):
                     kd = simd.load(builder, sa.data, builder.mul(builder.add(
                         builder.mul(b, c(BLOCK_KEYS)), c(KEY_GROUP * gi)), c(4)), vf)
-                    isum = builder.sitofp(builder.sub(sums[gi], corr), vf)
+                    isum = builder.sitofp(sums[gi], vf)
                     builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
                                               builder.load(acc[gi])), acc[gi])
             p_row = builder.mul(head.index, stride(pa))
