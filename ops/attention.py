@@ -64,11 +64,13 @@ BLOCK = BLOCK_KEYS  # 64
 # `_merge_row`, one fixed way. So a query's output has the same bits in a pass of any length and
 # in a decode step (a prompt split into passes, a prefix-cache resume), and decode can give a
 # head's ranges to different threads (flash-decoding: with Hkv = 2 there are too few heads to
-# occupy the cores otherwise). A range is decode's unit of work over the threads: at 16k keys,
-# 256-key ranges gave 16 threads 8 each, and a thread that ran slower made the others wait out a
-# whole range at the end (the op's threads idle 12 % of it on the GPU machine's host); 128 keys
-# cost 0.5 % more here (the partials' merging, tests/longctx_attention_ranges.py), 64 keys 4 %.
-RANGE_KEYS = 128
+# occupy the cores otherwise). A range is also decode's unit of work over the threads: at 16k
+# keys 16 threads take 8 ranges each, and the op's threads idled 12 % of it on the GPU machine's
+# host (session 31: a thread that ran slower leaves the others a whole range to wait out). 128
+# keys cost 1.3-2.6 % more a key-head here and on that host at 1 thread (the partials' merging;
+# tests/longctx_attention_ranges.py), 64 keys 4 %; whether 16 threads gain it back is unmeasured
+# (the one run, session 32, had a host that ran 16 threads no faster than 1).
+RANGE_KEYS = 256
 # Calls with fewer (query, kv head) pairs than this (decode, short passes) make every range an
 # item of its own over the threads and merge afterwards; others take tiles of queries, whose
 # ranges they compute in turn, merging as they go. Either way the same bits, whatever the thread

@@ -16,7 +16,7 @@ if [ "${PRE:-0}" = 1 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ops/test_attention.py \
     tests/ops/test_attention_step.py >"$out/attention-tests.txt" 2>&1
   echo "[$((SECONDS - start)) s] attention tests rc=$?: $(tail -1 "$out/attention-tests.txt")"
-  timeout 200 python3 tests/longctx_attention_ranges.py 16384 16 256,64 >"$out/ranges.txt" 2>&1
+  timeout 200 python3 tests/longctx_attention_ranges.py 16384 16 128,64 >"$out/ranges.txt" 2>&1
   echo "[$((SECONDS - start)) s] key ranges rc=$?"; cat "$out/ranges.txt"
 fi
 for i in $(seq "${ROUNDS:-3}"); do
