@@ -306,11 +306,15 @@ def weighted_rows(typingctx, p, v, a, j0, n):
     return sig, codegen
 
 
-# Query heads a Q8_0 weighted-value tile holds in registers, tried in turn (else one at a time):
-# with 32 vector registers (AVX-512) all 8 of the full-size model's group, 16 accumulators of a
-# 32-dim block, so each value block is converted from int8 once for them; with 16, two heads.
-def q8_value_heads() -> tuple:
-    return (8, 4, 3) if "avx512f" in jit_cpu.target_features() else (2,)
+# A Q8_0 weighted-value tile: query heads held in registers (tried in turn, else one at a time)
+# and vectors of each head's row, so that each value vector is converted from int8 once for all
+# the tile's heads. 32 vector registers (AVX-512): all 8 of the full-size model's group, a whole
+# 32-dim block (16 accumulators). 16 (AVX2): 8 heads of one 8-float vector (8 accumulators), where
+# a pair of heads over a whole block converted every vector 4 times (half the weighted values'
+# instructions were conversions).
+def q8_value_tile() -> tuple:
+    """(head group sizes, vectors of a row) of a weighted_q8_rows tile."""
+    return ((8, 4, 3), 32 // LANES if "avx512f" in jit_cpu.target_features() else 1)
 
 
 @intrinsic
@@ -319,9 +323,9 @@ def weighted_q8_rows(typingctx, p, vq, vd, a, j0, n):
     x_j = vq[j0 + j] · vd[j0 + j] per 32-block (codes converted to fp32 times the scale: the
     dequantised value, bit for bit) made in registers per key and block, never stored (staging a
     64-key block as fp32, 64 KB at D = 256, went through L2: a quarter of a 16k decode step's
-    attention). Per 32-dim block, q8_value_heads()' rows at a time in registers over the keys;
-    each a[g, d] sums its keys in order with the same fused multiply-adds as weighted_rows, so
-    the bits are weighted_rows' over the dequantised rows."""
+    attention). Per q8_value_tile() vectors of a 32-dim block, its heads at a time in registers
+    over the keys; each a[g, d] sums its keys in order with the same fused multiply-adds as
+    weighted_rows, so the bits are weighted_rows' over the dequantised rows."""
     sig = types.none(p, vq, vd, a, j0, n)
 
     def codegen(context, builder, sig, args):
@@ -334,25 +338,29 @@ def weighted_q8_rows(typingctx, p, vq, vd, a, j0, n):
         q_stride, d_stride, a_stride, p_stride = (builder.extract_value(x.strides, 0)
                                                   for x in (qa, da, aa, pa))
         vf = vec(F32, LANES)
-        halves = 32 // LANES
+        heads, n_vec = q8_value_tile()
 
-        def tile(b, row0, n_heads):
+        def tile(b, first, row0, n_heads):
+            """Vectors first..first+n_vec-1 of block b of rows row0.. (the block's first tile
+            prefetches: its rows' bytes are the next tiles' too)."""
             a_rows = [builder.mul(builder.add(row0, c(h)), a_stride) for h in range(n_heads)]
             p_rows = [builder.mul(builder.add(row0, c(h)), p_stride) for h in range(n_heads)]
-            cols = [builder.mul(builder.add(builder.mul(b, c(32)), c(u * LANES)), c(4))
-                    for u in range(halves)]
+            cols = [builder.mul(builder.add(builder.mul(b, c(32)), c((first + u) * LANES)), c(4))
+                    for u in range(n_vec)]
             accs = [[cgutils.alloca_once_value(builder, simd.load(builder, aa.data,
                                                                   builder.add(r, o), vf))
                      for o in cols] for r in a_rows]
             with cgutils.for_range(builder, nv) as key:
                 row = builder.add(j0v, key.index)
-                _prefetch_ahead(builder, qa.data, row, q_stride, builder.mul(b, c(32)))
-                _prefetch_ahead(builder, da.data, row, d_stride, c(0))
+                if first == 0:
+                    _prefetch_ahead(builder, qa.data, row, q_stride, builder.mul(b, c(32)))
+                    _prefetch_ahead(builder, da.data, row, d_stride, c(0))
                 scale = simd.splat(builder, simd.load_scalar(builder, da.data, builder.add(
                     builder.mul(row, d_stride), builder.mul(b, c(4))), F32), LANES)
                 q_row = builder.add(builder.mul(row, q_stride), builder.mul(b, c(32)))
                 xs = [builder.fmul(builder.sitofp(simd.load(builder, qa.data, builder.add(
-                    q_row, c(u * LANES)), vec(I8, LANES)), vf), scale) for u in range(halves)]
+                    q_row, c((first + u) * LANES)), vec(I8, LANES)), vf), scale)
+                      for u in range(n_vec)]
                 for p_row, row_accs in zip(p_rows, accs):
                     w = simd.splat(builder, simd.load_scalar(builder, pa.data, builder.add(
                         p_row, builder.mul(key.index, c(4))), F32), LANES)
@@ -365,8 +373,9 @@ def weighted_q8_rows(typingctx, p, vq, vd, a, j0, n):
                                   align=4)
 
         with cgutils.for_range(builder, nb) as block:
-            _in_groups(builder, n_rows, q8_value_heads(),
-                       lambda row0, heads: tile(block.index, row0, heads))
+            for first in range(0, 32 // LANES, n_vec):
+                _in_groups(builder, n_rows, heads,
+                           lambda row0, size: tile(block.index, first, row0, size))
         return context.get_dummy_value()
 
     return sig, codegen
