@@ -27,8 +27,9 @@ from fermijit.jit import mathf, omp
 from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant, quantize_rows
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
-                                         group_scores, make_q8_scores, merged_row, q8_scores_by_key,
-                                         row_max, transposed_keys, weighted_q8_rows, weighted_rows,
+                                         group_scores, make_q8_scores, make_q8_scores_by_key,
+                                         merged_row, row_max, signed_transposed_keys,
+                                         transposed_keys, weighted_q8_rows, weighted_rows,
                                          zeroed_rows)
 from fermijit.ops.fp32_rows import LANES
 from fermijit.ops.kv_quant import Q8Rows
@@ -108,11 +109,12 @@ def _scores_f32(q, k, t, hkv, jb, n, p):
 
 
 def _scores_q8_by_key(q, k, t, hkv, jb, n, p):
-    """_scores_q8 with AVX-512 VNNI from the block's keys transposed (_keys_transposed: k =
-    (codes, scales) laid out for attention_simd.q8_scores_by_key): 16 keys a register, no
-    horizontal sums (4-5x fewer instructions than a key at a time)."""
+    """_scores_q8 from the block's keys transposed (_keys_transposed: k = (codes, scales,
+    magnitudes) laid out for attention_simd.make_q8_scores_by_key's `q8_scores_by_key`, bound
+    per ISA): 16 keys a register with AVX-512 VNNI, 8 on AVX2, no horizontal sums (4-5x fewer
+    instructions than a key at a time with VNNI)."""
     G = p.shape[0]
-    q8_scores_by_key(q[0][t], q[1][t], q[2][t], k[0], k[1], p, hkv * G, G)
+    q8_scores_by_key(q[0][t], q[1][t], q[2][t], k[0], k[1], k[2], p, hkv * G, G)
 
 
 @kernel
@@ -121,11 +123,10 @@ def _keys_as_stored(k, hkv, jb, n, buffers):
     return k
 
 
-@kernel
 def _keys_transposed(k, hkv, jb, n, buffers):
-    """Keys jb..jb+n-1 of kv head hkv transposed into buffers (attention_simd.transposed_keys),
-    once for every query of a tile."""
-    transposed_keys(k[0][hkv], k[1][hkv], buffers[0], buffers[1], jb, n)
+    """Keys jb..jb+n-1 of kv head hkv transposed into buffers (attention_simd's
+    make_transposed_keys: `transposed_keys` bound per ISA), once for every query of a tile."""
+    transposed_keys(k[0][hkv], k[1][hkv], buffers[0], buffers[1], buffers[2], jb, n)
     return buffers
 
 
@@ -295,7 +296,8 @@ def attend_share(thread, n_threads, args, counter):
     p = np.empty((G, BLOCK), dtype=np.float32)
     rows = np.empty((BLOCK, D), dtype=np.float32)
     key_buffers = (np.zeros((D // 32, 8, BLOCK), dtype=np.int32),   # _keys_transposed's
-                   np.zeros((D // 32, BLOCK), dtype=np.float32))
+                   np.zeros((D // 32, BLOCK), dtype=np.float32),
+                   np.zeros((D // 32, 8, BLOCK), dtype=np.int32))
     n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1
     n_items = _n_items(acc.shape[0], T, Hkv, tile)
@@ -394,6 +396,17 @@ def _decode_body(q, k, v, positions, acc_all, m_all, l_all, gate, o):
 _kernels: dict = {}
 
 
+def q8_score_kernels(isa: Isa, label: str) -> tuple:
+    """(scores, the keys they read) of a Q8_0 cache for `isa`, compiled under `label`: by keys in
+    the lanes from each block's keys transposed once for a tile's queries (AVX-512 VNNI, AVX2),
+    else a key row at a time (SSSE3: its 16 registers and no FMA)."""
+    if isa is Isa.SSSE3:
+        return kernel(_scores_q8, variant=label, q8_scores=make_q8_scores(isa)), _keys_as_stored
+    keys = signed_transposed_keys if isa is Isa.AVX2 else transposed_keys
+    return (kernel(_scores_q8_by_key, variant=label, q8_scores_by_key=make_q8_scores_by_key(isa)),
+            kernel(_keys_transposed, variant=label, transposed_keys=keys))
+
+
 def _kernel(isa: Isa | None, decode: bool = False):
     """The fp32 cache's kernel (isa None), or the Q8_0 cache's for `isa`: attend_share over
     _tile_range with the cache type's scores and value staging; `decode`: `_decode_body`'s."""
@@ -405,10 +418,7 @@ def _kernel(isa: Isa | None, decode: bool = False):
             label = f"q8_{isa.label}"
             staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
                                 for f in (_staged_q8, _weighted_q8))
-            if isa is Isa.AVX512VNNI:
-                scores, keys = kernel(_scores_q8_by_key), _keys_transposed
-            else:
-                scores = kernel(_scores_q8, variant=isa.label, q8_scores=make_q8_scores(isa))
+            scores, keys = q8_score_kernels(isa, label)
         tile_range = kernel(_tile_range, variant=label, _scores=scores, _staged=staged,
                             _staged_keys=keys, _weighted=weighted)
         body = _attention_body

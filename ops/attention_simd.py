@@ -8,6 +8,8 @@ Letters: as ops/attention.py.
 
 from __future__ import annotations
 
+import functools
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -583,140 +585,183 @@ def _transpose8(builder, rows):
             + [shuffle(u[j], u[j + 4], hi128) for j in range(4)])
 
 
-@intrinsic
-def transposed_keys(typingctx, kq, kd, kt, kdt, j0, n):
-    """Keys j0..j0+n-1 (n <= BLOCK) of one kv head, laid out for scores by keys in the lanes:
-    kt [nb, 8, BLOCK] int32 holds dword w of block b of key i at [b, w, i], its bytes made
-    unsigned (code + 128, as vpdpbusd takes them); kdt [nb, BLOCK] the scales. Lanes past n
-    repeat key j0+n-1 (read, never used)."""
-    sig = types.none(kq, kd, kt, kdt, j0, n)
+def make_transposed_keys(unsigned: bool):
+    """An intrinsic transposed(kq, kd, kt, kdt, ka, j0, n): keys j0..j0+n-1 (n <= BLOCK) of one
+    kv head, laid out for scores by keys in the lanes: kt [nb, 8, BLOCK] int32 holds dword w of
+    block b of key i at [b, w, i], kdt [nb, BLOCK] the scales. `unsigned`: the bytes made code +
+    128, as vpdpbusd takes them (ka unused); else the codes as they are and their magnitudes in
+    ka (kt's shape: pmaddubsw's unsigned operand, the codes' signs put on the query's bytes).
+    Lanes past n repeat key j0+n-1 (read, never used)."""
 
-    def codegen(context, builder, sig, args):
-        qa, da, ta, sa = (context.make_array(sig.args[i])(context, builder, args[i])
-                          for i in range(4))
-        j0v, nv = args[4:6]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        nb = builder.extract_value(da.shape, 1)
-        width = builder.extract_value(ta.shape, 2)       # BLOCK
-        q_stride, d_stride = (builder.extract_value(a.strides, 0) for a in (qa, da))
-        last = builder.sub(nv, c(1))
-        v8 = vec(I32, 8)
-        flip = ir.Constant(vec(I32, 16), [0x80808080 - (1 << 32)] * 16)
+    @intrinsic
+    def transposed(typingctx, kq, kd, kt, kdt, ka, j0, n):
+        return types.none(kq, kd, kt, kdt, ka, j0, n), functools.partial(
+            _transposed_codegen, unsigned)
 
-        def key_row(i):                                  # the row index of lane i, clamped
-            return builder.add(j0v, builder.select(
-                builder.icmp_unsigned("<", c(i), nv), c(i), last))
+    return transposed
 
-        def store(vector, at):                           # <16 x i32> at byte `at` of kt or kdt
-            builder.store(vector, builder.bitcast(at, vector.type.as_pointer()), align=4)
 
-        # Sixteen keys at a time (keys i0 + i and i0 + 8 + i in the halves of one register,
-        # so each shuffle transposes two 8x8 tiles), each group's row offsets computed once and
-        # its stores by adds: the 64 rows' offsets held across the block loop were spilled and
-        # reloaded, and every prefetch, load and store address multiplied anew (~300
-        # instructions a key, the stage 57-77 ns of a key-head's 170-260 on the GPU machine's
-        # Emerald Rapids host); eight keys at a time took 3 ymm shuffles a key and block.
-        row_bytes = builder.mul(width, c(4))             # a [BLOCK] int32 row of kt or kdt
-        ahead_q, ahead_d = (builder.mul(c(PREFETCH_KEYS), s) for s in (q_stride, d_stride))
-        whole_scale_rows = builder.icmp_unsigned("==", nb, c(8))
+def _transposed_codegen(unsigned, context, builder, sig, args):
+    qa, da, ta, sa, aba = (context.make_array(sig.args[i])(context, builder, args[i])
+                           for i in range(5))
+    j0v, nv = args[5:7]
+    c = lambda x: ir.Constant(I64, x)  # noqa: E731
+    nb = builder.extract_value(da.shape, 1)
+    width = builder.extract_value(ta.shape, 2)       # BLOCK
+    q_stride, d_stride = (builder.extract_value(a.strides, 0) for a in (qa, da))
+    last = builder.sub(nv, c(1))
+    v8 = vec(I32, 8)
+    flip = ir.Constant(vec(I32, 16), [0x80808080 - (1 << 32)] * 16)
 
-        def paired(load_row, offsets):                   # 16 rows -> 8 registers of 2 rows
-            return [builder.shuffle_vector(load_row(offsets[i]), load_row(offsets[8 + i]),
-                                           ir.Constant(vec(I32, 16), list(range(16))))
-                    for i in range(8)]
+    def key_row(i):                                  # the row index of lane i, clamped
+        return builder.add(j0v, builder.select(
+            builder.icmp_unsigned("<", c(i), nv), c(i), last))
 
-        for i0 in range(0, BLOCK_KEYS, KEY_GROUP):
-            rows = [builder.mul(key_row(i0 + i), q_stride) for i in range(KEY_GROUP)]
-            d_rows = [builder.mul(key_row(i0 + i), d_stride) for i in range(KEY_GROUP)]
-            with cgutils.for_range(builder, nb) as block:
-                col = builder.mul(block.index, c(32))
-                if PREFETCH_KEYS:
-                    for r in rows:
-                        simd.prefetch(builder, qa.data, builder.add(builder.add(r, ahead_q), col),
-                                      PREFETCH_TO)
-                loaded = [builder.xor(x, flip) for x in paired(
-                    lambda r: simd.load(builder, qa.data, builder.add(r, col), v8), rows)]
-                first = builder.add(builder.mul(builder.mul(block.index, c(8)), row_bytes),
-                                    c(4 * i0))           # kt[b, 0, i0]
-                for w, out in enumerate(_transpose8(builder, loaded)):
-                    store(out, simd.byte_ptr(builder, ta.data, builder.add(
-                        first, builder.mul(c(w), row_bytes))))
+    def store(vector, at):                           # <16 x i32> at byte `at` of kt or kdt
+        builder.store(vector, builder.bitcast(at, vector.type.as_pointer()), align=4)
+
+    # Sixteen keys at a time (keys i0 + i and i0 + 8 + i in the halves of one register,
+    # so each shuffle transposes two 8x8 tiles), each group's row offsets computed once and
+    # its stores by adds: the 64 rows' offsets held across the block loop were spilled and
+    # reloaded, and every prefetch, load and store address multiplied anew (~300
+    # instructions a key, the stage 57-77 ns of a key-head's 170-260 on the GPU machine's
+    # Emerald Rapids host); eight keys at a time took 3 ymm shuffles a key and block.
+    row_bytes = builder.mul(width, c(4))             # a [BLOCK] int32 row of kt or kdt
+    ahead_q, ahead_d = (builder.mul(c(PREFETCH_KEYS), s) for s in (q_stride, d_stride))
+    whole_scale_rows = builder.icmp_unsigned("==", nb, c(8))
+
+    def paired(load_row, offsets):                   # 16 rows -> 8 registers of 2 rows
+        return [builder.shuffle_vector(load_row(offsets[i]), load_row(offsets[8 + i]),
+                                       ir.Constant(vec(I32, 16), list(range(16))))
+                for i in range(8)]
+
+    for i0 in range(0, BLOCK_KEYS, KEY_GROUP):
+        rows = [builder.mul(key_row(i0 + i), q_stride) for i in range(KEY_GROUP)]
+        d_rows = [builder.mul(key_row(i0 + i), d_stride) for i in range(KEY_GROUP)]
+        with cgutils.for_range(builder, nb) as block:
+            col = builder.mul(block.index, c(32))
             if PREFETCH_KEYS:
-                for r in d_rows:
-                    simd.prefetch(builder, da.data, builder.add(r, ahead_d), PREFETCH_TO)
-            with builder.if_else(whole_scale_rows) as (whole, other):
-                with whole:                              # 8 scales a key: transposed as the codes
-                    loaded = paired(lambda r: simd.load(builder, da.data, r, v8), d_rows)
-                    for b, out in enumerate(_transpose8(builder, loaded)):
-                        store(out, simd.byte_ptr(builder, sa.data, builder.add(
-                            builder.mul(c(b), row_bytes), c(4 * i0))))
-                with other:
-                    with cgutils.for_range(builder, nb) as block:
-                        for i, r in enumerate(d_rows):
-                            scale = simd.load_scalar(builder, da.data, builder.add(
-                                r, builder.mul(block.index, c(4))), F32)
-                            at = builder.add(builder.mul(block.index, row_bytes), c(4 * (i0 + i)))
-                            builder.store(scale, builder.bitcast(
-                                simd.byte_ptr(builder, sa.data, at), F32.as_pointer()))
-        return context.get_dummy_value()
+                for r in rows:
+                    simd.prefetch(builder, qa.data, builder.add(builder.add(r, ahead_q), col),
+                                  PREFETCH_TO)
+            loaded = paired(
+                lambda r: simd.load(builder, qa.data, builder.add(r, col), v8), rows)
+            if unsigned:
+                loaded = [builder.xor(x, flip) for x in loaded]
+            first = builder.add(builder.mul(builder.mul(block.index, c(8)), row_bytes),
+                                c(4 * i0))           # kt[b, 0, i0]
+            for w, out in enumerate(_transpose8(builder, loaded)):
+                at = builder.add(first, builder.mul(c(w), row_bytes))
+                store(out, simd.byte_ptr(builder, ta.data, at))
+                if not unsigned:
+                    magnitude = simd.abs_i8(builder, builder.bitcast(out, vec(I8, 64)))
+                    store(builder.bitcast(magnitude, out.type),
+                          simd.byte_ptr(builder, aba.data, at))
+        if PREFETCH_KEYS:
+            for r in d_rows:
+                simd.prefetch(builder, da.data, builder.add(r, ahead_d), PREFETCH_TO)
+        with builder.if_else(whole_scale_rows) as (whole, other):
+            with whole:                              # 8 scales a key: transposed as the codes
+                loaded = paired(lambda r: simd.load(builder, da.data, r, v8), d_rows)
+                for b, out in enumerate(_transpose8(builder, loaded)):
+                    store(out, simd.byte_ptr(builder, sa.data, builder.add(
+                        builder.mul(c(b), row_bytes), c(4 * i0))))
+            with other:
+                with cgutils.for_range(builder, nb) as block:
+                    for i, r in enumerate(d_rows):
+                        scale = simd.load_scalar(builder, da.data, builder.add(
+                            r, builder.mul(block.index, c(4))), F32)
+                        at = builder.add(builder.mul(block.index, row_bytes), c(4 * (i0 + i)))
+                        builder.store(scale, builder.bitcast(
+                            simd.byte_ptr(builder, sa.data, at), F32.as_pointer()))
+    return context.get_dummy_value()
 
-    return sig, codegen
 
+transposed_keys = make_transposed_keys(unsigned=True)   # AVX-512 VNNI's
+signed_transposed_keys = make_transposed_keys(unsigned=False)   # AVX2's
 
 BLOCK_KEYS = 64  # keys of a transposed block: ops/attention.py BLOCK
 
 
-@intrinsic
-def q8_scores_by_key(typingctx, qq, qd, qc, kt, kdt, p, h0, n_heads):
-    """p[g, i] for the BLOCK_KEYS keys of a transposed block (transposed_keys) and query rows
+# Keys a pass of scores by key holds in its registers: 4 registers of int32 sums and 4 of fp32
+# ones (AVX2: of 8 keys, so two passes over a 64-key block).
+BY_KEY_REGISTERS = 4
+
+
+def make_q8_scores_by_key(isa: Isa):
+    """An intrinsic scores(qq, qd, qc, kt, kdt, ka, p, h0, n_heads): p[g, i] for the BLOCK_KEYS
+    keys of a transposed block (make_transposed_keys: kt, kdt, ka) and query rows
     h0..h0+n_heads-1 (qq [., D] codes, qd [., nb] scales, qc [., nb] 128 · the codes' sum per
-    block): per block b, vpdpbusd of 16 keys' dword w (a register) with the query's dword w
-    (broadcast) over w < 8 from -128 · Σq, converted, times qd_b · kd_b and added over b. Each
-    lane the same operations: a key's score has the same bits in any lane or block."""
-    sig = types.none(qq, qd, qc, kt, kdt, p, h0, n_heads)
-    v = simd.AVX512VNNI
+    block). Per block b, the integer sums of a register's keys over the block's 8 dwords w,
+    each against the query's dword w (broadcast): with VNNI vpdpbusd of the keys' bytes + 128
+    from -128 · Σq, 16 keys a register; on AVX2 pmaddubsw of their magnitudes with the query's
+    bytes signed as theirs, then pmaddwd, 8 keys a register (both the exact Σ q · k); converted,
+    times qd_b · kd_b and added over b. Each lane the same operations, on either ISA: a key's
+    score has the same bits in any lane, block or pass, and on AVX2 as with VNNI."""
+    vnni = isa is Isa.AVX512VNNI
+    lanes = KEY_GROUP if vnni else 8
+    v = simd.AVX512VNNI if vnni else simd.AVX2
 
-    def codegen(context, builder, sig, args):
-        qqa, qda, qca, ta, sa, pa = (context.make_array(sig.args[i])(context, builder, args[i])
-                                     for i in range(6))
-        h0v, nv = args[6:8]
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        nb = builder.extract_value(qda.shape, 1)
-        stride = lambda arr: builder.extract_value(arr.strides, 0)  # noqa: E731
-        vi, vf = vec(I32, KEY_GROUP), vec(F32, KEY_GROUP)
-        n_groups = BLOCK_KEYS // KEY_GROUP
-        with cgutils.for_range(builder, nv) as head:
-            h = builder.add(h0v, head.index)
-            q_row, s_row = builder.mul(h, stride(qqa)), builder.mul(h, stride(qda))
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None))
-                   for _ in range(n_groups)]
-            with cgutils.for_range(builder, nb) as block:
-                b = block.index
-                # The sums start at -128 · Σq, not 0 (exact integers either way): no subtraction
-                # after them
-                corr = simd.splat(builder, simd.load_scalar(builder, qca.data, builder.add(
-                    builder.mul(h, stride(qca)), builder.mul(b, c(4))), I32), KEY_GROUP)
-                sums = [builder.sub(ir.Constant(vi, None), corr)] * n_groups
-                for w in range(8):
-                    qv = simd.splat(builder, simd.load_scalar(builder, qqa.data, builder.add(
-                        q_row, builder.add(builder.mul(b, c(32)), c(4 * w))), I32), KEY_GROUP)
-                    row = builder.mul(builder.add(builder.mul(b, c(8)), c(w)), c(BLOCK_KEYS * 4))
+    @intrinsic
+    def scores(typingctx, qq, qd, qc, kt, kdt, ka, p, h0, n_heads):
+        sig = types.none(qq, qd, qc, kt, kdt, ka, p, h0, n_heads)
+
+        def codegen(context, builder, sig, args):
+            qqa, qda, qca, ta, sa, aba, pa = (context.make_array(sig.args[i])(
+                context, builder, args[i]) for i in range(7))
+            h0v, nv = args[7:9]
+            c = lambda x: ir.Constant(I64, x)  # noqa: E731
+            nb = builder.extract_value(qda.shape, 1)
+            stride = lambda arr: builder.extract_value(arr.strides, 0)  # noqa: E731
+            vi, vf = vec(I32, lanes), vec(F32, lanes)
+            n_groups = min(BY_KEY_REGISTERS, BLOCK_KEYS // lanes)
+            with cgutils.for_range(builder, nv) as head:
+                h = builder.add(h0v, head.index)
+                q_row, s_row = builder.mul(h, stride(qqa)), builder.mul(h, stride(qda))
+                p_row = builder.mul(head.index, stride(pa))
+                for key0 in range(0, BLOCK_KEYS, n_groups * lanes):
+                    acc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+                           for _ in range(n_groups)]
+                    with cgutils.for_range(builder, nb) as block:
+                        b = block.index
+                        if vnni:  # the sums start at -128 · Σq: no subtraction after them
+                            corr = simd.splat(builder, simd.load_scalar(builder, qca.data,
+                                builder.add(builder.mul(h, stride(qca)), builder.mul(b, c(4))),
+                                I32), lanes)
+                            sums = [builder.sub(ir.Constant(vi, None), corr)] * n_groups
+                        else:
+                            sums = [ir.Constant(vi, None)] * n_groups
+                        for w in range(8):
+                            qv = simd.splat(builder, simd.load_scalar(builder, qqa.data,
+                                builder.add(q_row, builder.add(builder.mul(b, c(32)),
+                                                               c(4 * w))), I32), lanes)
+                            row = builder.mul(builder.add(builder.mul(b, c(8)), c(w)),
+                                              c(BLOCK_KEYS * 4))
+                            for gi in range(n_groups):
+                                at = builder.add(row, c(4 * (key0 + lanes * gi)))
+                                kv = simd.load(builder, ta.data, at, vi)
+                                if vnni:
+                                    sums[gi] = simd.dpbusd(v, builder, sums[gi], kv, qv)
+                                    continue
+                                byte = lambda x: builder.bitcast(x, vec(I8, 4 * lanes))  # noqa
+                                signed = simd.sign_i8(builder, byte(qv), byte(kv))
+                                sums[gi] = builder.add(sums[gi], simd.dot_u8s8(v, builder, [(
+                                    byte(simd.load(builder, aba.data, at, vi)), signed)]))
+                        qd = simd.splat(builder, simd.load_scalar(builder, qda.data, builder.add(
+                            s_row, builder.mul(b, c(4))), F32), lanes)
+                        for gi in range(n_groups):
+                            kd = simd.load(builder, sa.data, builder.mul(builder.add(
+                                builder.mul(b, c(BLOCK_KEYS)), c(key0 + lanes * gi)), c(4)), vf)
+                            isum = builder.sitofp(sums[gi], vf)
+                            builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
+                                                      builder.load(acc[gi])), acc[gi])
                     for gi in range(n_groups):
-                        kv = simd.load(builder, ta.data, builder.add(row, c(64 * gi)), vi)
-                        sums[gi] = simd.dpbusd(v, builder, sums[gi], kv, qv)
-                qd = simd.splat(builder, simd.load_scalar(builder, qda.data, builder.add(
-                    s_row, builder.mul(b, c(4))), F32), KEY_GROUP)
-                for gi in range(n_groups):
-                    kd = simd.load(builder, sa.data, builder.mul(builder.add(
-                        builder.mul(b, c(BLOCK_KEYS)), c(KEY_GROUP * gi)), c(4)), vf)
-                    isum = builder.sitofp(sums[gi], vf)
-                    builder.store(simd.muladd(builder, isum, builder.fmul(qd, kd),
-                                              builder.load(acc[gi])), acc[gi])
-            p_row = builder.mul(head.index, stride(pa))
-            for gi in range(n_groups):
-                dst = simd.byte_ptr(builder, pa.data, builder.add(p_row, c(4 * KEY_GROUP * gi)))
-                builder.store(builder.load(acc[gi]), builder.bitcast(dst, vf.as_pointer()),
-                              align=4)
-        return context.get_dummy_value()
+                        dst = simd.byte_ptr(builder, pa.data, builder.add(
+                            p_row, c(4 * (key0 + lanes * gi))))
+                        builder.store(builder.load(acc[gi]),
+                                      builder.bitcast(dst, vf.as_pointer()), align=4)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return scores

@@ -108,14 +108,7 @@ def tile_range(label: str, fresh: bool = True, **over):
     isa = cpu.selected_isa()
     staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
                         for f in (attention._staged_q8, attention._weighted_q8))
-    if isa is Isa.AVX512VNNI:
-        scores = kernel(attention._scores_q8_by_key, **({"variant": label} if fresh else {}))
-        keys = (kernel(attention._keys_transposed.py_func, variant=label) if fresh
-                else attention._keys_transposed)
-    else:
-        scores = kernel(attention._scores_q8, variant=label if fresh else isa.label,
-                        q8_scores=attention_simd.make_q8_scores(isa))
-        keys = attention._keys_as_stored
+    scores, keys = attention.q8_score_kernels(isa, label)
     bindings = dict(_scores=scores, _staged=staged, _staged_keys=keys, _weighted=weighted)
     return kernel(attention._tile_range, variant=label, **{**bindings, **over})
 

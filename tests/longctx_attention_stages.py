@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
     left_out = {"scores": dict(_scores=_scores_none),
                 "softmax": dict(_online_softmax=_softmax_none),
                 "weighted values": dict(_weighted=_weighted_none)}
-    if cpu.selected_isa() is Isa.AVX512VNNI:  # the only ISA whose keys are transposed
+    if cpu.selected_isa() is not Isa.SSSE3:  # the ISAs whose keys are transposed
         left_out["transposition"] = dict(_staged_keys=_keys_stale)
     runs = {"full": ab.token_attention(layers, q, gate, position)[0]}
     for name, over in left_out.items():

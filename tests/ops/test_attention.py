@@ -242,21 +242,36 @@ def test_rounded_queries_are_the_cache_rounding_on_one_thread_or_many(rng, T):
     np.testing.assert_array_equal(qc, 128 * sums)
 
 
+@pytest.mark.parametrize("isa", [jit_cpu.Isa.AVX512VNNI, jit_cpu.Isa.AVX2],
+                         ids=["flipped", "signed"])
 @pytest.mark.parametrize("D", [256, 96, 32])
 @pytest.mark.parametrize("n", [64, 63, 17, 16, 9, 1])
-def test_keys_transposed_for_scores_by_key(rng, D, n):
-    """attention_simd.transposed_keys (the AVX-512 VNNI scores' layout; plain vector IR, so it
-    runs on any machine): dword w of block b of key i at kt[b, w, i], bytes flipped to code + 128,
+def test_keys_transposed_for_scores_by_key(rng, D, n, isa):
+    """The keys' transposition for scores by key (attention_simd.make_transposed_keys; plain
+    vector IR, so both run on any machine): dword w of block b of key i at kt[b, w, i], the
+    bytes flipped to code + 128 for VNNI, or as they are with their magnitudes in ka for AVX2;
     the scales at kdt[b, i]; lanes past n repeat the last key. nb 8 takes the scales' transpose
     path, others the scalar one."""
     S, j0 = 200, 70
     k = kv_quant.reference(rng.standard_normal((S, D)).astype(np.float32))
+    k.qs[j0, :4] = [-128, 127, 0, -1]  # -128's magnitude is 128, read as unsigned
     nb = D // kv_quant.BLOCK
     kt = np.full((nb, 8, attention.BLOCK), 12345, np.int32)
+    ka = np.full((nb, 8, attention.BLOCK), 12345, np.int32)
     kdt = np.full((nb, attention.BLOCK), np.nan, np.float32)
-    attention._keys_transposed((k.qs[None], k.d[None]), 0, j0, n, (kt, kdt))
+    _, transposed = attention.q8_score_kernels(isa, f"test-{isa.label}")
+    transposed((k.qs[None], k.d[None]), 0, j0, n, (kt, kdt, ka))
     keys = j0 + np.minimum(np.arange(attention.BLOCK), n - 1)           # a lane's key
-    flipped = (k.qs.view(np.uint8) ^ 0x80).view(np.int8).reshape(S, nb, 8, 4)
-    want = np.ascontiguousarray(flipped[keys].transpose(1, 2, 0, 3)).view(np.int32)[..., 0]
-    np.testing.assert_array_equal(kt, want)
+
+    def laid_out(codes):  # int8 [S, D] -> [nb, 8, BLOCK] int32, as kt
+        per_dword = codes.reshape(S, nb, 8, 4)[keys].transpose(1, 2, 0, 3)
+        return np.ascontiguousarray(per_dword).view(np.int32)[..., 0]
+
+    if isa is jit_cpu.Isa.AVX512VNNI:
+        np.testing.assert_array_equal(kt, laid_out((k.qs.view(np.uint8) ^ 0x80).view(np.int8)))
+        assert (ka == 12345).all()
+    else:
+        np.testing.assert_array_equal(kt, laid_out(k.qs))
+        magnitude = np.abs(k.qs.astype(np.int16)).astype(np.uint8).view(np.int8)
+        np.testing.assert_array_equal(ka, laid_out(magnitude))
     np.testing.assert_array_equal(kdt, k.d[keys].T)
