@@ -70,7 +70,7 @@ def weight_formats(x, path: str = "") -> tuple:
         return tuple(leaf for i, y in enumerate(x) for leaf in weight_formats(y, f"{path}[{i}]"))
     if isinstance(x, np.ndarray):
         return ((path, x.dtype.str, x.ndim),)
-    return ((path, type(x).__name__, x if isinstance(x, (str, int, float, bool)) else None),)
+    return ((path, type(x).__name__, x if isinstance(x, (str, int, bool)) else None),)
 
 
 def first_of_each_kind(model) -> list[int]:

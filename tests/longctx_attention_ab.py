@@ -100,11 +100,10 @@ def in_huge_pages(layers) -> list:
     return out
 
 
-def tile_range(label: str, fresh: bool = True, **over):
+def tile_range(label: str, **over):
     """attention._kernel's Q8_0 tile range for the process's ISA, with `over` in place of its
-    bindings: compiled anew under `label` by its first call (settings such as
-    attention_simd.PREFETCH_KEYS read then), or (fresh False, label attention._kernel's) under
-    attention._kernel's own names: the same code."""
+    bindings: compiled under `label` by its first call (settings such as
+    attention_simd.PREFETCH_KEYS read then; attention._kernel's label: its own code)."""
     isa = cpu.selected_isa()
     staged, weighted = (kernel(f, variant=label, VALUES_IN_REGISTERS=isa is not Isa.SSSE3)
                         for f in (attention._staged_q8, attention._weighted_q8))
@@ -149,7 +148,7 @@ def scalar_merge_kernel():
     return omp.forking_kernel(
         bind(attention._decode_body, label + "-decode"),
         fork=bind(attention.attend_share, f"q8_{isa.label}",
-                  _tile_range=tile_range(f"q8_{isa.label}", fresh=False)),
+                  _tile_range=tile_range(f"q8_{isa.label}")),
         fork_combine=bind(attention._combine_share, label, combine_head=combine),
         capped=("fork", "fork_combine"), chunked=("fork",))()
 
