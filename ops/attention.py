@@ -295,9 +295,12 @@ def attend_share(thread, n_threads, args, counter):
     run_l = np.empty((2, width, G), dtype=np.float32)
     p = np.empty((G, BLOCK), dtype=np.float32)
     rows = np.empty((BLOCK, D), dtype=np.float32)
-    key_buffers = (np.zeros((D // 32, 8, BLOCK), dtype=np.int32),   # _keys_transposed's
+    # _keys_transposed's, every lane written before it is read: the codes' 32 KB not zeroed
+    # every call (the scales are, for tests/longctx_attention_stages.py's arm that never
+    # writes them: no stray subnormals)
+    key_buffers = (np.empty((D // 32, 8, BLOCK), dtype=np.int32),
                    np.zeros((D // 32, BLOCK), dtype=np.float32),
-                   np.zeros((D // 32, 8, BLOCK), dtype=np.int32))
+                   np.empty((D // 32, 8, BLOCK), dtype=np.int32))
     n_tiles = (T + width - 1) // width
     per = acc.shape[0] if per_range else 1
     n_items = _n_items(acc.shape[0], T, Hkv, tile)

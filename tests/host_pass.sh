@@ -12,7 +12,7 @@ out=${1:?usage: tests/host_pass.sh OUTDIR}
 mkdir -p "$out"
 start=$SECONDS
 if [ "${PRE:-0}" = 1 ]; then
-  [ -d .device-wheels ] && { out=$out; source "$(dirname "$0")/gpu_install.sh"; }
+  [ -d .device-wheels ] && source "$(dirname "$0")/gpu_install.sh"
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/ops/test_attention.py \
     tests/ops/test_attention_step.py >"$out/attention-tests.txt" 2>&1
   echo "[$((SECONDS - start)) s] attention tests rc=$?: $(tail -1 "$out/attention-tests.txt")"

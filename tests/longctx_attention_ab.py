@@ -112,15 +112,19 @@ def tile_range(label: str, **over):
     return kernel(attention._tile_range, variant=label, **{**bindings, **over})
 
 
-def labelled_kernel(label: str, **over):
+def labelled_kernel(label: str, n_ranges=None, **over):
     """The Q8_0 decode kernel of the process's ISA as attention._kernel makes it, under labels of
     its own, over `tile_range(label, **over)` (tests/longctx_attention_stages.py leaves stages
-    out)."""
+    out); `n_ranges`: a kernel in place of attention.n_ranges where the ranges' size is another
+    (tests/longctx_attention_ranges.py, with RANGE_KEYS in `over`)."""
+    ranged = {} if n_ranges is None else {"n_ranges": n_ranges}
+    combine = attention._combine_share if n_ranges is None else bind(
+        attention._combine_share, label,
+        combine_head=kernel(attention.combine_head.py_func, variant=label, **ranged))
     return omp.forking_kernel(
-        bind(attention._decode_body, label + "-decode"),
-        fork=bind(attention.attend_share, label, _tile_range=tile_range(label, **over)),
-        fork_combine=attention._combine_share, capped=("fork", "fork_combine"),
-        chunked=("fork",))()
+        bind(attention._decode_body, label + "-decode", **ranged),
+        fork=bind(attention.attend_share, label, _tile_range=tile_range(label, **over), **ranged),
+        fork_combine=combine, capped=("fork", "fork_combine"), chunked=("fork",))()
 
 
 def unprefetched_kernel():

@@ -24,24 +24,17 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 import longctx_attention_ab as ab  # noqa: E402
-from fermijit.jit import cpu, omp  # noqa: E402
-from fermijit.jit.cpu import bind, kernel  # noqa: E402
+from fermijit.jit import cpu  # noqa: E402
+from fermijit.jit.cpu import kernel  # noqa: E402
 from fermijit.ops import attention, attention_simd, kv_quant  # noqa: E402
 
 
 def ranged_kernel(keys: int, name: str):
     """The Q8_0 decode kernel of the process's ISA with RANGE_KEYS = keys, and its n_ranges,
     under labels of `name`'s."""
-    label = f"q8_{cpu.selected_isa().label}-{name}"
     n_ranges = kernel(attention.n_ranges.py_func, variant=f"r{keys}", RANGE_KEYS=keys)
-    combine = kernel(attention.combine_head.py_func, variant=label, n_ranges=n_ranges)
-    made = omp.forking_kernel(
-        bind(attention._decode_body, label + "-decode", n_ranges=n_ranges),
-        fork=bind(attention.attend_share, label, n_ranges=n_ranges,
-                  _tile_range=ab.tile_range(label, RANGE_KEYS=keys)),
-        fork_combine=bind(attention._combine_share, label, combine_head=combine),
-        capped=("fork", "fork_combine"), chunked=("fork",))()
-    return made, n_ranges
+    return (ab.labelled_kernel(f"q8_{cpu.selected_isa().label}-{name}", n_ranges=n_ranges,
+                               RANGE_KEYS=keys), n_ranges)
 
 
 def token_attention(layers, q, gate, position, keys: int, name: str):
