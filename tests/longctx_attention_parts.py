@@ -1,0 +1,123 @@
+"""Decode attention at long context in its parts (issue 31 item 3), one process: a token's
+attention over LAYERS full-size Q8_0 caches (tests/longctx_attention_ab.py's), the kernel as it
+is against variants of the merge of its key ranges' partials (its second fork): as it was before
+session 33 (no prefetch of the ranges ahead, ops/attention.py MERGE_AHEAD 0), with prefetches and
+the old threads (MERGE_FLOATS 32768: 8 threads at 16k), and left out (outputs wrong: timing
+only), at THREADS, half of them and 1 thread; medians of 7 interleaved rounds, ms a token and ns
+a key-head of thread time. First the host's CPU topology (/sys).
+
+Usage: python tests/longctx_attention_parts.py [KEYS [THREADS]]  (16384, all)"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, HERE)
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+import longctx_attention_ab as ab  # noqa: E402
+from fermijit.jit import cpu, omp  # noqa: E402
+from fermijit.jit.cpu import bind, kernel  # noqa: E402
+from fermijit.ops import attention  # noqa: E402
+
+
+def topology() -> str:
+    """CPUs, their hyperthread siblings and cores as /sys tells them."""
+    def read(path):
+        try:
+            return open(path).read().strip()
+        except OSError:
+            return "?"
+    cpus = sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*"), key=lambda p: int(p[27:]))
+    siblings = {read(f"{c}/topology/thread_siblings_list") for c in cpus}
+    cores = {(read(f"{c}/topology/physical_package_id"), read(f"{c}/topology/core_id"))
+             for c in cpus}
+    mhz = [line.split(":")[1].strip() for line in open("/proc/cpuinfo") if "MHz" in line]
+    return (f"{len(cpus)} CPUs, {len(cores)} cores, sibling sets {sorted(siblings)[:4]}..., "
+            f"MHz {mhz[:4]}")
+
+
+def _no_merge(thread, n_threads, args):
+    """A merge share that merges nothing."""
+
+
+def merge_variant(name: str, merge_ahead=None, merge_floats=None):
+    """ab.labelled_kernel's kernel with the merge's settings (None: as they are), or none
+    (`merge_ahead` False)."""
+    label = f"q8_{cpu.selected_isa().label}-{name}"
+    body = {} if merge_floats is None else {"MERGE_FLOATS": merge_floats}
+    if merge_ahead is False:
+        combine = _no_merge
+    else:
+        head = kernel(attention.combine_head.py_func, variant=label, **(
+            {} if merge_ahead is None else {"MERGE_AHEAD": merge_ahead}))
+        combine = bind(attention._combine_share, label, combine_head=head)
+    return omp.forking_kernel(
+        bind(attention._decode_body, label + "-decode", **body),
+        fork=bind(attention.attend_share, label, _tile_range=ab.tile_range(label)),
+        fork_combine=combine, capped=("fork", "fork_combine"), chunked=("fork",))()
+
+
+def token_runner(layers, q, gate, position, fn):
+    """A token's attention over the layers by kernel `fn` (decode's steps, as
+    tests/longctx_attention_ranges.py's)."""
+    T, S = 1, layers[0][0].shape[1]
+    R = attention.n_ranges(S)
+    f32 = np.float32
+    scratch = (np.empty((R, T, ab.HQ, ab.D), f32), np.empty((R, T, ab.HQ), f32),
+               np.empty((R, T, ab.HQ), f32))
+    nb = ab.D // 32
+    rounded = (np.empty((T, ab.HQ, ab.D), np.int8), np.empty((T, ab.HQ, nb), f32),
+               np.empty((T, ab.HQ, nb), np.int32))
+    outs = [np.empty((1, ab.HQ, ab.D), f32) for _ in layers]
+
+    def run():
+        for (k, v), o in zip(layers, outs):
+            attention._quantize_queries_one(q, *rounded, 0, T)
+            fn(rounded, (k.qs, k.d), (v.qs, v.d), position, *scratch, gate, o)
+
+    return run
+
+
+def main(argv: list[str]) -> None:
+    print(topology(), flush=True)
+    n_keys = int(argv[0]) if argv else 16384
+    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
+    rng = np.random.default_rng(31)
+    q, gate = (rng.standard_normal((1, ab.HQ, ab.D)).astype(np.float32) for _ in range(2))
+    position = np.array([n_keys], np.int64)
+    layers = ab.caches(n_keys, rng)
+    variants = {"as was": ("was", 0, 32768), "prefetched, 8": ("pf8", None, 32768),
+                "no merge": ("nomerge", False, None)}
+    arms = {"kernel": ab.token_attention(layers, q, gate, position)[0],
+            **{name: token_runner(layers, q, gate, position, merge_variant(*v))
+               for name, v in variants.items()}}
+    for run in arms.values():
+        run()
+    key_heads = ab.LAYERS * ab.HKV * n_keys
+    print(f"decode attention in parts: {n_keys} keys, {ab.LAYERS} layers, isa "
+          f"{cpu.selected_isa().label}; medians of 7 interleaved rounds", flush=True)
+    for n in sorted({threads, max(1, threads // 2), 1}, reverse=True):
+        numba.set_num_threads(n)
+        times = {name: [] for name in arms}
+        for i in range(7):
+            for name, run in (arms.items() if i % 2 == 0 else reversed(arms.items())):
+                run()
+                start = time.perf_counter()
+                for _ in range(3):
+                    run()
+                times[name].append((time.perf_counter() - start) / 3)
+        for name, ts in times.items():
+            t = float(np.median(ts))
+            print(f"  {n:2d} threads, {name:<14} {1e3 * t:7.3f} ms {1e9 * t * n / key_heads:7.1f} "
+                  "ns", flush=True)
+    numba.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
