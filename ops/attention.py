@@ -28,8 +28,7 @@ from fermijit.jit.cpu import Isa, bind, kernel
 from fermijit.ops import fp32_rows, kv_quant, quantize_rows
 from fermijit.ops.attention_simd import (BLOCK_KEYS, SCORE_KEYS, dequantized_rows, exp_row,
                                          group_scores, make_q8_scores, make_q8_scores_by_key,
-                                         merged_row, prefetched_row, row_max,
-                                         signed_transposed_keys,
+                                         merged_row, row_max, signed_transposed_keys,
                                          transposed_keys, weighted_q8_rows, weighted_rows,
                                          zeroed_rows)
 from fermijit.ops.fp32_rows import LANES
@@ -314,14 +313,16 @@ def attend_share(thread, n_threads, args, counter):
             h0 = hkv * G
             r_lo, r_hi = (item % per, item % per + 1) if per_range else (0, n_ranges(start + t1))
             for r in range(r_lo, min(r_hi, n_ranges(start + t1))):
-                if per_range:
-                    da, dm, dl = (acc[r, t0:t1, h0:h0 + G], m[r, t0:t1, h0:h0 + G],
-                                  l[r, t0:t1, h0:h0 + G])
-                else:
-                    s = min(r, 1)
-                    da, dm, dl = (run_a[s, 0:t1 - t0, 0:G], run_m[s, 0:t1 - t0, 0:G],
-                                  run_l[s, 0:t1 - t0, 0:G])
+                # A range's maxima and sums in this thread's own rows while its blocks update
+                # them, then stored once: the item of the other kv head over the same range
+                # (taken at the same time, by another thread) has its rows in the same line.
+                s = min(r, 1) if not per_range else 1
+                da = acc[r, t0:t1, h0:h0 + G] if per_range else run_a[s, 0:t1 - t0, 0:G]
+                dm, dl = run_m[s, 0:t1 - t0, 0:G], run_l[s, 0:t1 - t0, 0:G]
                 _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, rows, key_buffers)
+                if per_range:
+                    m[r, t0:t1, h0:h0 + G] = dm
+                    l[r, t0:t1, h0:h0 + G] = dl
                 for i in range(t1 - t0 if not per_range and r > 0 else 0):
                     if start + t0 + i + 1 > r * RANGE_KEYS:            # the query has keys in r
                         for g in range(G):
@@ -335,21 +336,6 @@ def attend_share(thread, n_threads, args, counter):
         run_first, run_last = omp.next_run(counter, thread, n_threads, n_items, 1, 1)
 
 
-# Ranges ahead whose partials the merge prefetches: each range's row (1 KB at full size) was
-# written by another core, 16 KB from the previous one, so every line was a miss the hardware
-# does not foresee; unprefetched, the merge of 16k keys' 64 ranges took 0.9 ms of a token's 5.4
-# on the GPU machine's host at 16 threads (0.8 ms at one).
-MERGE_AHEAD = 4
-
-
-@kernel
-def _prefetched_range(acc, m, l, s, t, h):
-    """Range s's partial of (t, h) on its way to L1."""
-    prefetched_row(acc[s, t, h])
-    prefetched_row(m[s, t])
-    prefetched_row(l[s, t])
-
-
 @kernel
 def combine_head(acc, m, l, start, gate, o, th):
     """o[t, h] for th = t·Hq + h from attend_share's ranges (the query's own: n_ranges of its
@@ -357,15 +343,15 @@ def combine_head(acc, m, l, start, gate, o, th):
     range)."""
     Hq = o.shape[1]
     t, h = th // Hq, th % Hq
-    n = n_ranges(start + t + 1)
-    for s in range(1, min(n, 1 + MERGE_AHEAD)):
-        _prefetched_range(acc, m, l, s, t, h)
-    for s in range(1, n):
-        if MERGE_AHEAD and s + MERGE_AHEAD < n:
-            _prefetched_range(acc, m, l, s + MERGE_AHEAD, t, h)
-        m[0, t, h], l[0, t, h] = _merge_row(acc[0, t, h], m[0, t, h], l[0, t, h], acc[s, t, h],
-                                            m[s, t, h], l[s, t, h])
-    _finish_row(acc[0, t, h], l[0, t, h], gate[t, h], o[t, h])
+    # The running maximum and sum in registers: m[0, t] and l[0, t] hold every head's in one
+    # line, which a store a range by each of the merge's threads bounced between their cores.
+    # On the GPU machine's host the merge of 16k keys took 0.75-0.9 ms of a token's 5.2-5.4 at
+    # 16 threads, as much as at one; this sharing the likely cause (session 33, not measured
+    # there since; here the merge alone on 2 threads 40 us against 84-88, slower than on one).
+    m_t, l_t = m[0, t, h], l[0, t, h]
+    for s in range(1, n_ranges(start + t + 1)):
+        m_t, l_t = _merge_row(acc[0, t, h], m_t, l_t, acc[s, t, h], m[s, t, h], l[s, t, h])
+    _finish_row(acc[0, t, h], l_t, gate[t, h], o[t, h])
 
 
 def _combine_share(thread, n_threads, args):

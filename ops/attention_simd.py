@@ -451,26 +451,6 @@ def merged_row(typingctx, a, a_r, c, c_r):
 
 
 @intrinsic
-def prefetched_row(typingctx, a):
-    """Prefetch every 64-byte line of the contiguous row a into L1 (a range's partial that the
-    merge reads next: written by another core, each line a miss the hardware does not foresee
-    at the ranges' 16 KB stride)."""
-    if not (isinstance(a, types.Array) and a.ndim == 1):
-        return None
-    sig = types.none(a)
-
-    def codegen(context, builder, sig, args):
-        aa = context.make_array(sig.args[0])(context, builder, args[0])
-        c = lambda x: ir.Constant(I64, x)  # noqa: E731
-        nbytes = builder.mul(builder.extract_value(aa.shape, 0), c(a.dtype.bitwidth // 8))
-        with cgutils.for_range(builder, builder.udiv(builder.add(nbytes, c(63)), c(64))) as line:
-            simd.prefetch(builder, aa.data, builder.mul(line.index, c(64)), 3)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def zeroed_rows(typingctx, a, n):
     """a[i, g, :] = 0 for i < n and every g of a [., G, D] (a view of C arrays' leading axes: its
     last axis contiguous), LANES floats a store. Numba's `a[i] = 0` on such 'A' views became

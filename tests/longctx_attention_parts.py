@@ -1,10 +1,14 @@
 """Decode attention at long context in its parts (issue 31 item 3), one process: a token's
 attention over LAYERS full-size Q8_0 caches (tests/longctx_attention_ab.py's), the kernel as it
-is against variants of the merge of its key ranges' partials (its second fork): as it was before
-session 33 (no prefetch of the ranges ahead, ops/attention.py MERGE_AHEAD 0), with prefetches and
-the old threads (MERGE_FLOATS 32768: 8 threads at 16k), and left out (outputs wrong: timing
-only), at THREADS, half of them and 1 thread; medians of 7 interleaved rounds, ms a token and ns
-a key-head of thread time. First the host's CPU topology (/sys).
+is against its merge of the key ranges' partials (its second fork) as it was before session 33
+(`combine_head_as_was`: every range's running maximum and sum stored, into one line for all
+heads; MERGE_FLOATS 32768: 8 threads at 16k) and without a merge
+(outputs wrong: timing only), at THREADS, half of them and 1 thread; then the merge alone on
+partials in cache, as it is and as it was. Medians of 7 interleaved rounds. First the host's CPU
+topology (/sys). On the GPU machine's host (16 threads, 16k keys, before session 33's change to
+the stores) the kernel took 5.35 ms a token, without its merge 4.46 (8 threads 8.08 / 7.14,
+1 thread 69.4 / 68.6); the partials prefetched 4 ranges ahead and the merge on 16 threads 5.18
+against 5.51 as it was, 4.43 without (the prefetch alone 5.62: left out).
 
 Usage: python tests/longctx_attention_parts.py [KEYS [THREADS]]  (16384, all)"""
 from __future__ import annotations
@@ -46,21 +50,36 @@ def _no_merge(thread, n_threads, args):
     """A merge share that merges nothing."""
 
 
-def merge_variant(name: str, merge_ahead=None, merge_floats=None):
-    """ab.labelled_kernel's kernel with the merge's settings (None: as they are), or none
-    (`merge_ahead` False)."""
+@kernel(fastmath=False)
+def combine_head_as_was(acc, m, l, start, gate, o, th):
+    """attention.combine_head before session 33."""
+    Hq = o.shape[1]
+    t, h = th // Hq, th % Hq
+    for s in range(1, attention.n_ranges(start + t + 1)):
+        m[0, t, h], l[0, t, h] = attention._merge_row(
+            acc[0, t, h], m[0, t, h], l[0, t, h], acc[s, t, h], m[s, t, h], l[s, t, h])
+    attention._finish_row(acc[0, t, h], l[0, t, h], gate[t, h], o[t, h])
+
+
+def merge_variant(name: str, combine, merge_floats=None):
+    """ab.labelled_kernel's kernel with the merge share `combine` (and MERGE_FLOATS)."""
     label = f"q8_{cpu.selected_isa().label}-{name}"
     body = {} if merge_floats is None else {"MERGE_FLOATS": merge_floats}
-    if merge_ahead is False:
-        combine = _no_merge
-    else:
-        head = kernel(attention.combine_head.py_func, variant=label, **(
-            {} if merge_ahead is None else {"MERGE_AHEAD": merge_ahead}))
-        combine = bind(attention._combine_share, label, combine_head=head)
     return omp.forking_kernel(
         bind(attention._decode_body, label + "-decode", **body),
         fork=bind(attention.attend_share, label, _tile_range=ab.tile_range(label)),
         fork_combine=combine, capped=("fork", "fork_combine"), chunked=("fork",))()
+
+
+def _merges(acc, m, l, start, gate, o, reps, cap):
+    for _ in range(reps):
+        fork_combine(cap, (acc, m, l, start, gate, o))  # noqa: F821 (forking_kernel's)
+
+
+def merge_alone(name: str, combine):
+    """A kernel running the merge fork `reps` times over the same partials."""
+    return omp.forking_kernel(bind(_merges, name), fork_combine=combine,
+                              capped=("fork_combine",))()
 
 
 def token_runner(layers, q, gate, position, fn):
@@ -92,11 +111,12 @@ def main(argv: list[str]) -> None:
     q, gate = (rng.standard_normal((1, ab.HQ, ab.D)).astype(np.float32) for _ in range(2))
     position = np.array([n_keys], np.int64)
     layers = ab.caches(n_keys, rng)
-    variants = {"as was": ("was", 0, 32768), "prefetched, 8": ("pf8", None, 32768),
-                "no merge": ("nomerge", False, None)}
+    was = bind(attention._combine_share, "as-was", combine_head=combine_head_as_was)
     arms = {"kernel": ab.token_attention(layers, q, gate, position)[0],
-            **{name: token_runner(layers, q, gate, position, merge_variant(*v))
-               for name, v in variants.items()}}
+            "merge as was": token_runner(layers, q, gate, position,
+                                         merge_variant("was", was, 32768)),
+            "no merge": token_runner(layers, q, gate, position,
+                                     merge_variant("nomerge", _no_merge))}
     for run in arms.values():
         run()
     key_heads = ab.LAYERS * ab.HKV * n_keys
@@ -116,6 +136,26 @@ def main(argv: list[str]) -> None:
             t = float(np.median(ts))
             print(f"  {n:2d} threads, {name:<14} {1e3 * t:7.3f} ms {1e9 * t * n / key_heads:7.1f} "
                   "ns", flush=True)
+    # The merge alone: one token's partials of 16 heads (in cache, written by this thread)
+    R = attention.n_ranges(n_keys + 1)
+    acc = rng.standard_normal((R, 1, ab.HQ, ab.D)).astype(np.float32)
+    m = rng.standard_normal((R, 1, ab.HQ)).astype(np.float32)
+    l = rng.random((R, 1, ab.HQ)).astype(np.float32) + 1
+    o = np.empty((1, ab.HQ, ab.D), np.float32)
+    merges = {"merge": merge_alone("merge", attention._combine_share),
+              "merge as was": merge_alone("merge-was", was)}
+    print(f"the merge alone: {R} ranges of {ab.HQ} heads, a thread a head (at most)", flush=True)
+    for n in sorted({threads, max(1, threads // 2), 1}, reverse=True):
+        numba.set_num_threads(n)
+        times = {name: [] for name in merges}
+        for i in range(7):
+            for name, fn in (merges.items() if i % 2 == 0 else reversed(merges.items())):
+                fn(acc, m, l, n_keys, gate, o, 2, n)
+                start = time.perf_counter()
+                fn(acc, m, l, n_keys, gate, o, 100, n)
+                times[name].append((time.perf_counter() - start) / 100)
+        for name, ts in times.items():
+            print(f"  {n:2d} threads, {name:<14} {1e6 * float(np.median(ts)):7.1f} us", flush=True)
     numba.set_num_threads(threads)
 
 
