@@ -69,8 +69,8 @@ BLOCK = BLOCK_KEYS  # 64
 # keys 16 threads take 8 ranges each, and the op's threads idled 12 % of it on the GPU machine's
 # host (session 31: a thread that ran slower leaves the others a whole range to wait out). 128
 # keys cost 1.3-2.6 % more a key-head here and on that host at 1 thread (the partials' merging;
-# tests/longctx_attention_ranges.py), 64 keys 4 %; whether 16 threads gain it back is unmeasured
-# (the one run, session 32, had a host that ran 16 threads no faster than 1).
+# tests/longctx_attention_ranges.py), 64 keys 4 %; at 16 threads on that host (session 33, 16k
+# keys) 128 keys took 5.83 ms a token, 512 keys 5.21, 256 keys 5.02.
 RANGE_KEYS = 256
 # Calls with fewer (query, kv head) pairs than this (decode, short passes) make every range an
 # item of its own over the threads and merge afterwards; others take tiles of queries, whose
