@@ -213,6 +213,16 @@ def hot_inputs(rng):
     return q, gate, np.array([HOT_KEYS], np.int64)
 
 
+def token_inputs(argv: list[str]):
+    """The scripts' KEYS and THREADS from argv (16384, all; the threads configured), a random
+    generator, and a decode token's query, gate and position after the keys."""
+    n_keys = int(argv[0]) if argv else 16384
+    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
+    rng = np.random.default_rng(31)
+    q, gate = (rng.standard_normal((1, HQ, D)).astype(np.float32) for _ in range(2))
+    return n_keys, threads, rng, q, gate, np.array([n_keys], np.int64)
+
+
 def token_attention(layers, q, gate, position, decode_kernel=None):
     """A function running decode's attention steps over every layer (as decode's plan calls
     them; `decode_kernel` in place of attention.decode's), and the outputs it writes."""
@@ -256,12 +266,8 @@ def ab(name: str, a, b, rounds: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    n_keys = int(argv[0]) if argv else 16384
-    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
+    n_keys, threads, rng, q, gate, position = token_inputs(argv)
     rounds = int(argv[2]) if len(argv) > 2 else 12
-    rng = np.random.default_rng(31)
-    q, gate = (rng.standard_normal((1, HQ, D)).astype(np.float32) for _ in range(2))
-    position = np.array([n_keys], np.int64)
     t0 = time.perf_counter()
     small = caches(n_keys, rng)
     run, outs = token_attention(small, q, gate, position)

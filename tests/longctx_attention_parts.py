@@ -82,41 +82,16 @@ def merge_alone(name: str, combine):
                               capped=("fork_combine",))()
 
 
-def token_runner(layers, q, gate, position, fn):
-    """A token's attention over the layers by kernel `fn` (decode's steps, as
-    tests/longctx_attention_ranges.py's)."""
-    T, S = 1, layers[0][0].shape[1]
-    R = attention.n_ranges(S)
-    f32 = np.float32
-    scratch = (np.empty((R, T, ab.HQ, ab.D), f32), np.empty((R, T, ab.HQ), f32),
-               np.empty((R, T, ab.HQ), f32))
-    nb = ab.D // 32
-    rounded = (np.empty((T, ab.HQ, ab.D), np.int8), np.empty((T, ab.HQ, nb), f32),
-               np.empty((T, ab.HQ, nb), np.int32))
-    outs = [np.empty((1, ab.HQ, ab.D), f32) for _ in layers]
-
-    def run():
-        for (k, v), o in zip(layers, outs):
-            attention._quantize_queries_one(q, *rounded, 0, T)
-            fn(rounded, (k.qs, k.d), (v.qs, v.d), position, *scratch, gate, o)
-
-    return run
-
-
 def main(argv: list[str]) -> None:
     print(topology(), flush=True)
-    n_keys = int(argv[0]) if argv else 16384
-    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
-    rng = np.random.default_rng(31)
-    q, gate = (rng.standard_normal((1, ab.HQ, ab.D)).astype(np.float32) for _ in range(2))
-    position = np.array([n_keys], np.int64)
+    n_keys, threads, rng, q, gate, position = ab.token_inputs(argv)
     layers = ab.caches(n_keys, rng)
     was = bind(attention._combine_share, "as-was", combine_head=combine_head_as_was)
     arms = {"kernel": ab.token_attention(layers, q, gate, position)[0],
-            "merge as was": token_runner(layers, q, gate, position,
-                                         merge_variant("was", was, 32768)),
-            "no merge": token_runner(layers, q, gate, position,
-                                     merge_variant("nomerge", _no_merge))}
+            "merge as was": ab.token_attention(layers, q, gate, position,
+                                               merge_variant("was", was, 32768))[0],
+            "no merge": ab.token_attention(layers, q, gate, position,
+                                           merge_variant("nomerge", _no_merge))[0]}
     for run in arms.values():
         run()
     key_heads = ab.LAYERS * ab.HKV * n_keys

@@ -62,12 +62,8 @@ def token_attention(layers, q, gate, position, keys: int, name: str):
 
 
 def main(argv: list[str]) -> None:
-    n_keys = int(argv[0]) if argv else 16384
-    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
+    n_keys, threads, rng, q, gate, position = ab.token_inputs(argv)
     sizes = [int(x) for x in argv[2].split(",")] if len(argv) > 2 else [128, 64]
-    rng = np.random.default_rng(31)
-    q, gate = (rng.standard_normal((1, ab.HQ, ab.D)).astype(np.float32) for _ in range(2))
-    position = np.array([n_keys], np.int64)
     layers = ab.caches(n_keys, rng)
     default = attention.RANGE_KEYS
     plan = ([("default", default, {})] + [(f"r{k}", k, {}) for k in sizes]

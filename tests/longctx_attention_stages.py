@@ -48,11 +48,7 @@ def _weighted_none(p, v, v_rows, v0, hkv, jb, n, a, tile):
 
 
 def main(argv: list[str]) -> None:
-    n_keys = int(argv[0]) if argv else 16384
-    threads = cpu.configure_threads(int(argv[1]) if len(argv) > 1 else None)
-    rng = np.random.default_rng(31)
-    q, gate = (rng.standard_normal((1, ab.HQ, ab.D)).astype(np.float32) for _ in range(2))
-    position = np.array([n_keys], np.int64)
+    n_keys, threads, rng, q, gate, position = ab.token_inputs(argv)
     layers = ab.caches(n_keys, rng)
     left_out = {"scores": dict(_scores=_scores_none),
                 "softmax": dict(_online_softmax=_softmax_none),
