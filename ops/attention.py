@@ -316,7 +316,7 @@ def attend_share(thread, n_threads, args, counter):
                 # A range's maxima and sums in this thread's own rows while its blocks update
                 # them, then stored once: the item of the other kv head over the same range
                 # (taken at the same time, by another thread) has its rows in the same line.
-                s = min(r, 1) if not per_range else 1
+                s = 1 if per_range else min(r, 1)
                 da = acc[r, t0:t1, h0:h0 + G] if per_range else run_a[s, 0:t1 - t0, 0:G]
                 dm, dl = run_m[s, 0:t1 - t0, 0:G], run_l[s, 0:t1 - t0, 0:G]
                 _tile_range(q, k, v, t0, t1, hkv, start, r, da, dm, dl, p, rows, key_buffers)
