@@ -347,7 +347,7 @@ def combine_head(acc, m, l, start, gate, o, th):
     # line, which a store a range by each of the merge's threads bounced between their cores.
     # On the GPU machine's host the merge of 16k keys took 0.75-0.9 ms of a token's 5.2-5.4 at
     # 16 threads, as much as at one; this sharing the likely cause (session 33, not measured
-    # there since; here the merge alone on 2 threads 40 us against 84-88, slower than on one).
+    # there since; here the merge alone on 2 threads 30-46 us against 36-90 as it was).
     m_t, l_t = m[0, t, h], l[0, t, h]
     for s in range(1, n_ranges(start + t + 1)):
         m_t, l_t = _merge_row(acc[0, t, h], m_t, l_t, acc[s, t, h], m[s, t, h], l[s, t, h])

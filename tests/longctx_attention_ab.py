@@ -223,6 +223,21 @@ def token_inputs(argv: list[str]):
     return n_keys, threads, rng, q, gate, np.array([n_keys], np.int64)
 
 
+def interleaved_medians(runs: dict, rounds: int = 7, calls: int = 3) -> dict:
+    """Each run's median seconds a call over `rounds` rounds taken in turn (forwards, then
+    backwards), each timing `calls` calls after an untimed one (which compiles at the first;
+    then the other arms' data out of the caches)."""
+    times = {name: [] for name in runs}
+    for i in range(rounds):
+        for name, run in (runs.items() if i % 2 == 0 else reversed(runs.items())):
+            run()
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
 def token_attention(layers, q, gate, position, decode_kernel=None):
     """A function running decode's attention steps over every layer (as decode's plan calls
     them; `decode_kernel` in place of attention.decode's), and the outputs it writes."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import glob
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
@@ -99,16 +98,7 @@ def main(argv: list[str]) -> None:
           f"{cpu.selected_isa().label}; medians of 7 interleaved rounds", flush=True)
     for n in sorted({threads, max(1, threads // 2), 1}, reverse=True):
         numba.set_num_threads(n)
-        times = {name: [] for name in arms}
-        for i in range(7):
-            for name, run in (arms.items() if i % 2 == 0 else reversed(arms.items())):
-                run()
-                start = time.perf_counter()
-                for _ in range(3):
-                    run()
-                times[name].append((time.perf_counter() - start) / 3)
-        for name, ts in times.items():
-            t = float(np.median(ts))
+        for name, t in ab.interleaved_medians(arms).items():
             print(f"  {n:2d} threads, {name:<14} {1e3 * t:7.3f} ms {1e9 * t * n / key_heads:7.1f} "
                   "ns", flush=True)
     # The merge alone: one token's partials of 16 heads (in cache, written by this thread)
@@ -122,15 +112,10 @@ def main(argv: list[str]) -> None:
     print(f"the merge alone: {R} ranges of {ab.HQ} heads, a thread a head (at most)", flush=True)
     for n in sorted({threads, max(1, threads // 2), 1}, reverse=True):
         numba.set_num_threads(n)
-        times = {name: [] for name in merges}
-        for i in range(7):
-            for name, fn in (merges.items() if i % 2 == 0 else reversed(merges.items())):
-                fn(acc, m, l, n_keys, gate, o, 2, n)
-                start = time.perf_counter()
-                fn(acc, m, l, n_keys, gate, o, 100, n)
-                times[name].append((time.perf_counter() - start) / 100)
-        for name, ts in times.items():
-            print(f"  {n:2d} threads, {name:<14} {1e6 * float(np.median(ts)):7.1f} us", flush=True)
+        runs = {name: (lambda fn=fn, n=n: fn(acc, m, l, n_keys, gate, o, 20, n))
+                for name, fn in merges.items()}
+        for name, t in ab.interleaved_medians(runs, calls=5).items():
+            print(f"  {n:2d} threads, {name:<14} {1e6 * t / 20:7.1f} us", flush=True)
     numba.set_num_threads(threads)
 
 

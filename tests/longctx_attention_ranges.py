@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
@@ -91,16 +90,8 @@ def main(argv: list[str]) -> None:
           "time", flush=True)
     for n in sorted({threads, 1}, reverse=True):
         numba.set_num_threads(n)
-        times = {name: [] for name in arms}
-        for i in range(7):
-            for name, (run, _) in (arms.items() if i % 2 == 0 else reversed(arms.items())):
-                run()
-                start = time.perf_counter()
-                for _ in range(3):
-                    run()
-                times[name].append((time.perf_counter() - start) / 3)
-        for name, ts in times.items():
-            t = float(np.median(ts))
+        times = ab.interleaved_medians({name: run for name, (run, _) in arms.items()})
+        for name, t in times.items():
             print(f"  {n:2d} threads, {name:<40} {1e3 * t:7.3f} ms "
                   f"{1e9 * t * n / key_heads:7.1f} ns", flush=True)
     numba.set_num_threads(threads)

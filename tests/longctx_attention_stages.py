@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 # Run as a script from tests/: that folder first on the path would shadow the package
 # (tests/fermijit); longctx_attention_ab is imported from it by name.
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 sys.path.insert(0, HERE)
-import numpy as np  # noqa: E402
 
 import longctx_attention_ab as ab  # noqa: E402
 from fermijit.jit import cpu  # noqa: E402
@@ -60,20 +58,12 @@ def main(argv: list[str]) -> None:
         label = "q8-stages-no-" + name.replace(" ", "-")
         runs["no " + name] = ab.token_attention(layers, q, gate, position,
                                                 ab.labelled_kernel(label, **over))[0]
-    times = {name: [] for name in runs}
-    for i in range(7):
-        for name, run in (runs.items() if i % 2 == 0 else reversed(runs.items())):
-            run()  # compiled by the first; then the other arms' data out of the caches
-            start = time.perf_counter()
-            for _ in range(3):
-                run()
-            times[name].append((time.perf_counter() - start) / 3)
+    times = ab.interleaved_medians(runs)
     key_heads = ab.LAYERS * ab.HKV * n_keys
-    full = float(np.median(times["full"]))
+    full = times["full"]
     print(f"decode attention by stage: {n_keys} keys, {ab.LAYERS} layers, {threads} threads, isa "
           f"{cpu.selected_isa().label}; medians of 7 rounds, ns a key-head of thread time")
-    for name, ts in times.items():
-        t = float(np.median(ts))
+    for name, t in times.items():
         print(f"  {name:<20} {1e3 * t:7.3f} ms {1e9 * t * threads / key_heads:7.1f} ns"
               + ("" if name == "full" else
                  f"   the stage ~{1e9 * (full - t) * threads / key_heads:5.1f} ns"))
