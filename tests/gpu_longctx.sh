@@ -65,15 +65,16 @@ attn-stages)
 paired16k)
   # <= 200 s on the 16-core host: synth ~16 s (skipped when /dev/shm has the model), load, the
   # kernels' compile where the cache is cold, the CPU prefill of 16k tokens (~75 s at 222
-  # tok/s), 7 pairs of 24-token windows (~12 s) and 2 x 3 profiled tokens; then, in the time
+  # tok/s), PAIRS (11) pairs of 24-token windows (~18 s; 7 until session 33, whose host put
+  # single pairs at 20-450 %) and 2 x 3 profiled tokens; then, in the time
   # left, the attention A/B (~20 s). The model stays in /dev/shm for a next call.
   model=/dev/shm/fermijit-reap128${LAYERS:+-$LAYERS}
   [ -f "$model/fermijit.json" ] || $py -m fermijit synth qwen3.6-35b-a3b-reap128 "$model" \
     ${LAYERS:+--layers "$LAYERS"} >"$out/synth.txt" 2>&1 || { echo "synth failed"; tail -5 "$out/synth.txt"; exit 1; }
   echo "[$((SECONDS - start)) s] model in $model"
   timeout $((170 - (SECONDS - start))) $py -m fermijit bench longctx --model "$model" \
-    --threads "${THREADS:-16}" --lengths "${LENGTH:-16384}" --decode-tokens 24 --pairs 7 \
-    --kv-cache q8_0 --json >"$out/paired16k.json" 2>"$out/paired16k.log"
+    --threads "${THREADS:-16}" --lengths "${LENGTH:-16384}" --decode-tokens 24 \
+    --pairs "${PAIRS:-11}" --kv-cache q8_0 --json >"$out/paired16k.json" 2>"$out/paired16k.log"
   echo "[$((SECONDS - start)) s] bench longctx rc=$?"
   left=$((193 - (SECONDS - start)))
   # AB=0: no A/B (rounds of paired16k in one call)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 31 item 3 on the GPU machine's 16-core host in one device call (~400 s): ROUNDS (3)
 # fresh processes of tests/gpu_longctx.sh paired16k (decode at 16k positions against 64, 16
-# threads, 7 paired windows each; the attention A/B left out), each round's median of its pairs
+# threads, 11 paired windows each; the attention A/B left out), each round's median of its pairs
 # and their median (the target: >= 85 %). Then, where ATTN_STAGES=1 and time is left, decode
 # attention at 16k by stage at 16 threads and at 1. PRE=1 first runs the attention tests (every
 # ISA variant this host has: the AVX-512 VNNI code runs nowhere else) and decode attention at 16k
