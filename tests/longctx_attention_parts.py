@@ -2,9 +2,9 @@
 attention over LAYERS full-size Q8_0 caches (tests/longctx_attention_ab.py's), the kernel as it
 is against its merge of the key ranges' partials (its second fork) as it was before session 33
 (`combine_head_as_was`: every range's running maximum and sum stored, into one line for all
-heads; MERGE_FLOATS 32768: 8 threads at 16k) and without a merge
-(outputs wrong: timing only), at THREADS, half of them and 1 thread; then the merge alone on
-partials in cache, as it is and as it was. Medians of 7 interleaved rounds. First the host's CPU
+heads; MERGE_FLOATS 32768: 8 threads at 16k), the merge as it is on those 8 threads, and
+without a merge (outputs wrong: timing only), at THREADS, half of them and 1 thread; then the
+merge alone on partials in cache, as it is and as it was. Medians of 7 interleaved rounds. First the host's CPU
 topology (/sys). On the GPU machine's host (16 threads, 16k keys, before session 33's change to
 the stores) the kernel took 5.35 ms a token, without its merge 4.46 (8 threads 8.08 / 7.14,
 1 thread 69.4 / 68.6); the partials prefetched 4 ranges ahead and the merge on 16 threads 5.18
@@ -89,6 +89,8 @@ def main(argv: list[str]) -> None:
     arms = {"kernel": ab.token_attention(layers, q, gate, position)[0],
             "merge as was": ab.token_attention(layers, q, gate, position,
                                                merge_variant("was", was, 32768))[0],
+            "merge, 8 thr": ab.token_attention(layers, q, gate, position, merge_variant(
+                "m8", attention._combine_share, 32768))[0],
             "no merge": ab.token_attention(layers, q, gate, position,
                                            merge_variant("nomerge", _no_merge))[0]}
     for run in arms.values():
