@@ -112,17 +112,20 @@ def tile_range(label: str, **over):
     return kernel(attention._tile_range, variant=label, **{**bindings, **over})
 
 
-def labelled_kernel(label: str, n_ranges=None, **over):
+def labelled_kernel(label: str, n_ranges=None, combine=None, merge_floats=None, **over):
     """The Q8_0 decode kernel of the process's ISA as attention._kernel makes it, under labels of
     its own, over `tile_range(label, **over)` (tests/longctx_attention_stages.py leaves stages
     out); `n_ranges`: a kernel in place of attention.n_ranges where the ranges' size is another
-    (tests/longctx_attention_ranges.py, with RANGE_KEYS in `over`)."""
+    (tests/longctx_attention_ranges.py, with RANGE_KEYS in `over`); `combine`, `merge_floats`: a
+    merge share and MERGE_FLOATS in place of attention's (tests/longctx_attention_parts.py)."""
     ranged = {} if n_ranges is None else {"n_ranges": n_ranges}
-    combine = attention._combine_share if n_ranges is None else bind(
-        attention._combine_share, label,
-        combine_head=kernel(attention.combine_head.py_func, variant=label, **ranged))
+    if combine is None:
+        combine = attention._combine_share if n_ranges is None else bind(
+            attention._combine_share, label,
+            combine_head=kernel(attention.combine_head.py_func, variant=label, **ranged))
+    body = ranged if merge_floats is None else {**ranged, "MERGE_FLOATS": merge_floats}
     return omp.forking_kernel(
-        bind(attention._decode_body, label + "-decode", **ranged),
+        bind(attention._decode_body, label + "-decode", **body),
         fork=bind(attention.attend_share, label, _tile_range=tile_range(label, **over), **ranged),
         fork_combine=combine, capped=("fork", "fork_combine"), chunked=("fork",))()
 

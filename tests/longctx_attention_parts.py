@@ -62,12 +62,8 @@ def combine_head_as_was(acc, m, l, start, gate, o, th):
 
 def merge_variant(name: str, combine, merge_floats=None):
     """ab.labelled_kernel's kernel with the merge share `combine` (and MERGE_FLOATS)."""
-    label = f"q8_{cpu.selected_isa().label}-{name}"
-    body = {} if merge_floats is None else {"MERGE_FLOATS": merge_floats}
-    return omp.forking_kernel(
-        bind(attention._decode_body, label + "-decode", **body),
-        fork=bind(attention.attend_share, label, _tile_range=ab.tile_range(label)),
-        fork_combine=combine, capped=("fork", "fork_combine"), chunked=("fork",))()
+    return ab.labelled_kernel(f"q8_{cpu.selected_isa().label}-{name}", combine=combine,
+                              merge_floats=merge_floats)
 
 
 def _merges(acc, m, l, start, gate, o, reps, cap):
