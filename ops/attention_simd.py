@@ -75,17 +75,24 @@ def group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
 # Decode reads a kv head's keys and values once, from memory, 64-key block by block: a 32-byte
 # column of the block's rows at a time (transposed_keys, weighted_q8_rows: 256-byte strides the
 # hardware prefetchers followed late) or row by row (make_q8_scores, dequantized_rows). Each of
-# those loops prefetches what it reads of the rows PREFETCH_KEYS further on into L2 (the block
-# itself fills L1); past the cache's end the address is never read (a prefetch cannot fault).
-# No arithmetic changes. 16k keys, 4 full-size layers, 1 thread, a Zen 5 (2 cores), paired rounds,
-# without prefetches vs with: AVX-512 VNNI 88 -> 60 ns a key-head (1.49x; 10 layers in
-# tests/longctx_attention_ab.py 1.53x, 2 threads 1.50x), AVX2 (haswell target) 1.25x, SSE
-# (westmere) 1.05-1.07x; at 64 and 1024 keys (caches in L3) no change. 32 keys ahead was 0.78x
-# of 64, 128 the same as 64; prefetcht0 the same as t1; each line and scale row prefetched once
-# (branches on the block) 0.92x. At 16 threads on the H200's host (10 layers, the threads sharing
-# its bandwidth) 0.95x: kept on for every team, not measured between 2 and 16 threads.
-PREFETCH_KEYS = 64
-PREFETCH_TO = 2  # LLVM's locality: prefetcht1
+# those loops prefetches what it reads of the rows PREFETCH_KEYS further on, non-temporal
+# (prefetchnta: into L1, not into L2 or the last-level cache); past the cache's end the address
+# is never read (a prefetch cannot fault). No arithmetic changes.
+# - Why at all: 16k keys, 4 full-size layers, 1 thread, a Zen 5, without prefetches vs with
+#   (prefetcht1, 64 keys ahead): AVX-512 VNNI 88 -> 60 ns a key-head (1.49x), AVX2 1.25x, SSE
+#   (westmere) 1.05-1.07x; at 16 threads attention alone on the GPU machine's host no change
+#   (compute-bound there: 136 ns a key-head of thread time over a cold cache and hot).
+# - Why non-temporal, 16 keys ahead (session 34): at 16k positions a token's 180 MB of KV went
+#   through L2 into the last-level cache and pushed out what the token's other ops find there
+#   (a profiled token's MoE and products +0.3-0.8 ms over 64 positions). Decode at 16k of its
+#   64-position rate, full-size reap128, 16 threads, fresh processes of `tests/gpu_longctx.sh
+#   paired16k` interleaved on one host: prefetcht1 at 64 keys 82.8 / 78.4 %, prefetchnta at 16
+#   keys 89.9 / 90.6 %, prefetchnta at 64 keys 81.0 % (its lines left L1 before they were read).
+#   Here (2-core Zen 3, AVX2) attention alone at 1 and 2 threads the same or slightly faster;
+#   a 4-layer slice of reap128 at 16k, 2 threads, 3 interleaved fresh rounds: decode at 16k
+#   86.1 % of 64 positions against 87.5 (noise), CPU prefill 305.6 tok/s against 277.0.
+PREFETCH_KEYS = 16
+PREFETCH_TO = 0  # LLVM's locality 0: prefetchnta
 
 
 def _prefetch_ahead(builder, data, row, stride, offset):
