@@ -83,12 +83,12 @@ def group_scores(typingctx, q_t, k_h, p, h0, n_heads, key, j):
 #   (westmere) 1.05-1.07x; at 16 threads attention alone on the GPU machine's host no change
 #   (compute-bound there: 136 ns a key-head of thread time over a cold cache and hot).
 # - Why non-temporal, 16 keys ahead (session 34): at 16k positions a token's 180 MB of KV went
-#   through L2 into the last-level cache, the likely reason the token's other ops ran slower than
-#   at 64 positions (a profiled token's MoE, products and glue +0.3-0.8 ms; gone with this). Decode at 16k of its
-#   64-position rate, full-size reap128, 16 threads, fresh processes of `tests/gpu_longctx.sh
-#   paired16k` interleaved on one host: prefetcht1 at 64 keys 82.8 / 78.4 %, prefetchnta at 16
-#   keys 89.9 / 90.6 %, prefetchnta at 64 keys 81.0 % (likely its lines left L1 before they
-#   were read).
+#   through L2 into the last-level cache, the likely reason the token's other ops ran slower
+#   than at 64 positions (a profiled token's MoE, products and glue +0.3-0.8 ms; gone in a round
+#   with prefetchnta). Decode at 16k of its 64-position rate, full-size reap128, 16 threads,
+#   fresh processes of `tests/gpu_longctx.sh paired16k` interleaved on one host
+#   (tests/host_ab.sh): prefetcht1 at 64 keys 82.8 / 78.4 %, prefetchnta at 16 keys 89.9 / 90.6
+#   %, prefetchnta at 64 keys 81.0 % (likely its lines left L1 before they were read).
 #   Here (2-core Zen 3, AVX2) attention alone at 1 and 2 threads the same or slightly faster;
 #   a 4-layer slice of reap128 at 16k, 2 threads, 3 interleaved fresh rounds: decode at 16k
 #   86.1 % of 64 positions against 87.5 (noise), CPU prefill 305.6 tok/s against 277.0.
