@@ -19,8 +19,10 @@ for i in 1 2 3 4 5 6; do
     [ $((SECONDS - start)) -gt "${LIMIT:-480}" ] && break 2
     dir=$root; [ "$tree" = base ] || dir=$root/$tree
     name=${tree//\//-}-$i
-    (cd "$dir" && AB=0 bash "$root/tests/gpu_longctx.sh" "$out/$name" paired16k >"$out/$name.txt" 2>&1)
-    echo "[$((SECONDS - start)) s] $tree, round $i: $(grep -h '^decode at' "$out/$name.txt" | head -1 || echo 'no report')"
+    (cd "$dir" && AB=0 bash "$root/tests/gpu_longctx.sh" "$out/$name" paired16k \
+      >"$out/$name.txt" 2>&1)
+    report=$(grep -h '^decode at' "$out/$name.txt" | head -1)
+    echo "[$((SECONDS - start)) s] $tree, round $i: ${report:-no report}"
     # the ops that grew most from 64 positions (a profiled token at each)
     grep -v WARNING "$out/$name.txt" | grep -A7 "^op " | tail -n +2 | sed 's/^/    /'
   done
