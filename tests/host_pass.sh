@@ -6,7 +6,8 @@
 # attention at 16k by stage at 16 threads and at 1. PRE=1 first runs the attention tests (every
 # ISA variant this host has: the AVX-512 VNNI code runs nowhere else) and decode attention at 16k
 # in its parts (tests/longctx_attention_parts.py: the merge of its key ranges as it is, as it was
-# before session 33, left out; then the merge alone). Logs under OUT/longN.
+# before session 33, left out; then the merge alone). Rounds by tests/host_ab.sh: logs under
+# OUT/base-N.
 # Usage, from the project root: bash tests/host_pass.sh OUT   (carry .device-wheels)
 set -u
 out=${1:?usage: tests/host_pass.sh OUTDIR}
@@ -20,17 +21,12 @@ if [ "${PRE:-0}" = 1 ]; then
   timeout 150 python3 tests/longctx_attention_parts.py 16384 16 >"$out/parts.txt" 2>&1
   echo "[$((SECONDS - start)) s] attention parts rc=$?"; grep -v WARNING "$out/parts.txt"
 fi
-for i in $(seq "${ROUNDS:-3}"); do
-  AB=0 bash "$(dirname "$0")/gpu_longctx.sh" "$out/long$i" paired16k >"$out/paired16k-$i.txt" 2>&1
-  echo "[$((SECONDS - start)) s] round $i: $(grep -h '^decode at' "$out/paired16k-$i.txt" || echo 'no report')"
-done
-grep -h "^decode at" "$out"/paired16k-*.txt | sed -n 's/.*median \([0-9.]*\) %.*/\1/p' | sort -n \
-  | awk '{ v[NR] = $1 } END { if (NR) printf "median of %d rounds: %.1f %% (target >= 85 %%)\n", NR, v[int((NR + 1) / 2)] }'
-grep -v WARNING "$out/paired16k-1.txt" | grep -A12 "^a token at"
-grep -h "model name\|cores;" "$out/long1/device.txt"  # the host the figures are of
+ROUNDS=${ROUNDS:-3} LIMIT=10000 bash "$(dirname "$0")/host_ab.sh" "$out" base
+grep -v WARNING "$out/base-1.txt" | grep -A12 "^a token at"
+grep -h "model name\|cores;" "$out/base-1/device.txt"  # the host the figures are of
 left=$((550 - (SECONDS - start)))
 if [ "${ATTN_STAGES:-0}" = 1 ] && [ "$left" -ge 60 ]; then
-  STAGE_S=$((left / 2)) bash "$(dirname "$0")/gpu_longctx.sh" "$out/long1" attn-stages \
+  STAGE_S=$((left / 2)) bash "$(dirname "$0")/gpu_longctx.sh" "$out/base-1" attn-stages \
     >"$out/stages.txt" 2>&1
   echo "[$((SECONDS - start)) s] attn-stages rc=$?"; cat "$out/stages.txt"
 fi
